@@ -1,0 +1,3 @@
+from kilolined.cli import main
+
+raise SystemExit(main())
