@@ -1,0 +1,166 @@
+"""Operator endpoints (SPEC §6): health, readiness, metrics, state, events, reload, drain, dashboard."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import secrets
+import time
+from importlib import resources
+
+import orjson
+from aiohttp import web
+
+from kilolined.auth import presented_key
+from kilolined.errors import error_response
+from kilolined.runtime import Runtime
+
+SESSION_TTL_SEC = 12 * 3600
+
+
+def _rt(request: web.Request) -> Runtime:
+    from kilolined.app import RT
+
+    return request.app[RT]
+
+
+def _json(data: object, status: int = 200) -> web.Response:
+    return web.Response(body=orjson.dumps(data), status=status, content_type="application/json")
+
+
+def is_admin(request: web.Request) -> bool:
+    return _rt(request).keys.is_admin(presented_key(request))
+
+
+def _denied() -> web.Response:
+    return error_response(401, "unauthorized", "admin key required")
+
+
+async def healthz(request: web.Request) -> web.Response:
+    return _json({"status": "ok"})
+
+
+async def readyz(request: web.Request) -> web.Response:
+    reasons = _rt(request).readiness()
+    return _json({"status": "ready" if not reasons else "not_ready", "reasons": reasons}, 200 if not reasons else 503)
+
+
+async def metrics(request: web.Request) -> web.Response:
+    rt = _rt(request)
+    if not rt.cfg.admin.public_metrics and not is_admin(request):
+        return _denied()
+    from prometheus_client import CONTENT_TYPE_LATEST
+
+    return web.Response(body=rt.metrics.render(), headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+
+async def state(request: web.Request) -> web.Response:
+    if not is_admin(request):
+        return _denied()
+    return _json(_rt(request).state())
+
+
+async def reload(request: web.Request) -> web.Response:
+    if not is_admin(request):
+        return _denied()
+    from kilolined.reload import reload_from_file
+
+    rt = _rt(request)
+    errors = await reload_from_file(rt, reason="admin API")
+    if errors:
+        return _json({"ok": False, "errors": errors}, 422)
+    return _json({"ok": True, "version": rt.version})
+
+
+async def drain(request: web.Request) -> web.Response:
+    if not is_admin(request):
+        return _denied()
+    rt = _rt(request)
+    name = request.match_info["name"]
+    ns = rt.scheduler.nodes.get(name)
+    if ns is None or ns.retired:
+        return error_response(404, "not_found", f"no node {name!r}")
+    ns.drained = request.match_info["op"] == "drain"
+    rt.feed.publish("drain" if ns.drained else "undrain", node=name,
+                    text=f"{'⏸' if ns.drained else '▶'} {name} {'drained' if ns.drained else 'undrained'}")
+    rt.wake()
+    return _json({"node": name, "drained": ns.drained, "inflight": rt.scheduler.node_inflight.get(name, 0)})
+
+
+# --- dashboard session tokens: the event stream must never carry the admin key in a URL ---------
+
+
+async def new_session(request: web.Request) -> web.Response:
+    if not is_admin(request):
+        return _denied()
+    rt = _rt(request)
+    sessions = rt.admin_sessions
+    now = time.monotonic()
+    for t, exp in list(sessions.items()):
+        if exp < now:
+            del sessions[t]
+    token = secrets.token_urlsafe(24)
+    sessions[token] = now + SESSION_TTL_SEC
+    return _json({"session": token, "expires_in": SESSION_TTL_SEC})
+
+
+def _session_ok(request: web.Request) -> bool:
+    token = request.query.get("session")
+    if not token:
+        return is_admin(request)
+    exp = _rt(request).admin_sessions.get(token)
+    return exp is not None and exp > time.monotonic()
+
+
+async def events(request: web.Request) -> web.StreamResponse:
+    """SSE of state changes, plus a state snapshot at most twice a second while anything moves."""
+    if not _session_ok(request):
+        return _denied()
+    rt = _rt(request)
+    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+                                       "X-Accel-Buffering": "no"})
+    await resp.prepare(request)
+    q = rt.feed.subscribe()
+    try:
+        await resp.write(b"retry: 3000\n\n")
+        for ev in list(rt.feed.recent)[-50:]:
+            await resp.write(b"event: " + ev["kind"].encode() + b"\ndata: " + orjson.dumps(ev) + b"\n\n")
+        last_state = b""
+        last_beat = time.monotonic()
+        while True:
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(0.5):
+                    ev = await q.get()
+                    await resp.write(b"event: " + ev["kind"].encode() + b"\ndata: " + orjson.dumps(ev) + b"\n\n")
+                    continue
+            st = orjson.dumps(rt.state())
+            if st != last_state:
+                last_state = st
+                await resp.write(b"event: state\ndata: " + st + b"\n\n")
+            elif time.monotonic() - last_beat > rt.cfg.server.heartbeat_sec:
+                await resp.write(b": ping\n\n")
+            last_beat = time.monotonic()
+    except (ConnectionResetError, asyncio.CancelledError):
+        raise
+    finally:
+        rt.feed.unsubscribe(q)
+    return resp
+
+
+async def dashboard(request: web.Request) -> web.Response:
+    html = resources.files("kilolined").joinpath("web/dashboard.html").read_bytes()
+    return web.Response(body=html, content_type="text/html", headers={"Cache-Control": "no-cache"})
+
+
+def add_routes(app: web.Application) -> None:
+    r = app.router
+    r.add_get("/healthz", healthz)
+    r.add_get("/readyz", readyz)
+    r.add_get("/metrics", metrics)
+    r.add_get("/admin/state", state)
+    r.add_get("/admin/events", events)
+    r.add_post("/admin/session", new_session)
+    r.add_post("/admin/reload", reload)
+    r.add_post(r"/admin/nodes/{name}/{op:drain|undrain}", drain)
+    r.add_get("/dashboard", dashboard)
+    r.add_get("/dashboard/", dashboard)

@@ -1,0 +1,354 @@
+"""The aiohttp application and the request pipeline, in the order a request lives it:
+
+    auth → route → rate limit / budget → admission (queue) → lease (slot on a node)
+         → adapter → upstream → response or job events → release
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+import orjson
+from aiohttp import web
+
+from kilolined.auth import Principal, presented_key
+from kilolined.config import RouteConfig
+from kilolined.errors import error_response
+from kilolined.proxy import (
+    RETRY_STATUSES,
+    Exchange,
+    UpstreamFailed,
+    client_ip,
+    cut_client,
+    iter_body,
+    open_upstream,
+    request_id,
+    response_headers,
+    stream_back,
+)
+from kilolined.queue import Rejected, Ticket
+from kilolined.runtime import Runtime
+
+log = logging.getLogger("kilolined")
+access_log = logging.getLogger("kilolined.access")
+
+RT: web.AppKey[Runtime] = web.AppKey("runtime", Runtime)
+MODES = ("sync", "sse", "async")
+
+
+@dataclass
+class Call:
+    """Everything the pipeline learns about one request, for the response and the access log."""
+
+    request: web.Request
+    request_id: str
+    started: float
+    route: str = "-"
+    kind: str = "generic"
+    key: str = "-"
+    mode: str = "sync"
+    node: str = "-"
+    status: int = 0
+    queue_wait: float = 0.0
+    bytes_out: int = 0
+    headers: dict[str, str] = field(default_factory=dict)  # rate-limit headers for every response
+
+    def error(self, status: int, type_: str, message: str, retry_after: float | None = None) -> web.Response:
+        return error_response(status, type_, message, request_id=self.request_id, retry_after=retry_after,
+                              headers=self.headers, openai=self.kind == "openai")
+
+    def rejected(self, r: Rejected) -> web.Response:
+        return self.error(r.status, r.type, r.message, r.retry_after)
+
+
+def unqueued(rcfg: RouteConfig, method: str, tail: str) -> bool:
+    path = tail.split("?", 1)[0]
+    for pat in rcfg.unqueued:
+        if " " in pat:
+            m, p = pat.split(" ", 1)
+            if m.upper() == method and fnmatch.fnmatchcase(path, p):
+                return True
+        elif fnmatch.fnmatchcase(path, pat):
+            return True
+    return False
+
+
+def choose_mode(request: web.Request) -> str | None:
+    m = request.headers.get("X-KiloLine-Mode") or request.query.get("kl_mode")
+    if m is None:
+        prefer = request.headers.get("Prefer", "")
+        return "async" if "respond-async" in prefer.lower() else "sync"
+    m = m.strip().lower()
+    return m if m in MODES else None
+
+
+def tail_with_query(request: web.Request, tail: str) -> str:
+    q = request.rel_url.query
+    if "kl_mode" in q:
+        rest = [(k, v) for k, v in q.items() if k != "kl_mode"]
+        from urllib.parse import urlencode
+
+        return tail + ("?" + urlencode(rest) if rest else "")
+    qs = request.rel_url.raw_query_string
+    return tail + ("?" + qs if qs else "")
+
+
+async def read_body(request: web.Request, limit: int) -> bytes:
+    if request.content_length is not None and request.content_length > limit:
+        raise Rejected(413, "payload_too_large", f"body over {limit // (1024 * 1024)} MB")
+    buf = bytearray()
+    async for chunk in request.content.iter_any():
+        buf += chunk
+        if len(buf) > limit:
+            raise Rejected(413, "payload_too_large", f"body over {limit // (1024 * 1024)} MB")
+    return bytes(buf)
+
+
+# --- the pipeline ------------------------------------------------------------------------------
+
+
+async def handle_route(request: web.Request) -> web.StreamResponse:
+    rt = request.app[RT]
+    call = Call(request, request_id(request), time.monotonic())
+    try:
+        resp = await pipeline(rt, call)
+        call.status = resp.status
+        return resp
+    finally:
+        log_access(rt, call)
+
+
+async def pipeline(rt: Runtime, call: Call) -> web.StreamResponse:
+    request = call.request
+    if rt.shutting_down:
+        return call.error(503, "shutting_down", "the gateway is shutting down", 5)
+    # route
+    match = rt.router.match(request.path)
+    if match is None:
+        return call.error(404, "not_found", f"no route for {request.path}")
+    call.route, tail = match
+    rcfg = rt.cfg.routes[call.route]
+    call.kind = rcfg.kind
+    # auth
+    principal: Principal | None = None
+    if rcfg.auth == "required":
+        principal = rt.keys.lookup(presented_key(request))
+        if principal is None:
+            rt.metrics.rejections.labels(call.route, "unauthorized").inc()
+            return call.error(401, "unauthorized", "missing or unknown API key")
+        if not principal.may_use(call.route):
+            rt.metrics.rejections.labels(call.route, "forbidden").inc()
+            return call.error(403, "forbidden", f"key {principal.key_id!r} may not use route {call.route!r}")
+    ip = client_ip(request, rt.cfg.server.trusted_proxies)
+    subject = principal.key_id if principal else f"ip:{ip}"
+    call.key = principal.key_id if principal else "-"
+    mode = choose_mode(request)
+    if mode is None:
+        return call.error(400, "bad_request", "X-KiloLine-Mode must be sync, sse or async")
+    call.mode = mode
+    path_tail = tail_with_query(request, tail)
+    # Status, list and file endpoints neither take a slot nor wait behind the queue (SPEC §5).
+    if unqueued(rcfg, request.method, tail):
+        return await forward_unqueued(rt, call, rcfg, path_tail, ip)
+    # rate limit and budget
+    rate = (principal.cfg.rate if principal and principal.cfg.rate else None) or rcfg.rate
+    if rate is not None:
+        v = rt.limiter.check(subject, call.route, rate, rt.clock())
+        call.headers.update({"RateLimit-Limit": str(v.limit), "RateLimit-Remaining": str(v.remaining),
+                             "RateLimit-Reset": str(v.reset_sec)})
+        if not v.ok:
+            rt.metrics.rejections.labels(call.route, "rate_limited").inc()
+            return call.error(429, "rate_limited", f"rate limit of {rate.per_minute:g}/min exceeded",
+                              v.retry_after)
+    if principal is not None:
+        spent = rt.budgets.exhausted(principal.key_id, principal.cfg.budget, time.time())
+        if spent:
+            from kilolined.limits import seconds_to_midnight
+
+            rt.metrics.rejections.labels(call.route, "budget_exhausted").inc()
+            return call.error(429, "budget_exhausted", f"daily budget {spent} exhausted",
+                              seconds_to_midnight(time.time()))
+    try:
+        body = await read_body(request, int(rt.cfg.server.max_body_mb * 1024 * 1024))
+    except Rejected as r:
+        return call.rejected(r)
+    ex = Exchange(request, request.method, path_tail, body, call.request_id, ip)
+    priority = principal.cfg.priority if principal else 0
+    return await admit_and_run(rt, call, call.route, ex, principal, priority)
+
+
+async def admit_and_run(rt: Runtime, call: Call, route: str, ex: Exchange, principal: Principal | None,
+                        priority: int, pinned_node: str | None = None) -> web.StreamResponse:
+    key = principal.key_id if principal else f"ip:{ex.client_ip}"
+    try:
+        ticket = rt.admit(route, key, priority, pinned_node=pinned_node)
+    except Rejected as r:
+        rt.metrics.rejections.labels(rt._route_label(route), r.type).inc()
+        return call.rejected(r)
+    if principal is not None:
+        rt.budgets.add(principal.key_id, time.time(), requests=1)
+    if call.mode != "sync" and rt.jobs is not None:
+        return await rt.jobs.submit(call, ticket, ex, principal)
+    return await run_sync(rt, call, ticket, ex, principal)
+
+
+async def run_sync(rt: Runtime, call: Call, ticket: Ticket, ex: Exchange,
+                   principal: Principal | None) -> web.StreamResponse:
+    """Hold the client while queued, then stream the node's answer; re-queue on a node failure."""
+    route = ticket.route
+    label = rt._route_label(route)
+    budget_key = principal.key_id if principal else None
+    try:
+        lease = await rt.wait(ticket)
+    except Rejected as r:
+        return call.rejected(r)
+    call.queue_wait = rt.clock() - ticket.enqueued_at
+    rt.metrics.queue_wait.labels(label).observe(call.queue_wait)
+    while True:
+        rcfg = rt.scheduler.routes[route].cfg
+        node = lease.node
+        ns = rt.scheduler.nodes[node]
+        call.node = node
+        dispatched = rt.clock()
+        try:
+            up = await open_upstream(rt.session(node), ex, ns.cfg.url, ns.cfg.headers, rcfg.request_timeout_sec)
+        except UpstreamFailed as e:
+            up, failure = None, e
+        except BaseException:
+            rt.release(lease, ok=None, key=budget_key)
+            raise
+        else:
+            failure = None
+            if up.status in RETRY_STATUSES:
+                failure = UpstreamFailed(f"HTTP {up.status} from node")
+        if failure is not None:
+            rt.node_failure(node, failure.reason, lease.trial)
+            if ticket.requeues < rcfg.retry_on_failover:
+                if up is not None:
+                    up.release()
+                log.warning("⚡ [%s] %s — re-queued %s (%s)", node, failure.reason, call.request_id, route)
+                rt.requeue(lease)
+                try:
+                    lease = await rt.wait(ticket)
+                except Rejected as r:
+                    return call.rejected(r)
+                continue
+            if up is None:
+                rt.release(lease, ok=False, key=budget_key)
+                rt.metrics.requests.labels(label, "timeout" if failure.timeout else "upstream_error").inc()
+                if failure.timeout:
+                    return call.error(504, "upstream_timeout", f"node {node} did not answer in time")
+                return call.error(502, "upstream_error", f"node {node} failed: {failure.reason}")
+        assert up is not None
+        if up.status >= 500:
+            if failure is None:
+                rt.node_failure(node, f"HTTP {up.status} from node", lease.trial)
+        else:
+            rt.node_success(node, lease.trial)
+        return await relay(rt, call, lease, up, ns.cfg.url, rcfg, dispatched, budget_key)
+
+
+async def relay(rt: Runtime, call: Call, lease: Any, up: aiohttp.ClientResponse, node_url: str,
+                rcfg: RouteConfig, dispatched: float, budget_key: str | None) -> web.StreamResponse:
+    """Stream the answer back; the slot is freed when the body ends (or on any exit)."""
+    label = rt._route_label(lease.route)
+    headers = response_headers(up, node_url, rcfg.path)
+    headers.update(call.headers)
+    headers["X-Request-Id"] = call.request_id
+    headers["X-KiloLine-Node"] = lease.node
+    headers["X-KiloLine-Queue-Wait-Ms"] = str(int(call.queue_wait * 1000))
+    ok: bool | None = None
+    try:
+        resp, call.bytes_out = await stream_back(call.request, up, headers, iter_body(up))
+        ok = up.status < 500
+        rt.metrics.requests.labels(label, "ok" if ok else "upstream_error").inc()
+        return resp
+    except (aiohttp.ClientError, TimeoutError) as e:
+        # The node failed mid-body: no retry is possible once bytes went out; cut the client.
+        ok = False
+        reason = "timed out mid-response" if isinstance(e, TimeoutError) else "connection lost mid-response"
+        rt.node_failure(lease.node, reason, lease.trial)
+        rt.metrics.requests.labels(label, "upstream_error").inc()
+        cut_client(call.request)
+        call.status = 502
+        raise web.HTTPBadGateway() from None
+    except ConnectionResetError:
+        rt.metrics.requests.labels(label, "client_gone").inc()
+        raise
+    finally:
+        up.release()
+        rt.metrics.upstream.labels(label, lease.node).observe(rt.clock() - dispatched)
+        rt.release(lease, ok=ok, key=call.key if call.key != "-" else None)
+
+
+async def forward_unqueued(rt: Runtime, call: Call, rcfg: RouteConfig, tail: str, ip: str) -> web.StreamResponse:
+    """Pass-through without a slot, to the first node that is up (primaries first)."""
+    now = rt.clock()
+    rq = rt.scheduler.routes[call.route]
+    usable = rt.scheduler.usable(rq, now) or rq.all_nodes
+    node = usable[0]
+    ns = rt.scheduler.nodes[node]
+    body = await call.request.read() if call.request.can_read_body else b""
+    ex = Exchange(call.request, call.request.method, tail, body, call.request_id, ip)
+    call.node = node
+    try:
+        up = await open_upstream(rt.session(node), ex, ns.cfg.url, ns.cfg.headers, rcfg.request_timeout_sec)
+    except UpstreamFailed as e:
+        if e.timeout:
+            return call.error(504, "upstream_timeout", f"node {node} did not answer in time")
+        return call.error(502, "upstream_error", f"node {node} failed: {e.reason}")
+    headers = response_headers(up, ns.cfg.url, rcfg.path)
+    headers["X-Request-Id"] = call.request_id
+    headers["X-KiloLine-Node"] = node
+    try:
+        resp, call.bytes_out = await stream_back(call.request, up, headers, iter_body(up))
+        return resp
+    except (aiohttp.ClientError, TimeoutError):
+        cut_client(call.request)
+        raise web.HTTPBadGateway() from None
+    finally:
+        up.release()
+
+
+def log_access(rt: Runtime, call: Call) -> None:
+    """One line per request, metadata only: never a body, a prompt or a key."""
+    if not rt.cfg.server.access_log:
+        return
+    rec = {
+        "ts": round(time.time(), 3),
+        "request_id": call.request_id,
+        "method": call.request.method,
+        "path": call.request.path if call.route == "-" else call.route,
+        "key": call.key,
+        "route": call.route,
+        "node": call.node,
+        "mode": call.mode,
+        "status": call.status,
+        "queue_wait_ms": int(call.queue_wait * 1000),
+        "duration_ms": int((time.monotonic() - call.started) * 1000),
+        "bytes": call.bytes_out,
+    }
+    if getattr(rt, "log_json", False):
+        access_log.info(orjson.dumps(rec).decode())
+    else:
+        access_log.info(
+            "%(request_id)s %(key)s %(route)s %(node)s %(mode)s %(status)s wait=%(queue_wait_ms)dms "
+            "dur=%(duration_ms)dms bytes=%(bytes)d", rec,
+        )
+
+
+def build_app(rt: Runtime) -> web.Application:
+    from kilolined import admin
+
+    app = web.Application(client_max_size=int(rt.cfg.server.max_body_mb * 1024 * 1024) + 1)
+    app[RT] = rt
+    admin.add_routes(app)
+    app.router.add_route("*", "/v1/proxy", admin.handle_proxy_endpoint)
+    app.router.add_route("*", "/v1/proxy/{tail:.*}", admin.handle_proxy_endpoint)
+    app.router.add_route("*", "/{tail:.*}", handle_route)
+    return app

@@ -1,0 +1,165 @@
+"""``kilolined`` subcommands: run, check, keygen, fakegpu, demo, status."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import sys
+
+import orjson
+
+from kilolined import __version__
+
+
+class _JsonFormatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        msg = record.getMessage()
+        if record.name == "kilolined.access" and msg.startswith("{"):
+            return msg
+        return orjson.dumps(
+            {"ts": round(record.created, 3), "level": record.levelname.lower(), "logger": record.name,
+             "msg": msg}
+        ).decode()
+
+
+def setup_logging(fmt: str, level: str = "INFO") -> None:
+    handler = logging.StreamHandler(sys.stderr)
+    if fmt == "json":
+        handler.setFormatter(_JsonFormatter())
+    else:
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)-5s %(message)s", "%H:%M:%S"))
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(level)
+    logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
+
+
+def run_async(coro: object) -> int:
+    try:
+        import uvloop
+
+        return uvloop.run(coro)  # type: ignore[arg-type]
+    except ImportError:
+        return asyncio.run(coro)  # type: ignore[arg-type]
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from kilolined.config import ConfigError, default_config_path, load_config
+    from kilolined.server import serve
+
+    path = default_config_path(args.config)
+    try:
+        cfg, version = load_config(path)
+    except ConfigError as e:
+        print(f"kilolined: invalid config {path}:", file=sys.stderr)
+        for line in e.errors:
+            print(f"  {line}", file=sys.stderr)
+        return 1
+    if args.listen:
+        cfg = cfg.model_copy(update={"server": cfg.server.model_copy(update={"listen": args.listen})})
+    try:
+        return run_async(serve(cfg, version, path, log_json=args.log_format == "json"))
+    except OSError as e:
+        print(f"kilolined: cannot listen on {cfg.server.listen}: {e.strerror or e}", file=sys.stderr)
+        return 1
+
+
+def cmd_check(args: argparse.Namespace) -> int:
+    from kilolined.config import ConfigError, default_config_path, load_config
+
+    path = default_config_path(args.config)
+    try:
+        cfg, _ = load_config(path)
+    except ConfigError as e:
+        for line in e.errors:
+            print(line)
+        return 1
+    print(f"ok: {len(cfg.routes)} routes, {len(cfg.nodes)} nodes, {len(cfg.keys)} keys")
+    return 0
+
+
+def cmd_keygen(args: argparse.Namespace) -> int:
+    from kilolined.auth import digest, new_key
+
+    key = new_key()
+    name = args.id or "mykey"
+    print(key)
+    print()
+    print("# paste under keys: in kiloline.yaml (the key itself is not stored, only its sha256)")
+    print(f"  {name}:")
+    print(f'    key_sha256: "{digest(key)}"')
+    print('    routes: ["*"]')
+    return 0
+
+
+def cmd_fakegpu(args: argparse.Namespace) -> int:
+    from kilolined import fakegpu
+
+    return fakegpu.run(args.kind, args.host, args.port, args.vram_gb, args.job_vram_gb, args.steps, args.step_ms,
+                       args.crash_sec)
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from kilolined.demo import run_demo
+
+    return run_async(run_demo(once=args.once, port=args.port))
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    from kilolined.status import run_status
+
+    return run_async(run_status(args.url, args.admin_key))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="kilolined", description="KiloLine: a gateway for fragile GPU inference servers")
+    p.add_argument("--version", action="version", version=f"kilolined {__version__}")
+    p.add_argument("--log-format", choices=("text", "json"), default="text", help="log line format (stderr)")
+    p.add_argument("--log-level", default="INFO", help=argparse.SUPPRESS)
+    sub = p.add_subparsers(dest="cmd")
+
+    r = sub.add_parser("run", help="run the daemon")
+    r.add_argument("-c", "--config", help="config file (default: $KILOLINE_CONFIG, ./etc/kiloline.yaml, "
+                                          "/etc/kiloline/kiloline.yaml)")
+    r.add_argument("--listen", help="override server.listen (host:port)")
+    r.set_defaults(fn=cmd_run)
+
+    c = sub.add_parser("check", help="validate a config file, like nginx -t")
+    c.add_argument("-c", "--config")
+    c.set_defaults(fn=cmd_check)
+
+    k = sub.add_parser("keygen", help="print a new API key and the YAML to paste")
+    k.add_argument("--id", help="key id to use in the YAML")
+    k.set_defaults(fn=cmd_keygen)
+
+    f = sub.add_parser("fakegpu", help="run a simulated GPU inference server")
+    f.add_argument("--host", default="127.0.0.1")
+    f.add_argument("--port", type=int, default=8188)
+    f.add_argument("--kind", choices=("generic", "comfyui", "openai"), default="generic")
+    f.add_argument("--vram-gb", type=float, default=24)
+    f.add_argument("--job-vram-gb", type=float, default=10)
+    f.add_argument("--steps", type=int, default=25)
+    f.add_argument("--step-ms", type=float, default=200)
+    f.add_argument("--crash-sec", type=float, default=5)
+    f.set_defaults(fn=cmd_fakegpu)
+
+    d = sub.add_parser("demo", help="the traffic-smoothing demo on loopback")
+    d.add_argument("--once", action="store_true", help="exit after the printout")
+    d.add_argument("--port", type=int, default=8080, help="gateway port (0 = any free port)")
+    d.set_defaults(fn=cmd_demo)
+
+    s = sub.add_parser("status", help="print routes and nodes from /admin/state")
+    s.add_argument("--url", default="http://127.0.0.1:8080")
+    s.add_argument("--admin-key", default=None, help="admin key (default: $KILOLINE_ADMIN_KEY)")
+    s.set_defaults(fn=cmd_status)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = build_parser()
+    args = p.parse_args(argv)
+    if args.cmd is None:
+        args = p.parse_args([*(argv if argv is not None else sys.argv[1:]), "run"])
+    setup_logging(args.log_format, args.log_level)
+    return int(args.fn(args) or 0)

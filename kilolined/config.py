@@ -1,0 +1,421 @@
+"""The configuration schema (SPEC §2): pydantic models, YAML loading, ${VAR} expansion.
+
+Every problem is reported as ``dotted.path: message`` so that an operator can find the line.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+ROUTE_KINDS = ("generic", "comfyui", "openai")
+NOTIFY_EVENTS = (
+    "node_down",
+    "node_up",
+    "breaker_open",
+    "breaker_closed",
+    "failover",
+    "failback",
+    "route_down",
+    "route_up",
+    "reload_failed",
+)
+
+# Paths that are list/status/static endpoints per kind: forwarded without a slot (SPEC §5).
+DEFAULT_UNQUEUED: dict[str, list[str]] = {
+    "comfyui": [
+        "/system_stats",
+        "/history*",
+        "/view*",
+        "/object_info*",
+        "/embeddings",
+        "/extensions",
+        "GET /queue",
+        "GET /prompt",
+        "/ws",
+        "/api/system_stats",
+        "/api/history*",
+        "/api/view*",
+        "/api/object_info*",
+        "/api/embeddings",
+        "/api/extensions",
+        "GET /api/queue",
+        "GET /api/prompt",
+        "/api/ws",
+    ],
+    "openai": ["/v1/models", "/v1/models/*", "/health", "/models"],
+    "generic": [],
+}
+
+Sec = Annotated[float, Field(ge=0)]
+PosSec = Annotated[float, Field(gt=0)]
+
+
+class ConfigError(Exception):
+    """A config that cannot be used; ``errors`` holds ``dotted.path: message`` lines."""
+
+    def __init__(self, errors: list[str]):
+        super().__init__("\n".join(errors))
+        self.errors = errors
+
+
+class _Model(BaseModel):
+    # Unknown keys are almost always typos (max_concurency), so they are errors.
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class TLSConfig(_Model):
+    cert: str
+    key: str
+
+
+class ServerConfig(_Model):
+    listen: str = "0.0.0.0:8080"
+    tls: TLSConfig | None = None
+    trusted_proxies: list[str] = []
+    max_body_mb: Annotated[float, Field(gt=0)] = 64
+    shutdown_grace_sec: Sec = 30
+    heartbeat_sec: PosSec = 10
+    state_dir: str | None = None
+    access_log: bool = True
+
+    @field_validator("listen")
+    @classmethod
+    def _listen(cls, v: str) -> str:
+        split_listen(v)
+        return v
+
+    @field_validator("trusted_proxies")
+    @classmethod
+    def _cidrs(cls, v: list[str]) -> list[str]:
+        import ipaddress
+
+        for c in v:
+            try:
+                ipaddress.ip_network(c, strict=False)
+            except ValueError:
+                raise ValueError(f"not a CIDR: {c!r}")
+        return v
+
+
+def split_listen(listen: str) -> tuple[str, int]:
+    """``host:port`` or ``[v6]:port`` → (host, port)."""
+    m = re.fullmatch(r"\[([0-9a-fA-F:.]+)\]:(\d+)|([^:\[\]]*):(\d+)", listen)
+    if not m:
+        raise ValueError("expected host:port (or [::]:port)")
+    host = m.group(1) if m.group(1) is not None else m.group(3)
+    port = int(m.group(2) or m.group(4))
+    if not 0 <= port <= 65535:
+        raise ValueError("port out of range")
+    return host or "0.0.0.0", port
+
+
+class _Secret(_Model):
+    """Either the sha256 of a key or the key itself (usually from ${ENV})."""
+
+    key_sha256: str | None = None
+    key: str | None = None
+
+    @field_validator("key_sha256")
+    @classmethod
+    def _hex(cls, v: str | None) -> str | None:
+        if v is not None and not re.fullmatch(r"[0-9a-fA-F]{64}", v):
+            raise ValueError("must be 64 hex characters (sha256 of the key)")
+        return v.lower() if v else v
+
+    def digest(self) -> str | None:
+        if self.key_sha256:
+            return self.key_sha256
+        if self.key:
+            return hashlib.sha256(self.key.encode()).hexdigest()
+        return None
+
+
+class AdminConfig(_Secret):
+    public_metrics: bool = False
+
+
+class RateConfig(_Model):
+    per_minute: Annotated[float, Field(gt=0)]
+    # Bucket capacity; default: one minute's worth, i.e. per_minute requests may come at once.
+    burst: Annotated[int, Field(ge=1)] | None = None
+
+    @property
+    def capacity(self) -> int:
+        return self.burst if self.burst is not None else max(1, int(self.per_minute))
+
+
+class BudgetConfig(_Model):
+    requests_per_day: Annotated[int, Field(ge=0)] | None = None
+    tokens_per_day: Annotated[int, Field(ge=0)] | None = None
+    gpu_seconds_per_day: Annotated[float, Field(ge=0)] | None = None
+
+
+class KeyConfig(_Secret):
+    routes: list[str] = ["*"]
+    rate: RateConfig | None = None
+    priority: int = 0
+    budget: BudgetConfig | None = None
+    webhook_url: str | None = None
+    adhoc_targets: list[str] = []
+
+    @model_validator(mode="after")
+    def _one_secret(self) -> KeyConfig:
+        if not self.key_sha256 and not self.key:
+            raise ValueError("needs key_sha256 or key")
+        if self.key_sha256 and self.key:
+            raise ValueError("give key_sha256 or key, not both")
+        return self
+
+
+class HealthConfig(_Model):
+    path: str = "/health"
+    interval_sec: PosSec = 5
+    timeout_sec: PosSec = 2
+    fall: Annotated[int, Field(ge=1)] = 3
+    rise: Annotated[int, Field(ge=1)] = 2
+    expect_status: list[int] = [200]
+
+
+class BreakerConfig(_Model):
+    consecutive_failures: Annotated[int, Field(ge=1)] = 3
+    open_sec: PosSec = 10
+    max_open_sec: PosSec = 300
+    slow_start_sec: Sec = 30
+
+
+class NodeConfig(_Model):
+    url: str
+    label: str | None = None
+    headers: dict[str, str] = {}
+    max_concurrency: Annotated[int, Field(ge=1)] | None = None
+    health: HealthConfig | None = None
+    breaker: BreakerConfig = BreakerConfig()
+
+    @field_validator("url")
+    @classmethod
+    def _url(cls, v: str) -> str:
+        if not re.fullmatch(r"https?://[^/\s?#]+(/[^\s?#]*)?", v):
+            raise ValueError("must be http(s)://host:port")
+        return v.rstrip("/")
+
+
+class RouteConfig(_Model):
+    path: str
+    kind: Literal["generic", "comfyui", "openai"] = "generic"
+    nodes: Annotated[list[str], Field(min_length=1)]
+    standby: list[str] = []
+    max_concurrency: Annotated[int, Field(ge=1)] = 1
+    max_queue_depth: Annotated[int, Field(ge=0)] = 100
+    queue_timeout_sec: PosSec = 120
+    request_timeout_sec: PosSec = 600
+    drop_policy: Literal["reject_with_429", "reject_with_503", "drop_oldest"] = "reject_with_429"
+    strategy: Literal["fifo", "fifo_fair_lease", "priority"] = "fifo_fair_lease"
+    max_queued_per_key: Annotated[int, Field(ge=1)] | None = None
+    rate: RateConfig | None = None
+    auth: Literal["required", "none"] = "required"
+    retry_on_failover: Annotated[int, Field(ge=0)] = 1
+    expected_duration_sec: Annotated[float, Field(gt=0)] | None = None
+    unqueued_paths: list[str] | None = None
+
+    @field_validator("path")
+    @classmethod
+    def _path(cls, v: str) -> str:
+        if not v.startswith("/") or "?" in v or "#" in v:
+            raise ValueError("must start with / and hold no query")
+        return v.rstrip("/") or "/"
+
+    @property
+    def unqueued(self) -> list[str]:
+        return self.unqueued_paths if self.unqueued_paths is not None else DEFAULT_UNQUEUED[self.kind]
+
+
+class TelegramConfig(_Model):
+    bot_token: str
+    chat_id: str | int
+    api_base: str = "https://api.telegram.org"
+
+
+class DiscordConfig(_Model):
+    webhook_url: str
+
+
+class WebhookTargetConfig(_Model):
+    url: str
+    secret: str | None = None
+
+
+class NotifyConfig(_Model):
+    telegram: TelegramConfig | None = None
+    discord: DiscordConfig | None = None
+    webhook: WebhookTargetConfig | None = None
+    events: list[Literal[NOTIFY_EVENTS]] = list(NOTIFY_EVENTS)  # type: ignore[valid-type]
+    min_interval_sec: Sec = 60
+    group_sec: Sec = 2
+
+    @model_validator(mode="before")
+    @classmethod
+    def _empty_is_off(cls, data: Any) -> Any:
+        # `bot_token: "${TG_TOKEN:-}"` lets one example file serve hosts with and without a channel.
+        if isinstance(data, dict):
+            data = dict(data)
+            for ch, field in (("telegram", "bot_token"), ("discord", "webhook_url"), ("webhook", "url")):
+                v = data.get(ch)
+                if isinstance(v, dict) and v.get(field) == "":
+                    data[ch] = None
+        return data
+
+
+class JobsConfig(_Model):
+    result_ttl_sec: PosSec = 600
+    max_results_mb: Annotated[float, Field(gt=0)] = 512
+    webhook_secret: str | None = None
+    webhook_allow_private: bool = False
+    webhook_backoff_sec: list[Sec] = [5, 30, 120, 600, 1800]
+    webhook_timeout_sec: PosSec = 15
+
+    @field_validator("webhook_secret")
+    @classmethod
+    def _whsec(cls, v: str | None) -> str | None:
+        if v is None:
+            return v
+        import base64
+        import binascii
+
+        try:
+            raw = base64.b64decode(v.removeprefix("whsec_") + "==", validate=False)
+        except (binascii.Error, ValueError):
+            raise ValueError("must be whsec_ followed by base64")
+        if len(raw) < 16:
+            raise ValueError("secret too short (at least 24 random bytes recommended)")
+        return v
+
+
+class CostConfig(_Model):
+    gpu_hourly_usd: Annotated[float, Field(ge=0)] | None = None
+    serverless_per_sec_usd: Annotated[float, Field(ge=0)] | None = None
+
+
+class Config(_Model):
+    server: ServerConfig = ServerConfig()
+    admin: AdminConfig = AdminConfig()
+    keys: dict[str, KeyConfig] = {}
+    nodes: Annotated[dict[str, NodeConfig], Field(min_length=1)]
+    routes: Annotated[dict[str, RouteConfig], Field(min_length=1)]
+    notify: NotifyConfig = NotifyConfig()
+    jobs: JobsConfig = JobsConfig()
+    cost: CostConfig = CostConfig()
+
+    def cross_check(self) -> list[str]:
+        """References between sections, which pydantic cannot see field by field."""
+        errs: list[str] = []
+        paths: dict[str, str] = {}
+        for name, r in self.routes.items():
+            for field in ("nodes", "standby"):
+                for i, n in enumerate(getattr(r, field)):
+                    if n not in self.nodes:
+                        errs.append(f"routes.{name}.{field}.{i}: unknown node {n!r}")
+            both = set(r.nodes) & set(r.standby)
+            if both:
+                errs.append(f"routes.{name}.standby: {sorted(both)} also listed in nodes")
+            if r.path in paths:
+                errs.append(f"routes.{name}.path: {r.path!r} already used by route {paths[r.path]!r}")
+            elif r.path.startswith("/v1/jobs") or r.path.startswith("/admin") or r.path == "/v1/proxy":
+                errs.append(f"routes.{name}.path: {r.path!r} is reserved by the gateway")
+            paths[r.path] = name
+        for name, k in self.keys.items():
+            for i, rn in enumerate(k.routes):
+                if rn != "*" and rn not in self.routes:
+                    errs.append(f"keys.{name}.routes.{i}: unknown route {rn!r}")
+        digests: dict[str, str] = {}
+        for name, k in self.keys.items():
+            d = k.digest()
+            if d in digests:
+                errs.append(f"keys.{name}: same key as keys.{digests[d]}")
+            digests[d or ""] = name
+        return errs
+
+
+_VAR = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}")
+
+
+def expand_env(node: Any, env: dict[str, str], path: str, errors: list[str]) -> Any:
+    """Replace ${VAR} / ${VAR:-default} in every string of the parsed YAML tree."""
+    if isinstance(node, dict):
+        return {k: expand_env(v, env, f"{path}.{k}" if path else str(k), errors) for k, v in node.items()}
+    if isinstance(node, list):
+        return [expand_env(v, env, f"{path}.{i}", errors) for i, v in enumerate(node)]
+    if isinstance(node, str):
+
+        def sub(m: re.Match[str]) -> str:
+            name, default = m.group(1), m.group(2)
+            if name in env:
+                return env[name]
+            if default is not None:
+                return default
+            errors.append(f"{path}: environment variable {name} is not set")
+            return ""
+
+        return _VAR.sub(sub, node)
+    return node
+
+
+def _loc(loc: tuple[Any, ...]) -> str:
+    # pydantic puts validator names (e.g. "function-after[...]") and union branches in loc; drop them.
+    parts = [str(p) for p in loc if not (isinstance(p, str) and ("[" in p or p in ("literal",)))]
+    return ".".join(parts) or "(root)"
+
+
+def parse_config(text: str | bytes, env: dict[str, str] | None = None) -> Config:
+    """Parse and validate YAML text; raise ConfigError with every problem found."""
+    env = dict(os.environ) if env is None else env
+    try:
+        raw = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f"line {mark.line + 1} column {mark.column + 1}" if mark else "yaml"
+        raise ConfigError([f"(yaml) {where}: {getattr(e, 'problem', None) or e}"])
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, dict):
+        raise ConfigError(["(root): expected a mapping at the top level"])
+    errors: list[str] = []
+    raw = expand_env(raw, env, "", errors)
+    try:
+        cfg = Config.model_validate(raw)
+    except ValidationError as e:
+        for err in e.errors():
+            msg = err["msg"].removeprefix("Value error, ")
+            if err["type"] == "extra_forbidden":
+                msg = "unknown key"
+            errors.append(f"{_loc(err['loc'])}: {msg}")
+        raise ConfigError(errors)
+    errors.extend(cfg.cross_check())
+    if errors:
+        raise ConfigError(errors)
+    return cfg
+
+
+def load_config(path: str | Path, env: dict[str, str] | None = None) -> tuple[Config, str]:
+    """Read and validate the file; returns the config and its version (sha256 of the bytes)."""
+    try:
+        data = Path(path).read_bytes()
+    except OSError as e:
+        raise ConfigError([f"(file) {path}: {e.strerror or e}"])
+    return parse_config(data, env), hashlib.sha256(data).hexdigest()
+
+
+def default_config_path(cli_path: str | None) -> str:
+    if cli_path:
+        return cli_path
+    if os.environ.get("KILOLINE_CONFIG"):
+        return os.environ["KILOLINE_CONFIG"]
+    if Path("etc/kiloline.yaml").exists():
+        return "etc/kiloline.yaml"
+    return "/etc/kiloline/kiloline.yaml"

@@ -1,0 +1,717 @@
+"""The simulated GPU server behind `kilolined fakegpu` (SPEC §9).
+
+It behaves like a rented 24 GB card: every running job holds `job_vram_gb`, and the job that
+would push the total past `vram_gb` makes every running job fail with "CUDA out of memory";
+then the "process" dies (listener closed, every connection reset) for `crash_sec` and comes back
+on the same port. That is what an unprotected GPU does under a burst, and what the gateway must
+prevent. The backend-specific APIs live in `fakegpu_comfy.py` and `fakegpu_openai.py`; this
+module holds the card itself (VRAM, jobs, crashes), the `/_fake/*` test endpoints and the
+`generic` kind.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import math
+import signal
+import sys
+import time
+from collections import deque
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from aiohttp import web
+
+log = logging.getLogger("kilolined.fakegpu")
+
+KINDS = ("generic", "comfyui", "openai")
+GIB = 1024**3
+REQUEST_LOG_SIZE = 100
+BLOB_CHUNK = 64 * 1024
+BLOB_PATTERN = bytes(range(256)) * (BLOB_CHUNK // 256)
+# How long a crash waits for the failing jobs to tell their clients before the process "dies".
+CRASH_FLUSH_SEC = 1.0
+COUNTERS = (
+    "served",  # jobs that finished normally
+    "oom_count",  # jobs that failed with CUDA out of memory (the trigger included)
+    "crashes",  # OOM crash cycles
+    "failed",  # jobs that failed for another reason (ComfyUI FailNode)
+    "aborted",  # jobs whose client went away mid-job
+    "killed_jobs",  # jobs lost to kill()/stop()
+    "interrupts",  # ComfyUI prompts stopped by /interrupt
+    "queue_deletes",  # ComfyUI pending prompts removed by POST /queue
+    "rejected",  # job requests answered by the `fail_status` knob
+    "health_checks",  # requests to the health endpoint
+    "origin_rejects",  # ComfyUI 403s for a foreign Origin on a loopback Host
+)
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+class Backend(Protocol):
+    """What differs per `kind`: the routes and the shape of error bodies."""
+
+    def add_routes(self, app: web.Application) -> None: ...
+
+    def error_response(self, status: int, message: str) -> web.Response: ...
+
+    def screen(self, request: web.Request) -> web.Response | None: ...
+
+    def extra_stats(self) -> dict[str, Any]: ...
+
+    async def on_down(self) -> None: ...
+
+
+@dataclass(eq=False)
+class Job:
+    """One unit of GPU work. `stop` is set when the card fails or interrupts it mid-run."""
+
+    id: int
+    vram_gb: float
+    reason: str | None = None  # "oom" | "interrupted" once stopped
+    admitted: bool = False
+    ended: bool = False
+    stop: asyncio.Event = field(default_factory=asyncio.Event)
+    # Set once the job's client has been told the outcome; a crash waits for it.
+    finished: asyncio.Event = field(default_factory=asyncio.Event)
+
+    @property
+    def failed(self) -> bool:
+        return self.reason is not None
+
+
+@dataclass
+class Knobs:
+    """Test knobs set through POST /_fake/control; they persist until changed."""
+
+    health_status: int = 200
+    health_hang: bool = False
+    fail_status: int | None = None
+    hang: bool = False
+    drip_ms: float = 0.0
+
+    def update(self, data: Any) -> list[str]:
+        """Apply the valid keys of `data`; returns the problems (nothing is applied if any)."""
+        if not isinstance(data, dict):
+            return ["body must be a JSON object"]
+        problems: list[str] = []
+        new: dict[str, Any] = {}
+        for key, value in data.items():
+            if key in ("health_status", "fail_status"):
+                if value is None and key == "fail_status":
+                    new[key] = None
+                elif is_int(value) and 100 <= value <= 599:
+                    new[key] = value
+                else:
+                    problems.append(f"{key}: must be an HTTP status code" + (" or null" * (key == "fail_status")))
+            elif key in ("health_hang", "hang"):
+                if isinstance(value, bool):
+                    new[key] = value
+                else:
+                    problems.append(f"{key}: must be a boolean")
+            elif key == "drip_ms":
+                if is_number(value) and value >= 0:
+                    new[key] = float(value)
+                else:
+                    problems.append(f"{key}: must be a number >= 0")
+            else:
+                problems.append(f"{key}: unknown knob")
+        if not problems:
+            for key, value in new.items():
+                setattr(self, key, value)
+        return problems
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "health_status": self.health_status,
+            "health_hang": self.health_hang,
+            "fail_status": self.fail_status,
+            "hang": self.hang,
+            "drip_ms": self.drip_ms,
+        }
+
+
+def is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def is_number(value: Any) -> bool:
+    return (is_int(value) or isinstance(value, float)) and math.isfinite(value)
+
+
+async def read_json(request: web.Request) -> Any:
+    """The body as JSON, None for an empty body; raises ValueError when it is not JSON."""
+    raw = await request.read()
+    if not raw.strip():
+        return None
+    return json.loads(raw)
+
+
+def sse_headers() -> dict[str, str]:
+    return {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+class FakeGPU:
+    """One simulated card listening on loopback; see the module docstring."""
+
+    def __init__(
+        self,
+        kind: str = "generic",
+        *,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        vram_gb: float = 24,
+        job_vram_gb: float = 10,
+        steps: int = 25,
+        step_ms: float = 200,
+        crash_sec: float = 5,
+        parallel: int = 0,
+    ) -> None:
+        if kind not in KINDS:
+            raise ValueError(f"kind must be one of {', '.join(KINDS)}, not {kind!r}")
+        if not (is_number(vram_gb) and vram_gb > 0 and is_number(job_vram_gb) and job_vram_gb >= 0):
+            raise ValueError("vram_gb must be > 0 and job_vram_gb >= 0")
+        if not (is_int(steps) and steps >= 0 and is_number(step_ms) and step_ms >= 0):
+            raise ValueError("steps must be an int >= 0 and step_ms a number >= 0")
+        if not (is_number(crash_sec) and crash_sec >= 0 and is_int(parallel) and parallel >= 0):
+            raise ValueError("crash_sec must be >= 0 and parallel an int >= 0")
+        self.kind = kind
+        self.host = host
+        self.port = port
+        self.vram_gb = float(vram_gb)
+        self.job_vram_gb = float(job_vram_gb)
+        self.steps = steps
+        self.step_ms = float(step_ms)
+        self.crash_sec = float(crash_sec)
+        self.parallel = parallel
+        self.knobs = Knobs()
+        self.started_at = int(time.time())
+        self._running: set[Job] = set()
+        self._counters: dict[str, int] = dict.fromkeys(COUNTERS, 0)
+        self._max_concurrent = 0
+        self._hanging = 0
+        self._next_job_id = 0
+        self._requests: deque[dict[str, Any]] = deque(maxlen=REQUEST_LOG_SIZE)
+        self._runner: web.AppRunner | None = None
+        self._site: web.TCPSite | None = None
+        self._up = False
+        self._crashed = False
+        self._killed = False
+        self._stopped = False
+        self._crash_task: asyncio.Task[None] | None = None
+        self.backend: Backend = _make_backend(self)
+
+    # ----------------------------------------------------------------- public surface
+
+    @property
+    def url(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.port}"
+
+    @property
+    def up(self) -> bool:
+        return self._up
+
+    @property
+    def crashed(self) -> bool:
+        return self._crashed
+
+    @property
+    def vram_used_gb(self) -> float:
+        return sum(job.vram_gb for job in self._running)
+
+    @property
+    def stats(self) -> dict[str, Any]:
+        """Same as GET /_fake/stats, readable in-process even while the card is down."""
+        return {
+            "running": len(self._running),
+            "max_concurrent": self._max_concurrent,
+            "served": self._counters["served"],
+            "oom_count": self._counters["oom_count"],
+            "crashed": self._crashed,
+            **{name: self._counters[name] for name in COUNTERS},
+            "hanging": self._hanging,
+            "up": self._up,
+            "kind": self.kind,
+            "port": self.port,
+            "vram_gb": self.vram_gb,
+            "vram_used_gb": self.vram_used_gb,
+            **self.backend.extra_stats(),
+        }
+
+    @property
+    def requests(self) -> list[dict[str, Any]]:
+        """The last 100 requests seen (not counting /_fake/*), oldest first."""
+        return list(self._requests)
+
+    def set_control(self, **knobs: Any) -> None:
+        """In-process twin of POST /_fake/control."""
+        problems = self.knobs.update(knobs)
+        if problems:
+            raise ValueError("; ".join(problems))
+
+    def reset(self) -> None:
+        """Zero the counters; max_concurrent restarts from what is running now."""
+        self._counters = dict.fromkeys(COUNTERS, 0)
+        self._max_concurrent = len(self._running)
+        self._requests.clear()
+
+    async def start(self) -> None:
+        if self._runner is not None:
+            raise RuntimeError("FakeGPU already started")
+        # handler_cancellation: a client hanging up cancels its handler, so we can see aborts.
+        runner = web.AppRunner(self._build_app(), handler_cancellation=True, access_log=None)
+        await runner.setup()
+        self._runner = runner
+        try:
+            await self._listen()
+        except BaseException:
+            self._runner = None
+            await runner.cleanup()
+            raise
+
+    async def stop(self) -> None:
+        """Close for good."""
+        if self._stopped:
+            return
+        self._stopped = True
+        await self._cancel_crash()
+        await self._go_down()
+        if self._runner is not None:
+            runner, self._runner = self._runner, None
+            await runner.cleanup()
+
+    async def kill(self) -> None:
+        """A spot machine vanishing: no listener, every connection reset, stays down."""
+        self._killed = True
+        await self._cancel_crash()
+        self._crashed = False
+        await self._go_down()
+
+    async def revive(self) -> None:
+        """Listen again on the same port (after kill(), or to cut a crash short)."""
+        if self._stopped or self._runner is None:
+            raise RuntimeError("FakeGPU is not started or already stopped")
+        self._killed = False
+        await self._cancel_crash()
+        self._crashed = False
+        await self._listen()
+
+    # ----------------------------------------------------------------- the card: jobs and VRAM
+
+    def begin_job(self) -> Job:
+        """Allocate VRAM for a job. On overflow the job comes back already failed ("oom")."""
+        self._next_job_id += 1
+        job = Job(self._next_job_id, self.job_vram_gb)
+        if self._crashed:
+            job.reason = "oom"
+            job.stop.set()
+            return job
+        if self.vram_used_gb + job.vram_gb > self.vram_gb + 1e-9:
+            victims = [*self._running, job]
+            for victim in victims:
+                victim.reason = "oom"
+                victim.stop.set()
+            self._running.clear()
+            self._counters["oom_count"] += len(victims)
+            self._crash(victims)
+            return job
+        job.admitted = True
+        self._running.add(job)
+        self._max_concurrent = max(self._max_concurrent, len(self._running))
+        return job
+
+    async def work(self, job: Job, seconds: float) -> bool:
+        """Spend one step on the GPU; False when the job was stopped meanwhile."""
+        if job.stop.is_set():
+            return False
+        try:
+            async with asyncio.timeout(seconds):
+                await job.stop.wait()
+        except TimeoutError:
+            return True
+        return False
+
+    def interrupt(self, job: Job) -> bool:
+        """Stop a running job on request (ComfyUI /interrupt)."""
+        if job.ended or job.stop.is_set():
+            return False
+        job.reason = "interrupted"
+        job.stop.set()
+        self._running.discard(job)
+        self._counters["interrupts"] += 1
+        return True
+
+    def end_job(self, job: Job, outcome: str | None) -> None:
+        """Free the job's VRAM. outcome: "ok", "error", or None when its client went away."""
+        if job.ended:
+            return
+        job.ended = True
+        self._running.discard(job)
+        if job.reason is None:
+            if outcome is None:
+                outcome = "aborted" if self._up else "killed"
+            counter = {"ok": "served", "error": "failed", "aborted": "aborted", "killed": "killed_jobs"}
+            self._counters[counter[outcome]] += 1
+        job.finished.set()
+
+    def count(self, name: str, n: int = 1) -> None:
+        self._counters[name] += n
+
+    def oom_message(self) -> str:
+        free = max(self.vram_gb - self.vram_used_gb, 0.0)
+        return (
+            f"CUDA out of memory. Tried to allocate {self.job_vram_gb:.2f} GiB. GPU 0 has a total "
+            f"capacity of {self.vram_gb:.2f} GiB of which {free:.2f} GiB is free."
+        )
+
+    # ----------------------------------------------------------------- helpers for the kinds
+
+    async def respond(self, request: web.Request, resp: web.StreamResponse) -> bool:
+        """Write the whole answer now, so a crash right after cannot swallow it.
+
+        Returns False when the client was already gone.
+        """
+        try:
+            await resp.prepare(request)
+            await resp.write_eof()
+        except ConnectionResetError:
+            return False
+        return True
+
+    async def gate(self, request: web.Request) -> web.StreamResponse | None:
+        """Apply the `fail_status` and `hang` knobs to a job request."""
+        status = self.knobs.fail_status
+        if status is not None:
+            self._counters["rejected"] += 1
+            resp = self.backend.error_response(status, f"simulated failure (fail_status={status})")
+            await self.respond(request, resp)
+            return resp
+        if self.knobs.hang:
+            await self.hang_forever()
+        return None
+
+    async def health(self, request: web.Request, ok: Callable[[], web.Response]) -> web.Response:
+        """Apply the `health_status` and `health_hang` knobs to a health endpoint."""
+        self._counters["health_checks"] += 1
+        if self.knobs.health_hang:
+            await self.hang_forever()
+        status = self.knobs.health_status
+        if 200 <= status < 300:
+            resp = ok()
+            resp.set_status(status)
+            return resp
+        return self.backend.error_response(status, f"simulated health failure (health_status={status})")
+
+    async def hang_forever(self) -> None:
+        self._hanging += 1
+        try:
+            await asyncio.get_running_loop().create_future()
+        finally:
+            self._hanging -= 1
+
+    async def drip(self) -> None:
+        """The `drip_ms` knob: an extra pause before each piece of a streamed answer."""
+        if self.knobs.drip_ms > 0:
+            await asyncio.sleep(self.knobs.drip_ms / 1000)
+
+    # ----------------------------------------------------------------- server plumbing
+
+    def _build_app(self) -> web.Application:
+        @web.middleware
+        async def middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+            test_route = request.path.startswith("/_fake/")
+            if not test_route:
+                self._requests.append(
+                    {
+                        "method": request.method,
+                        "path": request.path,
+                        "query": request.query_string,
+                        "headers": _headers_dict(request),
+                    }
+                )
+            if self._crashed or not self._up:
+                # A dying process does not answer: reset the connection instead.
+                if request.transport is not None:
+                    request.transport.abort()
+                raise web.HTTPServiceUnavailable()
+            if not test_route:
+                screened = self.backend.screen(request)
+                if screened is not None:
+                    return screened
+            try:
+                return await handler(request)
+            except web.HTTPNotFound:
+                return self.backend.error_response(404, f"no route for {request.method} {request.path}")
+            except web.HTTPMethodNotAllowed:
+                return self.backend.error_response(405, f"method {request.method} not allowed here")
+
+        app = web.Application(middlewares=[middleware], client_max_size=64 * 1024 * 1024)
+        app.router.add_get("/_fake/stats", self._h_stats)
+        app.router.add_post("/_fake/reset", self._h_reset)
+        app.router.add_get("/_fake/control", self._h_control)
+        app.router.add_post("/_fake/control", self._h_control)
+        app.router.add_get("/_fake/requests", self._h_requests)
+        self.backend.add_routes(app)
+        return app
+
+    async def _h_stats(self, request: web.Request) -> web.Response:
+        return web.json_response(self.stats)
+
+    async def _h_reset(self, request: web.Request) -> web.Response:
+        self.reset()
+        return web.json_response(self.stats)
+
+    async def _h_control(self, request: web.Request) -> web.Response:
+        if request.method == "POST":
+            try:
+                data = await read_json(request)
+            except ValueError:
+                return web.json_response({"error": "body is not valid JSON"}, status=400)
+            problems = self.knobs.update(data if data is not None else {})
+            if problems:
+                return web.json_response({"error": "; ".join(problems)}, status=400)
+        return web.json_response(self.knobs.as_dict())
+
+    async def _h_requests(self, request: web.Request) -> web.Response:
+        return web.json_response(self.requests)
+
+    async def _listen(self) -> None:
+        if self._site is not None or self._runner is None:
+            return
+        # After a crash the port may be briefly taken; a real restart would retry too.
+        for attempt in range(20):
+            site = web.TCPSite(self._runner, self.host, self.port, reuse_address=True)
+            try:
+                await site.start()
+            except OSError:
+                if self.port == 0 or attempt == 19:
+                    raise
+                await asyncio.sleep(0.1)
+                continue
+            self._site = site
+            break
+        if self.port == 0:
+            self.port = int(self._runner.addresses[-1][1])
+        self._up = True
+        log.info("fakegpu %s listening on %s", self.kind, self.url)
+
+    async def _go_down(self) -> None:
+        """The process dies: close the listener, drop backend state, reset every connection."""
+        self._up = False
+        site, self._site = self._site, None
+        if site is not None:
+            await site.stop()
+        await self.backend.on_down()
+        server = self._runner.server if self._runner is not None else None
+        for conn in server.connections if server is not None else []:
+            if conn.transport is not None:
+                conn.transport.abort()
+
+    def _crash(self, victims: list[Job]) -> None:
+        self._crashed = True
+        self._counters["crashes"] += 1
+        log.warning("fakegpu %s: CUDA out of memory, %d jobs failed; down for %.1fs",
+                    self.url, len(victims), self.crash_sec)
+        self._crash_task = asyncio.get_running_loop().create_task(self._crash_cycle(victims))
+
+    async def _crash_cycle(self, victims: list[Job]) -> None:
+        try:
+            async with asyncio.timeout(CRASH_FLUSH_SEC):
+                for victim in victims:
+                    await victim.finished.wait()
+        except TimeoutError:
+            pass
+        await asyncio.sleep(0.05)  # let the last error bytes leave before the sockets die
+        await self._go_down()
+        await asyncio.sleep(self.crash_sec)
+        self._crashed = False
+        if not self._killed and not self._stopped:
+            await self._listen()
+            log.info("fakegpu %s is back after the crash", self.url)
+
+    async def _cancel_crash(self) -> None:
+        task, self._crash_task = self._crash_task, None
+        if task is None or task.done() or task is asyncio.current_task():
+            return
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+
+def _headers_dict(request: web.Request) -> dict[str, str]:
+    """Lower-cased names; repeated headers are joined with ", "."""
+    out: dict[str, str] = {}
+    for name, value in request.headers.items():
+        key = name.lower()
+        out[key] = f"{out[key]}, {value}" if key in out else value
+    return out
+
+
+def _make_backend(gpu: FakeGPU) -> Backend:
+    # Imported here because the kind modules import the helpers above.
+    if gpu.kind == "comfyui":
+        from kilolined.fakegpu_comfy import ComfyBackend
+
+        return ComfyBackend(gpu)
+    if gpu.kind == "openai":
+        from kilolined.fakegpu_openai import OpenAIBackend
+
+        return OpenAIBackend(gpu)
+    return GenericBackend(gpu)
+
+
+class GenericBackend:
+    """`--kind generic`: POST /generate, GET /health, GET /blob."""
+
+    def __init__(self, gpu: FakeGPU) -> None:
+        self.gpu = gpu
+
+    def add_routes(self, app: web.Application) -> None:
+        app.router.add_post("/generate", self.generate)
+        app.router.add_get("/health", self.health)
+        app.router.add_get("/blob", self.blob)
+
+    def error_response(self, status: int, message: str) -> web.Response:
+        return web.json_response({"error": message}, status=status)
+
+    def screen(self, request: web.Request) -> web.Response | None:
+        return None
+
+    def extra_stats(self) -> dict[str, Any]:
+        return {}
+
+    async def on_down(self) -> None:
+        return None
+
+    async def health(self, request: web.Request) -> web.Response:
+        return await self.gpu.health(request, lambda: web.json_response({"status": "ok"}))
+
+    async def generate(self, request: web.Request) -> web.StreamResponse:
+        gpu = self.gpu
+        gated = await gpu.gate(request)
+        if gated is not None:
+            return gated
+        try:
+            body = await read_json(request)
+        except ValueError:
+            return self.error_response(400, "body is not valid JSON")
+        body = {} if body is None else body
+        if not isinstance(body, dict):
+            return self.error_response(400, "body must be a JSON object")
+        steps, step_ms = body.get("steps", gpu.steps), body.get("step_ms", gpu.step_ms)
+        if not (is_int(steps) and steps >= 0 and is_number(step_ms) and step_ms >= 0):
+            return self.error_response(400, "steps must be an int >= 0 and step_ms a number >= 0")
+        job = gpu.begin_job()
+        outcome: str | None = None
+        try:
+            if body.get("stream") is True:
+                resp, delivered = await self._stream(request, job, steps, step_ms / 1000)
+            else:
+                for _ in range(steps):
+                    if not await gpu.work(job, step_ms / 1000):
+                        break
+                if job.failed:
+                    resp = self.error_response(500, gpu.oom_message())
+                else:
+                    answer = {"ok": True, "steps": steps, "echo": body.get("echo"), "node": str(gpu.port)}
+                    resp = web.json_response(answer)
+                delivered = await gpu.respond(request, resp)
+            outcome = "ok" if delivered else None
+            return resp
+        finally:
+            gpu.end_job(job, outcome)
+
+    async def _stream(
+        self, request: web.Request, job: Job, steps: int, step_sec: float
+    ) -> tuple[web.StreamResponse, bool]:
+        gpu = self.gpu
+        if job.failed:  # OOM at admission: nothing was streamed yet, so a plain 500
+            resp = self.error_response(500, gpu.oom_message())
+            return resp, await gpu.respond(request, resp)
+        resp = web.StreamResponse(headers=sse_headers())
+        try:
+            await resp.prepare(request)
+            for step in range(1, steps + 1):
+                if not await gpu.work(job, step_sec):
+                    break
+                await gpu.drip()
+                await resp.write(f"data: {json.dumps({'step': step, 'total': steps})}\n\n".encode())
+            if job.failed:
+                await resp.write(f"data: {json.dumps({'error': gpu.oom_message()})}\n\n".encode())
+            else:
+                await resp.write(b"data: [DONE]\n\n")
+            await resp.write_eof()
+        except ConnectionResetError:
+            return resp, False
+        return resp, True
+
+    async def blob(self, request: web.Request) -> web.StreamResponse:
+        """N bytes of a fixed pattern, written in 64 KiB pieces, never held whole."""
+        raw = request.query.get("bytes", "0")
+        if not raw.isdigit():
+            return self.error_response(400, "bytes must be a non-negative integer")
+        left = int(raw)
+        resp = web.StreamResponse(headers={"Content-Type": "application/octet-stream"})
+        resp.content_length = left
+        try:
+            await resp.prepare(request)
+            while left > 0:
+                await self.gpu.drip()
+                piece = BLOB_PATTERN[: min(left, BLOB_CHUNK)]
+                await resp.write(piece)
+                left -= len(piece)
+            await resp.write_eof()
+        except ConnectionResetError:
+            pass
+        return resp
+
+
+# --------------------------------------------------------------------------- CLI entry point
+
+
+def run(
+    kind: str = "generic",
+    host: str = "127.0.0.1",
+    port: int = 0,
+    vram_gb: float = 24,
+    job_vram_gb: float = 10,
+    steps: int = 25,
+    step_ms: float = 200,
+    crash_sec: float = 5,
+    parallel: int = 0,
+) -> int:
+    """Serve until Ctrl-C or SIGTERM (for `kilolined fakegpu`); returns the exit code."""
+    try:
+        gpu = FakeGPU(kind, host=host, port=port, vram_gb=vram_gb, job_vram_gb=job_vram_gb, steps=steps,
+                      step_ms=step_ms, crash_sec=crash_sec, parallel=parallel)
+    except ValueError as exc:
+        print(f"fakegpu: {exc}", file=sys.stderr)
+        return 2
+    try:
+        return asyncio.run(_serve(gpu))
+    except KeyboardInterrupt:  # platforms without loop signal handlers
+        return 0
+
+
+async def _serve(gpu: FakeGPU) -> int:
+    try:
+        await gpu.start()
+    except OSError as exc:
+        print(f"fakegpu: cannot listen on {gpu.host}:{gpu.port}: {exc.strerror or exc}", file=sys.stderr)
+        return 1
+    print(f"fakegpu {gpu.kind} listening on {gpu.url}", file=sys.stderr, flush=True)
+    done = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        with contextlib.suppress(NotImplementedError, RuntimeError):
+            loop.add_signal_handler(sig, done.set)
+    try:
+        await done.wait()
+    finally:
+        await gpu.stop()
+    return 0

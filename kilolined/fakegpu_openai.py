@@ -1,0 +1,192 @@
+"""`--kind openai` of the simulated GPU: an OpenAI-compatible chat server (PROTOCOLS §2).
+
+Each completion token costs one `step_ms` of GPU time, so a stream shows real pacing and a
+gateway can measure time-to-first-token; usage numbers are exact so token budgets can be tested.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from aiohttp import web
+
+from kilolined.fakegpu import is_int, read_json, sse_headers
+
+if TYPE_CHECKING:
+    from kilolined.fakegpu import FakeGPU, Job
+
+MODEL_ID = "fake-llm"
+WORDS = ("The", " quick", " brown", " fox", " jumps", " over", " the", " lazy", " dog", ".")
+ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    429: "rate_limit_error",
+    503: "unavailable_error",
+}
+
+
+def openai_error(status: int, message: str, param: str | None = None) -> web.Response:
+    kind = ERROR_TYPES.get(status, "server_error")
+    body = {"error": {"message": message, "type": kind, "param": param, "code": None}}
+    return web.json_response(body, status=status)
+
+
+def count_prompt_tokens(messages: list[Any]) -> int:
+    """A word count of every text in the messages: crude, but stable and easy to predict."""
+    words = 0
+    for message in messages:
+        content = message.get("content") if isinstance(message, dict) else None
+        if isinstance(content, str):
+            words += len(content.split())
+        elif isinstance(content, list):
+            for part in content:
+                if isinstance(part, dict) and isinstance(part.get("text"), str):
+                    words += len(part["text"].split())
+    return words
+
+
+class OpenAIBackend:
+    def __init__(self, gpu: FakeGPU) -> None:
+        self.gpu = gpu
+
+    def add_routes(self, app: web.Application) -> None:
+        app.router.add_post("/v1/chat/completions", self.chat)
+        app.router.add_get("/v1/models", self.models)
+        app.router.add_get("/health", self.health)
+        app.router.add_get("/v1/health", self.health)
+
+    def error_response(self, status: int, message: str) -> web.Response:
+        return openai_error(status, message)
+
+    def screen(self, request: web.Request) -> web.Response | None:
+        return None
+
+    def extra_stats(self) -> dict[str, Any]:
+        return {}
+
+    async def on_down(self) -> None:
+        return None
+
+    async def health(self, request: web.Request) -> web.Response:
+        return await self.gpu.health(request, lambda: web.json_response({"status": "ok"}))
+
+    async def models(self, request: web.Request) -> web.Response:
+        model = {"id": MODEL_ID, "object": "model", "created": self.gpu.started_at, "owned_by": "kiloline"}
+        return web.json_response({"object": "list", "data": [model]})
+
+    async def chat(self, request: web.Request) -> web.StreamResponse:
+        gpu = self.gpu
+        gated = await gpu.gate(request)
+        if gated is not None:
+            return gated
+        try:
+            body = await read_json(request)
+        except ValueError:
+            return openai_error(400, "We could not parse the JSON body of your request.")
+        if not isinstance(body, dict):
+            return openai_error(400, "The request body must be a JSON object.")
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages:
+            return openai_error(400, "'messages' is a required property and must be a non-empty array.",
+                                "messages")
+        max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+        if max_tokens is not None and not (is_int(max_tokens) and max_tokens >= 1):
+            return openai_error(400, "max_tokens must be an integer >= 1.", "max_tokens")
+        stream_options = body.get("stream_options")
+        call = _Call(
+            id=f"chatcmpl-{uuid.uuid4().hex[:24]}",
+            model=body["model"] if isinstance(body.get("model"), str) else MODEL_ID,
+            tokens=max_tokens if max_tokens is not None else gpu.steps,
+            prompt_tokens=count_prompt_tokens(messages),
+            # Hitting max_tokens is what "length" means; without it the fake stops on its own.
+            finish_reason="length" if max_tokens is not None else "stop",
+            include_usage=isinstance(stream_options, dict) and stream_options.get("include_usage") is True,
+        )
+        job = gpu.begin_job()
+        outcome: str | None = None
+        try:
+            if body.get("stream") is True:
+                resp, delivered = await self._stream(request, job, call)
+            else:
+                for _ in range(call.tokens):
+                    if not await gpu.work(job, gpu.step_ms / 1000):
+                        break
+                resp = openai_error(500, gpu.oom_message()) if job.failed else web.json_response(call.completion())
+                delivered = await gpu.respond(request, resp)
+            outcome = "ok" if delivered else None
+            return resp
+        finally:
+            gpu.end_job(job, outcome)
+
+    async def _stream(self, request: web.Request, job: Job, call: _Call) -> tuple[web.StreamResponse, bool]:
+        gpu = self.gpu
+        if job.failed:  # OOM before the first token: a plain 500, as vLLM does
+            resp = openai_error(500, gpu.oom_message())
+            return resp, await gpu.respond(request, resp)
+        resp = web.StreamResponse(headers=sse_headers())
+
+        async def send(payload: Any) -> None:
+            await resp.write(f"data: {json.dumps(payload)}\n\n".encode())
+
+        try:
+            await resp.prepare(request)
+            for index in range(call.tokens):
+                if not await gpu.work(job, gpu.step_ms / 1000):
+                    break
+                await gpu.drip()
+                delta = {"content": WORDS[index % len(WORDS)]}
+                if index == 0:
+                    delta = {"role": "assistant", **delta}
+                await send(call.chunk(delta, None))
+            if job.failed:
+                # vLLM reports a mid-stream failure as an error object in a data line.
+                await send({"error": {"message": gpu.oom_message(), "type": "server_error", "param": None,
+                                      "code": None}})
+            else:
+                await send(call.chunk({}, call.finish_reason))
+                if call.include_usage:
+                    await send({**call.base("chat.completion.chunk"), "choices": [], "usage": call.usage()})
+            await resp.write(b"data: [DONE]\n\n")
+            await resp.write_eof()
+        except ConnectionResetError:
+            return resp, False
+        return resp, True
+
+
+@dataclass
+class _Call:
+    """One chat completion's identity and numbers, shared by its chunks."""
+
+    id: str
+    model: str
+    tokens: int
+    prompt_tokens: int
+    finish_reason: str
+    include_usage: bool
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    def base(self, obj: str) -> dict[str, Any]:
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
+
+    def usage(self) -> dict[str, int]:
+        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.tokens,
+                "total_tokens": self.prompt_tokens + self.tokens}
+
+    def chunk(self, delta: dict[str, Any], finish_reason: str | None) -> dict[str, Any]:
+        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+        out = {**self.base("chat.completion.chunk"), "choices": [choice]}
+        if self.include_usage:  # the spec: every other chunk carries "usage": null
+            out["usage"] = None
+        return out
+
+    def completion(self) -> dict[str, Any]:
+        text = "".join(WORDS[i % len(WORDS)] for i in range(self.tokens))
+        choice = {"index": 0, "message": {"role": "assistant", "content": text},
+                  "finish_reason": self.finish_reason, "logprobs": None}
+        return {**self.base("chat.completion"), "choices": [choice], "usage": self.usage()}

@@ -1,0 +1,179 @@
+"""Token buckets (rate limits) and daily budgets, as pure logic with ``now`` passed in.
+
+Budgets are the only state that touches disk, and only as counters (never payloads): a small
+JSON file under ``server.state_dir`` written atomically, so a restart does not reset a day.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import math
+import os
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import orjson
+
+from kilolined.config import BudgetConfig, RateConfig
+
+
+@dataclass
+class Verdict:
+    ok: bool
+    limit: int
+    remaining: int
+    reset_sec: int  # seconds until the bucket is full again
+    retry_after: int  # seconds until one token is available (0 if ok)
+
+
+class TokenBucket:
+    """``per_minute`` tokens refilled continuously up to ``capacity`` (the burst)."""
+
+    def __init__(self, rate: RateConfig, now: float):
+        self.rate = rate
+        self.tokens = float(rate.capacity)
+        self.stamp = now
+
+    @property
+    def per_sec(self) -> float:
+        return self.rate.per_minute / 60.0
+
+    def _refill(self, now: float) -> None:
+        cap = self.rate.capacity
+        if now > self.stamp:
+            self.tokens = min(cap, self.tokens + (now - self.stamp) * self.per_sec)
+        self.stamp = max(self.stamp, now)
+
+    def take(self, now: float) -> Verdict:
+        self._refill(now)
+        cap = self.rate.capacity
+        ok = self.tokens >= 1.0
+        if ok:
+            self.tokens -= 1.0
+        missing = cap - self.tokens
+        reset = math.ceil(missing / self.per_sec) if missing > 0 else 0
+        retry = 0 if ok else max(1, math.ceil((1.0 - self.tokens) / self.per_sec))
+        return Verdict(ok, cap, int(self.tokens), reset, retry)
+
+    def refund(self) -> None:
+        self.tokens = min(self.rate.capacity, self.tokens + 1.0)
+
+    def reconfigure(self, rate: RateConfig, now: float) -> None:
+        """Keep the level across a reload (clamped to the new capacity)."""
+        self._refill(now)
+        self.rate = rate
+        self.tokens = min(self.tokens, float(rate.capacity))
+
+
+class RateLimiter:
+    """Buckets per (subject, route); subject is a key id or ``ip:<addr>`` on auth: none routes."""
+
+    def __init__(self, max_anonymous: int = 100_000):
+        self.buckets: dict[tuple[str, str], TokenBucket] = {}
+        self.max_anonymous = max_anonymous
+
+    def check(self, subject: str, route: str, rate: RateConfig, now: float) -> Verdict:
+        b = self.buckets.get((subject, route))
+        if b is None:
+            if len(self.buckets) >= self.max_anonymous:
+                self._prune(now)
+            b = self.buckets[(subject, route)] = TokenBucket(rate, now)
+        elif b.rate != rate:
+            b.reconfigure(rate, now)
+        return b.take(now)
+
+    def _prune(self, now: float) -> None:
+        # Full buckets carry no information: dropping them is invisible to clients.
+        for k in [k for k, b in self.buckets.items() if (b._refill(now), b.tokens)[1] >= b.rate.capacity]:
+            del self.buckets[k]
+
+    def forget_except(self, keep: set[str]) -> None:
+        """After a reload: drop buckets of keys that no longer exist (IP buckets stay)."""
+        for k in [k for k in self.buckets if not k[0].startswith("ip:") and k[0] not in keep]:
+            del self.buckets[k]
+
+
+def utc_day(wall: float) -> str:
+    return dt.datetime.fromtimestamp(wall, dt.UTC).strftime("%Y-%m-%d")
+
+
+def seconds_to_midnight(wall: float) -> int:
+    d = dt.datetime.fromtimestamp(wall, dt.UTC)
+    midnight = (d + dt.timedelta(days=1)).replace(hour=0, minute=0, second=0, microsecond=0)
+    return max(1, math.ceil((midnight - d).total_seconds()))
+
+
+class Budgets:
+    """Per-key counters for the current UTC day: requests, tokens, GPU seconds."""
+
+    FIELDS = ("requests", "tokens", "gpu_seconds")
+
+    def __init__(self, state_dir: str | None):
+        self.path = Path(state_dir) / "budgets.json" if state_dir else None
+        self.day = ""
+        self.used: dict[str, dict[str, float]] = {}
+        self.dirty = False
+        self._load()
+
+    def _load(self) -> None:
+        if self.path is None or not self.path.exists():
+            return
+        try:
+            data = orjson.loads(self.path.read_bytes())
+            self.day = str(data.get("day", ""))
+            self.used = {k: {f: float(v.get(f, 0)) for f in self.FIELDS} for k, v in data["used"].items()}
+        except (OSError, ValueError, KeyError, AttributeError, TypeError):
+            # A corrupt counter file must not stop the gateway; it costs at most one day of counts.
+            self.day, self.used = "", {}
+
+    def _roll(self, wall: float) -> None:
+        day = utc_day(wall)
+        if day != self.day:
+            self.day = day
+            self.used = {}
+            self.dirty = True
+
+    def usage(self, key: str, wall: float) -> dict[str, float]:
+        self._roll(wall)
+        return self.used.get(key, dict.fromkeys(self.FIELDS, 0.0))
+
+    def exhausted(self, key: str, budget: BudgetConfig | None, wall: float) -> str | None:
+        """Which budget is spent, or None."""
+        if budget is None:
+            return None
+        u = self.usage(key, wall)
+        if budget.requests_per_day is not None and u["requests"] >= budget.requests_per_day:
+            return "requests_per_day"
+        if budget.tokens_per_day is not None and u["tokens"] >= budget.tokens_per_day:
+            return "tokens_per_day"
+        if budget.gpu_seconds_per_day is not None and u["gpu_seconds"] >= budget.gpu_seconds_per_day:
+            return "gpu_seconds_per_day"
+        return None
+
+    def add(self, key: str, wall: float, *, requests: int = 0, tokens: int = 0, gpu_seconds: float = 0) -> None:
+        self._roll(wall)
+        u = self.used.setdefault(key, dict.fromkeys(self.FIELDS, 0.0))
+        u["requests"] += requests
+        u["tokens"] += tokens
+        u["gpu_seconds"] += gpu_seconds
+        self.dirty = True
+
+    def save(self) -> None:
+        """Atomic write (temp file + rename) so a crash never leaves a half-written file."""
+        if self.path is None or not self.dirty:
+            return
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        data = orjson.dumps({"day": self.day, "used": self.used})
+        fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=".budgets.")
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+            os.replace(tmp, self.path)
+            self.dirty = False
+        except OSError:
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+            raise

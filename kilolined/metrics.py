@@ -1,0 +1,93 @@
+"""Prometheus metrics (SPEC §6). One registry per Runtime; gauges are read from live state at
+scrape time, so the request path only bumps counters and histograms.
+
+Label values come from config names (routes, nodes, keys) and fixed outcome/reason words, never
+from anything a client sends, so cardinality is bounded by the config.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+if TYPE_CHECKING:
+    from kilolined.runtime import Runtime
+
+WAIT_BUCKETS = (0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
+UPSTREAM_BUCKETS = (0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
+TTFT_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60)
+
+
+class _LiveGauges(Collector):
+    def __init__(self, rt: Callable[[], Runtime]):
+        self._rt = rt
+
+    def collect(self) -> Iterable[GaugeMetricFamily]:
+        rt = self._rt()
+        now = rt.clock()
+        sched = rt.scheduler
+        depth = GaugeMetricFamily("kiloline_queue_depth", "Requests waiting per route", labels=["route"])
+        infl = GaugeMetricFamily("kiloline_inflight", "Leases held per route and node", labels=["route", "node"])
+        slots = GaugeMetricFamily(
+            "kiloline_slots", "Usable slots per route and node right now", labels=["route", "node"]
+        )
+        up = GaugeMetricFamily("kiloline_node_up", "1 if the node's active health is up", labels=["node"])
+        br = GaugeMetricFamily(
+            "kiloline_breaker_state", "0 closed, 1 half-open, 2 open", labels=["node"]
+        )
+        from kilolined.nodes import BREAKER_GAUGE
+
+        for name, rq in sched.routes.items():
+            if rq.name.startswith("adhoc:"):
+                continue
+            depth.add_metric([name], len(rq.waiting))
+            for n in rq.all_nodes:
+                ns = sched.nodes.get(n)
+                if ns is None:
+                    continue
+                infl.add_metric([name, n], rq.inflight.get(n, 0))
+                slots.add_metric([name, n], ns.effective(rq.cfg.max_concurrency, now) if ns.available(now) else 0)
+        for n, ns in sched.nodes.items():
+            if ns.name.startswith("adhoc:"):
+                continue
+            up.add_metric([n], 1 if ns.healthy else 0)
+            br.add_metric([n], BREAKER_GAUGE[ns.breaker_state(now)])
+        yield from (depth, infl, slots, up, br)
+
+
+class Metrics:
+    def __init__(self, rt: Callable[[], Runtime]):
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.requests = Counter(
+            "kiloline_requests", "Finished requests by outcome", ["route", "outcome"], registry=r
+        )
+        self.queue_wait = Histogram(
+            "kiloline_queue_wait_seconds", "Time from admission to lease", ["route"], buckets=WAIT_BUCKETS,
+            registry=r,
+        )
+        self.upstream = Histogram(
+            "kiloline_upstream_seconds", "Time from dispatch to the last byte", ["route", "node"],
+            buckets=UPSTREAM_BUCKETS, registry=r,
+        )
+        self.ttft = Histogram(
+            "kiloline_ttft_seconds", "Time to first token (openai routes)", ["route"], buckets=TTFT_BUCKETS,
+            registry=r,
+        )
+        self.rejections = Counter(
+            "kiloline_rejections", "Requests refused before the upstream", ["route", "reason"], registry=r
+        )
+        self.failovers = Counter(
+            "kiloline_failovers", "Requests re-queued or sent to a standby after a node failure", ["route"],
+            registry=r,
+        )
+        self.reloads = Counter("kiloline_reloads", "Config reloads", ["result"], registry=r)
+        self.tokens = Counter("kiloline_tokens", "LLM tokens by route and key", ["route", "key"], registry=r)
+        r.register(_LiveGauges(rt))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

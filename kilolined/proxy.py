@@ -1,0 +1,181 @@
+"""The streaming forwarder: header hygiene, one upstream exchange, bytes back to the client.
+
+A failure before any byte reached the client raises ``UpstreamFailed`` (the caller may re-queue
+the request on another node); after that, the client connection is cut, as a proxy must.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import re
+import uuid
+from collections.abc import AsyncIterator, Iterable
+from dataclasses import dataclass, field
+
+import aiohttp
+from aiohttp import web
+from multidict import CIMultiDict
+
+HOP_BY_HOP = frozenset(
+    h.lower()
+    for h in (
+        "Connection", "Keep-Alive", "Proxy-Connection", "Proxy-Authenticate", "Proxy-Authorization", "TE",
+        "Trailer", "Transfer-Encoding", "Upgrade",
+    )
+)
+# Never forwarded to a node: credentials for the gateway and the gateway's own control headers.
+STRIP_REQUEST = HOP_BY_HOP | {
+    "host", "content-length", "authorization", "x-api-key", "x-target-host", "x-concurrency-slot",
+    "x-forwarded-for", "x-forwarded-proto", "x-forwarded-host", "x-request-id", "prefer", "expect",
+}
+STRIP_RESPONSE = HOP_BY_HOP | {"content-length", "server", "date"}
+RETRY_STATUSES = frozenset((502, 503, 504))
+_SANE_ID = re.compile(r"[A-Za-z0-9._:\-]{1,128}")
+
+
+class UpstreamFailed(Exception):
+    """The node failed before any byte reached the client."""
+
+    def __init__(self, reason: str, *, timeout: bool = False):
+        super().__init__(reason)
+        self.reason = reason
+        self.timeout = timeout
+
+
+def request_id(request: web.BaseRequest) -> str:
+    rid = request.headers.get("X-Request-Id", "")
+    return rid if _SANE_ID.fullmatch(rid) else uuid.uuid4().hex
+
+
+def client_ip(request: web.BaseRequest, trusted: Iterable[str]) -> str:
+    """The peer, or — when the peer is a trusted proxy — the last untrusted X-Forwarded-For hop."""
+    peer = request.remote or "unknown"
+    nets = [ipaddress.ip_network(c, strict=False) for c in trusted]
+    if not nets:
+        return peer
+
+    def is_trusted(a: str) -> bool:
+        try:
+            ip = ipaddress.ip_address(a.strip())
+        except ValueError:
+            return False
+        return any(ip in n for n in nets)
+
+    if not is_trusted(peer):
+        return peer
+    hops = [h.strip() for h in request.headers.get("X-Forwarded-For", "").split(",") if h.strip()]
+    for h in reversed(hops):
+        if not is_trusted(h):
+            try:
+                return str(ipaddress.ip_address(h))
+            except ValueError:
+                return peer
+    return peer
+
+
+@dataclass
+class Exchange:
+    """One client request as the forwarder needs it (the body is kept for a re-queue)."""
+
+    request: web.Request
+    method: str
+    tail: str  # path tail on the node, with the query string
+    body: bytes
+    request_id: str
+    client_ip: str
+    drop_headers: frozenset[str] = frozenset()
+    extra_headers: dict[str, str] = field(default_factory=dict)
+    body_override: bytes | None = None
+
+    def upstream_headers(self, node_headers: dict[str, str], node_url: str) -> CIMultiDict[str]:
+        src = self.request.headers
+        conn_listed = {t.strip().lower() for t in src.get("Connection", "").split(",") if t.strip()}
+        out: CIMultiDict[str] = CIMultiDict()
+        for k, v in src.items():
+            lk = k.lower()
+            if lk in STRIP_REQUEST or lk in conn_listed or lk.startswith("x-kiloline-") or lk in self.drop_headers:
+                continue
+            out.add(k, v)
+        xff = src.get("X-Forwarded-For")
+        peer = self.request.remote or ""
+        out["X-Forwarded-For"] = f"{xff}, {peer}" if xff and peer != self.client_ip else (self.client_ip or peer)
+        out["X-Forwarded-Proto"] = self.request.scheme
+        out["X-Request-Id"] = self.request_id
+        out["Host"] = node_url.split("://", 1)[1].split("/", 1)[0]
+        for k, v in node_headers.items():
+            out[k] = v
+        for k, v in self.extra_headers.items():
+            out[k] = v
+        return out
+
+
+async def open_upstream(
+    session: aiohttp.ClientSession, ex: Exchange, node_url: str, node_headers: dict[str, str], timeout: float
+) -> aiohttp.ClientResponse:
+    """Send the request and wait for the response headers. Raises UpstreamFailed on any failure."""
+    body = ex.body if ex.body_override is None else ex.body_override
+    try:
+        return await session.request(
+            ex.method,
+            node_url + ex.tail,
+            headers=ex.upstream_headers(node_headers, node_url),
+            data=body if body or ex.method not in ("GET", "HEAD") else None,
+            allow_redirects=False,
+            timeout=aiohttp.ClientTimeout(total=timeout, sock_connect=min(timeout, 10)),
+            compress=None,
+        )
+    except TimeoutError:
+        raise UpstreamFailed(f"no response within {timeout:g}s", timeout=True)
+    except aiohttp.ClientConnectorError:
+        raise UpstreamFailed("connection refused (spot interrupted?)")
+    except aiohttp.ServerDisconnectedError:
+        raise UpstreamFailed("connection reset (spot interrupted?)")
+    except (aiohttp.ClientError, OSError) as e:
+        # str(e) can hold the node's address; the type name cannot.
+        raise UpstreamFailed(f"upstream error ({type(e).__name__})")
+
+
+def response_headers(up: aiohttp.ClientResponse, node_url: str, route_path: str) -> CIMultiDict[str]:
+    out: CIMultiDict[str] = CIMultiDict()
+    conn_listed = {t.strip().lower() for t in up.headers.get("Connection", "").split(",") if t.strip()}
+    for k, v in up.headers.items():
+        lk = k.lower()
+        if lk in STRIP_RESPONSE or lk in conn_listed:
+            continue
+        if lk in ("location", "content-location") and v.startswith(node_url):
+            # Redirects must not reveal the node: point them back through the route.
+            v = route_path.rstrip("/") + (v[len(node_url) :] or "/")
+        out.add(k, v)
+    return out
+
+
+async def iter_body(up: aiohttp.ClientResponse) -> AsyncIterator[bytes]:
+    async for chunk in up.content.iter_any():
+        yield chunk
+
+
+def cut_client(request: web.BaseRequest) -> None:
+    """End the client connection abruptly: after bytes were sent there is no honest error to write."""
+    tr = request.transport
+    if tr is not None:
+        tr.abort()
+
+
+async def stream_back(
+    request: web.Request, up: aiohttp.ClientResponse, headers: CIMultiDict[str], chunks: AsyncIterator[bytes]
+) -> tuple[web.StreamResponse, int]:
+    """Copy the upstream response to the client without buffering it whole; returns bytes sent.
+
+    Upstream read errors propagate after the response has started: the caller cuts the client.
+    """
+    resp = web.StreamResponse(status=up.status, reason=up.reason, headers=headers)
+    if up.content_length is not None:
+        resp.content_length = up.content_length
+    await resp.prepare(request)
+    sent = 0
+    async for chunk in chunks:
+        await resp.write(chunk)
+        sent += len(chunk)
+    await resp.write_eof()
+    return resp, sent
+

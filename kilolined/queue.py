@@ -1,0 +1,556 @@
+"""The lease queue: who waits, in what order, and who gets which slot on which node.
+
+Pure, synchronous logic with ``now`` passed in, so that hypothesis can drive it with a fake
+clock. The async layer (``runtime.py``) attaches a waker to each ticket and calls ``dispatch``
+whenever something may have freed capacity.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import math
+from collections import Counter, OrderedDict
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+from kilolined.config import RouteConfig
+from kilolined.nodes import NodeState
+
+WAITING, LEASED, DONE, FAILED = "waiting", "leased", "done", "failed"
+
+
+class Rejected(Exception):
+    """Admission refused; ``type`` and ``status`` are those of SPEC §4.5."""
+
+    def __init__(self, status: int, type_: str, message: str, retry_after: float | None = None):
+        super().__init__(message)
+        self.status = status
+        self.type = type_
+        self.message = message
+        self.retry_after = retry_after
+
+
+@dataclass(eq=False)
+class Ticket:
+    seq: int
+    route: str
+    key: str
+    priority: int
+    enqueued_at: float
+    pinned_node: str | None = None
+    avoid: set[str] = field(default_factory=set)
+    requeues: int = 0
+    state: str = WAITING
+    lease: Lease | None = None
+    error: Rejected | None = None
+    on_wake: Callable[[Ticket], None] | None = None
+    deadline: float = math.inf
+
+    def wake(self) -> None:
+        if self.on_wake is not None:
+            self.on_wake(self)
+
+
+@dataclass(eq=False)
+class Lease:
+    ticket: Ticket
+    route: str
+    node: str
+    started_at: float
+    trial: bool
+    released: bool = False
+
+
+# --- strategies: the order in which waiting tickets get slots ---------------------------------
+
+
+class FifoOrder:
+    def __init__(self) -> None:
+        self._q: OrderedDict[int, Ticket] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._q)
+
+    def push(self, t: Ticket, front: bool = False) -> None:
+        self._q[t.seq] = t
+        if front:
+            self._q.move_to_end(t.seq, last=False)
+
+    def remove(self, t: Ticket) -> bool:
+        return self._q.pop(t.seq, None) is not None
+
+    def peek(self, now: float) -> Ticket | None:
+        return next(iter(self._q.values()), None)
+
+    def pop(self, now: float) -> Ticket:
+        return self._q.popitem(last=False)[1]
+
+    def order(self, now: float) -> Iterator[Ticket]:
+        return iter(list(self._q.values()))
+
+
+class FairOrder:
+    """One FIFO per key, served round-robin across keys (``fifo_fair_lease``)."""
+
+    def __init__(self) -> None:
+        self._by_key: dict[str, OrderedDict[int, Ticket]] = {}
+        self._ring: OrderedDict[str, None] = OrderedDict()  # first = the key served next
+        self._n = 0
+
+    def __len__(self) -> int:
+        return self._n
+
+    def push(self, t: Ticket, front: bool = False) -> None:
+        q = self._by_key.setdefault(t.key, OrderedDict())
+        q[t.seq] = t
+        self._n += 1
+        if t.key not in self._ring:
+            self._ring[t.key] = None
+        if front:
+            # A re-queued request goes back to the head: its key is served next, it first.
+            q.move_to_end(t.seq, last=False)
+            self._ring.move_to_end(t.key, last=False)
+
+    def remove(self, t: Ticket) -> bool:
+        q = self._by_key.get(t.key)
+        if q is None or q.pop(t.seq, None) is None:
+            return False
+        self._n -= 1
+        if not q:
+            del self._by_key[t.key]
+            del self._ring[t.key]
+        return True
+
+    def peek(self, now: float) -> Ticket | None:
+        for k in self._ring:
+            return next(iter(self._by_key[k].values()))
+        return None
+
+    def pop(self, now: float) -> Ticket:
+        k = next(iter(self._ring))
+        q = self._by_key[k]
+        t = q.popitem(last=False)[1]
+        self._n -= 1
+        if q:
+            self._ring.move_to_end(k)
+        else:
+            del self._by_key[k]
+            del self._ring[k]
+        return t
+
+    def order(self, now: float) -> Iterator[Ticket]:
+        queues = [list(self._by_key[k].values()) for k in self._ring]
+        for i in itertools.count():
+            alive = False
+            for q in queues:
+                if i < len(q):
+                    alive = True
+                    yield q[i]
+            if not alive:
+                return
+
+
+class PriorityOrder:
+    """Higher priority first, FIFO within a level; a request gains +1 per ``age_step`` waited."""
+
+    def __init__(self, age_step: float) -> None:
+        self.age_step = max(age_step, 1e-9)
+        self._levels: dict[int, OrderedDict[int, Ticket]] = {}
+        self._n = 0
+
+    def __len__(self) -> int:
+        return self._n
+
+    def push(self, t: Ticket, front: bool = False) -> None:
+        q = self._levels.setdefault(t.priority, OrderedDict())
+        q[t.seq] = t
+        self._n += 1
+        if front:
+            q.move_to_end(t.seq, last=False)
+
+    def remove(self, t: Ticket) -> bool:
+        q = self._levels.get(t.priority)
+        if q is None or q.pop(t.seq, None) is None:
+            return False
+        self._n -= 1
+        if not q:
+            del self._levels[t.priority]
+        return True
+
+    def effective(self, t: Ticket, now: float) -> float:
+        return t.priority + math.floor(max(0.0, now - t.enqueued_at) / self.age_step)
+
+    def _best(self, heads: dict[int, list[Ticket]], idx: dict[int, int], now: float) -> int | None:
+        best: tuple[float, int] | None = None
+        best_level = None
+        for level, q in heads.items():
+            i = idx[level]
+            if i < len(q):
+                t = q[i]
+                k = (self.effective(t, now), -t.enqueued_at)
+                if best is None or k > best:
+                    best, best_level = k, level
+        return best_level
+
+    def peek(self, now: float) -> Ticket | None:
+        heads = {lv: [next(iter(q.values()))] for lv, q in self._levels.items()}
+        lv = self._best(heads, dict.fromkeys(heads, 0), now)
+        return None if lv is None else heads[lv][0]
+
+    def pop(self, now: float) -> Ticket:
+        t = self.peek(now)
+        assert t is not None
+        self.remove(t)
+        return t
+
+    def order(self, now: float) -> Iterator[Ticket]:
+        heads = {lv: list(q.values()) for lv, q in self._levels.items()}
+        idx = dict.fromkeys(heads, 0)
+        while True:
+            lv = self._best(heads, idx, now)
+            if lv is None:
+                return
+            yield heads[lv][idx[lv]]
+            idx[lv] += 1
+
+
+def make_order(cfg: RouteConfig) -> FifoOrder | FairOrder | PriorityOrder:
+    if cfg.strategy == "fifo":
+        return FifoOrder()
+    if cfg.strategy == "priority":
+        return PriorityOrder(cfg.queue_timeout_sec / 4)
+    return FairOrder()
+
+
+# --- per-route state ---------------------------------------------------------------------------
+
+
+class RouteQueue:
+    def __init__(self, name: str, cfg: RouteConfig):
+        self.name = name
+        self.cfg = cfg
+        self.waiting = make_order(cfg)
+        self.by_key: Counter[str] = Counter()
+        self.inflight: Counter[str] = Counter()  # node -> leases of this route
+        self.retired = False
+        self.mode = "primary"
+        self.mean_service: float | None = cfg.expected_duration_sec
+        self.samples = 0
+
+    def configure(self, cfg: RouteConfig, now: float) -> None:
+        old = self.cfg
+        self.cfg = cfg
+        if old.strategy != cfg.strategy or old.queue_timeout_sec != cfg.queue_timeout_sec:
+            tickets = list(self.waiting.order(now))
+            self.waiting = make_order(cfg)
+            for t in tickets:
+                self.waiting.push(t)
+        if self.samples == 0:
+            self.mean_service = cfg.expected_duration_sec
+
+    @property
+    def all_nodes(self) -> list[str]:
+        return list(self.cfg.nodes) + list(self.cfg.standby)
+
+    def observe(self, seconds: float) -> None:
+        """Service-time moving average (EWMA, alpha 0.2; the first sample replaces the seed)."""
+        if self.samples == 0 or self.mean_service is None:
+            self.mean_service = seconds
+        else:
+            self.mean_service += 0.2 * (seconds - self.mean_service)
+        self.samples += 1
+
+
+# --- the scheduler -----------------------------------------------------------------------------
+
+
+class Scheduler:
+    """All routes' queues and all nodes' slots; the only place where leases are made."""
+
+    def __init__(self) -> None:
+        self.routes: dict[str, RouteQueue] = {}
+        self.nodes: dict[str, NodeState] = {}
+        self.node_inflight: Counter[str] = Counter()
+        self._seq = itertools.count(1)
+        self._deadlines: list[tuple[float, int, Ticket]] = []
+
+    # -- capacity --------------------------------------------------------------------------
+    def route_slots(self, rq: RouteQueue, node: str, now: float) -> int:
+        ns = self.nodes[node]
+        return ns.effective(rq.cfg.max_concurrency, now)
+
+    def can_take(self, rq: RouteQueue, node: str, now: float) -> bool:
+        ns = self.nodes.get(node)
+        if ns is None or not ns.available(now):
+            return False
+        if rq.inflight[node] >= ns.effective(rq.cfg.max_concurrency, now):
+            return False
+        cap = ns.cfg.max_concurrency
+        return cap is None or self.node_inflight[node] < ns.effective(cap, now)
+
+    def usable(self, rq: RouteQueue, now: float) -> list[str]:
+        """Nodes the route would send new work to right now (primaries, else standbys)."""
+        prim = [n for n in rq.cfg.nodes if n in self.nodes and self.nodes[n].available(now)]
+        if prim:
+            return prim
+        return [n for n in rq.cfg.standby if n in self.nodes and self.nodes[n].available(now)]
+
+    def live_slots(self, rq: RouteQueue, now: float) -> int:
+        total = 0
+        for n in self.usable(rq, now):
+            ns = self.nodes[n]
+            s = ns.effective(rq.cfg.max_concurrency, now)
+            if ns.cfg.max_concurrency is not None:
+                s = min(s, ns.effective(ns.cfg.max_concurrency, now))
+            total += s
+        return total
+
+    def choose_node(self, rq: RouteQueue, t: Ticket, now: float) -> str | None:
+        if t.pinned_node is not None:
+            return t.pinned_node if self.can_take(rq, t.pinned_node, now) else None
+        best: str | None = None
+        for group in (rq.cfg.nodes, rq.cfg.standby):
+            best = self._least_loaded([n for n in group if n not in t.avoid], rq, now)
+            if best is not None:
+                return best
+            # A standby is only for when no primary can *be used*; a primary that is merely
+            # full means wait for it, not spill onto the standby.
+            if any(n not in t.avoid and n in self.nodes and self.nodes[n].available(now) for n in group):
+                return None
+        # Every other node is gone: retrying where it failed beats failing outright.
+        return self._least_loaded([n for n in rq.all_nodes if n in t.avoid], rq, now)
+
+    def _least_loaded(self, names: list[str], rq: RouteQueue, now: float) -> str | None:
+        best, best_load = None, 0
+        for n in names:
+            if self.can_take(rq, n, now):
+                load = self.node_inflight[n]
+                if best is None or load < best_load:
+                    best, best_load = n, load
+        return best
+
+    # -- admission -------------------------------------------------------------------------
+    def est_wait(self, rq: RouteQueue, position: int, now: float) -> float | None:
+        """position × mean service time ÷ live slots (Gradio's rank_eta model); None if unknown."""
+        if rq.mean_service is None:
+            return None
+        slots = self.live_slots(rq, now)
+        if slots == 0:
+            return None
+        return round(position * rq.mean_service / slots, 2)
+
+    def retry_after(self, rq: RouteQueue, now: float) -> float:
+        est = self.est_wait(rq, len(rq.waiting) + 1, now)
+        return max(1.0, math.ceil(est)) if est is not None else 1.0
+
+    def admit(
+        self,
+        route: str,
+        key: str,
+        priority: int,
+        now: float,
+        *,
+        pinned_node: str | None = None,
+        on_wake: Callable[[Ticket], None] | None = None,
+    ) -> Ticket:
+        """Queue a request (raises Rejected); it may be leased at once by the dispatch inside."""
+        rq = self.routes[route]
+        cfg = rq.cfg
+        if cfg.max_queued_per_key is not None and rq.by_key[key] >= cfg.max_queued_per_key:
+            raise Rejected(
+                429,
+                "queue_full",
+                f"key already has {rq.by_key[key]} requests waiting on route {route}",
+                self.retry_after(rq, now),
+            )
+        t = Ticket(next(self._seq), route, key, priority, now, pinned_node=pinned_node, on_wake=on_wake)
+        # A free slot and nobody ahead: straight through, even when max_queue_depth is 0.
+        if not rq.waiting:
+            node = self.choose_node(rq, t, now)
+            if node is not None:
+                self._lease(rq, t, node, now)
+                return t
+        if len(rq.waiting) >= cfg.max_queue_depth:
+            if cfg.drop_policy == "drop_oldest" and rq.waiting:
+                victim = min(rq.waiting.order(now), key=lambda x: (x.enqueued_at, x.seq))
+                self._fail(
+                    victim,
+                    Rejected(503, "queue_full", "dropped: queue full", self.retry_after(rq, now)),
+                )
+            else:
+                status = 503 if cfg.drop_policy == "reject_with_503" else 429
+                if cfg.drop_policy == "drop_oldest":
+                    status = 503
+                raise Rejected(
+                    status,
+                    "queue_full",
+                    f"queue of route {route} is full ({cfg.max_queue_depth} waiting)",
+                    self.retry_after(rq, now),
+                )
+        self._enqueue(rq, t, now, front=False)
+        self.dispatch(now)
+        return t
+
+    def _enqueue(self, rq: RouteQueue, t: Ticket, now: float, front: bool) -> None:
+        t.state = WAITING
+        t.lease = None
+        t.deadline = now + rq.cfg.queue_timeout_sec
+        rq.waiting.push(t, front=front)
+        rq.by_key[t.key] += 1
+        heapq.heappush(self._deadlines, (t.deadline, t.seq, t))
+
+    def _unqueue(self, rq: RouteQueue, t: Ticket) -> bool:
+        if not rq.waiting.remove(t):
+            return False
+        rq.by_key[t.key] -= 1
+        if rq.by_key[t.key] <= 0:
+            del rq.by_key[t.key]
+        return True
+
+    def _fail(self, t: Ticket, err: Rejected) -> None:
+        rq = self.routes[t.route]
+        self._unqueue(rq, t)
+        t.state = FAILED
+        t.error = err
+        t.wake()
+
+    def cancel(self, t: Ticket) -> bool:
+        """Take a waiting ticket out (client gone, job cancelled); False if it is not waiting."""
+        if t.state != WAITING:
+            return False
+        self._unqueue(self.routes[t.route], t)
+        t.state = DONE
+        return True
+
+    def requeue(self, lease: Lease, now: float, avoid_node: bool = True) -> Ticket:
+        """Put a leased request back at the head of its queue (its node failed before any byte)."""
+        t = lease.ticket
+        self.release(lease, now, service_time=None)
+        if avoid_node:
+            t.avoid.add(lease.node)
+        t.requeues += 1
+        rq = self.routes[t.route]
+        self._enqueue(rq, t, now, front=True)
+        return t
+
+    def expire(self, now: float) -> list[Ticket]:
+        """Fail every ticket whose queue_timeout_sec has passed (503 queue_timeout)."""
+        out = []
+        while self._deadlines and self._deadlines[0][0] <= now:
+            _, _, t = heapq.heappop(self._deadlines)
+            if t.state != WAITING or t.deadline > now:
+                continue
+            rq = self.routes[t.route]
+            self._fail(
+                t,
+                Rejected(
+                    503,
+                    "queue_timeout",
+                    f"waited {rq.cfg.queue_timeout_sec:g}s in the queue of route {t.route}",
+                    self.retry_after(rq, now),
+                ),
+            )
+            out.append(t)
+        return out
+
+    def fail_all_waiting(self, err: Callable[[], Rejected]) -> list[Ticket]:
+        out = []
+        for rq in self.routes.values():
+            for t in list(rq.waiting.order(0.0)):
+                self._fail(t, err())
+                out.append(t)
+        return out
+
+    # -- leases ----------------------------------------------------------------------------
+    def _lease(self, rq: RouteQueue, t: Ticket, node: str, now: float) -> Lease:
+        trial = self.nodes[node].on_dispatch(now)
+        lease = Lease(t, rq.name, node, now, trial)
+        rq.inflight[node] += 1
+        self.node_inflight[node] += 1
+        t.state = LEASED
+        t.lease = lease
+        return lease
+
+    def dispatch(self, now: float) -> list[Lease]:
+        """Give free slots to waiting tickets: per route in strategy order, routes by oldest head."""
+        made: list[Lease] = []
+        active = [rq for rq in self.routes.values() if rq.waiting]
+        while active:
+            progress = False
+            if len(active) > 1:
+                active.sort(key=lambda r: (r.waiting.peek(now) or _NEVER).enqueued_at)
+            for rq in active:
+                t = rq.waiting.peek(now)
+                if t is None:
+                    continue
+                node = self.choose_node(rq, t, now)
+                if node is None:
+                    continue
+                rq.waiting.pop(now)
+                rq.by_key[t.key] -= 1
+                if rq.by_key[t.key] <= 0:
+                    del rq.by_key[t.key]
+                made.append(self._lease(rq, t, node, now))
+                t.wake()
+                progress = True
+                break
+            if not progress:
+                break
+            active = [rq for rq in active if rq.waiting]
+        return made
+
+    def release(self, lease: Lease, now: float, service_time: float | None) -> None:
+        """Free the slot; idempotent so that every exit path may call it."""
+        if lease.released:
+            return
+        lease.released = True
+        rq = self.routes.get(lease.route)
+        if rq is not None:
+            rq.inflight[lease.node] -= 1
+            if rq.inflight[lease.node] <= 0:
+                del rq.inflight[lease.node]
+            if service_time is not None:
+                rq.observe(service_time)
+        self.node_inflight[lease.node] -= 1
+        if self.node_inflight[lease.node] <= 0:
+            del self.node_inflight[lease.node]
+        ns = self.nodes.get(lease.node)
+        if ns is not None and lease.trial and ns.trial_in_flight:
+            # The trial ended without a verdict (e.g. cancelled): let another one run.
+            ns.trial_in_flight = False
+        if lease.ticket.state == LEASED:
+            lease.ticket.state = DONE
+
+    # -- views -----------------------------------------------------------------------------
+    def position(self, t: Ticket, now: float) -> int | None:
+        if t.state != WAITING:
+            return None
+        for i, x in enumerate(self.routes[t.route].waiting.order(now), 1):
+            if x is t:
+                return i
+        return None
+
+    def positions(self, route: str, now: float) -> dict[int, int]:
+        return {t.seq: i for i, t in enumerate(self.routes[route].waiting.order(now), 1)}
+
+    def update_modes(self, now: float) -> list[tuple[str, str, str]]:
+        """Recompute each route's mode; returns (route, old, new) for every change."""
+        changes = []
+        for rq in self.routes.values():
+            if rq.retired:
+                continue
+            if any(n in self.nodes and self.nodes[n].available(now) for n in rq.cfg.nodes):
+                mode = "primary"
+            elif any(n in self.nodes and self.nodes[n].available(now) for n in rq.cfg.standby):
+                mode = "failover"
+            else:
+                mode = "down"
+            if mode != rq.mode:
+                changes.append((rq.name, rq.mode, mode))
+                rq.mode = mode
+        return changes
+
+
+_NEVER = Ticket(0, "", "", 0, math.inf)
+

@@ -1,0 +1,445 @@
+"""The Runtime: the current config and every live object. ``apply`` diffs a new config in.
+
+Nothing in the package keeps module-level state; handlers reach everything through the
+Runtime stored on the aiohttp app.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+import aiohttp
+
+from kilolined.auth import KeyStore
+from kilolined.config import Config, NodeConfig
+from kilolined.feed import Feed
+from kilolined.limits import Budgets, RateLimiter
+from kilolined.metrics import Metrics
+from kilolined.nodes import NodeState
+from kilolined.queue import LEASED, WAITING, Lease, Rejected, RouteQueue, Scheduler, Ticket
+
+log = logging.getLogger("kilolined")
+
+PUMP_SEC = 0.05
+
+
+class Router:
+    """Longest path prefix on a segment boundary wins: /comfy matches /comfy and /comfy/x, not /comfyx."""
+
+    def __init__(self, routes: dict[str, str]):
+        self._by_len = sorted(routes.items(), key=lambda kv: -len(kv[0]))
+
+    def match(self, path: str) -> tuple[str, str] | None:
+        for prefix, name in self._by_len:
+            if prefix == "/":
+                return name, path
+            if path == prefix or path.startswith(prefix + "/"):
+                return name, path[len(prefix) :] or "/"
+        return None
+
+
+class Runtime:
+    def __init__(self, cfg: Config, version: str, *, clock: Callable[[], float] = time.monotonic,
+                 config_path: str | None = None):
+        self.clock = clock
+        self.config_path = config_path
+        self.started_at = clock()
+        self.cfg = cfg
+        self.version = version
+        self.loaded_at = time.time()
+        self.last_error: list[str] | None = None
+        self.scheduler = Scheduler()
+        self.limiter = RateLimiter()
+        self.budgets = Budgets(cfg.server.state_dir)
+        self.keys = KeyStore(cfg)
+        self.router = Router({})
+        self.feed = Feed()
+        self.metrics = Metrics(lambda: self)
+        self.sessions: dict[str, aiohttp.ClientSession] = {}
+        self._retired_sessions: list[aiohttp.ClientSession] = []
+        self._health_tasks: dict[str, asyncio.Task[None]] = {}
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._pump: asyncio.Task[None] | None = None
+        self.shutting_down = False
+        self.notifier: Any = None
+        self.webhooks: Any = None
+        self.jobs: Any = None
+        self.started = False
+        self.log_json = False
+        self.admin_sessions: dict[str, float] = {}  # dashboard session token -> expiry
+        self._apply_state(cfg)
+
+    # --- config -------------------------------------------------------------------------
+    def _apply_state(self, cfg: Config) -> None:
+        """Swap config into the scheduler and stores. Pure bookkeeping: cannot fail half-way."""
+        now = self.clock()
+        sched = self.scheduler
+        old_nodes = sched.nodes
+        for name, ncfg in cfg.nodes.items():
+            ns = old_nodes.get(name)
+            if ns is not None and not ns.retired and ns.cfg.url == ncfg.url:
+                ns.cfg = ncfg
+            else:
+                if ns is not None and name in self.sessions:
+                    # Same name, new URL: a new node. Old in-flight finish on the old session.
+                    self._retired_sessions.append(self.sessions.pop(name))
+                sched.nodes[name] = NodeState(name, ncfg)
+        for name, ns in list(old_nodes.items()):
+            if name not in cfg.nodes and not name.startswith("adhoc:"):
+                ns.retired = True
+        for name, rcfg in cfg.routes.items():
+            rq = sched.routes.get(name)
+            if rq is None or rq.retired:
+                if rq is not None and (rq.waiting or rq.inflight):
+                    rq.retired = False
+                    rq.configure(rcfg, now)
+                else:
+                    sched.routes[name] = RouteQueue(name, rcfg)
+            else:
+                rq.configure(rcfg, now)
+        for name, rq in sched.routes.items():
+            if name not in cfg.routes and not name.startswith("adhoc:"):
+                rq.retired = True
+        self.router = Router({r.path: n for n, r in cfg.routes.items()})
+        self.keys = KeyStore(cfg)
+        self.limiter.forget_except(set(cfg.keys))
+        self.cfg = cfg
+        self._gc(now)
+
+    def apply(self, cfg: Config, version: str) -> list[str]:
+        """Apply a validated config live (SPEC §2.1); returns warnings (e.g. listen changed)."""
+        warnings = []
+        old = self.cfg
+        if (old.server.listen, old.server.tls) != (cfg.server.listen, cfg.server.tls):
+            warnings.append("server.listen/tls changed: needs a restart; the rest is applied")
+        self._apply_state(cfg)
+        self.version = version
+        self.loaded_at = time.time()
+        self.last_error = None
+        if self.started:
+            self._sync_health_loops()
+            if self.notifier is not None:
+                self.notifier.configure(cfg.notify)
+            if self.webhooks is not None:
+                self.webhooks.configure(
+                    secret=cfg.jobs.webhook_secret, backoff_sec=list(cfg.jobs.webhook_backoff_sec),
+                    timeout_sec=cfg.jobs.webhook_timeout_sec,
+                )
+            if self.jobs is not None:
+                self.jobs.configure(cfg.jobs)
+            self.wake()
+        self.metrics.reloads.labels("ok").inc()
+        self.feed.publish("reload", version=version, ok=True)
+        return warnings
+
+    def reload_failed(self, errors: list[str]) -> None:
+        self.last_error = errors
+        self.metrics.reloads.labels("error").inc()
+        for e in errors:
+            log.error("✗ [reload] %s", e)
+        self.feed.publish("reload", ok=False, errors=errors)
+        self.notify("reload_failed", "✗ config reload failed: " + "; ".join(errors[:5]), node=None)
+
+    def _gc(self, now: float) -> None:
+        """Forget retired routes and nodes once nothing waits on or runs through them."""
+        sched = self.scheduler
+        for name, rq in list(sched.routes.items()):
+            if rq.retired and not rq.waiting and not rq.inflight:
+                del sched.routes[name]
+        for name, ns in list(sched.nodes.items()):
+            if ns.retired and not sched.node_inflight.get(name):
+                del sched.nodes[name]
+                s = self.sessions.pop(name, None)
+                if s is not None:
+                    self.spawn(s.close())
+
+    # --- lifecycle ----------------------------------------------------------------------
+    async def start(self) -> None:
+        from kilolined.notify import Notifier
+        from kilolined.webhooks import WebhookDeliverer
+
+        self.notifier = Notifier(self.cfg.notify)
+        await self.notifier.start()
+        self.webhooks = WebhookDeliverer(
+            secret=self.cfg.jobs.webhook_secret, backoff_sec=list(self.cfg.jobs.webhook_backoff_sec),
+            timeout_sec=self.cfg.jobs.webhook_timeout_sec,
+        )
+        self.started = True
+        self._sync_health_loops()
+        self._pump = asyncio.create_task(self._pump_loop(), name="kiloline-pump")
+
+    async def stop(self) -> None:
+        self.started = False
+        if self._pump:
+            self._pump.cancel()
+        for t in list(self._health_tasks.values()):
+            t.cancel()
+        self._health_tasks.clear()
+        for t in list(self._tasks):
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self.jobs is not None:
+            await self.jobs.close()
+        if self.webhooks is not None:
+            await self.webhooks.close()
+        if self.notifier is not None:
+            await self.notifier.close()
+        for s in [*self.sessions.values(), *self._retired_sessions]:
+            await s.close()
+        self.sessions.clear()
+        with contextlib.suppress(OSError):
+            self.budgets.save()
+
+    def spawn(self, coro: Any) -> asyncio.Task[Any]:
+        """Background task owned by the Runtime (cancelled at stop, never garbage-collected early)."""
+        t = asyncio.create_task(coro)
+        self._tasks.add(t)
+        t.add_done_callback(self._tasks.discard)
+        return t
+
+    async def _pump_loop(self) -> None:
+        """Time-driven work: queue timeouts, breaker half-open, slow start, modes, budget saves."""
+        last_save = self.clock()
+        while True:
+            await asyncio.sleep(PUMP_SEC)
+            try:
+                now = self.clock()
+                for t in self.scheduler.expire(now):
+                    self.metrics.rejections.labels(self._route_label(t.route), "queue_timeout").inc()
+                self.wake()
+                self._gc(now)
+                if now - last_save > 5:
+                    last_save = now
+                    try:
+                        self.budgets.save()
+                    except OSError as e:
+                        log.warning("could not save budgets: %s", e)
+            except Exception:  # the pump must never die: it is what makes time pass for the queue
+                log.exception("pump")
+
+    def _sync_health_loops(self) -> None:
+        from kilolined.health import health_loop
+
+        want = {n: ns for n, ns in self.scheduler.nodes.items() if not ns.retired and ns.cfg.health}
+        for n, t in list(self._health_tasks.items()):
+            cur = want.get(n)
+            if cur is None or getattr(t, "kl_cfg", None) is not cur.cfg:
+                t.cancel()
+                del self._health_tasks[n]
+        for n, ns in want.items():
+            if n not in self._health_tasks:
+                t = asyncio.create_task(health_loop(self, ns), name=f"health-{n}")
+                t.kl_cfg = ns.cfg  # type: ignore[attr-defined]
+                self._health_tasks[n] = t
+
+    # --- upstream sessions --------------------------------------------------------------
+    def session(self, node: str) -> aiohttp.ClientSession:
+        s = self.sessions.get(node)
+        if s is None or s.closed:
+            conn = aiohttp.TCPConnector(limit=0, keepalive_timeout=30, enable_cleanup_closed=True)
+            s = aiohttp.ClientSession(
+                connector=conn, auto_decompress=False, cookie_jar=aiohttp.DummyCookieJar(),
+                skip_auto_headers=("User-Agent", "Accept-Encoding", "Content-Type"),
+            )
+            self.sessions[node] = s
+        return s
+
+    def node_cfg(self, node: str) -> NodeConfig:
+        return self.scheduler.nodes[node].cfg
+
+    # --- queue --------------------------------------------------------------------------
+    def wake(self) -> None:
+        """Something may have freed capacity or changed node state: hand out slots."""
+        now = self.clock()
+        self.scheduler.dispatch(now)
+        for route, old, new in self.scheduler.update_modes(now):
+            self._mode_changed(route, old, new)
+        # A mode change can make standbys usable.
+        self.scheduler.dispatch(now)
+
+    def admit(self, route: str, key: str, priority: int, *, pinned_node: str | None = None) -> Ticket:
+        t = self.scheduler.admit(route, key, priority, self.clock(), pinned_node=pinned_node)
+        return t
+
+    async def wait(self, t: Ticket) -> Lease:
+        """Wait until the ticket holds a lease; raises its Rejected, or leaves the queue if cancelled."""
+        if t.state == WAITING:
+            fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+
+            def wake(_: Ticket) -> None:
+                if not fut.done():
+                    fut.set_result(None)
+
+            t.on_wake = wake
+            try:
+                await fut
+            except asyncio.CancelledError:
+                self.abandon(t)
+                raise
+            finally:
+                t.on_wake = None
+        if t.state == LEASED and t.lease is not None:
+            return t.lease
+        if t.error is not None:
+            raise t.error
+        raise Rejected(503, "shutting_down", "request was cancelled")
+
+    def abandon(self, t: Ticket) -> None:
+        """The owner is gone (client disconnect, job cancel): leave the queue or free the slot."""
+        if not self.scheduler.cancel(t) and t.state == LEASED and t.lease is not None:
+            self.release(t.lease, ok=None)
+
+    def release(self, lease: Lease, ok: bool | None, key: str | None = None) -> None:
+        """Free the slot (idempotent). ok=True feeds the service-time average."""
+        if lease.released:
+            return
+        now = self.clock()
+        held = now - lease.started_at
+        self.scheduler.release(lease, now, service_time=held if ok else None)
+        if key is not None:
+            self.budgets.add(key, time.time(), gpu_seconds=held)
+        self.wake()
+
+    def requeue(self, lease: Lease) -> Ticket:
+        t = self.scheduler.requeue(lease, self.clock())
+        self.metrics.failovers.labels(self._route_label(lease.route)).inc()
+        self.wake()
+        return t
+
+    # --- node results -------------------------------------------------------------------
+    def node_success(self, node: str, trial: bool) -> None:
+        ns = self.scheduler.nodes.get(node)
+        if ns is not None:
+            self.node_events(ns, ns.record_success(self.clock(), trial))
+
+    def node_failure(self, node: str, reason: str, trial: bool) -> None:
+        ns = self.scheduler.nodes.get(node)
+        if ns is None:
+            return
+        log.warning("✗ [%s] %s", node, reason)
+        self.node_events(ns, ns.record_failure(self.clock(), reason, trial))
+
+    def node_events(self, ns: NodeState, events: list[str]) -> None:
+        if not events:
+            return
+        for ev in events:
+            text = self._node_text(ns, ev)
+            log.warning("%s", text) if ev in ("node_down", "breaker_open") else log.info("%s", text)
+            self.feed.publish(ev, node=ns.name, label=ns.label, text=text)
+            self.notify(ev, text, node=ns.name)
+        self.wake()
+
+    def _node_text(self, ns: NodeState, ev: str) -> str:
+        who = f"{ns.name} ({ns.label})" if ns.label != ns.name else ns.name
+        if ev == "node_down":
+            return f"✗ {who} DOWN — {ns.last_error or 'health check failing'}"
+        if ev == "node_up":
+            return f"✓ {who} UP — health checks passing"
+        if ev == "breaker_open":
+            return (f"⚡ {who} breaker OPEN after {ns.breaker_cfg.consecutive_failures} failures "
+                    f"({ns.last_error or 'errors'}), retry in {ns.open_period:g}s")
+        return f"✓ {who} breaker closed — taking work again"
+
+    def _mode_changed(self, route: str, old: str, new: str) -> None:
+        rq = self.scheduler.routes[route]
+        queued = len(rq.waiting)
+        if new == "failover":
+            targets = ", ".join(n for n in rq.cfg.standby if self.scheduler.nodes[n].available(self.clock()))
+            events = [("failover", f"⚡ {route} failing over to {targets} ({queued} queued)")]
+        elif new == "primary":
+            events = [("failback", f"✓ {route} back on primary {', '.join(rq.cfg.nodes)}")]
+        else:
+            events = [("route_down", f"✗ {route} DOWN — no node can take work ({queued} queued, waiting)")]
+        if old == "down":
+            events.insert(0, ("route_up", f"✓ {route} UP — queue resumed"))
+            if new == "primary":
+                events = events[:1]  # back from down straight to primary: route_up says it all
+        for ev, text in events:
+            log.warning("%s", text)
+            self.feed.publish(ev, route=route, text=text, mode=new)
+            self.notify(ev, text, node=route)
+
+    def notify(self, event: str, text: str, node: str | None) -> None:
+        if self.notifier is not None:
+            self.notifier.emit(event, text, node=node)
+
+    @staticmethod
+    def _route_label(route: str) -> str:
+        return "adhoc" if route.startswith("adhoc:") else route
+
+    # --- ad-hoc targets (SPEC §4.6) -----------------------------------------------------
+    def adhoc_route(self, target: str, slots: int) -> str:
+        from kilolined.config import RouteConfig
+
+        name = f"adhoc:{target}"
+        sched = self.scheduler
+        if name not in sched.nodes:
+            sched.nodes[name] = NodeState(name, NodeConfig(url=target))
+        rq = sched.routes.get(name)
+        rcfg = RouteConfig(path="/v1/proxy", nodes=[name], max_concurrency=slots,
+                           queue_timeout_sec=120, max_queue_depth=100)
+        if rq is None:
+            sched.routes[name] = RouteQueue(name, rcfg)
+        elif rq.cfg.max_concurrency != slots:
+            rq.configure(rcfg, self.clock())
+        return name
+
+    # --- views --------------------------------------------------------------------------
+    def route_snapshot(self, rq: RouteQueue, now: float) -> dict[str, Any]:
+        sched = self.scheduler
+        return {
+            "queue_depth": len(rq.waiting),
+            "inflight": sum(rq.inflight.values()),
+            "slots": sched.live_slots(rq, now),
+            "waiting_by_key": dict(rq.by_key),
+            "est_wait_sec": sched.est_wait(rq, len(rq.waiting) + 1, now) if rq.waiting else
+            sched.est_wait(rq, 0, now),
+            "active_nodes": sched.usable(rq, now),
+            "mode": rq.mode,
+            "kind": rq.cfg.kind,
+            "path": rq.cfg.path,
+            "max_concurrency": rq.cfg.max_concurrency,
+            "nodes": list(rq.cfg.nodes),
+            "standby": list(rq.cfg.standby),
+        }
+
+    def state(self) -> dict[str, Any]:
+        now = self.clock()
+        sched = self.scheduler
+        routes = {n: self.route_snapshot(rq, now) for n, rq in sched.routes.items()
+                  if not n.startswith("adhoc:") and not rq.retired}
+        nodes: dict[str, Any] = {}
+        for n, ns in sched.nodes.items():
+            if n.startswith("adhoc:") or ns.retired:
+                continue
+            slots = 0
+            for rq in sched.routes.values():
+                if n in rq.all_nodes and not rq.retired:
+                    slots += ns.effective(rq.cfg.max_concurrency, now)
+            if ns.cfg.max_concurrency is not None:
+                slots = min(slots, ns.effective(ns.cfg.max_concurrency, now))
+            nodes[n] = {**ns.snapshot(now), "inflight": sched.node_inflight.get(n, 0), "slots": slots,
+                        "latency_ms": list(ns.latencies[-20:])}
+        return {
+            "config": {"version": self.version, "loaded_at": self.loaded_at, "last_error": self.last_error},
+            "routes": routes,
+            "nodes": nodes,
+            "uptime_sec": round(now - self.started_at, 1),
+        }
+
+    def readiness(self) -> list[str]:
+        now = self.clock()
+        reasons = []
+        for n, rq in self.scheduler.routes.items():
+            if n.startswith("adhoc:") or rq.retired:
+                continue
+            if not self.scheduler.usable(rq, now):
+                reasons.append(f"route {n}: no node can take work")
+        if self.shutting_down:
+            reasons.append("shutting down")
+        return reasons

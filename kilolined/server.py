@@ -1,0 +1,125 @@
+"""Running the daemon: listen, signals (TERM/INT graceful, HUP reload), graceful shutdown."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import ssl
+
+from aiohttp import web
+
+from kilolined import systemd
+from kilolined.app import build_app
+from kilolined.config import Config, split_listen
+from kilolined.queue import Rejected
+from kilolined.runtime import Runtime
+
+log = logging.getLogger("kilolined")
+
+
+class Server:
+    """Owns the Runtime, the aiohttp runner and the background triggers of one daemon."""
+
+    def __init__(self, cfg: Config, version: str, config_path: str | None, *, watch: bool = True):
+        self.rt = Runtime(cfg, version, config_path=config_path)
+        self.app = build_app(self.rt)
+        self.runner: web.AppRunner | None = None
+        self.sites: list[web.BaseSite] = []
+        self.watch = watch and config_path is not None
+        self._stop_watch = asyncio.Event()
+        self._bg: list[asyncio.Task[None]] = []
+        self.port: int | None = None
+
+    async def start(self) -> None:
+        rt = self.rt
+        await rt.start()
+        # handler_cancellation: a client that goes away while queued must leave the queue at once.
+        self.runner = web.AppRunner(self.app, handler_cancellation=True, access_log=None,
+                                    shutdown_timeout=rt.cfg.server.shutdown_grace_sec)
+        await self.runner.setup()
+        host, port = split_listen(rt.cfg.server.listen)
+        ctx = None
+        if rt.cfg.server.tls:
+            ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+            ctx.load_cert_chain(rt.cfg.server.tls.cert, rt.cfg.server.tls.key)
+        site = web.TCPSite(self.runner, host, port, ssl_context=ctx, backlog=4096, reuse_address=True)
+        await site.start()
+        self.sites.append(site)
+        server = getattr(site, "_server", None)
+        if server is not None and server.sockets:
+            self.port = server.sockets[0].getsockname()[1]
+        if self.watch:
+            from kilolined.reload import watch_config
+
+            self._bg.append(asyncio.create_task(watch_config(rt, self._stop_watch)))
+        self._bg.append(asyncio.create_task(systemd.watchdog_loop(rt)))
+        log.info("✓ kilolined listening on %s (%d routes, %d nodes)", rt.cfg.server.listen,
+                 len(rt.cfg.routes), len(rt.cfg.nodes))
+        systemd.ready(rt)
+
+    async def shutdown(self) -> None:
+        """Stop accepting, fail the waiting, let in-flight finish within shutdown_grace_sec."""
+        rt = self.rt
+        if rt.shutting_down:
+            return
+        rt.shutting_down = True
+        systemd.stopping()
+        log.info("stopping: refusing new work, %d in flight", sum(rt.scheduler.node_inflight.values()))
+        self._stop_watch.set()
+        for site in self.sites:
+            # Close the listener only; open connections (in-flight responses) keep going.
+            server = getattr(site, "_server", None)
+            if server is not None:
+                server.close()
+        failed = rt.scheduler.fail_all_waiting(
+            lambda: Rejected(503, "shutting_down", "the gateway is shutting down", 5)
+        )
+        if failed:
+            log.info("stopping: %d waiting requests answered 503 shutting_down", len(failed))
+        if rt.jobs is not None:
+            rt.jobs.shutdown()
+        grace = rt.cfg.server.shutdown_grace_sec
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + grace
+        while sum(rt.scheduler.node_inflight.values()) > 0 and loop.time() < deadline:
+            await asyncio.sleep(0.05)
+        if rt.jobs is not None:
+            await rt.jobs.flush_webhooks(max(0.5, deadline - loop.time()))
+        for t in self._bg:
+            t.cancel()
+        await asyncio.gather(*self._bg, return_exceptions=True)
+        if self.runner is not None:
+            with contextlib.suppress(Exception):
+                await self.runner.cleanup()
+        await rt.stop()
+
+
+async def serve(cfg: Config, version: str, config_path: str | None, log_json: bool = False) -> int:
+    srv = Server(cfg, version, config_path)
+    srv.rt.log_json = log_json
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+
+    def on_term() -> None:
+        if stop.is_set():
+            # A second SIGTERM/Ctrl-C means "now": skip the grace period.
+            log.warning("second signal: exiting at once")
+            os._exit(1)
+        stop.set()
+
+    def on_hup() -> None:
+        from kilolined.reload import reload_from_file
+
+        srv.rt.spawn(reload_from_file(srv.rt, reason="SIGHUP"))
+
+    await srv.start()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, on_term)
+    loop.add_signal_handler(signal.SIGHUP, on_hup)
+    await stop.wait()
+    await srv.shutdown()
+    log.info("stopped")
+    return 0

@@ -1,0 +1,88 @@
+"""The seed-compatible ``/v1/proxy`` endpoint (SPEC §4.6): the client names the target host.
+
+A target is allowed only if it is a configured node's URL (the request joins that node's
+route queue, pinned to that node) or matches one of the key's ``adhoc_targets`` globs (it joins
+an ad-hoc queue for that target with ``X-Concurrency-Slot`` slots, 1–8).
+"""
+
+from __future__ import annotations
+
+import re
+import time
+
+from aiohttp import web
+
+from kilolined.app import RT, Call, admit_and_run, choose_mode, log_access, read_body
+from kilolined.auth import presented_key
+from kilolined.proxy import Exchange, client_ip, request_id
+from kilolined.queue import Rejected
+
+_TARGET = re.compile(r"https?://[A-Za-z0-9.\-\[\]:]+")
+
+
+async def handle_proxy_endpoint(request: web.Request) -> web.StreamResponse:
+    rt = request.app[RT]
+    call = Call(request, request_id(request), time.monotonic(), route="proxy")
+    try:
+        resp = await _proxy(call)
+        call.status = resp.status
+        return resp
+    finally:
+        log_access(rt, call)
+
+
+async def _proxy(call: Call) -> web.StreamResponse:
+    request = call.request
+    rt = request.app[RT]
+    if rt.shutting_down:
+        return call.error(503, "shutting_down", "the gateway is shutting down", 5)
+    principal = rt.keys.lookup(presented_key(request))
+    if principal is None:
+        return call.error(401, "unauthorized", "missing or unknown API key")
+    call.key = principal.key_id
+    target = request.headers.get("X-Target-Host", "").strip().rstrip("/")
+    if not _TARGET.fullmatch(target):
+        return call.error(400, "bad_request", "X-Target-Host must be scheme://host:port")
+    mode = choose_mode(request)
+    if mode is None:
+        return call.error(400, "bad_request", "X-KiloLine-Mode must be sync, sse or async")
+    call.mode = mode
+    tail = "/" + request.match_info.get("tail", "")
+    qs = "&".join(f"{k}={v}" for k, v in request.rel_url.query.items() if k != "kl_mode")
+    tail += "?" + qs if qs else ""
+    pinned: str | None = None
+    route: str | None = None
+    owners = [
+        (rn, n)
+        for rn, rcfg in rt.cfg.routes.items()
+        for n in (*rcfg.nodes, *rcfg.standby)
+        if rt.cfg.nodes[n].url == target
+    ]
+    if owners:
+        wanted = request.headers.get("X-KiloLine-Route")
+        if wanted:
+            owners = [o for o in owners if o[0] == wanted]
+        owners = [o for o in owners if principal.may_use(o[0])]
+        if not owners:
+            return call.error(403, "forbidden", "target not allowed for this key")
+        route, pinned = owners[0]
+    elif principal.may_target(target):
+        try:
+            slots = int(request.headers.get("X-Concurrency-Slot", "1"))
+        except ValueError:
+            return call.error(400, "bad_request", "X-Concurrency-Slot must be an integer 1–8")
+        if not 1 <= slots <= 8:
+            return call.error(400, "bad_request", "X-Concurrency-Slot must be an integer 1–8")
+        route = rt.adhoc_route(target, slots)
+    else:
+        return call.error(403, "forbidden", "target not allowed: not a configured node nor in adhoc_targets")
+    call.route = rt._route_label(route)
+    if pinned is not None:
+        call.kind = rt.cfg.routes[route].kind
+    try:
+        body = await read_body(request, int(rt.cfg.server.max_body_mb * 1024 * 1024))
+    except Rejected as r:
+        return call.rejected(r)
+    ex = Exchange(request, request.method, tail, body, call.request_id,
+                  client_ip(request, rt.cfg.server.trusted_proxies))
+    return await admit_and_run(rt, call, route, ex, principal, principal.cfg.priority, pinned_node=pinned)
