@@ -6,9 +6,11 @@
 
 from __future__ import annotations
 
+import asyncio
 import fnmatch
 import logging
 import time
+from collections.abc import AsyncIterator, Coroutine
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -16,22 +18,23 @@ import aiohttp
 import orjson
 from aiohttp import web
 
+from kilolined.adapters import Adapter, GenericAdapter, Observer, adapter_for
+from kilolined.adapters.openai import wants_stream
 from kilolined.auth import Principal, presented_key
 from kilolined.config import RouteConfig
 from kilolined.errors import error_response
+from kilolined.forward import Hooks, http_attempt, with_retries
 from kilolined.proxy import (
-    RETRY_STATUSES,
     Exchange,
     UpstreamFailed,
     client_ip,
     cut_client,
-    iter_body,
     open_upstream,
     request_id,
     response_headers,
     stream_back,
 )
-from kilolined.queue import Rejected, Ticket
+from kilolined.queue import Lease, Rejected, Ticket
 from kilolined.runtime import Runtime
 
 log = logging.getLogger("kilolined")
@@ -57,6 +60,7 @@ class Call:
     queue_wait: float = 0.0
     bytes_out: int = 0
     headers: dict[str, str] = field(default_factory=dict)  # rate-limit headers for every response
+    adapter: Adapter = field(default_factory=GenericAdapter)
 
     def error(self, status: int, type_: str, message: str, retry_after: float | None = None) -> web.Response:
         return error_response(status, type_, message, request_id=self.request_id, retry_after=retry_after,
@@ -134,6 +138,7 @@ async def pipeline(rt: Runtime, call: Call) -> web.StreamResponse:
     call.route, tail = match
     rcfg = rt.cfg.routes[call.route]
     call.kind = rcfg.kind
+    call.adapter = adapter_for(rcfg.kind)
     # auth
     principal: Principal | None = None
     if rcfg.auth == "required":
@@ -178,6 +183,10 @@ async def pipeline(rt: Runtime, call: Call) -> web.StreamResponse:
     except Rejected as r:
         return call.rejected(r)
     ex = Exchange(request, request.method, path_tail, body, call.request_id, ip)
+    try:
+        call.adapter.prepare(ex)
+    except Rejected as r:
+        return call.rejected(r)
     priority = principal.cfg.priority if principal else 0
     return await admit_and_run(rt, call, call.route, ex, principal, priority)
 
@@ -192,81 +201,68 @@ async def admit_and_run(rt: Runtime, call: Call, route: str, ex: Exchange, princ
         return call.rejected(r)
     if principal is not None:
         rt.budgets.add(principal.key_id, time.time(), requests=1)
-    if call.mode != "sync" and rt.jobs is not None:
+    if call.mode != "sync":
         return await rt.jobs.submit(call, ticket, ex, principal)
-    return await run_sync(rt, call, ticket, ex, principal)
+    if call.kind == "openai" and wants_stream(ex):
+        from kilolined.llmstream import run_sync_stream
+
+        return await run_sync_stream(rt, call, ticket, ex)
+    return await run_sync(rt, call, ticket, ex)
 
 
-async def run_sync(rt: Runtime, call: Call, ticket: Ticket, ex: Exchange,
-                   principal: Principal | None) -> web.StreamResponse:
-    """Hold the client while queued, then stream the node's answer; re-queue on a node failure."""
-    route = ticket.route
-    label = rt._route_label(route)
-    budget_key = principal.key_id if principal else None
+async def run_sync(rt: Runtime, call: Call, ticket: Ticket, ex: Exchange) -> web.StreamResponse:
+    """Hold the client while queued, then stream the node's answer (re-queued on a node failure)."""
+    label = rt._route_label(ticket.route)
+    hooks = SyncHooks(rt, call, label)
     try:
-        lease = await rt.wait(ticket)
+        lease, up = await with_retries(rt, ticket, http_attempt(rt, ex), hooks)
     except Rejected as r:
         return call.rejected(r)
-    call.queue_wait = rt.clock() - ticket.enqueued_at
-    rt.metrics.queue_wait.labels(label).observe(call.queue_wait)
-    while True:
-        rcfg = rt.scheduler.routes[route].cfg
-        node = lease.node
-        ns = rt.scheduler.nodes[node]
-        call.node = node
-        dispatched = rt.clock()
-        try:
-            up = await open_upstream(rt.session(node), ex, ns.cfg.url, ns.cfg.headers, rcfg.request_timeout_sec)
-        except UpstreamFailed as e:
-            up, failure = None, e
-        except BaseException:
-            rt.release(lease, ok=None, key=budget_key)
-            raise
-        else:
-            failure = None
-            if up.status in RETRY_STATUSES:
-                failure = UpstreamFailed(f"HTTP {up.status} from node")
-        if failure is not None:
-            rt.node_failure(node, failure.reason, lease.trial)
-            if ticket.requeues < rcfg.retry_on_failover:
-                if up is not None:
-                    up.release()
-                log.warning("⚡ [%s] %s — re-queued %s (%s)", node, failure.reason, call.request_id, route)
-                rt.requeue(lease)
-                try:
-                    lease = await rt.wait(ticket)
-                except Rejected as r:
-                    return call.rejected(r)
-                continue
-            if up is None:
-                rt.release(lease, ok=False, key=budget_key)
-                rt.metrics.requests.labels(label, "timeout" if failure.timeout else "upstream_error").inc()
-                if failure.timeout:
-                    return call.error(504, "upstream_timeout", f"node {node} did not answer in time")
-                return call.error(502, "upstream_error", f"node {node} failed: {failure.reason}")
-        assert up is not None
-        if up.status >= 500:
-            if failure is None:
-                rt.node_failure(node, f"HTTP {up.status} from node", lease.trial)
-        else:
-            rt.node_success(node, lease.trial)
-        return await relay(rt, call, lease, up, ns.cfg.url, rcfg, dispatched, budget_key)
+    except UpstreamFailed as e:
+        rt.metrics.requests.labels(label, "timeout" if e.timeout else "upstream_error").inc()
+        if e.timeout:
+            return call.error(504, "upstream_timeout", f"node {call.node} did not answer in time")
+        return call.error(502, "upstream_error", f"node {call.node} failed: {e.reason}")
+    return await relay(rt, call, lease, up, ex, hooks.dispatched_at)
 
 
-async def relay(rt: Runtime, call: Call, lease: Any, up: aiohttp.ClientResponse, node_url: str,
-                rcfg: RouteConfig, dispatched: float, budget_key: str | None) -> web.StreamResponse:
-    """Stream the answer back; the slot is freed when the body ends (or on any exit)."""
+class SyncHooks(Hooks):
+    def __init__(self, rt: Runtime, call: Call, label: str):
+        self.rt, self.call, self.label = rt, call, label
+        self.dispatched_at = 0.0
+
+    def dispatched(self, lease: Lease, queue_wait: float) -> None:
+        if self.dispatched_at == 0.0:
+            self.call.queue_wait = queue_wait
+            self.rt.metrics.queue_wait.labels(self.label).observe(queue_wait)
+        self.dispatched_at = self.rt.clock()
+        self.call.node = lease.node
+
+
+async def relay(rt: Runtime, call: Call, lease: Lease, up: aiohttp.ClientResponse, ex: Exchange,
+                dispatched: float) -> web.StreamResponse:
+    """Stream the answer back; the slot is freed when the body ends (or on any exit) — unless the
+    adapter says the node is still working (ComfyUI), in which case a watcher keeps the slot."""
     label = rt._route_label(lease.route)
-    headers = response_headers(up, node_url, rcfg.path)
+    rcfg = rt.scheduler.routes[lease.route].cfg
+    headers = response_headers(up, rt.scheduler.nodes[lease.node].cfg.url, rcfg.path)
     headers.update(call.headers)
     headers["X-Request-Id"] = call.request_id
     headers["X-KiloLine-Node"] = lease.node
     headers["X-KiloLine-Queue-Wait-Ms"] = str(int(call.queue_wait * 1000))
+    key = call.key if call.key != "-" else None
+    obs = call.adapter.observer(rt, ex, label, key, dispatched)
+    capture = bytearray() if call.adapter.captures_sync_body(ex) else None
     ok: bool | None = None
+    handed_over = False
     try:
-        resp, call.bytes_out = await stream_back(call.request, up, headers, iter_body(up))
+        resp, call.bytes_out = await stream_back(call.request, up, headers, observe(up, obs, capture))
         ok = up.status < 500
         rt.metrics.requests.labels(label, "ok" if ok else "upstream_error").inc()
+        hold = call.adapter.sync_hold(rt, lease, ex, up.status, bytes(capture or b""))
+        if hold is not None:
+            handed_over = True
+            rt.spawn(_hold_then_release(rt, lease, hold, key))
         return resp
     except (aiohttp.ClientError, TimeoutError) as e:
         # The node failed mid-body: no retry is possible once bytes went out; cut the client.
@@ -282,8 +278,34 @@ async def relay(rt: Runtime, call: Call, lease: Any, up: aiohttp.ClientResponse,
         raise
     finally:
         up.release()
+        if obs is not None:
+            obs.done(bool(ok))
         rt.metrics.upstream.labels(label, lease.node).observe(rt.clock() - dispatched)
-        rt.release(lease, ok=ok, key=call.key if call.key != "-" else None)
+        if not handed_over:
+            rt.release(lease, ok=ok, key=key)
+
+
+async def observe(up: aiohttp.ClientResponse, obs: Observer | None, capture: bytearray | None) -> AsyncIterator[bytes]:
+    async for chunk in up.content.iter_any():
+        if obs is not None:
+            obs.feed(chunk)
+        if capture is not None and len(capture) < 1024 * 1024:
+            capture += chunk
+        yield chunk
+
+
+async def _hold_then_release(rt: Runtime, lease: Lease, hold: Coroutine[Any, Any, None], key: str | None) -> None:
+    ok: bool | None = None
+    try:
+        await hold
+        ok = True
+    except asyncio.CancelledError:
+        raise
+    except Exception:
+        log.exception("sync hold on %s", lease.node)
+        ok = False
+    finally:
+        rt.release(lease, ok=ok, key=key)
 
 
 async def forward_unqueued(rt: Runtime, call: Call, rcfg: RouteConfig, tail: str, ip: str) -> web.StreamResponse:
@@ -306,7 +328,7 @@ async def forward_unqueued(rt: Runtime, call: Call, rcfg: RouteConfig, tail: str
     headers["X-Request-Id"] = call.request_id
     headers["X-KiloLine-Node"] = node
     try:
-        resp, call.bytes_out = await stream_back(call.request, up, headers, iter_body(up))
+        resp, call.bytes_out = await stream_back(call.request, up, headers, observe(up, None, None))
         return resp
     except (aiohttp.ClientError, TimeoutError):
         cut_client(call.request)
@@ -343,12 +365,13 @@ def log_access(rt: Runtime, call: Call) -> None:
 
 
 def build_app(rt: Runtime) -> web.Application:
-    from kilolined import admin
+    from kilolined import admin, jobs_api, targets
 
     app = web.Application(client_max_size=int(rt.cfg.server.max_body_mb * 1024 * 1024) + 1)
     app[RT] = rt
     admin.add_routes(app)
-    app.router.add_route("*", "/v1/proxy", admin.handle_proxy_endpoint)
-    app.router.add_route("*", "/v1/proxy/{tail:.*}", admin.handle_proxy_endpoint)
+    jobs_api.add_routes(app)
+    app.router.add_route("*", "/v1/proxy", targets.handle_proxy_endpoint)
+    app.router.add_route("*", "/v1/proxy/{tail:.*}", targets.handle_proxy_endpoint)
     app.router.add_route("*", "/{tail:.*}", handle_route)
     return app

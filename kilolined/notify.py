@@ -104,7 +104,7 @@ class _Outcome(NamedTuple):
 async def _json_or_none(resp: aiohttp.ClientResponse) -> dict[str, Any] | None:
     try:
         data = orjson.loads(await resp.content.read(64 * 1024))
-    except (orjson.JSONDecodeError, aiohttp.ClientError, asyncio.TimeoutError, ValueError):
+    except (TimeoutError, orjson.JSONDecodeError, aiohttp.ClientError, ValueError):
         return None
     return data if isinstance(data, dict) else None
 
@@ -214,7 +214,9 @@ class _Channel:
                 dropped = self.drop_pending()
                 log.error(
                     "✗ [notify] %s: %s — channel disabled until the config changes (%d queued alerts dropped)",
-                    self.name, outcome.detail, dropped,
+                    self.name,
+                    outcome.detail,
+                    dropped,
                 )
                 return
             if outcome.permanent or attempt == attempts:

@@ -36,10 +36,11 @@ _SANE_ID = re.compile(r"[A-Za-z0-9._:\-]{1,128}")
 class UpstreamFailed(Exception):
     """The node failed before any byte reached the client."""
 
-    def __init__(self, reason: str, *, timeout: bool = False):
+    def __init__(self, reason: str, *, timeout: bool = False, response: aiohttp.ClientResponse | None = None):
         super().__init__(reason)
         self.reason = reason
         self.timeout = timeout
+        self.response = response  # set when the node answered 502/503/504 (passed on if out of retries)
 
 
 def request_id(request: web.BaseRequest) -> str:
@@ -147,11 +148,6 @@ def response_headers(up: aiohttp.ClientResponse, node_url: str, route_path: str)
             v = route_path.rstrip("/") + (v[len(node_url) :] or "/")
         out.add(k, v)
     return out
-
-
-async def iter_body(up: aiohttp.ClientResponse) -> AsyncIterator[bytes]:
-    async for chunk in up.content.iter_any():
-        yield chunk
 
 
 def cut_client(request: web.BaseRequest) -> None:

@@ -128,7 +128,7 @@ class Runtime:
             if self.webhooks is not None:
                 self.webhooks.configure(
                     secret=cfg.jobs.webhook_secret, backoff_sec=list(cfg.jobs.webhook_backoff_sec),
-                    timeout_sec=cfg.jobs.webhook_timeout_sec,
+                    timeout_sec=cfg.jobs.webhook_timeout_sec, allow_private=cfg.jobs.webhook_allow_private,
                 )
             if self.jobs is not None:
                 self.jobs.configure(cfg.jobs)
@@ -167,8 +167,12 @@ class Runtime:
         await self.notifier.start()
         self.webhooks = WebhookDeliverer(
             secret=self.cfg.jobs.webhook_secret, backoff_sec=list(self.cfg.jobs.webhook_backoff_sec),
-            timeout_sec=self.cfg.jobs.webhook_timeout_sec,
+            timeout_sec=self.cfg.jobs.webhook_timeout_sec, allow_private=self.cfg.jobs.webhook_allow_private,
         )
+        from kilolined.jobs import Jobs
+
+        self.jobs = Jobs(self, self.cfg.jobs)
+        self.jobs.start()
         self.started = True
         self._sync_health_loops()
         self._pump = asyncio.create_task(self._pump_loop(), name="kiloline-pump")

@@ -79,15 +79,12 @@ class Server:
         )
         if failed:
             log.info("stopping: %d waiting requests answered 503 shutting_down", len(failed))
-        if rt.jobs is not None:
-            rt.jobs.shutdown()
         grace = rt.cfg.server.shutdown_grace_sec
         loop = asyncio.get_running_loop()
         deadline = loop.time() + grace
         while sum(rt.scheduler.node_inflight.values()) > 0 and loop.time() < deadline:
             await asyncio.sleep(0.05)
-        if rt.jobs is not None:
-            await rt.jobs.flush_webhooks(max(0.5, deadline - loop.time()))
+        await rt.jobs.flush_webhooks(max(0.5, deadline - loop.time()))
         for t in self._bg:
             t.cancel()
         await asyncio.gather(*self._bg, return_exceptions=True)

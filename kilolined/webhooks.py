@@ -40,9 +40,7 @@ IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
 
 # Cloud metadata endpoints (AWS/GCP/Azure/OpenStack, AWS IPv6, Alibaba): refused by name so the
 # reason says why, even where another rule (link-local, private) would also catch them.
-_METADATA_ADDRS = frozenset(
-    ipaddress.ip_address(a) for a in ("169.254.169.254", "fd00:ec2::254", "100.100.100.200")
-)
+_METADATA_ADDRS = frozenset(ipaddress.ip_address(a) for a in ("169.254.169.254", "fd00:ec2::254", "100.100.100.200"))
 # Python's is_private does not cover RFC 6598 shared address space.
 _CGNAT = ipaddress.ip_network("100.64.0.0/10")
 _NAT64 = ipaddress.ip_network("64:ff9b::/96")
@@ -76,9 +74,7 @@ def new_msg_id() -> str:
     return "msg_" + secrets.token_urlsafe(18)
 
 
-def signed_headers(
-    secret: str | None, msg_id: str, body: bytes, now: float | None = None
-) -> dict[str, str]:
+def signed_headers(secret: str | None, msg_id: str, body: bytes, now: float | None = None) -> dict[str, str]:
     """Headers of one attempt: a fresh timestamp (and signature) each time, the same id always."""
     ts = int(time.time() if now is None else now)
     headers = {
@@ -240,7 +236,7 @@ def parse_retry_after(value: str | None) -> float | None:
 
 def describe_error(e: BaseException) -> str:
     """A short reason for a failed request, never echoing the URL (it may hold a token)."""
-    if isinstance(e, asyncio.TimeoutError | TimeoutError | aiohttp.ServerTimeoutError):
+    if isinstance(e, TimeoutError | aiohttp.ServerTimeoutError):
         return "timeout"
     if isinstance(e, aiohttp.ClientConnectorError):
         os_err = e.os_error
@@ -355,9 +351,7 @@ class WebhookDeliverer:
         return await self._spawn(url, host, body, msg_id)
 
     def _spawn(self, url: str, host: str, body: bytes, msg_id: str) -> asyncio.Task[bool]:
-        task = asyncio.get_running_loop().create_task(
-            self._deliver(url, host, body, msg_id), name=f"webhook-{msg_id}"
-        )
+        task = asyncio.get_running_loop().create_task(self._deliver(url, host, body, msg_id), name=f"webhook-{msg_id}")
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
         return task
@@ -433,7 +427,11 @@ class WebhookDeliverer:
                     self._record(msg_id, host, attempt_no, status, error, None)
                     log.warning(
                         "✗ [webhook] %s %s attempt %d: %s — giving up after %d attempts",
-                        host, msg_id, attempt_no, outcome, attempt_no,
+                        host,
+                        msg_id,
+                        attempt_no,
+                        outcome,
+                        attempt_no,
                     )
                     return False
                 wait = backoff[attempt_no - 1]
@@ -442,7 +440,12 @@ class WebhookDeliverer:
                 self._record(msg_id, host, attempt_no, status, error, wait)
                 log.warning(
                     "✗ [webhook] %s %s attempt %d: %s (%.0fms) — retrying in %gs",
-                    host, msg_id, attempt_no, outcome, ms, wait,
+                    host,
+                    msg_id,
+                    attempt_no,
+                    outcome,
+                    ms,
+                    wait,
                 )
                 if await self._sleep_unless_closing(wait):
                     log.warning("webhook %s to %s abandoned at shutdown after %d attempts", msg_id, host, attempt_no)

@@ -16,8 +16,8 @@ connections, or answer 503 with ``down_mode = "503"``). ``requests`` counts ever
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import base64
+import contextlib
 import hashlib
 import hmac
 import json
@@ -28,9 +28,7 @@ from typing import Any, Self
 from aiohttp import web
 
 
-def verify_standard_webhook(
-    secret: str, headers: Mapping[str, str], body: bytes, tolerance: float = 300
-) -> bool:
+def verify_standard_webhook(secret: str, headers: Mapping[str, str], body: bytes, tolerance: float = 300) -> bool:
     """Standard Webhooks v1 (HMAC-SHA256) verification, written from the spec, not from kilolined.
 
     Looks headers up case-insensitively, accepts any matching ``v1,`` entry of a space-separated
@@ -80,7 +78,8 @@ class _FakeServer:
         return f"http://127.0.0.1:{self.port}"
 
     async def start(self) -> Self:
-        self._runner = web.AppRunner(self.app, access_log=None, handle_signals=False)
+        # A short grace: a stalled handler (delay knobs) must not hold up test teardown.
+        self._runner = web.AppRunner(self.app, access_log=None, handle_signals=False, shutdown_timeout=0.5)
         await self._runner.setup()
         site = web.TCPSite(self._runner, "127.0.0.1", 0)
         await site.start()

@@ -13,6 +13,7 @@ from collections.abc import AsyncIterator
 
 import orjson
 import pytest
+from fakes import FakeWebhookReceiver, verify_standard_webhook
 
 from kilolined import webhooks
 from kilolined.webhooks import (
@@ -23,7 +24,6 @@ from kilolined.webhooks import (
     sign,
     signed_headers,
 )
-from tests.fakes import FakeWebhookReceiver, verify_standard_webhook
 
 KEY = bytes(range(32))
 SECRET = "whsec_" + base64.b64encode(KEY).decode()
@@ -110,9 +110,7 @@ def test_parse_retry_after() -> None:
 # Delivery
 
 
-async def test_delivery_is_signed_and_verifiable(
-    receiver: FakeWebhookReceiver, deliverer: WebhookDeliverer
-) -> None:
+async def test_delivery_is_signed_and_verifiable(receiver: FakeWebhookReceiver, deliverer: WebhookDeliverer) -> None:
     payload = {"type": "job.completed", "job_id": "j1", "result": {"ü": [1, 2]}}
     msg_id = deliverer.submit(receiver.url(), payload)
     (d,) = await receiver.wait_for(1)

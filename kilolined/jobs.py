@@ -1,0 +1,416 @@
+"""sse and async jobs: state machine, event log with replay, live fan-out, results with a TTL.
+
+A job is a queued request that outlives its HTTP connection: the client may watch it over SSE,
+disconnect and come back with ``Last-Event-ID``, or hand it over and get a signed webhook.
+Results live in memory only, under ``jobs.max_results_mb``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import logging
+import secrets
+import time
+from collections import OrderedDict
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import orjson
+from aiohttp import web
+
+from kilolined.config import JobsConfig
+from kilolined.queue import WAITING, Lease, Rejected, Ticket
+
+if TYPE_CHECKING:
+    from kilolined.app import Call
+    from kilolined.auth import Principal
+    from kilolined.proxy import Exchange
+    from kilolined.runtime import Runtime
+
+log = logging.getLogger("kilolined.jobs")
+
+TERMINAL = ("completed", "failed", "cancelled")
+EPHEMERAL = ("heartbeat", "queue_status", "step_progress")
+REPLAY_KEEP = 256  # events kept per job; ephemeral ones are evicted first
+INLINE_RESULT_MAX = 1024 * 1024
+
+
+@dataclass
+class JobResult:
+    http_status: int
+    content_type: str
+    body: bytes
+    result: Any = None  # what output_ready.result carries (parsed JSON ≤ 1 MB, or an adapter's view)
+    files: list[tuple[str, str]] = field(default_factory=list)  # comfyui: (node, /view query)
+
+
+class JobFailed(Exception):
+    def __init__(self, type_: str, message: str, http_status: int | None = None, body: bytes | None = None,
+                 content_type: str | None = None):
+        super().__init__(message)
+        self.type, self.message, self.http_status = type_, message, http_status
+        self.body, self.content_type = body, content_type
+
+
+class JobCancelled(Exception):
+    pass
+
+
+@dataclass(eq=False)
+class Job:
+    id: str
+    access_token: str
+    route: str
+    route_label: str
+    kind: str
+    key: str | None
+    mode: str
+    ticket: Ticket
+    callback: str | None
+    created_at: float = field(default_factory=time.time)
+    started_at: float | None = None
+    finished_at: float | None = None
+    status: str = "queued"
+    node: str | None = None
+    http_status: int | None = None
+    error: dict[str, str] | None = None
+    queue_wait: float | None = None
+    duration: float | None = None
+    result: JobResult | None = None
+    events: list[tuple[int, str, bytes]] = field(default_factory=list)
+    next_id: int = 1
+    subscribers: set[asyncio.Queue[tuple[int, str, bytes] | None]] = field(default_factory=set)
+    last_event_at: float = field(default_factory=time.monotonic)
+    last_position: int | None = None
+    last_queue_status_at: float = 0.0
+    task: asyncio.Task[None] | None = None
+    lease: Lease | None = None
+    cancel_requested: bool = False
+    started_mono: float | None = None
+
+    def emit(self, event: str, data: dict[str, Any]) -> None:
+        ev = (self.next_id, event, orjson.dumps(data))
+        self.next_id += 1
+        self.events.append(ev)
+        if len(self.events) > REPLAY_KEEP:
+            for i, (_, name, _) in enumerate(self.events):
+                if name in EPHEMERAL:
+                    del self.events[i]
+                    break
+            else:
+                del self.events[0]
+        self.last_event_at = time.monotonic()
+        for q in self.subscribers:
+            q.put_nowait(ev)
+        if event in ("output_ready", "failed"):
+            for q in self.subscribers:
+                q.put_nowait(None)
+
+    def urls(self) -> dict[str, str]:
+        base = f"/v1/jobs/{self.id}"
+        return {"status_url": base, "events_url": f"{base}/events?token={self.access_token}",
+                "result_url": f"{base}/result?token={self.access_token}"}
+
+    def view(self, position: int | None, est: float | None) -> dict[str, Any]:
+        return {
+            "job_id": self.id, "route": self.route_label, "status": self.status, "position": position,
+            "est_wait_sec": est, "node": self.node, "created_at": self.created_at, "started_at": self.started_at,
+            "finished_at": self.finished_at, "http_status": self.http_status, "error": self.error,
+        }
+
+
+def sse_frame(ev: tuple[int, str, bytes]) -> bytes:
+    i, name, data = ev
+    return b"id: %d\nevent: %s\ndata: %s\n\n" % (i, name.encode(), data)
+
+
+class Jobs:
+    def __init__(self, rt: Runtime, cfg: JobsConfig):
+        self.rt = rt
+        self.cfg = cfg
+        self.jobs: dict[str, Job] = {}
+        self.finished: OrderedDict[str, Job] = OrderedDict()  # finish order, for TTL and the memory cap
+        self.result_bytes = 0
+        self._ticker: asyncio.Task[None] | None = None
+
+    def configure(self, cfg: JobsConfig) -> None:
+        self.cfg = cfg
+        self._evict()
+
+    def start(self) -> None:
+        self._ticker = asyncio.create_task(self._tick_loop(), name="kiloline-jobs")
+
+    async def close(self) -> None:
+        if self._ticker:
+            self._ticker.cancel()
+        tasks = [j.task for j in self.jobs.values() if j.task and not j.task.done()]
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    # --- submission ---------------------------------------------------------------------
+    async def submit(self, call: Call, ticket: Ticket, ex: Exchange, principal: Principal | None) -> web.StreamResponse:
+        rt = self.rt
+        request = call.request
+        callback = None
+        if call.mode == "async":
+            callback = request.headers.get("X-KiloLine-Callback") or (principal.cfg.webhook_url if principal else None)
+            if callback:
+                from kilolined.webhooks import check_callback_url
+
+                why = await check_callback_url(callback, self.cfg.webhook_allow_private)
+                if why:
+                    rt.abandon(ticket)
+                    return call.error(400, "bad_request", f"callback URL refused: {why}")
+        job = Job(
+            id=secrets.token_urlsafe(16),  # 128 random bits
+            access_token=secrets.token_urlsafe(24),
+            route=ticket.route, route_label=rt._route_label(ticket.route), kind=call.kind,
+            key=principal.key_id if principal else None, mode=call.mode, ticket=ticket, callback=callback,
+        )
+        self.jobs[job.id] = job
+        position = rt.scheduler.position(ticket, rt.clock())
+        est = self._est(job, position)
+        rq = rt.scheduler.routes[ticket.route]
+        job.last_position = position
+        job.emit("queued", {"job_id": job.id, "route": job.route_label, "position": position,
+                            "queue_depth": len(rq.waiting), "est_wait_sec": est, **_urls2(job)})
+        job.task = rt.spawn(self._run(job, ex))
+        call.headers["X-KiloLine-Job"] = job.id
+        if call.mode == "async":
+            body = {"job_id": job.id, "status": job.status, "position": position, "est_wait_sec": est, **job.urls()}
+            return web.Response(status=202, body=orjson.dumps(body), content_type="application/json",
+                                headers={**call.headers, "Location": f"/v1/jobs/{job.id}",
+                                         "X-Request-Id": call.request_id})
+        return await self.stream(request, job, 0, call.headers | {"X-Request-Id": call.request_id})
+
+    def _est(self, job: Job, position: int | None) -> float | None:
+        rq = self.rt.scheduler.routes.get(job.route)
+        if rq is None or position is None:
+            return None
+        return self.rt.scheduler.est_wait(rq, position, self.rt.clock())
+
+    # --- running ------------------------------------------------------------------------
+    async def _run(self, job: Job, ex: Exchange) -> None:
+        from kilolined.adapters import adapter_for
+        from kilolined.forward import Hooks
+
+        rt = self.rt
+        jobs = self
+
+        class JobHooks(Hooks):
+            def dispatched(self, lease: Lease, queue_wait: float) -> None:
+                first = job.started_at is None
+                job.lease = lease
+                job.node = lease.node
+                job.status = "running"
+                if first:
+                    job.started_at = time.time()
+                    job.started_mono = rt.clock()
+                    job.queue_wait = queue_wait
+                    rt.metrics.queue_wait.labels(job.route_label).observe(queue_wait)
+                job.emit("dispatched", {"node": lease.node, "queue_wait_sec": round(queue_wait, 3)})
+
+            def rerouted(self, from_node: str, to_node: str, reason: str) -> None:
+                job.emit("rerouted", {"from_node": from_node, "to_node": to_node, "reason": reason})
+
+        adapter = adapter_for(job.kind)
+        try:
+            res = await adapter.run_job(rt, job, ex, JobHooks())
+        except Rejected as r:
+            jobs._finish_failed(job, r.type, r.message, r.status)
+        except JobFailed as f:
+            jobs._finish_failed(job, f.type, f.message, f.http_status, f.body, f.content_type)
+        except (JobCancelled, asyncio.CancelledError):
+            rt.abandon(job.ticket)
+            if job.status not in TERMINAL:
+                jobs._finish(job, "cancelled")
+                job.error = {"type": "cancelled", "message": "cancelled"}
+                job.emit("failed", {"status": "cancelled", "error": job.error, "http_status": None})
+        except Exception as e:  # a bug must fail one job, not the gateway
+            log.exception("job %s", job.id)
+            jobs._finish_failed(job, "upstream_error", f"internal error ({type(e).__name__})", 502)
+        else:
+            jobs._finish_completed(job, res)
+
+    def _finish(self, job: Job, status: str) -> None:
+        job.status = status
+        job.finished_at = time.time()
+        if job.started_mono is not None:
+            job.duration = round(self.rt.clock() - job.started_mono, 3)
+        self.finished[job.id] = job
+        outcome = {"completed": "ok", "failed": "failed", "cancelled": "cancelled"}[status]
+        self.rt.metrics.requests.labels(job.route_label, outcome).inc()
+
+    def _finish_completed(self, job: Job, res: JobResult) -> None:
+        job.result = res
+        job.http_status = res.http_status
+        self.result_bytes += len(res.body)
+        self._finish(job, "completed")
+        inline = res.result
+        if inline is None and len(res.body) <= INLINE_RESULT_MAX and "json" in res.content_type:
+            with contextlib.suppress(ValueError):
+                inline = orjson.loads(res.body)
+        data = {"status": "completed", "duration_sec": job.duration, "queue_wait_sec": _r(job.queue_wait),
+                "http_status": res.http_status, "content_type": res.content_type,
+                "result_url": job.urls()["result_url"], "result": inline}
+        job.emit("output_ready", data)
+        self._webhook(job, "job.completed", inline)
+        self._evict()
+
+    def _finish_failed(self, job: Job, type_: str, message: str, http_status: int | None,
+                       body: bytes | None = None, content_type: str | None = None) -> None:
+        job.http_status = http_status
+        job.error = {"type": type_, "message": message}
+        if body is not None:
+            job.result = JobResult(http_status or 502, content_type or "application/json", body)
+            self.result_bytes += len(body)
+        self._finish(job, "failed")
+        job.emit("failed", {"status": "failed", "error": job.error, "http_status": http_status})
+        self._webhook(job, "job.failed", None)
+        self._evict()
+
+    def _webhook(self, job: Job, type_: str, result: Any) -> None:
+        if not job.callback or self.rt.webhooks is None:
+            return
+        payload = {"type": type_, "job_id": job.id, "route": job.route_label, "status": job.status,
+                   "http_status": job.http_status, "duration_sec": job.duration,
+                   "queue_wait_sec": _r(job.queue_wait), "result_url": job.urls()["result_url"], "result": result}
+        if job.error:
+            payload["error"] = job.error
+        self.rt.webhooks.submit(job.callback, payload, msg_id=f"msg_{job.id}")
+
+    def _evict(self) -> None:
+        """Drop results past their TTL, then the oldest until under max_results_mb."""
+        now = time.time()
+        cap = self.cfg.max_results_mb * 1024 * 1024
+        while self.finished:
+            jid, job = next(iter(self.finished.items()))
+            expired = (job.finished_at or now) + self.cfg.result_ttl_sec <= now
+            if not expired and self.result_bytes <= cap:
+                break
+            self.finished.popitem(last=False)
+            if job.result is not None:
+                self.result_bytes -= len(job.result.body)
+                job.result = None
+            if expired and not job.subscribers:
+                self.jobs.pop(jid, None)
+
+    def cancel(self, job: Job) -> None:
+        if job.status in TERMINAL:
+            return
+        job.cancel_requested = True
+        if job.ticket.state == WAITING:
+            self.rt.abandon(job.ticket)
+        if job.task is not None and not job.task.done():
+            job.task.cancel()
+
+    async def flush_webhooks(self, timeout: float) -> None:
+        """Give queued-job failure webhooks a moment to go out before the process exits."""
+        await asyncio.sleep(0)
+        tasks = [j.task for j in self.jobs.values() if j.task and not j.task.done() and j.status == "queued"]
+        if tasks:
+            await asyncio.wait(tasks, timeout=timeout)
+
+    # --- periodic queue_status / heartbeat ----------------------------------------------
+    async def _tick_loop(self) -> None:
+        while True:
+            await asyncio.sleep(0.25)
+            try:
+                self.tick()
+            except Exception:
+                log.exception("jobs tick")
+
+    def tick(self) -> None:
+        rt = self.rt
+        now = rt.clock()
+        mono = time.monotonic()
+        hb = rt.cfg.server.heartbeat_sec
+        positions: dict[str, dict[int, int]] = {}
+        for job in self.jobs.values():
+            if job.status in TERMINAL:
+                continue
+            beat = mono - job.last_event_at >= hb
+            if job.status == "queued" and job.ticket.state == WAITING:
+                route_pos = positions.get(job.route)
+                if route_pos is None:
+                    route_pos = positions[job.route] = rt.scheduler.positions(job.route, now)
+                pos = route_pos.get(job.ticket.seq)
+                changed = pos != job.last_position and mono - job.last_queue_status_at >= 1.0
+                if beat:
+                    job.emit("heartbeat", {"state": "queued", "elapsed_sec": round(time.time() - job.created_at, 1)})
+                if changed or beat:
+                    self._queue_status(job, pos, now, mono)
+            elif beat:
+                job.emit("heartbeat", {"state": "running", "elapsed_sec": round(time.time() - job.created_at, 1)})
+        if self.finished:
+            self._evict()
+
+    def _queue_status(self, job: Job, pos: int | None, now: float, mono: float) -> None:
+        rq = self.rt.scheduler.routes.get(job.route)
+        if rq is None:
+            return
+        job.last_position = pos
+        job.last_queue_status_at = mono
+        job.emit("queue_status", {
+            "position": pos, "queue_depth": len(rq.waiting), "est_wait_sec": self._est(job, pos),
+            "waiting_for_node": not self.rt.scheduler.usable(rq, now),
+        })
+
+    # --- reading ------------------------------------------------------------------------
+    def find(self, request: web.Request, job_id: str) -> Job | None:
+        """The job if the caller may see it: its access token, or the key that created it."""
+        from kilolined.auth import presented_key
+
+        job = self.jobs.get(job_id)
+        if job is None:
+            return None
+        token = request.query.get("token")
+        if token is not None:
+            return job if hmac.compare_digest(token, job.access_token) else None
+        p = self.rt.keys.lookup(presented_key(request))
+        if p is not None and job.key is not None and p.key_id == job.key:
+            return job
+        return None
+
+    async def subscribe(self, job: Job, after: int) -> AsyncIterator[tuple[int, str, bytes]]:
+        q: asyncio.Queue[tuple[int, str, bytes] | None] = asyncio.Queue()
+        backlog = [ev for ev in job.events if ev[0] > after]
+        job.subscribers.add(q)
+        try:
+            for ev in backlog:
+                yield ev
+            if job.status in TERMINAL:
+                return
+            while True:
+                ev = await q.get()
+                if ev is None:
+                    return
+                if ev[0] > after:
+                    yield ev
+        finally:
+            job.subscribers.discard(q)
+
+    async def stream(self, request: web.Request, job: Job, after: int, headers: dict[str, str]) -> web.StreamResponse:
+        resp = web.StreamResponse(status=200, headers={
+            **headers, "Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+            "X-Accel-Buffering": "no", "X-KiloLine-Job": job.id,
+        })
+        await resp.prepare(request)
+        await resp.write(b"retry: 3000\n\n")
+        async for ev in self.subscribe(job, after):
+            await resp.write(sse_frame(ev))
+        await resp.write_eof()
+        return resp
+
+
+def _r(x: float | None) -> float | None:
+    return None if x is None else round(x, 3)
+
+
+def _urls2(job: Job) -> dict[str, str]:
+    u = job.urls()
+    return {"events_url": u["events_url"], "result_url": u["result_url"]}

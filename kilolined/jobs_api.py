@@ -1,0 +1,122 @@
+"""The Jobs API (SPEC §4.4): status, events (with replay), result, files, cancel.
+
+A job is visible to the key that created it, or to anyone holding its ``access_token``
+(``?token=``, so a browser EventSource can follow it). Everyone else gets 404, not 403: a job id
+must not be probeable.
+"""
+
+from __future__ import annotations
+
+import aiohttp
+import orjson
+from aiohttp import web
+
+from kilolined.errors import error_response
+from kilolined.jobs import TERMINAL, Job
+from kilolined.proxy import request_id, response_headers
+
+
+def _rt(request: web.Request):
+    from kilolined.app import RT
+
+    return request.app[RT]
+
+
+def _job(request: web.Request) -> Job | None:
+    return _rt(request).jobs.find(request, request.match_info["job_id"])
+
+
+def _not_found(request: web.Request) -> web.Response:
+    return error_response(404, "not_found", "no such job", request_id=request_id(request))
+
+
+def _view(request: web.Request, job: Job) -> dict[str, object]:
+    rt = _rt(request)
+    pos = rt.scheduler.position(job.ticket, rt.clock()) if job.status == "queued" else None
+    return job.view(pos, rt.jobs._est(job, pos))
+
+
+async def status(request: web.Request) -> web.Response:
+    job = _job(request)
+    if job is None:
+        return _not_found(request)
+    return web.Response(body=orjson.dumps(_view(request, job)), content_type="application/json")
+
+
+async def events(request: web.Request) -> web.StreamResponse:
+    job = _job(request)
+    if job is None:
+        return _not_found(request)
+    raw = request.headers.get("Last-Event-ID") or request.query.get("last_event_id") or "0"
+    try:
+        after = int(raw)
+    except ValueError:
+        return error_response(400, "bad_request", "Last-Event-ID must be an event id")
+    return await _rt(request).jobs.stream(request, job, after, {"X-Request-Id": request_id(request)})
+
+
+async def result(request: web.Request) -> web.Response:
+    job = _job(request)
+    if job is None:
+        return _not_found(request)
+    if job.status not in TERMINAL:
+        return error_response(425, "not_ready", f"job is {job.status}", request_id=request_id(request),
+                              retry_after=max(1.0, _view(request, job).get("est_wait_sec") or 1.0))  # type: ignore[arg-type]
+    if job.result is None:
+        return error_response(404, "not_found", "no result (failed, cancelled, or expired)",
+                              request_id=request_id(request))
+    res = job.result
+    return web.Response(status=res.http_status, body=res.body, headers={"Content-Type": res.content_type})
+
+
+async def file(request: web.Request) -> web.StreamResponse:
+    """ComfyUI outputs: stream /view from the node that rendered the image, never revealing it."""
+    job = _job(request)
+    if job is None or job.result is None:
+        return _not_found(request)
+    try:
+        node, query = job.result.files[int(request.match_info["n"])]
+    except (ValueError, IndexError):
+        return _not_found(request)
+    rt = _rt(request)
+    ns = rt.scheduler.nodes.get(node)
+    if ns is None:
+        return error_response(502, "upstream_error", f"node {node} is gone")
+    try:
+        async with rt.session(node).get(ns.cfg.url + "/view?" + query, headers=ns.cfg.headers,
+                                        timeout=aiohttp.ClientTimeout(total=60)) as up:
+            headers = response_headers(up, ns.cfg.url, "/")
+            resp = web.StreamResponse(status=up.status, headers=headers)
+            if up.content_length is not None:
+                resp.content_length = up.content_length
+            await resp.prepare(request)
+            async for chunk in up.content.iter_any():
+                await resp.write(chunk)
+            await resp.write_eof()
+            return resp
+    except (aiohttp.ClientError, TimeoutError):
+        return error_response(502, "upstream_error", f"node {node} did not serve the file")
+
+
+async def cancel(request: web.Request) -> web.Response:
+    job = _job(request)
+    if job is None:
+        return _not_found(request)
+    rt = _rt(request)
+    rt.jobs.cancel(job)
+    task = job.task
+    if task is not None and not task.done():
+        # Let the runner record the cancellation (and interrupt ComfyUI) before answering.
+        import asyncio
+
+        await asyncio.wait({task}, timeout=5)
+    return web.Response(body=orjson.dumps(_view(request, job)), content_type="application/json")
+
+
+def add_routes(app: web.Application) -> None:
+    r = app.router
+    r.add_get("/v1/jobs/{job_id}", status)
+    r.add_delete("/v1/jobs/{job_id}", cancel)
+    r.add_get("/v1/jobs/{job_id}/events", events)
+    r.add_get("/v1/jobs/{job_id}/result", result)
+    r.add_get("/v1/jobs/{job_id}/files/{n}", file)
