@@ -339,6 +339,9 @@ async def forward_unqueued(rt: Runtime, call: Call, rcfg: RouteConfig, tail: str
 
 def log_access(rt: Runtime, call: Call) -> None:
     """One line per request, metadata only: never a body, a prompt or a key."""
+    duration = time.monotonic() - call.started
+    if call.route != "-" and call.mode == "sync":
+        rt.stats.record(call.route, str(call.status), call.queue_wait if call.node != "-" else None, duration)
     if not rt.cfg.server.access_log:
         return
     rec = {
@@ -352,7 +355,7 @@ def log_access(rt: Runtime, call: Call) -> None:
         "mode": call.mode,
         "status": call.status,
         "queue_wait_ms": int(call.queue_wait * 1000),
-        "duration_ms": int((time.monotonic() - call.started) * 1000),
+        "duration_ms": int(duration * 1000),
         "bytes": call.bytes_out,
     }
     if getattr(rt, "log_json", False):

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import logging
 import math
@@ -22,7 +23,7 @@ import time
 from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 from aiohttp import web
 
@@ -52,18 +53,27 @@ COUNTERS = (
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
-class Backend(Protocol):
-    """What differs per `kind`: the routes and the shape of error bodies."""
+class Backend:
+    """What differs per `kind`: routes, the shape of error bodies, extra state. Defaults here."""
 
-    def add_routes(self, app: web.Application) -> None: ...
+    def __init__(self, gpu: FakeGPU) -> None:
+        self.gpu = gpu
 
-    def error_response(self, status: int, message: str) -> web.Response: ...
+    def add_routes(self, app: web.Application) -> None:
+        raise NotImplementedError
 
-    def screen(self, request: web.Request) -> web.Response | None: ...
+    def error_response(self, status: int, message: str) -> web.Response:
+        return web.json_response({"error": message}, status=status)
 
-    def extra_stats(self) -> dict[str, Any]: ...
+    def screen(self, request: web.Request) -> web.Response | None:
+        """A chance to refuse any request before routing (ComfyUI's Origin check)."""
+        return None
 
-    async def on_down(self) -> None: ...
+    def extra_stats(self) -> dict[str, Any]:
+        return {}
+
+    async def on_down(self) -> None:
+        """The process died: forget what it held in memory."""
 
 
 @dataclass(eq=False)
@@ -73,7 +83,6 @@ class Job:
     id: int
     vram_gb: float
     reason: str | None = None  # "oom" | "interrupted" once stopped
-    admitted: bool = False
     ended: bool = False
     stop: asyncio.Event = field(default_factory=asyncio.Event)
     # Set once the job's client has been told the outcome; a crash waits for it.
@@ -95,48 +104,30 @@ class Knobs:
     drip_ms: float = 0.0
 
     def update(self, data: Any) -> list[str]:
-        """Apply the valid keys of `data`; returns the problems (nothing is applied if any)."""
+        """Apply `data`; returns the problems, and then nothing is applied."""
         if not isinstance(data, dict):
             return ["body must be a JSON object"]
-        problems: list[str] = []
-        new: dict[str, Any] = {}
-        for key, value in data.items():
-            if key in ("health_status", "fail_status"):
-                if value is None and key == "fail_status":
-                    new[key] = None
-                elif is_int(value) and 100 <= value <= 599:
-                    new[key] = value
-                else:
-                    problems.append(f"{key}: must be an HTTP status code" + (" or null" * (key == "fail_status")))
-            elif key in ("health_hang", "hang"):
-                if isinstance(value, bool):
-                    new[key] = value
-                else:
-                    problems.append(f"{key}: must be a boolean")
-            elif key == "drip_ms":
-                if is_number(value) and value >= 0:
-                    new[key] = float(value)
-                else:
-                    problems.append(f"{key}: must be a number >= 0")
-            else:
-                problems.append(f"{key}: unknown knob")
-        if not problems:
-            for key, value in new.items():
-                setattr(self, key, value)
-        return problems
-
-    def as_dict(self) -> dict[str, Any]:
-        return {
-            "health_status": self.health_status,
-            "health_hang": self.health_hang,
-            "fail_status": self.fail_status,
-            "hang": self.hang,
-            "drip_ms": self.drip_ms,
+        checks: dict[str, tuple[Callable[[Any], bool], str]] = {
+            "health_status": (is_status, "an HTTP status code"),
+            "fail_status": (lambda v: v is None or is_status(v), "an HTTP status code or null"),
+            "health_hang": (lambda v: isinstance(v, bool), "a boolean"),
+            "hang": (lambda v: isinstance(v, bool), "a boolean"),
+            "drip_ms": (lambda v: is_number(v) and v >= 0, "a number >= 0"),
         }
+        problems = [f"{key}: unknown knob" if key not in checks else f"{key}: must be {checks[key][1]}"
+                    for key, value in data.items() if key not in checks or not checks[key][0](value)]
+        if not problems:
+            for key, value in data.items():
+                setattr(self, key, float(value) if key == "drip_ms" else value)
+        return problems
 
 
 def is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+def is_status(value: Any) -> bool:
+    return is_int(value) and 100 <= value <= 599
 
 
 def is_number(value: Any) -> bool:
@@ -222,7 +213,7 @@ class FakeGPU:
 
     @property
     def vram_used_gb(self) -> float:
-        return sum(job.vram_gb for job in self._running)
+        return sum((job.vram_gb for job in self._running), 0.0)
 
     @property
     def stats(self) -> dict[str, Any]:
@@ -320,7 +311,6 @@ class FakeGPU:
             self._counters["oom_count"] += len(victims)
             self._crash(victims)
             return job
-        job.admitted = True
         self._running.add(job)
         self._max_concurrent = max(self._max_concurrent, len(self._running))
         return job
@@ -475,7 +465,7 @@ class FakeGPU:
             problems = self.knobs.update(data if data is not None else {})
             if problems:
                 return web.json_response({"error": "; ".join(problems)}, status=400)
-        return web.json_response(self.knobs.as_dict())
+        return web.json_response(dataclasses.asdict(self.knobs))
 
     async def _h_requests(self, request: web.Request) -> web.Response:
         return web.json_response(self.requests)
@@ -489,6 +479,7 @@ class FakeGPU:
             try:
                 await site.start()
             except OSError:
+                await site.stop()  # unregister it from the runner
                 if self.port == 0 or attempt == 19:
                     raise
                 await asyncio.sleep(0.1)
@@ -498,7 +489,7 @@ class FakeGPU:
         if self.port == 0:
             self.port = int(self._runner.addresses[-1][1])
         self._up = True
-        log.info("fakegpu %s listening on %s", self.kind, self.url)
+        log.debug("fakegpu %s listening on %s", self.kind, self.url)
 
     async def _go_down(self) -> None:
         """The process dies: close the listener, drop backend state, reset every connection."""
@@ -565,28 +556,13 @@ def _make_backend(gpu: FakeGPU) -> Backend:
     return GenericBackend(gpu)
 
 
-class GenericBackend:
+class GenericBackend(Backend):
     """`--kind generic`: POST /generate, GET /health, GET /blob."""
-
-    def __init__(self, gpu: FakeGPU) -> None:
-        self.gpu = gpu
 
     def add_routes(self, app: web.Application) -> None:
         app.router.add_post("/generate", self.generate)
         app.router.add_get("/health", self.health)
         app.router.add_get("/blob", self.blob)
-
-    def error_response(self, status: int, message: str) -> web.Response:
-        return web.json_response({"error": message}, status=status)
-
-    def screen(self, request: web.Request) -> web.Response | None:
-        return None
-
-    def extra_stats(self) -> dict[str, Any]:
-        return {}
-
-    async def on_down(self) -> None:
-        return None
 
     async def health(self, request: web.Request) -> web.Response:
         return await self.gpu.health(request, lambda: web.json_response({"status": "ok"}))

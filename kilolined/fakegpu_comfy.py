@@ -25,7 +25,7 @@ from urllib.parse import urlsplit
 
 from aiohttp import WSMsgType, web
 
-from kilolined.fakegpu import GIB, is_int, read_json
+from kilolined.fakegpu import GIB, Backend, is_int, read_json
 
 if TYPE_CHECKING:
     from collections.abc import Awaitable, Callable
@@ -222,9 +222,9 @@ class Prompt:
         return [self.number, self.prompt_id, self.graph, self.extra_data, self.outputs_to_execute]
 
 
-class ComfyBackend:
+class ComfyBackend(Backend):
     def __init__(self, gpu: FakeGPU) -> None:
-        self.gpu = gpu
+        super().__init__(gpu)
         self.sockets: dict[str, web.WebSocketResponse] = {}
         self.pending: list[Prompt] = []
         self.running: dict[str, Prompt] = {}
@@ -235,7 +235,7 @@ class ComfyBackend:
         self.seq = 0
         self.image_counter = 0
 
-    # ----------------------------------------------------------------- Backend protocol
+    # ----------------------------------------------------------------- Backend hooks
 
     def add_routes(self, app: web.Application) -> None:
         routes: list[tuple[str, str, Callable[[web.Request], Awaitable[web.StreamResponse]]]] = [
@@ -363,10 +363,9 @@ class ComfyBackend:
         gpu, pid = self.gpu, prompt.prompt_id
         await self._event(prompt, "execution_start", {"prompt_id": pid, "timestamp": now_ms()})
         await self._event(prompt, "execution_cached", {"nodes": [], "prompt_id": pid, "timestamp": now_ms()})
-        has_sampler = any(prompt.graph[n]["class_type"] == "KSampler" for n in prompt.order)
-        # Without a KSampler the GPU time is spent in the first output node instead.
-        work_nodes = {n for n in prompt.order if prompt.graph[n]["class_type"] == "KSampler"} if has_sampler \
-            else {prompt.outputs_to_execute[0]}
+        # GPU time is spent in the KSamplers; without one, in the first output node instead.
+        work_nodes = {n for n in prompt.order if prompt.graph[n]["class_type"] == "KSampler"}
+        work_nodes = work_nodes or {prompt.outputs_to_execute[0]}
         failure: tuple[str, str] | None = None
         current = prompt.order[0]
         for node_id in prompt.order:
@@ -413,7 +412,7 @@ class ComfyBackend:
         else:
             await self._event(prompt, "execution_success", {"prompt_id": pid, "timestamp": now_ms()})
         ok = job.reason is None and failure is None
-        # No await between these two: history exists before anyone can see "executing: null".
+        # As in ComfyUI (task_done, then the final executing): history is there before "node: null".
         self._write_history(prompt, ok)
         await self._to_client(prompt, "executing", {"node": None, "prompt_id": pid})
         return "ok" if ok else "error"

@@ -14,10 +14,10 @@ from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
-from kilolined.fakegpu import is_int, read_json, sse_headers
+from kilolined.fakegpu import Backend, is_int, read_json, sse_headers
 
 if TYPE_CHECKING:
-    from kilolined.fakegpu import FakeGPU, Job
+    from kilolined.fakegpu import Job
 
 MODEL_ID = "fake-llm"
 WORDS = ("The", " quick", " brown", " fox", " jumps", " over", " the", " lazy", " dog", ".")
@@ -51,10 +51,7 @@ def count_prompt_tokens(messages: list[Any]) -> int:
     return words
 
 
-class OpenAIBackend:
-    def __init__(self, gpu: FakeGPU) -> None:
-        self.gpu = gpu
-
+class OpenAIBackend(Backend):
     def add_routes(self, app: web.Application) -> None:
         app.router.add_post("/v1/chat/completions", self.chat)
         app.router.add_get("/v1/models", self.models)
@@ -63,15 +60,6 @@ class OpenAIBackend:
 
     def error_response(self, status: int, message: str) -> web.Response:
         return openai_error(status, message)
-
-    def screen(self, request: web.Request) -> web.Response | None:
-        return None
-
-    def extra_stats(self) -> dict[str, Any]:
-        return {}
-
-    async def on_down(self) -> None:
-        return None
 
     async def health(self, request: web.Request) -> web.Response:
         return await self.gpu.health(request, lambda: web.json_response({"status": "ok"}))

@@ -244,6 +244,7 @@ class Jobs:
         self.finished[job.id] = job
         outcome = {"completed": "ok", "failed": "failed", "cancelled": "cancelled"}[status]
         self.rt.metrics.requests.labels(job.route_label, outcome).inc()
+        self.rt.stats.record(job.route_label, status, job.queue_wait, job.duration)
 
     def _finish_completed(self, job: Job, res: JobResult) -> None:
         job.result = res

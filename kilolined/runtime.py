@@ -22,6 +22,7 @@ from kilolined.limits import Budgets, RateLimiter
 from kilolined.metrics import Metrics
 from kilolined.nodes import NodeState
 from kilolined.queue import LEASED, WAITING, Lease, Rejected, RouteQueue, Scheduler, Ticket
+from kilolined.stats import Stats
 
 log = logging.getLogger("kilolined")
 
@@ -60,6 +61,7 @@ class Runtime:
         self.router = Router({})
         self.feed = Feed()
         self.metrics = Metrics(lambda: self)
+        self.stats = Stats()
         self.sessions: dict[str, aiohttp.ClientSession] = {}
         self._retired_sessions: list[aiohttp.ClientSession] = []
         self._health_tasks: dict[str, asyncio.Task[None]] = {}
@@ -305,6 +307,7 @@ class Runtime:
         now = self.clock()
         held = now - lease.started_at
         self.scheduler.release(lease, now, service_time=held if ok else None)
+        self.stats.gpu_seconds += held
         if key is not None:
             self.budgets.add(key, time.time(), gpu_seconds=held)
         self.wake()
@@ -434,6 +437,9 @@ class Runtime:
             "routes": routes,
             "nodes": nodes,
             "uptime_sec": round(now - self.started_at, 1),
+            # Beyond SPEC §6, for the dashboard: rolling outcome counts and percentiles, and cost.
+            "stats": self.stats.snapshot(),
+            "cost": self.cfg.cost.model_dump(),
         }
 
     def readiness(self) -> list[str]:

@@ -1,0 +1,50 @@
+"""Rolling request statistics for the dashboard: outcome counts, p50/p95 of wait and duration,
+and GPU seconds used (for the cost panel). Bounded memory: the last N samples per route."""
+
+from __future__ import annotations
+
+from collections import Counter, deque
+from typing import Any
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    s = sorted(values)
+    i = min(len(s) - 1, max(0, round(q * (len(s) - 1))))
+    return round(s[i], 3)
+
+
+class RouteStats:
+    def __init__(self, keep: int):
+        self.outcomes: Counter[str] = Counter()
+        self.waits: deque[float] = deque(maxlen=keep)
+        self.durations: deque[float] = deque(maxlen=keep)
+
+
+class Stats:
+    def __init__(self, keep: int = 500):
+        self.keep = keep
+        self.routes: dict[str, RouteStats] = {}
+        self.gpu_seconds = 0.0
+
+    def record(self, route: str, outcome: str, queue_wait: float | None, duration: float | None) -> None:
+        rs = self.routes.get(route)
+        if rs is None:
+            rs = self.routes[route] = RouteStats(self.keep)
+        rs.outcomes[outcome] += 1
+        if queue_wait is not None:
+            rs.waits.append(queue_wait)
+        if duration is not None:
+            rs.durations.append(duration)
+
+    def snapshot(self) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for name, rs in self.routes.items():
+            w, d = list(rs.waits), list(rs.durations)
+            out[name] = {
+                "outcomes": dict(rs.outcomes),
+                "queue_wait_p50": percentile(w, 0.5), "queue_wait_p95": percentile(w, 0.95),
+                "duration_p50": percentile(d, 0.5), "duration_p95": percentile(d, 0.95),
+            }
+        return {"routes": out, "gpu_seconds": round(self.gpu_seconds, 3)}

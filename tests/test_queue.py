@@ -1,0 +1,760 @@
+"""kilolined.queue: the lease scheduler as pure logic, driven with a hand-made clock (SPEC §3.3, §3.4)."""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kilolined.config import BreakerConfig, HealthConfig, NodeConfig, RouteConfig
+from kilolined.nodes import NodeState
+from kilolined.queue import DONE, FAILED, LEASED, WAITING, Rejected, RouteQueue, Scheduler, Ticket
+
+# --- helpers ------------------------------------------------------------------------------------
+
+
+def node(name: str, cap: int | None = None, **kw: Any) -> NodeState:
+    return NodeState(name, NodeConfig(url=f"http://10.0.0.1:{8000 + len(name)}", max_concurrency=cap, **kw))
+
+
+def rcfg(nodes: list[str] | None = None, **kw: Any) -> RouteConfig:
+    return RouteConfig(path="/r", nodes=nodes or ["a"], **kw)
+
+
+def make(routes: dict[str, RouteConfig], nodes: list[NodeState]) -> Scheduler:
+    s = Scheduler()
+    for ns in nodes:
+        s.nodes[ns.name] = ns
+    for name, cfg in routes.items():
+        s.routes[name] = RouteQueue(name, cfg)
+    return s
+
+
+class Waker:
+    """Records every on_wake call, in order."""
+
+    def __init__(self) -> None:
+        self.calls: list[Ticket] = []
+
+    def __call__(self, t: Ticket) -> None:
+        self.calls.append(t)
+
+
+def finish(s: Scheduler, t: Ticket, now: float) -> None:
+    """Complete a leased ticket and hand out the freed slot (what Runtime.release does)."""
+    assert t.state == LEASED and t.lease is not None
+    s.release(t.lease, now, service_time=1.0)
+    s.dispatch(now)
+
+
+def serve_all(s: Scheduler, route: str, first: Ticket, now: float = 0.0) -> list[Ticket]:
+    """With one slot: finish whatever holds it, repeatedly; returns tickets in lease order."""
+    order = [first]
+    current = first
+    while True:
+        finish(s, current, now)
+        nxt = [t for t in _all_tickets(s, route) if t.state == LEASED]
+        if not nxt:
+            return order
+        assert len(nxt) == 1
+        current = nxt[0]
+        order.append(current)
+
+
+_tracked: dict[str, list[Ticket]] = {}
+
+
+def _all_tickets(s: Scheduler, route: str) -> list[Ticket]:
+    return _tracked[route]
+
+
+def admit(s: Scheduler, route: str, key: str, now: float = 0.0, priority: int = 0, **kw: Any) -> Ticket:
+    t = s.admit(route, key, priority, now, **kw)
+    _tracked.setdefault(route, []).append(t)
+    return t
+
+
+@pytest.fixture(autouse=True)
+def _reset_tracked() -> None:
+    _tracked.clear()
+
+
+# --- strategies ---------------------------------------------------------------------------------
+
+
+def test_fifo_serves_in_arrival_order() -> None:
+    s = make({"r": rcfg(strategy="fifo", max_concurrency=1)}, [node("a")])
+    keys = ["x", "y", "x", "z", "y", "x"]
+    ts = [admit(s, "r", k, now=i) for i, k in enumerate(keys)]
+    assert ts[0].state == LEASED and all(t.state == WAITING for t in ts[1:])
+    assert [s.position(t, 10) for t in ts[1:]] == [1, 2, 3, 4, 5]
+    assert serve_all(s, "r", ts[0], 10) == ts
+
+
+def test_fair_lease_key_with_one_waiting_is_not_behind_a_key_with_many() -> None:
+    s = make({"r": rcfg(strategy="fifo_fair_lease", max_concurrency=1, max_queue_depth=100)}, [node("a")])
+    a = [admit(s, "r", "A", now=i * 0.01) for i in range(20)]
+    b = admit(s, "r", "B", now=1.0)
+    assert a[0].state == LEASED
+    # positions: A's next, then B (round robin), then the rest of A
+    assert s.position(a[1], 1.0) == 1
+    assert s.position(b, 1.0) == 2
+    assert s.position(a[2], 1.0) == 3
+    order = serve_all(s, "r", a[0], 2.0)
+    assert len(order) == 21
+    # B is dispatched before A's third waiting request (and in fact before its second).
+    assert order.index(b) < order.index(a[3])
+    assert order.index(b) < order.index(a[2])
+    # FIFO within A
+    assert [t for t in order if t.key == "A"] == a
+
+
+def test_fair_lease_round_robin_across_three_keys() -> None:
+    s = make({"r": rcfg(strategy="fifo_fair_lease", max_concurrency=1)}, [node("a")])
+    first = admit(s, "r", "X")
+    ts = [admit(s, "r", k, now=i) for i, k in enumerate("AAABBC")]
+    pos = {f"{t.key}{i}": s.position(t, 9) for i, t in enumerate(ts)}
+    # rounds: A B C | A B | A
+    assert pos == {"A0": 1, "B3": 2, "C5": 3, "A1": 4, "B4": 5, "A2": 6}
+    order = serve_all(s, "r", first, 9)
+    assert [t.key for t in order[1:]] == list("ABCABA")
+
+
+def test_priority_higher_first_fifo_within_level() -> None:
+    s = make({"r": rcfg(strategy="priority", max_concurrency=1, queue_timeout_sec=40)}, [node("a")])
+    first = admit(s, "r", "k0", now=0)
+    lo = admit(s, "r", "lo", priority=0, now=1)
+    hi1 = admit(s, "r", "hi", priority=5, now=2)
+    mid = admit(s, "r", "mid", priority=2, now=3)
+    hi2 = admit(s, "r", "hi", priority=5, now=4)
+    assert [s.position(t, 4) for t in (hi1, hi2, mid, lo)] == [1, 2, 3, 4]
+    assert serve_all(s, "r", first, 4) == [first, hi1, hi2, mid, lo]
+
+
+def test_priority_aging_one_level_per_quarter_timeout() -> None:
+    # queue_timeout_sec 40 -> +1 priority per 10 s waited
+    s = make({"r": rcfg(strategy="priority", max_concurrency=1, queue_timeout_sec=40)}, [node("a")])
+    admit(s, "r", "busy", now=0)
+    low = admit(s, "r", "low", priority=0, now=0)
+    high = admit(s, "r", "high", priority=2, now=19)
+    # at t=19 the low one has aged +1: the high one (2) is ahead
+    assert s.position(high, 19) == 1 and s.position(low, 19) == 2
+    # at t=20 low has aged +2 and is older: it goes first on a tie
+    assert s.position(low, 20) == 1
+    # while high, also aging, never catches up with an older request of the same effective level
+    assert s.position(low, 25) == 1
+    higher = admit(s, "r", "higher", priority=3, now=25)
+    assert s.position(higher, 25) == 1 and s.position(low, 25) == 2
+    assert s.position(low, 30) == 1  # low: 0+3, higher: 3+0, low older
+
+
+def test_priority_aging_lets_a_low_priority_request_through_a_stream_of_high_ones() -> None:
+    """Every 2 s a new priority-3 request arrives and one finishes; the priority-0 one still gets
+    served before its queue_timeout_sec (40 s → +1 per 10 s)."""
+    s = make({"r": rcfg(strategy="priority", max_concurrency=1, queue_timeout_sec=40)}, [node("a")])
+    running = admit(s, "r", "hi", priority=3, now=0)
+    for i in range(3):
+        admit(s, "r", "hi", priority=3, now=0.1 * (i + 1))
+    low = admit(s, "r", "lo", priority=0, now=0.5)
+    now = 0.5
+    served_low_at = None
+    while now < 40:
+        now += 2
+        assert not s.expire(now)
+        admit(s, "r", "hi", priority=3, now=now)
+        s.release(running.lease, now, 2.0)  # type: ignore[arg-type]
+        s.dispatch(now)
+        running = next(t for t in _tracked["r"] if t.state == LEASED)
+        if running is low:
+            served_low_at = now
+            break
+    assert served_low_at is not None, "the low-priority request starved"
+    assert served_low_at - 0.5 < 40
+
+
+# --- admission: drop policies, per-key cap, timeout -------------------------------------------
+
+
+def full_route(policy: str, depth: int = 2, **kw: Any) -> tuple[Scheduler, list[Ticket], list[Waker]]:
+    s = make({"r": rcfg(max_concurrency=1, max_queue_depth=depth, drop_policy=policy, strategy="fifo",
+                        expected_duration_sec=4, **kw)}, [node("a")])
+    wakers = [Waker() for _ in range(depth + 1)]
+    ts = [admit(s, "r", f"k{i}", now=i, on_wake=wakers[i]) for i in range(depth + 1)]
+    assert ts[0].state == LEASED and all(t.state == WAITING for t in ts[1:])
+    return s, ts, wakers
+
+
+@pytest.mark.parametrize(("policy", "status"), [("reject_with_429", 429), ("reject_with_503", 503)])
+def test_reject_policies(policy: str, status: int) -> None:
+    s, ts, _ = full_route(policy)
+    with pytest.raises(Rejected) as ei:
+        admit(s, "r", "new", now=5)
+    r = ei.value
+    assert (r.status, r.type) == (status, "queue_full")
+    assert r.retry_after is not None and r.retry_after >= 1
+    # with 2 waiting, 1 slot, 4 s per job, the new one would be third in line: ~12 s
+    assert r.retry_after >= 4
+    assert len(s.routes["r"].waiting) == 2
+    assert all(t.state == WAITING for t in ts[1:])
+
+
+def test_drop_oldest_fails_the_oldest_via_its_waker_and_admits_the_new_one() -> None:
+    s, ts, wakers = full_route("drop_oldest")
+    new = admit(s, "r", "new", now=5)
+    oldest = ts[1]
+    assert oldest.state == FAILED
+    assert oldest.error is not None and (oldest.error.status, oldest.error.type) == (503, "queue_full")
+    assert oldest.error.retry_after is not None and oldest.error.retry_after >= 1
+    assert wakers[1].calls == [oldest]
+    assert wakers[2].calls == []
+    assert new.state == WAITING
+    assert [t for t in s.routes["r"].waiting.order(5)] == [ts[2], new]
+    assert s.position(oldest, 5) is None
+
+
+def test_drop_oldest_drops_by_arrival_not_by_strategy_order() -> None:
+    s = make({"r": rcfg(max_concurrency=1, max_queue_depth=2, drop_policy="drop_oldest", strategy="priority")},
+             [node("a")])
+    admit(s, "r", "x", now=0)
+    old_low = admit(s, "r", "lo", priority=0, now=1)
+    new_high = admit(s, "r", "hi", priority=9, now=2)
+    admit(s, "r", "z", priority=1, now=3)
+    assert old_low.state == FAILED and new_high.state == WAITING
+
+
+def test_depth_zero_still_takes_a_free_slot() -> None:
+    s = make({"r": rcfg(max_concurrency=1, max_queue_depth=0)}, [node("a")])
+    t = admit(s, "r", "k")
+    assert t.state == LEASED
+    with pytest.raises(Rejected) as ei:
+        admit(s, "r", "k")
+    assert ei.value.status == 429
+
+
+def test_max_queued_per_key() -> None:
+    s = make({"r": rcfg(max_concurrency=1, max_queued_per_key=2)}, [node("a")])
+    admit(s, "r", "A")  # leased: does not count as waiting
+    admit(s, "r", "A")
+    admit(s, "r", "A")
+    with pytest.raises(Rejected) as ei:
+        admit(s, "r", "A")
+    assert (ei.value.status, ei.value.type) == (429, "queue_full")
+    assert ei.value.retry_after is not None and ei.value.retry_after >= 1
+    b = admit(s, "r", "B")  # another key is not affected
+    assert b.state == WAITING
+    assert dict(s.routes["r"].by_key) == {"A": 2, "B": 1}
+
+
+def test_expire_fails_with_queue_timeout() -> None:
+    s = make({"r": rcfg(max_concurrency=1, queue_timeout_sec=10)}, [node("a")])
+    admit(s, "r", "k", now=0)
+    w = Waker()
+    t = admit(s, "r", "k", now=1, on_wake=w)
+    later = admit(s, "r", "k", now=5)
+    assert s.expire(10.99) == []
+    assert s.expire(11.0) == [t]
+    assert t.state == FAILED and t.error is not None
+    assert (t.error.status, t.error.type) == (503, "queue_timeout")
+    assert t.error.retry_after is not None and t.error.retry_after >= 1
+    assert w.calls == [t]
+    assert s.position(later, 11) == 1
+    assert later.state == WAITING
+
+
+def test_expired_ticket_after_cancel_or_lease_is_ignored() -> None:
+    s = make({"r": rcfg(max_concurrency=1, queue_timeout_sec=10)}, [node("a")])
+    first = admit(s, "r", "k", now=0)
+    t2 = admit(s, "r", "k", now=0)
+    t3 = admit(s, "r", "k", now=0)
+    assert s.cancel(t3)
+    s.release(first.lease, 1, 1.0)  # type: ignore[arg-type]
+    s.dispatch(1)
+    assert t2.state == LEASED
+    assert s.expire(100) == []
+    assert t2.state == LEASED and t3.state == DONE
+
+
+def test_cancel_only_waiting() -> None:
+    s = make({"r": rcfg(max_concurrency=1)}, [node("a")])
+    t1 = admit(s, "r", "k")
+    t2 = admit(s, "r", "k")
+    assert not s.cancel(t1)  # leased: cancel does nothing (the caller releases the lease)
+    assert s.cancel(t2)
+    assert not s.cancel(t2)
+    assert len(s.routes["r"].waiting) == 0 and not s.routes["r"].by_key
+    finish(s, t1, 1)
+    assert s.node_inflight.get("a", 0) == 0
+
+
+# --- positions ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("strategy", ["fifo", "fifo_fair_lease", "priority"])
+def test_position_one_is_the_next_dispatched(strategy: str) -> None:
+    s = make({"r": rcfg(max_concurrency=1, strategy=strategy, queue_timeout_sec=1000)}, [node("a")])
+    first = admit(s, "r", "z")
+    prio = {"A": 1, "B": 5, "C": 3}
+    ts = [admit(s, "r", k, now=i, priority=prio[k]) for i, k in enumerate("AABCBA")]
+    positions = {t.seq: s.position(t, 10) for t in ts}
+    assert sorted(positions.values()) == list(range(1, 7))
+    assert s.positions("r", 10) == positions
+    by_pos = sorted(ts, key=lambda t: positions[t.seq])
+    assert serve_all(s, "r", first, 10)[1:] == by_pos
+    if strategy == "fifo":
+        assert by_pos == ts
+    elif strategy == "priority":
+        assert [t.key for t in by_pos] == ["B", "B", "C", "A", "A", "A"]
+    else:
+        assert [t.key for t in by_pos] == ["A", "B", "C", "A", "B", "A"]
+
+
+# --- nodes: caps, choice, standby, requeue ------------------------------------------------------
+
+
+def test_node_max_concurrency_caps_across_two_routes() -> None:
+    s = make({"r1": rcfg(["a"], max_concurrency=2), "r2": rcfg(["a"], max_concurrency=2)}, [node("a", cap=2)])
+    t1 = admit(s, "r1", "k", now=0)
+    t2 = admit(s, "r2", "k", now=1)
+    t3 = admit(s, "r1", "k", now=2)
+    t4 = admit(s, "r2", "k", now=3)
+    assert [t.state for t in (t1, t2, t3, t4)] == [LEASED, LEASED, WAITING, WAITING]
+    assert s.node_inflight["a"] == 2
+    finish(s, t2, 4)
+    # the freed slot goes to the oldest waiting head across routes (t3 on r1)
+    assert t3.state == LEASED and t4.state == WAITING
+    assert s.node_inflight["a"] == 2
+    assert s.routes["r1"].inflight["a"] == 2
+    finish(s, t1, 5)
+    assert t4.state == LEASED
+
+
+def test_least_in_flight_node_is_chosen() -> None:
+    s = make({"r": rcfg(["a", "b"], max_concurrency=3), "other": rcfg(["a"], max_concurrency=3)},
+             [node("a"), node("b")])
+    # load a through another route: node in-flight counts across routes
+    o1 = admit(s, "other", "k")
+    o2 = admit(s, "other", "k")
+    assert {o1.lease.node, o2.lease.node} == {"a"}  # type: ignore[union-attr]
+    t1 = admit(s, "r", "k")
+    t2 = admit(s, "r", "k")
+    t3 = admit(s, "r", "k")
+    assert [t.lease.node for t in (t1, t2, t3)] == ["b", "b", "a"]  # type: ignore[union-attr]
+    finish(s, o1, 1)
+    finish(s, o2, 1)
+    # now a has 1, b has 2
+    t4 = admit(s, "r", "k")
+    assert t4.lease is not None and t4.lease.node == "a"
+
+
+def test_standby_only_when_no_primary_can_take_work() -> None:
+    p, sb = node("p"), node("s")
+    s = make({"r": rcfg(["p"], standby=["s"], max_concurrency=1)}, [p, sb])
+    t1 = admit(s, "r", "k")
+    assert t1.lease is not None and t1.lease.node == "p"
+    # primary merely full: wait for it rather than spill onto the standby
+    t2 = admit(s, "r", "k")
+    assert t2.state == WAITING
+    assert s.node_inflight.get("s", 0) == 0
+    # primary unavailable (drained): the standby takes work
+    p.drained = True
+    s.dispatch(1)
+    assert t2.state == LEASED and t2.lease is not None and t2.lease.node == "s"
+    # primary back: new work fails back to it, work on the standby stays there
+    p.drained = False
+    finish(s, t1, 2)
+    t3 = admit(s, "r", "k", now=3)
+    assert t3.lease is not None and t3.lease.node == "p"
+    assert t2.lease.node == "s" and t2.state == LEASED
+
+
+@pytest.mark.parametrize("how", ["unhealthy", "breaker_open", "drained"])
+def test_unavailable_primary_sends_work_to_standby(how: str) -> None:
+    hc = HealthConfig(fall=1, rise=1)
+    p = NodeState("p", NodeConfig(url="http://10.0.0.1:1", health=hc))
+    sb = node("s")
+    s = make({"r": rcfg(["p"], standby=["s"], max_concurrency=1)}, [p, sb])
+    if how == "unhealthy":
+        assert p.record_check(False, 0, None, "down") == ["node_down"]
+    elif how == "breaker_open":
+        for _ in range(p.breaker_cfg.consecutive_failures):
+            p.record_failure(0, "reset")
+    else:
+        p.drained = True
+    t = admit(s, "r", "k", now=0.5)
+    assert t.lease is not None and t.lease.node == "s"
+
+
+def test_no_node_available_means_wait_not_fail() -> None:
+    p = node("p")
+    p.drained = True
+    s = make({"r": rcfg(["p"], max_concurrency=1)}, [p])
+    t = admit(s, "r", "k")
+    assert t.state == WAITING
+    s.dispatch(1)
+    assert t.state == WAITING
+    p.drained = False
+    s.dispatch(2)
+    assert t.state == LEASED
+
+
+def test_requeue_goes_to_the_head_and_avoids_the_failed_node() -> None:
+    s = make({"r": rcfg(["a", "b"], max_concurrency=1, strategy="fifo")}, [node("a"), node("b")])
+    t1 = admit(s, "r", "k", now=0)
+    t2 = admit(s, "r", "k", now=1)
+    t3 = admit(s, "r", "k", now=2)
+    assert t1.lease.node == "a" and t2.lease.node == "b"  # type: ignore[union-attr]
+    lease = t1.lease
+    assert lease is not None
+    back = s.requeue(lease, 3)
+    assert back is t1 and t1.state == WAITING and t1.requeues == 1
+    assert lease.released and "a" in t1.avoid
+    assert s.position(t1, 3) == 1 and s.position(t3, 3) == 2
+    s.dispatch(3)
+    # a is free but t1 must not go back there while b may take it; it waits at the head
+    assert t1.state == WAITING
+    finish(s, t2, 4)
+    assert t1.state == LEASED and t1.lease is not None and t1.lease.node == "b"
+    assert t3.state == LEASED and t3.lease is not None and t3.lease.node == "a"
+
+
+def test_requeue_to_the_same_node_when_it_is_the_only_one() -> None:
+    s = make({"r": rcfg(["a"], max_concurrency=1)}, [node("a")])
+    t1 = admit(s, "r", "k")
+    t2 = admit(s, "r", "k")
+    s.requeue(t1.lease, 1)  # type: ignore[arg-type]
+    s.dispatch(1)
+    assert t1.state == LEASED and t1.lease.node == "a"  # type: ignore[union-attr]
+    assert t2.state == WAITING
+
+
+def test_requeue_in_fair_queue_serves_the_requeued_key_next() -> None:
+    s = make({"r": rcfg(["a"], max_concurrency=1, strategy="fifo_fair_lease")}, [node("a")])
+    a1 = admit(s, "r", "A")
+    b1 = admit(s, "r", "B")
+    a2 = admit(s, "r", "A")
+    s.requeue(a1.lease, 1, avoid_node=False)  # type: ignore[arg-type]
+    assert s.position(a1, 1) == 1 and s.position(b1, 1) == 2 and s.position(a2, 1) == 3
+
+
+def test_release_is_idempotent() -> None:
+    s = make({"r": rcfg(["a"], max_concurrency=2)}, [node("a")])
+    t1 = admit(s, "r", "k")
+    t2 = admit(s, "r", "k")
+    s.release(t1.lease, 1, 1.0)  # type: ignore[arg-type]
+    s.release(t1.lease, 1, 1.0)  # type: ignore[arg-type]
+    assert s.routes["r"].inflight["a"] == 1 and s.node_inflight["a"] == 1
+    s.release(t2.lease, 1, 1.0)  # type: ignore[arg-type]
+    assert not s.routes["r"].inflight and not s.node_inflight
+
+
+def test_est_wait_and_retry_after_follow_service_times() -> None:
+    s = make({"r": rcfg(["a"], max_concurrency=2, expected_duration_sec=6)}, [node("a")])
+    rq = s.routes["r"]
+    assert s.est_wait(rq, 3, 0) == pytest.approx(9.0)  # 3 × 6 s ÷ 2 slots
+    rq.observe(2.0)  # the first sample replaces the seed
+    assert s.est_wait(rq, 3, 0) == pytest.approx(3.0)
+    s.nodes["a"].drained = True
+    assert s.est_wait(rq, 3, 0) is None  # no live capacity: unknown
+    assert s.retry_after(rq, 0) >= 1
+
+
+# --- property tests -----------------------------------------------------------------------------
+
+KEYS = {"k1": 0, "k2": 2, "k3": 5}  # key -> priority (a key's priority is fixed, as in the config)
+NODE_NAMES = ["n1", "n2", "n3"]
+
+
+@st.composite
+def setups(draw: st.DrawFn) -> tuple[dict[str, RouteConfig], list[NodeState]]:
+    nodes = []
+    for n in NODE_NAMES:
+        nodes.append(NodeState(n, NodeConfig(
+            url=f"http://10.0.0.1:{NODE_NAMES.index(n) + 1}",
+            max_concurrency=draw(st.one_of(st.none(), st.integers(1, 4))),
+            health=HealthConfig(fall=1, rise=1),
+            breaker=BreakerConfig(consecutive_failures=2, open_sec=3, max_open_sec=12,
+                                  slow_start_sec=draw(st.sampled_from([0, 5]))),
+        )))
+    layouts = [(["n1"], ["n3"]), (["n1", "n2"], ["n3"]), (["n2"], [])]
+    routes = {}
+    for i, (prim, sb) in enumerate(layouts):
+        routes[f"r{i}"] = RouteConfig(
+            path=f"/r{i}", nodes=prim, standby=sb,
+            max_concurrency=draw(st.integers(1, 3)),
+            max_queue_depth=draw(st.integers(0, 5)),
+            queue_timeout_sec=draw(st.sampled_from([2.0, 7.5, 20.0])),
+            drop_policy=draw(st.sampled_from(["reject_with_429", "reject_with_503", "drop_oldest"])),
+            strategy=draw(st.sampled_from(["fifo", "fifo_fair_lease", "priority"])),
+            max_queued_per_key=draw(st.one_of(st.none(), st.integers(1, 3))),
+            retry_on_failover=1,
+        )
+    return routes, nodes
+
+
+OPS = st.one_of(
+    st.tuples(st.just("admit"), st.integers(0, 2), st.sampled_from(sorted(KEYS))),
+    st.tuples(st.just("admit"), st.integers(0, 2), st.sampled_from(sorted(KEYS))),
+    st.tuples(st.just("cancel"), st.integers(0, 10_000)),
+    st.tuples(st.just("advance"), st.floats(0, 4, allow_nan=False)),
+    st.tuples(st.just("complete"), st.integers(0, 10_000), st.booleans()),
+    st.tuples(st.just("complete"), st.integers(0, 10_000), st.just(True)),
+    st.tuples(st.just("requeue"), st.integers(0, 10_000)),
+    st.tuples(st.just("release_again"), st.integers(0, 10_000)),
+    st.tuples(st.just("health"), st.sampled_from(NODE_NAMES), st.booleans()),
+    st.tuples(st.just("drain"), st.sampled_from(NODE_NAMES), st.booleans()),
+)
+
+
+class Model:
+    """Drives a Scheduler like the Runtime does and checks its invariants after every step."""
+
+    def __init__(self, routes: dict[str, RouteConfig], nodes: list[NodeState]):
+        self.s = make(routes, nodes)
+        self.now = 0.0
+        self.tickets: list[Ticket] = []
+        self.outcomes: dict[int, list[str]] = {}
+        self.woken: Counter[int] = Counter()
+        self.wake_order: list[Ticket] = []
+        self.seen_leases: set[int] = set()
+        self.old_leases: list[Any] = []
+        self.first_leased: set[int] = set()
+        self.prev_state: dict[int, str] = {}
+
+    # -- the waker ---------------------------------------------------------------------------
+    def on_wake(self, t: Ticket) -> None:
+        self.woken[t.seq] += 1
+        self.wake_order.append(t)
+
+    def leased(self) -> list[Ticket]:
+        return [t for t in self.tickets if t.state == LEASED]
+
+    def waiting(self) -> list[Ticket]:
+        return [t for t in self.tickets if t.state == WAITING]
+
+    # -- operations --------------------------------------------------------------------------
+    def apply(self, op: tuple[Any, ...]) -> None:
+        s, now = self.s, self.now
+        kind = op[0]
+        before = {t.seq: t.state for t in self.tickets}
+        before_order = {r: list(rq.waiting.order(now)) for r, rq in s.routes.items()}
+        self.wake_order = []
+        woken_before = Counter(self.woken)
+        if kind == "admit":
+            route = f"r{op[1]}"
+            rq = s.routes[route]
+            depth, by_key = len(rq.waiting), rq.by_key[op[2]]
+            try:
+                t = s.admit(route, op[2], KEYS[op[2]], now, on_wake=self.on_wake)
+            except Rejected as r:
+                assert r.type == "queue_full" and r.retry_after is not None and r.retry_after >= 1
+                cfg = rq.cfg
+                per_key = cfg.max_queued_per_key is not None and by_key >= cfg.max_queued_per_key
+                assert per_key or (depth >= cfg.max_queue_depth and cfg.drop_policy != "drop_oldest"), (
+                    "rejected although there was room")
+                assert r.status == (429 if per_key or cfg.drop_policy == "reject_with_429" else 503)
+            else:
+                self.tickets.append(t)
+                self.outcomes[t.seq] = []
+                assert t.state in (WAITING, LEASED)
+        elif kind == "cancel":
+            if self.tickets:
+                t = self.tickets[op[1] % len(self.tickets)]
+                was = t.state
+                ok = s.cancel(t)
+                assert ok == (was == WAITING)
+                if ok:
+                    assert t.state == DONE
+                    self.outcomes[t.seq].append("cancelled")
+        elif kind == "advance":
+            self.now = now = now + op[1]
+            waiting_before = {t.seq: t.deadline for t in self.waiting()}
+            expired = s.expire(now)
+            for t in expired:
+                assert t.seq in waiting_before and waiting_before[t.seq] <= now
+                assert t.error is not None and (t.error.status, t.error.type) == (503, "queue_timeout")
+            s.dispatch(now)
+            for t in self.waiting():
+                assert t.deadline > now, "a ticket past its queue timeout is still waiting"
+        elif kind == "complete":
+            live = self.leased()
+            if live:
+                t = live[op[1] % len(live)]
+                lease = t.lease
+                assert lease is not None
+                ns = s.nodes[lease.node]
+                if op[2]:
+                    ns.record_success(now, trial=lease.trial)
+                else:
+                    ns.record_failure(now, "boom", trial=lease.trial)
+                s.release(lease, now, service_time=1.0 if op[2] else None)
+                assert t.state == DONE
+                self.outcomes[t.seq].append("released")
+                self.old_leases.append(lease)
+                s.dispatch(now)
+                self.check_prefix(before_order, before)
+        elif kind == "requeue":
+            live = [t for t in self.leased() if t.requeues < 3]
+            if live:
+                t = live[op[1] % len(live)]
+                lease = t.lease
+                assert lease is not None
+                s.nodes[lease.node].record_failure(now, "reset", trial=lease.trial)
+                s.requeue(lease, now)
+                self.old_leases.append(lease)
+                assert t.state == WAITING and lease.node in t.avoid
+                assert s.position(t, now) == 1
+                s.dispatch(now)
+        elif kind == "release_again":
+            if self.old_leases:
+                lease = self.old_leases[op[1] % len(self.old_leases)]
+                s.release(lease, now, service_time=1.0)
+        elif kind == "health":
+            s.nodes[op[1]].record_check(op[2], now, 1.0, None if op[2] else "down")
+            s.dispatch(now)
+            self.check_prefix(before_order, before)
+        elif kind == "drain":
+            s.nodes[op[1]].drained = op[2]
+            s.dispatch(now)
+            self.check_prefix(before_order, before)
+        self.check(before, woken_before)
+
+    def check_prefix(self, before_order: dict[str, list[Ticket]], before: dict[int, str]) -> None:
+        """With the clock still, the tickets that leave a queue for a slot are its first positions."""
+        for route, order in before_order.items():
+            got = [t for t in self.wake_order if t.route == route and t.state == LEASED
+                   and before.get(t.seq) == WAITING]
+            assert got == order[: len(got)], f"{route}: dispatched out of position order"
+
+    # -- invariants --------------------------------------------------------------------------
+    def check(self, before: dict[int, str], woken_before: Counter[int]) -> None:
+        s, now = self.s, self.now
+        live = self.leased()
+        # every live lease is counted exactly once, per route/node and per node; never over the caps
+        per_route: Counter[tuple[str, str]] = Counter()
+        per_node: Counter[str] = Counter()
+        for t in live:
+            lease = t.lease
+            assert lease is not None and not lease.released and lease.ticket is t
+            per_route[(lease.route, lease.node)] += 1
+            per_node[lease.node] += 1
+        for name, rq in s.routes.items():
+            assert {n: c for n, c in rq.inflight.items() if c} == {
+                n: c for (r, n), c in per_route.items() if r == name}
+            for n, c in rq.inflight.items():
+                assert c <= rq.cfg.max_concurrency
+        assert {n: c for n, c in s.node_inflight.items() if c} == dict(per_node)
+        for n, c in per_node.items():
+            cap = s.nodes[n].cfg.max_concurrency
+            assert cap is None or c <= cap
+        # waiting tickets: each in exactly one queue, exactly once; counters agree
+        for name, rq in s.routes.items():
+            order = list(rq.waiting.order(now))
+            assert len(order) == len(rq.waiting) == len({t.seq for t in order})
+            mine = [t for t in self.tickets if t.state == WAITING and t.route == name]
+            assert {t.seq for t in order} == {t.seq for t in mine}
+            assert {k: c for k, c in rq.by_key.items() if c} == dict(Counter(t.key for t in mine))
+            assert sorted(s.positions(name, now).values()) == list(range(1, len(order) + 1))
+        # state transitions
+        for t in self.tickets:
+            prev = before.get(t.seq)
+            assert t.state in (WAITING, LEASED, DONE, FAILED)
+            if prev in (DONE, FAILED):
+                assert t.state == prev, "a finished ticket came back"
+            if t.state == FAILED and prev != FAILED:
+                assert prev == WAITING or prev is None
+                self.outcomes[t.seq].append("failed")
+                assert self.woken[t.seq] > woken_before[t.seq], "failed ticket not woken"
+            if t.state == LEASED and prev == WAITING:
+                assert self.woken[t.seq] > woken_before[t.seq], "leased ticket not woken"
+        # new leases: within effective slots, standby only when no primary can take work, FIFO per key
+        for t in live:
+            lease = t.lease
+            assert lease is not None
+            if id(lease) in self.seen_leases:
+                continue
+            self.seen_leases.add(id(lease))
+            rq = s.routes[lease.route]
+            ns = s.nodes[lease.node]
+            assert rq.inflight[lease.node] <= ns.effective(rq.cfg.max_concurrency, now)
+            if ns.cfg.max_concurrency is not None:
+                assert s.node_inflight[lease.node] <= ns.effective(ns.cfg.max_concurrency, now)
+            if lease.node in rq.cfg.standby and not t.avoid:
+                assert not any(s.nodes[p].available(now) for p in rq.cfg.nodes), "standby used while a primary could"
+            if t.seq not in self.first_leased:
+                self.first_leased.add(t.seq)
+                older = [o for o in self.tickets if o.route == t.route and o.key == t.key and o.seq < t.seq
+                         and o.state == WAITING and o.seq not in self.first_leased]
+                assert not older, "FIFO within a key broken"
+
+    def finish(self) -> None:
+        """Complete everything: every ticket must end exactly once and every counter return to 0."""
+        s = self.s
+        for _ in range(10_000):
+            live = self.leased()
+            if not live:
+                break
+            t = live[0]
+            lease = t.lease
+            assert lease is not None
+            s.nodes[lease.node].record_success(self.now, trial=lease.trial)
+            before = {x.seq: x.state for x in self.tickets}
+            wb = Counter(self.woken)
+            s.release(lease, self.now, 1.0)
+            self.outcomes[t.seq].append("released")
+            s.dispatch(self.now)
+            self.check(before, wb)
+        for t in self.waiting():
+            assert s.cancel(t)
+            self.outcomes[t.seq].append("cancelled")
+        for rq in s.routes.values():
+            assert len(rq.waiting) == 0 and not +rq.by_key and not +rq.inflight
+        assert not +s.node_inflight
+        for t in self.tickets:
+            assert t.state in (DONE, FAILED)
+            assert len(self.outcomes[t.seq]) == 1, (t, self.outcomes[t.seq])
+            assert (self.outcomes[t.seq][0] == "failed") == (t.state == FAILED)
+            if t.lease is not None:
+                assert t.lease.released
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(setup=setups(), ops=st.lists(OPS, max_size=80))
+def test_scheduler_invariants(setup: tuple[dict[str, RouteConfig], list[NodeState]], ops: list[tuple[Any, ...]]) -> None:
+    m = Model(*setup)
+    for op in ops:
+        m.apply(op)
+    m.finish()
+
+
+@settings(max_examples=150, deadline=None)
+@given(strategy=st.sampled_from(["fifo", "fifo_fair_lease", "priority"]),
+       arrivals=st.lists(st.tuples(st.sampled_from("ABC"), st.floats(0, 3)), min_size=1, max_size=30),
+       slots=st.integers(1, 3))
+def test_fifo_within_a_key_and_nothing_lost(strategy: str, arrivals: list[tuple[str, float]], slots: int) -> None:
+    """Random arrivals on one route: each key's requests are served in their arrival order, all served once."""
+    s = make({"r": rcfg(["a"], max_concurrency=slots, strategy=strategy, max_queue_depth=1000,
+                        queue_timeout_sec=1e6)}, [node("a")])
+    prio = {"A": 0, "B": 1, "C": 2}
+    now = 0.0
+    tickets = []
+    for key, dt in arrivals:
+        now += dt
+        tickets.append(s.admit("r", key, prio[key], now))
+    served: list[Ticket] = [t for t in tickets if t.state == LEASED]
+    while True:
+        live = [t for t in tickets if t.state == LEASED]
+        if not live:
+            break
+        now += 0.5
+        s.release(live[0].lease, now, 0.5)  # type: ignore[arg-type]
+        before = {t.seq for t in served}
+        s.dispatch(now)
+        served += [t for t in tickets if t.state == LEASED and t.seq not in before]
+    assert len(served) == len(tickets) == len({t.seq for t in served})
+    for k in "ABC":
+        seqs = [t.seq for t in served if t.key == k]
+        assert seqs == sorted(seqs)
+    assert not +s.node_inflight and len(s.routes["r"].waiting) == 0
