@@ -1,0 +1,65 @@
+"""``kilolined status``: /admin/state as two readable tables (routes, nodes)."""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Any
+
+import aiohttp
+
+
+def table(headers: list[str], rows: list[list[str]]) -> str:
+    widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(headers)]
+    line = "  ".join(h.ljust(w) for h, w in zip(headers, widths, strict=True))
+    out = [line, "  ".join("-" * w for w in widths)]
+    out += ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)) for r in rows]
+    return "\n".join(out)
+
+
+def render(state: dict[str, Any]) -> str:
+    routes = []
+    for name, r in sorted(state.get("routes", {}).items()):
+        est = r.get("est_wait_sec")
+        routes.append([
+            name, r.get("path", ""), r.get("kind", ""), r.get("mode", ""), str(r.get("queue_depth", 0)),
+            f"{r.get('inflight', 0)}/{r.get('slots', 0)}", "-" if est is None else f"{est:g}s",
+            ",".join(r.get("active_nodes", [])) or "-",
+        ])
+    nodes = []
+    for name, n in sorted(state.get("nodes", {}).items()):
+        lat = n.get("last_check_ms")
+        nodes.append([
+            name, n.get("label", ""), n.get("health", ""), n.get("breaker", ""),
+            "yes" if n.get("drained") else "no", f"{n.get('inflight', 0)}/{n.get('slots', 0)}",
+            "-" if lat is None else f"{lat:.0f}ms", (n.get("last_error") or "")[:40],
+        ])
+    cfg = state.get("config", {})
+    head = f"config {str(cfg.get('version', ''))[:12]}  uptime {state.get('uptime_sec', 0):.0f}s"
+    if cfg.get("last_error"):
+        head += "  LAST RELOAD FAILED: " + "; ".join(cfg["last_error"])[:200]
+    return "\n\n".join([
+        head,
+        table(["ROUTE", "PATH", "KIND", "MODE", "QUEUED", "INFLIGHT", "EST WAIT", "ACTIVE"], routes),
+        table(["NODE", "LABEL", "HEALTH", "BREAKER", "DRAINED", "INFLIGHT", "CHECK", "LAST ERROR"], nodes),
+    ])
+
+
+async def run_status(url: str, admin_key: str | None) -> int:
+    key = admin_key or os.environ.get("KILOLINE_ADMIN_KEY")
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    try:
+        async with aiohttp.ClientSession() as s, s.get(url.rstrip("/") + "/admin/state", headers=headers,
+                                                       timeout=aiohttp.ClientTimeout(total=10)) as r:
+            if r.status == 401:
+                print("kilolined status: admin key refused (use --admin-key or $KILOLINE_ADMIN_KEY)", file=sys.stderr)
+                return 1
+            if r.status != 200:
+                print(f"kilolined status: {url} answered HTTP {r.status}", file=sys.stderr)
+                return 1
+            state = await r.json()
+    except (aiohttp.ClientError, TimeoutError) as e:
+        print(f"kilolined status: cannot reach {url}: {type(e).__name__}", file=sys.stderr)
+        return 1
+    print(render(state))
+    return 0

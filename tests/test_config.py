@@ -1,0 +1,247 @@
+"""kilolined.config: the example file, defaults, ${VAR} expansion and dotted-path errors (SPEC §2)."""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from kilolined.config import ConfigError, load_config, parse_config, split_listen
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLE = ROOT / "etc" / "kiloline.yaml"
+ENV = {"KILOLINE_ADMIN_KEY": "kl_dummy_admin", "BOB_KEY": "kl_dummy_bob"}
+DOTTED = re.compile(r"^[^\s:]+(?: [^:]+)?: .+$")
+
+
+def minimal(**over: Any) -> dict[str, Any]:
+    cfg: dict[str, Any] = {
+        "nodes": {"gpu": {"url": "http://127.0.0.1:8188"}},
+        "routes": {"gen": {"path": "/gen", "nodes": ["gpu"]}},
+    }
+    cfg.update(over)
+    return cfg
+
+
+def errors_of(text: str, env: dict[str, str] | None = None) -> list[str]:
+    with pytest.raises(ConfigError) as ei:
+        parse_config(text, env=env or {})
+    errs = ei.value.errors
+    assert errs, "ConfigError without errors"
+    for e in errs:
+        assert DOTTED.match(e), f"not 'dotted.path: message': {e!r}"
+    return errs
+
+
+def dump(cfg: dict[str, Any]) -> str:
+    return yaml.safe_dump(cfg)
+
+
+# --- the example file ---------------------------------------------------------------------------
+
+
+def test_example_config_is_valid() -> None:
+    cfg, version = load_config(EXAMPLE, env=ENV)
+    assert version == hashlib.sha256(EXAMPLE.read_bytes()).hexdigest()
+    assert len(cfg.routes) == 3 and len(cfg.nodes) == 4 and len(cfg.keys) == 2
+    assert cfg.admin.digest() == hashlib.sha256(b"kl_dummy_admin").hexdigest()
+    assert cfg.keys["bob"].digest() == hashlib.sha256(b"kl_dummy_bob").hexdigest()
+    # ${VAR:-default} fallbacks in the example
+    assert cfg.server.state_dir == "/var/lib/kiloline"
+    assert cfg.nodes["vast-8410"].headers["Authorization"] == "Bearer changeme"
+    # empty ${TG_TOKEN:-} turns the channel off
+    assert cfg.notify.telegram is None and cfg.notify.discord is None
+    assert cfg.routes["comfy"].kind == "comfyui"
+
+
+def test_example_config_without_env_names_the_variable() -> None:
+    with pytest.raises(ConfigError) as ei:
+        load_config(EXAMPLE, env={"BOB_KEY": "x"})
+    assert any(e.startswith("admin.key:") and "KILOLINE_ADMIN_KEY" in e for e in ei.value.errors)
+
+
+def test_missing_file_is_a_config_error(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError) as ei:
+        load_config(tmp_path / "nope.yaml", env={})
+    assert "nope.yaml" in ei.value.errors[0]
+
+
+# --- defaults (SPEC §2) -------------------------------------------------------------------------
+
+
+def test_defaults() -> None:
+    cfg = parse_config(dump(minimal()), env={})
+    r = cfg.routes["gen"]
+    assert r.max_concurrency == 1
+    assert r.max_queue_depth == 100
+    assert r.queue_timeout_sec == 120
+    assert r.request_timeout_sec == 600
+    assert r.drop_policy == "reject_with_429"
+    assert r.strategy == "fifo_fair_lease"
+    assert r.retry_on_failover == 1
+    assert r.auth == "required"
+    assert r.rate is None
+    assert r.kind == "generic" and r.standby == [] and r.max_queued_per_key is None
+    assert r.unqueued == []
+    s = cfg.server
+    assert s.listen == "0.0.0.0:8080" and s.max_body_mb == 64 and s.shutdown_grace_sec == 30
+    assert s.heartbeat_sec == 10 and s.state_dir is None and s.tls is None and s.trusted_proxies == []
+    assert cfg.admin.public_metrics is False
+    assert cfg.keys == {}
+    n = cfg.nodes["gpu"]
+    assert n.max_concurrency is None and n.health is None and n.headers == {}
+    assert cfg.jobs.result_ttl_sec == 600 and cfg.jobs.max_results_mb == 512
+    assert cfg.jobs.webhook_backoff_sec == [5, 30, 120, 600, 1800] and cfg.jobs.webhook_allow_private is False
+
+
+def test_key_defaults_no_budget_no_rate() -> None:
+    cfg = parse_config(dump(minimal(keys={"k": {"key": "secret"}})), env={})
+    k = cfg.keys["k"]
+    assert k.routes == ["*"] and k.rate is None and k.budget is None and k.priority == 0
+    assert k.adhoc_targets == []
+
+
+def test_unqueued_defaults_per_kind() -> None:
+    cfg = parse_config(dump(minimal(routes={"c": {"path": "/c", "nodes": ["gpu"], "kind": "comfyui"},
+                                            "o": {"path": "/o", "nodes": ["gpu"], "kind": "openai"}})), env={})
+    assert "/system_stats" in cfg.routes["c"].unqueued and "/history*" in cfg.routes["c"].unqueued
+    assert "/v1/models" in cfg.routes["o"].unqueued and "/health" in cfg.routes["o"].unqueued
+
+
+def test_decimal_seconds_accepted() -> None:
+    cfg = parse_config(dump(minimal(routes={"gen": {"path": "/gen", "nodes": ["gpu"], "queue_timeout_sec": 0.5,
+                                                    "request_timeout_sec": 1.25}})), env={})
+    assert cfg.routes["gen"].queue_timeout_sec == 0.5
+
+
+def test_node_url_trailing_slash_and_route_path_normalised() -> None:
+    cfg = parse_config(dump(minimal(nodes={"gpu": {"url": "http://127.0.0.1:8188/"}},
+                                    routes={"gen": {"path": "/gen/", "nodes": ["gpu"]}})), env={})
+    assert cfg.nodes["gpu"].url == "http://127.0.0.1:8188"
+    assert cfg.routes["gen"].path == "/gen"
+
+
+# --- ${VAR} -------------------------------------------------------------------------------------
+
+
+def test_env_var_expanded() -> None:
+    text = dump(minimal(keys={"k": {"key": "${MY_KEY}"}}))
+    cfg = parse_config(text, env={"MY_KEY": "hello"})
+    assert cfg.keys["k"].key == "hello"
+
+
+def test_missing_env_var_names_the_variable_and_path() -> None:
+    errs = errors_of(dump(minimal(keys={"k": {"key": "${MY_SECRET_KEY}"}})))
+    assert any(e.startswith("keys.k.key:") and "MY_SECRET_KEY" in e for e in errs), errs
+
+
+def test_env_default_used_when_unset_and_ignored_when_set() -> None:
+    text = dump(minimal(server={"listen": "${LISTEN:-127.0.0.1:9999}"}))
+    assert parse_config(text, env={}).server.listen == "127.0.0.1:9999"
+    assert parse_config(text, env={"LISTEN": "127.0.0.1:7000"}).server.listen == "127.0.0.1:7000"
+
+
+def test_env_empty_default() -> None:
+    text = dump(minimal(nodes={"gpu": {"url": "http://127.0.0.1:1", "headers": {"X-T": "a${T:-}b"}}}))
+    assert parse_config(text, env={}).nodes["gpu"].headers["X-T"] == "ab"
+
+
+def test_env_expansion_inside_numbers_and_lists() -> None:
+    text = """
+nodes: {gpu: {url: "http://127.0.0.1:${PORT:-8188}"}}
+routes:
+  gen: {path: /gen, nodes: ["${NODE:-gpu}"], max_concurrency: "${SLOTS:-3}"}
+"""
+    cfg = parse_config(text, env={"SLOTS": "4"})
+    assert cfg.nodes["gpu"].url == "http://127.0.0.1:8188"
+    assert cfg.routes["gen"].nodes == ["gpu"] and cfg.routes["gen"].max_concurrency == 4
+
+
+# --- errors -------------------------------------------------------------------------------------
+
+
+def test_malformed_yaml() -> None:
+    errs = errors_of("routes:\n  gen: {path: /gen, nodes: [gpu\nnodes: x\n")
+    assert len(errs) == 1 and "line" in errs[0]
+
+
+def test_top_level_not_a_mapping() -> None:
+    errs = errors_of("- a\n- b\n")
+    assert errs
+
+
+def test_unknown_key_is_an_error_with_its_path() -> None:
+    errs = errors_of(dump(minimal(routes={"gen": {"path": "/gen", "nodes": ["gpu"], "max_concurency": 2}})))
+    assert "routes.gen.max_concurency: unknown key" in errs
+
+
+def test_unknown_top_level_key() -> None:
+    errs = errors_of(dump(minimal(sevrer={"listen": "x"})))
+    assert any(e.startswith("sevrer:") and "unknown" in e for e in errs), errs
+
+
+def test_bad_value_names_the_path() -> None:
+    errs = errors_of(dump(minimal(routes={"gen": {"path": "/gen", "nodes": ["gpu"], "max_concurrency": 0,
+                                                  "drop_policy": "nope"}})))
+    assert any(e.startswith("routes.gen.max_concurrency:") for e in errs), errs
+    assert any(e.startswith("routes.gen.drop_policy:") for e in errs), errs
+
+
+def test_duplicate_route_path() -> None:
+    errs = errors_of(dump(minimal(routes={"a": {"path": "/gen", "nodes": ["gpu"]},
+                                          "b": {"path": "/gen/", "nodes": ["gpu"]}})))
+    assert any(e.startswith("routes.b.path:") and "/gen" in e for e in errs), errs
+
+
+def test_route_naming_unknown_node() -> None:
+    errs = errors_of(dump(minimal(routes={"gen": {"path": "/gen", "nodes": ["gpu", "ghost"], "standby": ["spook"]}})))
+    assert any(e.startswith("routes.gen.nodes.1:") and "ghost" in e for e in errs), errs
+    assert any(e.startswith("routes.gen.standby.0:") and "spook" in e for e in errs), errs
+
+
+def test_key_naming_unknown_route() -> None:
+    errs = errors_of(dump(minimal(keys={"alice": {"key": "x", "routes": ["gen", "nope"]}})))
+    assert any(e.startswith("keys.alice.routes.1:") and "nope" in e for e in errs), errs
+
+
+@pytest.mark.parametrize("listen", ["8080", "localhost", "host:port", "1.2.3.4:99999", "[::1]", ""])
+def test_bad_listen(listen: str) -> None:
+    errs = errors_of(dump(minimal(server={"listen": listen})))
+    assert any(e.startswith("server.listen:") for e in errs), errs
+
+
+@pytest.mark.parametrize(("listen", "want"), [("0.0.0.0:8080", ("0.0.0.0", 8080)), ("[::]:80", ("::", 80)),
+                                              (":81", ("0.0.0.0", 81)), ("127.0.0.1:0", ("127.0.0.1", 0))])
+def test_good_listen(listen: str, want: tuple[str, int]) -> None:
+    assert split_listen(listen) == want
+    assert parse_config(dump(minimal(server={"listen": listen})), env={}).server.listen == listen
+
+
+def test_missing_required_fields() -> None:
+    errs = errors_of(dump({"nodes": {"gpu": {}}, "routes": {"gen": {"nodes": ["gpu"]}}}))
+    assert any(e.startswith("nodes.gpu.url:") for e in errs), errs
+    assert any(e.startswith("routes.gen.path:") for e in errs), errs
+
+
+def test_key_needs_exactly_one_secret() -> None:
+    errs = errors_of(dump(minimal(keys={"a": {"routes": ["*"]}})))
+    assert any(e.startswith("keys.a") for e in errs), errs
+    errs = errors_of(dump(minimal(keys={"a": {"key": "x", "key_sha256": "0" * 64}})))
+    assert any(e.startswith("keys.a") for e in errs), errs
+    errs = errors_of(dump(minimal(keys={"a": {"key_sha256": "abc"}})))
+    assert any(e.startswith("keys.a.key_sha256:") for e in errs), errs
+
+
+def test_all_problems_reported_at_once() -> None:
+    errs = errors_of(dump(minimal(routes={"gen": {"path": "/gen", "nodes": ["gpu"], "bogus": 1, "max_queue_depth": -1}},
+                                  server={"listen": "nope"})))
+    assert len(errs) >= 3
+
+
+def test_empty_file_reports_missing_sections() -> None:
+    errs = errors_of("")
+    assert any(e.startswith("nodes") for e in errs) and any(e.startswith("routes") for e in errs)
