@@ -102,6 +102,13 @@ def tail_with_query(request: web.Request, tail: str) -> str:
     return tail + ("?" + qs if qs else "")
 
 
+def too_large(call: Call, r: Rejected) -> web.Response:
+    resp = call.rejected(r)
+    # Close instead of draining the rest of a body we refused (it may be gigabytes).
+    resp.force_close()
+    return resp
+
+
 async def read_body(request: web.Request, limit: int) -> bytes:
     if request.content_length is not None and request.content_length > limit:
         raise Rejected(413, "payload_too_large", f"body over {limit // (1024 * 1024)} MB")
@@ -181,7 +188,7 @@ async def pipeline(rt: Runtime, call: Call) -> web.StreamResponse:
     try:
         body = await read_body(request, int(rt.cfg.server.max_body_mb * 1024 * 1024))
     except Rejected as r:
-        return call.rejected(r)
+        return too_large(call, r)
     ex = Exchange(request, request.method, path_tail, body, call.request_id, ip)
     try:
         call.adapter.prepare(ex)

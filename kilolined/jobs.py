@@ -132,6 +132,7 @@ class Jobs:
         self.rt = rt
         self.cfg = cfg
         self.jobs: dict[str, Job] = {}
+        self.active: set[Job] = set()  # not yet terminal: what the ticker looks at
         self.finished: OrderedDict[str, Job] = OrderedDict()  # finish order, for TTL and the memory cap
         self.result_bytes = 0
         self._ticker: asyncio.Task[None] | None = None
@@ -172,6 +173,7 @@ class Jobs:
             key=principal.key_id if principal else None, mode=call.mode, ticket=ticket, callback=callback,
         )
         self.jobs[job.id] = job
+        self.active.add(job)
         position = rt.scheduler.position(ticket, rt.clock())
         est = self._est(job, position)
         rq = rt.scheduler.routes[ticket.route]
@@ -237,6 +239,7 @@ class Jobs:
             jobs._finish_completed(job, res)
 
     def _finish(self, job: Job, status: str) -> None:
+        self.active.discard(job)
         job.status = status
         job.finished_at = time.time()
         if job.started_mono is not None:
@@ -331,9 +334,7 @@ class Jobs:
         mono = time.monotonic()
         hb = rt.cfg.server.heartbeat_sec
         positions: dict[str, dict[int, int]] = {}
-        for job in self.jobs.values():
-            if job.status in TERMINAL:
-                continue
+        for job in list(self.active):
             beat = mono - job.last_event_at >= hb
             if job.status == "queued" and job.ticket.state == WAITING:
                 route_pos = positions.get(job.route)

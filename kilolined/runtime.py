@@ -234,7 +234,7 @@ class Runtime:
         want = {n: ns for n, ns in self.scheduler.nodes.items() if not ns.retired and ns.cfg.health}
         for n, t in list(self._health_tasks.items()):
             cur = want.get(n)
-            if cur is None or getattr(t, "kl_cfg", None) is not cur.cfg:
+            if cur is None or getattr(t, "kl_cfg", None) != cur.cfg:
                 t.cancel()
                 del self._health_tasks[n]
         for n, ns in want.items():

@@ -12,7 +12,7 @@ import time
 
 from aiohttp import web
 
-from kilolined.app import RT, Call, admit_and_run, choose_mode, log_access, read_body
+from kilolined.app import RT, Call, admit_and_run, choose_mode, log_access, read_body, too_large
 from kilolined.auth import presented_key
 from kilolined.proxy import Exchange, client_ip, request_id
 from kilolined.queue import Rejected
@@ -82,7 +82,7 @@ async def _proxy(call: Call) -> web.StreamResponse:
     try:
         body = await read_body(request, int(rt.cfg.server.max_body_mb * 1024 * 1024))
     except Rejected as r:
-        return call.rejected(r)
+        return too_large(call, r)
     ex = Exchange(request, request.method, tail, body, call.request_id,
                   client_ip(request, rt.cfg.server.trusted_proxies))
     return await admit_and_run(rt, call, route, ex, principal, principal.cfg.priority, pinned_node=pinned)

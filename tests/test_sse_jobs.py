@@ -161,7 +161,6 @@ async def test_sse_job_full_sequence_behind_a_busy_slot(fakegpus, gateway, http)
     assert reader.retry == 3000
 
     names = [e.event for e in events]
-    print([(e.event, e.data[:80], round(e.at % 100, 2)) for e in events])  # DEBUGX
     assert [e.id for e in events] == [str(i) for i in range(1, len(events) + 1)], names
     assert names[0] == "queued" and names[-1] == "output_ready", names
     assert names.count("dispatched") == 1 and names.count("output_ready") == 1, names
