@@ -385,6 +385,10 @@ class Notifier:
         # (event, node) -> clock() of the last one let through, and how many were folded since.
         self._last_sent: dict[tuple[str, str | None], float] = {}
         self._folded: dict[tuple[str, str | None], int] = {}
+        # A folded repeat still goes out once its interval ends (latest text), so that a node
+        # flapping down/up/down never leaves "up" as the operator's last word.
+        self._fold_text: dict[tuple[str, str | None], str] = {}
+        self._fold_timers: dict[tuple[str, str | None], asyncio.TimerHandle] = {}
         self._prune_at = 1024
         self._group: list[tuple[str, str | None, str]] = []
         self._group_overflow = 0
@@ -440,7 +444,19 @@ class Notifier:
         if last is not None and now - last < cfg.min_interval_sec:
             self._folded[key] = self._folded.get(key, 0) + 1
             self._totals["folded"] += 1
+            self._fold_text[key] = text or event
+            if key not in self._fold_timers:
+                try:
+                    loop = asyncio.get_running_loop()
+                except RuntimeError:
+                    return
+                delay = max(0.0, last + cfg.min_interval_sec - now)
+                self._fold_timers[key] = loop.call_later(delay, self._trailing, key)
             return
+        timer = self._fold_timers.pop(key, None)
+        if timer is not None:
+            timer.cancel()
+        self._fold_text.pop(key, None)
         self._last_sent[key] = now
         folded = self._folded.pop(key, 0)
         text = text or event
@@ -452,6 +468,16 @@ class Notifier:
             self._group.append((event, node, text))
         else:
             self._group_overflow += 1
+        self._schedule_flush()
+
+    def _trailing(self, key: tuple[str, str | None]) -> None:
+        self._fold_timers.pop(key, None)
+        n = self._folded.pop(key, 0)
+        text = self._fold_text.pop(key, None)
+        if not n or text is None or self._closed:
+            return
+        self._last_sent[key] = self._clock()
+        self._group.append((key[0], key[1], f"{text} (…and {n - 1} more)" if n > 1 else text))
         self._schedule_flush()
 
     def _prune(self, now: float, interval: float) -> None:
@@ -517,6 +543,9 @@ class Notifier:
         if self._started and not self._closed:
             self._flush()
         self._closed = True
+        for timer in self._fold_timers.values():
+            timer.cancel()
+        self._fold_timers.clear()
         channels = list(self._channels.values())
         joins = [asyncio.ensure_future(ch.queue.join()) for ch in channels if ch.task is not None]
         if joins:

@@ -325,3 +325,19 @@ async def test_no_channels_is_fine() -> None:
     n.emit("node_down", "nobody listens", node="a")
     await n.close()
     assert n.stats["sent"] == 0
+
+
+async def test_a_folded_repeat_still_goes_out_when_its_interval_ends(
+    tg: FakeTelegram, notifiers: list[Notifier]
+) -> None:
+    # down, up, down within min_interval: the operator's last message must not be "up".
+    n = await started(notifiers, make_cfg(tg, min_interval_sec=0.6, group_sec=0.05))
+    n.emit("node_down", "a down", node="a")
+    await tg.wait_for(1)
+    n.emit("node_up", "a up", node="a")
+    await tg.wait_for(2)
+    n.emit("node_down", "a down again", node="a")
+    n.emit("node_down", "a down, third time", node="a")
+    (*_, last) = await tg.wait_for(3, timeout=5)
+    assert last["text"] == "a down, third time (…and 1 more)"
+    assert n.stats["folded"] == 2
