@@ -152,24 +152,33 @@ class FairOrder:
 
 
 class PriorityOrder:
-    """Higher priority first, FIFO within a level; a request gains +1 per ``age_step`` waited."""
+    """Higher priority first, FIFO within a level; a request gains +1 per ``age_step`` waited.
+
+    Re-queued requests (their node died under them) go before everything: they already waited
+    their turn once.
+    """
 
     def __init__(self, age_step: float) -> None:
         self.age_step = max(age_step, 1e-9)
         self._levels: dict[int, OrderedDict[int, Ticket]] = {}
+        self._front: OrderedDict[int, Ticket] = OrderedDict()
         self._n = 0
 
     def __len__(self) -> int:
         return self._n
 
     def push(self, t: Ticket, front: bool = False) -> None:
-        q = self._levels.setdefault(t.priority, OrderedDict())
-        q[t.seq] = t
         self._n += 1
         if front:
-            q.move_to_end(t.seq, last=False)
+            self._front[t.seq] = t
+            self._front.move_to_end(t.seq, last=False)
+            return
+        self._levels.setdefault(t.priority, OrderedDict())[t.seq] = t
 
     def remove(self, t: Ticket) -> bool:
+        if self._front.pop(t.seq, None) is not None:
+            self._n -= 1
+            return True
         q = self._levels.get(t.priority)
         if q is None or q.pop(t.seq, None) is None:
             return False
@@ -182,7 +191,7 @@ class PriorityOrder:
         return t.priority + math.floor(max(0.0, now - t.enqueued_at) / self.age_step)
 
     def _best(self, heads: dict[int, list[Ticket]], idx: dict[int, int], now: float) -> int | None:
-        best: tuple[float, int] | None = None
+        best: tuple[float, float] | None = None
         best_level = None
         for level, q in heads.items():
             i = idx[level]
@@ -194,6 +203,8 @@ class PriorityOrder:
         return best_level
 
     def peek(self, now: float) -> Ticket | None:
+        if self._front:
+            return next(iter(self._front.values()))
         heads = {lv: [next(iter(q.values()))] for lv, q in self._levels.items()}
         lv = self._best(heads, dict.fromkeys(heads, 0), now)
         return None if lv is None else heads[lv][0]
@@ -205,6 +216,7 @@ class PriorityOrder:
         return t
 
     def order(self, now: float) -> Iterator[Ticket]:
+        yield from list(self._front.values())
         heads = {lv: list(q.values()) for lv, q in self._levels.items()}
         idx = dict.fromkeys(heads, 0)
         while True:
