@@ -72,6 +72,11 @@ class NodeState:
             return False
         return not (state == HALF_OPEN and self.trial_in_flight)
 
+    def serving(self, now: float) -> bool:
+        """Known good: up, breaker closed, not drained. A half-open node is only on trial, so it
+        does not count for the route's mode (no "back on primary" before the trial succeeded)."""
+        return not (self.retired or self.drained or not self.healthy) and self.breaker_state(now) == CLOSED
+
     def effective(self, configured: int, now: float) -> int:
         """Slow start: 1 → configured linearly over slow_start_sec after a recovery."""
         ss = self.breaker_cfg.slow_start_sec

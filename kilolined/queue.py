@@ -552,9 +552,9 @@ class Scheduler:
         for rq in self.routes.values():
             if rq.retired:
                 continue
-            if any(n in self.nodes and self.nodes[n].available(now) for n in rq.cfg.nodes):
+            if any(n in self.nodes and self.nodes[n].serving(now) for n in rq.cfg.nodes):
                 mode = "primary"
-            elif any(n in self.nodes and self.nodes[n].available(now) for n in rq.cfg.standby):
+            elif any(n in self.nodes and self.nodes[n].serving(now) for n in rq.cfg.standby):
                 mode = "failover"
             else:
                 mode = "down"

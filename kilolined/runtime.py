@@ -348,8 +348,10 @@ class Runtime:
         if ev == "node_up":
             return f"✓ {who} UP — health checks passing"
         if ev == "breaker_open":
-            return (f"⚡ {who} breaker OPEN after {ns.breaker_cfg.consecutive_failures} failures "
-                    f"({ns.last_error or 'errors'}), retry in {ns.open_period:g}s")
+            why = ("its half-open trial failed" if ns.open_period > ns.breaker_cfg.open_sec
+                   else f"{ns.breaker_cfg.consecutive_failures} failures")
+            return f"⚡ {who} breaker OPEN after {why} ({ns.last_error or 'errors'}), retry in {ns.open_period:g}s"
+
         return f"✓ {who} breaker closed — taking work again"
 
     def _mode_changed(self, route: str, old: str, new: str) -> None:
@@ -448,7 +450,8 @@ class Runtime:
         for n, rq in self.scheduler.routes.items():
             if n.startswith("adhoc:") or rq.retired:
                 continue
-            if not self.scheduler.usable(rq, now):
+            if not any(self.scheduler.nodes[x].serving(now) or self.scheduler.nodes[x].available(now)
+                       for x in rq.all_nodes if x in self.scheduler.nodes):
                 reasons.append(f"route {n}: no node can take work")
         if self.shutting_down:
             reasons.append("shutting down")

@@ -86,7 +86,7 @@ async def test_async_202_then_signed_job_completed_webhook(fakegpus, gateway, ht
     assert not verify_standard_webhook(OTHER_SECRET, hook["headers"], hook["body"])
     assert not verify_standard_webhook(SECRET, hook["headers"], hook["body"].replace(b"hooked", b"hacked"))
     data = hook["json"]
-    assert WEBHOOK_KEYS <= set(data)
+    assert set(data) >= WEBHOOK_KEYS
     assert data["type"] == "job.completed"
     assert data["job_id"] == job_id and data["route"] == "gen" and data["status"] == "completed"
     assert data["http_status"] == 200
@@ -139,6 +139,18 @@ async def test_webhook_retried_until_accepted_with_one_webhook_id(fakegpus, gate
     assert receiver.deliveries[0]["path"] == "/cb"
 
 
+async def test_webhook_honours_retry_after(fakegpus, gateway, http, receiver) -> None:
+    gpu = await fakegpus(steps=1, step_ms=10)
+    gw = await gateway(jobs_cfg({"a": gpu.url}))
+    receiver.fail_next, receiver.fail_status, receiver.retry_after = 1, 503, "1"
+    await submit_async(http, gw, {"echo": "ra"}, headers={"X-KiloLine-Callback": receiver.url()})
+    await receiver.wait_for(1, timeout=10)
+    first, second = receiver.attempts
+    assert first["status"] == 503 and second["status"] == 200
+    assert second["at"] - first["at"] >= 0.9  # Retry-After: 1 beats the 0.1 s backoff
+    assert first["headers"]["webhook-id"] == second["headers"]["webhook-id"]
+
+
 async def test_key_webhook_url_is_the_default_callback(fakegpus, gateway, http, receiver) -> None:
     gpu = await fakegpus(steps=1, step_ms=10)
     cfg = jobs_cfg({"a": gpu.url})
@@ -182,7 +194,7 @@ async def test_failing_job_sends_job_failed(fakegpus, gateway, http, receiver) -
     [hook] = await receiver.wait_for(1, timeout=15)
     assert verify_standard_webhook(SECRET, hook["headers"], hook["body"])
     data = hook["json"]
-    assert WEBHOOK_KEYS <= set(data)
+    assert set(data) >= WEBHOOK_KEYS
     assert data["type"] == "job.failed"
     assert data["job_id"] == sub["job_id"] and data["status"] == "failed" and data["route"] == "gen"
     assert data["http_status"] == 500
@@ -260,7 +272,8 @@ async def test_delete_while_queued_never_reaches_the_node(fakegpus, gateway, htt
     blocker = await submit_async(http, gw, {"echo": "blocker"})
     await wait_until(lambda: gpu.stats["running"] == 1)
     sub = await submit_async(http, gw, {"echo": "doomed"})
-    assert (await job_status(http, gw, sub["job_id"]))["status"] == "queued"
+    queued = await job_status(http, gw, sub["job_id"])
+    assert queued["status"] == "queued" and queued["position"] == 1 and queued["node"] is None
 
     async with http.get(gw.url + sub["events_url"]) as ev:
         reader = SSEReader(ev)
@@ -308,3 +321,61 @@ async def test_delete_while_running_aborts_the_node_and_frees_the_slot(fakegpus,
     # Cancelling again is harmless.
     async with http.delete(f"{gw.url}/v1/jobs/{sub['job_id']}", headers=auth()) as r:
         assert r.status == 200 and (await r.json())["status"] == "cancelled"
+
+
+async def test_queue_timeout_fails_the_job_and_sends_job_failed(fakegpus, gateway, http, receiver) -> None:
+    gpu = await fakegpus(steps=15, step_ms=100)  # the blocker holds the slot for 1.5 s
+    gw = await gateway(jobs_cfg({"a": gpu.url}, route={"max_concurrency": 1, "queue_timeout_sec": 0.5}))
+    blocker = await submit_async(http, gw, {"echo": "blocker"})
+    await wait_until(lambda: gpu.stats["running"] == 1)
+    sub = await submit_async(http, gw, {"echo": "late"}, headers={"X-KiloLine-Callback": receiver.url()})
+    [hook] = await receiver.wait_for(1, timeout=10)
+    assert verify_standard_webhook(SECRET, hook["headers"], hook["body"])
+    data = hook["json"]
+    assert data["type"] == "job.failed" and data["job_id"] == sub["job_id"] and data["status"] == "failed"
+    assert data["http_status"] == 503 and data["result"] is None
+    st = await job_status(http, gw, sub["job_id"])
+    assert st["status"] == "failed" and st["error"]["type"] == "queue_timeout"
+    _, _, events = await read_all(http, gw.url + sub["events_url"])
+    assert events[0].event == "queued" and events[-1].event == "failed"
+    assert "dispatched" not in [e.event for e in events]
+    assert events[-1].json["error"]["type"] == "queue_timeout"
+    await wait_status(http, gw, blocker["job_id"], "completed")
+    assert len([q for q in gpu.requests if q["path"] == "/generate"]) == 1
+
+
+async def test_refused_callback_costs_no_budget(fakegpus, gateway, http) -> None:
+    """A 400 for a bad callback URL is a refusal like a bad mode: it must not use up the day's budget."""
+    gpu = await fakegpus(steps=1, step_ms=10)
+    cfg = jobs_cfg({"a": gpu.url}, allow_private=False)
+    cfg["keys"]["alice"]["budget"] = {"requests_per_day": 1}
+    gw = await gateway(cfg)
+    async with http.post(gw.url + "/gen/generate", json={}, headers={
+            **auth(), "Prefer": "respond-async", "X-KiloLine-Callback": "http://127.0.0.1:9/hook"}) as r:
+        assert r.status == 400
+        assert (await r.json())["error"]["type"] == "bad_request"
+    async with http.post(gw.url + "/gen/generate", json={"echo": "paid"}, headers=auth()) as r:
+        assert r.status == 200, await r.text()
+        assert (await r.json())["echo"] == "paid"
+
+
+async def test_cap_evicted_jobs_still_expire_after_result_ttl_sec(fakegpus, gateway, http) -> None:
+    """A job whose result was evicted for max_results_mb must still leave memory at its TTL, like any
+    other finished job — else a busy gateway keeps every such job (and its event log) forever."""
+    gpu = await fakegpus(steps=1, step_ms=10)
+    gw = await gateway(jobs_cfg({"a": gpu.url}, max_results_mb=0.001, result_ttl_sec=0.6))
+    first = (await run_sse(http, gw, {"echo": "1" * 600}))[0].json["job_id"]
+    second = (await run_sse(http, gw, {"echo": "2" * 600}))[0].json["job_id"]  # evicts first's result
+    third = (await run_sse(http, gw, {"echo": "small"}))[0].json["job_id"]
+
+    async def status(job_id: str) -> int:
+        async with http.get(f"{gw.url}/v1/jobs/{job_id}", headers=auth()) as r:
+            return r.status
+
+    async def normal_ones_gone() -> bool:
+        return [await status(second), await status(third)] == [404, 404]
+
+    await wait_until(normal_ones_gone, timeout=6, step=0.1)  # TTL-expired: gone from memory
+    await asyncio.sleep(0.5)  # a few more ticks of the jobs loop
+    assert await status(first) == 404, "the cap-evicted job is still kept after its TTL"
+    assert first not in gw.rt.jobs.jobs

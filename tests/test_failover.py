@@ -470,3 +470,67 @@ async def test_drained_waiting_requests_are_not_lost(fakegpus, gateway, http):
     async with http.post(gw.url + "/admin/nodes/a/undrain", headers=ADMIN) as r:
         assert r.status == 200
     assert [(s, n) for s, n, _ in await asyncio.gather(*tasks)] == [(200, "a")] * 2
+
+
+# --- more ways for a node to fail before any byte ----------------------------------------------------
+
+
+async def test_node_hanging_before_headers_times_out_and_is_requeued(fakegpus, gateway, http):
+    a = await fakegpus()
+    b = await fakegpus()
+    gw = await gateway(base_config({"a": a.url, "b": b.url}, request_timeout_sec=0.5, retry_on_failover=1))
+    a.set_control(hang=True)
+    t0 = time.monotonic()
+    assert (await gen(http, gw.url))[:2] == (200, "b")
+    assert time.monotonic() - t0 >= 0.45
+    assert await metric(http, gw.url, "kiloline_failovers_total", route="gen") == 1
+    await wait_until(lambda: a.stats["hanging"] == 0, timeout=5)  # the gateway hung up on it
+
+
+async def test_node_hanging_without_retry_gives_504(fakegpus, gateway, http):
+    a = await fakegpus()
+    b = await fakegpus()
+    gw = await gateway(base_config({"a": a.url, "b": b.url}, request_timeout_sec=0.5, retry_on_failover=0))
+    a.set_control(hang=True)
+    async with http.post(gw.url + "/gen/generate", json={}, headers=auth()) as r:
+        assert r.status == 504
+        body = await r.json()
+    assert body["error"]["type"] == "upstream_timeout"
+    assert a.url.split("://")[1] not in json.dumps(body)
+    assert b.stats["served"] == 0
+    assert (await admin_state(http, gw.url))["routes"]["gen"]["inflight"] == 0
+
+
+async def test_only_node_unreachable_502_after_retries(fakegpus, gateway, http):
+    a = await fakegpus()
+    gw = await gateway(base_config({"a": a.url}, retry_on_failover=1))
+    await a.kill()
+    async with http.post(gw.url + "/gen/generate", json={}, headers=auth()) as r:
+        assert r.status == 502
+        body = await r.json()
+    assert body["error"]["type"] == "upstream_error"
+    assert a.url.split("://")[1] not in json.dumps(body)
+    st = await admin_state(http, gw.url)
+    assert st["routes"]["gen"]["inflight"] == 0 and st["routes"]["gen"]["queue_depth"] == 0
+
+
+async def test_failback_leaves_work_already_on_the_standby_there(fakegpus, gateway, http):
+    a = await fakegpus()
+    b = await fakegpus()
+    cfg = base_config({"a": a.url, "b": b.url}, max_concurrency=2)
+    cfg["nodes"]["a"].update(health=HEALTH, breaker={**BREAKER, "slow_start_sec": 0})
+    gw = await gateway(cfg)
+    a.set_control(health_status=503)
+
+    async def mode(m: str) -> bool:
+        return (await admin_state(http, gw.url))["routes"]["gen"]["mode"] == m
+
+    await wait_until(lambda: mode("failover"), timeout=10)
+    long = [asyncio.create_task(gen(http, gw.url, {"steps": 20, "step_ms": 50})) for _ in range(2)]
+    await wait_until(lambda: b.stats["running"] == 2, timeout=5)
+    a.set_control(health_status=200)
+    await wait_until(lambda: mode("primary"), timeout=10)
+    assert b.stats["running"] == 2  # not cut, not moved
+    assert (await gen(http, gw.url))[:2] == (200, "a")
+    assert [(s, n) for s, n, _ in await asyncio.gather(*long)] == [(200, "b")] * 2
+    assert b.stats["served"] == 2 and b.stats["aborted"] == 0

@@ -178,3 +178,16 @@ async def test_bad_target_is_rejected(fakegpus, gateway, http, target: str) -> N
     st, _, body = await call(http, "GET", gw.url + "/v1/proxy/health", headers=headers)
     assert st in (400, 403), body
     assert json.loads(body)["error"]["type"] in ("bad_request", "forbidden")
+
+
+async def test_query_is_forwarded_verbatim(fakegpus, gateway, http) -> None:
+    from urllib.parse import parse_qs
+
+    from yarl import URL
+
+    g = await fakegpus(steps=1, step_ms=1)
+    gw = await gateway(base_config({"a": g.url}))
+    async with http.get(URL(gw.url + "/v1/proxy/health?q=a%26b%3Dc&r=x%20y", encoded=True),
+                        headers={**auth(), "X-Target-Host": g.url}) as r:
+        assert r.status == 200
+    assert parse_qs(g.requests[-1]["query"]) == {"q": ["a&b=c"], "r": ["x y"]}

@@ -162,6 +162,7 @@ async def test_sse_job_full_sequence_behind_a_busy_slot(fakegpus, gateway, http)
 
     names = [e.event for e in events]
     assert [e.id for e in events] == [str(i) for i in range(1, len(events) + 1)], names
+    assert all(isinstance(e.json, dict) for e in events)  # every data line is a JSON object
     assert names[0] == "queued" and names[-1] == "output_ready", names
     assert names.count("dispatched") == 1 and names.count("output_ready") == 1, names
     d = names.index("dispatched")
@@ -263,6 +264,53 @@ async def test_bad_mode_is_a_400_json_error(fakegpus, gateway, http, how) -> Non
     assert gpu.requests == []
 
 
+async def test_output_ready_result_is_null_unless_json_of_at_most_1_mb(fakegpus, gateway, http) -> None:
+    gpu = await fakegpus(steps=1, step_ms=10)
+    gw = await gateway(base_config({"a": gpu.url}))
+    # bytes that are not JSON: result null, the body itself behind result_url
+    async with http.get(gw.url + "/gen/blob?bytes=70000", headers={**auth(), **SSE}) as r:
+        assert r.status == 200
+        events = await SSEReader(r).rest()
+    ready = events[-1].json
+    assert events[-1].event == "output_ready"
+    assert ready["result"] is None and ready["content_type"] == "application/octet-stream"
+    async with http.get(gw.url + ready["result_url"]) as r:
+        assert r.status == 200 and r.headers["Content-Type"] == "application/octet-stream"
+        blob = await r.read()
+    assert len(blob) == 70000 and blob[:256] == bytes(range(256))
+    # JSON over 1 MB: too big to inline, still served whole
+    big = "x" * (1024 * 1024 + 10)
+    async with http.post(gw.url + "/gen/generate", json={"echo": big}, headers={**auth(), **SSE}) as r:
+        events = await SSEReader(r).rest()
+    ready = events[-1].json
+    assert events[-1].event == "output_ready" and ready["result"] is None
+    assert ready["content_type"].startswith("application/json")
+    async with http.get(gw.url + ready["result_url"]) as r:
+        assert (await r.json())["echo"] == big
+
+
+async def test_sse_job_rerouted_to_the_standby_when_its_node_dies(fakegpus, gateway, http) -> None:
+    a = await fakegpus(steps=1, step_ms=10)
+    b = await fakegpus(steps=1, step_ms=10)
+    cfg = base_config({"a": a.url, "b": b.url})
+    cfg["nodes"]["a"]["breaker"] = {"consecutive_failures": 1, "open_sec": 30}
+    gw = await gateway(cfg)
+    await a.kill()  # a spot machine gone: connection refused
+    async with http.post(gw.url + "/gen/generate", json={"echo": "moved"}, headers={**auth(), **SSE}) as r:
+        assert r.status == 200
+        events = await SSEReader(r).rest()
+    names = [e.event for e in events]
+    assert [n for n in names if n != "heartbeat"] == ["queued", "dispatched", "rerouted", "dispatched",
+                                                      "output_ready"], names
+    assert [e.id for e in events] == [str(i) for i in range(1, len(events) + 1)]
+    first, moved, second = (events[names.index("dispatched")].json, events[names.index("rerouted")].json,
+                            events[len(names) - 1 - names[::-1].index("dispatched")].json)
+    assert first["node"] == "a" and second["node"] == "b"
+    assert moved["from_node"] == "a" and moved["to_node"] == "b" and moved["reason"]
+    assert str(a.port) not in moved["reason"] and "127.0.0.1" not in moved["reason"]
+    assert events[-1].json["result"] == node_answer(b, 1, "moved")
+
+
 # ----------------------------------------------------------------------------------------------
 # Reconnect and replay
 
@@ -280,7 +328,7 @@ async def test_reconnect_replays_missed_events_then_live_ones(fakegpus, gateway,
     job_id = first[0].json["job_id"]
     events_url = first[0].json["events_url"]
     cut = int(first[-1].id or 0)
-    assert [e.event for e in first][0] == "queued"
+    assert first[0].event == "queued"
 
     job = gw.rt.jobs.jobs[job_id]
     await wait_until(lambda: job.next_id - 1 > cut, timeout=5)  # something happened while we were away
@@ -385,6 +433,9 @@ async def test_job_access_by_token_key_and_strangers(fakegpus, gateway, http) ->
         await expect_404("GET", f"{base}{suffix}?token=")
         await expect_404("GET", f"{base}{suffix}", auth("bob"))
         await expect_404("GET", f"{gw.url}/v1/jobs/unknown{suffix}", auth("alice"))
+    other = await submit_async(http, gw, {"echo": "other"})
+    await expect_404("GET", f"{base}?token={token_of(other['events_url'])}")  # another job's token
+    await expect_404("GET", f"{gw.url}{other['status_url']}?token={token}")
     await expect_404("DELETE", base, auth("bob"))
     await expect_404("DELETE", f"{base}?token=nope")
     await expect_404("DELETE", f"{gw.url}/v1/jobs/unknown", auth("alice"))
@@ -392,5 +443,6 @@ async def test_job_access_by_token_key_and_strangers(fakegpus, gateway, http) ->
         assert r.status in (401, 404)
     # Nothing a stranger did changed the job.
     assert (await job_status(http, gw, job_id))["status"] == "completed"
+    await wait_status(http, gw, other["job_id"], "completed")
     async with http.get(gw.url + "/admin/state", headers=ADMIN) as r:
         assert (await r.json())["routes"]["gen"]["inflight"] == 0

@@ -233,6 +233,10 @@ def _event(raw: str) -> tuple[str, dict[str, Any]] | None:
     return msg["type"], msg["data"]
 
 
+def _number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
 def _execution_failed(data: dict[str, Any]) -> JobFailed:
     message = data.get("exception_message")
     if not isinstance(message, str) or not message:
@@ -328,8 +332,7 @@ class ComfyUIAdapter(Adapter):
         except TimeoutError:
             log.warning("[%s] prompt not finished within %gs: slot freed anyway", lease.node, timeout)
         except (NodeError, PromptLost) as e:
-            log.warning("[%s] lost track of a prompt (%s): slot freed", lease.node,
-                        e.reason if isinstance(e, (NodeError, PromptLost)) else e)
+            log.warning("[%s] lost track of a prompt (%s): slot freed", lease.node, e.reason)
 
     # --- sse / async jobs -------------------------------------------------------------------
     async def run_job(self, rt: Runtime, job: Job, ex: Exchange, hooks: Hooks) -> JobResult:
@@ -499,20 +502,21 @@ class ComfyUIAdapter(Adapter):
             kind, data = ev
             if data.get("prompt_id", pid) != pid:
                 continue  # broadcasts about other prompts
+            # Events without a prompt id on our socket are ours: the client_id is this job's alone.
             if kind == "progress" and not draining:
                 value, total = data.get("value"), data.get("max")
-                if isinstance(value, int) and isinstance(total, int) and total > 0:
-                    pct = max(0, min(100, value * 100 // total))
+                if _number(value) and _number(total) and total > 0:
+                    pct = max(0, min(100, int(value * 100 // total)))
                     job.emit("step_progress", {"step": value, "total": total, "pct": pct})
-            elif kind == "executing" and data.get("node") is None and data.get("prompt_id") == pid:
+            elif kind == "executing" and "node" in data and data["node"] is None:
                 return  # sent after history is written: safe to read it now
             elif kind == "execution_success":
                 success = True
-            elif kind == "execution_error" and data.get("prompt_id") == pid:
+            elif kind == "execution_error":
                 if draining:
                     return
                 raise _execution_failed(data)
-            elif kind == "execution_interrupted" and data.get("prompt_id") == pid:
+            elif kind == "execution_interrupted":
                 if draining:
                     return
                 raise JobCancelled("interrupted on the node")

@@ -1,0 +1,118 @@
+"""WebSocket pass-through for unqueued paths (ComfyUI's ``/ws``): frames both ways, closes mirrored.
+
+The node's socket is opened first, so a node that refuses or is unreachable gives the client a
+plain HTTP error (via UpstreamFailed) instead of an accepted socket that closes at once. The
+gateway's credentials and the browser's ``Origin`` never reach the node (ComfyUI answers 403 to
+a foreign Origin on a loopback Host).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Mapping
+
+import aiohttp
+from aiohttp import WSCloseCode, WSMsgType, web
+
+from kilolined.proxy import STRIP_REQUEST, UpstreamFailed
+
+CONNECT_SEC = 10.0
+MAX_MSG = 64 * 1024 * 1024  # node → client frames (image previews)
+CLIENT_MAX_MSG = 4 * 1024 * 1024  # client → node frames
+HEARTBEAT_SEC = 30.0  # notice a peer that vanished without a FIN (spot machines do)
+# Never sent on: gateway credentials, the browser's Origin, and the handshake headers that
+# aiohttp makes afresh for the upstream connection.
+STRIP_WS = STRIP_REQUEST | {
+    "origin", "cookie", "sec-websocket-key", "sec-websocket-version", "sec-websocket-extensions",
+    "sec-websocket-protocol", "sec-websocket-accept",
+}
+_UNSENDABLE = {WSCloseCode.ABNORMAL_CLOSURE, 1005, 1015}  # reserved: may not appear in a close frame
+
+
+def upstream_ws_headers(request: web.BaseRequest, node_headers: Mapping[str, str]) -> dict[str, str]:
+    """The client's headers minus credentials/Origin/hop-by-hop, then the node's configured ones."""
+    conn_listed = {t.strip().lower() for t in request.headers.get("Connection", "").split(",") if t.strip()}
+    out: dict[str, str] = {}
+    for k, v in request.headers.items():
+        lk = k.lower()
+        if lk in STRIP_WS or lk in conn_listed or lk.startswith("x-kiloline-"):
+            continue
+        out[k] = v
+    out.update(node_headers)
+    return out
+
+
+def _close_code(code: int | None, abnormal: int) -> int:
+    """A code we may send on for the peer's close (1006 etc. cannot be sent: map them)."""
+    if code is None or code in _UNSENDABLE or not (1000 <= code <= 4999):
+        return abnormal
+    return code
+
+
+async def _pump(src: web.WebSocketResponse | aiohttp.ClientWebSocketResponse,
+                dst: web.WebSocketResponse | aiohttp.ClientWebSocketResponse) -> None:
+    """Copy text and binary frames until src closes (pings are answered by each side itself)."""
+    while True:
+        msg = await src.receive()
+        try:
+            if msg.type == WSMsgType.TEXT:
+                await dst.send_str(msg.data)
+            elif msg.type == WSMsgType.BINARY:
+                await dst.send_bytes(msg.data)
+            elif msg.type in (WSMsgType.CLOSE, WSMsgType.CLOSING, WSMsgType.CLOSED, WSMsgType.ERROR):
+                return
+        except (ConnectionError, RuntimeError):
+            return  # dst is gone; the caller closes src
+
+
+async def proxy_websocket(request: web.Request, session: aiohttp.ClientSession, url: str,
+                          headers: dict[str, str], *,
+                          response_headers: Mapping[str, str] | None = None) -> web.WebSocketResponse:
+    """Pipe the client's websocket to ``url`` on the node; returns when either side has closed.
+
+    ``headers`` are the node's (sent as given, after the client's filtered ones). Raises
+    UpstreamFailed when the node's socket cannot be opened; the error holds no node address.
+    """
+    protocols = [p.strip() for p in request.headers.get("Sec-WebSocket-Protocol", "").split(",") if p.strip()]
+    try:
+        async with asyncio.timeout(CONNECT_SEC):
+            upstream = await session.ws_connect(
+                url, headers=upstream_ws_headers(request, headers), protocols=protocols, autoping=True,
+                heartbeat=HEARTBEAT_SEC, max_msg_size=MAX_MSG,
+                timeout=aiohttp.ClientWSTimeout(ws_receive=None, ws_close=5.0))
+    except TimeoutError:
+        raise UpstreamFailed("websocket handshake timed out", timeout=True)
+    except aiohttp.WSServerHandshakeError as e:
+        raise UpstreamFailed(f"node refused the websocket (HTTP {e.status})")
+    except (aiohttp.ClientError, OSError) as e:
+        raise UpstreamFailed(f"websocket connect failed ({type(e).__name__})")
+
+    # Offer the client exactly the subprotocol the node chose.
+    client = web.WebSocketResponse(protocols=(upstream.protocol,) if upstream.protocol else (),
+                                   autoping=True, heartbeat=HEARTBEAT_SEC, max_msg_size=CLIENT_MAX_MSG)
+    for k, v in (response_headers or {}).items():
+        client.headers[k] = v
+    try:
+        await client.prepare(request)
+    except BaseException:
+        await upstream.close()
+        raise
+
+    to_node = asyncio.create_task(_pump(client, upstream))
+    to_client = asyncio.create_task(_pump(upstream, client))
+    node_first = False
+    try:
+        done, _ = await asyncio.wait({to_node, to_client}, return_when=asyncio.FIRST_COMPLETED)
+        node_first = to_client in done
+    finally:
+        for t in (to_node, to_client):
+            t.cancel()
+        await asyncio.gather(to_node, to_client, return_exceptions=True)
+        # Mirror whoever closed first; its code goes on to the other side unless it cannot be sent.
+        code = _close_code(upstream.close_code if node_first else client.close_code, WSCloseCode.GOING_AWAY)
+        with contextlib.suppress(Exception):
+            await client.close(code=code)
+        with contextlib.suppress(Exception):
+            await upstream.close(code=code)
+    return client
