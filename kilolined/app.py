@@ -201,6 +201,10 @@ async def pipeline(rt: Runtime, call: Call) -> web.StreamResponse:
 async def admit_and_run(rt: Runtime, call: Call, route: str, ex: Exchange, principal: Principal | None,
                         priority: int, pinned_node: str | None = None) -> web.StreamResponse:
     key = principal.key_id if principal else f"ip:{ex.client_ip}"
+    # A refused callback must cost nothing: no queue place, no budget.
+    callback, refused = await rt.jobs.check_callback(call, principal)
+    if refused:
+        return call.error(400, "bad_request", f"callback URL refused: {refused}")
     try:
         ticket = rt.admit(route, key, priority, pinned_node=pinned_node)
     except Rejected as r:
@@ -209,7 +213,7 @@ async def admit_and_run(rt: Runtime, call: Call, route: str, ex: Exchange, princ
     if principal is not None:
         rt.budgets.add(principal.key_id, time.time(), requests=1)
     if call.mode != "sync":
-        return await rt.jobs.submit(call, ticket, ex, principal)
+        return await rt.jobs.submit(call, ticket, ex, principal, callback)
     if call.kind == "openai" and wants_stream(ex):
         from kilolined.llmstream import run_sync_stream
 

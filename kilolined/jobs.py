@@ -133,7 +133,8 @@ class Jobs:
         self.cfg = cfg
         self.jobs: dict[str, Job] = {}
         self.active: set[Job] = set()  # not yet terminal: what the ticker looks at
-        self.finished: OrderedDict[str, Job] = OrderedDict()  # finish order, for TTL and the memory cap
+        self.finished: OrderedDict[str, Job] = OrderedDict()  # finish order, for the TTL
+        self.results: OrderedDict[str, Job] = OrderedDict()  # jobs holding a result, for the memory cap
         self.result_bytes = 0
         self._ticker: asyncio.Task[None] | None = None
 
@@ -153,19 +154,22 @@ class Jobs:
         await asyncio.gather(*tasks, return_exceptions=True)
 
     # --- submission ---------------------------------------------------------------------
-    async def submit(self, call: Call, ticket: Ticket, ex: Exchange, principal: Principal | None) -> web.StreamResponse:
+    async def check_callback(self, call: Call, principal: Principal | None) -> tuple[str | None, str | None]:
+        """(callback URL or None, refusal reason or None) — checked before the request is admitted."""
+        if call.mode != "async":
+            return None, None
+        callback = call.request.headers.get("X-KiloLine-Callback") or (principal.cfg.webhook_url if principal else None)
+        if not callback:
+            return None, None
+        from kilolined.webhooks import check_callback_url
+
+        why = await check_callback_url(callback, self.cfg.webhook_allow_private)
+        return (None, why) if why else (callback, None)
+
+    async def submit(self, call: Call, ticket: Ticket, ex: Exchange, principal: Principal | None,
+                     callback: str | None) -> web.StreamResponse:
         rt = self.rt
         request = call.request
-        callback = None
-        if call.mode == "async":
-            callback = request.headers.get("X-KiloLine-Callback") or (principal.cfg.webhook_url if principal else None)
-            if callback:
-                from kilolined.webhooks import check_callback_url
-
-                why = await check_callback_url(callback, self.cfg.webhook_allow_private)
-                if why:
-                    rt.abandon(ticket)
-                    return call.error(400, "bad_request", f"callback URL refused: {why}")
         job = Job(
             id=secrets.token_urlsafe(16),  # 128 random bits
             access_token=secrets.token_urlsafe(24),
@@ -253,6 +257,7 @@ class Jobs:
         job.result = res
         job.http_status = res.http_status
         self.result_bytes += len(res.body)
+        self.results[job.id] = job
         self._finish(job, "completed")
         inline = res.result
         if inline is None and len(res.body) <= INLINE_RESULT_MAX and "json" in res.content_type:
@@ -272,6 +277,7 @@ class Jobs:
         if body is not None:
             job.result = JobResult(http_status or 502, content_type or "application/json", body)
             self.result_bytes += len(body)
+            self.results[job.id] = job
         self._finish(job, "failed")
         job.emit("failed", {"status": "failed", "error": job.error, "http_status": http_status})
         self._webhook(job, "job.failed", None)
@@ -288,20 +294,23 @@ class Jobs:
         self.rt.webhooks.submit(job.callback, payload, msg_id=f"msg_{job.id}")
 
     def _evict(self) -> None:
-        """Drop results past their TTL, then the oldest until under max_results_mb."""
+        """Forget jobs past result_ttl_sec; drop the oldest results while over max_results_mb."""
         now = time.time()
-        cap = self.cfg.max_results_mb * 1024 * 1024
         while self.finished:
             jid, job = next(iter(self.finished.items()))
-            expired = (job.finished_at or now) + self.cfg.result_ttl_sec <= now
-            if not expired and self.result_bytes <= cap:
+            if (job.finished_at or now) + self.cfg.result_ttl_sec > now:
                 break
             self.finished.popitem(last=False)
-            if job.result is not None:
-                self.result_bytes -= len(job.result.body)
-                job.result = None
-            if expired and not job.subscribers:
-                self.jobs.pop(jid, None)
+            self.jobs.pop(jid, None)
+            self._drop_result(job)
+        cap = self.cfg.max_results_mb * 1024 * 1024
+        while self.result_bytes > cap and self.results:
+            self._drop_result(next(iter(self.results.values())))
+
+    def _drop_result(self, job: Job) -> None:
+        if self.results.pop(job.id, None) is not None and job.result is not None:
+            self.result_bytes -= len(job.result.body)
+            job.result = None
 
     def cancel(self, job: Job) -> None:
         if job.status in TERMINAL:

@@ -26,8 +26,9 @@ if TYPE_CHECKING:
     from kilolined.runtime import Runtime
 
 
-def error_event(type_: str, message: str, code: str | int | None = None) -> bytes:
-    err = {"error": {"message": message, "type": type_, "code": code if code is not None else type_}}
+def error_event(type_: str, message: str) -> bytes:
+    # OpenAI's shape: code is a string (or null); SDKs raise APIError on this event.
+    err = {"error": {"message": message, "type": type_, "code": type_}}
     return b"data: " + orjson.dumps(err) + b"\n\ndata: [DONE]\n\n"
 
 
@@ -64,7 +65,8 @@ async def run_sync_stream(rt: Runtime, call: Call, ticket: Ticket, ex: Exchange)
                 now = rt.clock()
                 pos = rt.scheduler.position(ticket, now)
                 est = rt.scheduler.est_wait(rt.scheduler.routes[ticket.route], pos or 0, now)
-                await resp.write(f": queued position={pos} est_wait_sec={est}\n\n".encode())
+                # JSON spelling (null, not None), as in the sse events.
+                await resp.write(b": queued position=%s est_wait_sec=%s\n\n" % (orjson.dumps(pos), orjson.dumps(est)))
             done, _ = await asyncio.wait({waiter}, timeout=rt.cfg.server.heartbeat_sec)
             if done:
                 break
@@ -99,7 +101,7 @@ async def run_sync_stream(rt: Runtime, call: Call, ticket: Ticket, ex: Exchange)
                 ok = True
             else:
                 message, type_ = _node_message(body, up.status)
-                await resp.write(error_event(type_, message, up.status))
+                await resp.write(error_event(type_, message))
                 ok = up.status < 500
         else:
             async for chunk in up.content.iter_any():

@@ -13,8 +13,10 @@ import contextlib
 from collections.abc import Mapping
 
 import aiohttp
+import orjson
 from aiohttp import WSCloseCode, WSMsgType, web
 
+from kilolined.errors import error_body
 from kilolined.proxy import STRIP_REQUEST, UpstreamFailed
 
 CONNECT_SEC = 10.0
@@ -27,7 +29,8 @@ STRIP_WS = STRIP_REQUEST | {
     "origin", "cookie", "sec-websocket-key", "sec-websocket-version", "sec-websocket-extensions",
     "sec-websocket-protocol", "sec-websocket-accept",
 }
-_UNSENDABLE = {WSCloseCode.ABNORMAL_CLOSURE, 1005, 1015}  # reserved: may not appear in a close frame
+_NO_STATUS = 1005  # the peer closed without a code: a normal close
+_UNSENDABLE = {_NO_STATUS, WSCloseCode.ABNORMAL_CLOSURE, 1015}  # reserved: never in a close frame
 
 
 def upstream_ws_headers(request: web.BaseRequest, node_headers: Mapping[str, str]) -> dict[str, str]:
@@ -45,6 +48,8 @@ def upstream_ws_headers(request: web.BaseRequest, node_headers: Mapping[str, str
 
 def _close_code(code: int | None, abnormal: int) -> int:
     """A code we may send on for the peer's close (1006 etc. cannot be sent: map them)."""
+    if code == _NO_STATUS:
+        return WSCloseCode.OK
     if code is None or code in _UNSENDABLE or not (1000 <= code <= 4999):
         return abnormal
     return code
@@ -74,6 +79,10 @@ async def proxy_websocket(request: web.Request, session: aiohttp.ClientSession, 
     ``headers`` are the node's (sent as given, after the client's filtered ones). Raises
     UpstreamFailed when the node's socket cannot be opened; the error holds no node address.
     """
+    if not web.WebSocketResponse().can_prepare(request).ok:
+        # Checked before dialling the node: a broken handshake must not cost an upstream socket.
+        body = orjson.dumps(error_body("bad_request", "invalid websocket handshake", None, None))
+        raise web.HTTPBadRequest(body=body, content_type="application/json")
     protocols = [p.strip() for p in request.headers.get("Sec-WebSocket-Protocol", "").split(",") if p.strip()]
     try:
         async with asyncio.timeout(CONNECT_SEC):

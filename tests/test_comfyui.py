@@ -425,6 +425,9 @@ async def test_ws_proxy_unreachable_node_is_an_http_error(http: aiohttp.ClientSe
             with pytest.raises(aiohttp.WSServerHandshakeError) as info:
                 await http.ws_connect(url + "/ws")
             assert info.value.status == 502
+            # Not a valid handshake: refused before any upstream socket is tried.
+            async with http.get(url + "/ws", headers={"Upgrade": "websocket", "Connection": "Upgrade"}) as r:
+                assert r.status == 400 and (await r.json())["error"]["type"] == "bad_request"
     finally:
         for s in sessions:
             await s.close()
@@ -448,5 +451,5 @@ async def test_ws_through_gateway(fakegpus: Any, gateway: Any, http: aiohttp.Cli
             if msg["type"] == "executing" and msg["data"]["node"] is None and msg["data"]["prompt_id"] == pid:
                 break
     assert "progress" in kinds and "execution_success" in kinds
-    ws_req = [r for r in fake.requests if r["path"] == "/ws"][0]["headers"]
+    ws_req = next(r for r in fake.requests if r["path"] == "/ws")["headers"]
     assert "authorization" not in ws_req and "origin" not in ws_req

@@ -52,6 +52,7 @@ def browser(tmp_path: Path) -> Iterator[Any]:
                  "--disable-background-networking", "--disable-component-update", "--disable-sync",
                  "--no-first-run", "--window-size=1280,800", f"--user-data-dir={tmp_path / 'chromium'}"):
         opts.add_argument(flag)
+    opts.set_capability("goog:loggingPrefs", {"browser": "ALL"})
     driver = webdriver.Chrome(service=Service(CHROMEDRIVER), options=opts)
     driver.set_page_load_timeout(10)
     try:
@@ -219,6 +220,10 @@ async def test_dashboard_live_queue_and_failover(fakegpus, gateway, http, browse
     assert rt.scheduler.nodes["a"].drained
     await page.until("document.querySelector('#feed li[data-kind=drain]')", "the drain in the feed")
     assert await page.text('[data-node="a"] [data-action=drain]') == "Undrain"
+    # No script error in the whole run (the wrong key's 401 is the one expected console error).
+    logs = await page.call(browser.get_log, "browser")
+    errors = [e["message"] for e in logs if e["level"] == "SEVERE" and "/admin/session" not in e["message"]]
+    assert not errors, errors
     # Sign out: the key leaves sessionStorage and the login comes back.
     await page.click("#logout")
     await page.until("!document.querySelector('#login').hidden", "the login form again")

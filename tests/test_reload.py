@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import hashlib
+import itertools
 import logging
 import os
 import re
@@ -46,7 +47,7 @@ async def reloads_total(http: aiohttp.ClientSession, url: str, result: str) -> f
     async with http.get(url + "/metrics", headers=ADMIN) as r:
         assert r.status == 200
         text = await r.text()
-    m = re.search(r'^kiloline_reloads_total\{result="%s"\} (\S+)$' % result, text, re.M)
+    m = re.search(r'^kiloline_reloads_total\{result="' + re.escape(result) + r'"\} (\S+)$', text, re.M)
     return float(m.group(1)) if m else 0.0
 
 
@@ -128,7 +129,7 @@ async def test_slots_follow_the_file_under_load(fakegpus: Any, gateway: Any, htt
         samples.append(rq_inflight())
         await asyncio.sleep(0.01)
     first_one = next((i for i, n in enumerate(samples) if n <= 1), len(samples))
-    assert all(a >= b for a, b in zip(samples[:first_one], samples[1:first_one], strict=False)), samples
+    assert all(a >= b for a, b in itertools.pairwise(samples[:first_one])), samples
     assert all(n <= 1 for n in samples[first_one:]), samples
     results = [await t for t in tasks]
     assert [s for s, _, _ in results] == [200] * 40
@@ -385,6 +386,27 @@ async def test_symlink_to_a_file_elsewhere_is_watched(fakegpus: Any, tmp_path: P
         await srv.shutdown()
 
 
+async def test_listen_change_needs_a_restart_the_rest_is_applied(
+    fakegpus: Any, gateway: Any, http: aiohttp.ClientSession, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="kilolined")
+    g = await fakegpus()
+    cfg = base_config({"a": g.url})
+    gw = await gateway(cfg)
+    changed = copy.deepcopy(cfg)
+    changed["server"]["listen"] = "127.0.0.1:1"  # somewhere else entirely
+    changed["routes"]["gen"]["max_concurrency"] = 3
+    gw.path.write_text(yaml.safe_dump(changed))
+    status, body = await admin_reload(http, gw.url)
+    assert status == 200 and body["version"] == file_sha(gw.path)
+    warnings = [r.getMessage() for r in caplog.records if r.name == "kilolined" and r.levelno == logging.WARNING]
+    assert any("listen" in m and "restart" in m for m in warnings), warnings
+    # Still serving where it was, with the rest applied.
+    st = await admin_state(http, gw.url)
+    assert st["routes"]["gen"]["max_concurrency"] == 3 and st["config"]["last_error"] is None
+    assert (await generate(http, gw.url))[0] == 200
+
+
 # --- SIGHUP and POST /admin/reload --------------------------------------------------------------
 
 
@@ -539,7 +561,7 @@ async def test_rate_changes_live_and_unchanged_buckets_keep_their_level(
     cfg["keys"]["alice"]["rate"] = {"per_minute": 1, "burst": 1}
     await apply(cfg)
     assert await remaining() == (200, 0)
-    status, body, headers = await generate(http, gw.url, "alice")
+    status, body, _ = await generate(http, gw.url, "alice")
     assert status == 429 and body["error"]["type"] == "rate_limited"
 
     # Rate raised to 10/s: tokens come back within moments (at 1/min it would take a minute).
@@ -622,11 +644,18 @@ async def test_removed_node_drains_and_added_node_is_health_checked(
     st = await admin_state(http, gw.url)
     assert "b" not in st["nodes"] and "c" in st["nodes"]
 
+    await asyncio.sleep(0.1)  # anything already on its way to b lands
+
+    def b_jobs() -> int:
+        return sum(1 for r in b.requests if r.get("path") == "/generate")
+
+    at_reload = b_jobs()
+    assert at_reload >= 1
     results = await asyncio.gather(*tasks)
     assert [s for s, _, _ in results] == [200] * 6
     # b finished what it held and got nothing new; a took the rest (c is standby and a is up).
-    assert b.stats["served"] == 1 and b.stats["aborted"] == 0
-    assert a.stats["served"] == 5 and a.stats["max_concurrent"] == 1
+    assert b_jobs() == at_reload and b.stats["served"] == at_reload and b.stats["aborted"] == 0
+    assert a.stats["served"] + b.stats["served"] == 6 and a.stats["max_concurrent"] == 1
     assert c.stats["served"] == 0
     # The node added starts health-checking.
     await wait_until(lambda: c.stats["health_checks"] >= 2, timeout=10)

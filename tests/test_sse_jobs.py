@@ -311,6 +311,24 @@ async def test_sse_job_rerouted_to_the_standby_when_its_node_dies(fakegpus, gate
     assert events[-1].json["result"] == node_answer(b, 1, "moved")
 
 
+async def test_queue_status_says_waiting_for_node_while_no_node_can_take_work(fakegpus, gateway, http) -> None:
+    gpu = await fakegpus(steps=1, step_ms=10)
+    cfg = base_config({"a": gpu.url})
+    cfg["server"]["heartbeat_sec"] = 0.3
+    gw = await gateway(cfg)
+    async with http.post(gw.url + "/admin/nodes/a/drain", headers=ADMIN) as r:
+        assert r.status == 200
+    async with http.post(gw.url + "/gen/generate", json={"echo": "w"}, headers={**auth(), **SSE}) as r:
+        reader = SSEReader(r)
+        before = await reader.until("queue_status")
+        assert before[-1].json["waiting_for_node"] is True and before[-1].json["position"] == 1
+        async with http.post(gw.url + "/admin/nodes/a/undrain", headers=ADMIN) as u:
+            assert u.status == 200
+        after = await reader.rest()
+    assert after[-1].event == "output_ready" and after[-1].json["result"]["echo"] == "w"
+    assert "dispatched" in [e.event for e in after]
+
+
 # ----------------------------------------------------------------------------------------------
 # Reconnect and replay
 

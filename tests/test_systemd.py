@@ -28,7 +28,7 @@ from typing import Any
 import aiohttp
 import pytest
 import yaml
-from conftest import ADMIN, base_config
+from conftest import ADMIN, base_config, wait_until
 
 from kilolined import systemd
 
@@ -273,10 +273,8 @@ async def test_ready_with_status_then_stopping(
     namespace: str, tmp_path: Path, fakegpus: Any, daemons: DaemonFactory
 ) -> None:
     g = await fakegpus()
-    if namespace == "path":
-        address = str(socket_dir(tmp_path) / "notify.sock")
-    else:
-        address = f"@kiloline-test-{uuid.uuid4().hex}"
+    abstract = f"@kiloline-test-{uuid.uuid4().hex}"
+    address = str(socket_dir(tmp_path) / "notify.sock") if namespace == "path" else abstract
     async with NotifyListener(address) as sd:
         d = await daemons(base_config({"a": g.url}), env={"NOTIFY_SOCKET": address})
         i = await sd.wait_for(is_ready)
@@ -334,11 +332,14 @@ async def test_sighup_sends_reloading_with_monotonic_usec_then_ready(
         k = await sd.wait_for(lambda f: f.get("RELOADING") == "1", after=j + 1)
         assert "MONOTONIC_USEC" in fields(sd.messages[k])
         await sd.wait_for(is_ready, after=k + 1)
+
+        async def refused() -> bool:
+            return bool((await d.state(http))["config"]["last_error"])
+
+        await wait_until(refused, timeout=10, step=0.05)
         st = await d.state(http)
         assert st["config"]["version"] == hashlib.sha256(data).hexdigest()
-        assert st["config"]["last_error"] and any(
-            e.startswith("routes.gen.max_concurrency:") for e in st["config"]["last_error"]
-        )
+        assert any(e.startswith("routes.gen.max_concurrency:") for e in st["config"]["last_error"])
 
         d.signal(signal.SIGTERM)
         assert await d.wait_exit() == 0

@@ -41,7 +41,7 @@ PROMPT_PATHS = ("/prompt", "/api/prompt")
 CONNECT_SEC = 10.0  # ws handshake; a node that cannot open a socket this fast is not usable
 CALL_SEC = 5.0  # one history/queue/interrupt call
 STOP_SEC = 2.0  # cancel: interrupt / queue delete, best-effort (DELETE /v1/jobs waits 5 s for us)
-DRAIN_SEC = 2.0  # cancel: wait this long for the node to confirm the interrupt
+DRAIN_SEC = 1.5  # cancel: wait this long for the node to confirm the interrupt
 SUCCESS_GRACE_SEC = 2.0  # after execution_success, wait this long for the final `executing: null`
 POLL_SEC = 0.5  # job fallback when the socket dropped
 SYNC_POLL_SEC = 0.25  # sync hold: the slot is freed this much late at worst
@@ -53,6 +53,16 @@ ERROR_BODY_MAX = 1024 * 1024
 
 def is_prompt(ex: Exchange) -> bool:
     return ex.method == "POST" and ex.tail.split("?", 1)[0] in PROMPT_PATHS
+
+
+async def _read_body(up: aiohttp.ClientResponse, limit: int) -> tuple[bytes, bool]:
+    """The whole body up to ``limit`` bytes; the flag says it was cut short."""
+    buf = bytearray()
+    async for chunk in up.content.iter_any():
+        buf += chunk
+        if len(buf) > limit:
+            return bytes(buf[:limit]), True
+    return bytes(buf), False
 
 
 def _json_object(raw: bytes) -> dict[str, Any] | None:
@@ -352,7 +362,7 @@ class ComfyUIAdapter(Adapter):
             # Out of retries and the node said 502/503/504: its answer is the job's (failed) result.
             up = sub
             try:
-                err = await up.content.read(ERROR_BODY_MAX)
+                err, _ = await _read_body(up, ERROR_BODY_MAX)
             except (aiohttp.ClientError, OSError, TimeoutError):
                 err = b""
             finally:
@@ -375,7 +385,7 @@ class ComfyUIAdapter(Adapter):
                     ws = await node.session.ws_connect(
                         f"{node.url}/ws?clientId={client_id}", headers=node.headers, autoping=True,
                         heartbeat=15, max_msg_size=WS_MAX_MSG,
-                        timeout=aiohttp.ClientWSTimeout(ws_receive=None, ws_close=2.0))
+                        timeout=aiohttp.ClientWSTimeout(ws_receive=None, ws_close=1.0))
             except TimeoutError:
                 raise UpstreamFailed("websocket handshake timed out", timeout=True)
             except aiohttp.WSServerHandshakeError as e:
@@ -400,10 +410,11 @@ class ComfyUIAdapter(Adapter):
             headers.popall(h, None)  # we send fresh JSON and must read the answer ourselves
         headers["Content-Type"] = "application/json"
         payload = orjson.dumps({**body, "client_id": client_id})
+        timeout = max(timeout, 0.1)
         try:
             up = await node.session.post(
                 node.url + ex.tail, data=payload, headers=headers, allow_redirects=False,
-                timeout=aiohttp.ClientTimeout(total=max(timeout, 0.1), sock_connect=min(timeout, CONNECT_SEC)))
+                timeout=aiohttp.ClientTimeout(total=timeout, sock_connect=min(timeout, CONNECT_SEC)))
         except aiohttp.ClientConnectorError:
             raise UpstreamFailed("connection refused (spot interrupted?)")
         except asyncio.CancelledError:
@@ -417,7 +428,7 @@ class ComfyUIAdapter(Adapter):
         if up.status in RETRY_STATUSES:
             raise UpstreamFailed(f"HTTP {up.status} from node", response=up)
         try:
-            answer = await up.content.read(ERROR_BODY_MAX)
+            answer, cut = await _read_body(up, ERROR_BODY_MAX)
         except asyncio.CancelledError:
             up.release()
             await _shielded(rt, stop_prompt(node, None, client_id))
@@ -435,7 +446,7 @@ class ComfyUIAdapter(Adapter):
             # Validation errors (node_errors) reach the client unchanged.
             raise JobFailed("upstream_error", _error_message(answer, up.status), up.status, answer,
                             up.headers.get("Content-Type", "application/json"))
-        data = _json_object(answer)
+        data = None if cut else _json_object(answer)
         prompt_id = data.get("prompt_id") if data else None
         if not isinstance(prompt_id, str) or not prompt_id:
             await _shielded(rt, stop_prompt(node, None, client_id))
