@@ -127,7 +127,7 @@ async def events(request: web.Request) -> web.StreamResponse:
             await resp.write(b"event: " + ev["kind"].encode() + b"\ndata: " + orjson.dumps(ev) + b"\n\n")
         last_state = b""
         last_beat = time.monotonic()
-        while True:
+        while not rt.shutting_down:  # an open dashboard must not hold a shutdown for its grace period
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(0.5):
                     ev = await q.get()
@@ -137,9 +137,10 @@ async def events(request: web.Request) -> web.StreamResponse:
             if st != last_state:
                 last_state = st
                 await resp.write(b"event: state\ndata: " + st + b"\n\n")
+                last_beat = time.monotonic()
             elif time.monotonic() - last_beat > rt.cfg.server.heartbeat_sec:
                 await resp.write(b": ping\n\n")
-            last_beat = time.monotonic()
+                last_beat = time.monotonic()
     except (ConnectionResetError, asyncio.CancelledError):
         raise
     finally:

@@ -326,9 +326,24 @@ async def forward_unqueued(rt: Runtime, call: Call, rcfg: RouteConfig, tail: str
     usable = rt.scheduler.usable(rq, now) or rq.all_nodes
     node = usable[0]
     ns = rt.scheduler.nodes[node]
+    call.node = node
+    if call.request.headers.get("Upgrade", "").lower() == "websocket":
+        from kilolined.wsproxy import proxy_websocket
+
+        try:
+            return await proxy_websocket(
+                call.request, rt.session(node), ns.cfg.url + tail, {"X-Request-Id": call.request_id, **ns.cfg.headers},
+                response_headers={"X-Request-Id": call.request_id, "X-KiloLine-Node": node})
+        except UpstreamFailed as e:
+            if e.timeout:
+                return call.error(504, "upstream_timeout", f"node {node} did not answer in time")
+            return call.error(502, "upstream_error", f"node {node} failed: {e.reason}")
     body = await call.request.read() if call.request.can_read_body else b""
     ex = Exchange(call.request, call.request.method, tail, body, call.request_id, ip)
-    call.node = node
+    try:
+        call.adapter.prepare(ex)  # e.g. comfyui drops Origin (ComfyUI answers 403 otherwise)
+    except Rejected as r:
+        return call.rejected(r)
     try:
         up = await open_upstream(rt.session(node), ex, ns.cfg.url, ns.cfg.headers, rcfg.request_timeout_sec)
     except UpstreamFailed as e:

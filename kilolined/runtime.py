@@ -119,6 +119,8 @@ class Runtime:
         old = self.cfg
         if (old.server.listen, old.server.tls) != (cfg.server.listen, cfg.server.tls):
             warnings.append("server.listen/tls changed: needs a restart; the rest is applied")
+        if old.admin.digest() != cfg.admin.digest():
+            self.admin_sessions.clear()  # dashboard sessions were granted by the old admin key
         self._apply_state(cfg)
         self.version = version
         self.loaded_at = time.time()
