@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 import os
 from pathlib import Path
@@ -40,22 +41,35 @@ async def reload_from_file(rt: Runtime, reason: str) -> list[str]:
 
 
 async def watch_config(rt: Runtime, stop: asyncio.Event) -> None:
-    """Watch the config's directory, not the file: editors save by rename, which a watch on the
-    file's inode would miss (watchfiles #127); a ConfigMap swaps a symlink in the directory."""
+    """Reload when the config file's bytes change.
+
+    Watch directories, not the file: editors save by rename, which a watch on the file's inode
+    misses (watchfiles #127); a ConfigMap swaps a symlink in the directory; the file may be a
+    symlink into another directory. Every event — and every quiet half second, which also
+    covers a write that landed before the watch was set up — ends in the same cheap check:
+    has the sha256 of the bytes changed since the last good or last refused version?
+    """
     from watchfiles import awatch
 
     assert rt.config_path is not None
     target = Path(rt.config_path)
-    directory = target.parent.resolve()
+    dirs = {str(target.parent.resolve()), str(Path(os.path.realpath(target)).parent)}
+    refused: str | None = None
 
     def relevant(_change: object, path: str) -> bool:
-        p = Path(path)
-        # Anything touching the file, its symlink target or a ConfigMap's ..data link.
-        return p.name == target.name or p.name.startswith("..") or p == Path(os.path.realpath(target))
+        return True  # the sha check below decides; directories hold few files
 
-    async for _changes in awatch(directory, watch_filter=relevant, recursive=False, debounce=300, step=50,
-                                 stop_event=stop):
+    async for _changes in awatch(*dirs, watch_filter=relevant, recursive=False, debounce=300, step=50,
+                                 stop_event=stop, yield_on_timeout=True, rust_timeout=500):
         try:
-            await reload_from_file(rt, reason="file changed")
+            digest = hashlib.sha256(target.read_bytes()).hexdigest()
+        except OSError:
+            continue  # mid-swap, or removed: keep the running config
+        if digest == refused or (digest == rt.version and rt.last_error is None):
+            continue  # nothing new (a file put back to the running version still clears last_error)
+        try:
+            errors = await reload_from_file(rt, reason="file changed")
         except Exception:
             log.exception("reload")
+            continue
+        refused = digest if errors else None

@@ -37,8 +37,9 @@ class Server:
         rt = self.rt
         await rt.start()
         # handler_cancellation: a client that goes away while queued must leave the queue at once.
-        self.runner = web.AppRunner(self.app, handler_cancellation=True, access_log=None,
-                                    shutdown_timeout=rt.cfg.server.shutdown_grace_sec)
+        # shutdown_timeout is short: shutdown() waits out the grace for in-flight leases itself,
+        # and aiohttp would otherwise wait it again, twice, per stuck connection.
+        self.runner = web.AppRunner(self.app, handler_cancellation=True, access_log=None, shutdown_timeout=1.0)
         await self.runner.setup()
         host, port = split_listen(rt.cfg.server.listen)
         ctx = None

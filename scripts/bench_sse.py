@@ -117,6 +117,8 @@ async def measure(gw_pid: int, port: int, m: int, window: float, settle: float) 
                 silent += 1
             jitter.extend((b - a - 1.0) * 1000 for a, b in itertools.pairwise(ts))
         out["heartbeats_per_sec"] = beats_in_window / (w1 - w0)
+        # Each heartbeat of a queued job comes with a queue_status: both go to the job's replay log.
+        out["rss_growth_bytes_per_logged_event"] = (rss_w1 - rss_w0) * 1024 / max(1, 2 * beats_in_window)
         out["streams_without_heartbeat"] = silent
         out["closed_streams"] = sum(s.closed for s in streams)
         out["jitter_ms"] = {"n": len(jitter), "p50": bl.percentile(jitter, 50), "p99": bl.percentile(jitter, 99),
@@ -169,10 +171,10 @@ def main(argv: list[str] | None = None) -> int:
     table = bl.print_table(
         ["jobs", "streams queued", "gateway CPU % of a core", "heartbeats/s", "streams w/o heartbeat",
          "jitter p50 ms", "jitter p99 ms", "jitter max ms", "RSS idle MB", "RSS window start MB",
-         "RSS growth KB/job/min"],
+         "RSS growth KB/job/min", "RSS growth B/logged event"],
         [[m, res["queued_seen"], res["gateway_cpu_pct"], res["heartbeats_per_sec"], res["streams_without_heartbeat"],
           j["p50"], j["p99"], j["max"], res["rss_idle_mb"], res["rss_window_start_mb"],
-          res["rss_growth_kb_per_job_per_min"]]], nd=1)
+          res["rss_growth_kb_per_job_per_min"], res["rss_growth_bytes_per_logged_event"]]], nd=1)
     bl.write_json(args.json, {"machine": machine, "result": res, "table": table})
     return 0
 

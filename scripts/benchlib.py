@@ -599,3 +599,37 @@ def summarize_pyspy(raw: Path, top: int = 15) -> dict[str, Any]:
     kl_incl = {f: v for f, v in incl.items() if "kilolined/" in f}
     return {"samples": total, "self": pct(self_c, top), "groups": pct(groups, 30),
             "kiloline_inclusive": pct(kl_incl, top)}
+
+
+# --------------------------------------------------------------------------- sockets of a process
+
+
+def tcp_sockets(pid: int | str = "self") -> list[tuple[int, int, str]]:
+    """(local port, remote port, state hex) of every TCP socket the process has open."""
+    inodes = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            link = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        if link.startswith("socket:["):
+            inodes.add(link[8:-1])
+    out = []
+    for name in ("tcp", "tcp6"):
+        try:
+            lines = Path(f"/proc/{pid}/net/{name}").read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for ln in lines:
+            parts = ln.split()
+            if len(parts) > 9 and parts[9] in inodes:
+                out.append((int(parts[1].rsplit(":", 1)[1], 16), int(parts[2].rsplit(":", 1)[1], 16), parts[3]))
+    return out
+
+
+def fd_breakdown(pid: int | str, pool_ports: set[int]) -> dict[str, int]:
+    """Open fds, and how many are ESTABLISHED keep-alive sockets to/from `pool_ports` (upstream
+    pools of nodes and notifier channels: legitimately open while idle, closed by their peers)."""
+    total = fd_count(pid)
+    pooled = sum(1 for lp, rp, st in tcp_sockets(pid) if st == "01" and (rp in pool_ports or lp in pool_ports))
+    return {"fds": total, "pooled": pooled, "fds_nonpool": total - pooled}

@@ -140,7 +140,8 @@ def test_top_level_help_lists_subcommands() -> None:
 
 def test_run_with_invalid_config_exits_nonzero(tmp_path: Path) -> None:
     bad = tmp_path / "bad.yaml"
-    bad.write_text(yaml.safe_dump({"nodes": {"g": {"url": "http://127.0.0.1:1"}}, "routes": {"r": {"path": "/r", "nodes": ["nope"]}},
+    bad.write_text(yaml.safe_dump({"nodes": {"g": {"url": "http://127.0.0.1:1"}},
+                                   "routes": {"r": {"path": "/r", "nodes": ["nope"]}},
                                    "server": {"listen": "127.0.0.1:0"}}))
     r = kl("run", "-c", str(bad), timeout=20)
     assert r.returncode != 0

@@ -176,12 +176,12 @@ async def test_drop_policy_end_to_end(fakegpus, gateway, http, policy: str, stat
 async def test_queue_timeout(fakegpus, gateway, http) -> None:
     g = await fakegpus(steps=1, step_ms=10)
     gw = await gateway(base_config({"a": g.url}, max_concurrency=1, queue_timeout_sec=0.3))
-    holder = await occupy(http, gw, ms=800)
+    holder = await occupy(http, gw, ms=1500)
     t0 = time.monotonic()
     st, h, body = await call(http, "POST", gw.url + "/gen/generate", json={}, headers=auth())
     took = time.monotonic() - t0
     check_error(st, h, body, 503, "queue_timeout", retry=True)
-    assert 0.25 <= took < 0.75
+    assert 0.25 <= took < 1.2
     assert (await holder)[0] == 200
     assert g.stats["served"] == 1  # the timed-out one never reached the node
 
@@ -208,16 +208,20 @@ async def test_client_disconnect_while_queued_leaves_the_queue_at_once(fakegpus,
     body = b'{"echo": "gone"}'
     req = (b"POST /gen/generate?tag=gone HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + KEYS["alice"].encode()
            + b"\r\nContent-Type: application/json\r\nContent-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
-    reader, writer = await asyncio.open_connection("127.0.0.1", gw.server.port)
+    _, writer = await asyncio.open_connection("127.0.0.1", gw.server.port)
     writer.write(req)
     await writer.drain()
     await wait_until(lambda: len(gw.rt.scheduler.routes["gen"].waiting) == 1)
     assert await queue_depth(http, gw) == 1
     t0 = time.monotonic()
     writer.transport.abort()
-    await wait_until(lambda: len(gw.rt.scheduler.routes["gen"].waiting) == 0, timeout=2, step=0.005)
+
+    async def empty() -> bool:
+        return await queue_depth(http, gw) == 0
+
+    await wait_until(empty, timeout=2, step=0.01)
     assert time.monotonic() - t0 < 0.5
-    assert await queue_depth(http, gw) == 0
+    assert len(gw.rt.scheduler.routes["gen"].waiting) == 0
     assert (await holder)[0] == 200
     await asyncio.sleep(0.2)
     assert not any("tag=gone" in r["query"] for r in g.requests)
@@ -238,6 +242,60 @@ async def test_client_disconnect_in_flight_releases_the_slot(fakegpus, gateway, 
     await wait_until(lambda: inflight(gw) == 0, timeout=3)
     st, _, _ = await call(http, "POST", gw.url + "/gen/generate", json={}, headers=auth())
     assert st == 200
+
+
+async def test_burst_with_random_disconnects_leaks_no_slot(fakegpus, gateway, http) -> None:
+    """Clients that give up while queued or in flight: slots all come back, the cap always holds."""
+    import random
+
+    rnd = random.Random(7)
+    g = await fakegpus(steps=2, step_ms=20)
+    gw = await gateway(base_config({"a": g.url}, max_concurrency=2, max_queue_depth=200))
+    who = ["alice", "bob", "carol"]
+
+    async def one(i: int) -> int | str:
+        impatient = i % 3 == 0
+        timeout = aiohttp.ClientTimeout(total=rnd.uniform(0.02, 0.5) if impatient else 30)
+        try:
+            async with http.post(gw.url + "/gen/generate", json={"echo": i}, headers=auth(who[i % 3]),
+                                 timeout=timeout) as r:
+                await r.read()
+                return r.status
+        except (TimeoutError, aiohttp.ClientError):
+            return "gave up" if impatient else "error"
+
+    res = await asyncio.gather(*[one(i) for i in range(60)])
+    assert all(r == 200 for i, r in enumerate(res) if i % 3), res
+    assert any(r == "gave up" for r in res)
+    await wait_until(lambda: inflight(gw) == 0, timeout=3)
+    assert len(gw.rt.scheduler.routes["gen"].waiting) == 0
+    s = await admin_state(http, gw)
+    assert s["routes"]["gen"]["queue_depth"] == 0 and s["routes"]["gen"]["inflight"] == 0
+    assert s["nodes"]["a"]["inflight"] == 0
+    st = g.stats
+    assert st["max_concurrent"] <= 2 and st["oom_count"] == 0
+    reached = sum(1 for r in g.requests if r["path"] == "/generate")
+    assert res.count(200) <= reached <= 60
+    # and the gateway still serves at full speed afterwards
+    assert [(await call(http, "POST", gw.url + "/gen/generate", json={}, headers=auth()))[0]
+            for _ in range(3)] == [200, 200, 200]
+
+
+async def test_node_dying_mid_body_cuts_the_client_and_frees_the_slot(fakegpus, gateway, http) -> None:
+    g = await fakegpus()
+    g.set_control(drip_ms=30)
+    gw = await gateway(base_config({"a": g.url}, max_concurrency=1))
+    n = 0
+    with pytest.raises(aiohttp.ClientPayloadError):
+        async with http.get(gw.url + f"/gen/blob?bytes={100 * 65536}", headers=auth()) as r:
+            assert r.status == 200
+            async for chunk in r.content.iter_any():
+                n += len(chunk)
+                if n >= 3 * 65536 and g.up:
+                    await g.kill()
+    assert 0 < n < 100 * 65536
+    await wait_until(lambda: inflight(gw) == 0, timeout=3)
+    assert gw.rt.scheduler.nodes["a"].last_error is not None
 
 
 # --- streaming: big bodies and SSE --------------------------------------------------------------
@@ -677,7 +735,8 @@ async def test_bad_mode_is_400(fakegpus, gateway, http) -> None:
     check_error(st, h, body, 400, "bad_request")
     st, h, body = await call(http, "POST", gw.url + "/gen/generate?kl_mode=bogus", json={}, headers=auth())
     check_error(st, h, body, 400, "bad_request")
-    st, _, _ = await call(http, "POST", gw.url + "/gen/generate", json={}, headers={**auth(), "X-KiloLine-Mode": "SYNC"})
+    st, _, _ = await call(http, "POST", gw.url + "/gen/generate", json={},
+                          headers={**auth(), "X-KiloLine-Mode": "SYNC"})
     assert st == 200
     assert g.stats["served"] == 1
 
@@ -695,13 +754,14 @@ async def test_garbage_headers_do_not_break_anything(fakegpus, gateway, http) ->
     gw = await gateway(base_config({"a": g.url}))
     port = gw.server.port
     key = KEYS["alice"].encode()
+    get = b"GET /gen/health HTTP/1.1\r\nHost: x\r\n"
     garbage = [
-        b"GET /gen/health HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + key + b"\r\nX-Request-Id: \xff\xfe\x80\r\n\r\n",
+        get + b"Authorization: Bearer " + key + b"\r\nX-Request-Id: \xff\xfe\x80\r\n\r\n",
         b"GET /gen/health HTTP/1.1\r\nHost: x\r\nAuthorization: \xff\xfe\r\n\r\n",
         b"GET /gen/health HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer\r\n\r\n",
         b"GET /gen/health HTTP/1.1\r\nHost: x\r\nAuthorization: Basic Zm9vOmJhcg==\r\n\r\n",
         b"GET /gen/health HTTP/1.1\r\nHost: x\r\nX-API-Key: " + b"k" * 5000 + b"\r\n\r\n",
-        b"GET /gen/health HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + key + b"\r\nX-KiloLine-Mode: \xc3\xa9\r\n\r\n",
+        get + b"Authorization: Bearer " + key + b"\r\nX-KiloLine-Mode: \xc3\xa9\r\n\r\n",
         b"GET /gen/health HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + key + b"\r\nPrefer: \x01\x02\r\n\r\n",
         b"GET /gen/health HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + key
         + b"\r\nX-Forwarded-For: not-an-ip, , 999.1.1.1\r\nX-Target-Host: javascript:\r\n\r\n",

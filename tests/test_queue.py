@@ -624,9 +624,7 @@ class Model:
                 s.requeue(lease, now)
                 self.old_leases.append(lease)
                 assert t.state == WAITING and lease.node in t.avoid
-                if s.routes[t.route].cfg.strategy != "priority":
-                    # (priority: see test_requeue_goes_to_the_head_in_every_strategy)
-                    assert s.position(t, now) == 1
+                assert s.position(t, now) == 1  # back at the head, whatever the strategy
                 s.dispatch(now)
         elif kind == "release_again":
             if self.old_leases:
@@ -664,8 +662,7 @@ class Model:
         for name, rq in s.routes.items():
             assert {n: c for n, c in rq.inflight.items() if c} == {
                 n: c for (r, n), c in per_route.items() if r == name}
-            for n, c in rq.inflight.items():
-                assert c <= rq.cfg.max_concurrency
+            assert all(c <= rq.cfg.max_concurrency for c in rq.inflight.values())
         assert {n: c for n, c in s.node_inflight.items() if c} == dict(per_node)
         for n, c in per_node.items():
             cap = s.nodes[n].cfg.max_concurrency
@@ -743,7 +740,8 @@ class Model:
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(setup=setups(), ops=st.lists(OPS, min_size=30, max_size=200))
-def test_scheduler_invariants(setup: tuple[dict[str, RouteConfig], list[NodeState]], ops: list[tuple[Any, ...]]) -> None:
+def test_scheduler_invariants(setup: tuple[dict[str, RouteConfig], list[NodeState]],
+                              ops: list[tuple[Any, ...]]) -> None:
     m = Model(*setup)
     for op in ops:
         m.apply(op)
