@@ -13,6 +13,7 @@ import time
 from collections.abc import AsyncIterator, Coroutine
 from dataclasses import dataclass, field
 from typing import Any
+from urllib.parse import unquote, urlencode
 
 import aiohttp
 import orjson
@@ -70,8 +71,7 @@ class Call:
         return self.error(r.status, r.type, r.message, r.retry_after)
 
 
-def unqueued(rcfg: RouteConfig, method: str, tail: str) -> bool:
-    path = tail.split("?", 1)[0]
+def unqueued(rcfg: RouteConfig, method: str, path: str) -> bool:
     for pat in rcfg.unqueued:
         if " " in pat:
             m, p = pat.split(" ", 1)
@@ -95,8 +95,6 @@ def tail_with_query(request: web.Request, tail: str) -> str:
     q = request.rel_url.query
     if "kl_mode" in q:
         rest = [(k, v) for k, v in q.items() if k != "kl_mode"]
-        from urllib.parse import urlencode
-
         return tail + ("?" + urlencode(rest) if rest else "")
     qs = request.rel_url.raw_query_string
     return tail + ("?" + qs if qs else "")
@@ -139,7 +137,8 @@ async def pipeline(rt: Runtime, call: Call) -> web.StreamResponse:
     if rt.shutting_down:
         return call.error(503, "shutting_down", "the gateway is shutting down", 5)
     # route
-    match = rt.router.match(request.path)
+    # Route on the raw path so that an encoded "?" or "/" in a segment reaches the node as sent.
+    match = rt.router.match(request.rel_url.raw_path)
     if match is None:
         return call.error(404, "not_found", f"no route for {request.path}")
     call.route, tail = match
@@ -165,7 +164,7 @@ async def pipeline(rt: Runtime, call: Call) -> web.StreamResponse:
     call.mode = mode
     path_tail = tail_with_query(request, tail)
     # Status, list and file endpoints neither take a slot nor wait behind the queue (SPEC §5).
-    if unqueued(rcfg, request.method, tail):
+    if unqueued(rcfg, request.method, unquote(tail)):
         return await forward_unqueued(rt, call, rcfg, path_tail, ip)
     # rate limit and budget
     rate = (principal.cfg.rate if principal and principal.cfg.rate else None) or rcfg.rate

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import aiohttp
 from aiohttp import web
 from multidict import CIMultiDict
+from yarl import URL
 
 HOP_BY_HOP = frozenset(
     h.lower()
@@ -118,7 +119,7 @@ async def open_upstream(
     try:
         return await session.request(
             ex.method,
-            node_url + ex.tail,
+            URL(node_url + ex.tail, encoded=True),  # the tail is already percent-encoded
             headers=ex.upstream_headers(node_headers, node_url),
             data=body if body or ex.method not in ("GET", "HEAD") else None,
             allow_redirects=False,

@@ -12,7 +12,7 @@ import time
 
 from aiohttp import web
 
-from kilolined.app import RT, Call, admit_and_run, choose_mode, log_access, read_body, too_large
+from kilolined.app import RT, Call, admit_and_run, choose_mode, log_access, read_body, tail_with_query, too_large
 from kilolined.auth import presented_key
 from kilolined.proxy import Exchange, client_ip, request_id
 from kilolined.queue import Rejected
@@ -47,9 +47,7 @@ async def _proxy(call: Call) -> web.StreamResponse:
     if mode is None:
         return call.error(400, "bad_request", "X-KiloLine-Mode must be sync, sse or async")
     call.mode = mode
-    tail = "/" + request.match_info.get("tail", "")
-    qs = "&".join(f"{k}={v}" for k, v in request.rel_url.query.items() if k != "kl_mode")
-    tail += "?" + qs if qs else ""
+    tail = tail_with_query(request, request.rel_url.raw_path.removeprefix("/v1/proxy") or "/")
     pinned: str | None = None
     route: str | None = None
     owners = [
