@@ -22,9 +22,10 @@ from aiohttp import web
 from kilolined.adapters import Adapter, GenericAdapter, Observer, adapter_for
 from kilolined.adapters.openai import wants_stream
 from kilolined.auth import Principal, presented_key
-from kilolined.config import RouteConfig
+from kilolined.config import RateConfig, RouteConfig
 from kilolined.errors import error_response
 from kilolined.forward import Hooks, http_attempt, with_retries
+from kilolined.limits import seconds_to_midnight
 from kilolined.proxy import (
     Exchange,
     UpstreamFailed,
@@ -167,23 +168,9 @@ async def pipeline(rt: Runtime, call: Call) -> web.StreamResponse:
     if unqueued(rcfg, request.method, unquote(tail)):
         return await forward_unqueued(rt, call, rcfg, path_tail, ip)
     # rate limit and budget
-    rate = (principal.cfg.rate if principal and principal.cfg.rate else None) or rcfg.rate
-    if rate is not None:
-        v = rt.limiter.check(subject, call.route, rate, rt.clock())
-        call.headers.update({"RateLimit-Limit": str(v.limit), "RateLimit-Remaining": str(v.remaining),
-                             "RateLimit-Reset": str(v.reset_sec)})
-        if not v.ok:
-            rt.metrics.rejections.labels(call.route, "rate_limited").inc()
-            return call.error(429, "rate_limited", f"rate limit of {rate.per_minute:g}/min exceeded",
-                              v.retry_after)
-    if principal is not None:
-        spent = rt.budgets.exhausted(principal.key_id, principal.cfg.budget, time.time())
-        if spent:
-            from kilolined.limits import seconds_to_midnight
-
-            rt.metrics.rejections.labels(call.route, "budget_exhausted").inc()
-            return call.error(429, "budget_exhausted", f"daily budget {spent} exhausted",
-                              seconds_to_midnight(time.time()))
+    refused = check_limits(rt, call, principal, subject, rcfg.rate)
+    if refused is not None:
+        return refused
     try:
         body = await read_body(request, int(rt.cfg.server.max_body_mb * 1024 * 1024))
     except Rejected as r:
@@ -195,6 +182,27 @@ async def pipeline(rt: Runtime, call: Call) -> web.StreamResponse:
         return call.rejected(r)
     priority = principal.cfg.priority if principal else 0
     return await admit_and_run(rt, call, call.route, ex, principal, priority)
+
+
+def check_limits(rt: Runtime, call: Call, principal: Principal | None, subject: str,
+                 route_rate: RateConfig | None) -> web.Response | None:
+    """Token bucket per (subject, route), then the key's daily budget; a 429 or None."""
+    rate = (principal.cfg.rate if principal and principal.cfg.rate else None) or route_rate
+    if rate is not None:
+        v = rt.limiter.check(subject, call.route, rate, rt.clock())
+        call.headers.update({"RateLimit-Limit": str(v.limit), "RateLimit-Remaining": str(v.remaining),
+                             "RateLimit-Reset": str(v.reset_sec)})
+        if not v.ok:
+            rt.metrics.rejections.labels(call.route, "rate_limited").inc()
+            return call.error(429, "rate_limited", f"rate limit of {rate.per_minute:g}/min exceeded",
+                              v.retry_after)
+    if principal is not None:
+        spent = rt.budgets.exhausted(principal.key_id, principal.cfg.budget, time.time())
+        if spent:
+            rt.metrics.rejections.labels(call.route, "budget_exhausted").inc()
+            return call.error(429, "budget_exhausted", f"daily budget {spent} exhausted",
+                              seconds_to_midnight(time.time()))
+    return None
 
 
 async def admit_and_run(rt: Runtime, call: Call, route: str, ex: Exchange, principal: Principal | None,

@@ -12,7 +12,18 @@ import time
 
 from aiohttp import web
 
-from kilolined.app import RT, Call, admit_and_run, choose_mode, log_access, read_body, tail_with_query, too_large
+from kilolined.adapters import adapter_for
+from kilolined.app import (
+    RT,
+    Call,
+    admit_and_run,
+    check_limits,
+    choose_mode,
+    log_access,
+    read_body,
+    tail_with_query,
+    too_large,
+)
 from kilolined.auth import presented_key
 from kilolined.proxy import Exchange, client_ip, request_id
 from kilolined.queue import Rejected
@@ -75,12 +86,22 @@ async def _proxy(call: Call) -> web.StreamResponse:
     else:
         return call.error(403, "forbidden", "target not allowed: not a configured node nor in adhoc_targets")
     call.route = rt._route_label(route)
+    route_rate = None
     if pinned is not None:
         call.kind = rt.cfg.routes[route].kind
+        call.adapter = adapter_for(call.kind)
+        route_rate = rt.cfg.routes[route].rate
+    refused = check_limits(rt, call, principal, principal.key_id, route_rate)
+    if refused is not None:
+        return refused
     try:
         body = await read_body(request, int(rt.cfg.server.max_body_mb * 1024 * 1024))
     except Rejected as r:
         return too_large(call, r)
     ex = Exchange(request, request.method, tail, body, call.request_id,
                   client_ip(request, rt.cfg.server.trusted_proxies))
+    try:
+        call.adapter.prepare(ex)
+    except Rejected as r:
+        return call.rejected(r)
     return await admit_and_run(rt, call, route, ex, principal, principal.cfg.priority, pinned_node=pinned)

@@ -54,7 +54,7 @@ class Gateway:
         self.path = path
 
     @property
-    def rt(self):  # noqa: ANN201
+    def rt(self):
         return self.server.rt
 
     @property

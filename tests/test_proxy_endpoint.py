@@ -191,3 +191,32 @@ async def test_query_is_forwarded_verbatim(fakegpus, gateway, http) -> None:
                         headers={**auth(), "X-Target-Host": g.url}) as r:
         assert r.status == 200
     assert parse_qs(g.requests[-1]["query"]) == {"q": ["a&b=c"], "r": ["x y"]}
+
+
+async def test_budget_applies_through_the_proxy_endpoint(fakegpus, gateway, http) -> None:
+    """SPEC §3: every proxied request goes through rate limit / budget; /v1/proxy is no way around them."""
+    g = await fakegpus(steps=1, step_ms=1)
+    adhoc = await fakegpus(steps=1, step_ms=1)
+    cfg = base_config({"a": g.url})
+    cfg["keys"]["alice"]["budget"] = {"requests_per_day": 1}
+    cfg["keys"]["alice"]["adhoc_targets"] = ["http://127.0.0.1:*"]
+    gw = await gateway(cfg)
+    st, _, _ = await call(http, "POST", gw.url + "/gen/generate", json={}, headers=auth())
+    assert st == 200
+    for target in (g.url, adhoc.url):
+        st, h, body = await call(http, "POST", gw.url + "/v1/proxy/generate", json={},
+                                 headers={**auth(), "X-Target-Host": target})
+        check_error(st, h, body, 429, "budget_exhausted")
+    assert g.stats["served"] == 1 and adhoc.stats["served"] == 0
+
+
+async def test_route_rate_limit_applies_through_the_proxy_endpoint(fakegpus, gateway, http) -> None:
+    g = await fakegpus(steps=1, step_ms=1)
+    gw = await gateway(base_config({"a": g.url}, rate={"per_minute": 60, "burst": 1}))
+    st, h, _ = await call(http, "POST", gw.url + "/gen/generate", json={}, headers=auth())
+    assert st == 200 and h["RateLimit-Remaining"] == "0"
+    st, h, body = await call(http, "POST", gw.url + "/v1/proxy/generate", json={},
+                             headers={**auth(), "X-Target-Host": g.url})
+    check_error(st, h, body, 429, "rate_limited")
+    assert "RateLimit-Limit" in h and int(h["Retry-After"]) >= 1
+    assert g.stats["served"] == 1
