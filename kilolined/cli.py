@@ -117,23 +117,29 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--version", action="version", version=f"kilolined {__version__}")
     p.add_argument("--log-format", choices=("text", "json"), default="text", help="log line format (stderr)")
     p.add_argument("--log-level", default="INFO", help=argparse.SUPPRESS)
+    # The same options after the subcommand (`kilolined run --log-format json`); SUPPRESS keeps the
+    # top-level value when they are not given there.
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--log-format", choices=("text", "json"), default=argparse.SUPPRESS,
+                        help="log line format (stderr)")
+    common.add_argument("--log-level", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
     sub = p.add_subparsers(dest="cmd")
 
-    r = sub.add_parser("run", help="run the daemon")
+    r = sub.add_parser("run", parents=[common], help="run the daemon")
     r.add_argument("-c", "--config", help="config file (default: $KILOLINE_CONFIG, ./etc/kiloline.yaml, "
                                           "/etc/kiloline/kiloline.yaml)")
     r.add_argument("--listen", help="override server.listen (host:port)")
     r.set_defaults(fn=cmd_run)
 
-    c = sub.add_parser("check", help="validate a config file, like nginx -t")
+    c = sub.add_parser("check", parents=[common], help="validate a config file, like nginx -t")
     c.add_argument("-c", "--config")
     c.set_defaults(fn=cmd_check)
 
-    k = sub.add_parser("keygen", help="print a new API key and the YAML to paste")
+    k = sub.add_parser("keygen", parents=[common], help="print a new API key and the YAML to paste")
     k.add_argument("--id", help="key id to use in the YAML")
     k.set_defaults(fn=cmd_keygen)
 
-    f = sub.add_parser("fakegpu", help="run a simulated GPU inference server")
+    f = sub.add_parser("fakegpu", parents=[common], help="run a simulated GPU inference server")
     f.add_argument("--host", default="127.0.0.1")
     f.add_argument("--port", type=int, default=8188)
     f.add_argument("--kind", choices=("generic", "comfyui", "openai"), default="generic")
@@ -144,12 +150,12 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("--crash-sec", type=float, default=5)
     f.set_defaults(fn=cmd_fakegpu)
 
-    d = sub.add_parser("demo", help="the traffic-smoothing demo on loopback")
+    d = sub.add_parser("demo", parents=[common], help="the traffic-smoothing demo on loopback")
     d.add_argument("--once", action="store_true", help="exit after the printout")
     d.add_argument("--port", type=int, default=8080, help="gateway port (0 = any free port)")
     d.set_defaults(fn=cmd_demo)
 
-    s = sub.add_parser("status", help="print routes and nodes from /admin/state")
+    s = sub.add_parser("status", parents=[common], help="print routes and nodes from /admin/state")
     s.add_argument("--url", default="http://127.0.0.1:8080")
     s.add_argument("--admin-key", default=None, help="admin key (default: $KILOLINE_ADMIN_KEY)")
     s.set_defaults(fn=cmd_status)

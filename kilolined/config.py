@@ -360,7 +360,7 @@ def expand_env(node: Any, env: dict[str, str], path: str, errors: list[str]) -> 
             if default is not None:
                 return default
             errors.append(f"{path}: environment variable {name} is not set")
-            return ""
+            return m.group(0)  # keep the text: an empty value would add a second, misleading error
 
         return _VAR.sub(sub, node)
     return node
