@@ -44,7 +44,8 @@ async def test_tokens_exhaust_tokens_per_day(fakegpus, gateway, http) -> None:
     assert usage is not None and usage.completion_tokens == 5
     async with http.get(gw.url + "/metrics", headers=ADMIN) as r:
         text = await r.text()
-    lines = {ln.split(" ")[0]: float(ln.split(" ")[1]) for ln in text.splitlines() if ln.startswith("kiloline_tokens_total")}
+    lines = {ln.split(" ")[0]: float(ln.split(" ")[1])
+             for ln in text.splitlines() if ln.startswith("kiloline_tokens_total")}
     assert lines['kiloline_tokens_total{key="alice",route="gen"}'] == used
     assert lines['kiloline_tokens_total{key="bob",route="gen"}'] == usage.total_tokens
     assert gw.rt.budgets.usage("alice", __import__("time").time())["tokens"] == used
