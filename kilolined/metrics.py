@@ -86,6 +86,8 @@ class Metrics:
             registry=r,
         )
         self.reloads = Counter("kiloline_reloads", "Config reloads", ["result"], registry=r)
+        for result in ("ok", "error"):
+            self.reloads.labels(result)
         self.tokens = Counter("kiloline_tokens", "LLM tokens by route and key", ["route", "key"], registry=r)
         r.register(_LiveGauges(rt))
 

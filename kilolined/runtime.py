@@ -108,6 +108,10 @@ class Runtime:
             if name not in cfg.routes and not name.startswith("adhoc:"):
                 rq.retired = True
         self.router = Router({r.path: n for n, r in cfg.routes.items()})
+        for name in cfg.routes:
+            # Counters exist at 0 from the start, so dashboards and alerts see "none yet", not "absent".
+            self.metrics.failovers.labels(name)
+            self.metrics.queue_wait.labels(name)
         self.keys = KeyStore(cfg)
         self.limiter.forget_except(set(cfg.keys))
         self.cfg = cfg

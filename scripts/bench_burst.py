@@ -183,9 +183,13 @@ async def run_burst(target: str, url: str, n: int, proxy_pid: int, node_url: str
                 await asyncio.sleep(0.02)
         want = n - 2
         waiting, deadline = -1, time.monotonic() + max(60.0, n / 50)
+        last_change = time.monotonic()
         while time.monotonic() < deadline:
-            waiting = await waiting_count(ctl)
-            if waiting >= want or all(t.done() for t in tasks):
+            now_waiting = await waiting_count(ctl)
+            if now_waiting != waiting:
+                waiting, last_change = now_waiting, time.monotonic()
+            # All in; or (a proxy whose maxconn is below N) no longer growing for 3 s.
+            if waiting >= want or all(t.done() for t in tasks) or (waiting > 0 and time.monotonic() - last_change > 3):
                 break
             await asyncio.sleep(0.1)
         out["all_waiting_after_sec"] = time.monotonic() - t_start
@@ -267,9 +271,13 @@ def main(argv: list[str] | None = None) -> int:
                         return int((await r.json())["routes"]["gen"]["queue_depth"])
             elif target == "haproxy":
                 stats_port = bl.free_port()
+                maxconn = min(n + 100, bl.haproxy_max_maxconn())
+                if maxconn < n:
+                    print(f"note: haproxy maxconn {maxconn} (fd hard limit); {n - maxconn} clients wait in the "
+                          "listen backlog instead of its queue")
                 try:
                     proc = bl.start_haproxy(procs, port, node_port, cpu=proxy_cpu, server_maxconn=2,
-                                            global_maxconn=n + 100, stats_port=stats_port)
+                                            global_maxconn=maxconn, stats_port=stats_port)
                 except (RuntimeError, TimeoutError) as e:
                     print(f"haproxy did not start: {e}\n{procs.log_tail('haproxy')}")
                     continue

@@ -325,6 +325,7 @@ http {{
             proxy_set_header Connection "";
             proxy_read_timeout 600s;
             proxy_buffering {"on" if buffering else "off"};
+            {"" if buffering else "proxy_buffer_size 64k;  # unbuffered: read the node's 64 KiB pieces whole"}
             proxy_max_temp_file_size 0;
         }}
     }}
@@ -380,6 +381,13 @@ backend be
     path = d / "haproxy.cfg"
     path.write_text(text)
     return path
+
+
+def haproxy_max_maxconn() -> int:
+    """HAProxy needs ~2 × maxconn + a few fds and refuses to start otherwise: the largest maxconn
+    the hard RLIMIT_NOFILE allows (clients beyond it wait in the listen backlog)."""
+    hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+    return 1 << 30 if hard == resource.RLIM_INFINITY else (hard - 300) // 2
 
 
 def start_haproxy(procs: Procs, listen: int, upstream_port: int, cpu: str | int | None = None,

@@ -64,10 +64,10 @@ async def test_chaos_smoke(tmp_path: Path) -> None:
         env.resources = resources
         report = await chaos.run_chaos(env, CHAOS_SECONDS, seed=7, workers=10)
         chaos.print_report(report)
-        assert report.total > 50, f"too little traffic to mean anything: {report.total}"
-        assert report.actions.get("kill", 0) + report.actions.get("hang", 0) > 0
         assert not report.violations, "\n".join(report.violations[:20])
         assert report.ok, "; ".join(report.problems)
+        assert report.total > 50, f"too little traffic to mean anything: {report.total}"
+        assert report.actions.get("kill", 0) + report.actions.get("hang", 0) > 0
         assert report.notifier_messages > 0, "the notifier never got through"
     finally:
         if srv is not None:
