@@ -101,6 +101,21 @@ def tail_with_query(request: web.Request, tail: str) -> str:
     return tail + ("?" + qs if qs else "")
 
 
+async def read_exchange(rt: Runtime, call: Call, tail: str, ip: str) -> Exchange | web.Response:
+    """The request body (kept for a re-queue) and the adapter's look at it; or the refusal."""
+    request = call.request
+    try:
+        body = await read_body(request, int(rt.cfg.server.max_body_mb * 1024 * 1024))
+    except Rejected as r:
+        return too_large(call, r)
+    ex = Exchange(request, request.method, tail, body, call.request_id, ip)
+    try:
+        call.adapter.prepare(ex)
+    except Rejected as r:
+        return call.rejected(r)
+    return ex
+
+
 def too_large(call: Call, r: Rejected) -> web.Response:
     resp = call.rejected(r)
     # Close instead of draining the rest of a body we refused (it may be gigabytes).
@@ -171,15 +186,9 @@ async def pipeline(rt: Runtime, call: Call) -> web.StreamResponse:
     refused = check_limits(rt, call, principal, subject, rcfg.rate)
     if refused is not None:
         return refused
-    try:
-        body = await read_body(request, int(rt.cfg.server.max_body_mb * 1024 * 1024))
-    except Rejected as r:
-        return too_large(call, r)
-    ex = Exchange(request, request.method, path_tail, body, call.request_id, ip)
-    try:
-        call.adapter.prepare(ex)
-    except Rejected as r:
-        return call.rejected(r)
+    ex = await read_exchange(rt, call, path_tail, ip)
+    if isinstance(ex, web.Response):
+        return ex
     priority = principal.cfg.priority if principal else 0
     return await admit_and_run(rt, call, call.route, ex, principal, priority)
 

@@ -13,20 +13,9 @@ import time
 from aiohttp import web
 
 from kilolined.adapters import adapter_for
-from kilolined.app import (
-    RT,
-    Call,
-    admit_and_run,
-    check_limits,
-    choose_mode,
-    log_access,
-    read_body,
-    tail_with_query,
-    too_large,
-)
+from kilolined.app import RT, Call, admit_and_run, check_limits, choose_mode, log_access, read_exchange, tail_with_query
 from kilolined.auth import presented_key
-from kilolined.proxy import Exchange, client_ip, request_id
-from kilolined.queue import Rejected
+from kilolined.proxy import client_ip, request_id
 
 _TARGET = re.compile(r"https?://[A-Za-z0-9.\-\[\]:]+")
 
@@ -94,14 +83,7 @@ async def _proxy(call: Call) -> web.StreamResponse:
     refused = check_limits(rt, call, principal, principal.key_id, route_rate)
     if refused is not None:
         return refused
-    try:
-        body = await read_body(request, int(rt.cfg.server.max_body_mb * 1024 * 1024))
-    except Rejected as r:
-        return too_large(call, r)
-    ex = Exchange(request, request.method, tail, body, call.request_id,
-                  client_ip(request, rt.cfg.server.trusted_proxies))
-    try:
-        call.adapter.prepare(ex)
-    except Rejected as r:
-        return call.rejected(r)
+    ex = await read_exchange(rt, call, tail, client_ip(request, rt.cfg.server.trusted_proxies))
+    if isinstance(ex, web.Response):
+        return ex
     return await admit_and_run(rt, call, route, ex, principal, principal.cfg.priority, pinned_node=pinned)

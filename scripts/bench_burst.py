@@ -185,7 +185,10 @@ async def run_burst(target: str, url: str, n: int, proxy_pid: int, node_url: str
         waiting, deadline = -1, time.monotonic() + max(60.0, n / 50)
         last_change = time.monotonic()
         while time.monotonic() < deadline:
-            now_waiting = await waiting_count(ctl)
+            try:
+                now_waiting = await waiting_count(ctl)
+            except (aiohttp.ClientError, TimeoutError, OSError, ValueError, KeyError):
+                now_waiting = waiting  # a busy proxy may be slow to answer its stats: keep going
             if now_waiting != waiting:
                 waiting, last_change = now_waiting, time.monotonic()
             # All in; or (a proxy whose maxconn is below N) no longer growing for 3 s.

@@ -372,7 +372,7 @@ defaults
 
 frontend fe
     bind 127.0.0.1:{listen}
-    maxconn {global_maxconn}
+    maxconn {global_maxconn if stats_port is None else max(1, global_maxconn - 50)}
     default_backend be
 
 backend be
