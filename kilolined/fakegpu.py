@@ -636,7 +636,7 @@ class GenericBackend(Backend):
         resp.content_length = left
         try:
             await resp.prepare(request)
-            while left > 0:
+            while left > 0 and request.method != "HEAD":  # HEAD: the length, never the bytes
                 await self.gpu.drip()
                 piece = BLOB_PATTERN[: min(left, BLOB_CHUNK)]
                 await resp.write(piece)

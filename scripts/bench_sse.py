@@ -84,7 +84,8 @@ async def open_streams(port: int, m: int, body: bytes) -> list[SSEStream]:
     return streams
 
 
-async def measure(gw_pid: int, port: int, m: int, window: float, settle: float) -> dict[str, Any]:
+async def measure(gw_pid: int, port: int, m: int, window: float, settle: float,
+                  profile_to: Any = None) -> dict[str, Any]:
     out: dict[str, Any] = {"jobs": m, "window_sec": window}
     rss0 = bl.rss_kb(gw_pid)
     t0 = time.monotonic()
@@ -97,9 +98,12 @@ async def measure(gw_pid: int, port: int, m: int, window: float, settle: float) 
         out["queued_seen"] = sum(s.queued for s in streams)
         out["all_queued_after_sec"] = time.monotonic() - t0
         await asyncio.sleep(settle)
+        spy = bl.pyspy_record(gw_pid, window, profile_to) if profile_to is not None else None
         w0 = time.monotonic()
         cpu0, rss_w0 = bl.cpu_seconds(gw_pid), bl.rss_kb(gw_pid)
         await asyncio.sleep(window)
+        if spy is not None:
+            await asyncio.to_thread(spy.wait, window + 30)
         w1 = time.monotonic()
         cpu1, rss_w1 = bl.cpu_seconds(gw_pid), bl.rss_kb(gw_pid)
         out["gateway_cpu_pct"] = 100 * (cpu1 - cpu0) / (w1 - w0)
@@ -138,6 +142,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--window", type=float, default=None, help="measurement window, s (default 10, quick 5)")
     ap.add_argument("--settle", type=float, default=2.0)
     ap.add_argument("--no-pin", action="store_true")
+    ap.add_argument("--profile", action="store_true", help="py-spy the gateway during the window ($PYSPY or PATH)")
     ap.add_argument("--json")
     args = ap.parse_args(argv)
     m = args.jobs or (300 if args.quick else 1000)
@@ -162,7 +167,12 @@ def main(argv: list[str] | None = None) -> int:
                 import os
 
                 os.sched_setaffinity(0, {load_cpu})
-        res = run(measure(gw.pid, gw_port, m, window, args.settle))
+        raw = wd / "pyspy.raw"
+        if args.profile and bl.find_pyspy() is None:
+            print("(--profile: py-spy not found; pip install py-spy and/or set PYSPY)")
+        res = run(measure(gw.pid, gw_port, m, window, args.settle,
+                          raw if args.profile and bl.find_pyspy() else None))
+        prof = bl.summarize_pyspy(raw) if raw.exists() else None
         st = bl.http_json(f"http://127.0.0.1:{gw_port}/admin/state", headers=bl.ADMIN_HDR)
         res["state_after"] = {"queue_depth": st["routes"]["gen"]["queue_depth"],
                               "inflight": st["routes"]["gen"]["inflight"]}
@@ -175,7 +185,12 @@ def main(argv: list[str] | None = None) -> int:
         [[m, res["queued_seen"], res["gateway_cpu_pct"], res["heartbeats_per_sec"], res["streams_without_heartbeat"],
           j["p50"], j["p99"], j["max"], res["rss_idle_mb"], res["rss_window_start_mb"],
           res["rss_growth_kb_per_job_per_min"], res["rss_growth_bytes_per_logged_event"]]], nd=1)
-    bl.write_json(args.json, {"machine": machine, "result": res, "table": table})
+    if prof:
+        print(f"\n## Profile of the gateway during the window ({prof['samples']} GIL-holding samples)")
+        bl.print_table(["top self frames", "%"], prof["self"], nd=1)
+        print()
+        bl.print_table(["kilolined frames (inclusive)", "%"], prof["kiloline_inclusive"], nd=1)
+    bl.write_json(args.json, {"machine": machine, "result": res, "table": table, "profile": prof})
     return 0
 
 

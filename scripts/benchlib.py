@@ -325,7 +325,7 @@ http {{
             proxy_set_header Connection "";
             proxy_read_timeout 600s;
             proxy_buffering {"on" if buffering else "off"};
-            {"" if buffering else "proxy_buffer_size 64k;  # unbuffered: read the node's 64 KiB pieces whole"}
+            {"" if buffering else "proxy_buffer_size 64k; proxy_buffers 8 64k; proxy_busy_buffers_size 128k;"}
             proxy_max_temp_file_size 0;
         }}
     }}
@@ -341,7 +341,11 @@ def start_nginx(procs: Procs, listen: int, upstream_port: int, cpu: str | int | 
     conf = nginx_conf(procs.workdir, listen, upstream_port, **kw)
     p = procs.start([NGINX, "-p", str(conf.parent), "-e", str(conf.parent / "error.log"), "-c", str(conf)],
                     "nginx", cpu=cpu)
-    wait_port(listen, proc=p)
+    try:
+        wait_port(listen, proc=p)
+    except (RuntimeError, TimeoutError):
+        print(procs.log_tail("nginx"), (conf.parent / "error.log").read_text()[-2000:], file=sys.stderr)
+        raise
     return p
 
 
@@ -394,7 +398,11 @@ def start_haproxy(procs: Procs, listen: int, upstream_port: int, cpu: str | int 
                   **kw: Any) -> subprocess.Popen[bytes]:
     conf = haproxy_conf(procs.workdir, listen, upstream_port, **kw)
     p = procs.start([HAPROXY, "-db", "-f", str(conf)], "haproxy", cpu=cpu)
-    wait_port(listen, proc=p)
+    try:
+        wait_port(listen, proc=p)
+    except (RuntimeError, TimeoutError):
+        print(procs.log_tail("haproxy"), file=sys.stderr)
+        raise
     return p
 
 
