@@ -235,6 +235,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--targets", default="gateway,haproxy")
     ap.add_argument("--timeout", type=float, default=600.0, help="client timeout (s)")
     ap.add_argument("--no-pin", action="store_true")
+    ap.add_argument("--gc-stats", action="store_true", help="run the gateway through a wrapper that records "
+                                                            "cyclic-GC pauses and print them")
+    ap.add_argument("--gc-freeze", action="store_true", help="experiment: gc.freeze() in the gateway once it "
+                                                             "listens (implies --gc-stats)")
     ap.add_argument("--json")
     ap.add_argument("--serve-node", type=int, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -266,7 +270,8 @@ def main(argv: list[str] | None = None) -> int:
                 routes = {"gen": {"path": "/gen", "nodes": ["gpu"], "max_concurrency": 2,
                                   "max_queue_depth": n + 100, "queue_timeout_sec": args.timeout,
                                   "request_timeout_sec": args.timeout}}
-                proc, _ = bl.start_gateway(procs, bl.gateway_config(port, {"gpu": node_url}, routes), cpu=proxy_cpu)
+                proc, _ = bl.start_gateway(procs, bl.gateway_config(port, {"gpu": node_url}, routes), cpu=proxy_cpu,
+                                           gc_trace=args.gc_stats or args.gc_freeze, gc_freeze=args.gc_freeze)
                 url = f"http://127.0.0.1:{port}/gen/generate"
 
                 async def waiting_count(ctl: Any, port: int = port) -> int:
@@ -298,6 +303,8 @@ def main(argv: list[str] | None = None) -> int:
             results.append(res)
             print(f"   {json.dumps(res)}", flush=True)
             procs.stop(proc)
+            if target == "gateway" and (args.gc_stats or args.gc_freeze):
+                res["gc"] = bl.gc_stats((wd / "gateway.log").read_text(errors="replace"))
             time.sleep(1.0)
 
     print(f"\n## Burst of {n} held clients → 2 slots (node step {args.step_ms:g} ms)")
@@ -313,6 +320,10 @@ def main(argv: list[str] | None = None) -> int:
                             "RSS idle MB", "RSS all waiting MB", "KB / waiting", "gap p50 ms", "gap p99 ms",
                             "gap max ms", "drain s", "proxy CPU ms/req"], rows, nd=2)
     gw = next((r for r in results if r["target"] == "gateway"), None)
+    if gw is not None and gw.get("gc"):
+        print(f"\n## Gateway cyclic-GC pauses over the run{' (gc.freeze() after start)' if args.gc_freeze else ''}")
+        for line in gw["gc"]:
+            print(f"  {line}")
     if gw is not None:
         print("\n## Targets")
         ok = gw["outcomes"].get("200", 0) == n

@@ -269,11 +269,57 @@ def write_yaml(path: Path, data: dict[str, Any]) -> None:
     tmp.replace(path)
 
 
+GC_WRAPPER = """
+import gc, os, sys, time
+pauses = {0: [], 1: [], 2: []}
+started = [0.0]
+def cb(phase, info):
+    if phase == "start":
+        started[0] = time.perf_counter()
+    else:
+        pauses[info["generation"]].append((time.perf_counter() - started[0]) * 1000)
+gc.callbacks.append(cb)
+if os.environ.get("KL_GC_FREEZE"):
+    import kilolined.server as srv
+    _start = srv.Server.start
+    async def start(self):
+        await _start(self)
+        gc.collect()
+        gc.freeze()
+        print(f"GCSTAT frozen {gc.get_freeze_count()} objects after start", file=sys.stderr, flush=True)
+    srv.Server.start = start
+from kilolined.cli import main
+try:
+    sys.exit(main(sys.argv[1:]))
+finally:
+    for g, v in pauses.items():
+        v.sort()
+        if v:
+            print(f"GCSTAT gen{g} n={len(v)} total_ms={sum(v):.1f} max_ms={v[-1]:.2f} "
+                  f"p50_ms={v[len(v) // 2]:.3f}", file=sys.stderr, flush=True)
+"""
+
+
+def gc_stats(log_text: str) -> list[str]:
+    return [ln.split("GCSTAT ", 1)[1] for ln in log_text.splitlines() if "GCSTAT " in ln]
+
+
 def start_gateway(procs: Procs, cfg: dict[str, Any], name: str = "gateway", cpu: str | int | None = None,
-                  extra: Sequence[str] = ()) -> tuple[subprocess.Popen[bytes], Path]:
+                  extra: Sequence[str] = (), gc_trace: bool = False, gc_freeze: bool = False
+                  ) -> tuple[subprocess.Popen[bytes], Path]:
+    """`kilolined run -c` on a config written to the workdir. gc_trace: the same daemon run through a
+    wrapper that records cyclic-GC pauses (GCSTAT lines in its log at exit); gc_freeze also calls
+    gc.freeze() once it listens (an experiment, not a product change)."""
     path = procs.workdir / f"{name}.yaml"
     write_yaml(path, cfg)
-    p = procs.start([KILOLINED, "--log-format", "text", "run", "-c", str(path), *extra], name, cpu=cpu)
+    cmd = [KILOLINED, "--log-format", "text", "run", "-c", str(path), *extra]
+    env = None
+    if gc_trace or gc_freeze:
+        wrapper = procs.workdir / "gcwrap.py"
+        wrapper.write_text(GC_WRAPPER)
+        cmd = [PYTHON, str(wrapper), *cmd[1:]]
+        env = {**os.environ, **({"KL_GC_FREEZE": "1"} if gc_freeze else {})}
+    p = procs.start(cmd, name, cpu=cpu, env=env)
     port = int(cfg["server"]["listen"].rsplit(":", 1)[1])
     try:
         wait_port(port, proc=p)
