@@ -15,7 +15,7 @@ from kilolined.auth import presented_key
 from kilolined.errors import error_response
 from kilolined.runtime import Runtime
 
-SESSION_TTL_SEC = 12 * 3600
+SESSION_TTL_SEC = 3600  # short-lived: the page asks for a new one with the stored key
 
 
 def _rt(request: web.Request) -> Runtime:
