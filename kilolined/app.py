@@ -291,6 +291,11 @@ async def relay(rt: Runtime, call: Call, lease: Lease, up: aiohttp.ClientRespons
             handed_over = True
             rt.spawn(_hold_then_release(rt, lease, hold, key))
         return resp
+    except ConnectionResetError:
+        # The client hung up (aiohttp's ClientConnectionResetError is also a ClientError, so this
+        # comes first): not the node's fault, no breaker count.
+        rt.metrics.requests.labels(label, "client_gone").inc()
+        raise
     except (aiohttp.ClientError, TimeoutError) as e:
         # The node failed mid-body: no retry is possible once bytes went out; cut the client.
         ok = False
@@ -300,9 +305,6 @@ async def relay(rt: Runtime, call: Call, lease: Lease, up: aiohttp.ClientRespons
         cut_client(call.request)
         call.status = 502
         raise web.HTTPBadGateway() from None
-    except ConnectionResetError:
-        rt.metrics.requests.labels(label, "client_gone").inc()
-        raise
     finally:
         up.release()
         if obs is not None:
@@ -372,6 +374,8 @@ async def forward_unqueued(rt: Runtime, call: Call, rcfg: RouteConfig, tail: str
     try:
         resp, call.bytes_out = await stream_back(call.request, up, headers, observe(up, None, None))
         return resp
+    except ConnectionResetError:
+        raise  # the client left
     except (aiohttp.ClientError, TimeoutError):
         cut_client(call.request)
         raise web.HTTPBadGateway() from None

@@ -92,7 +92,11 @@ class Job:
     started_mono: float | None = None
 
     def emit(self, event: str, data: dict[str, Any]) -> None:
-        ev = (self.next_id, event, orjson.dumps(data))
+        # Keep the rendered frame: built once for every subscriber and every replay, and
+        # right-sized (orjson's own bytes object carries a ~4 KB allocation, which a log of
+        # hundreds of events per waiting job would pin).
+        ev = (self.next_id, event, b"id: %d\nevent: %s\ndata: %s\n\n" % (self.next_id, event.encode(),
+                                                                           orjson.dumps(data)))
         self.next_id += 1
         self.events.append(ev)
         if len(self.events) > REPLAY_KEEP:
@@ -122,11 +126,6 @@ class Job:
         }
 
 
-def sse_frame(ev: tuple[int, str, bytes]) -> bytes:
-    i, name, data = ev
-    return b"id: %d\nevent: %s\ndata: %s\n\n" % (i, name.encode(), data)
-
-
 class Jobs:
     def __init__(self, rt: Runtime, cfg: JobsConfig):
         self.rt = rt
@@ -137,6 +136,7 @@ class Jobs:
         self.results: OrderedDict[str, Job] = OrderedDict()  # jobs holding a result, for the memory cap
         self.result_bytes = 0
         self._ticker: asyncio.Task[None] | None = None
+        self._route_view: dict[str, tuple[int, float | None]] = {}  # per tick: live slots, mean service
 
     def configure(self, cfg: JobsConfig) -> None:
         self.cfg = cfg
@@ -330,8 +330,12 @@ class Jobs:
 
     # --- periodic queue_status / heartbeat ----------------------------------------------
     async def _tick_loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time()
         while True:
-            await asyncio.sleep(0.25)
+            # Absolute deadlines: the period does not stretch by the tick's own duration.
+            deadline = max(deadline + 0.25, loop.time())
+            await asyncio.sleep(deadline - loop.time())
             try:
                 self.tick()
             except Exception:
@@ -343,6 +347,7 @@ class Jobs:
         mono = time.monotonic()
         hb = rt.cfg.server.heartbeat_sec
         positions: dict[str, dict[int, int]] = {}
+        self._route_view.clear()
         for job in list(self.active):
             beat = mono - job.last_event_at >= hb
             if job.status == "queued" and job.ticket.state == WAITING:
@@ -366,10 +371,20 @@ class Jobs:
             return
         job.last_position = pos
         job.last_queue_status_at = mono
+        sched = self.rt.scheduler
+        # Per route and tick, not per job: thousands of jobs may wait on one route.
+        slots, mean = self._route_view.get(job.route) or self._view_route(job.route, now)
+        est = None if mean is None or not slots or pos is None else round(pos * mean / slots, 2)
         job.emit("queue_status", {
-            "position": pos, "queue_depth": len(rq.waiting), "est_wait_sec": self._est(job, pos),
-            "waiting_for_node": not self.rt.scheduler.usable(rq, now),
+            "position": pos, "queue_depth": len(rq.waiting), "est_wait_sec": est,
+            "waiting_for_node": not sched.usable(rq, now) if not slots else False,
         })
+
+    def _view_route(self, route: str, now: float) -> tuple[int, float | None]:
+        rq = self.rt.scheduler.routes[route]
+        view = (self.rt.scheduler.live_slots(rq, now), rq.mean_service)
+        self._route_view[route] = view
+        return view
 
     # --- reading ------------------------------------------------------------------------
     def find(self, request: web.Request, job_id: str) -> Job | None:
@@ -413,7 +428,7 @@ class Jobs:
         await resp.prepare(request)
         await resp.write(b"retry: 3000\n\n")
         async for ev in self.subscribe(job, after):
-            await resp.write(sse_frame(ev))
+            await resp.write(ev[2])
         await resp.write_eof()
         return resp
 

@@ -94,6 +94,8 @@ async def file(request: web.Request) -> web.StreamResponse:
                 await resp.write(chunk)
             await resp.write_eof()
             return resp
+    except ConnectionResetError:
+        raise  # the client left
     except (aiohttp.ClientError, TimeoutError):
         return error_response(502, "upstream_error", f"node {node} did not serve the file")
 

@@ -112,6 +112,7 @@ class Budgets:
     def __init__(self, state_dir: str | None):
         self.path = Path(state_dir) / "budgets.json" if state_dir else None
         self.day = ""
+        self._day_no = -1
         self.used: dict[str, dict[str, float]] = {}
         self.dirty = False
         self._load()
@@ -128,6 +129,12 @@ class Budgets:
             self.day, self.used = "", {}
 
     def _roll(self, wall: float) -> None:
+        # POSIX time has no leap seconds: wall // 86400 is the UTC day number, and cheap
+        # (this runs twice per request); the date string is built only when it changes.
+        day_no = int(wall // 86400)
+        if day_no == self._day_no:
+            return
+        self._day_no = day_no
         day = utc_day(wall)
         if day != self.day:
             self.day = day

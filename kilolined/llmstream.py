@@ -111,6 +111,9 @@ async def run_sync_stream(rt: Runtime, call: Call, ticket: Ticket, ex: Exchange)
                 call.bytes_out += len(chunk)
             ok = True
         rt.metrics.requests.labels(label, "ok" if ok else "upstream_error").inc()
+    except ConnectionResetError:
+        rt.metrics.requests.labels(label, "client_gone").inc()
+        raise
     except (aiohttp.ClientError, TimeoutError):
         ok = False
         rt.node_failure(lease.node, "connection lost mid-stream", lease.trial)

@@ -7,8 +7,8 @@ the request on another node); after that, the client connection is cut, as a pro
 from __future__ import annotations
 
 import ipaddress
+import os
 import re
-import uuid
 from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass, field
 
@@ -46,7 +46,7 @@ class UpstreamFailed(Exception):
 
 def request_id(request: web.BaseRequest) -> str:
     rid = request.headers.get("X-Request-Id", "")
-    return rid if _SANE_ID.fullmatch(rid) else uuid.uuid4().hex
+    return rid if _SANE_ID.fullmatch(rid) else os.urandom(16).hex()  # 128 bits, 4× cheaper than uuid4
 
 
 def client_ip(request: web.BaseRequest, trusted: Iterable[str]) -> str:

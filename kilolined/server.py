@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import logging
 import os
 import signal
@@ -114,6 +115,10 @@ async def serve(cfg: Config, version: str, config_path: str | None, log_json: bo
         srv.rt.spawn(reload_from_file(srv.rt, reason="SIGHUP"))
 
     await srv.start()
+    # Start-up objects (modules, config, app) never become garbage: move them out of the cyclic
+    # collector's sight, which halves its worst pauses when thousands of requests wait.
+    gc.collect()
+    gc.freeze()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, on_term)
     loop.add_signal_handler(signal.SIGHUP, on_hup)

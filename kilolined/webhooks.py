@@ -330,7 +330,7 @@ class WebhookDeliverer:
             return msg_id
         try:
             # Serialised once: every attempt signs and sends the very same bytes.
-            body = orjson.dumps(payload)
+            body = bytes(memoryview(orjson.dumps(payload)))  # right-sized: kept for every retry
         except (TypeError, orjson.JSONEncodeError) as e:
             log.error("webhook %s to %s dropped: payload is not JSON-serialisable (%s)", msg_id, host, e)
             return msg_id
@@ -344,7 +344,7 @@ class WebhookDeliverer:
         if self._closed:
             return False
         try:
-            body = orjson.dumps(payload)
+            body = bytes(memoryview(orjson.dumps(payload)))  # right-sized: kept for every retry
         except (TypeError, orjson.JSONEncodeError) as e:
             log.error("webhook %s to %s dropped: payload is not JSON-serialisable (%s)", msg_id, host, e)
             return False
