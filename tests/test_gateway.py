@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import copy
 import hashlib
 import json
@@ -810,3 +811,46 @@ async def test_shutdown_fails_waiting_and_finishes_in_flight(fakegpus, gateway, 
     # the listener is closed
     with pytest.raises(aiohttp.ClientError):
         await call(http, "GET", gw.url + "/healthz")
+
+
+async def test_client_hanging_up_mid_response_is_not_a_node_failure(fakegpus, gateway, http) -> None:
+    """aiohttp's ClientConnectionResetError is both a ConnectionResetError and a ClientError: a
+    client that leaves mid-body must not count against the node's breaker."""
+    g = await fakegpus()
+    cfg = base_config({"a": g.url})
+    cfg["nodes"]["a"]["breaker"] = {"consecutive_failures": 1, "open_sec": 30}
+    gw = await gateway(cfg)
+    for i in range(6):
+        # Slow and fast nodes: the hang-up lands while the gateway awaits the node or a write.
+        g.set_control(drip_ms=20 if i % 2 else 0)
+        async with http.get(gw.url + "/gen/blob?bytes=200000000", headers=auth()) as r:
+            assert r.status == 200
+            await r.content.read(100_000)
+            r.close()  # hang up with most of the body still to come
+        await wait_until(lambda: gw.rt.state()["routes"]["gen"]["inflight"] == 0)
+    node = gw.rt.state()["nodes"]["a"]
+    assert node["breaker"] == "closed" and node["last_error"] is None
+    async with http.post(gw.url + "/gen/generate", json={}, headers=auth()) as r:
+        assert r.status == 200
+
+
+async def test_write_to_a_closing_client_is_not_a_node_failure(fakegpus, gateway, http, monkeypatch) -> None:
+    """The exact error aiohttp raises when the client's transport is closing while we write."""
+    import aiohttp as _aiohttp
+
+    import kilolined.app as app_module
+
+    async def closing(*_a: Any, **_k: Any) -> Any:
+        raise _aiohttp.ClientConnectionResetError("Cannot write to closing transport")
+
+    g = await fakegpus()
+    cfg = base_config({"a": g.url})
+    cfg["nodes"]["a"]["breaker"] = {"consecutive_failures": 1, "open_sec": 30}
+    gw = await gateway(cfg)
+    monkeypatch.setattr(app_module, "stream_back", closing)
+    with contextlib.suppress(_aiohttp.ClientError):
+        async with http.post(gw.url + "/gen/generate", json={}, headers=auth()) as r:
+            await r.read()
+    await wait_until(lambda: gw.rt.state()["routes"]["gen"]["inflight"] == 0)
+    node = gw.rt.state()["nodes"]["a"]
+    assert node["breaker"] == "closed" and node["last_error"] is None
