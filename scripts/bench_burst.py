@@ -239,6 +239,8 @@ def main(argv: list[str] | None = None) -> int:
                                                             "cyclic-GC pauses and print them")
     ap.add_argument("--gc-freeze", action="store_true", help="experiment: gc.freeze() in the gateway once it "
                                                              "listens (implies --gc-stats)")
+    ap.add_argument("--gc-no-freeze", action="store_true", help="experiment: make the daemon's own gc.freeze() "
+                                                                "a no-op (implies --gc-stats)")
     ap.add_argument("--json")
     ap.add_argument("--serve-node", type=int, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -271,7 +273,8 @@ def main(argv: list[str] | None = None) -> int:
                                   "max_queue_depth": n + 100, "queue_timeout_sec": args.timeout,
                                   "request_timeout_sec": args.timeout}}
                 proc, _ = bl.start_gateway(procs, bl.gateway_config(port, {"gpu": node_url}, routes), cpu=proxy_cpu,
-                                           gc_trace=args.gc_stats or args.gc_freeze, gc_freeze=args.gc_freeze)
+                                           gc_trace=args.gc_stats, gc_freeze=args.gc_freeze,
+                                           gc_no_freeze=args.gc_no_freeze)
                 url = f"http://127.0.0.1:{port}/gen/generate"
 
                 async def waiting_count(ctl: Any, port: int = port) -> int:
@@ -303,7 +306,7 @@ def main(argv: list[str] | None = None) -> int:
             results.append(res)
             print(f"   {json.dumps(res)}", flush=True)
             procs.stop(proc)
-            if target == "gateway" and (args.gc_stats or args.gc_freeze):
+            if target == "gateway" and (args.gc_stats or args.gc_freeze or args.gc_no_freeze):
                 res["gc"] = bl.gc_stats((wd / "gateway.log").read_text(errors="replace"))
             time.sleep(1.0)
 
@@ -321,7 +324,9 @@ def main(argv: list[str] | None = None) -> int:
                             "gap max ms", "drain s", "proxy CPU ms/req"], rows, nd=2)
     gw = next((r for r in results if r["target"] == "gateway"), None)
     if gw is not None and gw.get("gc"):
-        print(f"\n## Gateway cyclic-GC pauses over the run{' (gc.freeze() after start)' if args.gc_freeze else ''}")
+        how = " (wrapper: gc.freeze() after start)" if args.gc_freeze else \
+            " (wrapper: the daemon's gc.freeze() disabled)" if args.gc_no_freeze else ""
+        print(f"\n## Gateway cyclic-GC pauses over the run{how}")
         for line in gw["gc"]:
             print(f"  {line}")
     if gw is not None:

@@ -279,6 +279,8 @@ def cb(phase, info):
     else:
         pauses[info["generation"]].append((time.perf_counter() - started[0]) * 1000)
 gc.callbacks.append(cb)
+if os.environ.get("KL_GC_NO_FREEZE"):
+    gc.freeze = lambda: None  # neutralise the daemon's own gc.freeze() after start, for an A/B
 if os.environ.get("KL_GC_FREEZE"):
     import kilolined.server as srv
     _start = srv.Server.start
@@ -292,6 +294,7 @@ from kilolined.cli import main
 try:
     sys.exit(main(sys.argv[1:]))
 finally:
+    print(f"GCSTAT frozen objects at exit: {gc.get_freeze_count()}", file=sys.stderr, flush=True)
     for g, v in pauses.items():
         v.sort()
         if v:
@@ -305,20 +308,22 @@ def gc_stats(log_text: str) -> list[str]:
 
 
 def start_gateway(procs: Procs, cfg: dict[str, Any], name: str = "gateway", cpu: str | int | None = None,
-                  extra: Sequence[str] = (), gc_trace: bool = False, gc_freeze: bool = False
-                  ) -> tuple[subprocess.Popen[bytes], Path]:
+                  extra: Sequence[str] = (), gc_trace: bool = False, gc_freeze: bool = False,
+                  gc_no_freeze: bool = False) -> tuple[subprocess.Popen[bytes], Path]:
     """`kilolined run -c` on a config written to the workdir. gc_trace: the same daemon run through a
     wrapper that records cyclic-GC pauses (GCSTAT lines in its log at exit); gc_freeze also calls
-    gc.freeze() once it listens (an experiment, not a product change)."""
+    gc.freeze() once it listens, gc_no_freeze turns the daemon's own gc.freeze() into a no-op
+    (experiments, not product changes)."""
     path = procs.workdir / f"{name}.yaml"
     write_yaml(path, cfg)
     cmd = [KILOLINED, "--log-format", "text", "run", "-c", str(path), *extra]
     env = None
-    if gc_trace or gc_freeze:
+    if gc_trace or gc_freeze or gc_no_freeze:
         wrapper = procs.workdir / "gcwrap.py"
         wrapper.write_text(GC_WRAPPER)
         cmd = [PYTHON, str(wrapper), *cmd[1:]]
-        env = {**os.environ, **({"KL_GC_FREEZE": "1"} if gc_freeze else {})}
+        env = {**os.environ, **({"KL_GC_FREEZE": "1"} if gc_freeze else {}),
+               **({"KL_GC_NO_FREEZE": "1"} if gc_no_freeze else {})}
     p = procs.start(cmd, name, cpu=cpu, env=env)
     port = int(cfg["server"]["listen"].rsplit(":", 1)[1])
     try:

@@ -144,13 +144,18 @@ def main(argv: list[str] | None = None) -> int:
     ys = [r["rss_mb"] for r in rounds[warm:]]
     slope_all = bl.slope([r["t_min"] / 60 for r in rounds], [r["rss_mb"] for r in rounds])
     slope = bl.slope(xs, ys)
+    half = rounds[len(rounds) // 2:]
+    slope_half = bl.slope([r["t_min"] / 60 for r in half], [r["rss_mb"] for r in half])
     print(f"\nRSS: start {res['rss_start_mb']:.1f} MB, end {rounds[-1]['rss_mb']:.1f} MB; least-squares slope "
           f"{bl.fmt(slope, 1)} MB/hour over rounds {warm + 1}–{len(rounds)} (after the {RESULT_TTL_SEC} s result "
-          f"TTL warm-up), {bl.fmt(slope_all, 1)} MB/hour over all rounds")
+          f"TTL warm-up), {bl.fmt(slope_all, 1)} MB/hour over all rounds; steady state (second half, rounds "
+          f"{len(rounds) - len(half) + 1}–{len(rounds)}): {bl.fmt(slope_half, 1)} MB/hour, RSS "
+          f"{min(r['rss_mb'] for r in half):.1f}–{max(r['rss_mb'] for r in half):.1f} MB")
     print(f"outcomes: {res['outcomes']}")
     print(f"idle after: {res['idle']} -> {'OK' if res['idle'] == {'inflight': 0, 'queue_depth': 0} else 'LEAK'}")
     bl.write_json(args.json, {"machine": machine, "minutes": minutes, "round_sec": round_sec, **res,
-                              "slope_mb_per_hour": slope, "slope_all_mb_per_hour": slope_all, "table": table})
+                              "slope_mb_per_hour": slope, "slope_all_mb_per_hour": slope_all,
+                              "slope_second_half_mb_per_hour": slope_half, "table": table})
     return 0
 
 
