@@ -36,6 +36,7 @@ TERMINAL = ("completed", "failed", "cancelled")
 EPHEMERAL = ("heartbeat", "queue_status", "step_progress")
 REPLAY_KEEP = 256  # events kept per job; ephemeral ones are evicted first
 INLINE_RESULT_MAX = 1024 * 1024
+TICK_SEC = 0.25  # queue_status / heartbeat tick
 
 
 @dataclass
@@ -334,7 +335,7 @@ class Jobs:
         deadline = loop.time()
         while True:
             # Absolute deadlines: the period does not stretch by the tick's own duration.
-            deadline = max(deadline + 0.25, loop.time())
+            deadline = max(deadline + TICK_SEC, loop.time())
             await asyncio.sleep(deadline - loop.time())
             try:
                 self.tick()
@@ -349,7 +350,7 @@ class Jobs:
         positions: dict[str, dict[int, int]] = {}
         self._route_view.clear()
         for job in list(self.active):
-            beat = mono - job.last_event_at >= hb
+            beat = mono - job.last_event_at >= hb - TICK_SEC / 2  # due within this tick: send it now
             if job.status == "queued" and job.ticket.state == WAITING:
                 route_pos = positions.get(job.route)
                 if route_pos is None:
