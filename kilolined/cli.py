@@ -164,8 +164,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     p = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    # No subcommand means `run`, options included: `kilolined -c /etc/kiloline/kiloline.yaml`.
+    if not set(argv) & {"run", "check", "keygen", "fakegpu", "demo", "status", "-h", "--help", "--version"}:
+        argv = ["run", *argv]
     args = p.parse_args(argv)
-    if args.cmd is None:
-        args = p.parse_args([*(argv if argv is not None else sys.argv[1:]), "run"])
     setup_logging(args.log_format, args.log_level)
     return int(args.fn(args) or 0)

@@ -156,6 +156,9 @@ def test_no_subcommand_means_run(tmp_path: Path) -> None:
     r = kl(env={**ENV, "KILOLINE_CONFIG": str(bad)}, timeout=20)
     assert r.returncode != 0
     assert "server.listen" in r.stderr
+    # ...options included: `kilolined -c FILE` is `kilolined run -c FILE`.
+    r = kl("--log-format", "json", "-c", str(bad), timeout=20)
+    assert r.returncode == 1 and "server.listen" in r.stderr
 
 
 async def test_run_serves_and_stops_on_sigterm(tmp_path: Path) -> None:
