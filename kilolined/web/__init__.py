@@ -1,0 +1,1 @@
+"""The dashboard page, served by admin.py (package data)."""
