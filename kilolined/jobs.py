@@ -183,8 +183,10 @@ class Jobs:
         est = self._est(job, position)
         rq = rt.scheduler.routes[ticket.route]
         job.last_position = position
+        urls = job.urls()
         job.emit("queued", {"job_id": job.id, "route": job.route_label, "position": position,
-                            "queue_depth": len(rq.waiting), "est_wait_sec": est, **_urls2(job)})
+                            "queue_depth": len(rq.waiting), "est_wait_sec": est,
+                            "events_url": urls["events_url"], "result_url": urls["result_url"]})
         job.task = rt.spawn(self._run(job, ex))
         call.headers["X-KiloLine-Job"] = job.id
         if call.mode == "async":
@@ -436,8 +438,3 @@ class Jobs:
 
 def _r(x: float | None) -> float | None:
     return None if x is None else round(x, 3)
-
-
-def _urls2(job: Job) -> dict[str, str]:
-    u = job.urls()
-    return {"events_url": u["events_url"], "result_url": u["result_url"]}

@@ -275,8 +275,7 @@ class Runtime:
         self.scheduler.dispatch(now)
 
     def admit(self, route: str, key: str, priority: int, *, pinned_node: str | None = None) -> Ticket:
-        t = self.scheduler.admit(route, key, priority, self.clock(), pinned_node=pinned_node)
-        return t
+        return self.scheduler.admit(route, key, priority, self.clock(), pinned_node=pinned_node)
 
     async def wait(self, t: Ticket) -> Lease:
         """Wait until the ticket holds a lease; raises its Rejected, or leaves the queue if cancelled."""
@@ -316,7 +315,9 @@ class Runtime:
         self.stats.gpu_seconds += held
         if key is not None:
             self.budgets.add(key, time.time(), gpu_seconds=held)
-        self.wake()
+        # A freed slot changes no node state, hence no route mode: dispatching is all there is
+        # to do (node events and the pump call wake() for the rest).
+        self.scheduler.dispatch(now)
 
     def requeue(self, lease: Lease) -> Ticket:
         t = self.scheduler.requeue(lease, self.clock())
