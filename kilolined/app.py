@@ -35,9 +35,11 @@ from kilolined.proxy import (
     request_id,
     response_headers,
     stream_back,
+    whole_body_here,
 )
 from kilolined.queue import Lease, Rejected, Ticket
 from kilolined.runtime import Runtime
+from kilolined.upstream import UpstreamResponse
 
 log = logging.getLogger("kilolined")
 access_log = logging.getLogger("kilolined.access")
@@ -266,7 +268,7 @@ class SyncHooks(Hooks):
         self.call.node = lease.node
 
 
-async def relay(rt: Runtime, call: Call, lease: Lease, up: aiohttp.ClientResponse, ex: Exchange,
+async def relay(rt: Runtime, call: Call, lease: Lease, up: UpstreamResponse, ex: Exchange,
                 dispatched: float) -> web.StreamResponse:
     """Stream the answer back; the slot is freed when the body ends (or on any exit) — unless the
     adapter says the node is still working (ComfyUI), in which case a watcher keeps the slot."""
@@ -283,7 +285,17 @@ async def relay(rt: Runtime, call: Call, lease: Lease, up: aiohttp.ClientRespons
     ok: bool | None = None
     handed_over = False
     try:
-        resp, call.bytes_out = await stream_back(call.request, up, headers, observe(up, obs, capture))
+        if whole_body_here(up, ex.method):
+            # The usual small answer came with its headers: one write of headers and body.
+            body = up.body()
+            if obs is not None:
+                obs.feed(body)
+            if capture is not None:
+                capture += body[: 1024 * 1024]
+            resp = web.Response(status=up.status, reason=up.reason, headers=headers, body=body)
+            call.bytes_out = len(body)
+        else:
+            resp, call.bytes_out = await stream_back(call.request, up, headers, observe(up, obs, capture))
         ok = up.status < 500
         rt.metrics.requests.labels(label, "ok" if ok else "upstream_error").inc()
         hold = call.adapter.sync_hold(rt, lease, ex, up.status, bytes(capture or b""))
@@ -314,7 +326,7 @@ async def relay(rt: Runtime, call: Call, lease: Lease, up: aiohttp.ClientRespons
             rt.release(lease, ok=ok, key=key)
 
 
-async def observe(up: aiohttp.ClientResponse, obs: Observer | None, capture: bytearray | None) -> AsyncIterator[bytes]:
+async def observe(up: UpstreamResponse, obs: Observer | None, capture: bytearray | None) -> AsyncIterator[bytes]:
     async for chunk in up.content.iter_any():
         if obs is not None:
             obs.feed(chunk)
@@ -363,7 +375,7 @@ async def forward_unqueued(rt: Runtime, call: Call, rcfg: RouteConfig, tail: str
     except Rejected as r:
         return call.rejected(r)
     try:
-        up = await open_upstream(rt.session(node), ex, ns.cfg.url, ns.cfg.headers, rcfg.request_timeout_sec)
+        up = await open_upstream(rt.pool(node), ex, ns.cfg.url, ns.cfg.headers, rcfg.request_timeout_sec)
     except UpstreamFailed as e:
         if e.timeout:
             return call.error(504, "upstream_timeout", f"node {node} did not answer in time")
@@ -372,6 +384,10 @@ async def forward_unqueued(rt: Runtime, call: Call, rcfg: RouteConfig, tail: str
     headers["X-Request-Id"] = call.request_id
     headers["X-KiloLine-Node"] = node
     try:
+        if whole_body_here(up, ex.method):
+            body = up.body()
+            call.bytes_out = len(body)
+            return web.Response(status=up.status, reason=up.reason, headers=headers, body=body)
         resp, call.bytes_out = await stream_back(call.request, up, headers, observe(up, None, None))
         return resp
     except ConnectionResetError:

@@ -214,7 +214,7 @@ def _failovers(server: object) -> float:
 
     assert isinstance(server, Server)
     total = 0.0
-    for metric in server.rt.metrics.failovers.collect():
+    for metric in server.rt.metrics.failovers.metric.collect():
         for sample in metric.samples:
             if sample.name.endswith("_total"):
                 total += sample.value

@@ -13,11 +13,10 @@ import logging
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
-import aiohttp
-
 from kilolined.proxy import RETRY_STATUSES, Exchange, UpstreamFailed, open_upstream
 from kilolined.queue import Lease, Ticket
 from kilolined.runtime import Runtime
+from kilolined.upstream import UpstreamResponse
 
 log = logging.getLogger("kilolined")
 T = TypeVar("T")
@@ -73,13 +72,13 @@ async def with_retries(
         hooks.dispatched(lease, rt.clock() - ticket.enqueued_at)
 
 
-def http_attempt(rt: Runtime, ex: Exchange) -> Callable[[Lease], Awaitable[aiohttp.ClientResponse]]:
+def http_attempt(rt: Runtime, ex: Exchange) -> Callable[[Lease], Awaitable[UpstreamResponse]]:
     """The plain attempt: send the request, wait for headers; 502/503/504 count as node failures."""
 
-    async def attempt(lease: Lease) -> aiohttp.ClientResponse:
+    async def attempt(lease: Lease) -> UpstreamResponse:
         ns = rt.scheduler.nodes[lease.node]
         rcfg = rt.scheduler.routes[lease.route].cfg
-        up = await open_upstream(rt.session(lease.node), ex, ns.cfg.url, ns.cfg.headers, rcfg.request_timeout_sec)
+        up = await open_upstream(rt.pool(lease.node), ex, ns.cfg.url, ns.cfg.headers, rcfg.request_timeout_sec)
         if up.status in RETRY_STATUSES:
             raise UpstreamFailed(f"HTTP {up.status} from node", response=up)
         if up.status >= 500:

@@ -39,6 +39,43 @@ INLINE_RESULT_MAX = 1024 * 1024
 TICK_SEC = 0.25  # queue_status / heartbeat tick
 
 
+class Subscriber:
+    """One live SSE stream of a job: events pile up here between two writes.
+
+    Not an asyncio.Queue: the stream wakes once per batch and writes the batch in one go, so a
+    waiting job's heartbeat and queue_status of one tick cost one wake-up and one write.
+    """
+
+    __slots__ = ("closed", "pending", "waiter")
+
+    def __init__(self) -> None:
+        self.pending: list[tuple[int, str, bytes]] = []
+        self.waiter: asyncio.Future[None] | None = None
+        self.closed = False
+
+    def push(self, ev: tuple[int, str, bytes] | None) -> None:
+        if ev is None:
+            self.closed = True
+        else:
+            self.pending.append(ev)
+        w = self.waiter
+        if w is not None and not w.done():
+            w.set_result(None)
+
+    async def batch(self) -> list[tuple[int, str, bytes]] | None:
+        """The events since the last call (waiting for one), or None once the job ended."""
+        while not self.pending:
+            if self.closed:
+                return None
+            self.waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self.waiter
+            finally:
+                self.waiter = None
+        out, self.pending = self.pending, []
+        return out
+
+
 @dataclass
 class JobResult:
     http_status: int
@@ -83,7 +120,7 @@ class Job:
     result: JobResult | None = None
     events: list[tuple[int, str, bytes]] = field(default_factory=list)
     next_id: int = 1
-    subscribers: set[asyncio.Queue[tuple[int, str, bytes] | None]] = field(default_factory=set)
+    subscribers: set[Subscriber] = field(default_factory=set)
     last_event_at: float = field(default_factory=time.monotonic)
     last_position: int | None = None
     last_queue_status_at: float = 0.0
@@ -108,11 +145,11 @@ class Job:
             else:
                 del self.events[0]
         self.last_event_at = time.monotonic()
-        for q in self.subscribers:
-            q.put_nowait(ev)
-        if event in ("output_ready", "failed"):
-            for q in self.subscribers:
-                q.put_nowait(None)
+        terminal = event in ("output_ready", "failed")
+        for sub in self.subscribers:
+            sub.push(ev)
+            if terminal:
+                sub.push(None)
 
     def urls(self) -> dict[str, str]:
         base = f"/v1/jobs/{self.id}"
@@ -348,6 +385,7 @@ class Jobs:
         rt = self.rt
         now = rt.clock()
         mono = time.monotonic()
+        wall = time.time()
         hb = rt.cfg.server.heartbeat_sec
         positions: dict[str, dict[int, int]] = {}
         self._route_view.clear()
@@ -360,11 +398,11 @@ class Jobs:
                 pos = route_pos.get(job.ticket.seq)
                 changed = pos != job.last_position and mono - job.last_queue_status_at >= 1.0
                 if beat:
-                    job.emit("heartbeat", {"state": "queued", "elapsed_sec": round(time.time() - job.created_at, 1)})
+                    job.emit("heartbeat", {"state": "queued", "elapsed_sec": round(wall - job.created_at, 1)})
                 if changed or beat:
                     self._queue_status(job, pos, now, mono)
             elif beat:
-                job.emit("heartbeat", {"state": "running", "elapsed_sec": round(time.time() - job.created_at, 1)})
+                job.emit("heartbeat", {"state": "running", "elapsed_sec": round(wall - job.created_at, 1)})
         if self.finished:
             self._evict()
 
@@ -405,23 +443,22 @@ class Jobs:
             return job
         return None
 
-    async def subscribe(self, job: Job, after: int) -> AsyncIterator[tuple[int, str, bytes]]:
-        q: asyncio.Queue[tuple[int, str, bytes] | None] = asyncio.Queue()
+    async def subscribe(self, job: Job, after: int) -> AsyncIterator[list[tuple[int, str, bytes]]]:
+        """Batches of events after ``after``: the replay first, then live ones as they come."""
+        sub = Subscriber()
         backlog = [ev for ev in job.events if ev[0] > after]
-        job.subscribers.add(q)
+        job.subscribers.add(sub)
         try:
-            for ev in backlog:
-                yield ev
+            if backlog:
+                yield backlog
             if job.status in TERMINAL:
                 return
-            while True:
-                ev = await q.get()
-                if ev is None:
-                    return
-                if ev[0] > after:
-                    yield ev
+            while (batch := await sub.batch()) is not None:
+                batch = [ev for ev in batch if ev[0] > after]
+                if batch:
+                    yield batch
         finally:
-            job.subscribers.discard(q)
+            job.subscribers.discard(sub)
 
     async def stream(self, request: web.Request, job: Job, after: int, headers: dict[str, str]) -> web.StreamResponse:
         resp = web.StreamResponse(status=200, headers={
@@ -430,8 +467,8 @@ class Jobs:
         })
         await resp.prepare(request)
         await resp.write(b"retry: 3000\n\n")
-        async for ev in self.subscribe(job, after):
-            await resp.write(ev[2])
+        async for batch in self.subscribe(job, after):
+            await resp.write(batch[0][2] if len(batch) == 1 else b"".join(ev[2] for ev in batch))
         await resp.write_eof()
         return resp
 

@@ -15,7 +15,8 @@ from dataclasses import dataclass, field
 import aiohttp
 from aiohttp import web
 from multidict import CIMultiDict
-from yarl import URL
+
+from kilolined.upstream import ConnectFailed, NodePool, UpstreamResponse
 
 HOP_BY_HOP = frozenset(
     h.lower()
@@ -31,13 +32,15 @@ STRIP_REQUEST = HOP_BY_HOP | {
 }
 STRIP_RESPONSE = HOP_BY_HOP | {"content-length", "server", "date"}
 RETRY_STATUSES = frozenset((502, 503, 504))
+# A node's answer: from the hot-path pool, or from aiohttp's client (ComfyUI's side calls, files).
+Upstream = UpstreamResponse | aiohttp.ClientResponse
 _SANE_ID = re.compile(r"[A-Za-z0-9._:\-]{1,128}")
 
 
 class UpstreamFailed(Exception):
     """The node failed before any byte reached the client."""
 
-    def __init__(self, reason: str, *, timeout: bool = False, response: aiohttp.ClientResponse | None = None):
+    def __init__(self, reason: str, *, timeout: bool = False, response: Upstream | None = None):
         super().__init__(reason)
         self.reason = reason
         self.timeout = timeout
@@ -112,35 +115,28 @@ class Exchange:
 
 
 async def open_upstream(
-    session: aiohttp.ClientSession, ex: Exchange, node_url: str, node_headers: dict[str, str], timeout: float
-) -> aiohttp.ClientResponse:
+    pool: NodePool, ex: Exchange, node_url: str, node_headers: dict[str, str], timeout: float
+) -> UpstreamResponse:
     """Send the request and wait for the response headers. Raises UpstreamFailed on any failure."""
     body = ex.body if ex.body_override is None else ex.body_override
     try:
-        return await session.request(
-            ex.method,
-            URL(node_url + ex.tail, encoded=True),  # the tail is already percent-encoded
-            headers=ex.upstream_headers(node_headers, node_url),
-            data=body if body or ex.method not in ("GET", "HEAD") else None,
-            allow_redirects=False,
-            timeout=aiohttp.ClientTimeout(total=timeout, sock_connect=min(timeout, 10)),
-            compress=None,
-        )
+        return await pool.request(ex.method, ex.tail, ex.upstream_headers(node_headers, node_url), body, timeout)
     except TimeoutError:
         raise UpstreamFailed(f"no response within {timeout:g}s", timeout=True)
-    except aiohttp.ClientConnectorError:
+    except ConnectFailed:
         raise UpstreamFailed("connection refused (spot interrupted?)")
     except aiohttp.ServerDisconnectedError:
         raise UpstreamFailed("connection reset (spot interrupted?)")
-    except (aiohttp.ClientError, OSError) as e:
+    except (aiohttp.ClientError, OSError, ValueError) as e:
         # str(e) can hold the node's address; the type name cannot.
         raise UpstreamFailed(f"upstream error ({type(e).__name__})")
 
 
-def response_headers(up: aiohttp.ClientResponse, node_url: str, route_path: str) -> CIMultiDict[str]:
+def response_headers(up: Upstream, node_url: str, route_path: str) -> CIMultiDict[str]:
     out: CIMultiDict[str] = CIMultiDict()
-    conn_listed = {t.strip().lower() for t in up.headers.get("Connection", "").split(",") if t.strip()}
-    for k, v in up.headers.items():
+    items = up.raw_headers if isinstance(up, UpstreamResponse) else list(up.headers.items())
+    conn_listed = {t.strip().lower() for k, v in items if k.lower() == "connection" for t in v.split(",")}
+    for k, v in items:
         lk = k.lower()
         if lk in STRIP_RESPONSE or lk in conn_listed:
             continue
@@ -151,6 +147,15 @@ def response_headers(up: aiohttp.ClientResponse, node_url: str, route_path: str)
     return out
 
 
+def whole_body_here(up: UpstreamResponse, method: str) -> bool:
+    """The node's whole answer is buffered and may be sent as one ``web.Response``.
+
+    Not for HEAD (the node's Content-Length describes a body that is not sent) nor 1xx/204/304
+    (no body, and no Content-Length may be invented for them).
+    """
+    return up.complete and method != "HEAD" and up.status >= 200 and up.status not in (204, 304)
+
+
 def cut_client(request: web.BaseRequest) -> None:
     """End the client connection abruptly: after bytes were sent there is no honest error to write."""
     tr = request.transport
@@ -159,7 +164,7 @@ def cut_client(request: web.BaseRequest) -> None:
 
 
 async def stream_back(
-    request: web.Request, up: aiohttp.ClientResponse, headers: CIMultiDict[str], chunks: AsyncIterator[bytes]
+    request: web.Request, up: Upstream, headers: CIMultiDict[str], chunks: AsyncIterator[bytes]
 ) -> tuple[web.StreamResponse, int]:
     """Copy the upstream response to the client without buffering it whole; returns bytes sent.
 

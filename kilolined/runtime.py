@@ -23,6 +23,7 @@ from kilolined.metrics import Metrics
 from kilolined.nodes import NodeState
 from kilolined.queue import LEASED, WAITING, Lease, Rejected, RouteQueue, Scheduler, Ticket
 from kilolined.stats import Stats
+from kilolined.upstream import NodePool
 
 log = logging.getLogger("kilolined")
 
@@ -64,6 +65,7 @@ class Runtime:
         self.stats = Stats()
         self.sessions: dict[str, aiohttp.ClientSession] = {}
         self._retired_sessions: list[aiohttp.ClientSession] = []
+        self.pools: dict[str, NodePool] = {}  # the forwarding hot path's keep-alive pools (upstream.py)
         self._health_tasks: dict[str, asyncio.Task[None]] = {}
         self._tasks: set[asyncio.Task[Any]] = set()
         self._pump: asyncio.Task[None] | None = None
@@ -90,6 +92,9 @@ class Runtime:
                 if ns is not None and name in self.sessions:
                     # Same name, new URL: a new node. Old in-flight finish on the old session.
                     self._retired_sessions.append(self.sessions.pop(name))
+                old_pool = self.pools.pop(name, None)
+                if old_pool is not None:
+                    old_pool.close_idle()  # in-flight exchanges finish on their own sockets
                 sched.nodes[name] = NodeState(name, ncfg)
         for name, ns in list(old_nodes.items()):
             if name not in cfg.nodes and not name.startswith("adhoc:"):
@@ -165,6 +170,9 @@ class Runtime:
                 s = self.sessions.pop(name, None)
                 if s is not None:
                     self.spawn(s.close())
+                p = self.pools.pop(name, None)
+                if p is not None:
+                    p.close_idle()
 
     # --- lifecycle ----------------------------------------------------------------------
     async def start(self) -> None:
@@ -204,6 +212,10 @@ class Runtime:
         for s in [*self.sessions.values(), *self._retired_sessions]:
             await s.close()
         self.sessions.clear()
+        self._retired_sessions.clear()
+        for p in self.pools.values():
+            p.close()
+        self.pools.clear()
         with contextlib.suppress(OSError):
             self.budgets.save()
 
@@ -260,6 +272,12 @@ class Runtime:
             )
             self.sessions[node] = s
         return s
+
+    def pool(self, node: str) -> NodePool:
+        p = self.pools.get(node)
+        if p is None:
+            p = self.pools[node] = NodePool(self.scheduler.nodes[node].cfg.url)
+        return p
 
     def node_cfg(self, node: str) -> NodeConfig:
         return self.scheduler.nodes[node].cfg

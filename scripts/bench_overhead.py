@@ -115,8 +115,8 @@ def main(argv: list[str] | None = None) -> int:
     for c in concs:
         d = {k: med("direct", c, k + "_us") for k in ("p50", "p95", "p99")}
         for t in targets:
-            if t == "direct":
-                continue
+            if t == "direct" or None in d.values():
+                continue  # nothing to compare against without the direct run
             added = {k: (med(t, c, k + "_us") - d[k]) / 1000 for k in d}
             rps_ratio = (med(t, c, "rps") or 0) / (med("direct", c, "rps") or 1)
             ngx = med("nginx", c, "p50_us") if "nginx" in targets else None

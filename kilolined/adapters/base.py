@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any
 import aiohttp
 
 from kilolined.proxy import Exchange, UpstreamFailed
+from kilolined.upstream import UpstreamResponse
 
 if TYPE_CHECKING:
     from kilolined.forward import Hooks
@@ -52,7 +53,7 @@ class Adapter:
         return None
 
 
-async def read_result(up: aiohttp.ClientResponse, limit: int, obs: Observer | None) -> bytes:
+async def read_result(up: UpstreamResponse, limit: int, obs: Observer | None) -> bytes:
     buf = bytearray()
     async for chunk in up.content.iter_any():
         buf += chunk

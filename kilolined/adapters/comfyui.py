@@ -358,7 +358,7 @@ class ComfyUIAdapter(Adapter):
         except UpstreamFailed as e:
             raise JobFailed("upstream_timeout" if e.timeout else "upstream_error", e.reason,
                             504 if e.timeout else 502)
-        if isinstance(sub, aiohttp.ClientResponse):
+        if not isinstance(sub, Submitted):
             # Out of retries and the node said 502/503/504: its answer is the job's (failed) result.
             up = sub
             try:

@@ -1,0 +1,544 @@
+"""The forwarding hot path's HTTP/1.1 client: one keep-alive pool per node, asyncio protocols
+parsed by httptools (llhttp, Node.js's parser, in C).
+
+Why not aiohttp's client here: against a zero-delay node the gateway spent ~27 % of its CPU in
+``ClientSession.request`` alone (docs/BENCHMARKS.md §7) — timeouts objects, tracing hooks,
+cookie and redirect machinery, a StreamReader per response — for an exchange that is one write
+and one parse. This client does exactly what a reverse proxy needs: send the request in one
+write, hand back the status and headers, then the body as it arrives, with back-pressure, and
+put the connection back when the body ended cleanly. aiohttp's client stays for everything else
+(websockets, ComfyUI's side calls, health checks, webhooks, notifiers).
+
+Errors keep aiohttp's exception types so every caller's ``except`` stays as it is:
+``ConnectFailed`` (an OSError) when no connection could be made, ``aiohttp.ServerDisconnectedError``
+when the node hung up before the headers, ``aiohttp.ClientPayloadError`` when it hung up (or
+broke HTTP) mid-body, ``TimeoutError`` when the exchange outlived its deadline.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import heapq
+import math
+import ssl
+from collections import deque
+from collections.abc import AsyncIterator
+
+import aiohttp
+import httptools
+from multidict import CIMultiDict, CIMultiDictProxy
+from yarl import URL
+
+HIGH_WATER = 1 << 20  # stop reading from the node while this much body waits for a slow client
+LOW_WATER = 1 << 18
+IDLE_KEEP_SEC = 30.0  # like aiohttp's keepalive_timeout: idle sockets to a node are closed after this
+MAX_IDLE = 512
+
+
+class ConnectFailed(OSError):
+    """No connection to the node (refused, unreachable, DNS, TLS handshake)."""
+
+
+class UpstreamResponse:
+    """One exchange on one pooled connection; the subset of ``aiohttp.ClientResponse`` we use.
+
+    It is also the parser's callback object: httptools calls ``on_*`` as bytes arrive.
+    """
+
+    __slots__ = (
+        "_buffered",
+        "_chunks",
+        "_conn",
+        "_eof",
+        "_error",
+        "_got_bytes",
+        "_head",
+        "_headers",
+        "_keep_alive",
+        "_loop",
+        "_method",
+        "_parser",
+        "_released",
+        "_timer",
+        "_until_close",
+        "_waiter",
+        "content_length",
+        "raw_headers",
+        "reason",
+        "status",
+    )
+
+    def __init__(self, conn: _Conn, method: str, deadline: float):
+        loop = conn.loop
+        self.status = 0
+        self.reason = ""
+        self.raw_headers: list[tuple[str, str]] = []
+        self.content_length: int | None = None
+        self._headers: CIMultiDictProxy[str] | None = None
+        self._conn = conn
+        self._method = method
+        self._loop = loop
+        self._parser: httptools.HttpResponseParser | None = httptools.HttpResponseParser(self)
+        self._head: asyncio.Future[None] = loop.create_future()
+        self._chunks: deque[bytes] = deque()
+        self._buffered = 0
+        self._waiter: asyncio.Future[None] | None = None
+        self._eof = False
+        self._error: BaseException | None = None
+        self._until_close = False
+        self._keep_alive = False
+        self._released = False
+        self._got_bytes = False
+        self._timer: int | None = conn.pool.deadlines.add(self, deadline)  # the bucket it sits in
+
+    # --- what callers read -------------------------------------------------------------
+    @property
+    def headers(self) -> CIMultiDictProxy[str]:
+        if self._headers is None:
+            self._headers = CIMultiDictProxy(CIMultiDict(self.raw_headers))
+        return self._headers
+
+    @property
+    def content(self) -> UpstreamResponse:
+        """aiohttp's ``resp.content.iter_any()`` spelling works on this object too."""
+        return self
+
+    @property
+    def complete(self) -> bool:
+        """The whole body is here (small answers usually arrive with their headers)."""
+        return self._eof and self._error is None
+
+    def body(self) -> bytes:
+        """The body so far, taken out of the buffer (all of it when ``complete``)."""
+        data = b"".join(self._chunks)
+        self._chunks.clear()
+        self._buffered = 0
+        self._conn.resume()
+        return data
+
+    async def iter_any(self) -> AsyncIterator[bytes]:
+        while True:
+            chunk = await self._next()
+            if not chunk:
+                return
+            yield chunk
+
+    async def read(self) -> bytes:
+        parts = []
+        while chunk := await self._next():
+            parts.append(chunk)
+        return b"".join(parts)
+
+    def release(self) -> None:
+        """Done with the exchange: the connection goes back to the pool if the body ended cleanly."""
+        if self._released:
+            return
+        self._released = True
+        self._stop_timer()
+        conn = self._conn
+        conn.resp = None
+        self._parser = None  # the parser points back at us: break the cycle, let refcounting free both
+        if self._eof and self._error is None and self._keep_alive and not conn.closed:
+            conn.pool.put_idle(conn)
+        else:
+            conn.close()
+
+    # --- the exchange --------------------------------------------------------------------
+    async def wait_head(self) -> None:
+        try:
+            await self._head
+        except BaseException:
+            self.release()  # a half-done exchange never goes back to the pool
+            raise
+
+    async def _next(self) -> bytes:
+        while True:
+            if self._chunks:
+                chunk = self._chunks.popleft()
+                self._buffered -= len(chunk)
+                if self._buffered <= LOW_WATER:
+                    self._conn.resume()
+                return chunk
+            if self._error is not None:
+                raise self._error
+            if self._eof:
+                return b""
+            self._waiter = self._loop.create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+
+    def _wake(self) -> None:
+        w = self._waiter
+        if w is not None and not w.done():
+            w.set_result(None)
+
+    def _fail(self, exc: BaseException) -> None:
+        if self._eof or self._error is not None:
+            return
+        self._error = exc
+        self._stop_timer()
+        if not self._head.done():
+            self._head.set_exception(exc)
+            self._head.exception()  # retrieved: the caller may already be gone (cancelled)
+        self._wake()
+
+    def _stop_timer(self) -> None:
+        if self._timer is not None:
+            self._conn.pool.deadlines.remove(self, self._timer)
+            self._timer = None
+
+    def _on_deadline(self) -> None:
+        self._timer = None
+        self._fail(TimeoutError())
+        self._conn.close()
+
+    def feed(self, data: bytes) -> None:
+        self._got_bytes = True
+        parser = self._parser
+        if parser is None:
+            return
+        try:
+            parser.feed_data(data)
+        except httptools.HttpParserUpgrade:
+            # 101 Switching Protocols on a forwarded request: not HTTP any more, cannot relay here.
+            self._fail(aiohttp.ClientPayloadError("the node switched protocols"))
+            self._conn.close()
+        except httptools.HttpParserError as e:
+            err: BaseException = (aiohttp.ClientPayloadError(f"bad HTTP from node ({e})") if self._head.done()
+                                  else aiohttp.ServerDisconnectedError(f"bad HTTP from node ({e})"))
+            self._fail(err)
+            self._conn.close()
+
+    def lost(self) -> None:
+        if self._head.done() and not self._eof and self._error is None and self._until_close:
+            self._eof = True  # a body delimited by the connection's end, and it ended
+            self._stop_timer()
+            self._wake()
+            return
+        if self._head.done():
+            self._fail(aiohttp.ClientPayloadError("connection lost mid-body"))
+        else:
+            self._fail(aiohttp.ServerDisconnectedError("connection lost before the response"))
+
+    # --- httptools callbacks ---------------------------------------------------------------
+    def on_message_begin(self) -> None:
+        if self.status:
+            # A second answer nobody asked for, in the same read: the node is out of step. Ours is
+            # complete and stays as it was; the socket is not reused.
+            self._keep_alive = False
+
+    def on_status(self, reason: bytes) -> None:
+        if not self.status:
+            self.reason = reason.decode("latin-1")
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        if not self.status:
+            self.raw_headers.append((name.decode("latin-1"), value.decode("utf-8", "surrogateescape")))
+
+    def on_headers_complete(self) -> None:
+        if self.status:
+            return
+        assert self._parser is not None
+        status = self._parser.get_status_code()
+        if status < 200:
+            # 1xx interim answer (100 Continue, 103 Early Hints): the real one follows.
+            self.raw_headers = []
+            self.reason = ""
+            return
+        self.status = status
+        chunked = False
+        for k, v in self.raw_headers:
+            lk = k.lower()
+            if lk == "content-length" and v.strip().isdigit():
+                self.content_length = int(v)
+            elif lk == "transfer-encoding" and "chunked" in v.lower():
+                chunked = True
+        self._keep_alive = bool(self._parser.should_keep_alive())
+        no_body = self._method == "HEAD" or status in (204, 304)
+        self._until_close = not no_body and not chunked and self.content_length is None
+        if self._method == "HEAD":
+            # llhttp does not know the request was HEAD and would wait for Content-Length bytes:
+            # the exchange ends here and the connection is not reused.
+            self._eof = True
+            self._keep_alive = False
+            self._stop_timer()
+        if not self._head.done():
+            self._head.set_result(None)
+
+    def on_body(self, body: bytes) -> None:
+        if self._eof or not self.status:
+            return
+        self._chunks.append(body)
+        self._buffered += len(body)
+        if self._buffered > HIGH_WATER:
+            self._conn.pause()
+        self._wake()
+
+    def on_message_complete(self) -> None:
+        if self.status == 0 or self._eof:
+            return  # the end of a 1xx interim answer (or of a HEAD's headers)
+        self._eof = True
+        self._stop_timer()
+        self._wake()
+
+
+class Deadlines:
+    """Coarse deadlines for many exchanges: buckets of GRAIN seconds and one timer.
+
+    A uvloop ``call_at`` costs ~2 µs (a libuv timer per handle) — per request, on the hot path;
+    adding to and discarding from a bucket's set is ~0.1 µs. A deadline fires up to GRAIN late
+    (aiohttp itself rounds timeouts over 5 s up to the whole second).
+    """
+
+    GRAIN = 0.05
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.loop = loop
+        self.buckets: dict[int, set[UpstreamResponse]] = {}
+        self.order: list[int] = []  # heap of bucket numbers (may hold emptied ones; skipped)
+        self.timer: asyncio.TimerHandle | None = None
+        self.timer_bucket = 0
+
+    def add(self, resp: UpstreamResponse, deadline: float) -> int:
+        b = math.ceil(deadline / self.GRAIN)
+        members = self.buckets.get(b)
+        if members is None:
+            members = self.buckets[b] = set()
+            heapq.heappush(self.order, b)
+            if self.timer is None or b < self.timer_bucket:
+                self._arm(b)
+        members.add(resp)
+        return b
+
+    def remove(self, resp: UpstreamResponse, b: int) -> None:
+        members = self.buckets.get(b)
+        if members is not None:
+            members.discard(resp)
+            if not members:
+                del self.buckets[b]
+
+    def _arm(self, b: int) -> None:
+        if self.timer is not None:
+            self.timer.cancel()
+        self.timer_bucket = b
+        self.timer = self.loop.call_at(b * self.GRAIN, self._sweep)
+
+    def _sweep(self) -> None:
+        self.timer = None
+        now_b = (self.loop.time() + 0.001) / self.GRAIN  # libuv timers have 1 ms resolution
+        while self.order and self.order[0] <= now_b:
+            members = self.buckets.pop(heapq.heappop(self.order), None)
+            for resp in list(members or ()):
+                resp._on_deadline()
+        while self.order and self.order[0] not in self.buckets:
+            heapq.heappop(self.order)  # emptied before its time: forget it
+        if self.order:
+            self._arm(self.order[0])
+
+    def close(self) -> None:
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
+
+
+class _Conn(asyncio.Protocol):
+    """One TCP (or TLS) connection to a node; serves one exchange at a time."""
+
+    def __init__(self, pool: NodePool, loop: asyncio.AbstractEventLoop):
+        self.pool = pool
+        self.loop = loop
+        self.transport: asyncio.Transport | None = None
+        self.resp: UpstreamResponse | None = None
+        self.closed = False
+        self.paused = False
+        self.idle_since = 0.0
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+
+    def data_received(self, data: bytes) -> None:
+        r = self.resp
+        if r is None:
+            self.close()  # bytes nobody asked for: the node is out of step, never reuse this socket
+            return
+        r.feed(data)
+
+    def eof_received(self) -> bool:
+        return False  # close our side too; connection_lost follows
+
+    def connection_lost(self, exc: BaseException | None) -> None:
+        self.closed = True
+        self.pool.forget(self)
+        r = self.resp
+        if r is not None:
+            r.lost()
+
+    def send(self, head: bytes, body: bytes) -> None:
+        assert self.transport is not None
+        if len(body) <= 65536:
+            self.transport.write(head + body)  # one segment for the usual small JSON request
+        else:
+            self.transport.writelines((head, body))
+
+    def pause(self) -> None:
+        if not self.paused and self.transport is not None and not self.closed:
+            self.paused = True
+            self.transport.pause_reading()
+
+    def resume(self) -> None:
+        if self.paused and self.transport is not None and not self.closed:
+            self.paused = False
+            self.transport.resume_reading()
+
+    def close(self) -> None:
+        if not self.closed:
+            self.closed = True
+            if self.transport is not None:
+                self.transport.abort()
+            self.pool.forget(self)
+
+
+class NodePool:
+    """Keep-alive connections to one node URL (``http(s)://[user:pw@]host:port[/base]``)."""
+
+    def __init__(self, url: str):
+        u = URL(url)
+        self.host = u.raw_host or ""
+        self.port = u.port or (443 if u.scheme == "https" else 80)
+        self.ssl: ssl.SSLContext | None = ssl.create_default_context() if u.scheme == "https" else None
+        self.base_path = u.raw_path.rstrip("/")
+        self.auth: str | None = None
+        if u.user is not None:
+            cred = f"{u.user}:{u.password or ''}".encode()
+            self.auth = "Basic " + base64.b64encode(cred).decode()
+        self.idle: list[_Conn] = []
+        self.busy: set[_Conn] = set()
+        self.closed = False
+        self._prune: asyncio.TimerHandle | None = None
+        self._deadlines: Deadlines | None = None
+
+    @property
+    def deadlines(self) -> Deadlines:
+        if self._deadlines is None:
+            self._deadlines = Deadlines(asyncio.get_running_loop())
+        return self._deadlines
+
+    async def request(self, method: str, tail: str, headers: CIMultiDict[str], body: bytes,
+                      timeout: float) -> UpstreamResponse:
+        """Send one request; returns once the status line and headers are in.
+
+        ``timeout`` bounds the whole exchange, body included (as aiohttp's ``total``): reading
+        the body after the deadline raises TimeoutError. A reused keep-alive socket that the node
+        had already closed is retried once on a fresh one (nothing reached the node).
+        """
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        head = self._render(method, tail, headers, body)
+        while True:
+            conn = self._take_idle(loop)
+            reused = conn is not None
+            if conn is None:
+                conn = await self._connect(loop, min(timeout, 10.0))
+            resp = UpstreamResponse(conn, method, deadline)
+            conn.resp = resp
+            self.busy.add(conn)
+            conn.send(head, body)
+            try:
+                await resp.wait_head()
+            except aiohttp.ServerDisconnectedError:
+                if reused and not resp._got_bytes and loop.time() < deadline:
+                    continue  # the stale keep-alive race: the node had closed this socket
+                raise
+            return resp
+
+    def _render(self, method: str, tail: str, headers: CIMultiDict[str], body: bytes) -> bytes:
+        lines = [f"{method} {self.base_path}{tail} HTTP/1.1"]
+        for k, v in headers.items():
+            if "\n" in v or "\r" in v or "\n" in k or "\r" in k:
+                raise ValueError(f"header {k!r} has a line break")
+            lines.append(f"{k}: {v}")
+        if self.auth is not None and "Authorization" not in headers:
+            lines.append(f"Authorization: {self.auth}")
+        if body or method not in ("GET", "HEAD"):
+            lines.append(f"Content-Length: {len(body)}")
+        lines.append("\r\n")
+        return "\r\n".join(lines).encode("utf-8", "surrogateescape")
+
+    async def _connect(self, loop: asyncio.AbstractEventLoop, timeout: float) -> _Conn:
+        if self.closed:
+            raise ConnectFailed("the node's pool is closed (node removed)")
+        try:
+            async with asyncio.timeout(timeout):
+                _, conn = await loop.create_connection(
+                    lambda: _Conn(self, loop), self.host, self.port, ssl=self.ssl,
+                    server_hostname=self.host if self.ssl else None)
+        except TimeoutError:
+            raise
+        except OSError as e:
+            raise ConnectFailed(e.errno, e.strerror or type(e).__name__) from e
+        return conn
+
+    def _take_idle(self, loop: asyncio.AbstractEventLoop) -> _Conn | None:
+        now = loop.time()
+        while self.idle:
+            conn = self.idle.pop()  # most recently used first: warm, least likely to be stale
+            if conn.closed or conn.transport is None or conn.transport.is_closing():
+                continue
+            if now - conn.idle_since > IDLE_KEEP_SEC:
+                conn.close()
+                continue
+            return conn
+        return None
+
+    def put_idle(self, conn: _Conn) -> None:
+        self.busy.discard(conn)
+        if self.closed or len(self.idle) >= MAX_IDLE:
+            conn.close()
+            return
+        conn.resume()  # a body that ended exactly at the high-water mark left the socket paused
+        conn.idle_since = conn.loop.time()
+        self.idle.append(conn)
+        if self._prune is None:
+            self._prune = conn.loop.call_later(IDLE_KEEP_SEC, self._prune_idle, conn.loop)
+
+    def _prune_idle(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._prune = None
+        cutoff = loop.time() - IDLE_KEEP_SEC
+        keep = []
+        for c in self.idle:
+            if c.idle_since <= cutoff:
+                c.close()
+            elif not c.closed:
+                keep.append(c)
+        self.idle = keep
+        if keep:
+            self._prune = loop.call_later(IDLE_KEEP_SEC / 2, self._prune_idle, loop)
+
+    def forget(self, conn: _Conn) -> None:
+        self.busy.discard(conn)
+        # Closed idle sockets are skipped (and dropped) by _take_idle / _prune_idle.
+
+    def close_idle(self) -> None:
+        """Stop taking new work: idle sockets close now, busy ones when their exchange ends."""
+        self.closed = True
+        if self._prune is not None:
+            self._prune.cancel()
+            self._prune = None
+        for c in self.idle:
+            c.close()
+        self.idle = []
+
+    def close(self) -> None:
+        """Close everything, in-flight exchanges included (shutdown)."""
+        self.close_idle()
+        for c in list(self.busy):
+            c.close()
+        if self._deadlines is not None:
+            self._deadlines.close()
+
+    @property
+    def open_connections(self) -> int:
+        return len(self.busy) + sum(1 for c in self.idle if not c.closed)
