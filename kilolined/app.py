@@ -24,7 +24,7 @@ from kilolined.adapters.openai import wants_stream
 from kilolined.auth import Principal, presented_key
 from kilolined.config import RateConfig, RouteConfig
 from kilolined.errors import error_response
-from kilolined.forward import Hooks, http_attempt, with_retries
+from kilolined.forward import Hooks, HttpAttempt, with_retries
 from kilolined.limits import seconds_to_midnight
 from kilolined.proxy import (
     Exchange,
@@ -48,7 +48,7 @@ RT: web.AppKey[Runtime] = web.AppKey("runtime", Runtime)
 MODES = ("sync", "sse", "async")
 
 
-@dataclass
+@dataclass(slots=True)
 class Call:
     """Everything the pipeline learns about one request, for the response and the access log."""
 
@@ -244,7 +244,7 @@ async def run_sync(rt: Runtime, call: Call, ticket: Ticket, ex: Exchange) -> web
     label = rt._route_label(ticket.route)
     hooks = SyncHooks(rt, call, label)
     try:
-        lease, up = await with_retries(rt, ticket, http_attempt(rt, ex), hooks)
+        lease, up = await with_retries(rt, ticket, HttpAttempt(rt, ex), hooks)
     except Rejected as r:
         return call.rejected(r)
     except UpstreamFailed as e:
@@ -256,6 +256,8 @@ async def run_sync(rt: Runtime, call: Call, ticket: Ticket, ex: Exchange) -> web
 
 
 class SyncHooks(Hooks):
+    __slots__ = ("call", "dispatched_at", "label", "rt")
+
     def __init__(self, rt: Runtime, call: Call, label: str):
         self.rt, self.call, self.label = rt, call, label
         self.dispatched_at = 0.0

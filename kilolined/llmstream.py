@@ -16,7 +16,7 @@ import aiohttp
 import orjson
 from aiohttp import web
 
-from kilolined.forward import http_attempt, with_retries
+from kilolined.forward import HttpAttempt, with_retries
 from kilolined.proxy import UpstreamFailed
 from kilolined.queue import WAITING, Rejected, Ticket
 
@@ -58,7 +58,7 @@ async def run_sync_stream(rt: Runtime, call: Call, ticket: Ticket, ex: Exchange)
     await resp.prepare(call.request)
     call.status = 200
     hooks = SyncHooks(rt, call, label)
-    waiter = asyncio.ensure_future(with_retries(rt, ticket, http_attempt(rt, ex), hooks))
+    waiter = asyncio.ensure_future(with_retries(rt, ticket, HttpAttempt(rt, ex), hooks))
     try:
         while True:
             if ticket.state == WAITING:

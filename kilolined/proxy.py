@@ -78,7 +78,7 @@ def client_ip(request: web.BaseRequest, trusted: Iterable[str]) -> str:
     return peer
 
 
-@dataclass
+@dataclass(slots=True)
 class Exchange:
     """One client request as the forwarder needs it (the body is kept for a re-queue)."""
 

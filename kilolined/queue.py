@@ -12,7 +12,7 @@ import itertools
 import math
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from kilolined.config import RouteConfig
 from kilolined.nodes import NodeState
@@ -31,7 +31,7 @@ class Rejected(Exception):
         self.retry_after = retry_after
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class Ticket:
     seq: int
     route: str
@@ -39,7 +39,7 @@ class Ticket:
     priority: int
     enqueued_at: float
     pinned_node: str | None = None
-    avoid: set[str] = field(default_factory=set)
+    avoid: frozenset[str] = frozenset()  # nodes that failed this request (replaced, not mutated: most never fail)
     requeues: int = 0
     state: str = WAITING
     lease: Lease | None = None
@@ -52,7 +52,7 @@ class Ticket:
             self.on_wake(self)
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class Lease:
     ticket: Ticket
     route: str
@@ -440,7 +440,7 @@ class Scheduler:
         t = lease.ticket
         self.release(lease, now, service_time=None)
         if avoid_node:
-            t.avoid.add(lease.node)
+            t.avoid = t.avoid | {lease.node}
         t.requeues += 1
         rq = self.routes[t.route]
         self._enqueue(rq, t, now, front=True)

@@ -1065,3 +1065,51 @@ async def test_expired_idle_socket_is_not_taken(serve, pools, monkeypatch) -> No
     assert srv.accepted == 2
     await closed_by_client(srv.peers[0])
     assert pool.open_connections == 1
+
+
+# --- the deadline buckets ---------------------------------------------------------------------------
+
+
+class _Exchange:
+    """Stands in for an UpstreamResponse: records when its deadline fired."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, name: str, fired: list[tuple[str, float]]):
+        self.loop, self.name, self.fired = loop, name, fired
+
+    def _on_deadline(self) -> None:
+        self.fired.append((self.name, self.loop.time()))
+
+
+async def test_deadlines_fire_in_order_at_most_a_grain_late_and_removed_ones_never() -> None:
+    loop = asyncio.get_running_loop()
+    d = upstream.Deadlines(loop)
+    fired: list[tuple[str, float]] = []
+    t0 = loop.time()
+    want = {"a": 0.30, "b": 0.12, "c": 0.12, "d": 0.20, "gone": 0.15, "later-gone": 0.40}
+    buckets = {n: d.add(_Exchange(loop, n, fired), t0 + dt) for n, dt in want.items()}  # type: ignore[arg-type]
+    # Removing needs the same object that was added: look it up by name in its bucket.
+    for name in ("gone", "later-gone"):
+        (ex,) = [e for e in d.buckets[buckets[name]] if e.name == name]  # type: ignore[attr-defined]
+        d.remove(ex, buckets[name])  # type: ignore[arg-type]
+    await asyncio.sleep(0.5)
+    names = [n for n, _ in fired]
+    assert sorted(names) == ["a", "b", "c", "d"]
+    assert names.index("b") < names.index("d") < names.index("a")
+    for name, at in fired:
+        late = at - (t0 + want[name])
+        assert -0.002 <= late <= d.GRAIN + 0.05, (name, late)  # never early; at most a grain (plus a busy box)
+    assert d.buckets == {} and d.timer is None  # nothing left armed once every exchange is done
+
+
+async def test_deadlines_an_earlier_deadline_rearms_the_timer() -> None:
+    loop = asyncio.get_running_loop()
+    d = upstream.Deadlines(loop)
+    fired: list[tuple[str, float]] = []
+    t0 = loop.time()
+    d.add(_Exchange(loop, "late", fired), t0 + 5.0)  # type: ignore[arg-type]
+    d.add(_Exchange(loop, "soon", fired), t0 + 0.1)  # type: ignore[arg-type]
+    await asyncio.sleep(0.3)
+    assert [n for n, _ in fired] == ["soon"]
+    assert d.timer is not None  # still armed for "late"
+    d.close()
+    assert d.timer is None

@@ -66,11 +66,11 @@ async def read_result(up: UpstreamResponse, limit: int, obs: Observer | None) ->
 
 async def run_http_job(rt: Runtime, job: Job, ex: Exchange, hooks: Hooks, adapter: Adapter) -> JobResult:
     """Forward, read the whole answer into memory (the job's result), free the slot."""
-    from kilolined.forward import http_attempt, with_retries
+    from kilolined.forward import HttpAttempt, with_retries
     from kilolined.jobs import JobFailed, JobResult
 
     try:
-        lease, up = await with_retries(rt, job.ticket, http_attempt(rt, ex), hooks)
+        lease, up = await with_retries(rt, job.ticket, HttpAttempt(rt, ex), hooks)
     except UpstreamFailed as e:
         raise JobFailed("upstream_timeout" if e.timeout else "upstream_error", e.reason,
                         504 if e.timeout else 502)
