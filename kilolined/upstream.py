@@ -155,10 +155,10 @@ class UpstreamResponse:
     async def _next(self) -> bytes:
         while True:
             if self._chunks:
-                chunk = self._chunks.popleft()
-                self._buffered -= len(chunk)
-                if self._buffered <= LOW_WATER:
-                    self._conn.resume()
+                # Everything buffered, in one piece: a slow client then gets fewer, larger writes.
+                chunk = self._chunks.popleft() if len(self._chunks) == 1 else self.body()
+                self._buffered = 0
+                self._conn.resume()
                 return chunk
             if self._error is not None:
                 raise self._error
