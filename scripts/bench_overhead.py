@@ -131,9 +131,18 @@ def main(argv: list[str] | None = None) -> int:
         print("\n## Targets")
         if g1 is not None:
             print(f"  added p50 at concurrency 1: {g1:.3f} ms (target ≤ 0.5 ms) -> {'MET' if g1 <= 0.5 else 'MISSED'}")
+        a64 = summary.get("gateway@64", {}).get("added_ms", {}).get("p99")
+        if a64 is not None:
+            # The issue's §1 measures *added* latency; the absolute p99 is printed beside it with the
+            # same run's references, because on a 2-core box the node and wrk share a core and set
+            # a floor that every proxy pays (direct's own p99 at c=64 is 6–11 ms here).
+            print(f"  added p99 at concurrency 64: {a64:.3f} ms (target ≤ 10 ms) -> {'MET' if a64 <= 10 else 'MISSED'}")
         if g64 is not None:
-            print(f"  gateway p99 at concurrency 64: {g64 / 1000:.3f} ms (target ≤ 10 ms) -> "
-                  f"{'MET' if g64 / 1000 <= 10 else 'MISSED'}")
+            refs = ", ".join(f"{t} {v / 1000:.3f} ms" for t in ("direct", "nginx", "haproxy")
+                             if t in targets and (v := med(t, 64, "p99_us")) is not None)
+            print(f"  absolute p99 at concurrency 64: gateway {g64 / 1000:.3f} ms"
+                  + (f" (same run: {refs})" if refs else "")
+                  + f" -> {'≤ 10 ms' if g64 / 1000 <= 10 else 'over 10 ms'}")
         print(f"  RSS after the run (kB): {rss}")
         print(f"  gateway log: {spurious} × '✗ [gpu] connection lost mid-response' (node failures recorded when "
               f"wrk closed its connections; the node never failed)")
