@@ -92,26 +92,38 @@ class Exchange:
     extra_headers: dict[str, str] = field(default_factory=dict)
     body_override: bytes | None = None
 
-    def upstream_headers(self, node_headers: dict[str, str], node_url: str) -> CIMultiDict[str]:
-        src = self.request.headers
-        conn_listed = {t.strip().lower() for t in src.get("Connection", "").split(",") if t.strip()}
-        out: CIMultiDict[str] = CIMultiDict()
-        for k, v in src.items():
-            lk = k.lower()
-            if lk in STRIP_REQUEST or lk in conn_listed or lk.startswith("x-kiloline-") or lk in self.drop_headers:
-                continue
-            out.add(k, v)
+    def upstream_header_pairs(self, node_headers: dict[str, str], node_url: str) -> list[tuple[str, str]]:
+        """What the node is sent: the client's end-to-end headers without credentials and our own
+        controls, then X-Forwarded-For/-Proto, X-Request-Id and Host; the node's configured
+        headers and the adapter's extra ones replace any header of the same name."""
+        req = self.request
+        src = req.headers
+        extra = self.extra_headers
+        override = {k.lower() for k in node_headers} | {k.lower() for k in extra} if node_headers or extra else ()
+        conn = src.get("Connection")
+        conn_listed = {t.strip().lower() for t in conn.split(",")} if conn else ()
+        drop = self.drop_headers
+        out = [
+            (k, v) for k, v in src.items()
+            if (lk := k.lower()) not in STRIP_REQUEST and lk not in conn_listed and lk not in override
+            and lk not in drop and not lk.startswith("x-kiloline-")
+        ]
         xff = src.get("X-Forwarded-For")
-        peer = self.request.remote or ""
-        out["X-Forwarded-For"] = f"{xff}, {peer}" if xff and peer != self.client_ip else (self.client_ip or peer)
-        out["X-Forwarded-Proto"] = self.request.scheme
-        out["X-Request-Id"] = self.request_id
-        out["Host"] = node_url.split("://", 1)[1].split("/", 1)[0]
-        for k, v in node_headers.items():
-            out[k] = v
-        for k, v in self.extra_headers.items():
-            out[k] = v
+        peer = req.remote or ""
+        ours = (
+            ("X-Forwarded-For", f"{xff}, {peer}" if xff and peer != self.client_ip else (self.client_ip or peer)),
+            ("X-Forwarded-Proto", req.scheme),
+            ("X-Request-Id", self.request_id),
+            ("Host", node_url.split("://", 1)[1].split("/", 1)[0]),
+        )
+        out.extend(ours if not override else [(k, v) for k, v in ours if k.lower() not in override])
+        out.extend(node_headers.items())
+        out.extend(extra.items())
         return out
+
+    def upstream_headers(self, node_headers: dict[str, str], node_url: str) -> CIMultiDict[str]:
+        """The same, for aiohttp's client (ComfyUI's submission)."""
+        return CIMultiDict(self.upstream_header_pairs(node_headers, node_url))
 
 
 async def open_upstream(
@@ -120,7 +132,7 @@ async def open_upstream(
     """Send the request and wait for the response headers. Raises UpstreamFailed on any failure."""
     body = ex.body if ex.body_override is None else ex.body_override
     try:
-        return await pool.request(ex.method, ex.tail, ex.upstream_headers(node_headers, node_url), body, timeout)
+        return await pool.request(ex.method, ex.tail, ex.upstream_header_pairs(node_headers, node_url), body, timeout)
     except TimeoutError:
         raise UpstreamFailed(f"no response within {timeout:g}s", timeout=True)
     except ConnectFailed:

@@ -23,7 +23,7 @@ import heapq
 import math
 import ssl
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterable, Mapping
 
 import aiohttp
 import httptools
@@ -34,6 +34,7 @@ HIGH_WATER = 1 << 20  # stop reading from the node while this much body waits fo
 LOW_WATER = 1 << 18
 IDLE_KEEP_SEC = 30.0  # like aiohttp's keepalive_timeout: idle sockets to a node are closed after this
 MAX_IDLE = 512
+Headers = Iterable[tuple[str, str]] | Mapping[str, str]  # name/value pairs (repeats kept), or a mapping
 
 
 class ConnectFailed(OSError):
@@ -426,7 +427,7 @@ class NodePool:
             self._deadlines = Deadlines(asyncio.get_running_loop())
         return self._deadlines
 
-    async def request(self, method: str, tail: str, headers: CIMultiDict[str], body: bytes,
+    async def request(self, method: str, tail: str, headers: Headers, body: bytes,
                       timeout: float) -> UpstreamResponse:
         """Send one request; returns once the status line and headers are in.
 
@@ -454,18 +455,18 @@ class NodePool:
                 raise
             return resp
 
-    def _render(self, method: str, tail: str, headers: CIMultiDict[str], body: bytes) -> bytes:
+    def _render(self, method: str, tail: str, headers: Headers, body: bytes) -> bytes:
         lines = [f"{method} {self.base_path}{tail} HTTP/1.1"]
-        for k, v in headers.items():
-            if "\n" in v or "\r" in v or "\n" in k or "\r" in k:
-                raise ValueError(f"header {k!r} has a line break")
-            lines.append(f"{k}: {v}")
-        if self.auth is not None and "Authorization" not in headers:
+        lines += [f"{k}: {v}" for k, v in (headers.items() if isinstance(headers, Mapping) else headers)]
+        if self.auth is not None and not any(line[:14].lower() == "authorization:" for line in lines):
             lines.append(f"Authorization: {self.auth}")
         if body or method not in ("GET", "HEAD"):
             lines.append(f"Content-Length: {len(body)}")
-        lines.append("\r\n")
-        return "\r\n".join(lines).encode("utf-8", "surrogateescape")
+        head = "\r\n".join(lines)
+        # A line break inside a name or value would smuggle a header or a second request.
+        if head.count("\n") != len(lines) - 1 or head.count("\r") != len(lines) - 1:
+            raise ValueError("a header has a line break")
+        return (head + "\r\n\r\n").encode("utf-8", "surrogateescape")
 
     async def _connect(self, loop: asyncio.AbstractEventLoop, timeout: float) -> _Conn:
         if self.closed:

@@ -528,6 +528,19 @@ async def test_node_authorization_header_replaces_the_clients(fakegpus, gateway,
     assert not any(KEYS["alice"] in v for v in up.values())
 
 
+async def test_node_headers_replace_client_headers_of_the_same_name(fakegpus, gateway, http) -> None:
+    g = await fakegpus(steps=1, step_ms=1)
+    cfg = base_config({"a": g.url})
+    cfg["nodes"]["a"]["headers"] = {"x-tenant": "from-node", "X-Forwarded-Proto": "https"}
+    gw = await gateway(cfg)
+    st, _, _ = await call(http, "POST", gw.url + "/gen/generate", json={},
+                          headers={**auth(), "X-Tenant": "from-client", "X-Other": "kept"})
+    assert st == 200
+    raw = g.requests[-1]["headers"]
+    assert raw["x-tenant"] == "from-node" and raw["x-other"] == "kept"
+    assert raw["x-forwarded-proto"] == "https"  # a node header wins over the gateway's own too
+
+
 async def test_queue_wait_header_reflects_the_wait(fakegpus, gateway, http) -> None:
     g = await fakegpus(steps=1, step_ms=1)
     gw = await gateway(base_config({"a": g.url}, max_concurrency=1))
