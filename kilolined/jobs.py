@@ -22,6 +22,7 @@ import orjson
 from aiohttp import web
 
 from kilolined.config import JobsConfig
+from kilolined.forward import Hooks
 from kilolined.queue import WAITING, Lease, Rejected, Ticket
 
 if TYPE_CHECKING:
@@ -164,6 +165,31 @@ class Job:
         }
 
 
+class JobHooks(Hooks):
+    """Turns the request's moves into job events."""
+
+    __slots__ = ("job", "rt")
+
+    def __init__(self, rt: Runtime, job: Job):
+        self.rt, self.job = rt, job
+
+    def dispatched(self, lease: Lease, queue_wait: float) -> None:
+        job, rt = self.job, self.rt
+        first = job.started_at is None
+        job.lease = lease
+        job.node = lease.node
+        job.status = "running"
+        if first:
+            job.started_at = time.time()
+            job.started_mono = rt.clock()
+            job.queue_wait = queue_wait
+            rt.metrics.queue_wait.labels(job.route_label).observe(queue_wait)
+        job.emit("dispatched", {"node": lease.node, "queue_wait_sec": round(queue_wait, 3)})
+
+    def rerouted(self, from_node: str, to_node: str, reason: str) -> None:
+        self.job.emit("rerouted", {"from_node": from_node, "to_node": to_node, "reason": reason})
+
+
 class Jobs:
     def __init__(self, rt: Runtime, cfg: JobsConfig):
         self.rt = rt
@@ -242,30 +268,12 @@ class Jobs:
     # --- running ------------------------------------------------------------------------
     async def _run(self, job: Job, ex: Exchange) -> None:
         from kilolined.adapters import adapter_for
-        from kilolined.forward import Hooks
 
         rt = self.rt
         jobs = self
-
-        class JobHooks(Hooks):
-            def dispatched(self, lease: Lease, queue_wait: float) -> None:
-                first = job.started_at is None
-                job.lease = lease
-                job.node = lease.node
-                job.status = "running"
-                if first:
-                    job.started_at = time.time()
-                    job.started_mono = rt.clock()
-                    job.queue_wait = queue_wait
-                    rt.metrics.queue_wait.labels(job.route_label).observe(queue_wait)
-                job.emit("dispatched", {"node": lease.node, "queue_wait_sec": round(queue_wait, 3)})
-
-            def rerouted(self, from_node: str, to_node: str, reason: str) -> None:
-                job.emit("rerouted", {"from_node": from_node, "to_node": to_node, "reason": reason})
-
         adapter = adapter_for(job.kind)
         try:
-            res = await adapter.run_job(rt, job, ex, JobHooks())
+            res = await adapter.run_job(rt, job, ex, JobHooks(rt, job))
         except Rejected as r:
             jobs._finish_failed(job, r.type, r.message, r.status)
         except JobFailed as f:
@@ -281,6 +289,8 @@ class Jobs:
             jobs._finish_failed(job, "upstream_error", f"internal error ({type(e).__name__})", 502)
         else:
             jobs._finish_completed(job, res)
+        finally:
+            job.task = None  # a finished job is kept for result_ttl_sec; its task need not be
 
     def _finish(self, job: Job, status: str) -> None:
         self.active.discard(job)

@@ -449,6 +449,12 @@ class Scheduler:
     def expire(self, now: float) -> list[Ticket]:
         """Fail every ticket whose queue_timeout_sec has passed (503 queue_timeout)."""
         out = []
+        held = len(self._deadlines)
+        if held > 256 and held > 2 * sum(len(rq.waiting) for rq in self.routes.values()):
+            # Entries are deleted lazily; most tickets leave the queue long before their deadline.
+            # Compact, or every ticket would be held for queue_timeout_sec after it was served.
+            self._deadlines = [e for e in self._deadlines if e[2].state == WAITING and e[2].deadline == e[0]]
+            heapq.heapify(self._deadlines)
         while self._deadlines and self._deadlines[0][0] <= now:
             _, _, t = heapq.heappop(self._deadlines)
             if t.state != WAITING or t.deadline > now:
@@ -531,8 +537,11 @@ class Scheduler:
         if ns is not None and lease.trial and ns.trial_in_flight:
             # The trial ended without a verdict (e.g. cancelled): let another one run.
             ns.trial_in_flight = False
-        if lease.ticket.state == LEASED:
-            lease.ticket.state = DONE
+        t = lease.ticket
+        if t.lease is lease:
+            t.lease = None  # Ticket ↔ Lease would be a reference cycle: only the collector could free them
+        if t.state == LEASED:
+            t.state = DONE
 
     # -- views -----------------------------------------------------------------------------
     def position(self, t: Ticket, now: float) -> int | None:

@@ -48,6 +48,7 @@ class UpstreamResponse:
     """
 
     __slots__ = (
+        "_bucket",
         "_buffered",
         "_chunks",
         "_conn",
@@ -61,7 +62,6 @@ class UpstreamResponse:
         "_method",
         "_parser",
         "_released",
-        "_timer",
         "_until_close",
         "_waiter",
         "content_length",
@@ -91,7 +91,7 @@ class UpstreamResponse:
         self._keep_alive = False
         self._released = False
         self._got_bytes = False
-        self._timer: int | None = conn.pool.deadlines.add(self, deadline)  # the bucket it sits in
+        self._bucket: int | None = conn.pool.deadlines.add(self, deadline)  # its deadline bucket
 
     # --- what callers read -------------------------------------------------------------
     @property
@@ -187,12 +187,12 @@ class UpstreamResponse:
         self._wake()
 
     def _stop_timer(self) -> None:
-        if self._timer is not None:
-            self._conn.pool.deadlines.remove(self, self._timer)
-            self._timer = None
+        if self._bucket is not None:
+            self._conn.pool.deadlines.remove(self, self._bucket)
+            self._bucket = None
 
     def _on_deadline(self) -> None:
-        self._timer = None
+        self._bucket = None
         self._fail(TimeoutError())
         self._conn.close()
 

@@ -459,11 +459,31 @@ def test_release_is_idempotent() -> None:
     s = make({"r": rcfg(["a"], max_concurrency=2)}, [node("a")])
     t1 = admit(s, "r", "k")
     t2 = admit(s, "r", "k")
-    s.release(t1.lease, 1, 1.0)  # type: ignore[arg-type]
-    s.release(t1.lease, 1, 1.0)  # type: ignore[arg-type]
+    l1, l2 = t1.lease, t2.lease
+    assert l1 is not None and l2 is not None
+    s.release(l1, 1, 1.0)
+    s.release(l1, 1, 1.0)
     assert s.routes["r"].inflight["a"] == 1 and s.node_inflight["a"] == 1
-    s.release(t2.lease, 1, 1.0)  # type: ignore[arg-type]
+    s.release(l2, 1, 1.0)
     assert not s.routes["r"].inflight and not s.node_inflight
+    # A served ticket no longer points at its lease: no Ticket ↔ Lease cycle left for the collector.
+    assert t1.lease is None and t2.lease is None and l1.ticket is t1
+
+
+def test_served_tickets_are_not_held_until_their_queue_deadline() -> None:
+    # One slot with 3 waiting behind it, while 2000 requests on another route are served at once,
+    # each leaving a lazily deleted deadline entry behind.
+    s = make({"busy": rcfg(["a"], max_concurrency=1, queue_timeout_sec=600),
+              "fast": rcfg(["b"], max_concurrency=1000, queue_timeout_sec=600)}, [node("a"), node("b")])
+    first = admit(s, "busy", "k")
+    held = [admit(s, "busy", "k") for _ in range(3)]
+    for _ in range(2000):
+        t = admit(s, "fast", "k", now=1.0)
+        s.release(t.lease, 2.0, 1.0)  # type: ignore[arg-type]
+    assert s.expire(3.0) == []
+    assert len(s._deadlines) <= 256  # compacted, not one entry per served request for 600 s
+    assert first.state == LEASED and all(t.state == WAITING for t in held)
+    assert s.expire(700.0) == held  # the waiting ones still time out, in order
 
 
 def test_est_wait_and_retry_after_follow_service_times() -> None:
