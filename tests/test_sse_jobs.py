@@ -464,3 +464,24 @@ async def test_job_access_by_token_key_and_strangers(fakegpus, gateway, http) ->
     await wait_status(http, gw, other["job_id"], "completed")
     async with http.get(gw.url + "/admin/state", headers=ADMIN) as r:
         assert (await r.json())["routes"]["gen"]["inflight"] == 0
+
+
+# --- the subscriber a live stream reads from --------------------------------------------------------
+
+
+async def test_subscriber_hands_over_everything_pending_in_one_batch() -> None:
+    from kilolined.jobs import Subscriber
+
+    sub = Subscriber()
+    sub.push((1, "heartbeat", b"a"))
+    sub.push((2, "queue_status", b"b"))
+    assert await sub.batch() == [(1, "heartbeat", b"a"), (2, "queue_status", b"b")]  # one wake-up, one write
+    waiter = asyncio.ensure_future(sub.batch())
+    await asyncio.sleep(0.01)
+    assert not waiter.done()  # nothing pending: it waits
+    sub.push((3, "heartbeat", b"c"))
+    assert await asyncio.wait_for(waiter, 1) == [(3, "heartbeat", b"c")]
+    sub.push((4, "output_ready", b"d"))
+    sub.push(None)  # the job ended: what is pending still goes out, then the end
+    assert await sub.batch() == [(4, "output_ready", b"d")]
+    assert await sub.batch() is None
