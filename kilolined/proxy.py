@@ -114,7 +114,7 @@ class Exchange:
             ("X-Forwarded-For", f"{xff}, {peer}" if xff and peer != self.client_ip else (self.client_ip or peer)),
             ("X-Forwarded-Proto", req.scheme),
             ("X-Request-Id", self.request_id),
-            ("Host", node_url.split("://", 1)[1].split("/", 1)[0]),
+            ("Host", node_url.split("://", 1)[1].split("/", 1)[0].rsplit("@", 1)[-1]),  # no userinfo
         )
         out.extend(ours if not override else [(k, v) for k, v in ours if k.lower() not in override])
         out.extend(node_headers.items())

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
 import copy
 import hashlib
@@ -539,6 +540,17 @@ async def test_node_headers_replace_client_headers_of_the_same_name(fakegpus, ga
     raw = g.requests[-1]["headers"]
     assert raw["x-tenant"] == "from-node" and raw["x-other"] == "kept"
     assert raw["x-forwarded-proto"] == "https"  # a node header wins over the gateway's own too
+
+
+async def test_node_url_credentials_become_basic_auth_not_part_of_host(fakegpus, gateway, http) -> None:
+    g = await fakegpus(steps=1, step_ms=1)
+    cfg = base_config({"a": g.url.replace("http://", "http://gpu:s3cret@")})
+    gw = await gateway(cfg)
+    st, _, _ = await call(http, "POST", gw.url + "/gen/generate", json={}, headers=auth())
+    assert st == 200
+    up = g.requests[-1]["headers"]
+    assert up["host"] == f"127.0.0.1:{g.port}"
+    assert up["authorization"] == "Basic " + base64.b64encode(b"gpu:s3cret").decode()
 
 
 async def test_queue_wait_header_reflects_the_wait(fakegpus, gateway, http) -> None:
