@@ -14,9 +14,13 @@ import errno
 import hashlib
 import os
 import random
+import shutil
 import socket
+import ssl
+import subprocess
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import aiohttp
 import pytest
@@ -102,14 +106,15 @@ class RawServer:
         self.tasks: list[asyncio.Task[None]] = []
         self.server: asyncio.Server | None = None
         self.port = 0
+        self.tls: ssl.SSLContext | None = None
 
     async def start(self) -> None:
-        self.server = await asyncio.start_server(self._on_conn, "127.0.0.1", 0)
+        self.server = await asyncio.start_server(self._on_conn, "127.0.0.1", 0, ssl=self.tls)
         self.port = self.server.sockets[0].getsockname()[1]
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return f"{'https' if self.tls else 'http'}://127.0.0.1:{self.port}"
 
     @property
     def accepted(self) -> int:
@@ -1113,3 +1118,50 @@ async def test_deadlines_an_earlier_deadline_rearms_the_timer() -> None:
     assert d.timer is not None  # still armed for "late"
     d.close()
     assert d.timer is None
+
+
+# --- TLS nodes (RunPod / Vast.ai proxies give https URLs) ---------------------------------------------
+
+
+def _self_signed(tmp_path: Path) -> tuple[str, str]:
+    if shutil.which("openssl") is None:
+        pytest.skip("openssl CLI not installed")
+    cert, key = str(tmp_path / "node.crt"), str(tmp_path / "node.key")
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=node",
+                    "-addext", "subjectAltName=IP:127.0.0.1", "-keyout", key, "-out", cert],
+                   check=True, capture_output=True)
+    return cert, key
+
+
+async def _tls_server(cert: str, key: str) -> RawServer:
+    ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    ctx.load_cert_chain(cert, key)
+    srv = RawServer(each_request(answer(b"secure")))
+    srv.tls = ctx
+    await srv.start()
+    return srv
+
+
+async def test_https_node_is_verified_and_reused(pools, tmp_path, monkeypatch) -> None:
+    cert, key = _self_signed(tmp_path)
+    monkeypatch.setenv("SSL_CERT_FILE", cert)  # trust our self-signed node, as a CA bundle would
+    srv = await _tls_server(cert, key)
+    try:
+        pool = pools(srv.url)
+        for _ in range(2):
+            r = await req(pool)
+            assert r.status == 200 and await r.read() == b"secure"
+            r.release()
+        assert srv.accepted == 1  # the TLS connection was kept alive and reused
+    finally:
+        await srv.stop()
+
+
+async def test_https_node_with_an_untrusted_certificate_is_a_connect_failure(pools, tmp_path) -> None:
+    cert, key = _self_signed(tmp_path)
+    srv = await _tls_server(cert, key)
+    try:
+        with pytest.raises(ConnectFailed):
+            await req(pools(srv.url))
+    finally:
+        await srv.stop()
