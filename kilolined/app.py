@@ -10,7 +10,7 @@ import asyncio
 import fnmatch
 import logging
 import time
-from collections.abc import AsyncIterator, Coroutine
+from collections.abc import Coroutine
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import unquote, urlencode
@@ -19,7 +19,7 @@ import aiohttp
 import orjson
 from aiohttp import web
 
-from kilolined.adapters import Adapter, GenericAdapter, Observer, adapter_for
+from kilolined.adapters import Adapter, GenericAdapter, adapter_for
 from kilolined.adapters.openai import wants_stream
 from kilolined.auth import Principal, presented_key
 from kilolined.config import RateConfig, RouteConfig
@@ -35,7 +35,6 @@ from kilolined.proxy import (
     request_id,
     response_headers,
     stream_back,
-    whole_body_here,
 )
 from kilolined.queue import Lease, Rejected, Ticket
 from kilolined.runtime import Runtime
@@ -287,17 +286,7 @@ async def relay(rt: Runtime, call: Call, lease: Lease, up: UpstreamResponse, ex:
     ok: bool | None = None
     handed_over = False
     try:
-        if whole_body_here(up, ex.method):
-            # The usual small answer came with its headers: one write of headers and body.
-            body = up.body()
-            if obs is not None:
-                obs.feed(body)
-            if capture is not None:
-                capture += body[: 1024 * 1024]
-            resp = web.Response(status=up.status, reason=up.reason, headers=headers, body=body)
-            call.bytes_out = len(body)
-        else:
-            resp, call.bytes_out = await stream_back(call.request, up, headers, observe(up, obs, capture))
+        resp, call.bytes_out = await stream_back(call.request, up, headers, obs, capture)
         ok = up.status < 500
         rt.metrics.requests.labels(label, "ok" if ok else "upstream_error").inc()
         hold = call.adapter.sync_hold(rt, lease, ex, up.status, bytes(capture or b""))
@@ -326,15 +315,6 @@ async def relay(rt: Runtime, call: Call, lease: Lease, up: UpstreamResponse, ex:
         rt.metrics.upstream.labels(label, lease.node).observe(rt.clock() - dispatched)
         if not handed_over:
             rt.release(lease, ok=ok, key=key)
-
-
-async def observe(up: UpstreamResponse, obs: Observer | None, capture: bytearray | None) -> AsyncIterator[bytes]:
-    async for chunk in up.content.iter_any():
-        if obs is not None:
-            obs.feed(chunk)
-        if capture is not None and len(capture) < 1024 * 1024:
-            capture += chunk
-        yield chunk
 
 
 async def _hold_then_release(rt: Runtime, lease: Lease, hold: Coroutine[Any, Any, None], key: str | None) -> None:
@@ -386,11 +366,7 @@ async def forward_unqueued(rt: Runtime, call: Call, rcfg: RouteConfig, tail: str
     headers["X-Request-Id"] = call.request_id
     headers["X-KiloLine-Node"] = node
     try:
-        if whole_body_here(up, ex.method):
-            body = up.body()
-            call.bytes_out = len(body)
-            return web.Response(status=up.status, reason=up.reason, headers=headers, body=body)
-        resp, call.bytes_out = await stream_back(call.request, up, headers, observe(up, None, None))
+        resp, call.bytes_out = await stream_back(call.request, up, headers)
         return resp
     except ConnectionResetError:
         raise  # the client left

@@ -13,7 +13,7 @@ from aiohttp import web
 
 from kilolined.errors import error_response
 from kilolined.jobs import TERMINAL, Job
-from kilolined.proxy import request_id, response_headers
+from kilolined.proxy import request_id, response_headers, stream_back
 
 
 def _rt(request: web.Request):
@@ -85,14 +85,7 @@ async def file(request: web.Request) -> web.StreamResponse:
     try:
         async with rt.session(node).get(ns.cfg.url + "/view?" + query, headers=ns.cfg.headers,
                                         timeout=aiohttp.ClientTimeout(total=60)) as up:
-            headers = response_headers(up, ns.cfg.url, "/")
-            resp = web.StreamResponse(status=up.status, headers=headers)
-            if up.content_length is not None:
-                resp.content_length = up.content_length
-            await resp.prepare(request)
-            async for chunk in up.content.iter_any():
-                await resp.write(chunk)
-            await resp.write_eof()
+            resp, _ = await stream_back(request, up, response_headers(up, ns.cfg.url, "/"))
             return resp
     except ConnectionResetError:
         raise  # the client left

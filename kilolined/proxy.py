@@ -9,14 +9,18 @@ from __future__ import annotations
 import ipaddress
 import os
 import re
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import aiohttp
 from aiohttp import web
 from multidict import CIMultiDict
 
 from kilolined.upstream import ConnectFailed, NodePool, UpstreamResponse
+
+if TYPE_CHECKING:
+    from kilolined.adapters.base import Observer
 
 HOP_BY_HOP = frozenset(
     h.lower()
@@ -34,6 +38,7 @@ STRIP_RESPONSE = HOP_BY_HOP | {"content-length", "server", "date"}
 RETRY_STATUSES = frozenset((502, 503, 504))
 # A node's answer: from the hot-path pool, or from aiohttp's client (ComfyUI's side calls, files).
 Upstream = UpstreamResponse | aiohttp.ClientResponse
+CAPTURE_MAX = 1024 * 1024  # what an adapter may ask to see of a sync answer (ComfyUI's prompt id)
 _SANE_ID = re.compile(r"[A-Za-z0-9._:\-]{1,128}")
 
 
@@ -176,20 +181,35 @@ def cut_client(request: web.BaseRequest) -> None:
 
 
 async def stream_back(
-    request: web.Request, up: Upstream, headers: CIMultiDict[str], chunks: AsyncIterator[bytes]
+    request: web.Request, up: Upstream, headers: CIMultiDict[str], obs: Observer | None = None,
+    capture: bytearray | None = None,
 ) -> tuple[web.StreamResponse, int]:
-    """Copy the upstream response to the client without buffering it whole; returns bytes sent.
+    """Copy the node's answer to the client; returns the response and the bytes sent.
 
-    Upstream read errors propagate after the response has started: the caller cuts the client.
+    A small answer that arrived whole with its headers goes back as one ``web.Response`` (one
+    write of headers and body); anything else is streamed, never buffered whole. Every chunk is
+    shown to ``obs`` and copied into ``capture`` (up to 1 MiB) on the way. Upstream read errors
+    propagate after the response has started: the caller cuts the client.
     """
+    if isinstance(up, UpstreamResponse) and whole_body_here(up, request.method):
+        body = up.body()
+        _seen(body, obs, capture)
+        return web.Response(status=up.status, reason=up.reason, headers=headers, body=body), len(body)
     resp = web.StreamResponse(status=up.status, reason=up.reason, headers=headers)
     if up.content_length is not None:
         resp.content_length = up.content_length
     await resp.prepare(request)
     sent = 0
-    async for chunk in chunks:
+    async for chunk in up.content.iter_any():
+        _seen(chunk, obs, capture)
         await resp.write(chunk)
         sent += len(chunk)
     await resp.write_eof()
     return resp, sent
 
+
+def _seen(chunk: bytes, obs: Observer | None, capture: bytearray | None) -> None:
+    if obs is not None:
+        obs.feed(chunk)
+    if capture is not None and len(capture) < CAPTURE_MAX:
+        capture += chunk
