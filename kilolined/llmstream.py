@@ -73,9 +73,13 @@ async def run_sync_stream(rt: Runtime, call: Call, ticket: Ticket, ex: Exchange)
             if ticket.state != WAITING:
                 await resp.write(b": running\n\n")
     except BaseException:
+        # The client left (or we are cancelled) while queued. The waiter may have got its lease
+        # and the node's answer in the same moment: give both back, or the slot would be lost.
         waiter.cancel()
         with contextlib.suppress(BaseException):
-            await waiter
+            lease, up = await waiter
+            up.release()
+            rt.release(lease, ok=None)
         raise
     try:
         lease, up = waiter.result()

@@ -14,6 +14,7 @@ import re
 import statistics
 from typing import Any
 
+import aiohttp
 import openai
 import orjson
 import pytest
@@ -245,6 +246,32 @@ async def test_stream_client_gone_while_queued_leaves_the_queue(fakegpus, gatewa
     # its slot was never taken: the node saw the one request ahead of it, nothing else
     assert len([q for q in fake.requests if q["path"] == "/v1/chat/completions"]) == 1
     assert gw.rt.state()["routes"]["gen"]["inflight"] == 0
+
+
+async def test_stream_client_gone_the_moment_its_lease_arrives_frees_the_slot(fakegpus, gateway, http,
+                                                                                monkeypatch) -> None:
+    """The race: the waiter gets its lease and the node's answer while the client goes away."""
+    import types
+
+    from kilolined import llmstream
+
+    fake = await fakegpus("openai", step_ms=5)
+    gw = await gateway(llm_cfg(fake))
+    real_wait = asyncio.wait
+
+    async def wait_then_client_gone(fs, timeout=None):  # type: ignore[no-untyped-def]
+        await real_wait(fs)  # the lease and the node's headers are in …
+        raise ConnectionResetError("client went away")  # … as the next write to the client fails
+
+    monkeypatch.setattr(llmstream, "asyncio", types.SimpleNamespace(**{**vars(asyncio), "wait": wait_then_client_gone}))
+    body = {"model": "fake-llm", "messages": MESSAGES, "stream": True}
+    async with http.post(gw.url + "/v1/chat/completions", json=body, headers=auth()) as r:
+        assert r.status == 200  # the stream's headers went out before the wait
+        with pytest.raises(aiohttp.ClientError):
+            await r.read()
+    await wait_until(lambda: gw.rt.state()["routes"]["gen"]["inflight"] == 0, timeout=3)
+    assert gw.rt.state()["nodes"][next(iter(gw.rt.cfg.nodes))]["inflight"] == 0
+    await wait_until(lambda: not any(p.busy for p in gw.rt.pools.values()), timeout=3)
 
 
 async def test_node_error_after_the_200_is_told_in_openai_shape(fakegpus, gateway, http) -> None:
