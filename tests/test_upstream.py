@@ -219,6 +219,12 @@ async def closed_by_client(peer: Peer, timeout: float = 2.0) -> None:
     await asyncio.wait_for(peer.client_closed.wait(), timeout)
 
 
+async def socket_dropped(srv: RawServer, pool: NodePool) -> None:
+    """The pool closed its (only) socket to the server and keeps none open."""
+    await closed_by_client(srv.peers[0])
+    assert pool.open_connections == 0
+
+
 # --- framing ---------------------------------------------------------------------------------------
 
 
@@ -343,8 +349,7 @@ async def test_head_ends_at_headers_and_connection_is_not_reused(serve, pools) -
         assert await resp.read() == b""
         assert [c async for c in resp.iter_any()] == []
         resp.release()
-        await closed_by_client(srv.peers[0])
-        assert pool.open_connections == 0
+        await socket_dropped(srv, pool)
 
         resp = await req(pool, "/file", method="HEAD")
         assert resp.status == 200
@@ -575,8 +580,7 @@ async def test_timeout_mid_body_closes_the_connection(serve, pools) -> None:
             got += chunk
     assert got == b"0123456789"
     assert not resp.complete
-    await closed_by_client(srv.peers[0])
-    assert pool.open_connections == 0
+    await socket_dropped(srv, pool)
     resp.release()
     assert len(pool.idle) == 0
 
@@ -668,8 +672,7 @@ async def test_malformed_response_head_raises_server_disconnected(serve, pools, 
         with pytest.raises(aiohttp.ServerDisconnectedError):
             await req(pool)
     assert srv.accepted == 1
-    await closed_by_client(srv.peers[0])
-    assert pool.open_connections == 0
+    await socket_dropped(srv, pool)
 
 
 async def test_malformed_chunk_mid_body_raises_payload_error(serve, pools) -> None:
@@ -681,8 +684,7 @@ async def test_malformed_chunk_mid_body_raises_payload_error(serve, pools) -> No
         with pytest.raises(aiohttp.ClientPayloadError):
             await resp.read()
     resp.release()
-    await closed_by_client(srv.peers[0])
-    assert pool.open_connections == 0
+    await socket_dropped(srv, pool)
 
 
 async def test_switching_protocols_is_an_error_not_a_relay(serve, pools) -> None:
@@ -692,8 +694,7 @@ async def test_switching_protocols_is_an_error_not_a_relay(serve, pools) -> None
     async with asyncio.timeout(2):
         with pytest.raises(aiohttp.ClientError):
             await req(pool)
-    await closed_by_client(srv.peers[0])
-    assert pool.open_connections == 0
+    await socket_dropped(srv, pool)
 
 
 async def test_extra_bytes_after_a_complete_body_mean_no_reuse(serve, pools) -> None:
@@ -732,8 +733,7 @@ async def test_unsolicited_bytes_on_an_idle_connection_drop_it(serve, pools) -> 
     srv = await serve(handler)
     pool = pools(srv.url)
     assert await fetch(pool) == (200, b"ok")
-    await closed_by_client(srv.peers[0])
-    assert pool.open_connections == 0
+    await socket_dropped(srv, pool)
     assert await fetch(pool) == (200, b"ok")
     assert srv.accepted == 2
 
@@ -927,8 +927,7 @@ async def test_release_before_the_body_ended_closes_the_connection(serve, pools)
     assert resp.status == 200
     resp.release()
     resp.release()  # twice is harmless
-    await closed_by_client(srv.peers[0])
-    assert pool.open_connections == 0
+    await socket_dropped(srv, pool)
     resp2 = await req(pool)
     assert resp2.status == 200
     resp2.release()
@@ -986,8 +985,7 @@ async def test_close_idle_closes_idle_sockets_and_refuses_new_requests(serve, po
     assert await fetch(pool) == (200, b"ok")
     assert pool.open_connections == 1
     pool.close_idle()
-    await closed_by_client(srv.peers[0])
-    assert pool.open_connections == 0
+    await socket_dropped(srv, pool)
     with pytest.raises(ConnectFailed):
         await req(pool)
     assert srv.accepted == 1
@@ -1006,8 +1004,7 @@ async def test_close_idle_lets_a_busy_exchange_finish_then_closes_it(serve, pool
     pool.close_idle()
     assert await resp.read() == b"slow body"
     resp.release()
-    await closed_by_client(srv.peers[0])
-    assert pool.open_connections == 0
+    await socket_dropped(srv, pool)
 
 
 async def test_close_aborts_a_busy_exchange(serve, pools) -> None:
@@ -1023,8 +1020,7 @@ async def test_close_aborts_a_busy_exchange(serve, pools) -> None:
         with pytest.raises(aiohttp.ClientPayloadError):
             await resp.read()
     resp.release()
-    await closed_by_client(srv.peers[0])
-    assert pool.open_connections == 0
+    await socket_dropped(srv, pool)
 
 
 async def test_close_while_waiting_for_headers_fails_the_request(serve, pools) -> None:
@@ -1039,8 +1035,7 @@ async def test_close_while_waiting_for_headers_fails_the_request(serve, pools) -
     async with asyncio.timeout(1):
         with pytest.raises(aiohttp.ServerDisconnectedError):
             await task
-    await closed_by_client(srv.peers[0])
-    assert pool.open_connections == 0
+    await socket_dropped(srv, pool)
 
 
 async def test_idle_sockets_are_closed_after_idle_keep_sec(serve, pools, monkeypatch) -> None:
