@@ -478,7 +478,7 @@ class Jobs:
         await resp.prepare(request)
         await resp.write(b"retry: 3000\n\n")
         async for batch in self.subscribe(job, after):
-            await resp.write(batch[0][2] if len(batch) == 1 else b"".join(ev[2] for ev in batch))
+            await resp.write(b"".join([ev[2] for ev in batch]))
         await resp.write_eof()
         return resp
 
