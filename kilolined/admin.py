@@ -12,6 +12,7 @@ import orjson
 from aiohttp import web
 
 from kilolined.auth import presented_key
+from kilolined.context import RT
 from kilolined.errors import error_response
 from kilolined.runtime import Runtime
 
@@ -19,8 +20,6 @@ SESSION_TTL_SEC = 3600  # short-lived: the page asks for a new one with the stor
 
 
 def _rt(request: web.Request) -> Runtime:
-    from kilolined.app import RT
-
     return request.app[RT]
 
 

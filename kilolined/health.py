@@ -9,14 +9,11 @@ from __future__ import annotations
 import asyncio
 import random
 import time
-from typing import TYPE_CHECKING
+from collections.abc import Callable
 
 import aiohttp
 
 from kilolined.nodes import NodeState
-
-if TYPE_CHECKING:
-    from kilolined.runtime import Runtime
 
 
 async def probe(session: aiohttp.ClientSession, ns: NodeState) -> tuple[bool, float | None, str | None]:
@@ -43,14 +40,15 @@ async def probe(session: aiohttp.ClientSession, ns: NodeState) -> tuple[bool, fl
         return False, None, f"health check failed: {type(e).__name__}"
 
 
-async def health_loop(rt: Runtime, ns: NodeState) -> None:
+async def health_loop(session: Callable[[str], aiohttp.ClientSession], ns: NodeState, clock: Callable[[], float],
+                      on_events: Callable[[NodeState, list[str]], None]) -> None:
     hc = ns.health_cfg
     assert hc is not None
     # First probe soon (a node that is down at start should be known quickly), then jittered.
     await asyncio.sleep(random.uniform(0, min(hc.interval_sec, 0.5)))
     while True:
-        ok, ms, err = await probe(rt.session(ns.name), ns)
+        ok, ms, err = await probe(session(ns.name), ns)
         if ns.retired:
             return
-        rt.node_events(ns, ns.record_check(ok, rt.clock(), ms, err))
+        on_events(ns, ns.record_check(ok, clock(), ms, err))
         await asyncio.sleep(hc.interval_sec * random.uniform(0.9, 1.1))

@@ -10,26 +10,30 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
+import json
 import logging
 import secrets
 import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+import aiohttp
 import orjson
 from aiohttp import web
 
+from kilolined.adapters.base import Adapter
+from kilolined.auth import Principal, presented_key
+from kilolined.call import Call
 from kilolined.config import JobsConfig
-from kilolined.forward import Hooks
-from kilolined.queue import WAITING, Lease, Rejected, Ticket
-
-if TYPE_CHECKING:
-    from kilolined.app import Call
-    from kilolined.auth import Principal
-    from kilolined.proxy import Exchange
-    from kilolined.runtime import Runtime
+from kilolined.lease import LeaseScope
+from kilolined.outcome import Cancelled, Failure, Result
+from kilolined.proxy import Exchange, Observer, Upstream, UpstreamFailed
+from kilolined.queue import WAITING, Lease, Ticket
+from kilolined.runner import ModeSink, run
+from kilolined.runtime import Runtime
+from kilolined.webhooks import WebhookDeliverer, check_callback_url
 
 log = logging.getLogger("kilolined.jobs")
 
@@ -77,27 +81,6 @@ class Subscriber:
         return out
 
 
-@dataclass
-class JobResult:
-    http_status: int
-    content_type: str
-    body: bytes
-    result: Any = None  # what output_ready.result carries (parsed JSON ≤ 1 MB, or an adapter's view)
-    files: list[tuple[str, str]] = field(default_factory=list)  # comfyui: (node, /view query)
-
-
-class JobFailed(Exception):
-    def __init__(self, type_: str, message: str, http_status: int | None = None, body: bytes | None = None,
-                 content_type: str | None = None):
-        super().__init__(message)
-        self.type, self.message, self.http_status = type_, message, http_status
-        self.body, self.content_type = body, content_type
-
-
-class JobCancelled(Exception):
-    pass
-
-
 @dataclass(eq=False)
 class Job:
     id: str
@@ -118,7 +101,7 @@ class Job:
     error: dict[str, str] | None = None
     queue_wait: float | None = None
     duration: float | None = None
-    result: JobResult | None = None
+    result: Result | None = None
     events: list[tuple[int, str, bytes]] = field(default_factory=list)
     next_id: int = 1
     subscribers: set[Subscriber] = field(default_factory=set)
@@ -126,7 +109,6 @@ class Job:
     last_position: int | None = None
     last_queue_status_at: float = 0.0
     task: asyncio.Task[None] | None = None
-    lease: Lease | None = None
     cancel_requested: bool = False
     started_mono: float | None = None
 
@@ -135,7 +117,7 @@ class Job:
         # right-sized (orjson's own bytes object carries a ~4 KB allocation, which a log of
         # hundreds of events per waiting job would pin).
         ev = (self.next_id, event, b"id: %d\nevent: %s\ndata: %s\n\n" % (self.next_id, event.encode(),
-                                                                           orjson.dumps(data)))
+                                                                           _json(data)))
         self.next_id += 1
         self.events.append(ev)
         if len(self.events) > REPLAY_KEEP:
@@ -165,21 +147,27 @@ class Job:
         }
 
 
-class JobHooks(Hooks):
-    """Turns the request's moves into job events."""
+class JobSink(ModeSink):
+    """The sse/async client modes: the request's moves become job events, its answer the result."""
 
-    __slots__ = ("job", "rt")
+    __slots__ = ("failure", "job", "res", "rt")
+    reports_progress = True
+    gone = "cancelled"
 
     def __init__(self, rt: Runtime, job: Job):
         self.rt, self.job = rt, job
+        self.res: Result | None = None
+        self.failure: Failure | None = None
+
+    @property
+    def mode(self) -> str:  # type: ignore[override]
+        return self.job.mode
 
     def dispatched(self, lease: Lease, queue_wait: float) -> None:
         job, rt = self.job, self.rt
-        first = job.started_at is None
-        job.lease = lease
         job.node = lease.node
         job.status = "running"
-        if first:
+        if job.started_at is None:
             job.started_at = time.time()
             job.started_mono = rt.clock()
             job.queue_wait = queue_wait
@@ -189,11 +177,58 @@ class JobHooks(Hooks):
     def rerouted(self, from_node: str, to_node: str, reason: str) -> None:
         self.job.emit("rerouted", {"from_node": from_node, "to_node": to_node, "reason": reason})
 
+    def progress(self, step: int | float, total: int | float) -> None:
+        pct = max(0, min(100, int(step * 100 // total)))
+        self.job.emit("step_progress", {"step": step, "total": total, "pct": pct})
+
+    async def deliver(self, scope: LeaseScope, up: Upstream, obs: Observer | None,
+                      capture: bytearray | None = None) -> None:
+        """Read the whole answer into memory: it is the job's result."""
+        limit = int(self.rt.cfg.jobs.max_results_mb * 1024 * 1024)
+        ok = False
+        try:
+            body = await _read_result(up, limit, obs)
+            ok = up.status < 500
+            scope.ok = ok
+        except (aiohttp.ClientError, TimeoutError, UpstreamFailed) as e:
+            # Bytes had arrived from the node: this attempt cannot be replayed, the job fails.
+            reason = e.reason if isinstance(e, UpstreamFailed) else "connection lost mid-response"
+            lease = scope.lease
+            if lease is not None:
+                self.rt.node_failure(lease.node, reason, lease.trial)
+            raise Failure("upstream_error", reason, 502) from None
+        finally:
+            up.release()
+            if obs is not None:
+                obs.done(ok)
+        ctype = up.headers.get("Content-Type", "application/octet-stream")
+        if up.status >= 400:
+            raise Failure("upstream_error", f"node answered HTTP {up.status}", up.status, body, ctype)
+        self.res = Result(up.status, ctype, body)
+
+    def result(self, res: Result) -> None:
+        self.res = res
+
+    async def fail(self, f: Failure) -> None:
+        self.failure = f
+
+
+async def _read_result(up: Upstream, limit: int, obs: Observer | None) -> bytes:
+    buf = bytearray()
+    async for chunk in up.content.iter_any():
+        buf += chunk
+        if obs is not None:
+            obs.feed(chunk)
+        if len(buf) > limit:
+            raise UpstreamFailed("result larger than jobs.max_results_mb")
+    return bytes(buf)
+
 
 class Jobs:
-    def __init__(self, rt: Runtime, cfg: JobsConfig):
+    def __init__(self, rt: Runtime, cfg: JobsConfig, webhooks: WebhookDeliverer):
         self.rt = rt
         self.cfg = cfg
+        self.webhooks = webhooks
         self.jobs: dict[str, Job] = {}
         self.active: set[Job] = set()  # not yet terminal: what the ticker looks at
         self.finished: OrderedDict[str, Job] = OrderedDict()  # finish order, for the TTL
@@ -225,32 +260,30 @@ class Jobs:
         callback = call.request.headers.get("X-KiloLine-Callback") or (principal.cfg.webhook_url if principal else None)
         if not callback:
             return None, None
-        from kilolined.webhooks import check_callback_url
-
         why = await check_callback_url(callback, self.cfg.webhook_allow_private)
         return (None, why) if why else (callback, None)
 
     async def submit(self, call: Call, ticket: Ticket, ex: Exchange, principal: Principal | None,
-                     callback: str | None) -> web.StreamResponse:
+                     callback: str | None, adapter: Adapter) -> web.StreamResponse:
         rt = self.rt
         request = call.request
         job = Job(
             id=secrets.token_urlsafe(16),  # 128 random bits
             access_token=secrets.token_urlsafe(24),
-            route=ticket.route, route_label=rt._route_label(ticket.route), kind=call.kind,
+            route=ticket.route, route_label=rt.route_label(ticket.route), kind=call.kind,
             key=principal.key_id if principal else None, mode=call.mode, ticket=ticket, callback=callback,
         )
         self.jobs[job.id] = job
         self.active.add(job)
         position = rt.scheduler.position(ticket, rt.clock())
-        est = self._est(job, position)
+        est = self.est(job, position)
         rq = rt.scheduler.routes[ticket.route]
         job.last_position = position
         urls = job.urls()
         job.emit("queued", {"job_id": job.id, "route": job.route_label, "position": position,
                             "queue_depth": len(rq.waiting), "est_wait_sec": est,
                             "events_url": urls["events_url"], "result_url": urls["result_url"]})
-        job.task = rt.spawn(self._run(job, ex))
+        job.task = rt.spawn(self._run(job, ex, adapter))
         call.headers["X-KiloLine-Job"] = job.id
         if call.mode == "async":
             body = {"job_id": job.id, "status": job.status, "position": position, "est_wait_sec": est, **job.urls()}
@@ -259,38 +292,52 @@ class Jobs:
                                          "X-Request-Id": call.request_id})
         return await self.stream(request, job, 0, call.headers | {"X-Request-Id": call.request_id})
 
-    def _est(self, job: Job, position: int | None) -> float | None:
+    def est(self, job: Job, position: int | None) -> float | None:
         rq = self.rt.scheduler.routes.get(job.route)
         if rq is None or position is None:
             return None
         return self.rt.scheduler.est_wait(rq, position, self.rt.clock())
 
     # --- running ------------------------------------------------------------------------
-    async def _run(self, job: Job, ex: Exchange) -> None:
-        from kilolined.adapters import adapter_for
-
-        rt = self.rt
-        jobs = self
-        adapter = adapter_for(job.kind)
+    async def _run(self, job: Job, ex: Exchange, adapter: Adapter) -> None:
+        """Run the job to its end; whatever happens, it ends terminal (events, webhook)."""
+        sink = JobSink(self.rt, job)
         try:
-            res = await adapter.run_job(rt, job, ex, JobHooks(rt, job))
-        except Rejected as r:
-            jobs._finish_failed(job, r.type, r.message, r.status)
-        except JobFailed as f:
-            jobs._finish_failed(job, f.type, f.message, f.http_status, f.body, f.content_type)
-        except (JobCancelled, asyncio.CancelledError):
-            rt.abandon(job.ticket)
-            if job.status not in TERMINAL:
-                jobs._finish(job, "cancelled")
-                job.error = {"type": "cancelled", "message": "cancelled"}
-                job.emit("failed", {"status": "cancelled", "error": job.error, "http_status": None})
+            await run(self.rt, job.ticket, ex, adapter, sink, job.key, job.route_label)
+        except (Cancelled, asyncio.CancelledError):
+            self._cancelled(job)
         except Exception as e:  # a bug must fail one job, not the gateway
             log.exception("job %s", job.id)
-            jobs._finish_failed(job, "upstream_error", f"internal error ({type(e).__name__})", 502)
-        else:
-            jobs._finish_completed(job, res)
+            sink.failure = Failure("internal_error", f"internal error ({type(e).__name__})", 500)
         finally:
             job.task = None  # a finished job is kept for result_ttl_sec; its task need not be
+            if job.status not in TERMINAL:
+                self._conclude(job, sink)
+
+    def _conclude(self, job: Job, sink: JobSink) -> None:
+        try:
+            f = sink.failure
+            if f is not None:
+                self._finish_failed(job, f.type, f.message, f.http_status, f.body, f.content_type)
+            elif sink.res is not None:
+                self._finish_completed(job, sink.res)
+            else:
+                self._finish_failed(job, "internal_error", "the job ended without a result", 500)
+        except Exception:
+            # Rendering the ending itself failed: the job still ends, and its watchers are told.
+            log.exception("job %s: finishing", job.id)
+            if job.status not in TERMINAL:
+                self._finish(job, "failed")
+            job.error = {"type": "internal_error", "message": "the job's result could not be rendered"}
+            job.emit("failed", {"status": "failed", "error": job.error, "http_status": 500})
+            self._webhook(job, "job.failed", None)
+
+    def _cancelled(self, job: Job) -> None:
+        self.rt.scheduler.cancel(job.ticket)
+        if job.status not in TERMINAL:
+            self._finish(job, "cancelled")
+            job.error = {"type": "cancelled", "message": "cancelled"}
+            job.emit("failed", {"status": "cancelled", "error": job.error, "http_status": None})
 
     def _finish(self, job: Job, status: str) -> None:
         self.active.discard(job)
@@ -299,11 +346,9 @@ class Jobs:
         if job.started_mono is not None:
             job.duration = round(self.rt.clock() - job.started_mono, 3)
         self.finished[job.id] = job
-        outcome = {"completed": "ok", "failed": "failed", "cancelled": "cancelled"}[status]
-        self.rt.metrics.requests.labels(job.route_label, outcome).inc()
         self.rt.stats.record(job.route_label, status, job.queue_wait, job.duration)
 
-    def _finish_completed(self, job: Job, res: JobResult) -> None:
+    def _finish_completed(self, job: Job, res: Result) -> None:
         job.result = res
         job.http_status = res.http_status
         self.result_bytes += len(res.body)
@@ -325,7 +370,7 @@ class Jobs:
         job.http_status = http_status
         job.error = {"type": type_, "message": message}
         if body is not None:
-            job.result = JobResult(http_status or 502, content_type or "application/json", body)
+            job.result = Result(http_status or 502, content_type or "application/json", body)
             self.result_bytes += len(body)
             self.results[job.id] = job
         self._finish(job, "failed")
@@ -334,14 +379,14 @@ class Jobs:
         self._evict()
 
     def _webhook(self, job: Job, type_: str, result: Any) -> None:
-        if not job.callback or self.rt.webhooks is None:
+        if not job.callback:
             return
         payload = {"type": type_, "job_id": job.id, "route": job.route_label, "status": job.status,
                    "http_status": job.http_status, "duration_sec": job.duration,
                    "queue_wait_sec": _r(job.queue_wait), "result_url": job.urls()["result_url"], "result": result}
         if job.error:
             payload["error"] = job.error
-        self.rt.webhooks.submit(job.callback, payload, msg_id=f"msg_{job.id}")
+        self.webhooks.submit(job.callback, payload, msg_id=f"msg_{job.id}")
 
     def _evict(self) -> None:
         """Forget jobs past result_ttl_sec; drop the oldest results while over max_results_mb."""
@@ -367,7 +412,7 @@ class Jobs:
             return
         job.cancel_requested = True
         if job.ticket.state == WAITING:
-            self.rt.abandon(job.ticket)
+            self.rt.scheduler.cancel(job.ticket)
         if job.task is not None and not job.task.done():
             job.task.cancel()
 
@@ -440,8 +485,6 @@ class Jobs:
     # --- reading ------------------------------------------------------------------------
     def find(self, request: web.Request, job_id: str) -> Job | None:
         """The job if the caller may see it: its access token, or the key that created it."""
-        from kilolined.auth import presented_key
-
         job = self.jobs.get(job_id)
         if job is None:
             return None
@@ -481,6 +524,14 @@ class Jobs:
             await resp.write(b"".join([ev[2] for ev in batch]))
         await resp.write_eof()
         return resp
+
+
+def _json(data: dict[str, Any]) -> bytes:
+    """orjson, or — for a string it refuses (a lone surrogate from a node's odd bytes) — escaped JSON."""
+    try:
+        return orjson.dumps(data)
+    except TypeError:
+        return json.dumps(data).encode()
 
 
 def _r(x: float | None) -> float | None:

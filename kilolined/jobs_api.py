@@ -7,23 +7,29 @@ must not be probeable.
 
 from __future__ import annotations
 
+import asyncio
+
 import aiohttp
 import orjson
 from aiohttp import web
 
+from kilolined.context import GW
 from kilolined.errors import error_response
-from kilolined.jobs import TERMINAL, Job
+from kilolined.jobs import TERMINAL, Job, Jobs
 from kilolined.proxy import request_id, response_headers, stream_back
+from kilolined.runtime import Runtime
 
 
-def _rt(request: web.Request):
-    from kilolined.app import RT
+def _rt(request: web.Request) -> Runtime:
+    return request.app[GW].rt
 
-    return request.app[RT]
+
+def _jobs(request: web.Request) -> Jobs:
+    return request.app[GW].jobs
 
 
 def _job(request: web.Request) -> Job | None:
-    return _rt(request).jobs.find(request, request.match_info["job_id"])
+    return _jobs(request).find(request, request.match_info["job_id"])
 
 
 def _not_found(request: web.Request) -> web.Response:
@@ -33,7 +39,7 @@ def _not_found(request: web.Request) -> web.Response:
 def _view(request: web.Request, job: Job) -> dict[str, object]:
     rt = _rt(request)
     pos = rt.scheduler.position(job.ticket, rt.clock()) if job.status == "queued" else None
-    return job.view(pos, rt.jobs._est(job, pos))
+    return job.view(pos, _jobs(request).est(job, pos))
 
 
 async def status(request: web.Request) -> web.Response:
@@ -52,7 +58,7 @@ async def events(request: web.Request) -> web.StreamResponse:
         after = int(raw)
     except ValueError:
         return error_response(400, "bad_request", "Last-Event-ID must be an event id")
-    return await _rt(request).jobs.stream(request, job, after, {"X-Request-Id": request_id(request)})
+    return await _jobs(request).stream(request, job, after, {"X-Request-Id": request_id(request)})
 
 
 async def result(request: web.Request) -> web.Response:
@@ -97,13 +103,10 @@ async def cancel(request: web.Request) -> web.Response:
     job = _job(request)
     if job is None:
         return _not_found(request)
-    rt = _rt(request)
-    rt.jobs.cancel(job)
+    _jobs(request).cancel(job)
     task = job.task
     if task is not None and not task.done():
         # Let the runner record the cancellation (and interrupt ComfyUI) before answering.
-        import asyncio
-
         await asyncio.wait({task}, timeout=5)
     return web.Response(body=orjson.dumps(_view(request, job)), content_type="application/json")
 

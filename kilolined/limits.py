@@ -158,6 +158,22 @@ class Budgets:
             return "gpu_seconds_per_day"
         return None
 
+    def take_request(self, key: str, budget: BudgetConfig | None, wall: float) -> str | None:
+        """Check and count one request in the same step (so N concurrent requests against a budget
+        of B admit exactly min(N, B)); returns the spent budget's name instead when refused."""
+        spent = self.exhausted(key, budget, wall)
+        if spent is None:
+            self.add(key, wall, requests=1)
+        return spent
+
+    def give_back_request(self, key: str, wall: float) -> None:
+        """A request counted by take_request was refused later (bad body, full queue)."""
+        self._roll(wall)
+        u = self.used.get(key)
+        if u is not None and u["requests"] >= 1:
+            u["requests"] -= 1
+            self.dirty = True
+
     def add(self, key: str, wall: float, *, requests: int = 0, tokens: int = 0, gpu_seconds: float = 0) -> None:
         self._roll(wall)
         u = self.used.setdefault(key, dict.fromkeys(self.FIELDS, 0.0))

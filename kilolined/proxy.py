@@ -11,16 +11,13 @@ import os
 import re
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import aiohttp
 from aiohttp import web
 from multidict import CIMultiDict
 
 from kilolined.upstream import ConnectFailed, NodePool, UpstreamResponse
-
-if TYPE_CHECKING:
-    from kilolined.adapters.base import Observer
 
 HOP_BY_HOP = frozenset(
     h.lower()
@@ -40,6 +37,18 @@ RETRY_STATUSES = frozenset((502, 503, 504))
 Upstream = UpstreamResponse | aiohttp.ClientResponse
 CAPTURE_MAX = 1024 * 1024  # what an adapter may ask to see of a sync answer (ComfyUI's prompt id)
 _SANE_ID = re.compile(r"[A-Za-z0-9._:\-]{1,128}")
+
+
+class Observer:
+    """Sees each chunk of a response on its way to the client; must be cheap."""
+
+    __slots__ = ()
+
+    def feed(self, chunk: bytes) -> None:
+        pass
+
+    def done(self, ok: bool) -> None:
+        pass
 
 
 class UpstreamFailed(Exception):
@@ -180,9 +189,15 @@ def cut_client(request: web.BaseRequest) -> None:
         tr.abort()
 
 
+class WriteFlag(Protocol):
+    """Raised while bytes go to the client: a deadline then is the client's doing, not the node's."""
+
+    writing: bool
+
+
 async def stream_back(
     request: web.Request, up: Upstream, headers: CIMultiDict[str], obs: Observer | None = None,
-    capture: bytearray | None = None,
+    capture: bytearray | None = None, flag: WriteFlag | None = None,
 ) -> tuple[web.StreamResponse, int]:
     """Copy the node's answer to the client; returns the response and the bytes sent.
 
@@ -202,7 +217,12 @@ async def stream_back(
     sent = 0
     async for chunk in up.content.iter_any():
         _seen(chunk, obs, capture)
-        await resp.write(chunk)
+        if flag is None:
+            await resp.write(chunk)
+        else:
+            flag.writing = True
+            await resp.write(chunk)
+            flag.writing = False
         sent += len(chunk)
     await resp.write_eof()
     return resp, sent

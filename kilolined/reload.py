@@ -27,12 +27,13 @@ async def reload_from_file(rt: Runtime, reason: str) -> list[str]:
     try:
         try:
             cfg, version = load_config(rt.config_path)
+            if version == rt.version and rt.last_error is None:
+                return []
+            warnings = rt.apply(cfg, version)  # a component may refuse it: ConfigError, nothing changed
         except ConfigError as e:
             rt.reload_failed(e.errors)
             return e.errors
-        if version == rt.version and rt.last_error is None:
-            return []
-        for w in rt.apply(cfg, version):
+        for w in warnings:
             log.warning("⚠ [reload] %s", w)
         log.info("✓ [reload] config %s applied (%s)", version[:12], reason)
         return []

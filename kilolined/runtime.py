@@ -10,24 +10,30 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
+from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
 
 from kilolined.auth import KeyStore
-from kilolined.config import Config, NodeConfig
+from kilolined.config import Config, ConfigError, NodeConfig, RouteConfig
 from kilolined.feed import Feed
+from kilolined.health import health_loop
 from kilolined.limits import Budgets, RateLimiter
 from kilolined.metrics import Metrics
 from kilolined.nodes import NodeState
-from kilolined.queue import LEASED, WAITING, Lease, Rejected, RouteQueue, Scheduler, Ticket
+from kilolined.queue import RouteQueue, Scheduler, Ticket
 from kilolined.stats import Stats
 from kilolined.upstream import NodePool
 
 log = logging.getLogger("kilolined")
 
 PUMP_SEC = 0.05
+
+
+class ConfigRefused(ConfigError):
+    """A component refused a new config: the reload changes nothing."""
 
 
 class Router:
@@ -43,6 +49,21 @@ class Router:
             if path == prefix or path.startswith(prefix + "/"):
                 return name, path[len(prefix) :] or "/"
         return None
+
+
+@dataclass(frozen=True)
+class Component:
+    """A live part that takes each new config: ``prepare`` may refuse it (errors), ``commit``
+    applies it. A reload prepares every component first and commits only if none refused
+    (mitmproxy's configure + rollback), so a config is live everywhere or nowhere."""
+
+    name: str
+    commit: Callable[[Config], None]
+    prepare: Callable[[Config], list[str]] = lambda _cfg: []
+
+
+def _no_alert(event: str, text: str, node: str | None) -> None:
+    pass
 
 
 class Runtime:
@@ -70,11 +91,11 @@ class Runtime:
         self._tasks: set[asyncio.Task[Any]] = set()
         self._pump: asyncio.Task[None] | None = None
         self.shutting_down = False
-        self.notifier: Any = None
-        self.webhooks: Any = None
-        self.jobs: Any = None
+        #: the notifier's emit (event, text, node); set by the server, a no-op until then
+        self.alert: Callable[[str, str, str | None], None] = _no_alert
+        #: parts above the core that take every new config (jobs, webhooks, notifier)
+        self.components: list[Component] = []
         self.started = False
-        self.log_json = False
         self.admin_sessions: dict[str, float] = {}  # dashboard session token -> expiry
         self._apply_state(cfg)
 
@@ -123,7 +144,13 @@ class Runtime:
         self._gc(now)
 
     def apply(self, cfg: Config, version: str) -> list[str]:
-        """Apply a validated config live (SPEC §2.1); returns warnings (e.g. listen changed)."""
+        """Apply a validated config live (docs/CONFIG.md "Hot reload"); returns warnings.
+
+        Every component prepares first; if one refuses, nothing changes and the errors are raised
+        as a ConfigRefused (the reload fails whole, like an invalid file)."""
+        refusals = [f"{c.name}: {e}" for c in self.components for e in c.prepare(cfg)]
+        if refusals:
+            raise ConfigRefused(refusals)
         warnings = []
         old = self.cfg
         if (old.server.listen, old.server.tls) != (cfg.server.listen, cfg.server.tls):
@@ -134,17 +161,10 @@ class Runtime:
         self.version = version
         self.loaded_at = time.time()
         self.last_error = None
+        for c in self.components:
+            c.commit(cfg)
         if self.started:
             self._sync_health_loops()
-            if self.notifier is not None:
-                self.notifier.configure(cfg.notify)
-            if self.webhooks is not None:
-                self.webhooks.configure(
-                    secret=cfg.jobs.webhook_secret, backoff_sec=list(cfg.jobs.webhook_backoff_sec),
-                    timeout_sec=cfg.jobs.webhook_timeout_sec, allow_private=cfg.jobs.webhook_allow_private,
-                )
-            if self.jobs is not None:
-                self.jobs.configure(cfg.jobs)
             self.wake()
         self.metrics.reloads.labels("ok").inc()
         self.feed.publish("reload", version=version, ok=True)
@@ -176,19 +196,6 @@ class Runtime:
 
     # --- lifecycle ----------------------------------------------------------------------
     async def start(self) -> None:
-        from kilolined.notify import Notifier
-        from kilolined.webhooks import WebhookDeliverer
-
-        self.notifier = Notifier(self.cfg.notify)
-        await self.notifier.start()
-        self.webhooks = WebhookDeliverer(
-            secret=self.cfg.jobs.webhook_secret, backoff_sec=list(self.cfg.jobs.webhook_backoff_sec),
-            timeout_sec=self.cfg.jobs.webhook_timeout_sec, allow_private=self.cfg.jobs.webhook_allow_private,
-        )
-        from kilolined.jobs import Jobs
-
-        self.jobs = Jobs(self, self.cfg.jobs)
-        self.jobs.start()
         self.started = True
         self._sync_health_loops()
         self._pump = asyncio.create_task(self._pump_loop(), name="kiloline-pump")
@@ -203,12 +210,6 @@ class Runtime:
         for t in list(self._tasks):
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
-        if self.jobs is not None:
-            await self.jobs.close()
-        if self.webhooks is not None:
-            await self.webhooks.close()
-        if self.notifier is not None:
-            await self.notifier.close()
         for s in [*self.sessions.values(), *self._retired_sessions]:
             await s.close()
         self.sessions.clear()
@@ -219,7 +220,7 @@ class Runtime:
         with contextlib.suppress(OSError):
             self.budgets.save()
 
-    def spawn(self, coro: Any) -> asyncio.Task[Any]:
+    def spawn(self, coro: Coroutine[Any, Any, Any]) -> asyncio.Task[Any]:
         """Background task owned by the Runtime (cancelled at stop, never garbage-collected early)."""
         t = asyncio.create_task(coro)
         self._tasks.add(t)
@@ -234,7 +235,7 @@ class Runtime:
             try:
                 now = self.clock()
                 for t in self.scheduler.expire(now):
-                    self.metrics.rejections.labels(self._route_label(t.route), "queue_timeout").inc()
+                    self.metrics.rejections.labels(self.route_label(t.route), "queue_timeout").inc()
                 self.wake()
                 self._gc(now)
                 if now - last_save > 5:
@@ -247,8 +248,6 @@ class Runtime:
                 log.exception("pump")
 
     def _sync_health_loops(self) -> None:
-        from kilolined.health import health_loop
-
         want = {n: ns for n, ns in self.scheduler.nodes.items() if not ns.retired and ns.cfg.health}
         for n, t in list(self._health_tasks.items()):
             cur = want.get(n)
@@ -257,7 +256,7 @@ class Runtime:
                 del self._health_tasks[n]
         for n, ns in want.items():
             if n not in self._health_tasks:
-                t = asyncio.create_task(health_loop(self, ns), name=f"health-{n}")
+                t = asyncio.create_task(health_loop(self.session, ns, self.clock, self.node_events), name=f"health-{n}")
                 t.kl_cfg = ns.cfg  # type: ignore[attr-defined]
                 self._health_tasks[n] = t
 
@@ -294,54 +293,6 @@ class Runtime:
 
     def admit(self, route: str, key: str, priority: int, *, pinned_node: str | None = None) -> Ticket:
         return self.scheduler.admit(route, key, priority, self.clock(), pinned_node=pinned_node)
-
-    async def wait(self, t: Ticket) -> Lease:
-        """Wait until the ticket holds a lease; raises its Rejected, or leaves the queue if cancelled."""
-        if t.state == WAITING:
-            fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-
-            def wake(_: Ticket) -> None:
-                if not fut.done():
-                    fut.set_result(None)
-
-            t.on_wake = wake
-            try:
-                await fut
-            except asyncio.CancelledError:
-                self.abandon(t)
-                raise
-            finally:
-                t.on_wake = None
-        if t.state == LEASED and t.lease is not None:
-            return t.lease
-        if t.error is not None:
-            raise t.error
-        raise Rejected(503, "shutting_down", "request was cancelled")
-
-    def abandon(self, t: Ticket) -> None:
-        """The owner is gone (client disconnect, job cancel): leave the queue or free the slot."""
-        if not self.scheduler.cancel(t) and t.state == LEASED and t.lease is not None:
-            self.release(t.lease, ok=None)
-
-    def release(self, lease: Lease, ok: bool | None, key: str | None = None) -> None:
-        """Free the slot (idempotent). ok=True feeds the service-time average."""
-        if lease.released:
-            return
-        now = self.clock()
-        held = now - lease.started_at
-        self.scheduler.release(lease, now, service_time=held if ok else None)
-        self.stats.gpu_seconds += held
-        if key is not None:
-            self.budgets.add(key, time.time(), gpu_seconds=held)
-        # A freed slot changes no node state, hence no route mode: dispatching is all there is
-        # to do (node events and the pump call wake() for the rest).
-        self.scheduler.dispatch(now)
-
-    def requeue(self, lease: Lease) -> Ticket:
-        t = self.scheduler.requeue(lease, self.clock())
-        self.metrics.failovers.labels(self._route_label(lease.route)).inc()
-        self.wake()
-        return t
 
     # --- node results -------------------------------------------------------------------
     def node_success(self, node: str, trial: bool) -> None:
@@ -399,17 +350,14 @@ class Runtime:
             self.notify(ev, text, node=route)
 
     def notify(self, event: str, text: str, node: str | None) -> None:
-        if self.notifier is not None:
-            self.notifier.emit(event, text, node=node)
+        self.alert(event, text, node)
 
     @staticmethod
-    def _route_label(route: str) -> str:
+    def route_label(route: str) -> str:
         return "adhoc" if route.startswith("adhoc:") else route
 
     # --- ad-hoc targets (SPEC §4.6) -----------------------------------------------------
     def adhoc_route(self, target: str, slots: int) -> str:
-        from kilolined.config import RouteConfig
-
         name = f"adhoc:{target}"
         sched = self.scheduler
         if name not in sched.nodes:

@@ -15,8 +15,13 @@ from aiohttp import web
 from kilolined import systemd
 from kilolined.app import build_app
 from kilolined.config import Config, split_listen
+from kilolined.context import Gateway
+from kilolined.jobs import Jobs
+from kilolined.notify import Notifier
 from kilolined.queue import Rejected
-from kilolined.runtime import Runtime
+from kilolined.reload import reload_from_file, watch_config
+from kilolined.runtime import Component, Runtime
+from kilolined.webhooks import WebhookDeliverer
 
 log = logging.getLogger("kilolined")
 
@@ -25,8 +30,17 @@ class Server:
     """Owns the Runtime, the aiohttp runner and the background triggers of one daemon."""
 
     def __init__(self, cfg: Config, version: str, config_path: str | None, *, watch: bool = True):
-        self.rt = Runtime(cfg, version, config_path=config_path)
-        self.app = build_app(self.rt)
+        self.rt = rt = Runtime(cfg, version, config_path=config_path)
+        notifier = Notifier(cfg.notify)
+        webhooks = WebhookDeliverer(**_webhook_settings(cfg))
+        self.gateway = Gateway(rt, Jobs(rt, cfg.jobs, webhooks), webhooks, notifier)
+        rt.alert = lambda event, text, node: notifier.emit(event, text, node=node)
+        rt.components = [
+            Component("notify", lambda c: notifier.configure(c.notify)),
+            Component("webhooks", lambda c: webhooks.configure(**_webhook_settings(c))),
+            Component("jobs", lambda c: self.gateway.jobs.configure(c.jobs)),
+        ]
+        self.app = build_app(self.gateway)
         self.runner: web.AppRunner | None = None
         self.sites: list[web.BaseSite] = []
         self.watch = watch and config_path is not None
@@ -36,6 +50,8 @@ class Server:
 
     async def start(self) -> None:
         rt = self.rt
+        await self.gateway.notifier.start()
+        self.gateway.jobs.start()
         await rt.start()
         # handler_cancellation: a client that goes away while queued must leave the queue at once.
         # shutdown_timeout is short: shutdown() waits out the grace for in-flight leases itself,
@@ -54,8 +70,6 @@ class Server:
         if server is not None and server.sockets:
             self.port = server.sockets[0].getsockname()[1]
         if self.watch:
-            from kilolined.reload import watch_config
-
             self._bg.append(asyncio.create_task(watch_config(rt, self._stop_watch)))
         self._bg.append(asyncio.create_task(systemd.watchdog_loop(rt)))
         log.info("✓ kilolined listening on %s (%d routes, %d nodes)", rt.cfg.server.listen,
@@ -86,7 +100,7 @@ class Server:
         deadline = loop.time() + grace
         while sum(rt.scheduler.node_inflight.values()) > 0 and loop.time() < deadline:
             await asyncio.sleep(0.05)
-        await rt.jobs.flush_webhooks(max(0.5, deadline - loop.time()))
+        await self.gateway.jobs.flush_webhooks(max(0.5, deadline - loop.time()))
         for t in self._bg:
             t.cancel()
         await asyncio.gather(*self._bg, return_exceptions=True)
@@ -94,11 +108,20 @@ class Server:
             with contextlib.suppress(Exception):
                 await self.runner.cleanup()
         await rt.stop()
+        await self.gateway.jobs.close()
+        await self.gateway.webhooks.close()
+        await self.gateway.notifier.close()
+
+
+def _webhook_settings(cfg: Config) -> dict[str, object]:
+    j = cfg.jobs
+    return {"secret": j.webhook_secret, "backoff_sec": list(j.webhook_backoff_sec),
+            "timeout_sec": j.webhook_timeout_sec, "allow_private": j.webhook_allow_private}
 
 
 async def serve(cfg: Config, version: str, config_path: str | None, log_json: bool = False) -> int:
     srv = Server(cfg, version, config_path)
-    srv.rt.log_json = log_json
+    srv.gateway.log_json = log_json
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
 
@@ -110,8 +133,6 @@ async def serve(cfg: Config, version: str, config_path: str | None, log_json: bo
         stop.set()
 
     def on_hup() -> None:
-        from kilolined.reload import reload_from_file
-
         srv.rt.spawn(reload_from_file(srv.rt, reason="SIGHUP"))
 
     await srv.start()

@@ -1,55 +1,42 @@
-"""The seed-compatible ``/v1/proxy`` endpoint (SPEC §4.6): the client names the target host.
+"""The seed-compatible ``/v1/proxy`` endpoint (docs/API.md "/v1/proxy"): the client names the target.
 
-A target is allowed only if it is a configured node's URL (the request joins that node's
-route queue, pinned to that node) or matches one of the key's ``adhoc_targets`` globs (it joins
-an ad-hoc queue for that target with ``X-Concurrency-Slot`` slots, 1–8).
+Another way to resolve the route, nothing more: the rest of the pipeline is the same stage list.
+A target is allowed only if it is a configured node's URL (the request joins that node's route
+queue, pinned to that node) or matches one of the key's ``adhoc_targets`` globs (it joins an
+ad-hoc queue for that target with ``X-Concurrency-Slot`` slots, 1–8).
 """
 
 from __future__ import annotations
 
 import re
-import time
+from typing import Protocol
 
 from aiohttp import web
 
-from kilolined.adapters import adapter_for
-from kilolined.app import RT, Call, admit_and_run, check_limits, choose_mode, log_access, read_exchange, tail_with_query
+from kilolined.adapters.registry import adapter_for
 from kilolined.auth import presented_key
-from kilolined.proxy import client_ip, request_id
+from kilolined.call import Call
+from kilolined.runtime import Runtime
 
-_TARGET = re.compile(r"https?://[A-Za-z0-9.\-\[\]:]+")
-
-
-async def handle_proxy_endpoint(request: web.Request) -> web.StreamResponse:
-    rt = request.app[RT]
-    call = Call(request, request_id(request), time.monotonic(), route="proxy")
-    try:
-        resp = await _proxy(call)
-        call.status = resp.status
-        return resp
-    finally:
-        log_access(rt, call)
+_TARGET = re.compile(r"https?://[A-Za-z0-9.\-\[\]]+(:[0-9]{1,5})?")
 
 
-async def _proxy(call: Call) -> web.StreamResponse:
+class HasRuntime(Protocol):
+    rt: Runtime
+
+
+async def resolve_target(gw: HasRuntime, call: Call) -> web.StreamResponse | None:
+    """``X-Target-Host`` → (route, pinned node) or an ad-hoc route; always needs a key."""
+    rt = gw.rt
     request = call.request
-    rt = request.app[RT]
-    if rt.shutting_down:
-        return call.error(503, "shutting_down", "the gateway is shutting down", 5)
-    principal = rt.keys.lookup(presented_key(request))
+    call.principal = principal = rt.keys.lookup(presented_key(request))
     if principal is None:
         return call.error(401, "unauthorized", "missing or unknown API key")
-    call.key = principal.key_id
     target = request.headers.get("X-Target-Host", "").strip().rstrip("/")
-    if not _TARGET.fullmatch(target):
+    m = _TARGET.fullmatch(target)
+    if m is None or (m.group(1) is not None and not 0 < int(m.group(1)[1:]) < 65536):
         return call.error(400, "bad_request", "X-Target-Host must be scheme://host:port")
-    mode = choose_mode(request)
-    if mode is None:
-        return call.error(400, "bad_request", "X-KiloLine-Mode must be sync, sse or async")
-    call.mode = mode
-    tail = tail_with_query(request, request.rel_url.raw_path.removeprefix("/v1/proxy") or "/")
-    pinned: str | None = None
-    route: str | None = None
+    call.tail = request.rel_url.raw_path.removeprefix("/v1/proxy") or "/"
     owners = [
         (rn, n)
         for rn, rcfg in rt.cfg.routes.items()
@@ -63,7 +50,9 @@ async def _proxy(call: Call) -> web.StreamResponse:
         owners = [o for o in owners if principal.may_use(o[0])]
         if not owners:
             return call.error(403, "forbidden", "target not allowed for this key")
-        route, pinned = owners[0]
+        call.route_name, call.pinned_node = owners[0]
+        call.kind = rt.cfg.routes[call.route_name].kind
+        call.adapter = adapter_for(call.kind)
     elif principal.may_target(target):
         try:
             slots = int(request.headers.get("X-Concurrency-Slot", "1"))
@@ -71,19 +60,8 @@ async def _proxy(call: Call) -> web.StreamResponse:
             return call.error(400, "bad_request", "X-Concurrency-Slot must be an integer 1–8")
         if not 1 <= slots <= 8:
             return call.error(400, "bad_request", "X-Concurrency-Slot must be an integer 1–8")
-        route = rt.adhoc_route(target, slots)
+        call.route_name = rt.adhoc_route(target, slots)
     else:
         return call.error(403, "forbidden", "target not allowed: not a configured node nor in adhoc_targets")
-    call.route = rt._route_label(route)
-    route_rate = None
-    if pinned is not None:
-        call.kind = rt.cfg.routes[route].kind
-        call.adapter = adapter_for(call.kind)
-        route_rate = rt.cfg.routes[route].rate
-    refused = check_limits(rt, call, principal, principal.key_id, route_rate)
-    if refused is not None:
-        return refused
-    ex = await read_exchange(rt, call, tail, client_ip(request, rt.cfg.server.trusted_proxies))
-    if isinstance(ex, web.Response):
-        return ex
-    return await admit_and_run(rt, call, route, ex, principal, principal.cfg.priority, pinned_node=pinned)
+    call.route = rt.route_label(call.route_name)
+    return None

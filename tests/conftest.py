@@ -58,6 +58,10 @@ class Gateway:
         return self.server.rt
 
     @property
+    def jobs(self):
+        return self.server.gateway.jobs
+
+    @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.server.port}"
 

@@ -183,7 +183,7 @@ async def test_private_callback_refused_with_400(fakegpus, gateway, http, receiv
     assert receiver.requests == 0
     st = await admin_state(http, gw)
     assert st["routes"]["gen"]["queue_depth"] == 0 and st["routes"]["gen"]["inflight"] == 0
-    assert gw.rt.jobs.jobs == {}
+    assert gw.jobs.jobs == {}
 
 
 async def test_failing_job_sends_job_failed(fakegpus, gateway, http, receiver) -> None:
@@ -378,4 +378,4 @@ async def test_cap_evicted_jobs_still_expire_after_result_ttl_sec(fakegpus, gate
     await wait_until(normal_ones_gone, timeout=6, step=0.1)  # TTL-expired: gone from memory
     await asyncio.sleep(0.5)  # a few more ticks of the jobs loop
     assert await status(first) == 404, "the cap-evicted job is still kept after its TTL"
-    assert first not in gw.rt.jobs.jobs
+    assert first not in gw.jobs.jobs

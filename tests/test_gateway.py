@@ -863,7 +863,7 @@ async def test_write_to_a_closing_client_is_not_a_node_failure(fakegpus, gateway
     """The exact error aiohttp raises when the client's transport is closing while we write."""
     import aiohttp as _aiohttp
 
-    import kilolined.app as app_module
+    import kilolined.sinks as app_module
 
     async def closing(*_a: Any, **_k: Any) -> Any:
         raise _aiohttp.ClientConnectionResetError("Cannot write to closing transport")

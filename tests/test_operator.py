@@ -166,7 +166,7 @@ async def test_no_payload_in_logs_or_files(fakegpus, gateway, http, tmp_path: Pa
     stream = {**chat, "stream": True}
     async with http.post(gw.url + "/v1/chat/completions", json=stream, headers=auth()) as r:
         await r.read()
-    await wait_until(lambda: not gw.rt.jobs.active, timeout=15)
+    await wait_until(lambda: not gw.jobs.active, timeout=15)
     gw.rt.budgets.save()
     logged = "\n".join(rec.getMessage() for rec in caplog.records)
     assert "access" in {rec.name.split(".")[-1] for rec in caplog.records}  # the access log did run

@@ -348,7 +348,7 @@ async def test_reconnect_replays_missed_events_then_live_ones(fakegpus, gateway,
     cut = int(first[-1].id or 0)
     assert first[0].event == "queued"
 
-    job = gw.rt.jobs.jobs[job_id]
+    job = gw.jobs.jobs[job_id]
     await wait_until(lambda: job.next_id - 1 > cut, timeout=5)  # something happened while we were away
     assert (await job_status(http, gw, job_id))["status"] == "running"
     missed_upto = job.next_id - 1

@@ -1,30 +1,32 @@
-"""The adapter interface and the plain HTTP job runner that generic and openai share."""
+"""The adapter interface, and the plain HTTP exchange that generic and openai routes use.
+
+An adapter says what differs per backend kind: how to check a request before it queues
+(``prepare``), how to submit it and know when the GPU work is done (``serve``), what to read on
+the way (``observer``: usage, time to first token, progress). It never takes or frees a slot
+itself: it asks the lease scope for a lease (``scope.acquire``) and hands the answer to the sink.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Coroutine
-from typing import TYPE_CHECKING, Any
+from typing import Protocol
 
-import aiohttp
-
-from kilolined.proxy import Exchange, UpstreamFailed
+from kilolined.lease import LeaseScope
+from kilolined.proxy import RETRY_STATUSES, Exchange, Observer, Upstream, UpstreamFailed, open_upstream
+from kilolined.queue import Lease
+from kilolined.runtime import Runtime
 from kilolined.upstream import UpstreamResponse
 
-if TYPE_CHECKING:
-    from kilolined.forward import Hooks
-    from kilolined.jobs import Job, JobResult
-    from kilolined.queue import Lease
-    from kilolined.runtime import Runtime
 
+class Sink(Protocol):
+    """What an adapter may hand a client mode (sinks.py, jobs.py)."""
 
-class Observer:
-    """Sees each chunk of a response on its way to the client; must be cheap."""
+    mode: str
+    reports_progress: bool
 
-    def feed(self, chunk: bytes) -> None:
-        pass
+    async def deliver(self, scope: LeaseScope, up: Upstream, obs: Observer | None,
+                      capture: bytearray | None = None) -> None: ...
 
-    def done(self, ok: bool) -> None:
-        pass
+    def progress(self, step: int | float, total: int | float) -> None: ...
 
 
 class Adapter:
@@ -33,74 +35,44 @@ class Adapter:
     def prepare(self, ex: Exchange) -> None:
         """Validate or rewrite the request before it is queued; raise Rejected(400) to refuse it."""
 
-    def observer(self, rt: Runtime, ex: Exchange, route: str, key: str | None, dispatched: float) -> Observer | None:
+    def observer(self, rt: Runtime, ex: Exchange, scope: LeaseScope, sink: Sink) -> Observer | None:
         return None
 
-    def sync_hold(self, rt: Runtime, lease: Lease, ex: Exchange, status: int,
-                  body: bytes) -> Coroutine[Any, Any, None] | None:
-        """After a sync response: a coroutine that ends when the node's work for it ends, or None."""
-        return None
-
-    def captures_sync_body(self, ex: Exchange) -> bool:
-        """Whether sync_hold needs a copy of the (small) response body."""
-        return False
-
-    async def run_job(self, rt: Runtime, job: Job, ex: Exchange, hooks: Hooks) -> JobResult:
-        return await run_http_job(rt, job, ex, hooks, self)
-
-    def job_progress(self, job: Job, ex: Exchange) -> Observer | None:
-        """An observer that turns body chunks into step_progress events (openai counts tokens)."""
-        return None
+    async def serve(self, rt: Runtime, scope: LeaseScope, ex: Exchange, sink: Sink) -> None:
+        """The request's whole life on a node, inside its lease scope."""
+        up = await scope.acquire(HttpAttempt(rt, ex))
+        await sink.deliver(scope, up, self.observer(rt, ex, scope, sink))
 
 
-async def read_result(up: UpstreamResponse, limit: int, obs: Observer | None) -> bytes:
-    buf = bytearray()
-    async for chunk in up.content.iter_any():
-        buf += chunk
-        if obs is not None:
-            obs.feed(chunk)
-        if len(buf) > limit:
-            raise UpstreamFailed("result larger than jobs.max_results_mb")
-    return bytes(buf)
+class HttpAttempt:
+    """Send the request, wait for headers; 502/503/504 count as node failures (re-queued).
+
+    A class with two slots rather than a closure: one is held by every waiting request, and a
+    closure's function object and cells cost ~4× as much.
+    """
+
+    __slots__ = ("ex", "rt")
+
+    def __init__(self, rt: Runtime, ex: Exchange):
+        self.rt, self.ex = rt, ex
+
+    async def __call__(self, lease: Lease) -> UpstreamResponse:
+        rt = self.rt
+        ns = rt.scheduler.nodes[lease.node]
+        rcfg = rt.scheduler.routes[lease.route].cfg
+        up = await open_upstream(rt.pool(lease.node), self.ex, ns.cfg.url, ns.cfg.headers, rcfg.request_timeout_sec)
+        if up.status in RETRY_STATUSES:
+            raise UpstreamFailed(f"HTTP {up.status} from node", response=up)
+        if up.status >= 500:
+            rt.node_failure(lease.node, f"HTTP {up.status} from node", lease.trial)
+        else:
+            rt.node_success(lease.node, lease.trial)
+        return up
 
 
-async def run_http_job(rt: Runtime, job: Job, ex: Exchange, hooks: Hooks, adapter: Adapter) -> JobResult:
-    """Forward, read the whole answer into memory (the job's result), free the slot."""
-    from kilolined.forward import HttpAttempt, with_retries
-    from kilolined.jobs import JobFailed, JobResult
+class Tee(Observer):
+    __slots__ = ("obs",)
 
-    try:
-        lease, up = await with_retries(rt, job.ticket, HttpAttempt(rt, ex), hooks)
-    except UpstreamFailed as e:
-        raise JobFailed("upstream_timeout" if e.timeout else "upstream_error", e.reason,
-                        504 if e.timeout else 502)
-    dispatched = rt.clock()
-    limit = int(rt.cfg.jobs.max_results_mb * 1024 * 1024)
-    obs = adapter.job_progress(job, ex)
-    sync_obs = adapter.observer(rt, ex, job.route_label, job.key, dispatched)
-    both = _Tee(obs, sync_obs)
-    ok: bool | None = None
-    try:
-        body = await read_result(up, limit, both)
-        ok = up.status < 500
-    except (aiohttp.ClientError, TimeoutError, UpstreamFailed) as e:
-        # Bytes had arrived from the node: this attempt cannot be replayed, the job fails.
-        ok = False
-        reason = e.reason if isinstance(e, UpstreamFailed) else "connection lost mid-response"
-        rt.node_failure(lease.node, reason, lease.trial)
-        raise JobFailed("upstream_error", reason, 502)
-    finally:
-        up.release()
-        both.done(bool(ok))
-        rt.metrics.upstream.labels(job.route_label, lease.node).observe(rt.clock() - dispatched)
-        rt.release(lease, ok=ok, key=job.key)
-    ctype = up.headers.get("Content-Type", "application/octet-stream")
-    if up.status >= 400:
-        raise JobFailed("upstream_error", f"node answered HTTP {up.status}", up.status, body, ctype)
-    return JobResult(up.status, ctype, body)
-
-
-class _Tee(Observer):
     def __init__(self, *obs: Observer | None):
         self.obs = [o for o in obs if o is not None]
 

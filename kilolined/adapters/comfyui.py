@@ -17,22 +17,18 @@ import logging
 import uuid
 from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, TypeVar
 from urllib.parse import quote, urlencode
 
 import aiohttp
 import orjson
 
-from kilolined.adapters.base import Adapter, run_http_job
-from kilolined.jobs import JobCancelled, JobFailed, JobResult
+from kilolined.adapters.base import Adapter, HttpAttempt, Sink
+from kilolined.lease import LeaseScope
+from kilolined.outcome import Cancelled, Failure, Result
 from kilolined.proxy import RETRY_STATUSES, Exchange, UpstreamFailed
-from kilolined.queue import Rejected
-
-if TYPE_CHECKING:
-    from kilolined.forward import Hooks
-    from kilolined.jobs import Job
-    from kilolined.queue import Lease
-    from kilolined.runtime import Runtime
+from kilolined.queue import Lease, Rejected
+from kilolined.runtime import Runtime
 
 log = logging.getLogger("kilolined")
 T = TypeVar("T")
@@ -247,12 +243,12 @@ def _number(v: Any) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
-def _execution_failed(data: dict[str, Any]) -> JobFailed:
+def _execution_failed(data: dict[str, Any]) -> Failure:
     message = data.get("exception_message")
     if not isinstance(message, str) or not message:
         message = f"{data.get('node_type') or 'a node'} failed on the node"
     body = orjson.dumps({"type": "execution_error", "data": data})
-    return JobFailed("upstream_error", message.strip()[:2000], 500, body, "application/json")
+    return Failure("upstream_error", message.strip()[:2000], 500, body, "application/json")
 
 
 def _check_status(entry: dict[str, Any]) -> None:
@@ -264,13 +260,13 @@ def _check_status(entry: dict[str, Any]) -> None:
     for m in messages if isinstance(messages, list) else []:
         if isinstance(m, list) and len(m) == 2 and isinstance(m[1], dict):
             if m[0] == "execution_interrupted":
-                raise JobCancelled("interrupted on the node")
+                raise Cancelled("interrupted on the node")
             if m[0] == "execution_error":
                 raise _execution_failed(m[1])
-    raise JobFailed("upstream_error", "the prompt failed on the node", 500, orjson.dumps(entry), "application/json")
+    raise Failure("upstream_error", "the prompt failed on the node", 500, orjson.dumps(entry), "application/json")
 
 
-def annotate_files(entry: dict[str, Any], node: str, job: Job) -> tuple[dict[str, Any], list[tuple[str, str]]]:
+def annotate_files(entry: dict[str, Any], node: str, job: Any) -> tuple[dict[str, Any], list[tuple[str, str]]]:
     """Give every output file dict (images, gifs, audio…) a gateway URL; list (node, /view query)."""
     files: list[tuple[str, str]] = []
     outputs = entry.get("outputs")
@@ -320,44 +316,16 @@ class ComfyUIAdapter(Adapter):
         if is_prompt(ex) and _json_object(ex.body) is None:
             raise Rejected(400, "bad_request", "body must be a JSON object (ComfyUI API prompt)")
 
-    # --- sync: pass through, hold the slot while the GPU works ------------------------------
-    def captures_sync_body(self, ex: Exchange) -> bool:
-        return is_prompt(ex)
-
-    def sync_hold(self, rt: Runtime, lease: Lease, ex: Exchange, status: int,
-                  body: bytes) -> Coroutine[Any, Any, None] | None:
-        if status != 200 or not is_prompt(ex):
-            return None
-        data = _json_object(body)
-        prompt_id = data.get("prompt_id") if data else None
-        if not isinstance(prompt_id, str) or not prompt_id:
-            return None
-        return self._hold(rt, lease, ex.request_id, prompt_id)
-
-    async def _hold(self, rt: Runtime, lease: Lease, request_id: str, prompt_id: str) -> None:
-        timeout = rt.scheduler.routes[lease.route].cfg.request_timeout_sec
-        try:
-            async with asyncio.timeout(timeout):
-                await wait_history(node_api(rt, lease.node, request_id), prompt_id, SYNC_POLL_SEC)
-        except TimeoutError:
-            log.warning("[%s] prompt not finished within %gs: slot freed anyway", lease.node, timeout)
-        except (NodeError, PromptLost) as e:
-            log.warning("[%s] lost track of a prompt (%s): slot freed", lease.node, e.reason)
-
-    # --- sse / async jobs -------------------------------------------------------------------
-    async def run_job(self, rt: Runtime, job: Job, ex: Exchange, hooks: Hooks) -> JobResult:
-        from kilolined.forward import with_retries
-
+    # --- one prompt, in every mode ------------------------------------------------------------
+    async def serve(self, rt: Runtime, scope: LeaseScope, ex: Exchange, sink: Sink) -> None:
         if not is_prompt(ex):
-            return await run_http_job(rt, job, ex, hooks, self)
+            return await super().serve(rt, scope, ex, sink)
+        if sink.mode == "sync":
+            return await self._serve_sync(rt, scope, ex, sink)
         body = _json_object(ex.body)
         if body is None:
-            raise JobFailed("bad_request", "body must be a JSON object (ComfyUI API prompt)", 400)
-        try:
-            lease, sub = await with_retries(rt, job.ticket, self._attempt(rt, ex, body), hooks)
-        except UpstreamFailed as e:
-            raise JobFailed("upstream_timeout" if e.timeout else "upstream_error", e.reason,
-                            504 if e.timeout else 502)
+            raise Failure("bad_request", "body must be a JSON object (ComfyUI API prompt)", 400)
+        sub = await scope.acquire(self._attempt(rt, ex, body, scope))
         if not isinstance(sub, Submitted):
             # Out of retries and the node said 502/503/504: its answer is the job's (failed) result.
             up = sub
@@ -367,16 +335,67 @@ class ComfyUIAdapter(Adapter):
                 err = b""
             finally:
                 up.release()
-                rt.release(lease, ok=False, key=job.key)
-            raise JobFailed("upstream_error", _error_message(err, up.status), up.status, err,
-                            up.headers.get("Content-Type", "application/json"))
-        return await self._follow(rt, job, lease, sub)
+            raise Failure("upstream_error", _error_message(err, up.status), up.status, err,
+                          up.headers.get("Content-Type", "application/json"))
+        lease = scope.lease
+        assert lease is not None
+        # Timeout, cancel or error from here on: stop the prompt, and keep the slot until the GPU
+        # has really stopped (interrupts land between steps) — the scope runs this before release.
+        scope.on_abort(lambda: self._stop(sub, sink))
+        try:
+            await self._watch(sink, sub)
+            entry = await wait_history(sub.node, sub.prompt_id, POLL_SEC)
+        except (NodeError, PromptLost) as e:
+            rt.node_failure(lease.node, e.reason, lease.trial)
+            raise Failure("upstream_error", e.reason, 502)
+        scope.done_with_node()
+        await sub.ws.close()
+        _check_status(entry)
+        result, files = annotate_files(entry, lease.node, sink.job)  # type: ignore[attr-defined]
+        scope.ok = True
+        # /result serves the same view as output_ready.result: the URLs are how clients get files.
+        sink.result(Result(200, "application/json", orjson.dumps(result), result=result, files=files))  # type: ignore[attr-defined]
 
-    def _attempt(self, rt: Runtime, ex: Exchange, body: dict[str, Any]) -> Callable[[Lease], Awaitable[Submitted]]:
+    async def _stop(self, sub: Submitted, sink: Sink) -> None:
+        try:
+            if await stop_prompt(sub.node, sub.prompt_id, sub.client_id):
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(DRAIN_SEC):
+                        await self._watch(sink, sub, draining=True)
+        finally:
+            await sub.ws.close()
+
+    async def _serve_sync(self, rt: Runtime, scope: LeaseScope, ex: Exchange, sink: Sink) -> None:
+        """Pass the POST through as generic; the slot stays until the prompt is done on the node."""
+        up = await scope.acquire(HttpAttempt(rt, ex))
+        capture = bytearray()
+        status = up.status
+        await sink.deliver(scope, up, None, capture)
+        data = _json_object(bytes(capture)) if status == 200 else None
+        prompt_id = data.get("prompt_id") if data else None
+        if not isinstance(prompt_id, str) or not prompt_id:
+            return
+        lease = scope.lease
+        assert lease is not None
+        node = node_api(rt, lease.node, ex.request_id)
+        # Past request_timeout_sec the prompt is interrupted before the slot is freed.
+        scope.on_abort(lambda: stop_prompt(node, prompt_id, None))
+        scope.hold(self._hold(scope, node, prompt_id))
+
+    async def _hold(self, scope: LeaseScope, node: NodeAPI, prompt_id: str) -> None:
+        try:
+            await wait_history(node, prompt_id, SYNC_POLL_SEC)
+        except (NodeError, PromptLost) as e:
+            log.warning("[%s] lost track of a prompt (%s): slot freed", scope.lease.node if scope.lease else "?",
+                        e.reason)
+        scope.done_with_node()
+
+    def _attempt(self, rt: Runtime, ex: Exchange, body: dict[str, Any],
+                 scope: LeaseScope) -> Callable[[Lease], Awaitable[Submitted]]:
         async def attempt(lease: Lease) -> Submitted:
             loop = asyncio.get_running_loop()
-            timeout = rt.scheduler.routes[lease.route].cfg.request_timeout_sec
-            deadline = loop.time() + timeout
+            timeout = scope.timeout
+            deadline = scope.deadline or loop.time() + timeout
             node = node_api(rt, lease.node, ex.request_id)
             client_id = uuid.uuid4().hex
             # The socket first: events for the prompt start as soon as it is queued.
@@ -444,53 +463,16 @@ class ComfyUIAdapter(Adapter):
             rt.node_success(lease.node, lease.trial)
         if up.status != 200:
             # Validation errors (node_errors) reach the client unchanged.
-            raise JobFailed("upstream_error", _error_message(answer, up.status), up.status, answer,
+            raise Failure("upstream_error", _error_message(answer, up.status), up.status, answer,
                             up.headers.get("Content-Type", "application/json"))
         data = None if cut else _json_object(answer)
         prompt_id = data.get("prompt_id") if data else None
         if not isinstance(prompt_id, str) or not prompt_id:
             await _shielded(rt, stop_prompt(node, None, client_id))
-            raise JobFailed("upstream_error", "node accepted the prompt without a prompt_id", 502)
+            raise Failure("upstream_error", "node accepted the prompt without a prompt_id", 502)
         return prompt_id
 
-    async def _follow(self, rt: Runtime, job: Job, lease: Lease, sub: Submitted) -> JobResult:
-        """Hold the lease until the prompt is finished, then read its history; release on every path."""
-        ok: bool | None = False
-        try:
-            try:
-                async with asyncio.timeout_at(sub.deadline) as tm:
-                    await self._watch(job, sub)
-                    entry = await wait_history(sub.node, sub.prompt_id, POLL_SEC)
-            except TimeoutError:
-                if not tm.expired():
-                    raise
-                await _shielded(rt, stop_prompt(sub.node, sub.prompt_id, sub.client_id))
-                rt.node_failure(lease.node, f"prompt not finished within {sub.timeout:g}s", lease.trial)
-                raise JobFailed("upstream_timeout", f"prompt not finished within {sub.timeout:g}s", 504)
-            except (NodeError, PromptLost) as e:
-                rt.node_failure(lease.node, e.reason, lease.trial)
-                raise JobFailed("upstream_error", e.reason, 502)
-            _check_status(entry)
-            result, files = annotate_files(entry, lease.node, job)
-            ok = True
-            # /result serves the same view as output_ready.result: the URLs are how clients get files.
-            return JobResult(200, "application/json", orjson.dumps(result), result=result, files=files)
-        except asyncio.CancelledError:
-            ok = None
-            if await _shielded(rt, stop_prompt(sub.node, sub.prompt_id, sub.client_id)):
-                # Keep the slot until the GPU has really stopped (interrupts land between steps).
-                with contextlib.suppress(TimeoutError):
-                    async with asyncio.timeout(DRAIN_SEC):
-                        await self._watch(job, sub, draining=True)
-            raise
-        except JobCancelled:
-            ok = None
-            raise
-        finally:
-            await sub.ws.close()
-            rt.release(lease, ok=ok, key=job.key)
-
-    async def _watch(self, job: Job, sub: Submitted, draining: bool = False) -> None:
+    async def _watch(self, sink: Sink, sub: Submitted, draining: bool = False) -> None:
         """Follow our prompt on the socket until it is finished, or until the socket drops.
 
         Raises JobFailed on execution_error and JobCancelled on execution_interrupted (unless
@@ -517,8 +499,7 @@ class ComfyUIAdapter(Adapter):
             if kind == "progress" and not draining:
                 value, total = data.get("value"), data.get("max")
                 if _number(value) and _number(total) and total > 0:
-                    pct = max(0, min(100, int(value * 100 // total)))
-                    job.emit("step_progress", {"step": value, "total": total, "pct": pct})
+                    sink.progress(value, total)
             elif kind == "executing" and "node" in data and data["node"] is None:
                 return  # sent after history is written: safe to read it now
             elif kind == "execution_success":
@@ -530,4 +511,4 @@ class ComfyUIAdapter(Adapter):
             elif kind == "execution_interrupted":
                 if draining:
                     return
-                raise JobCancelled("interrupted on the node")
+                raise Cancelled("interrupted on the node")

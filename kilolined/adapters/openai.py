@@ -9,17 +9,15 @@ token — an estimate (servers send one token per chunk by default) and document
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import orjson
 
-from kilolined.adapters.base import Adapter, Observer
-from kilolined.proxy import Exchange
+from kilolined.adapters.base import Adapter, Sink, Tee
+from kilolined.lease import LeaseScope
+from kilolined.proxy import Exchange, Observer
 from kilolined.queue import Rejected
-
-if TYPE_CHECKING:
-    from kilolined.jobs import Job
-    from kilolined.runtime import Runtime
+from kilolined.runtime import Runtime
 
 COMPLETION_PATHS = ("/v1/chat/completions", "/chat/completions", "/v1/completions", "/completions")
 
@@ -152,22 +150,25 @@ class OpenAIAdapter(Adapter):
         if is_completion(ex) and request_json(ex) is None:
             raise Rejected(400, "bad_request", "body must be a JSON object")
 
-    def observer(self, rt: Runtime, ex: Exchange, route: str, key: str | None, dispatched: float) -> Observer | None:
+    def observer(self, rt: Runtime, ex: Exchange, scope: LeaseScope, sink: Sink) -> Observer | None:
         if not is_completion(ex):
             return None
-        return UsageObserver(rt, route, key, dispatched)
+        usage = UsageObserver(rt, rt.route_label(scope.route), scope.key, scope.dispatched_at)
+        return Tee(usage, self._progress(ex, sink)) if sink.reports_progress else usage
 
-    def job_progress(self, job: Job, ex: Exchange) -> Observer | None:
+    @staticmethod
+    def _progress(ex: Exchange, sink: Sink) -> Observer | None:
+        """step_progress of a streamed job: generated chunks against max_tokens."""
         data = request_json(ex) or {}
         total = data.get("max_tokens") or data.get("max_completion_tokens")
         if not isinstance(total, int) or total <= 0 or not data.get("stream"):
             return None
-        last = {"pct": -1}
+        last = [-1]
 
         def on_chunk(n: int) -> None:
             pct = min(100, n * 100 // total)
-            if pct != last["pct"]:
-                last["pct"] = pct
-                job.emit("step_progress", {"step": n, "total": total, "pct": pct})
+            if pct != last[0]:
+                last[0] = pct
+                sink.progress(n, total)
 
         return StreamParser(on_chunk)

@@ -1,0 +1,320 @@
+"""The lease scope: the one owner of "exactly N on the GPU" for one admitted request.
+
+Every admitted request lives inside one ``LeaseScope``. The scope is the only code that waits
+for a lease, re-queues the request after a node failure (HAProxy's ``redispatch``: a node that
+fails before any byte reached the client costs the request nothing but time), and gives the
+slot back. Its exit — success, error, cancellation, a bug — is the only release (arq's one
+done-callback), so no runner can forget it.
+
+``request_timeout_sec`` is a deadline of the scope, from dispatch to release: it fires whatever
+is holding the lease — the node, a client that does not read, a ComfyUI prompt still running —
+and the per-kind cleanups registered with ``on_abort`` (interrupt the prompt) run *before* the
+slot is freed. A client that is slow to read is never counted against the node.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable, Coroutine
+from typing import Any, Protocol, TypeVar
+
+from kilolined.outcome import Failure
+from kilolined.proxy import UpstreamFailed
+from kilolined.queue import LEASED, WAITING, Lease, Rejected, Ticket
+from kilolined.runtime import Runtime
+
+log = logging.getLogger("kilolined")
+T = TypeVar("T")
+CLEANUP_SEC = 5.0  # an abort cleanup (interrupt a prompt) may take this long before the slot is freed
+
+
+class Listener:
+    """What a client mode wants to hear while its request moves (jobs turn these into events)."""
+
+    __slots__ = ()
+    #: when set, ``tick`` is awaited this often while the request waits for a lease or for the
+    #: node's first answer (the OpenAI stream's keep-alive comments)
+    tick_sec: float | None = None
+
+    def dispatched(self, lease: Lease, queue_wait: float) -> None:
+        pass
+
+    def rerouted(self, from_node: str, to_node: str, reason: str) -> None:
+        pass
+
+    async def tick(self, queued: bool) -> None:
+        pass
+
+
+class Attempt(Protocol[T]):  # type: ignore[misc]
+    async def __call__(self, lease: Lease) -> T: ...
+
+
+class LeaseScope:
+    """``async with LeaseScope(...) as scope: work = await scope.acquire(attempt); …``"""
+
+    __slots__ = ("_aborts", "_deadline", "_detached", "_tm", "dispatched_at", "key", "lease", "listener",
+                 "ok", "rt", "ticket", "writing")
+
+    def __init__(self, rt: Runtime, ticket: Ticket, listener: Listener, key: str | None):
+        self.rt, self.ticket, self.listener, self.key = rt, ticket, listener, key
+        self.lease: Lease | None = None
+        #: the verdict: True feeds the route's service-time average; False/None do not
+        self.ok: bool | None = None
+        self.dispatched_at = 0.0
+        #: set while a sink writes to the client: a deadline that fires then is the client's fault
+        self.writing = False
+        self._aborts: list[Callable[[], Coroutine[Any, Any, Any]]] = []
+        self._deadline: float | None = None
+        self._detached = False
+        self._tm: asyncio.Timeout | None = None
+
+    @property
+    def route(self) -> str:
+        return self.ticket.route
+
+    @property
+    def timeout(self) -> float:
+        return self.rt.scheduler.routes[self.ticket.route].cfg.request_timeout_sec
+
+    @property
+    def deadline(self) -> float | None:
+        """The loop time at which the current lease expires (None while waiting)."""
+        return self._deadline
+
+    # --- entering ---------------------------------------------------------------------------
+    async def __aenter__(self) -> LeaseScope:
+        self._tm = asyncio.timeout(None)
+        await self._tm.__aenter__()
+        return self
+
+    def on_abort(self, cleanup: Callable[[], Coroutine[Any, Any, Any]]) -> None:
+        """Run ``cleanup`` before the slot is freed if the scope ends by timeout, cancellation or
+        error (ComfyUI: interrupt the prompt, so the GPU is really free when the slot is)."""
+        self._aborts.append(cleanup)
+
+    def done_with_node(self) -> None:
+        """The node's work for this request is over: nothing to clean up on the node any more."""
+        self._aborts.clear()
+
+    # --- waiting and retrying ---------------------------------------------------------------
+    async def acquire(self, attempt: Callable[[Lease], Awaitable[T]]) -> T:
+        """Wait for a lease and run ``attempt`` on it, re-queued after each node failure.
+
+        Returns the attempt's result with the lease held. Out of retries: raises Failure, or — when
+        the node did answer (502/503/504) — returns that answer, which passes through. Raises
+        Failure for a queue refusal (timeout, shutdown, dropped) too.
+        """
+        rt, ticket = self.rt, self.ticket
+        lease = await self._wait()
+        while True:
+            try:
+                return await self._run(attempt, lease)
+            except UpstreamFailed as e:
+                failure = e
+            rcfg = rt.scheduler.routes[lease.route].cfg
+            rt.node_failure(lease.node, failure.reason, lease.trial)
+            if ticket.requeues >= rcfg.retry_on_failover:
+                if failure.response is not None:
+                    self.ok = False
+                    return failure.response  # type: ignore[return-value]
+                raise Failure.upstream(f"node {lease.node} failed: {failure.reason}" if not failure.timeout
+                                       else f"node {lease.node} did not answer in time", failure.timeout)
+            if failure.response is not None:
+                failure.response.release()
+            from_node = lease.node
+            log.warning("⚡ [%s] %s — re-queued (%s)", from_node, failure.reason, lease.route)
+            self._requeue(lease)
+            lease = await self._wait()
+            self.listener.rerouted(from_node, lease.node, failure.reason)
+
+    async def _wait(self) -> Lease:
+        t = self.ticket
+        if self.listener.tick_sec is None or t.state != WAITING:
+            lease = await self._wait_plain()
+        else:
+            lease = await self._with_ticks(self._wait_plain(), queued=True)
+        return lease
+
+    async def _wait_plain(self) -> Lease:
+        t = self.ticket
+        if t.state == WAITING:
+            fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+
+            def wake(_: Ticket) -> None:
+                if not fut.done():
+                    fut.set_result(None)
+
+            t.on_wake = wake
+            try:
+                await fut
+            except asyncio.CancelledError:
+                # Gone while waiting: leave the queue. If the lease came in the same moment, it is
+                # ours now and the exit gives it back.
+                if not self.rt.scheduler.cancel(t) and t.state == LEASED and t.lease is not None:
+                    self._got(t.lease)
+                raise
+            finally:
+                t.on_wake = None
+        if t.state == LEASED and t.lease is not None:
+            self._got(t.lease)
+            return t.lease
+        if t.error is not None:
+            raise Failure.rejected(t.error)
+        raise Failure.rejected(Rejected(503, "shutting_down", "request was cancelled"))
+
+    def _got(self, lease: Lease) -> None:
+        if self.lease is lease:
+            return
+        self.lease = lease
+        rt = self.rt
+        now = rt.clock()
+        self.dispatched_at = now
+        loop_now = asyncio.get_running_loop().time()
+        self._deadline = loop_now + self.timeout
+        if self._tm is not None:
+            self._tm.reschedule(self._deadline)
+        self.listener.dispatched(lease, now - self.ticket.enqueued_at)
+
+    async def _run(self, attempt: Callable[[Lease], Awaitable[T]], lease: Lease) -> T:
+        if self.listener.tick_sec is None:
+            return await attempt(lease)
+        return await self._with_ticks(attempt(lease), queued=False)
+
+    async def _with_ticks(self, aw: Awaitable[T], queued: bool) -> T:
+        """Await ``aw`` while the listener ticks every ``tick_sec`` (keep-alive comments)."""
+        fut = asyncio.ensure_future(aw)
+        tick = self.listener.tick_sec or 1.0
+        try:
+            while True:
+                done, _ = await asyncio.wait({fut}, timeout=tick)
+                if done:
+                    return fut.result()
+                await self.listener.tick(queued and self.ticket.state == WAITING)
+        except BaseException:
+            if not fut.done():
+                fut.cancel()
+                try:
+                    res = await fut
+                except BaseException:
+                    pass
+                else:
+                    _discard(res)
+            raise
+
+    def _requeue(self, lease: Lease) -> None:
+        rt = self.rt
+        self.lease = None
+        self._deadline = None
+        if self._tm is not None:
+            self._tm.reschedule(None)
+        rt.scheduler.requeue(lease, rt.clock())
+        rt.metrics.failovers.labels(rt.route_label(lease.route)).inc()
+        rt.wake()
+
+    # --- holding past the handler -------------------------------------------------------------
+    def hold(self, work: Coroutine[Any, Any, Any]) -> None:
+        """Keep the lease after the HTTP answer went out, until ``work`` ends (ComfyUI answers
+        ``/prompt`` at once and the GPU works on). Same deadline; the scope still releases."""
+        self._detached = True
+        self.rt.spawn(self._hold(work))
+
+    async def _hold(self, work: Coroutine[Any, Any, Any]) -> None:
+        timed_out = False
+        exc: BaseException | None = None
+        try:
+            async with asyncio.timeout_at(self._deadline):
+                await work
+            self.ok = True
+        except TimeoutError:
+            timed_out = True
+        except BaseException as e:
+            exc = e
+            if not isinstance(e, asyncio.CancelledError | Failure):
+                log.exception("holding a lease on %s", self.lease.node if self.lease else "?")
+        finally:
+            work.close()
+            await self._finish(exc, timed_out)
+
+    # --- leaving ------------------------------------------------------------------------------
+    async def __aexit__(self, et: type[BaseException] | None, exc: BaseException | None, tb: Any) -> bool:
+        timed_out = False
+        assert self._tm is not None
+        try:
+            await self._tm.__aexit__(et, exc, tb)
+        except TimeoutError:
+            timed_out = True
+        if self._detached:
+            return False
+        await self._finish(exc, timed_out)
+        if timed_out:
+            raise Failure.upstream(f"node {self._node()} did not finish within {self.timeout:g}s", True) from None
+        return False
+
+    def _node(self) -> str:
+        return self.lease.node if self.lease is not None else "-"
+
+    async def _finish(self, exc: BaseException | None, timed_out: bool) -> None:
+        lease = self.lease
+        if lease is None:
+            return
+        try:
+            if self._aborts and (timed_out or exc is not None):
+                await self._run_aborts()
+        finally:
+            if timed_out and not self.writing:
+                self.rt.node_failure(lease.node, f"timed out after {self.timeout:g}s", lease.trial)
+            ok = self.ok if exc is None and not timed_out else (None if isinstance(exc, asyncio.CancelledError)
+                                                                 else False)
+            self._release(lease, ok)
+
+    async def _run_aborts(self) -> None:
+        """Each cleanup runs to its end (bounded) even if we are cancelled again meanwhile."""
+        cleanups, self._aborts = self._aborts, []
+        for make in cleanups:
+            task = self.rt.spawn(_bounded(make()))
+            cancelled = False
+            while not task.done():
+                try:
+                    await asyncio.shield(task)
+                except asyncio.CancelledError:
+                    cancelled = True
+                except Exception:
+                    break
+            if cancelled:
+                raise asyncio.CancelledError
+
+    def _release(self, lease: Lease, ok: bool | None) -> None:
+        """The one place a slot is given back."""
+        self.lease = None
+        if lease.released:
+            return
+        rt = self.rt
+        now = rt.clock()
+        held = now - lease.started_at
+        rt.scheduler.release(lease, now, service_time=held if ok else None)
+        rt.stats.gpu_seconds += held
+        rt.metrics.upstream.labels(rt.route_label(lease.route), lease.node).observe(held)
+        if self.key is not None:
+            rt.budgets.add(self.key, time.time(), gpu_seconds=held)
+        # A freed slot changes no node state, hence no route mode: dispatching is all there is to
+        # do (node events and the pump call wake() for the rest).
+        rt.scheduler.dispatch(now)
+
+
+async def _bounded(coro: Coroutine[Any, Any, Any]) -> None:
+    try:
+        async with asyncio.timeout(CLEANUP_SEC):
+            await coro
+    except TimeoutError:
+        log.warning("cleanup on the node took over %gs; slot freed anyway", CLEANUP_SEC)
+    except Exception:
+        log.exception("cleanup on the node")
+
+
+def _discard(res: object) -> None:
+    release = getattr(res, "release", None)
+    if callable(release):
+        release()

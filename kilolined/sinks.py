@@ -1,0 +1,238 @@
+"""Where a request's answer goes: the sync client modes (API docs: docs/API.md "Client modes").
+
+A sink hears the request's moves (it is the lease scope's Listener), takes the node's answer
+(``deliver``), a computed result (``result``, ComfyUI jobs) or the failure (``fail``), and owns
+how each looks to its client. The job sink lives with the jobs (``jobs.py``).
+
+- ``SyncSink``: the node's answer streams back to the held client connection.
+- ``StreamSink``: OpenAI ``"stream": true``. Its 200 goes out only once the request has to wait
+  (queued, or the node silent for ``heartbeat_sec``), with keep-alive comments until the node's
+  first byte; before that, the node's real status and body pass through as in sync mode.
+"""
+
+from __future__ import annotations
+
+import aiohttp
+import orjson
+from aiohttp import web
+from multidict import CIMultiDict
+
+from kilolined.call import Call
+from kilolined.lease import LeaseScope
+from kilolined.outcome import Failure, Result
+from kilolined.proxy import Observer, Upstream, cut_client, response_headers, stream_back
+from kilolined.queue import WAITING, Lease
+from kilolined.runner import ModeSink
+from kilolined.runtime import Runtime
+
+
+class SyncSink(ModeSink):
+    __slots__ = ("call", "label", "outcome", "response", "rt")
+    mode = "sync"
+    reports_progress = False
+
+    def __init__(self, rt: Runtime, call: Call):
+        self.rt, self.call = rt, call
+        self.label = call.route
+        self.response: web.StreamResponse | None = None
+        self.outcome = "ok"
+
+    # --- listener -----------------------------------------------------------------------------
+    def dispatched(self, lease: Lease, queue_wait: float) -> None:
+        call = self.call
+        if call.node == "-":
+            call.queue_wait = queue_wait
+            self.rt.metrics.queue_wait.labels(self.label).observe(queue_wait)
+        call.node = lease.node
+
+    def progress(self, step: int | float, total: int | float) -> None:
+        pass
+
+    # --- answers ------------------------------------------------------------------------------
+    def headers_for(self, scope: LeaseScope, up: Upstream) -> CIMultiDict[str]:
+        rt, call = self.rt, self.call
+        lease_node = call.node
+        node_url = rt.scheduler.nodes[lease_node].cfg.url
+        headers = response_headers(up, node_url, rt.scheduler.routes[scope.route].cfg.path)
+        headers.update(call.headers)
+        headers["X-Request-Id"] = call.request_id
+        headers["X-KiloLine-Node"] = lease_node
+        headers["X-KiloLine-Queue-Wait-Ms"] = str(int(call.queue_wait * 1000))
+        return headers
+
+    async def deliver(self, scope: LeaseScope, up: Upstream, obs: Observer | None,
+                      capture: bytearray | None = None) -> None:
+        """Copy the node's answer to the client. The slot is freed when the body ends (the scope)."""
+        call = self.call
+        ok = False
+        try:
+            self.response, call.bytes_out = await stream_back(call.request, up, self.headers_for(scope, up), obs,
+                                                              capture, scope)
+            ok = up.status < 500
+            scope.ok = ok
+            self.outcome = "ok" if ok else "upstream_error"
+        except ConnectionResetError:
+            # The client hung up (aiohttp's ClientConnectionResetError is also a ClientError, so
+            # this comes first): not the node's fault, no breaker count.
+            self.outcome = "client_gone"
+            raise
+        except (aiohttp.ClientError, TimeoutError) as e:
+            # The node failed mid-body: no retry is possible once bytes went out; cut the client.
+            reason = "timed out mid-response" if isinstance(e, TimeoutError) else "connection lost mid-response"
+            node = call.node
+            self.rt.node_failure(node, reason, scope.lease.trial if scope.lease else False)
+            raise Failure("upstream_error", f"node {node} failed: {reason}", 502) from None
+        finally:
+            up.release()
+            if obs is not None:
+                obs.done(ok)
+
+    def result(self, res: Result) -> None:
+        self.response = web.Response(status=res.http_status, body=res.body, content_type=res.content_type)
+
+    @property
+    def started(self) -> bool:
+        r = self.response
+        return r is not None and r.prepared
+
+    async def fail(self, f: Failure) -> web.StreamResponse:
+        call = self.call
+        if self.started or call.request.transport is None:
+            # Bytes went out already: there is no honest error to write; end the connection.
+            cut_client(call.request)
+            call.status = f.http_status or 502
+            raise web.HTTPBadGateway() if f.type != "upstream_timeout" else web.HTTPGatewayTimeout()
+        return call.error(f.http_status or 502, f.type, f.message, f.retry_after)
+
+
+class StreamSink(SyncSink):
+    """``"stream": true`` on an openai route (docs/API.md "OpenAI streams")."""
+
+    __slots__ = ("stream",)
+
+    def __init__(self, rt: Runtime, call: Call):
+        super().__init__(rt, call)
+        self.stream: web.StreamResponse | None = None
+
+    @property
+    def tick_sec(self) -> float:  # type: ignore[override]
+        return self.rt.cfg.server.heartbeat_sec
+
+    @property
+    def started(self) -> bool:
+        return self.stream is not None or super().started
+
+    async def begin(self, scope: LeaseScope) -> None:
+        """Before the wait: a request that has to queue gets its 200 and a first comment at once."""
+        if scope.ticket.state == WAITING:
+            await self.tick(True, scope)
+
+    async def _open(self) -> web.StreamResponse:
+        call = self.call
+        if self.stream is None:
+            headers = {**call.headers, "Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+                       "X-Accel-Buffering": "no", "X-Request-Id": call.request_id}
+            if call.node != "-":
+                headers["X-KiloLine-Node"] = call.node
+            resp = web.StreamResponse(status=200, headers=headers)
+            await resp.prepare(call.request)
+            self.stream = self.response = resp
+            call.status = 200
+        return self.stream
+
+    async def tick(self, queued: bool, scope: LeaseScope | None = None) -> None:  # type: ignore[override]
+        resp = await self._open()
+        if queued:
+            rt, call = self.rt, self.call
+            sched = rt.scheduler
+            now = rt.clock()
+            ticket = call.ticket
+            pos = sched.position(ticket, now) if ticket is not None else None
+            est = sched.est_wait(sched.routes[ticket.route], pos or 0, now) if ticket is not None else None
+            # JSON spelling (null, not None), as in the sse events.
+            await resp.write(b": queued position=%s est_wait_sec=%s\n\n" % (orjson.dumps(pos), orjson.dumps(est)))
+        else:
+            await resp.write(b": waiting for the node\n\n")
+
+    async def deliver(self, scope: LeaseScope, up: Upstream, obs: Observer | None,
+                      capture: bytearray | None = None) -> None:
+        if self.stream is None:
+            # The node answered before the request had to wait: its own status and body.
+            return await super().deliver(scope, up, obs, capture)
+        call = self.call
+        resp = self.stream
+        ok = False
+        try:
+            if up.status != 200 or "text/event-stream" not in up.headers.get("Content-Type", ""):
+                body = await up.read()
+                if up.status == 200:
+                    # A node that ignored "stream": pass its JSON through as one data line.
+                    if obs is not None:
+                        obs.feed(body)
+                    await _write(scope, resp, b"data: " + body.strip() + b"\n\ndata: [DONE]\n\n")
+                    ok = True
+                else:
+                    message, type_ = node_message(body, up.status)
+                    await _write(scope, resp, error_event(type_, message, up.status))
+                    ok = up.status < 500
+                    self.outcome = "ok" if ok else "upstream_error"
+            else:
+                async for chunk in up.content.iter_any():
+                    if obs is not None:
+                        obs.feed(chunk)
+                    await _write(scope, resp, chunk)
+                    call.bytes_out += len(chunk)
+                ok = True
+            scope.ok = ok
+            if not ok:
+                self.outcome = "upstream_error"
+        except ConnectionResetError:
+            self.outcome = "client_gone"
+            raise
+        except (aiohttp.ClientError, TimeoutError):
+            self.rt.node_failure(call.node, "connection lost mid-stream", scope.lease.trial if scope.lease else False)
+            raise Failure("upstream_error", "the node failed mid-stream", 502) from None
+        finally:
+            up.release()
+            if obs is not None:
+                obs.done(ok)
+        await resp.write_eof()
+
+    async def fail(self, f: Failure) -> web.StreamResponse:
+        if self.stream is None:
+            return await super().fail(f)
+        try:
+            await self.stream.write(error_event(f.type, f.message, f.http_status or 502))
+            await self.stream.write_eof()
+        except (ConnectionError, RuntimeError):
+            pass
+        return self.stream
+
+
+async def _write(scope: LeaseScope, resp: web.StreamResponse, data: bytes) -> None:
+    scope.writing = True
+    try:
+        await resp.write(data)
+    finally:
+        scope.writing = False
+
+
+def error_event(type_: str, message: str, status: int) -> bytes:
+    # OpenAI's shape: code is a string; `status` is the HTTP status it would have had.
+    err = {"error": {"message": message, "type": type_, "code": type_, "status": status}}
+    return b"data: " + orjson.dumps(err) + b"\n\ndata: [DONE]\n\n"
+
+
+def node_message(body: bytes, status: int) -> tuple[str, str]:
+    """The node's own error message, whichever backend's shape it has."""
+    try:
+        data = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        return f"node answered HTTP {status}", "upstream_error"
+    if isinstance(data, dict):
+        err = data.get("error", data)
+        if isinstance(err, dict) and err.get("message"):
+            return str(err["message"]), str(err.get("type") or "upstream_error")
+        if isinstance(err, str):
+            return err, "upstream_error"
+    return f"node answered HTTP {status}", "upstream_error"
