@@ -14,6 +14,8 @@ from aiohttp import web
 from kilolined.auth import presented_key
 from kilolined.errors import error_response
 from kilolined.runtime import Runtime
+from kilolined.views import readiness as readiness_reasons
+from kilolined.views import state as state_view
 
 SESSION_TTL_SEC = 3600  # short-lived: the page asks for a new one with the stored key
 
@@ -41,7 +43,7 @@ async def healthz(request: web.Request) -> web.Response:
 
 
 async def readyz(request: web.Request) -> web.Response:
-    reasons = _rt(request).readiness()
+    reasons = readiness_reasons(_rt(request))
     return _json({"status": "ready" if not reasons else "not_ready", "reasons": reasons}, 200 if not reasons else 503)
 
 
@@ -57,7 +59,7 @@ async def metrics(request: web.Request) -> web.Response:
 async def state(request: web.Request) -> web.Response:
     if not is_admin(request):
         return _denied()
-    return _json(_rt(request).state())
+    return _json(state_view(_rt(request)))
 
 
 async def reload(request: web.Request) -> web.Response:
@@ -133,7 +135,7 @@ async def events(request: web.Request) -> web.StreamResponse:
                     ev = await q.get()
                     await resp.write(b"event: " + ev["kind"].encode() + b"\ndata: " + orjson.dumps(ev) + b"\n\n")
                     continue
-            st = orjson.dumps(rt.state())
+            st = orjson.dumps(state_view(rt))
             if st != last_state:
                 last_state = st
                 await resp.write(b"event: state\ndata: " + st + b"\n\n")

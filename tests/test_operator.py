@@ -14,6 +14,8 @@ from typing import Any
 from conftest import ADMIN, ADMIN_KEY, auth, base_config, wait_until
 from prometheus_client.parser import text_string_to_metric_families
 
+from kilolined import views
+
 FAMILIES = {
     # name (as the parser reports it): (type, label names)
     "kiloline_requests": ("counter", {"route", "outcome"}),
@@ -96,8 +98,8 @@ async def test_admin_state_matches_a_burst_and_a_failover(fakegpus, gateway, htt
     assert node_a["label"] == "GPU A" and st["nodes"]["b"]["inflight"] == 0
     assert st["config"]["version"] == gw.rt.version and st["config"]["last_error"] is None
     await a.kill()
-    await wait_until(lambda: gw.rt.state()["routes"]["gen"]["mode"] == "failover", timeout=10)
-    await wait_until(lambda: gw.rt.state()["nodes"]["a"]["health"] == "down", timeout=10)
+    await wait_until(lambda: views.state(gw.rt)["routes"]["gen"]["mode"] == "failover", timeout=10)
+    await wait_until(lambda: views.state(gw.rt)["nodes"]["a"]["health"] == "down", timeout=10)
     st = await state()
     assert st["nodes"]["a"]["health"] == "down" and st["routes"]["gen"]["active_nodes"] == ["b"]
     assert await asyncio.gather(*tasks) == [200] * 6
