@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from kilolined.nodes import NodeState
 from kilolined.queue import RouteQueue, Scheduler
 from kilolined.runtime import Runtime
 
@@ -30,6 +31,30 @@ def route_snapshot(sched: Scheduler, rq: RouteQueue, now: float) -> dict[str, An
     }
 
 
+def node_slots(sched: Scheduler, ns: NodeState, now: float) -> tuple[int, int]:
+    """(usable now, configured) slots of a node summed over its routes; slow start makes the
+    first smaller than the second for a while after a recovery."""
+    slots = full = 0
+    for rq in sched.routes.values():
+        if ns.name in rq.all_nodes and not rq.retired:
+            # effective() first: it is what ends a finished slow start.
+            slots += ns.effective(rq.cfg.max_concurrency, now)
+            full += rq.cfg.max_concurrency
+    cap = ns.cfg.max_concurrency
+    if cap is not None:
+        slots = min(slots, ns.effective(cap, now))
+        full = min(full, cap)
+    return slots, full
+
+
+def slow_start_left(ns: NodeState, now: float) -> float | None:
+    """Seconds until the node's slow start ends; None when it is not in one."""
+    if ns.recovered_at is None:
+        return None
+    left = ns.recovered_at + ns.breaker_cfg.slow_start_sec - now
+    return left if left > 0 else None
+
+
 def state(rt: Runtime) -> dict[str, Any]:
     """The /admin/state snapshot (docs/API.md), plus the dashboard's stats and cost."""
     now = rt.clock()
@@ -40,14 +65,13 @@ def state(rt: Runtime) -> dict[str, Any]:
     for n, ns in sched.nodes.items():
         if n.startswith("adhoc:") or ns.retired:
             continue
-        slots = 0
-        for rq in sched.routes.values():
-            if n in rq.all_nodes and not rq.retired:
-                slots += ns.effective(rq.cfg.max_concurrency, now)
-        if ns.cfg.max_concurrency is not None:
-            slots = min(slots, ns.effective(ns.cfg.max_concurrency, now))
+        slots, full = node_slots(sched, ns, now)
+        left = slow_start_left(ns, now) if slots < full else None
         nodes[n] = {**ns.snapshot(now), "inflight": sched.node_inflight.get(n, 0), "slots": slots,
-                    "latency_ms": list(ns.latencies[-20:])}
+                    "latency_ms": list(ns.latencies[-20:]),
+                    # Slow start (docs/CONFIG.md, breaker.slow_start_sec): slots climbs to full_slots.
+                    "full_slots": full, "ramping": left is not None,
+                    "full_in_sec": None if left is None else round(left, 1)}
     return {
         "config": {"version": rt.version, "loaded_at": rt.loaded_at, "last_error": rt.last_error},
         "routes": routes,

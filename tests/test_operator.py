@@ -124,6 +124,31 @@ async def test_status_cli_prints_the_tables(fakegpus, gateway) -> None:
     assert proc.returncode == 1 and b"admin key" in err
 
 
+async def test_slow_start_shows_in_state_and_status(fakegpus, gateway, http) -> None:
+    """After a recovery the node runs below its slots for a while: /admin/state and `status` say
+    so and say when it ends (it showed a bare 1/2 before)."""
+    a = await fakegpus()
+    cfg = base_config({"a": a.url}, max_concurrency=2)
+    cfg["nodes"]["a"]["health"] = {"path": "/health", "interval_sec": 0.1, "timeout_sec": 0.3, "fall": 1, "rise": 1}
+    cfg["nodes"]["a"]["breaker"] = {"slow_start_sec": 600}
+    gw = await gateway(cfg)
+    await a.kill()
+    await wait_until(lambda: views.state(gw.rt)["nodes"]["a"]["health"] == "down", timeout=10)
+    await a.revive()
+    await wait_until(lambda: views.state(gw.rt)["nodes"]["a"]["health"] == "up", timeout=10)
+    async with http.get(gw.url + "/admin/state", headers=ADMIN) as r:
+        node = (await r.json())["nodes"]["a"]
+    assert (node["slots"], node["full_slots"], node["ramping"]) == (1, 2, True)
+    assert 500 < node["full_in_sec"] <= 600
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "kilolined", "status", "--url", gw.url, "--admin-key", ADMIN_KEY,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    out, err = await proc.communicate()
+    assert proc.returncode == 0, err
+    row = next(line for line in out.decode().splitlines() if line.startswith("a "))
+    assert "ramping 1→2, full in " in row and " 0/1 " in row, row
+
+
 def test_demo_once_shows_the_crash_and_the_rescue() -> None:
     env = {**os.environ, "NO_COLOR": "1"}
     proc = subprocess.run([sys.executable, "-m", "kilolined", "demo", "--once", "--port", "0"],
