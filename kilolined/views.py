@@ -83,6 +83,15 @@ def state(rt: Runtime) -> dict[str, Any]:
     }
 
 
+HISTORY_SERIES = ("queue_depth", "inflight")  # what the dashboard's route chart plots
+
+
+def route_series(rt: Runtime) -> dict[str, tuple[int, int]]:
+    """One observation of HISTORY_SERIES per configured route (cheap: no estimates)."""
+    return {n: (len(rq.waiting), sum(rq.inflight.values())) for n, rq in rt.scheduler.routes.items()
+            if not n.startswith("adhoc:") and not rq.retired}
+
+
 def readiness(rt: Runtime) -> list[str]:
     """Why /readyz says not ready; empty when every route has a node that can take work."""
     now = rt.clock()

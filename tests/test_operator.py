@@ -4,6 +4,7 @@ promise that no payload ever reaches a log line or a file."""
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import os
 import subprocess
@@ -147,6 +148,34 @@ async def test_slow_start_shows_in_state_and_status(fakegpus, gateway, http) -> 
     assert proc.returncode == 0, err
     row = next(line for line in out.decode().splitlines() if line.startswith("a "))
     assert "ramping 1→2, full in " in row and " 0/1 " in row, row
+
+
+async def test_history_of_a_burst_outlives_it(fakegpus, gateway, http) -> None:
+    """The chart's series are kept by the gateway: after the burst, /admin/history and the first
+    events of a new /admin/events stream still hold it (a page opened late showed nothing)."""
+    a = await fakegpus(steps=10, step_ms=60)
+    gw = await gateway(base_config({"a": a.url}, max_concurrency=1))
+    burst = [asyncio.create_task(_post(http, gw.url + "/gen/generate", {})) for _ in range(6)]
+    await wait_until(lambda: views.state(gw.rt)["routes"]["gen"]["queue_depth"] == 5)
+    assert await asyncio.gather(*burst) == [200] * 6
+    async with http.get(gw.url + "/admin/history") as r:
+        assert r.status == 401
+    async with http.get(gw.url + "/admin/history", headers=ADMIN) as r:
+        assert r.status == 200
+        hist = await r.json()
+    assert hist["step_sec"] == 1 and hist["span_sec"] == 600
+    gen = hist["routes"]["gen"]
+    assert max(q or 0 for q in gen["queue_depth"]) == 5 and max(i or 0 for i in gen["inflight"]) == 1
+    assert len(gen["queue_depth"]) == len(gen["inflight"]) <= 600
+    async with http.get(gw.url + "/admin/events", headers=ADMIN) as r:
+        kind = None
+        async for line in r.content:
+            if line.startswith(b"event: "):
+                kind = line[7:].strip()
+            elif line.startswith(b"data: ") and kind == b"history":
+                streamed = json.loads(line[6:])
+                break
+    assert max(q or 0 for q in streamed["routes"]["gen"]["queue_depth"]) == 5
 
 
 def test_demo_once_shows_the_crash_and_the_rescue() -> None:
