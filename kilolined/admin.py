@@ -6,17 +6,27 @@ import asyncio
 import contextlib
 import secrets
 import time
+from collections.abc import AsyncIterator
 from importlib import resources
 
 import orjson
 from aiohttp import web
 
+from kilolined.app import RT
 from kilolined.auth import presented_key
 from kilolined.context import RT
 from kilolined.errors import error_response
+from kilolined.history import History
 from kilolined.runtime import Runtime
+from kilolined.views import HISTORY_SERIES, route_series
+from kilolined.views import readiness as readiness_reasons
+from kilolined.views import state as state_view
 
 SESSION_TTL_SEC = 3600  # short-lived: the page asks for a new one with the stored key
+HISTORY_SPAN_SEC = 600  # the dashboard chart's window
+HISTORY_STEP_SEC = 1.0
+HISTORY_SAMPLE_SEC = 0.25  # several looks per step: a bucket keeps the peak, so short bursts show
+HISTORY: web.AppKey[History] = web.AppKey("history", History)
 
 
 def _rt(request: web.Request) -> Runtime:
@@ -40,7 +50,7 @@ async def healthz(request: web.Request) -> web.Response:
 
 
 async def readyz(request: web.Request) -> web.Response:
-    reasons = _rt(request).readiness()
+    reasons = readiness_reasons(_rt(request))
     return _json({"status": "ready" if not reasons else "not_ready", "reasons": reasons}, 200 if not reasons else 503)
 
 
@@ -56,7 +66,13 @@ async def metrics(request: web.Request) -> web.Response:
 async def state(request: web.Request) -> web.Response:
     if not is_admin(request):
         return _denied()
-    return _json(_rt(request).state())
+    return _json(state_view(_rt(request)))
+
+
+async def history(request: web.Request) -> web.Response:
+    if not is_admin(request):
+        return _denied()
+    return _json(request.app[HISTORY].snapshot())
 
 
 async def reload(request: web.Request) -> web.Response:
@@ -124,6 +140,8 @@ async def events(request: web.Request) -> web.StreamResponse:
         await resp.write(b"retry: 3000\n\n")
         for ev in list(rt.feed.recent)[-50:]:
             await resp.write(b"event: " + ev["kind"].encode() + b"\ndata: " + orjson.dumps(ev) + b"\n\n")
+        # The chart's past, so a page opened after a burst still shows it.
+        await resp.write(b"event: history\ndata: " + orjson.dumps(request.app[HISTORY].snapshot()) + b"\n\n")
         last_state = b""
         last_beat = time.monotonic()
         while not rt.shutting_down:  # an open dashboard must not hold a shutdown for its grace period
@@ -132,7 +150,7 @@ async def events(request: web.Request) -> web.StreamResponse:
                     ev = await q.get()
                     await resp.write(b"event: " + ev["kind"].encode() + b"\ndata: " + orjson.dumps(ev) + b"\n\n")
                     continue
-            st = orjson.dumps(rt.state())
+            st = orjson.dumps(state_view(rt))
             if st != last_state:
                 last_state = st
                 await resp.write(b"event: state\ndata: " + st + b"\n\n")
@@ -152,13 +170,31 @@ async def dashboard(request: web.Request) -> web.Response:
     return web.Response(body=html, content_type="text/html", headers={"Cache-Control": "no-cache"})
 
 
+async def _sample_history(rt: Runtime, hist: History) -> None:
+    while True:
+        hist.record(route_series(rt))
+        await asyncio.sleep(HISTORY_SAMPLE_SEC)
+
+
+async def _history_sampler(app: web.Application) -> AsyncIterator[None]:
+    task = asyncio.create_task(_sample_history(app[RT], app[HISTORY]), name="kiloline-history")
+    yield
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+
+
 def add_routes(app: web.Application) -> None:
+    app[HISTORY] = History(HISTORY_SERIES, span_sec=HISTORY_SPAN_SEC, step_sec=HISTORY_STEP_SEC,
+                           clock=app[RT].clock)
+    app.cleanup_ctx.append(_history_sampler)
     r = app.router
     r.add_get("/healthz", healthz)
     r.add_get("/readyz", readyz)
     r.add_get("/metrics", metrics)
     r.add_get("/admin/state", state)
     r.add_get("/admin/events", events)
+    r.add_get("/admin/history", history)
     r.add_post("/admin/session", new_session)
     r.add_post("/admin/reload", reload)
     r.add_post(r"/admin/nodes/{name}/{op:drain|undrain}", drain)

@@ -10,9 +10,20 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    GCCollector,
+    Histogram,
+    PlatformCollector,
+    ProcessCollector,
+    generate_latest,
+)
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
+
+from kilolined import __version__
 
 if TYPE_CHECKING:
     from kilolined.runtime import Runtime
@@ -56,7 +67,15 @@ class _LiveGauges(Collector):
                 continue
             up.add_metric([n], 1 if ns.healthy else 0)
             br.add_metric([n], BREAKER_GAUGE[ns.breaker_state(now)])
-        yield from (depth, infl, slots, up, br)
+        # Prometheus' own idiom for "is the running config the file": 0 while a reload was refused
+        # (the previous config still runs), and when the running one was loaded.
+        ok = GaugeMetricFamily("kiloline_config_last_reload_successful",
+                               "1 if the last config load or reload succeeded, 0 if it was refused")
+        ok.add_metric([], 0 if rt.last_error else 1)
+        at = GaugeMetricFamily("kiloline_config_last_reload_success_timestamp_seconds",
+                               "Unix time the running config was loaded")
+        at.add_metric([], rt.loaded_at)
+        yield from (depth, infl, slots, up, br, ok, at)
 
 
 class _Children:
@@ -111,6 +130,12 @@ class Metrics:
             self.reloads.labels(result)
         self.tokens = _Children(Counter("kiloline_tokens", "LLM tokens by route and key", ["route", "key"], registry=r))
         r.register(_LiveGauges(rt))
+        # The daemon's own process (CPU, memory, fds, start time), Python and its collector.
+        ProcessCollector(registry=r)
+        PlatformCollector(registry=r)
+        GCCollector(registry=r)
+        Gauge("kiloline_build_info", "The running kilolined's version (always 1)", ["version"],
+              registry=r).labels(__version__).set(1)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 from typing import Any
@@ -15,6 +16,15 @@ def table(headers: list[str], rows: list[list[str]]) -> str:
     out = [line, "  ".join("-" * w for w in widths)]
     out += ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)) for r in rows]
     return "\n".join(out)
+
+
+def ramp_text(node: dict[str, Any]) -> str:
+    """'ramping 1→2, full in 12s' while slow start holds a recovered node below its slots."""
+    if not node.get("ramping"):
+        return "-"
+    left = node.get("full_in_sec")
+    tail = "" if left is None else f", full in {math.ceil(left)}s"
+    return f"ramping {node.get('slots', 0)}→{node.get('full_slots', 0)}{tail}"
 
 
 def render(state: dict[str, Any]) -> str:
@@ -32,7 +42,7 @@ def render(state: dict[str, Any]) -> str:
         nodes.append([
             name, n.get("label", ""), n.get("health", ""), n.get("breaker", ""),
             "yes" if n.get("drained") else "no", f"{n.get('inflight', 0)}/{n.get('slots', 0)}",
-            "-" if lat is None else f"{lat:.0f}ms", (n.get("last_error") or "")[:40],
+            ramp_text(n), "-" if lat is None else f"{lat:.0f}ms", (n.get("last_error") or "")[:40],
         ])
     cfg = state.get("config", {})
     head = f"config {str(cfg.get('version', ''))[:12]}  uptime {state.get('uptime_sec', 0):.0f}s"
@@ -41,7 +51,8 @@ def render(state: dict[str, Any]) -> str:
     return "\n\n".join([
         head,
         table(["ROUTE", "PATH", "KIND", "MODE", "QUEUED", "INFLIGHT", "EST WAIT", "ACTIVE"], routes),
-        table(["NODE", "LABEL", "HEALTH", "BREAKER", "DRAINED", "INFLIGHT", "CHECK", "LAST ERROR"], nodes),
+        table(["NODE", "LABEL", "HEALTH", "BREAKER", "DRAINED", "INFLIGHT", "SLOW START", "CHECK", "LAST ERROR"],
+              nodes),
     ])
 
 

@@ -15,6 +15,7 @@ import base64
 import copy
 import hashlib
 import os
+import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -273,3 +274,49 @@ async def test_dashboard_reconnects_and_asks_again_for_a_rotated_key(fakegpus, g
     finally:
         for srv in servers:
             await srv.shutdown()
+
+
+async def test_a_page_opened_after_a_burst_shows_it_and_a_ramping_node(fakegpus, gateway, http, browser) -> None:
+    """The chart's history comes from the gateway, so a page opened after the burst still shows
+    its peak; a node back from the dead says it is ramping and when it will be at full strength."""
+    gpu = await fakegpus(steps=10, step_ms=60)
+    cfg = base_config({"a": gpu.url}, max_concurrency=2)
+    cfg["nodes"]["a"]["health"] = {"path": "/health", "interval_sec": 0.1, "timeout_sec": 0.3, "fall": 1, "rise": 1}
+    cfg["nodes"]["a"]["breaker"] = {"slow_start_sec": 600}
+    gw = await gateway(cfg)
+    sched = gw.rt.scheduler
+
+    async def one() -> int:
+        async with http.post(gw.url + "/gen/generate", json={}, headers=auth(),
+                             timeout=aiohttp.ClientTimeout(total=20)) as r:
+            await r.read()
+            return r.status
+
+    burst = [asyncio.create_task(one()) for _ in range(8)]
+    await wait_until(lambda: len(sched.routes["gen"].waiting) == 6)
+    assert await asyncio.gather(*burst) == [200] * 8
+    await gpu.kill()
+    await wait_until(lambda: not sched.nodes["a"].healthy, timeout=10)
+    await gpu.revive()
+    await wait_until(lambda: sched.nodes["a"].healthy, timeout=10)
+    assert not sched.routes["gen"].waiting  # the burst is over before the page opens
+
+    page = Page(browser)
+    await page.call(browser.get, gw.url + "/dashboard")
+    await page.until("!document.querySelector('#login').hidden", "the login form")
+    await page.type_into("#admin-key", ADMIN_KEY)
+    await page.click("#login-submit")
+    await page.until("document.querySelector('#conn').dataset.state === 'live'", "the stream live")
+    chart = f"{ROUTE} [data-field=queue_history]"
+    await page.until(f"document.querySelector('{chart}')?.dataset.peak === '6'", "the burst's peak in the chart")
+    assert await page.text(f"{ROUTE} [data-field=hist_max]") == "peak 6 queued"
+    assert await page.text(f"{ROUTE} [data-field=queue_depth]") == "0"
+    assert await page.js(f"return document.querySelector('{chart} path.q').getAttribute('d').length") > 0
+    ramp = '[data-node="a"] [data-field=ramp]'
+    text = await page.until(f"document.querySelector('{ramp}')?.textContent", "the ramp line")
+    assert re.fullmatch(r"ramping 1→2, full in \d+ s", text), text
+    assert 590 <= int(text.split()[-2]) <= 600
+    assert await page.js(f"return !document.querySelector('{ramp}').hidden")
+    assert await page.text('[data-node="a"] [data-field=slots]') == "1"
+    ARTIFACTS.mkdir(exist_ok=True)
+    await page.screenshot(ARTIFACTS / "dashboard-history-ramp.png", 1280, 800)

@@ -17,6 +17,8 @@ import aiohttp
 import pytest
 from conftest import ADMIN, KEYS, auth, base_config, wait_until
 
+from kilolined import views
+
 # --- helpers ------------------------------------------------------------------------------------
 
 
@@ -852,8 +854,8 @@ async def test_client_hanging_up_mid_response_is_not_a_node_failure(fakegpus, ga
             assert r.status == 200
             await r.content.read(100_000)
             r.close()  # hang up with most of the body still to come
-        await wait_until(lambda: gw.rt.state()["routes"]["gen"]["inflight"] == 0)
-    node = gw.rt.state()["nodes"]["a"]
+        await wait_until(lambda: views.state(gw.rt)["routes"]["gen"]["inflight"] == 0)
+    node = views.state(gw.rt)["nodes"]["a"]
     assert node["breaker"] == "closed" and node["last_error"] is None
     async with http.post(gw.url + "/gen/generate", json={}, headers=auth()) as r:
         assert r.status == 200
@@ -876,6 +878,6 @@ async def test_write_to_a_closing_client_is_not_a_node_failure(fakegpus, gateway
     with contextlib.suppress(_aiohttp.ClientError):
         async with http.post(gw.url + "/gen/generate", json={}, headers=auth()) as r:
             await r.read()
-    await wait_until(lambda: gw.rt.state()["routes"]["gen"]["inflight"] == 0)
-    node = gw.rt.state()["nodes"]["a"]
+    await wait_until(lambda: views.state(gw.rt)["routes"]["gen"]["inflight"] == 0)
+    node = views.state(gw.rt)["nodes"]["a"]
     assert node["breaker"] == "closed" and node["last_error"] is None

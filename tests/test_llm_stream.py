@@ -22,6 +22,8 @@ from conftest import ADMIN, KEYS, auth, base_config, wait_until
 from openai import AsyncOpenAI
 from test_sse_jobs import SSEReader
 
+from kilolined import views
+
 WORDS = ["The", " quick", " brown", " fox", " jumps", " over", " the", " lazy", " dog", "."]
 MESSAGES = [{"role": "user", "content": "say something please"}]  # 3 prompt tokens for the fake
 QUEUED = re.compile(r"^queued position=(\d+) est_wait_sec=(\S+)$")
@@ -55,7 +57,7 @@ async def hold_the_queue(http, gw, fake, n: int, tokens: int) -> list[asyncio.Ta
         if i == 0:
             await wait_until(lambda: fake.stats["running"] == 1)
         else:
-            await wait_until(lambda i=i: gw.rt.state()["routes"]["gen"]["queue_depth"] == i)
+            await wait_until(lambda i=i: views.state(gw.rt)["routes"]["gen"]["queue_depth"] == i)
     return tasks
 
 
@@ -238,14 +240,14 @@ async def test_stream_client_gone_while_queued_leaves_the_queue(fakegpus, gatewa
             while not line.strip():
                 line = await r.content.readline()
         assert line.startswith(b": queued position=1 "), line
-        assert gw.rt.state()["routes"]["gen"]["queue_depth"] == 1
+        assert views.state(gw.rt)["routes"]["gen"]["queue_depth"] == 1
         r.close()  # the client gives up while waiting
-    await wait_until(lambda: gw.rt.state()["routes"]["gen"]["queue_depth"] == 0, timeout=3)
+    await wait_until(lambda: views.state(gw.rt)["routes"]["gen"]["queue_depth"] == 0, timeout=3)
     assert await asyncio.gather(*ahead) == [200]
     await asyncio.sleep(0.3)
     # its slot was never taken: the node saw the one request ahead of it, nothing else
     assert len([q for q in fake.requests if q["path"] == "/v1/chat/completions"]) == 1
-    assert gw.rt.state()["routes"]["gen"]["inflight"] == 0
+    assert views.state(gw.rt)["routes"]["gen"]["inflight"] == 0
 
 
 async def test_stream_client_gone_the_moment_its_lease_arrives_frees_the_slot(fakegpus, gateway, http,
@@ -269,8 +271,8 @@ async def test_stream_client_gone_the_moment_its_lease_arrives_frees_the_slot(fa
         assert r.status == 200  # the stream's headers went out before the wait
         with pytest.raises(aiohttp.ClientError):
             await r.read()
-    await wait_until(lambda: gw.rt.state()["routes"]["gen"]["inflight"] == 0, timeout=3)
-    assert gw.rt.state()["nodes"][next(iter(gw.rt.cfg.nodes))]["inflight"] == 0
+    await wait_until(lambda: views.state(gw.rt)["routes"]["gen"]["inflight"] == 0, timeout=3)
+    assert views.state(gw.rt)["nodes"][next(iter(gw.rt.cfg.nodes))]["inflight"] == 0
     await wait_until(lambda: not any(p.busy for p in gw.rt.pools.values()), timeout=3)
 
 
@@ -315,7 +317,7 @@ async def test_node_dying_mid_stream_ends_with_error_then_done(fakegpus, gateway
     err = orjson.loads(events[-2].data)["error"]
     assert err["type"] and err["message"]
     assert str(fake.port) not in err["message"] and "127.0.0.1" not in err["message"]
-    await wait_until(lambda: gw.rt.state()["routes"]["gen"]["inflight"] == 0, timeout=3)
+    await wait_until(lambda: views.state(gw.rt)["routes"]["gen"]["inflight"] == 0, timeout=3)
 
 
 async def test_stream_client_gone_mid_answer_aborts_the_node_and_frees_the_slot(fakegpus, gateway, http) -> None:
@@ -327,7 +329,7 @@ async def test_stream_client_gone_mid_answer_aborts_the_node_and_frees_the_slot(
         assert first is not None and first.data.startswith("{")
         r.close()
     await wait_until(lambda: fake.stats["aborted"] >= 1, timeout=5)
-    await wait_until(lambda: gw.rt.state()["routes"]["gen"]["inflight"] == 0, timeout=3)
+    await wait_until(lambda: views.state(gw.rt)["routes"]["gen"]["inflight"] == 0, timeout=3)
     c = client(gw)
     done = await c.chat.completions.create(model="fake-llm", messages=MESSAGES, max_tokens=1)
     assert done.choices[0].message.content == "The"

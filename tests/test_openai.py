@@ -10,6 +10,8 @@ import pytest
 from conftest import ADMIN, KEYS, auth, base_config, wait_until
 from openai import AsyncOpenAI
 
+from kilolined import views
+
 MESSAGES = [{"role": "user", "content": "say something please"}]
 
 
@@ -64,7 +66,7 @@ async def test_models_answer_while_the_queue_is_full(fakegpus, gateway, http) ->
     running = asyncio.create_task(completion())
     await wait_until(lambda: fake.stats["running"] == 1)
     waiting = asyncio.create_task(completion())
-    await wait_until(lambda: gw.rt.state()["routes"]["gen"]["queue_depth"] == 1)
+    await wait_until(lambda: views.state(gw.rt)["routes"]["gen"]["queue_depth"] == 1)
     assert await completion() == 429  # full
     loop = asyncio.get_running_loop()
     t0 = loop.time()
@@ -72,7 +74,7 @@ async def test_models_answer_while_the_queue_is_full(fakegpus, gateway, http) ->
         assert r.status == 200
         assert (await r.json())["data"][0]["id"] == "fake-llm"
     assert loop.time() - t0 < 2  # did not wait behind ~8 s of queued work
-    assert gw.rt.state()["routes"]["gen"]["queue_depth"] == 1
+    assert views.state(gw.rt)["routes"]["gen"]["queue_depth"] == 1
     for t in (running, waiting):
         t.cancel()
 

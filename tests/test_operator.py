@@ -4,6 +4,7 @@ promise that no payload ever reaches a log line or a file."""
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import os
 import subprocess
@@ -13,6 +14,8 @@ from typing import Any
 
 from conftest import ADMIN, ADMIN_KEY, auth, base_config, wait_until
 from prometheus_client.parser import text_string_to_metric_families
+
+from kilolined import views
 
 FAMILIES = {
     # name (as the parser reports it): (type, label names)
@@ -96,8 +99,8 @@ async def test_admin_state_matches_a_burst_and_a_failover(fakegpus, gateway, htt
     assert node_a["label"] == "GPU A" and st["nodes"]["b"]["inflight"] == 0
     assert st["config"]["version"] == gw.rt.version and st["config"]["last_error"] is None
     await a.kill()
-    await wait_until(lambda: gw.rt.state()["routes"]["gen"]["mode"] == "failover", timeout=10)
-    await wait_until(lambda: gw.rt.state()["nodes"]["a"]["health"] == "down", timeout=10)
+    await wait_until(lambda: views.state(gw.rt)["routes"]["gen"]["mode"] == "failover", timeout=10)
+    await wait_until(lambda: views.state(gw.rt)["nodes"]["a"]["health"] == "down", timeout=10)
     st = await state()
     assert st["nodes"]["a"]["health"] == "down" and st["routes"]["gen"]["active_nodes"] == ["b"]
     assert await asyncio.gather(*tasks) == [200] * 6
@@ -122,6 +125,59 @@ async def test_status_cli_prints_the_tables(fakegpus, gateway) -> None:
     assert proc.returncode == 1 and b"admin key" in err
 
 
+async def test_slow_start_shows_in_state_and_status(fakegpus, gateway, http) -> None:
+    """After a recovery the node runs below its slots for a while: /admin/state and `status` say
+    so and say when it ends (it showed a bare 1/2 before)."""
+    a = await fakegpus()
+    cfg = base_config({"a": a.url}, max_concurrency=2)
+    cfg["nodes"]["a"]["health"] = {"path": "/health", "interval_sec": 0.1, "timeout_sec": 0.3, "fall": 1, "rise": 1}
+    cfg["nodes"]["a"]["breaker"] = {"slow_start_sec": 600}
+    gw = await gateway(cfg)
+    await a.kill()
+    await wait_until(lambda: views.state(gw.rt)["nodes"]["a"]["health"] == "down", timeout=10)
+    await a.revive()
+    await wait_until(lambda: views.state(gw.rt)["nodes"]["a"]["health"] == "up", timeout=10)
+    async with http.get(gw.url + "/admin/state", headers=ADMIN) as r:
+        node = (await r.json())["nodes"]["a"]
+    assert (node["slots"], node["full_slots"], node["ramping"]) == (1, 2, True)
+    assert 500 < node["full_in_sec"] <= 600
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "kilolined", "status", "--url", gw.url, "--admin-key", ADMIN_KEY,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    out, err = await proc.communicate()
+    assert proc.returncode == 0, err
+    row = next(line for line in out.decode().splitlines() if line.startswith("a "))
+    assert "ramping 1→2, full in " in row and " 0/1 " in row, row
+
+
+async def test_history_of_a_burst_outlives_it(fakegpus, gateway, http) -> None:
+    """The chart's series are kept by the gateway: after the burst, /admin/history and the first
+    events of a new /admin/events stream still hold it (a page opened late showed nothing)."""
+    a = await fakegpus(steps=10, step_ms=60)
+    gw = await gateway(base_config({"a": a.url}, max_concurrency=1))
+    burst = [asyncio.create_task(_post(http, gw.url + "/gen/generate", {})) for _ in range(6)]
+    await wait_until(lambda: views.state(gw.rt)["routes"]["gen"]["queue_depth"] == 5)
+    assert await asyncio.gather(*burst) == [200] * 6
+    async with http.get(gw.url + "/admin/history") as r:
+        assert r.status == 401
+    async with http.get(gw.url + "/admin/history", headers=ADMIN) as r:
+        assert r.status == 200
+        hist = await r.json()
+    assert hist["step_sec"] == 1 and hist["span_sec"] == 600
+    gen = hist["routes"]["gen"]
+    assert max(q or 0 for q in gen["queue_depth"]) == 5 and max(i or 0 for i in gen["inflight"]) == 1
+    assert len(gen["queue_depth"]) == len(gen["inflight"]) <= 600
+    async with http.get(gw.url + "/admin/events", headers=ADMIN) as r:
+        kind = None
+        async for line in r.content:
+            if line.startswith(b"event: "):
+                kind = line[7:].strip()
+            elif line.startswith(b"data: ") and kind == b"history":
+                streamed = json.loads(line[6:])
+                break
+    assert max(q or 0 for q in streamed["routes"]["gen"]["queue_depth"]) == 5
+
+
 def test_demo_once_shows_the_crash_and_the_rescue() -> None:
     env = {**os.environ, "NO_COLOR": "1"}
     proc = subprocess.run([sys.executable, "-m", "kilolined", "demo", "--once", "--port", "0"],
@@ -131,7 +187,10 @@ def test_demo_once_shows_the_crash_and_the_rescue() -> None:
     assert "GPU crashed: CUDA out of memory" in out
     assert "all 10 served" in out and "never ran more than 2 at once" in out and "oom_count=0" in out
     assert "nothing lost: 10/10 served" in out
-    assert "/dashboard" in out and "Admin key: kl_" in out
+    # The gateway is gone when --once returns: no URL or key that no longer works.
+    assert "http://127.0.0.1" not in out.split("3) Spot interruption")[1], out
+    assert "Admin key" not in out and "/dashboard" not in out
+    assert "--once: the gateway stops here" in out
 
 
 MARKER = "SECRET-PAYLOAD-7f3a9c"

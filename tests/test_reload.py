@@ -25,6 +25,7 @@ from conftest import ADMIN, KEYS, auth, base_config, sha, wait_until
 from fakes import FakeTelegram
 from test_systemd import daemon_factory
 
+from kilolined import views
 from kilolined.config import parse_config
 from kilolined.server import Server
 
@@ -108,7 +109,7 @@ async def test_slots_follow_the_file_under_load(fakegpus: Any, gateway: Any, htt
     # The first 16 jobs take ~150 ms, the rest ~50 ms (so the tail at one slot is short).
     tasks = [asyncio.create_task(generate(http, gw.url, echo=i, steps=3 if i < 16 else 1, step_ms=50))
              for i in range(40)]
-    await wait_until(lambda: g.stats["served"] >= 1 and gw.rt.state()["routes"]["gen"]["queue_depth"] > 20,
+    await wait_until(lambda: g.stats["served"] >= 1 and views.state(gw.rt)["routes"]["gen"]["queue_depth"] > 20,
                      timeout=15)
     assert g.stats["max_concurrent"] == 1
     v0 = gw.rt.version
@@ -119,7 +120,7 @@ async def test_slots_follow_the_file_under_load(fakegpus: Any, gateway: Any, htt
     gw.write_config(four)
     await wait_until(lambda: g.stats["running"] == 4, timeout=5)
     assert gw.rt.version == file_sha(gw.path) != v0
-    assert gw.rt.state()["routes"]["gen"]["queue_depth"] > 0, "burst over too early to see slots lowered"
+    assert views.state(gw.rt)["routes"]["gen"]["queue_depth"] > 0, "burst over too early to see slots lowered"
 
     # Back to one: nothing is cut; in-flight only falls, then stays at one.
     gw.write_config(cfg)
@@ -175,7 +176,7 @@ async def test_invalid_file_mid_burst_changes_nothing(
         v0 = gw.rt.version
         ok0, err0 = await reloads_total(http, gw.url, "ok"), await reloads_total(http, gw.url, "error")
         tasks = [asyncio.create_task(generate(http, gw.url, echo=i)) for i in range(12)]
-        await wait_until(lambda: gw.rt.state()["routes"]["gen"]["queue_depth"] > 5, timeout=10)
+        await wait_until(lambda: views.state(gw.rt)["routes"]["gen"]["queue_depth"] > 5, timeout=10)
 
         bad = copy.deepcopy(cfg)
         bad["routes"]["gen"]["max_concurrency"] = 0
@@ -597,7 +598,7 @@ async def test_removed_route_serves_its_queue_then_404s(
     tasks = [asyncio.create_task(generate(http, gw.url, steps=3, step_ms=150, echo=i)) for i in range(3)]
 
     def one_running_two_waiting() -> bool:
-        r = gw.rt.state()["routes"]["gen"]
+        r = views.state(gw.rt)["routes"]["gen"]
         return r["inflight"] == 1 and r["queue_depth"] == 2
 
     await wait_until(one_running_two_waiting, timeout=10)
