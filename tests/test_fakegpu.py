@@ -13,9 +13,9 @@ from typing import Any
 
 import aiohttp
 import pytest
+from fakegpu_util import MakeGPU, eventually, make_gpu, refused, sse_data
 
 from kilolined.fakegpu import BLOB_PATTERN
-from fakegpu_util import MakeGPU, eventually, make_gpu, refused, sse_data
 
 __all__ = ["make_gpu"]  # the fixture, imported for pytest
 
