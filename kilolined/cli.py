@@ -97,7 +97,8 @@ def cmd_fakegpu(args: argparse.Namespace) -> int:
     from kilolined import fakegpu
 
     return fakegpu.run(args.kind, args.host, args.port, args.vram_gb, args.job_vram_gb, args.steps, args.step_ms,
-                       args.crash_sec)
+                       args.crash_sec, api_key=args.api_key, ctx_size=args.ctx_size,
+                       progress_min_sec=args.progress_min_ms / 1000)
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
@@ -148,6 +149,10 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("--steps", type=int, default=25)
     f.add_argument("--step-ms", type=float, default=200)
     f.add_argument("--crash-sec", type=float, default=5)
+    f.add_argument("--api-key", help="openai: the key the node requires, as llama-server --api-key")
+    f.add_argument("--ctx-size", type=int, default=4096, help="openai: context window in tokens (llama-server -c)")
+    f.add_argument("--progress-min-ms", type=float, default=100,
+                   help="comfyui: drop progress updates closer than this (ComfyUI's ProgressBar; 0 sends all)")
     f.set_defaults(fn=cmd_fakegpu)
 
     d = sub.add_parser("demo", parents=[common], help="the traffic-smoothing demo on loopback")

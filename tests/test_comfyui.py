@@ -197,7 +197,7 @@ async def test_validation_error_passes_through_sse(fakegpus: Any, gateway: Any,
         direct = await r.read()
     events = await sse_job(http, gw.url + "/gen/prompt", bad)
     failed = of(events, "failed")[0]
-    assert failed["http_status"] == 400 and "Prompt outputs failed validation" in failed["error"]["message"]
+    assert failed["http_status"] == 400 and "custom node may not be installed" in failed["error"]["message"]
     result_url = of(events, "queued")[0]["result_url"]
     async with http.get(gw.url + result_url) as r:
         assert r.status == 400 and await r.read() == direct

@@ -1,7 +1,13 @@
-"""`--kind openai` of the simulated GPU: an OpenAI-compatible chat server (PROTOCOLS §2).
+"""`--kind openai` of the simulated GPU: an OpenAI-compatible chat server.
 
 Each completion token costs one `step_ms` of GPU time, so a stream shows real pacing and a
 gateway can measure time-to-first-token; usage numbers are exact so token budgets can be tested.
+It behaves like the servers a gateway really meets: every API path is under `/v1` (vLLM serves
+no `/chat/completions` without it), `usage` is streamed only when `stream_options.include_usage`
+asks for it (one extra chunk with empty `choices`, as OpenAI and vLLM do), and it answers as
+llama.cpp's `llama-server` does when started with `--api-key` (401 "Invalid API Key", the health
+and model list stay public) or given a prompt as long as its context (400
+`exceed_context_size_error` with `n_prompt_tokens` and `n_ctx`, streaming or not).
 """
 
 from __future__ import annotations
@@ -14,10 +20,11 @@ from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
-from kilolined.fakegpu import Backend, is_int, read_json, sse_headers
+from kilolined.fakegpu.base import is_int, read_json, sse_headers
+from kilolined.fakegpu.card import Backend
 
 if TYPE_CHECKING:
-    from kilolined.fakegpu import Job
+    from kilolined.fakegpu.base import Job
 
 MODEL_ID = "fake-llm"
 WORDS = ("The", " quick", " brown", " fox", " jumps", " over", " the", " lazy", " dog", ".")
@@ -29,12 +36,34 @@ ERROR_TYPES = {
     429: "rate_limit_error",
     503: "unavailable_error",
 }
+# llama.cpp answers these without a key even when it was started with --api-key.
+PUBLIC_PATHS = frozenset({"/health", "/v1/health", "/models", "/v1/models"})
 
 
 def openai_error(status: int, message: str, param: str | None = None) -> web.Response:
     kind = ERROR_TYPES.get(status, "server_error")
     body = {"error": {"message": message, "type": kind, "param": param, "code": None}}
     return web.json_response(body, status=status)
+
+
+def llama_error(status: int, message: str, kind: str, **extra: Any) -> web.Response:
+    """llama.cpp's error body: an integer `code`, no `param`; extra fields after `type`."""
+    return web.json_response({"error": {"code": status, "message": message, "type": kind, **extra}}, status=status)
+
+
+def context_exceeded(n_prompt_tokens: int, n_ctx: int) -> web.Response:
+    """What llama-server answers when the prompt alone fills the slot's context (HTTP 400)."""
+    message = (f"request ({n_prompt_tokens} tokens) exceeds the available context size ({n_ctx} tokens), "
+               "try increasing it")
+    return llama_error(400, message, "exceed_context_size_error", n_prompt_tokens=n_prompt_tokens, n_ctx=n_ctx)
+
+
+def presented_key(request: web.Request) -> str | None:
+    """The key in `Authorization: Bearer …` or `X-Api-Key`, as llama-server reads them."""
+    auth = request.headers.get("Authorization", "")
+    if auth.startswith("Bearer "):
+        return auth[len("Bearer "):]
+    return request.headers.get("X-Api-Key")
 
 
 def count_prompt_tokens(messages: list[Any]) -> int:
@@ -55,18 +84,37 @@ class OpenAIBackend(Backend):
     def add_routes(self, app: web.Application) -> None:
         app.router.add_post("/v1/chat/completions", self.chat)
         app.router.add_get("/v1/models", self.models)
+        app.router.add_get("/v1/models/{model_id:.+}", self.model)
         app.router.add_get("/health", self.health)
         app.router.add_get("/v1/health", self.health)
 
     def error_response(self, status: int, message: str) -> web.Response:
         return openai_error(status, message)
 
+    def screen(self, request: web.Request) -> web.Response | None:
+        key = self.gpu.api_key
+        if key is None or request.path in PUBLIC_PATHS or request.method == "OPTIONS":
+            return None
+        if presented_key(request) == key:
+            return None
+        self.gpu.count("auth_rejects")
+        return llama_error(401, "Invalid API Key", "authentication_error")
+
+    def _model_card(self) -> dict[str, Any]:
+        return {"id": MODEL_ID, "object": "model", "created": self.gpu.started_at, "owned_by": "kiloline"}
+
     async def health(self, request: web.Request) -> web.Response:
         return await self.gpu.health(request, lambda: web.json_response({"status": "ok"}))
 
     async def models(self, request: web.Request) -> web.Response:
-        model = {"id": MODEL_ID, "object": "model", "created": self.gpu.started_at, "owned_by": "kiloline"}
-        return web.json_response({"object": "list", "data": [model]})
+        return web.json_response({"object": "list", "data": [self._model_card()]})
+
+    async def model(self, request: web.Request) -> web.Response:
+        """`GET /v1/models/{id}` (the SDK's `models.retrieve`); answered at once, no GPU work."""
+        model_id = request.match_info["model_id"]
+        if model_id != MODEL_ID:
+            return openai_error(404, f"The model '{model_id}' does not exist", "model")
+        return web.json_response(self._model_card())
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
         gpu = self.gpu
@@ -86,12 +134,15 @@ class OpenAIBackend(Backend):
         max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
         if max_tokens is not None and not (is_int(max_tokens) and max_tokens >= 1):
             return openai_error(400, "max_tokens must be an integer >= 1.", "max_tokens")
+        prompt_tokens = count_prompt_tokens(messages)
+        if prompt_tokens >= gpu.ctx_size:  # llama.cpp compares the prompt alone, `>=`
+            return context_exceeded(prompt_tokens, gpu.ctx_size)
         stream_options = body.get("stream_options")
         call = _Call(
             id=f"chatcmpl-{uuid.uuid4().hex[:24]}",
             model=body["model"] if isinstance(body.get("model"), str) else MODEL_ID,
             tokens=max_tokens if max_tokens is not None else gpu.steps,
-            prompt_tokens=count_prompt_tokens(messages),
+            prompt_tokens=prompt_tokens,
             # Hitting max_tokens is what "length" means; without it the fake stops on its own.
             finish_reason="length" if max_tokens is not None else "stop",
             include_usage=isinstance(stream_options, dict) and stream_options.get("include_usage") is True,

@@ -1,12 +1,12 @@
-"""The simulated GPU server behind `kilolined fakegpu` (SPEC §9).
+"""The simulated card behind `kilolined fakegpu` (docs/CONFIG.md, "The simulated GPU").
 
 It behaves like a rented 24 GB card: every running job holds `job_vram_gb`, and the job that
 would push the total past `vram_gb` makes every running job fail with "CUDA out of memory";
 then the "process" dies (listener closed, every connection reset) for `crash_sec` and comes back
 on the same port. That is what an unprotected GPU does under a burst, and what the gateway must
-prevent. The backend-specific APIs live in `fakegpu_comfy.py` and `fakegpu_openai.py`; this
-module holds the card itself (VRAM, jobs, crashes), the `/_fake/*` test endpoints and the
-`generic` kind.
+prevent. This module holds the card (VRAM, jobs, crashes), the `/_fake/*` test endpoints and the
+`Backend` interface; each kind's API is a `Backend` in its own module (`generic.py`, `comfy.py`,
+`openai.py`), which imports this one and never the reverse.
 """
 
 from __future__ import annotations
@@ -14,26 +14,19 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import json
 import logging
-import math
-import signal
-import sys
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 from aiohttp import web
 
+from kilolined.fakegpu.base import Job, Knobs, is_int, is_number, read_json
+
 log = logging.getLogger("kilolined.fakegpu")
 
-KINDS = ("generic", "comfyui", "openai")
-GIB = 1024**3
 REQUEST_LOG_SIZE = 100
-BLOB_CHUNK = 64 * 1024
-BLOB_PATTERN = bytes(range(256)) * (BLOB_CHUNK // 256)
 # How long a crash waits for the failing jobs to tell their clients before the process "dies".
 CRASH_FLUSH_SEC = 1.0
 COUNTERS = (
@@ -48,6 +41,7 @@ COUNTERS = (
     "rejected",  # job requests answered by the `fail_status` knob
     "health_checks",  # requests to the health endpoint
     "origin_rejects",  # ComfyUI 403s for a foreign Origin on a loopback Host
+    "auth_rejects",  # OpenAI requests without the node's API key
 )
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -56,7 +50,7 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 class Backend:
     """What differs per `kind`: routes, the shape of error bodies, extra state. Defaults here."""
 
-    def __init__(self, gpu: FakeGPU) -> None:
+    def __init__(self, gpu: Card) -> None:
         self.gpu = gpu
 
     def add_routes(self, app: web.Application) -> None:
@@ -76,82 +70,14 @@ class Backend:
         """The process died: forget what it held in memory."""
 
 
-@dataclass(eq=False)
-class Job:
-    """One unit of GPU work. `stop` is set when the card fails or interrupts it mid-run."""
 
-    id: int
-    vram_gb: float
-    reason: str | None = None  # "oom" | "interrupted" once stopped
-    ended: bool = False
-    stop: asyncio.Event = field(default_factory=asyncio.Event)
-    # Set once the job's client has been told the outcome; a crash waits for it.
-    finished: asyncio.Event = field(default_factory=asyncio.Event)
-
-    @property
-    def failed(self) -> bool:
-        return self.reason is not None
-
-
-@dataclass
-class Knobs:
-    """Test knobs set through POST /_fake/control; they persist until changed."""
-
-    health_status: int = 200
-    health_hang: bool = False
-    fail_status: int | None = None
-    hang: bool = False
-    drip_ms: float = 0.0
-
-    def update(self, data: Any) -> list[str]:
-        """Apply `data`; returns the problems, and then nothing is applied."""
-        if not isinstance(data, dict):
-            return ["body must be a JSON object"]
-        checks: dict[str, tuple[Callable[[Any], bool], str]] = {
-            "health_status": (is_status, "an HTTP status code"),
-            "fail_status": (lambda v: v is None or is_status(v), "an HTTP status code or null"),
-            "health_hang": (lambda v: isinstance(v, bool), "a boolean"),
-            "hang": (lambda v: isinstance(v, bool), "a boolean"),
-            "drip_ms": (lambda v: is_number(v) and v >= 0, "a number >= 0"),
-        }
-        problems = [f"{key}: unknown knob" if key not in checks else f"{key}: must be {checks[key][1]}"
-                    for key, value in data.items() if key not in checks or not checks[key][0](value)]
-        if not problems:
-            for key, value in data.items():
-                setattr(self, key, float(value) if key == "drip_ms" else value)
-        return problems
-
-
-def is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def is_status(value: Any) -> bool:
-    return is_int(value) and 100 <= value <= 599
-
-
-def is_number(value: Any) -> bool:
-    return (is_int(value) or isinstance(value, float)) and math.isfinite(value)
-
-
-async def read_json(request: web.Request) -> Any:
-    """The body as JSON, None for an empty body; raises ValueError when it is not JSON."""
-    raw = await request.read()
-    if not raw.strip():
-        return None
-    return json.loads(raw)
-
-
-def sse_headers() -> dict[str, str]:
-    return {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-
-
-class FakeGPU:
+class Card:
     """One simulated card listening on loopback; see the module docstring."""
 
     def __init__(
         self,
-        kind: str = "generic",
+        kind: str,
+        make_backend: Callable[[Card], Backend],
         *,
         host: str = "127.0.0.1",
         port: int = 0,
@@ -161,15 +87,18 @@ class FakeGPU:
         step_ms: float = 200,
         crash_sec: float = 5,
         parallel: int = 0,
+        api_key: str | None = None,
+        ctx_size: int = 4096,
+        progress_min_sec: float = 0.0,
     ) -> None:
-        if kind not in KINDS:
-            raise ValueError(f"kind must be one of {', '.join(KINDS)}, not {kind!r}")
         if not (is_number(vram_gb) and vram_gb > 0 and is_number(job_vram_gb) and job_vram_gb >= 0):
             raise ValueError("vram_gb must be > 0 and job_vram_gb >= 0")
         if not (is_int(steps) and steps >= 0 and is_number(step_ms) and step_ms >= 0):
             raise ValueError("steps must be an int >= 0 and step_ms a number >= 0")
         if not (is_number(crash_sec) and crash_sec >= 0 and is_int(parallel) and parallel >= 0):
             raise ValueError("crash_sec must be >= 0 and parallel an int >= 0")
+        if not (is_int(ctx_size) and ctx_size >= 1 and is_number(progress_min_sec) and progress_min_sec >= 0):
+            raise ValueError("ctx_size must be an int >= 1 and progress_min_sec a number >= 0")
         self.kind = kind
         self.host = host
         self.port = port
@@ -179,6 +108,10 @@ class FakeGPU:
         self.step_ms = float(step_ms)
         self.crash_sec = float(crash_sec)
         self.parallel = parallel
+        # Kind-specific settings, read by the backend that needs them.
+        self.api_key = api_key or None  # openai: the key the node requires (llama.cpp --api-key)
+        self.ctx_size = ctx_size  # openai: context window in tokens (llama.cpp -c)
+        self.progress_min_sec = float(progress_min_sec)  # comfyui: ProgressBar throttle
         self.knobs = Knobs()
         self.started_at = int(time.time())
         self._running: set[Job] = set()
@@ -194,7 +127,7 @@ class FakeGPU:
         self._killed = False
         self._stopped = False
         self._crash_task: asyncio.Task[None] | None = None
-        self.backend: Backend = _make_backend(self)
+        self.backend: Backend = make_backend(self)
 
     # ----------------------------------------------------------------- public surface
 
@@ -253,7 +186,7 @@ class FakeGPU:
 
     async def start(self) -> None:
         if self._runner is not None:
-            raise RuntimeError("FakeGPU already started")
+            raise RuntimeError("the fake GPU is already started")
         # handler_cancellation: a client hanging up cancels its handler, so we can see aborts.
         runner = web.AppRunner(self._build_app(), handler_cancellation=True, access_log=None)
         await runner.setup()
@@ -286,7 +219,7 @@ class FakeGPU:
     async def revive(self) -> None:
         """Listen again on the same port (after kill(), or to cut a crash short)."""
         if self._stopped or self._runner is None:
-            raise RuntimeError("FakeGPU is not started or already stopped")
+            raise RuntimeError("the fake GPU is not started or already stopped")
         self._killed = False
         await self._cancel_crash()
         self._crashed = False
@@ -541,64 +474,3 @@ def _headers_dict(request: web.Request) -> dict[str, str]:
         key = name.lower()
         out[key] = f"{out[key]}, {value}" if key in out else value
     return out
-
-
-def _make_backend(gpu: FakeGPU) -> Backend:
-    # Imported here because the kind modules import the helpers above.
-    if gpu.kind == "comfyui":
-        from kilolined.fakegpu_comfy import ComfyBackend
-
-        return ComfyBackend(gpu)
-    if gpu.kind == "openai":
-        from kilolined.fakegpu_openai import OpenAIBackend
-
-        return OpenAIBackend(gpu)
-    from kilolined.fakegpu_generic import GenericBackend
-
-    return GenericBackend(gpu)
-
-
-# --------------------------------------------------------------------------- CLI entry point
-
-
-def run(
-    kind: str = "generic",
-    host: str = "127.0.0.1",
-    port: int = 0,
-    vram_gb: float = 24,
-    job_vram_gb: float = 10,
-    steps: int = 25,
-    step_ms: float = 200,
-    crash_sec: float = 5,
-    parallel: int = 0,
-) -> int:
-    """Serve until Ctrl-C or SIGTERM (for `kilolined fakegpu`); returns the exit code."""
-    try:
-        gpu = FakeGPU(kind, host=host, port=port, vram_gb=vram_gb, job_vram_gb=job_vram_gb, steps=steps,
-                      step_ms=step_ms, crash_sec=crash_sec, parallel=parallel)
-    except ValueError as exc:
-        print(f"fakegpu: {exc}", file=sys.stderr)
-        return 2
-    try:
-        return asyncio.run(_serve(gpu))
-    except KeyboardInterrupt:  # platforms without loop signal handlers
-        return 0
-
-
-async def _serve(gpu: FakeGPU) -> int:
-    try:
-        await gpu.start()
-    except OSError as exc:
-        print(f"fakegpu: cannot listen on {gpu.host}:{gpu.port}: {exc.strerror or exc}", file=sys.stderr)
-        return 1
-    print(f"fakegpu {gpu.kind} listening on {gpu.url}", file=sys.stderr, flush=True)
-    done = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        with contextlib.suppress(NotImplementedError, RuntimeError):
-            loop.add_signal_handler(sig, done.set)
-    try:
-        await done.wait()
-    finally:
-        await gpu.stop()
-    return 0

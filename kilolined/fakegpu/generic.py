@@ -7,7 +7,8 @@ import json
 
 from aiohttp import web
 
-from kilolined.fakegpu import BLOB_CHUNK, BLOB_PATTERN, Backend, Job, is_int, is_number, read_json, sse_headers
+from kilolined.fakegpu.base import BLOB_CHUNK, BLOB_PATTERN, Job, is_int, is_number, read_json, sse_headers
+from kilolined.fakegpu.card import Backend
 
 
 class GenericBackend(Backend):
