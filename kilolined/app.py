@@ -408,9 +408,10 @@ def log_access(rt: Runtime, call: Call) -> None:
 
 
 def build_app(rt: Runtime) -> web.Application:
-    from kilolined import admin, jobs_api, targets
+    from kilolined import admin, edge, jobs_api, targets
 
-    app = web.Application(client_max_size=int(rt.cfg.server.max_body_mb * 1024 * 1024) + 1)
+    app = web.Application(middlewares=edge.middlewares(),
+                          client_max_size=int(rt.cfg.server.max_body_mb * 1024 * 1024) + 1)
     app[RT] = rt
     admin.add_routes(app)
     jobs_api.add_routes(app)

@@ -84,6 +84,9 @@ class ServerConfig(_Model):
     heartbeat_sec: PosSec = 10
     state_dir: str | None = None
     access_log: bool = True
+    header_timeout_sec: PosSec = 30  # a whole request head within this (slowloris); nginx: 60 s
+    idle_timeout_sec: PosSec = 75  # keep-alive connection with no request in progress; nginx: 75 s
+    max_connections: Annotated[int, Field(ge=1)] = 10000  # more wait in the kernel backlog
 
     @field_validator("listen")
     @classmethod
