@@ -92,8 +92,8 @@ async def watcher_ready(rt: Any, path: Path, timeout: float = 15) -> None:
 
 
 def dotted(errors: list[str]) -> bool:
-    """Every error names where it is: ``a.b.c: message``."""
-    return all(re.match(r"^[A-Za-z_][\w-]*(\.[\w-]+)*: \S", e) for e in errors)
+    """Every error names where it is, like nginx -t: ``file:line: a.b.c: message``."""
+    return all(re.match(r"^\S+:\d+: [A-Za-z_][\w-]*(\.[\w-]+)*: \S", e) for e in errors)
 
 
 # --- the watcher under load ---------------------------------------------------------------------
@@ -187,9 +187,10 @@ async def test_invalid_file_mid_burst_changes_nothing(
         st = await admin_state(http, gw.url)
         errors = st["config"]["last_error"]
         assert isinstance(errors, list) and dotted(errors), errors
-        assert any(e.startswith("routes.gen.max_concurrency:") for e in errors), errors
-        assert any(e.startswith("routes.gen.max_concurency:") and "unknown key" in e for e in errors), errors
-        assert any(e.startswith("nodes.a.url:") for e in errors), errors
+        where = f"{gw.path}:"
+        assert any(e.startswith(where) and ": routes.gen.max_concurrency:" in e for e in errors), errors
+        assert any(": routes.gen.max_concurency: unknown key" in e for e in errors), errors
+        assert any(": nodes.a.url:" in e for e in errors), errors
         # Nothing changed.
         assert st["config"]["version"] == v0
         assert st["routes"]["gen"]["slots"] == 1 and st["routes"]["gen"]["max_concurrency"] == 1
@@ -438,8 +439,10 @@ async def test_admin_reload(fakegpus: Any, gateway: Any, http: aiohttp.ClientSes
     status, body = await admin_reload(http, gw.url)
     assert status == 422 and body["ok"] is False, body
     assert set(body) == {"ok", "errors"} and dotted(body["errors"]), body
-    assert any(e.startswith("routes.gen.nodes.0:") for e in body["errors"]), body
-    assert any(e.startswith("keys.alice.routes.0:") for e in body["errors"]), body
+    lines = gw.path.read_text().splitlines()
+    nodes_line = next(i for i, t in enumerate(lines, 1) if "- nope" in t)
+    assert f"{gw.path}:{nodes_line}: routes.gen.nodes.0: unknown node 'nope'" in body["errors"], body
+    assert any(e.startswith(f"{gw.path}:") and ": keys.alice.routes.0:" in e for e in body["errors"]), body
     st = await admin_state(http, gw.url)
     assert st["config"]["last_error"] == body["errors"]
     assert st["config"]["version"] == hashlib.sha256(yaml.safe_dump(changed).encode()).hexdigest()
@@ -486,7 +489,7 @@ async def test_sighup_reloads_the_daemon(tmp_path: Path, fakegpus: Any, http: ai
 
         await wait_until(refused, timeout=15, step=0.1)
         st = await d.state(http)
-        assert any(e.startswith("routes.gen.max_concurrency:") for e in st["config"]["last_error"])
+        assert any(": routes.gen.max_concurrency:" in e for e in st["config"]["last_error"])
         assert st["config"]["version"] != d.version() and st["routes"]["gen"]["max_concurrency"] == 3
         async with http.post(d.url + "/gen/generate", json={}, headers=auth()) as r:
             assert r.status == 200
