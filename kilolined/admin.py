@@ -1,4 +1,5 @@
-"""Operator endpoints (SPEC §6): health, readiness, metrics, state, events, reload, drain, dashboard."""
+"""Operator endpoints (docs/API.md#admin-endpoints): health, readiness, metrics, state, events,
+reload, drain, dashboard."""
 
 from __future__ import annotations
 
@@ -12,11 +13,11 @@ from importlib import resources
 import orjson
 from aiohttp import web
 
-from kilolined.app import RT
 from kilolined.auth import presented_key
 from kilolined.context import RT
 from kilolined.errors import error_response
 from kilolined.history import History
+from kilolined.reload import reload_from_file
 from kilolined.runtime import Runtime
 from kilolined.views import HISTORY_SERIES, route_series
 from kilolined.views import readiness as readiness_reasons
@@ -78,8 +79,6 @@ async def history(request: web.Request) -> web.Response:
 async def reload(request: web.Request) -> web.Response:
     if not is_admin(request):
         return _denied()
-    from kilolined.reload import reload_from_file
-
     rt = _rt(request)
     errors = await reload_from_file(rt, reason="admin API")
     if errors:

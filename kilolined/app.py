@@ -18,7 +18,7 @@ from urllib.parse import unquote, urlencode
 import orjson
 from aiohttp import web
 
-from kilolined import admin, jobs_api, targets
+from kilolined import admin, edge, jobs_api, targets
 from kilolined.adapters.openai import wants_stream
 from kilolined.adapters.registry import adapter_for
 from kilolined.auth import presented_key
@@ -267,7 +267,8 @@ def log_access(gw: Gateway, call: Call) -> None:
 
 
 def build_app(gw: Gateway) -> web.Application:
-    app = web.Application(client_max_size=int(gw.rt.cfg.server.max_body_mb * 1024 * 1024) + 1)
+    app = web.Application(middlewares=edge.middlewares(),
+                          client_max_size=int(gw.rt.cfg.server.max_body_mb * 1024 * 1024) + 1)
     app[GW] = gw
     app[RT] = gw.rt
     admin.add_routes(app)

@@ -9,7 +9,13 @@ import sys
 
 import orjson
 
-from kilolined import __version__
+from kilolined import __version__, fakegpu
+from kilolined.auth import digest, new_key
+from kilolined.config import ConfigError, default_config_path, load_config
+from kilolined.demo import run_demo
+from kilolined.probe import probe_all
+from kilolined.server import serve
+from kilolined.status import run_status
 
 
 class _JsonFormatter(logging.Formatter):
@@ -45,8 +51,6 @@ def run_async(coro: object) -> int:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from kilolined.config import ConfigError, default_config_path, load_config
-    from kilolined.server import serve
 
     path = default_config_path(args.config)
     try:
@@ -66,8 +70,8 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def cmd_check(args: argparse.Namespace) -> int:
-    from kilolined.config import ConfigError, default_config_path, load_config
-
+    """Like ``nginx -t``: every problem as ``file:line: dotted.path: message``, or one ok line
+    that names the file; ``--probe`` then tries every node once."""
     path = default_config_path(args.config)
     try:
         cfg, _ = load_config(path)
@@ -75,13 +79,16 @@ def cmd_check(args: argparse.Namespace) -> int:
         for line in e.errors:
             print(line)
         return 1
-    print(f"ok: {len(cfg.routes)} routes, {len(cfg.nodes)} nodes, {len(cfg.keys)} keys")
-    return 0
+    print(f"ok: {len(cfg.routes)} routes, {len(cfg.nodes)} nodes, {len(cfg.keys)} keys in {path}")
+    if not args.probe:
+        return 0
+    probes = asyncio.run(probe_all(cfg))
+    for p in probes:
+        print(p.line())
+    return 1 if any(not p.reachable for p in probes) else 0
 
 
 def cmd_keygen(args: argparse.Namespace) -> int:
-    from kilolined.auth import digest, new_key
-
     key = new_key()
     name = args.id or "mykey"
     print(key)
@@ -94,22 +101,16 @@ def cmd_keygen(args: argparse.Namespace) -> int:
 
 
 def cmd_fakegpu(args: argparse.Namespace) -> int:
-    from kilolined import fakegpu
-
     return fakegpu.run(args.kind, args.host, args.port, args.vram_gb, args.job_vram_gb, args.steps, args.step_ms,
                        args.crash_sec, api_key=args.api_key, ctx_size=args.ctx_size,
                        progress_min_sec=args.progress_min_ms / 1000)
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from kilolined.demo import run_demo
-
     return run_async(run_demo(once=args.once, port=args.port))
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    from kilolined.status import run_status
-
     return run_async(run_status(args.url, args.admin_key))
 
 
@@ -132,8 +133,13 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--listen", help="override server.listen (host:port)")
     r.set_defaults(fn=cmd_run)
 
-    c = sub.add_parser("check", parents=[common], help="validate a config file, like nginx -t")
+    c = sub.add_parser("check", parents=[common], help="validate a config file, like nginx -t",
+                       description="Prints 'ok: N routes, M nodes, K keys in FILE' and exits 0, or one "
+                                   "'FILE:LINE: dotted.path: message' line per problem and exits 1.")
     c.add_argument("-c", "--config")
+    c.add_argument("--probe", action="store_true",
+                   help="also connect to every node once (its health check, else GET /): one line per node; "
+                        "exit 1 when one is unreachable")
     c.set_defaults(fn=cmd_check)
 
     k = sub.add_parser("keygen", parents=[common], help="print a new API key and the YAML to paste")

@@ -1,6 +1,8 @@
-"""The configuration schema (SPEC §2): pydantic models, YAML loading, ${VAR} expansion.
+"""The configuration schema (docs/CONFIG.md): pydantic models, YAML loading, ${VAR} expansion.
 
-Every problem is reported as ``dotted.path: message`` so that an operator can find the line.
+Every problem is reported as ``file:line: dotted.path: message`` (like ``nginx -t``) so that an
+operator can find the line. A key given twice in one mapping is an error (PyYAML keeps the last
+one silently, which drops a whole route), and aliases may not expand past MAX_ALIAS_NODES.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ NOTIFY_EVENTS = (
     "reload_failed",
 )
 
-# Paths that are list/status/static endpoints per kind: forwarded without a slot (SPEC §5).
+# Paths that are list/status/static endpoints per kind: forwarded without a slot (docs/API.md#route-kinds).
 DEFAULT_UNQUEUED: dict[str, list[str]] = {
     "comfyui": [
         "/system_stats",
@@ -84,6 +86,9 @@ class ServerConfig(_Model):
     heartbeat_sec: PosSec = 10
     state_dir: str | None = None
     access_log: bool = True
+    header_timeout_sec: PosSec = 30  # a whole request head within this (slowloris); nginx: 60 s
+    idle_timeout_sec: PosSec = 75  # keep-alive connection with no request in progress; nginx: 75 s
+    max_connections: Annotated[int, Field(ge=1)] = 10000  # more wait in the kernel backlog
 
     @field_validator("listen")
     @classmethod
@@ -372,21 +377,142 @@ def _loc(loc: tuple[Any, ...]) -> str:
     return ".".join(parts) or "(root)"
 
 
-def parse_config(text: str | bytes, env: dict[str, str] | None = None) -> Config:
-    """Parse and validate YAML text; raise ConfigError with every problem found."""
+# --- YAML: duplicate keys, alias expansion, where each key is --------------------------------------
+
+MAX_ALIAS_NODES = 10_000  # nodes that aliases may add to the tree (a "billion laughs" is ~10⁹)
+_MERGE_TAG = "tag:yaml.org,2002:merge"
+
+
+class _AliasBomb(Exception):
+    pass
+
+
+def _alias_growth(root: yaml.Node) -> int:
+    """How many nodes expanding every alias would add to the tree, computed on the composed graph
+    (where an alias is the same node object reached twice) without expanding anything."""
+    size: dict[int, int] = {}
+    active: set[int] = set()
+
+    def expanded(n: yaml.Node) -> int:
+        k = id(n)
+        if k in size:
+            return size[k]
+        if k in active:
+            raise _AliasBomb("an alias refers to the node that contains it")
+        active.add(k)
+        total = 1
+        if isinstance(n, yaml.MappingNode):
+            total += sum(expanded(kn) + expanded(vn) for kn, vn in n.value)
+        elif isinstance(n, yaml.SequenceNode):
+            total += sum(expanded(c) for c in n.value)
+        active.discard(k)
+        size[k] = total
+        return total
+
+    return expanded(root) - len(size)
+
+
+def _key_text(n: yaml.Node) -> str:
+    return str(n.value) if isinstance(n, yaml.ScalarNode) else f"<{n.id}>"
+
+
+def _key_lines(root: yaml.Node) -> tuple[dict[str, int], list[tuple[str, int, str]]]:
+    """``dotted.path -> line`` of every key and list item, and the duplicated keys found
+    (path, line, message). Runs on the tree as the constructor will expand it (bounded above)."""
+    lines: dict[str, int] = {}
+    dups: list[tuple[str, int, str]] = []
+    checked: set[int] = set()
+
+    def walk(n: yaml.Node, path: str) -> None:
+        if isinstance(n, yaml.MappingNode):
+            first: dict[tuple[str, str], int] = {}
+            merges = []
+            for kn, vn in n.value:
+                if kn.tag == _MERGE_TAG:
+                    merges.append(vn)
+                    continue
+                key = _key_text(kn)
+                p = f"{path}.{key}" if path else key
+                line = kn.start_mark.line + 1
+                if (kn.tag, key) in first:
+                    if id(n) not in checked:
+                        dups.append((p, line, f"duplicate key (first at line {first[(kn.tag, key)]})"))
+                else:
+                    first[(kn.tag, key)] = line
+                lines.setdefault(p, line)
+                walk(vn, p)
+            checked.add(id(n))
+            for m in merges:  # merged keys (`<<: *base`) come after the mapping's own keys
+                for item in m.value if isinstance(m, yaml.SequenceNode) else [m]:
+                    walk(item, path)
+        elif isinstance(n, yaml.SequenceNode):
+            for i, c in enumerate(n.value):
+                p = f"{path}.{i}"
+                lines.setdefault(p, c.start_mark.line + 1)
+                walk(c, p)
+
+    walk(root, "")
+    return lines, dups
+
+
+def _line_of(lines: dict[str, int], path: str) -> int:
+    """The line of the key at ``path``, else of the nearest mapping that holds it (a key that is
+    missing is reported at its mapping)."""
+    p = path
+    while p:
+        if p in lines:
+            return lines[p]
+        p = p.rpartition(".")[0]
+    return 1
+
+
+def _yaml_error(e: yaml.YAMLError, source: str | None) -> str:
+    mark = getattr(e, "problem_mark", None)
+    problem = getattr(e, "problem", None) or str(e)
+    if source is not None:
+        line = mark.line + 1 if mark else 1
+        col = f" (column {mark.column + 1})" if mark else ""
+        return f"{source}:{line}: (yaml): {problem}{col}"
+    where = f"line {mark.line + 1} column {mark.column + 1}" if mark else "yaml"
+    return f"(yaml) {where}: {problem}"
+
+
+def parse_config(text: str | bytes, env: dict[str, str] | None = None, source: str | None = None) -> Config:
+    """Parse and validate YAML text; raise ConfigError with every problem found.
+
+    With ``source`` (the file's name) each error reads ``source:line: dotted.path: message``, as
+    ``nginx -t`` prints them; without, ``dotted.path: message``. CPU-bound and blocking: the
+    daemon calls it from a thread (kilolined/reload.py).
+    """
     env = dict(os.environ) if env is None else env
+    loader = yaml.SafeLoader(text)
     try:
-        raw = yaml.safe_load(text)
+        root = loader.get_single_node()
+        if root is None:
+            raw: Any = {}
+            lines: dict[str, int] = {}
+        else:
+            try:
+                growth = _alias_growth(root)
+            except _AliasBomb as e:
+                raise ConfigError([_located(source, root.start_mark.line + 1, "(yaml)", str(e))])
+            if growth > MAX_ALIAS_NODES:
+                raise ConfigError([_located(source, root.start_mark.line + 1, "(yaml)",
+                                            f"aliases expand to more than {MAX_ALIAS_NODES} nodes")])
+            lines, dups = _key_lines(root)
+            if dups:
+                raise ConfigError([_located(source, line, p, msg) for p, line, msg in dups])
+            raw = loader.construct_document(root)
     except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        where = f"line {mark.line + 1} column {mark.column + 1}" if mark else "yaml"
-        raise ConfigError([f"(yaml) {where}: {getattr(e, 'problem', None) or e}"])
+        raise ConfigError([_yaml_error(e, source)])
+    finally:
+        loader.dispose()
     if raw is None:
         raw = {}
     if not isinstance(raw, dict):
-        raise ConfigError(["(root): expected a mapping at the top level"])
-    errors: list[str] = []
-    raw = expand_env(raw, env, "", errors)
+        raise ConfigError([_located(source, 1, "(root)", "expected a mapping at the top level")])
+    problems: list[str] = []
+    raw = expand_env(raw, env, "", problems)
     try:
         cfg = Config.model_validate(raw)
     except ValidationError as e:
@@ -394,21 +520,32 @@ def parse_config(text: str | bytes, env: dict[str, str] | None = None) -> Config
             msg = err["msg"].removeprefix("Value error, ")
             if err["type"] == "extra_forbidden":
                 msg = "unknown key"
-            errors.append(f"{_loc(err['loc'])}: {msg}")
-        raise ConfigError(errors)
-    errors.extend(cfg.cross_check())
-    if errors:
-        raise ConfigError(errors)
+            problems.append(f"{_loc(err['loc'])}: {msg}")
+        cfg = None
+    if cfg is not None:
+        problems.extend(cfg.cross_check())
+    if problems:
+        located = []
+        for line in problems:
+            path, _, msg = line.partition(": ")
+            located.append(_located(source, _line_of(lines, path), path, msg))
+        raise ConfigError(located)
+    assert cfg is not None
     return cfg
 
 
+def _located(source: str | None, line: int, path: str, message: str) -> str:
+    return f"{source}:{line}: {path}: {message}" if source is not None else f"{path}: {message}"
+
+
 def load_config(path: str | Path, env: dict[str, str] | None = None) -> tuple[Config, str]:
-    """Read and validate the file; returns the config and its version (sha256 of the bytes)."""
+    """Read and validate the file; returns the config and its version (sha256 of the bytes).
+    Errors name the file and line: ``path:line: dotted.path: message``."""
     try:
         data = Path(path).read_bytes()
     except OSError as e:
-        raise ConfigError([f"(file) {path}: {e.strerror or e}"])
-    return parse_config(data, env), hashlib.sha256(data).hexdigest()
+        raise ConfigError([f"{path}: cannot read: {e.strerror or e}"])
+    return parse_config(data, env, source=str(path)), hashlib.sha256(data).hexdigest()
 
 
 def default_config_path(cli_path: str | None) -> str:

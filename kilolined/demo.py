@@ -20,6 +20,7 @@ import aiohttp
 
 from kilolined.config import parse_config
 from kilolined.fakegpu import FakeGPU
+from kilolined.server import Server
 
 BURST = 10
 STEPS, STEP_MS = 8, 100  # 0.8 s per image
@@ -111,8 +112,6 @@ cost: {{gpu_hourly_usd: 0.30, serverless_per_sec_usd: 0.0011}}
 
 
 async def run_demo(once: bool, port: int = 8080, out: object = None) -> int:
-    from kilolined.server import Server
-
     stream = out or sys.stdout
     st = Style(hasattr(stream, "isatty") and stream.isatty() and not os.environ.get("NO_COLOR"))
 
@@ -213,8 +212,6 @@ async def run_demo(once: bool, port: int = 8080, out: object = None) -> int:
 
 
 def _failovers(server: object) -> float:
-    from kilolined.server import Server
-
     assert isinstance(server, Server)
     total = 0.0
     for metric in server.rt.metrics.failovers.metric.collect():

@@ -1,4 +1,4 @@
-"""The gateway's own error responses (SPEC §4.5): always JSON, never a node address."""
+"""The gateway's own error responses (docs/API.md#errors): always JSON, never a node address."""
 
 from __future__ import annotations
 

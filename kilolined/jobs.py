@@ -490,7 +490,7 @@ class Jobs:
             return None
         token = request.query.get("token")
         if token is not None:
-            return job if hmac.compare_digest(token, job.access_token) else None
+            return job if hmac.compare_digest(token.encode(), job.access_token.encode()) else None  # bytes: any token
         p = self.rt.keys.lookup(presented_key(request))
         if p is not None and job.key is not None and p.key_id == job.key:
             return job

@@ -1,4 +1,4 @@
-"""The Jobs API (SPEC §4.4): status, events (with replay), result, files, cancel.
+"""The Jobs API (docs/API.md#jobs-api): status, events (with replay), result, files, cancel.
 
 A job is visible to the key that created it, or to anyone holding its ``access_token``
 (``?token=``, so a browser EventSource can follow it). Everyone else gets 404, not 403: a job id

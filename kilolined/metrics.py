@@ -1,4 +1,4 @@
-"""Prometheus metrics (SPEC §6). One registry per Runtime; gauges are read from live state at
+"""Prometheus metrics (docs/API.md#admin-endpoints). One registry per Runtime; gauges are read from live state at
 scrape time, so the request path only bumps counters and histograms.
 
 Label values come from config names (routes, nodes, keys) and fixed outcome/reason words, never
@@ -8,7 +8,7 @@ from anything a client sends, so cardinality is bounded by the config.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from prometheus_client import (
     CollectorRegistry,
@@ -24,9 +24,18 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from kilolined import __version__
+from kilolined.nodes import BREAKER_GAUGE
+from kilolined.queue import Scheduler
 
-if TYPE_CHECKING:
-    from kilolined.runtime import Runtime
+
+class LiveState(Protocol):
+    """What the scrape-time gauges read (the Runtime has it)."""
+
+    scheduler: Scheduler
+    last_error: list[str] | None
+    loaded_at: float
+
+    def clock(self) -> float: ...
 
 WAIT_BUCKETS = (0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
 UPSTREAM_BUCKETS = (0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
@@ -34,7 +43,7 @@ TTFT_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60)
 
 
 class _LiveGauges(Collector):
-    def __init__(self, rt: Callable[[], Runtime]):
+    def __init__(self, rt: Callable[[], LiveState]):
         self._rt = rt
 
     def collect(self) -> Iterable[GaugeMetricFamily]:
@@ -50,8 +59,6 @@ class _LiveGauges(Collector):
         br = GaugeMetricFamily(
             "kiloline_breaker_state", "0 closed, 1 half-open, 2 open", labels=["node"]
         )
-        from kilolined.nodes import BREAKER_GAUGE
-
         for name, rq in sched.routes.items():
             if rq.name.startswith("adhoc:"):
                 continue
@@ -100,7 +107,7 @@ class _Children:
 
 
 class Metrics:
-    def __init__(self, rt: Callable[[], Runtime]):
+    def __init__(self, rt: Callable[[], LiveState]):
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         self.requests = _Children(Counter(

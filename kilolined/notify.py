@@ -1,4 +1,4 @@
-"""Operator alerts on Telegram, Discord and a generic signed webhook (SPEC §8).
+"""Operator alerts on Telegram, Discord and a generic signed webhook (docs/CONFIG.md#notify).
 
 ``Notifier.emit()`` is called from the request path and from health checks, so it only touches
 in-memory state: it filters, folds repeats and collects events into a group; a timer turns the

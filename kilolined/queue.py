@@ -21,7 +21,7 @@ WAITING, LEASED, DONE, FAILED = "waiting", "leased", "done", "failed"
 
 
 class Rejected(Exception):
-    """Admission refused; ``type`` and ``status`` are those of SPEC §4.5."""
+    """Admission refused; ``type`` and ``status`` are those of docs/API.md#errors."""
 
     def __init__(self, status: int, type_: str, message: str, retry_after: float | None = None):
         super().__init__(message)

@@ -356,7 +356,7 @@ class Runtime:
     def route_label(route: str) -> str:
         return "adhoc" if route.startswith("adhoc:") else route
 
-    # --- ad-hoc targets (SPEC §4.6) -----------------------------------------------------
+    # --- ad-hoc targets (docs/API.md#v1proxy) -----------------------------------------------------
     def adhoc_route(self, target: str, slots: int) -> str:
         name = f"adhoc:{target}"
         sched = self.scheduler

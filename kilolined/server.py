@@ -12,11 +12,13 @@ import ssl
 
 from aiohttp import web
 
-from kilolined import systemd
+from kilolined import edge, systemd
 from kilolined.app import build_app
 from kilolined.config import Config, split_listen
+from kilolined.connection import EdgeHandler
 from kilolined.context import Gateway
 from kilolined.jobs import Jobs
+from kilolined.listener import ConnectionGate, Listener, listen_sockets
 from kilolined.notify import Notifier
 from kilolined.queue import Rejected
 from kilolined.reload import reload_from_file, watch_config
@@ -24,6 +26,7 @@ from kilolined.runtime import Component, Runtime
 from kilolined.webhooks import WebhookDeliverer
 
 log = logging.getLogger("kilolined")
+BACKLOG = 4096  # connections over server.max_connections wait here (the kernel caps it at somaxconn)
 
 
 class Server:
@@ -42,7 +45,10 @@ class Server:
         ]
         self.app = build_app(self.gateway)
         self.runner: web.AppRunner | None = None
-        self.sites: list[web.BaseSite] = []
+        self.app.on_response_prepare.append(edge.server_header)
+        self.listeners: list[Listener] = []
+        self.gate: ConnectionGate | None = None
+        self._paused_logged = -60.0
         self.watch = watch and config_path is not None
         self._stop_watch = asyncio.Event()
         self._bg: list[asyncio.Task[None]] = []
@@ -63,18 +69,43 @@ class Server:
         if rt.cfg.server.tls:
             ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
             ctx.load_cert_chain(rt.cfg.server.tls.cert, rt.cfg.server.tls.key)
-        site = web.TCPSite(self.runner, host, port, ssl_context=ctx, backlog=4096, reuse_address=True)
-        await site.start()
-        self.sites.append(site)
-        server = getattr(site, "_server", None)
-        if server is not None and server.sockets:
-            self.port = server.sockets[0].getsockname()[1]
+        self.gate = ConnectionGate(lambda: self.rt.cfg.server.max_connections, self._pause_accepting,
+                                   self._resume_accepting)
+        self.listeners = [Listener(s, self._new_connection, ctx, BACKLOG) for s in listen_sockets(host, port, BACKLOG)]
+        for listener in self.listeners:
+            await listener.start()
+        self.port = self.listeners[0].port
         if self.watch:
             self._bg.append(asyncio.create_task(watch_config(rt, self._stop_watch)))
         self._bg.append(asyncio.create_task(systemd.watchdog_loop(rt)))
         log.info("✓ kilolined listening on %s (%d routes, %d nodes)", rt.cfg.server.listen,
                  len(rt.cfg.routes), len(rt.cfg.nodes))
         systemd.ready(rt)
+
+    def _new_connection(self) -> EdgeHandler:
+        """The protocol of one client connection; the limits are read here, so that a reload's
+        new values apply to every new connection."""
+        assert self.runner is not None and self.runner.server is not None
+        scfg = self.rt.cfg.server
+        return EdgeHandler(self.runner.server, loop=asyncio.get_running_loop(), gate=self.gate,
+                           header_timeout=scfg.header_timeout_sec, keepalive_timeout=scfg.idle_timeout_sec,
+                           access_log=None)
+
+    def _pause_accepting(self) -> None:
+        now = asyncio.get_running_loop().time()
+        if now - self._paused_logged >= 60:  # a box at the limit pauses and resumes per connection
+            self._paused_logged = now
+            log.warning("⚠ %d client connections (server.max_connections): new ones wait in the backlog",
+                        self.gate.count if self.gate else 0)
+        for listener in self.listeners:
+            listener.pause()
+
+    def _resume_accepting(self) -> None:
+        if self.rt.shutting_down:
+            return
+        log.debug("client connections below server.max_connections: accepting again")
+        for listener in self.listeners:
+            listener.resume()
 
     async def shutdown(self) -> None:
         """Stop accepting, fail the waiting, let in-flight finish within shutdown_grace_sec."""
@@ -85,11 +116,9 @@ class Server:
         systemd.stopping()
         log.info("stopping: refusing new work, %d in flight", sum(rt.scheduler.node_inflight.values()))
         self._stop_watch.set()
-        for site in self.sites:
+        for listener in self.listeners:
             # Close the listener only; open connections (in-flight responses) keep going.
-            server = getattr(site, "_server", None)
-            if server is not None:
-                server.close()
+            listener.close()
         failed = rt.scheduler.fail_all_waiting(
             lambda: Rejected(503, "shutting_down", "the gateway is shutting down", 5)
         )

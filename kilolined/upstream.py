@@ -11,8 +11,9 @@ put the connection back when the body ended cleanly. aiohttp's client stays for 
 
 Errors keep aiohttp's exception types so every caller's ``except`` stays as it is:
 ``ConnectFailed`` (an OSError) when no connection could be made, ``aiohttp.ServerDisconnectedError``
-when the node hung up before the headers, ``aiohttp.ClientPayloadError`` when it hung up (or
-broke HTTP) mid-body, ``TimeoutError`` when the exchange outlived its deadline.
+when the node hung up before the headers (or sent a head over MAX_HEAD_BYTES / MAX_HEAD_LINES),
+``aiohttp.ClientPayloadError`` when it hung up (or broke HTTP) mid-body,
+``TimeoutError`` when the exchange outlived its deadline.
 """
 
 from __future__ import annotations
@@ -34,11 +35,30 @@ HIGH_WATER = 1 << 20  # stop reading from the node while this much body waits fo
 LOW_WATER = 1 << 18
 IDLE_KEEP_SEC = 30.0  # like aiohttp's keepalive_timeout: idle sockets to a node are closed after this
 MAX_IDLE = 512
+# A node's response head is capped like nginx's proxy_buffer_size / HAProxy's tune.bufsize: a
+# node that sends endless headers is a node failure, never gateway memory or a client's problem.
+MAX_HEAD_BYTES = 64 * 1024
+MAX_HEAD_LINES = 256
 Headers = Iterable[tuple[str, str]] | Mapping[str, str]  # name/value pairs (repeats kept), or a mapping
 
 
 class ConnectFailed(OSError):
     """No connection to the node (refused, unreachable, DNS, TLS handshake)."""
+
+
+class HeadTooLarge(aiohttp.ServerDisconnectedError):
+    """The node's response head outgrew MAX_HEAD_BYTES or MAX_HEAD_LINES: a node failure, handled
+    wherever a node that hung up before answering is."""
+
+
+def header_text(raw: bytes) -> str:
+    """A header value as text, never failing: UTF-8 when it is (aiohttp writes headers back as
+    UTF-8, so a relayed value keeps its bytes), else latin-1 (one char per byte, no surrogates
+    that would break a JSON encoder downstream)."""
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError:
+        return raw.decode("latin-1")
 
 
 class UpstreamResponse:
@@ -56,6 +76,8 @@ class UpstreamResponse:
         "_error",
         "_got_bytes",
         "_head",
+        "_head_bytes",
+        "_head_lines",
         "_headers",
         "_keep_alive",
         "_loop",
@@ -91,6 +113,8 @@ class UpstreamResponse:
         self._keep_alive = False
         self._released = False
         self._got_bytes = False
+        self._head_bytes = 0  # head bytes so far, 1xx interim answers included
+        self._head_lines = 0
         self._bucket: int | None = conn.pool.deadlines.add(self, deadline)  # its deadline bucket
 
     # --- what callers read -------------------------------------------------------------
@@ -203,6 +227,11 @@ class UpstreamResponse:
             return
         try:
             parser.feed_data(data)
+            if not self._head.done() and self._error is None:
+                # Everything fed so far is head: no body byte comes before the head is complete.
+                self._head_bytes += len(data)
+                if self._head_bytes > MAX_HEAD_BYTES:
+                    self._head_too_large()
         except httptools.HttpParserUpgrade:
             # 101 Switching Protocols on a forwarded request: not HTTP any more, cannot relay here.
             self._fail(aiohttp.ClientPayloadError("the node switched protocols"))
@@ -236,11 +265,21 @@ class UpstreamResponse:
             self.reason = reason.decode("latin-1")
 
     def on_header(self, name: bytes, value: bytes) -> None:
-        if not self.status:
-            self.raw_headers.append((name.decode("latin-1"), value.decode("utf-8", "surrogateescape")))
+        if self.status or self._error is not None:
+            return
+        self._head_lines += 1
+        if self._head_lines > MAX_HEAD_LINES:
+            self._head_too_large()
+            return
+        self.raw_headers.append((name.decode("latin-1"), header_text(value)))
+
+    def _head_too_large(self) -> None:
+        self.raw_headers = []
+        self._fail(HeadTooLarge(f"response head over {MAX_HEAD_BYTES // 1024} KiB or {MAX_HEAD_LINES} lines"))
+        self._conn.close()
 
     def on_headers_complete(self) -> None:
-        if self.status:
+        if self.status or self._error is not None:
             return
         assert self._parser is not None
         status = self._parser.get_status_code()

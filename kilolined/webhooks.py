@@ -1,4 +1,4 @@
-"""Outgoing webhooks: Standard Webhooks signing, delivery with retries, and the SSRF guard (SPEC §4.3).
+"""Outgoing webhooks: Standard Webhooks signing, delivery with retries, and the SSRF guard (docs/API.md#async).
 
 Delivery never raises into the caller and never logs a body or a full URL (callback URLs often carry
 tokens in their path or query): only the host, the attempt number and the outcome.

@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parents[1]
 PY = sys.executable
 ENV = {**os.environ, "KILOLINE_ADMIN_KEY": "kl_cli_admin_dummy", "BOB_KEY": "kl_cli_bob_dummy"}
 ENV.pop("KILOLINE_CONFIG", None)
-DOTTED = re.compile(r"^[^\s:]+(?: [^:]+)?: .+$")
+DOTTED = re.compile(r"^\S+:\d+: [^\s:]+(?: [^:]+)?: .+$")  # file:line: dotted.path: message
 
 
 def kl(*args: str, env: dict[str, str] | None = None, timeout: float = 30) -> subprocess.CompletedProcess[str]:
@@ -52,7 +52,7 @@ def wait_port(port: int, timeout: float = 15) -> None:
 def test_check_example_config() -> None:
     r = kl("check", "-c", "etc/kiloline.yaml")
     assert r.returncode == 0, r.stdout + r.stderr
-    assert r.stdout.strip().splitlines()[-1] == "ok: 3 routes, 4 nodes, 2 keys"
+    assert r.stdout.strip().splitlines()[-1] == "ok: 3 routes, 4 nodes, 2 keys in etc/kiloline.yaml"
 
 
 def test_check_without_env_var_fails_naming_it() -> None:
@@ -75,7 +75,7 @@ def test_check_bad_file_prints_dotted_paths(tmp_path: Path) -> None:
     lines = [ln for ln in (r.stdout + r.stderr).splitlines() if ln.strip()]
     assert lines
     for ln in lines:
-        assert DOTTED.match(ln), ln
+        assert DOTTED.match(ln) and ln.startswith(f"{bad}:"), ln
     text = "\n".join(lines)
     assert "server.listen:" in text
     assert "routes.gen.max_concurency: unknown key" in text
@@ -96,7 +96,55 @@ def test_check_uses_kiloline_config_env(tmp_path: Path) -> None:
     good.write_text(yaml.safe_dump({"nodes": {"g": {"url": "http://127.0.0.1:1"}},
                                     "routes": {"r": {"path": "/r", "nodes": ["g"]}}}))
     r = kl("check", env={**ENV, "KILOLINE_CONFIG": str(good)})
-    assert r.returncode == 0 and "ok: 1 routes, 1 nodes, 0 keys" in r.stdout
+    assert r.returncode == 0 and r.stdout == f"ok: 1 routes, 1 nodes, 0 keys in {good}\n"
+
+
+def test_check_duplicate_route_names_the_line(tmp_path: Path) -> None:
+    f = tmp_path / "dup.yaml"
+    f.write_text("nodes:\n  g: {url: 'http://127.0.0.1:1'}\nroutes:\n  r: {path: /r, nodes: [g]}\n"
+                 "  r: {path: /s, nodes: [g]}\n")
+    r = kl("check", "-c", str(f))
+    assert (r.returncode, r.stdout) == (1, f"{f}:5: routes.r: duplicate key (first at line 4)\n")
+
+
+def test_check_probe_reports_every_node(tmp_path: Path) -> None:
+    async def main() -> None:
+        async def health(_r: aiohttp.web.Request) -> aiohttp.web.Response:
+            return aiohttp.web.Response(text="fine")
+
+        app = aiohttp.web.Application()
+        app.router.add_get("/stats", health)
+        runner = aiohttp.web.AppRunner(app)
+        await runner.setup()
+        site = aiohttp.web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        port = runner.addresses[0][1]
+        dead = free_port()
+        cfg = {"nodes": {"up": {"url": f"http://u:pw@127.0.0.1:{port}", "health": {"path": "/stats"}},
+                         "down": {"url": f"http://127.0.0.1:{dead}"}},
+               "routes": {"r": {"path": "/r", "nodes": ["up", "down"]}}}
+        f = tmp_path / "k.yaml"
+        f.write_text(yaml.safe_dump(cfg, sort_keys=False))
+        p = await asyncio.create_subprocess_exec(PY, "-m", "kilolined", "check", "--probe", "-c", str(f), cwd=ROOT,
+                                                 env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        out, _ = await asyncio.wait_for(p.communicate(), 30)
+        lines = out.decode().splitlines()
+        assert p.returncode == 1, lines
+        assert lines[0] == f"ok: 1 routes, 2 nodes, 0 keys in {f}"
+        assert re.fullmatch(rf"node up: reachable, HTTP 200 ok \(http://127.0.0.1:{port}/stats, \d+ ms\)", lines[1])
+        down = rf"node down: unreachable: cannot connect \(connection refused\) \(http://127.0.0.1:{dead}/, \d+ ms\)"
+        assert re.fullmatch(down, lines[2]), lines
+        assert "pw" not in out.decode()
+        cfg["nodes"].pop("down")
+        cfg["routes"]["r"]["nodes"] = ["up"]
+        f.write_text(yaml.safe_dump(cfg))
+        p = await asyncio.create_subprocess_exec(PY, "-m", "kilolined", "check", "--probe", "-c", str(f), cwd=ROOT,
+                                                 env=ENV, stdout=subprocess.PIPE)
+        out, _ = await asyncio.wait_for(p.communicate(), 30)
+        assert p.returncode == 0 and len(out.decode().splitlines()) == 2
+        await runner.cleanup()
+
+    asyncio.run(main())
 
 
 # --- keygen -------------------------------------------------------------------------------------

@@ -63,7 +63,8 @@ def test_example_config_is_valid() -> None:
 def test_example_config_without_env_names_the_variable() -> None:
     with pytest.raises(ConfigError) as ei:
         load_config(EXAMPLE, env={"BOB_KEY": "x"})
-    assert any(e.startswith("admin.key:") and "KILOLINE_ADMIN_KEY" in e for e in ei.value.errors)
+    line = next(i for i, t in enumerate(EXAMPLE.read_text().splitlines(), 1) if "${KILOLINE_ADMIN_KEY}" in t)
+    assert f"{EXAMPLE}:{line}: admin.key: environment variable KILOLINE_ADMIN_KEY is not set" in ei.value.errors
 
 
 def test_missing_file_is_a_config_error(tmp_path: Path) -> None:
@@ -247,3 +248,92 @@ def test_all_problems_reported_at_once() -> None:
 def test_empty_file_reports_missing_sections() -> None:
     errs = errors_of("")
     assert any(e.startswith("nodes") for e in errs) and any(e.startswith("routes") for e in errs)
+
+
+# --- file:line, duplicate keys, alias bound (like nginx -t) ----------------------------------------
+
+LOCATED = "cfg.yaml"
+
+
+def located_errors(text: str) -> list[str]:
+    with pytest.raises(ConfigError) as ei:
+        parse_config(text, env={}, source=LOCATED)
+    for e in ei.value.errors:
+        assert re.match(rf"^{LOCATED}:\d+: \S+: .+$", e), e
+    return ei.value.errors
+
+
+def test_error_names_file_and_line_of_the_key() -> None:
+    text = ("nodes:\n  gpu: {url: 'http://127.0.0.1:8188'}\n"
+            "routes:\n  gen:\n    path: /gen\n    nodes: [gpu]\n    max_concurrency: 0\n")
+    want = f"{LOCATED}:7: routes.gen.max_concurrency: Input should be greater than or equal to 1"
+    assert located_errors(text) == [want]
+
+
+def test_missing_key_is_reported_at_its_mapping() -> None:
+    text = "nodes:\n  gpu: {url: 'http://127.0.0.1:8188'}\nroutes:\n\n  gen:\n    nodes: [gpu]\n"
+    assert located_errors(text) == [f"{LOCATED}:5: routes.gen.path: Field required"]
+
+
+def test_load_config_errors_carry_the_file_name(tmp_path: Path) -> None:
+    f = tmp_path / "k.yaml"
+    f.write_text("nodes:\n  gpu: {url: 'http://127.0.0.1:8188'}\nroutes:\n  gen: {path: /gen, nodes: [ghost]}\n")
+    with pytest.raises(ConfigError) as ei:
+        load_config(f, env={})
+    assert ei.value.errors == [f"{f}:4: routes.gen.nodes.0: unknown node 'ghost'"]
+
+
+def test_a_second_server_block_is_an_error() -> None:
+    text = ("server:\n  listen: 127.0.0.1:1\nnodes:\n  gpu: {url: 'http://127.0.0.1:8188'}\n"
+            "routes:\n  gen: {path: /gen, nodes: [gpu]}\nserver:\n  max_body_mb: 1\n")
+    assert located_errors(text) == [f"{LOCATED}:7: server: duplicate key (first at line 1)"]
+
+
+def test_a_second_route_with_the_same_name_is_an_error() -> None:
+    text = ("nodes:\n  gpu: {url: 'http://127.0.0.1:8188'}\nroutes:\n  gen: {path: /gen, nodes: [gpu]}\n"
+            "  img: {path: /img, nodes: [gpu]}\n  gen: {path: /other, nodes: [gpu]}\n")
+    assert located_errors(text) == [f"{LOCATED}:6: routes.gen: duplicate key (first at line 4)"]
+    with pytest.raises(ConfigError):  # without a file name too: never last-wins
+        parse_config(text, env={})
+
+
+def test_merge_keys_and_small_aliases_still_work() -> None:
+    text = ("nodes:\n  gpu: {url: 'http://127.0.0.1:8188'}\n"
+            "routes:\n  gen: &base {path: /gen, nodes: [gpu], max_concurrency: 3}\n"
+            "  img:\n    <<: *base\n    path: /img\n")
+    cfg = parse_config(text, env={}, source=LOCATED)
+    assert (cfg.routes["img"].path, cfg.routes["img"].max_concurrency) == ("/img", 3)
+
+
+def billion_laughs(levels: int = 9) -> str:
+    lines = ['a0: &a0 ["lol"]']
+    for i in range(1, levels + 1):
+        lines.append(f"a{i}: &a{i} [" + ", ".join([f"*a{i - 1}"] * 10) + "]")
+    return "\n".join(lines) + f"\nnodes: *a{levels}\n"
+
+
+def test_alias_bomb_is_an_error_not_a_frozen_parser() -> None:
+    assert located_errors(billion_laughs()) == [f"{LOCATED}:1: (yaml): aliases expand to more than 10000 nodes"]
+
+
+def test_aliases_up_to_the_bound_are_accepted() -> None:
+    # 10 × 10 × 10 leaves: ~1,100 nodes of growth, well under the bound; the config is then
+    # refused for its contents, not for its aliases.
+    errs = located_errors(billion_laughs(levels=3))
+    assert not any("aliases" in e for e in errs), errs
+
+
+def test_recursive_alias_is_an_error() -> None:
+    errs = located_errors("nodes: &n\n  gpu: *n\n")
+    assert errs == [f"{LOCATED}:1: (yaml): an alias refers to the node that contains it"]
+
+
+def test_client_side_limits_defaults() -> None:
+    s = parse_config(dump(minimal()), env={}).server
+    assert (s.header_timeout_sec, s.idle_timeout_sec, s.max_connections) == (30, 75, 10000)
+    s = parse_config(dump(minimal(server={"header_timeout_sec": 0.5, "idle_timeout_sec": 2.5, "max_connections": 3})),
+                     env={}).server
+    assert (s.header_timeout_sec, s.idle_timeout_sec, s.max_connections) == (0.5, 2.5, 3)
+    errs = errors_of(dump(minimal(server={"max_connections": 0, "header_timeout_sec": 0})))
+    assert any(e.startswith("server.max_connections:") for e in errs)
+    assert any(e.startswith("server.header_timeout_sec:") for e in errs)

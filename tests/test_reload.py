@@ -93,8 +93,8 @@ async def watcher_ready(rt: Any, path: Path, timeout: float = 15) -> None:
 
 
 def dotted(errors: list[str]) -> bool:
-    """Every error names where it is: ``a.b.c: message``."""
-    return all(re.match(r"^[A-Za-z_][\w-]*(\.[\w-]+)*: \S", e) for e in errors)
+    """Every error names where it is, like nginx -t: ``file:line: a.b.c: message``."""
+    return all(re.match(r"^\S+:\d+: [A-Za-z_][\w-]*(\.[\w-]+)*: \S", e) for e in errors)
 
 
 # --- the watcher under load ---------------------------------------------------------------------
@@ -188,9 +188,10 @@ async def test_invalid_file_mid_burst_changes_nothing(
         st = await admin_state(http, gw.url)
         errors = st["config"]["last_error"]
         assert isinstance(errors, list) and dotted(errors), errors
-        assert any(e.startswith("routes.gen.max_concurrency:") for e in errors), errors
-        assert any(e.startswith("routes.gen.max_concurency:") and "unknown key" in e for e in errors), errors
-        assert any(e.startswith("nodes.a.url:") for e in errors), errors
+        where = f"{gw.path}:"
+        assert any(e.startswith(where) and ": routes.gen.max_concurrency:" in e for e in errors), errors
+        assert any(": routes.gen.max_concurency: unknown key" in e for e in errors), errors
+        assert any(": nodes.a.url:" in e for e in errors), errors
         # Nothing changed.
         assert st["config"]["version"] == v0
         assert st["routes"]["gen"]["slots"] == 1 and st["routes"]["gen"]["max_concurrency"] == 1
@@ -439,8 +440,10 @@ async def test_admin_reload(fakegpus: Any, gateway: Any, http: aiohttp.ClientSes
     status, body = await admin_reload(http, gw.url)
     assert status == 422 and body["ok"] is False, body
     assert set(body) == {"ok", "errors"} and dotted(body["errors"]), body
-    assert any(e.startswith("routes.gen.nodes.0:") for e in body["errors"]), body
-    assert any(e.startswith("keys.alice.routes.0:") for e in body["errors"]), body
+    lines = gw.path.read_text().splitlines()
+    nodes_line = next(i for i, t in enumerate(lines, 1) if "- nope" in t)
+    assert f"{gw.path}:{nodes_line}: routes.gen.nodes.0: unknown node 'nope'" in body["errors"], body
+    assert any(e.startswith(f"{gw.path}:") and ": keys.alice.routes.0:" in e for e in body["errors"]), body
     st = await admin_state(http, gw.url)
     assert st["config"]["last_error"] == body["errors"]
     assert st["config"]["version"] == hashlib.sha256(yaml.safe_dump(changed).encode()).hexdigest()
@@ -487,7 +490,7 @@ async def test_sighup_reloads_the_daemon(tmp_path: Path, fakegpus: Any, http: ai
 
         await wait_until(refused, timeout=15, step=0.1)
         st = await d.state(http)
-        assert any(e.startswith("routes.gen.max_concurrency:") for e in st["config"]["last_error"])
+        assert any(": routes.gen.max_concurrency:" in e for e in st["config"]["last_error"])
         assert st["config"]["version"] != d.version() and st["routes"]["gen"]["max_concurrency"] == 3
         async with http.post(d.url + "/gen/generate", json={}, headers=auth()) as r:
             assert r.status == 200
@@ -661,3 +664,84 @@ async def test_removed_node_drains_and_added_node_is_health_checked(
     # The node added starts health-checking.
     await wait_until(lambda: c.stats["health_checks"] >= 2, timeout=10)
     await wait_until(lambda: "b" not in gw.rt.scheduler.nodes, timeout=5)
+
+
+# --- the watcher is quiet and looks only at the config file; reloads parse off the event loop -------
+
+
+def test_watched_paths_are_the_file_and_its_symlink_hops(tmp_path: Path) -> None:
+    from kilolined.reload import watched_paths
+
+    f = tmp_path / "kiloline.yaml"
+    f.write_text("x: 1\n")
+    dirs, relevant = watched_paths(str(f))
+    assert dirs == {str(tmp_path)} and relevant == {str(f)}
+    cm = tmp_path / "cm"
+    (cm / "..v1").mkdir(parents=True)
+    (cm / "..v1" / "kiloline.yaml").write_text("x: 1\n")
+    os.symlink("..v1", cm / "..data")
+    os.symlink("..data/kiloline.yaml", cm / "kiloline.yaml")
+    dirs, relevant = watched_paths(str(cm / "kiloline.yaml"))
+    assert relevant >= {str(cm / "kiloline.yaml"), str(cm / "..data"), str(cm / "..v1" / "kiloline.yaml")}
+    assert str(cm / "kiloline.log") not in relevant and str(cm) in dirs
+
+
+async def test_a_log_written_next_to_the_config_is_not_a_change(fakegpus: Any, gateway: Any,
+                                                                 caplog: pytest.LogCaptureFixture,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    from kilolined import reload as reload_mod
+
+    g = await fakegpus()
+    gw = await gateway(base_config({"a": g.url}), watch=True)
+    await watcher_ready(gw.rt, gw.path)
+    reads: list[Path] = []
+    real_read = Path.read_bytes
+
+    def counting_read(self: Path) -> bytes:
+        reads.append(self)
+        return real_read(self)
+
+    monkeypatch.setattr(reload_mod.Path, "read_bytes", counting_read)
+    caplog.set_level(logging.DEBUG)
+    caplog.clear()
+    log_file = gw.path.with_name("kiloline.log")
+    with log_file.open("a") as f:
+        for i in range(30):  # a daemon logging next to its config, as in issue 15
+            f.write(f"line {i}\n")
+            f.flush()
+            await asyncio.sleep(0.03)
+    await asyncio.sleep(0.6)
+    assert [p for p in reads if p == gw.path] == []  # the config was not even re-read
+    assert not [r for r in caplog.records if r.name.startswith("watchfiles")], caplog.records
+    # and the watcher still works
+    await watcher_ready(gw.rt, gw.path)
+
+
+async def test_reload_parses_off_the_event_loop(fakegpus: Any, gateway: Any, http: aiohttp.ClientSession,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    import time
+
+    from kilolined import reload as reload_mod
+
+    g = await fakegpus()
+    gw = await gateway(base_config({"a": g.url}))
+    real = reload_mod.load_config
+    parsing = asyncio.Event()
+    loop = asyncio.get_running_loop()
+
+    def slow_load(path: str) -> Any:
+        loop.call_soon_threadsafe(parsing.set)
+        time.sleep(1.0)  # a huge file: the event loop must not wait for this
+        return real(path)
+
+    monkeypatch.setattr(reload_mod, "load_config", slow_load)
+    c = copy.deepcopy(base_config({"a": g.url}))
+    c["routes"]["gen"]["max_concurrency"] = 5
+    gw.write_config(c)
+    reload = asyncio.create_task(admin_reload(http, gw.url))
+    await asyncio.wait_for(parsing.wait(), 5)
+    async with http.get(gw.url + "/healthz") as r:
+        assert r.status == 200
+    assert not reload.done()  # /healthz was served while the reload was still parsing
+    status, _ = await reload
+    assert status == 200 and gw.rt.cfg.routes["gen"].max_concurrency == 5

@@ -1160,3 +1160,80 @@ async def test_https_node_with_an_untrusted_certificate_is_a_connect_failure(poo
             await req(pools(srv.url))
     finally:
         await srv.stop()
+
+
+# --- a node's response head is capped (docs/SECURITY.md) -----------------------------------------
+
+
+def endless_headers(line: bytes = b"X-Flood: " + b"a" * 40 + b"\r\n") -> Handler:
+    """A hostile node: a status line, then header lines for as long as anyone reads them."""
+
+    async def handler(peer: Peer) -> None:
+        await peer.read_request()
+        await peer.send(b"HTTP/1.1 200 OK\r\n")
+        try:
+            while True:
+                await peer.send(line * 100)
+        except ConnectionError:
+            peer.client_closed.set()
+
+    return handler
+
+
+@pytest.mark.parametrize("line", [b"X-Flood: " + b"a" * 40 + b"\r\n",  # many lines
+                                  b"a" * 1000],  # one header that never ends
+                         ids=["lines", "one-long-value"])
+async def test_endless_response_head_is_a_node_failure(serve, pools, line: bytes) -> None:
+    srv = await serve(endless_headers(line) if line.endswith(b"\r\n") else _one_long_header(line))
+    pool = pools(srv.url)
+    async with asyncio.timeout(5):
+        with pytest.raises(aiohttp.ServerDisconnectedError) as ei:
+            await req(pool)
+    assert isinstance(ei.value, upstream.HeadTooLarge)
+    await wait_until(lambda: pool.open_connections == 0, timeout=2, step=0.005)
+    await asyncio.wait_for(srv.peers[0].client_closed.wait(), 2)  # the socket was closed, not drained
+
+
+def _one_long_header(chunk: bytes) -> Handler:
+    async def handler(peer: Peer) -> None:
+        await peer.read_request()
+        await peer.send(b"HTTP/1.1 200 OK\r\nX-Long: ")
+        try:
+            while True:
+                await peer.send(chunk * 64)
+        except ConnectionError:
+            peer.client_closed.set()
+
+    return handler
+
+
+async def test_heads_up_to_the_cap_pass(serve, pools) -> None:
+    # 250 header lines (the cap is 256, Content-Length included) and 60 KiB: normal traffic untouched.
+    lines = tuple(f"X-H{i}: {'v' * 230}" for i in range(250))
+    srv = await serve(each_request(answer(b"ok", headers=lines)))
+    pool = pools(srv.url)
+    status, body = await fetch(pool, "/")
+    assert (status, body) == (200, b"ok")
+    resp = await req(pool)
+    assert len(resp.raw_headers) == 251
+    resp.release()
+
+
+async def test_257_header_lines_are_refused(serve, pools) -> None:
+    lines = tuple(f"X-H{i}: v" for i in range(256))  # + Content-Length = 257
+    srv = await serve(each_request(answer(b"ok", headers=lines)))
+    pool = pools(srv.url)
+    with pytest.raises(upstream.HeadTooLarge):
+        await req(pool)
+
+
+async def test_header_bytes_over_0x80_decode_without_surrogates(serve, pools) -> None:
+    raw = b"HTTP/1.1 200 OK\r\nContent-Type: text/\xffplain\xe9\r\nX-Ok: caf\xc3\xa9\r\nContent-Length: 0\r\n\r\n"
+    srv = await serve(each_request(raw))
+    pool = pools(srv.url)
+    resp = await req(pool)
+    ct = resp.headers["Content-Type"]
+    assert ct == "text/\xffplain\xe9"  # latin-1: one character per byte
+    ct.encode("utf-8")  # no lone surrogate (orjson, aiohttp's writer and logging all choke on one)
+    assert resp.headers["X-Ok"] == "café"  # valid UTF-8 stays as sent
+    resp.release()

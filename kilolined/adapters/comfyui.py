@@ -1,4 +1,4 @@
-"""``comfyui``: the gateway speaks ComfyUI's API for sse/async jobs of ``POST /prompt`` (SPEC §5).
+"""``comfyui``: the gateway speaks ComfyUI's API for sse/async jobs of ``POST /prompt`` (docs/API.md#route-kinds).
 
 ComfyUI answers ``POST /prompt`` at once and works on in the background, so a slot that ended
 with the HTTP answer would count HTTP calls, not GPU work. For jobs we submit the prompt with our
@@ -311,7 +311,7 @@ class ComfyUIAdapter(Adapter):
     kind = "comfyui"
 
     def prepare(self, ex: Exchange) -> None:
-        # ComfyUI answers 403 when a browser's Origin meets a loopback Host (PROTOCOLS §1).
+        # ComfyUI answers 403 when a browser's Origin meets a loopback Host (docs/API.md#comfyui).
         ex.drop_headers = ex.drop_headers | {"origin"}
         if is_prompt(ex) and _json_object(ex.body) is None:
             raise Rejected(400, "bad_request", "body must be a JSON object (ComfyUI API prompt)")
