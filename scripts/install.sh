@@ -167,6 +167,8 @@ fi
 
 systemctl daemon-reload
 systemctl enable "$NAME" >/dev/null 2>&1
+# A unit that failed (a bad config, then Restart= until the start limit) would refuse the restart.
+systemctl reset-failed "$NAME" 2>/dev/null || true
 # Type=notify: restart returns once the daemon said READY=1, or fails when it exits or times out.
 # The second look catches a daemon that dies right after saying it was ready.
 if ! systemctl restart "$NAME" || ! sleep 1 || ! systemctl is-active --quiet "$NAME"; then
