@@ -25,7 +25,9 @@ PACKAGES=systemd,systemd-sysv,dbus,procps,python3,python3-venv
 NAME=kilolined
 T0=$SECONDS
 
+PASSED=0
 say() { printf '[boot-test %3ds] %s\n' $((SECONDS - T0)) "$*"; }
+ok() { PASSED=$((PASSED + 1)); say "ok: $*"; }
 fail() { say "FAIL: $*" >&2; exit 1; }
 
 [[ $(id -u) -eq 0 ]] || fail "run as root"
@@ -88,7 +90,9 @@ cleanup() {
     wait "$NSPAWN_PID" 2>/dev/null || true
   fi
   rm -rf "$WORK"
-  if (( rc == 0 )); then say "PASS ($((SECONDS - T0)) s)"; else say "FAILED ($((SECONDS - T0)) s)" >&2; fi
+  say "done in $((SECONDS - T0)) s"
+  # The plain closing line CI reads: every check above is one.
+  if (( rc == 0 )); then echo "boot-test: $PASSED passed, 0 failed"; else echo "boot-test: $PASSED passed, 1 failed"; fi
 }
 trap cleanup EXIT
 
@@ -158,7 +162,7 @@ case $state in
   degraded) say "booted degraded: $(in_ct systemctl --failed --no-legend --plain | awk '{print $1}' | xargs)" ;;
   *) cat "$WORK/console.log" >&2; fail "boot did not finish (state: ${state:-none})" ;;
 esac
-say "booted: $(in_ct systemctl --version | head -n1)"
+ok "booted: $(in_ct systemctl --version | head -n1)"
 
 # --- install ------------------------------------------------------------------------------------------
 install_ct() { in_ct env PIP_NO_INDEX=1 PIP_FIND_LINKS=/wheels bash /src/scripts/install.sh "$@"; }
@@ -168,12 +172,12 @@ sed 's/^/    /' "$WORK/install1.log" | grep -v 'admin key'
 [[ $(in_ct systemctl is-active "$NAME") == active ]] || fail "$NAME is not active after install.sh"
 pid=$(in_ct systemctl show -p MainPID --value "$NAME")
 ids=$(in_ct awk '/^(Uid|Gid|Groups):/ {printf "%s %s ", $1, $2}' "/proc/$pid/status")
-say "$NAME active: pid $pid, ${ids}(a dynamic uid; gid $(in_ct getent group kiloline | cut -d: -f3) is kiloline)"
+ok "$NAME active: pid $pid, ${ids}(a dynamic uid; gid $(in_ct getent group kiloline | cut -d: -f3) is kiloline)"
 
 KEY=$(in_ct sed -n 's/^KILOLINE_ADMIN_KEY=//p' /etc/kiloline/kiloline.env)
 out=$(http_get http://127.0.0.1:8080/healthz)
 [[ $(head -n1 <<<"$out") == 200 ]] || fail "/healthz: $out"
-say "GET /healthz: 200"
+ok "GET /healthz: 200"
 out=$(http_get http://127.0.0.1:8080/admin/state "$KEY")
 [[ $(head -n1 <<<"$out") == 200 ]] || fail "/admin/state with the generated admin key: $out"
 
@@ -204,7 +208,7 @@ done
 [[ -n $via_sighup ]] || fail "no reload was applied by SIGHUP"
 [[ $(in_ct systemctl show -p MainPID --value "$NAME") == "$pid" ]] || fail "reload restarted the process"
 [[ $(in_ct stat -c '%a %U:%G' /etc/kiloline/kiloline.yaml) == "640 root:kiloline" ]] || fail "the edit changed the mode"
-say "systemctl reload: routes.tts.max_concurrency=$via_sighup applied (SIGHUP), same pid $pid"
+ok "systemctl reload: routes.tts.max_concurrency=$via_sighup applied (SIGHUP), same pid $pid"
 
 # --- a unit that cannot start makes install.sh fail loudly ---------------------------------------------
 in_ct sed -i 's/^  listen: "0.0.0.0:8080"/  listen: "0.0.0.0:80"/' /etc/kiloline/kiloline.yaml
@@ -213,7 +217,7 @@ if install_ct > "$WORK/install2.log" 2>&1; then
 fi
 grep -q "did not reach 'active'" "$WORK/install2.log" || { cat "$WORK/install2.log" >&2; fail "no failure message"; }
 grep -q "$NAME\[[0-9]*\]:" "$WORK/install2.log" || { cat "$WORK/install2.log" >&2; fail "no journal tail"; }
-say "install.sh on a config that cannot bind :80 exits non-zero, with the journal:"
+ok "install.sh on a config that cannot bind :80 exits non-zero, with the journal:"
 grep "$NAME\[[0-9]*\]:" "$WORK/install2.log" | tail -n 3 | sed 's/^/    /'
 
 in_ct sed -i 's/^  listen: "0.0.0.0:80"/  listen: "0.0.0.0:8080"/' /etc/kiloline/kiloline.yaml
@@ -222,7 +226,7 @@ install_ct > "$WORK/install3.log" 2>&1 || { cat "$WORK/install3.log" >&2; fail "
 [[ $(in_ct systemctl is-active "$NAME") == active ]] || fail "$NAME is not active after the second install"
 [[ $(in_ct sed -n 's/^KILOLINE_ADMIN_KEY=//p' /etc/kiloline/kiloline.env) == "$KEY" ]] || fail "the admin key changed"
 [[ $(http_get http://127.0.0.1:8080/healthz | head -n1) == 200 ]] || fail "/healthz after the second install"
-say "fixed, install.sh again: active, same admin key, /healthz 200"
+ok "fixed, install.sh again: active, same admin key, /healthz 200"
 
 # --- stop ----------------------------------------------------------------------------------------------
 in_ct systemctl stop "$NAME"
@@ -230,9 +234,9 @@ shown=$(in_ct systemctl show -p ActiveState,Result,ExecMainCode,ExecMainStatus "
 [[ $shown == "ActiveState=inactive ExecMainCode=1 ExecMainStatus=0 Result=success" ]] || fail "stop: $shown"
 tail_log=$(in_ct journalctl -u "$NAME" -o cat --no-pager | tail -n +$((mark + 1)))
 if grep -q Traceback <<<"$tail_log"; then echo "$tail_log" >&2; fail "a traceback in the journal"; fi
-say "systemctl stop: $shown"
+ok "systemctl stop: $shown"
 
 install_ct --uninstall > "$WORK/uninstall.log" 2>&1 || { cat "$WORK/uninstall.log" >&2; fail "--uninstall failed"; }
 in_ct test ! -e /etc/systemd/system/$NAME.service || fail "--uninstall left the unit"
 in_ct test -f /etc/kiloline/kiloline.yaml || fail "--uninstall removed the config"
-say "install.sh --uninstall: unit and venv gone, config kept"
+ok "install.sh --uninstall: unit and venv gone, config kept"
