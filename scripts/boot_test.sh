@@ -171,6 +171,7 @@ install_ct > "$WORK/install1.log" 2>&1 || { cat "$WORK/install1.log" >&2; fail "
 sed 's/^/    /' "$WORK/install1.log" | grep -v 'admin key'
 [[ $(in_ct systemctl is-active "$NAME") == active ]] || fail "$NAME is not active after install.sh"
 pid=$(in_ct systemctl show -p MainPID --value "$NAME")
+# shellcheck disable=SC2016  # awk's own $1, $2
 ids=$(in_ct awk '/^(Uid|Gid|Groups):/ {printf "%s %s ", $1, $2}' "/proc/$pid/status")
 ok "$NAME active: pid $pid, ${ids}(a dynamic uid; gid $(in_ct getent group kiloline | cut -d: -f3) is kiloline)"
 

@@ -21,6 +21,7 @@
 #   KILOLINE_ETC       /etc/kiloline                 kiloline.yaml and kiloline.env
 #   KILOLINE_UNIT_DIR  /etc/systemd/system           where kilolined.service is written
 #   KILOLINE_GROUP     kiloline                      the group that may read $KILOLINE_ETC
+#   KILOLINE_PYTHON    python3 python3.13 …3.11      interpreters to try for the venv (>= 3.11)
 # pip honours its own PIP_* variables (e.g. PIP_NO_INDEX=1 PIP_FIND_LINKS=/wheels offline).
 set -euo pipefail
 umask 022
@@ -41,7 +42,7 @@ for arg in "$@"; do
   case $arg in
     --uninstall) mode=uninstall ;;
     --no-start) start=0 ;;
-    -h|--help) sed -n '2,25p' "$0"; exit 0 ;;
+    -h|--help) awk 'NR > 1 && /^#/ {sub(/^# ?/, ""); print; next} NR > 1 {exit}' "$0"; exit 0 ;;
     *) die "unknown argument: $arg (see --help)" ;;
   esac
 done
@@ -70,9 +71,15 @@ if [[ $mode == uninstall ]]; then
   exit 0
 fi
 
-if ! python3 -c 'import sys; sys.exit(sys.version_info < (3, 11))' 2>/dev/null; then
-  die "python3 >= 3.11 is needed (Debian 12 / Ubuntu 24.04 have it; on 22.04 install python3.11 first)"
-fi
+# Debian 12 and Ubuntu 24.04 have python3 >= 3.11; Ubuntu 22.04's python3 is 3.10, with
+# python3.11 one apt install away.
+PY=
+for cand in ${KILOLINE_PYTHON:-python3 python3.13 python3.12 python3.11}; do
+  if command -v "$cand" >/dev/null && "$cand" -c 'import sys; sys.exit(sys.version_info < (3, 11))' 2>/dev/null; then
+    PY=$(command -v "$cand"); break
+  fi
+done
+[[ -n $PY ]] || die "python >= 3.11 is needed: on Ubuntu 22.04, apt-get install python3.11 python3.11-venv"
 
 getent group "$GROUP" >/dev/null || groupadd --system "$GROUP"
 
@@ -100,13 +107,16 @@ mkdir -p "$PREFIX"
 # A venv without pip (python3-venv missing: Debian's python3 has no ensurepip) is made again.
 if [[ ! -x $PREFIX/venv/bin/pip ]]; then
   rm -rf "$PREFIX/venv"
-  if ! python3 -m venv "$PREFIX/venv" >/dev/null 2>&1; then
+  if ! "$PY" -m venv "$PREFIX/venv" >/dev/null 2>&1; then
     rm -rf "$PREFIX/venv"
-    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq python3-venv
-    python3 -m venv "$PREFIX/venv"
+    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${PY##*/}-venv"
+    "$PY" -m venv "$PREFIX/venv"
   fi
 fi
 "$PREFIX/venv/bin/pip" install -q --disable-pip-version-check --upgrade "$SRC"
+# The venv's python is a symlink to the interpreter it was made with (a pyenv one under /root
+# would be out of the service's reach).
+reachable "$(readlink -f "$PREFIX/venv/bin/python")"
 
 mkdir -p "$ETC"
 if [[ ! -f $ETC/kiloline.yaml ]]; then
@@ -127,7 +137,7 @@ find "$ETC" -maxdepth 1 -type f -exec chown root:"$GROUP" {} + -exec chmod 0640 
 # The unit, rendered from the template: its default paths replaced by ours in one pass, so a
 # prefix that happens to contain the other default is not rewritten twice.
 render() {
-  python3 - "$1" "$PREFIX" "$ETC" "$GROUP" <<'EOF'
+  "$PY" - "$1" "$PREFIX" "$ETC" "$GROUP" <<'EOF'
 import re, sys
 template, prefix, etc, group = sys.argv[1:]
 text = open(template, encoding="utf-8").read()
@@ -156,7 +166,8 @@ fi
 
 # The environment the unit gets: the env file (systemd reads it as root and passes it on) and
 # STATE_DIRECTORY from StateDirectory=kiloline.
-( set -a; . "$ETC/kiloline.env"; STATE_DIRECTORY=/var/lib/kiloline; set +a
+# shellcheck source=/dev/null
+( set -a; . "$ETC/kiloline.env"; set +a; export STATE_DIRECTORY=/var/lib/kiloline
   exec "$PREFIX/venv/bin/kilolined" check -c "$ETC/kiloline.yaml" ) \
   || die "fix $ETC/kiloline.yaml, then run this again"
 
@@ -166,7 +177,7 @@ if (( ! start )); then
 fi
 
 systemctl daemon-reload
-systemctl enable "$NAME" >/dev/null 2>&1
+systemctl enable --quiet "$NAME"
 # A unit that failed (a bad config, then Restart= until the start limit) would refuse the restart.
 systemctl reset-failed "$NAME" 2>/dev/null || true
 # Type=notify: restart returns once the daemon said READY=1, or fails when it exits or times out.
