@@ -66,7 +66,9 @@ if [[ $mode == uninstall ]]; then
   rm -f "$UNIT"
   rm -rf "$DROP_IN_DIR"
   if (( start )); then systemctl daemon-reload; fi
-  rm -rf "$PREFIX"
+  # Only what install.sh made: KILOLINE_PREFIX may be a directory with other things in it.
+  rm -rf "$PREFIX/venv"
+  rmdir "$PREFIX" 2>/dev/null || true
   echo "$NAME removed; kept: $ETC (config and admin key), group $GROUP (owns it), /var/lib/kiloline (budget counters)"
   exit 0
 fi
