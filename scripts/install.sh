@@ -1,67 +1,194 @@
 #!/usr/bin/env bash
-# Install kilolined on a fresh Debian/Ubuntu VPS as a hardened systemd service.
+# Install kilolined on a Debian 12 / Ubuntu 22.04+ host as a hardened systemd service.
 #
-#   sudo bash scripts/install.sh              # install or upgrade (idempotent)
-#   sudo bash scripts/install.sh --uninstall  # remove the service and the venv (keeps /etc/kiloline)
+#   sudo bash scripts/install.sh               # install or upgrade (idempotent), start, check it is up
+#   sudo bash scripts/install.sh --no-start    # lay down the files only (image builds, tests)
+#   sudo bash scripts/install.sh --uninstall   # remove the service and the venv (keeps the config)
 #
-# What it does: python3-venv from apt, a venv in /opt/kiloline/venv with this package, the unit
-# in /etc/systemd/system, /etc/kiloline/kiloline.yaml from the example (only if absent), a
-# generated admin key in /etc/kiloline/kiloline.env (only if absent), then enable + start.
+# What it does: python3-venv from apt if missing, the static group `kiloline`, a venv in
+# /opt/kiloline/venv with this package, /etc/kiloline/kiloline.yaml from the example (only if
+# absent), a generated admin key in /etc/kiloline/kiloline.env (only if absent), the unit rendered
+# from systemd/kilolined.service with the paths below, then enable + restart, and a non-zero exit
+# with the journal's tail if the unit does not reach `active`.
+#
+# Who reads what: the unit runs as a DynamicUser (a uid allocated at start) with the static group
+# `kiloline` as a supplementary group. /etc/kiloline is root:kiloline 0750 and every file directly
+# in it (config, env file, a TLS key you put there) root:kiloline 0640: the service reads them,
+# only root writes them. The venv is world-readable (umask 022 here, whatever the caller's).
+#
+# Overrides (absolute paths; the rendered unit uses them):
+#   KILOLINE_PREFIX    /opt/kiloline                 the venv goes in $KILOLINE_PREFIX/venv
+#   KILOLINE_ETC       /etc/kiloline                 kiloline.yaml and kiloline.env
+#   KILOLINE_UNIT_DIR  /etc/systemd/system           where kilolined.service is written
+#   KILOLINE_GROUP     kiloline                      the group that may read $KILOLINE_ETC
+#   KILOLINE_PYTHON    python3 python3.13 …3.11      interpreters to try for the venv (>= 3.11)
+# pip honours its own PIP_* variables (e.g. PIP_NO_INDEX=1 PIP_FIND_LINKS=/wheels offline).
 set -euo pipefail
+umask 022
 PREFIX=${KILOLINE_PREFIX:-/opt/kiloline}
 ETC=${KILOLINE_ETC:-/etc/kiloline}
-UNIT=/etc/systemd/system/kilolined.service
+UNIT_DIR=${KILOLINE_UNIT_DIR:-/etc/systemd/system}
+GROUP=${KILOLINE_GROUP:-kiloline}
+NAME=kilolined
+UNIT=$UNIT_DIR/$NAME.service
+DROP_IN_DIR=$UNIT_DIR/$NAME.service.d
 SRC=$(cd "$(dirname "$0")/.." && pwd)
 
 die() { echo "install: $*" >&2; exit 1; }
-[[ $(id -u) -eq 0 ]] || die "run as root (sudo)"
+warn() { echo "install: warning: $*" >&2; }
 
-if [[ ${1:-} == "--uninstall" ]]; then
-  systemctl disable --now kilolined 2>/dev/null || true
+mode=install start=1
+for arg in "$@"; do
+  case $arg in
+    --uninstall) mode=uninstall ;;
+    --no-start) start=0 ;;
+    -h|--help) awk 'NR > 1 && /^#/ {sub(/^# ?/, ""); print; next} NR > 1 {exit}' "$0"; exit 0 ;;
+    *) die "unknown argument: $arg (see --help)" ;;
+  esac
+done
+
+[[ $(id -u) -eq 0 ]] || die "run as root (sudo)"
+# Paths go into a unit file verbatim: no spaces, no '%' (a systemd specifier), no relative paths.
+for p in "$PREFIX" "$ETC" "$UNIT_DIR"; do
+  [[ $p =~ ^/[A-Za-z0-9._/+-]+$ ]] || die "path '$p' must be absolute and use only [A-Za-z0-9._/+-]"
+done
+[[ $GROUP =~ ^[a-z_][a-z0-9_-]*$ ]] || die "group name '$GROUP' is not a valid system group name"
+
+# The service's systemd is the one we talk to; without it only --no-start makes sense.
+if (( start )) && [[ ! -d /run/systemd/system ]]; then
+  die "systemd is not running as PID 1 here; use --no-start to only install the files"
+fi
+
+if [[ $mode == uninstall ]]; then
+  if (( start )); then
+    systemctl disable --now "$NAME" 2>/dev/null || true
+  fi
   rm -f "$UNIT"
-  rm -rf /etc/systemd/system/kilolined.service.d
-  systemctl daemon-reload 2>/dev/null || true
-  rm -rf "$PREFIX"
-  echo "kilolined removed; config kept in $ETC (delete it yourself if you want), state in /var/lib/kiloline"
+  rm -rf "$DROP_IN_DIR"
+  if (( start )); then systemctl daemon-reload; fi
+  # Only what install.sh made: KILOLINE_PREFIX may be a directory with other things in it.
+  rm -rf "$PREFIX/venv"
+  rmdir "$PREFIX" 2>/dev/null || true
+  echo "$NAME removed; kept: $ETC (config and admin key), group $GROUP (owns it), /var/lib/kiloline (budget counters)"
   exit 0
 fi
 
-if ! python3 -c 'import sys; sys.exit(sys.version_info < (3, 11))' 2>/dev/null; then
-  die "python3 >= 3.11 is needed (Debian 12 / Ubuntu 24.04 have it)"
-fi
-if ! python3 -m venv --help >/dev/null 2>&1; then
-  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq python3-venv
-fi
+# Debian 12 and Ubuntu 24.04 have python3 >= 3.11; Ubuntu 22.04's python3 is 3.10, with
+# python3.11 one apt install away.
+PY=
+for cand in ${KILOLINE_PYTHON:-python3 python3.13 python3.12 python3.11}; do
+  if command -v "$cand" >/dev/null && "$cand" -c 'import sys; sys.exit(sys.version_info < (3, 11))' 2>/dev/null; then
+    PY=$(command -v "$cand"); break
+  fi
+done
+[[ -n $PY ]] || die "python >= 3.11 is needed: on Ubuntu 22.04, apt-get install python3.11 python3.11-venv"
+
+getent group "$GROUP" >/dev/null || groupadd --system "$GROUP"
+
+# The service must reach its files: every parent directory needs o+x for a uid that is in no group
+# but $GROUP. PrivateTmp= and ProtectHome= hide /tmp, /var/tmp, /home, /root and /run/user from it.
+reachable() {
+  local d
+  d=$(dirname "$1")
+  while [[ $d != / ]]; do
+    if [[ -d $d ]] && (( ( 8#$(stat -c %a "$d") & 1 ) == 0 )); then
+      warn "$d is not world-searchable (o+x): the service cannot reach $1"
+    fi
+    d=$(dirname "$d")
+  done
+  case $1/ in
+    /tmp/*|/var/tmp/*|/home/*|/root/*|/run/user/*)
+      (( start )) && warn "$1 is hidden from the service (PrivateTmp=/ProtectHome=): it will not start" ;;
+  esac
+  return 0
+}
+reachable "$PREFIX"
+reachable "$ETC"
 
 mkdir -p "$PREFIX"
-[[ -x $PREFIX/venv/bin/python ]] || python3 -m venv "$PREFIX/venv"
+# A venv without pip (python3-venv missing: Debian's python3 has no ensurepip) is made again.
+if [[ ! -x $PREFIX/venv/bin/pip ]]; then
+  rm -rf "$PREFIX/venv"
+  if ! "$PY" -m venv "$PREFIX/venv" >/dev/null 2>&1; then
+    rm -rf "$PREFIX/venv"
+    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${PY##*/}-venv"
+    "$PY" -m venv "$PREFIX/venv"
+  fi
+fi
 "$PREFIX/venv/bin/pip" install -q --disable-pip-version-check --upgrade "$SRC"
+# The venv's python is a symlink to the interpreter it was made with (a pyenv one under /root
+# would be out of the service's reach).
+reachable "$(readlink -f "$PREFIX/venv/bin/python")"
 
 mkdir -p "$ETC"
-chmod 0750 "$ETC"
 if [[ ! -f $ETC/kiloline.yaml ]]; then
-  cp "$SRC/etc/kiloline.yaml" "$ETC/kiloline.yaml"
+  install -m 0640 -g "$GROUP" "$SRC/etc/kiloline.yaml" "$ETC/kiloline.yaml"
   echo "wrote $ETC/kiloline.yaml from the example: edit nodes, routes and keys"
 fi
 if [[ ! -f $ETC/kiloline.env ]]; then
   admin=$("$PREFIX/venv/bin/python" -c 'import secrets; print("kl_" + secrets.token_urlsafe(24))')
-  umask 077
-  printf 'KILOLINE_ADMIN_KEY=%s\n' "$admin" > "$ETC/kiloline.env"
+  (umask 077; printf 'KILOLINE_ADMIN_KEY=%s\n' "$admin" > "$ETC/kiloline.env")
   echo "admin key (also in $ETC/kiloline.env): $admin"
 fi
+# Every run, not only the first: an upgrade from an older install (root:root 0750, which the
+# dynamic user could not read) and a file copied in with root's umask are fixed here.
+chown root:"$GROUP" "$ETC"
+chmod 0750 "$ETC"
+find "$ETC" -maxdepth 1 -type f -exec chown root:"$GROUP" {} + -exec chmod 0640 {} +
 
-install -m 0644 "$SRC/systemd/kilolined.service" "$UNIT"
-ver=$(systemctl --version 2>/dev/null | awk 'NR==1 {print $2}')
-if [[ -n $ver && $ver -ge 253 ]]; then
-  mkdir -p /etc/systemd/system/kilolined.service.d
-  install -m 0644 "$SRC/systemd/notify-reload.conf" /etc/systemd/system/kilolined.service.d/notify-reload.conf
+# The unit, rendered from the template: its default paths replaced by ours in one pass, so a
+# prefix that happens to contain the other default is not rewritten twice.
+render() {
+  "$PY" - "$1" "$PREFIX" "$ETC" "$GROUP" <<'EOF'
+import re, sys
+template, prefix, etc, group = sys.argv[1:]
+text = open(template, encoding="utf-8").read()
+paths = {"/opt/kiloline": prefix, "/etc/kiloline": etc}
+text = re.sub(r"/opt/kiloline(?![\w-])|/etc/kiloline(?![\w-])", lambda m: paths[m.group()], text)
+text = re.sub(r"(?m)^SupplementaryGroups=.*$", "SupplementaryGroups=" + group, text)
+sys.stdout.write(text)
+EOF
+}
+mkdir -p "$UNIT_DIR"
+tmp=$(mktemp "$UNIT_DIR/.$NAME.service.XXXXXX")
+trap 'rm -f "$tmp"' EXIT
+render "$SRC/systemd/kilolined.service" > "$tmp"
+grep -qx "ExecStart=$PREFIX/venv/bin/kilolined .* -c $ETC/kiloline.yaml" "$tmp" || die "rendering the unit failed"
+chmod 0644 "$tmp"
+mv -f "$tmp" "$UNIT"
+
+ver=$(systemctl --version 2>/dev/null | awk 'NR==1 {print $2}' || true)
+if [[ $ver =~ ^[0-9]+$ ]] && (( ver >= 253 )); then
+  mkdir -p "$DROP_IN_DIR"
+  install -m 0644 "$SRC/systemd/notify-reload.conf" "$DROP_IN_DIR/notify-reload.conf"
+else
+  rm -f "$DROP_IN_DIR/notify-reload.conf"
+  rmdir "$DROP_IN_DIR" 2>/dev/null || true
 fi
 
-set -a; . "$ETC/kiloline.env"; set +a
-"$PREFIX/venv/bin/kilolined" check -c "$ETC/kiloline.yaml" || die "fix $ETC/kiloline.yaml, then run this again"
+# The environment the unit gets: the env file (systemd reads it as root and passes it on) and
+# STATE_DIRECTORY from StateDirectory=kiloline.
+# shellcheck source=/dev/null
+( set -a; . "$ETC/kiloline.env"; set +a; export STATE_DIRECTORY=/var/lib/kiloline
+  exec "$PREFIX/venv/bin/kilolined" check -c "$ETC/kiloline.yaml" ) \
+  || die "fix $ETC/kiloline.yaml, then run this again"
+
+if (( ! start )); then
+  echo "installed (not started): $UNIT"
+  exit 0
+fi
 
 systemctl daemon-reload
-systemctl enable kilolined >/dev/null
-systemctl restart kilolined
-echo "kilolined is running: systemctl status kilolined · journalctl -u kilolined -f"
+systemctl enable --quiet "$NAME"
+# A unit that failed (a bad config, then Restart= until the start limit) would refuse the restart.
+systemctl reset-failed "$NAME" 2>/dev/null || true
+# Type=notify: restart returns once the daemon said READY=1, or fails when it exits or times out.
+# The second look catches a daemon that dies right after saying it was ready.
+if ! systemctl restart "$NAME" || ! sleep 1 || ! systemctl is-active --quiet "$NAME"; then
+  echo "install: $NAME did not reach 'active':" >&2
+  systemctl status --no-pager --lines=0 "$NAME" >&2 || true
+  journalctl -u "$NAME" -n 40 --no-pager -o short-monotonic >&2 || true
+  exit 1
+fi
+echo "$NAME is active: systemctl status $NAME · journalctl -u $NAME -f"
 echo "status:    KILOLINE_ADMIN_KEY=… $PREFIX/venv/bin/kilolined status"

@@ -470,6 +470,13 @@ def test_unit_is_hardened_notify_service() -> None:
     watchdog = service_values(text, "WatchdogSec")
     assert len(watchdog) == 1 and float(re.sub(r"s$", "", watchdog[0])) > 0, watchdog
     assert service_values(text, "DynamicUser") == ["yes"]
+    # The dynamic uid reads /etc/kiloline through install.sh's static group (see test_install), and
+    # the config path is the one install.sh renders: no ConfigurationDirectory= (/etc-relative only,
+    # and never handed to a dynamic user).
+    assert service_values(text, "SupplementaryGroups") == ["kiloline"]
+    assert not service_values(text, "ConfigurationDirectory")
+    assert start[0].split()[-2:] == ["-c", "/etc/kiloline/kiloline.yaml"]
+    assert service_values(text, "EnvironmentFile") == ["-/etc/kiloline/kiloline.env"]
     assert service_values(text, "ProtectSystem") == ["strict"]
     assert service_values(text, "NoNewPrivileges") == ["yes"]
     # An empty assignment: no capabilities at all.
@@ -507,3 +514,15 @@ def test_systemd_analyze_verify_is_clean(tmp_path: Path) -> None:
     rc, ours = verify(unit_dir)
     assert rc == 0, ours
     assert not ours, "systemd-analyze verify complained about our unit:\n" + "\n".join(ours)
+
+
+def test_systemd_analyze_security_exposure_stays_low(tmp_path: Path) -> None:
+    version = systemd_version()
+    if version is None or version < 250:
+        pytest.skip("systemd-analyze security --offline needs systemd >= 250")
+    unit = installable_unit(tmp_path) / "kilolined.service"
+    # --threshold is the exposure x 10: fail above 1.5 (1.3 today; the old unit scored 1.4).
+    p = subprocess.run(["systemd-analyze", "security", "--offline=yes", "--threshold=15", str(unit)],
+                       capture_output=True, text=True, timeout=120, env={**os.environ, "SYSTEMD_COLORS": "0"})
+    overall = [ln for ln in p.stdout.splitlines() if "Overall exposure" in ln]
+    assert p.returncode == 0, overall or p.stderr
