@@ -248,8 +248,9 @@ EOF
         say "llama-server: already answering on 127.0.0.1:$LLAMA_PORT (pid file $REAL_DIR/llama-server.pid)"
     else
         say "llama-server: starting on 127.0.0.1:$LLAMA_PORT --parallel 4 -c 2048 --api-key $LLAMA_KEY, log $REAL_DIR/llama-server.log"
-        nohup "$bin" -m "$dir/tiny.gguf" --host 127.0.0.1 --port "$LLAMA_PORT" --parallel 4 -c 2048 \
-            --api-key "$LLAMA_KEY" > "$REAL_DIR/llama-server.log" 2>&1 &
+        # --alias: without it the model id is the file's path, slashes and all.
+        nohup "$bin" -m "$dir/tiny.gguf" --alias kiloline-tiny --host 127.0.0.1 --port "$LLAMA_PORT" \
+            --parallel 4 -c 2048 --api-key "$LLAMA_KEY" > "$REAL_DIR/llama-server.log" 2>&1 &
         echo $! > "$REAL_DIR/llama-server.pid"
         for _ in $(seq 60); do listening "$LLAMA_PORT" /health && break; sleep 1; done
         listening "$LLAMA_PORT" /health || { echo "llama-server did not come up: see $REAL_DIR/llama-server.log" >&2; exit 1; }
