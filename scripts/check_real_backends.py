@@ -372,7 +372,7 @@ async def observe_comfy(http: aiohttp.ClientSession, comfy: Comfy, notes: Notes)
     cid = "klobserve-" + uuid.uuid4().hex[:8]
     seed = fresh_seed()
 
-    async def run(title: str, body: dict, interrupt_after: int | None = None) -> None:
+    async def run(title: str, body: dict, interrupt_after: int | None = None) -> str:
         frames: list[str] = []
         progress = 0
         async with http.ws_connect(f"{comfy.url}/ws?clientId={cid}") as ws:
@@ -395,11 +395,16 @@ async def observe_comfy(http: aiohttp.ClientSession, comfy: Comfy, notes: Notes)
                 if d["type"] == "executing" and d["data"].get("node") is None and d["data"].get("prompt_id") == pid:
                     break
         notes.add(title, f"POST /prompt -> {answer}\nwebsocket frames, in order:\n" + "\n".join(frames))
+        return pid
 
     wf = workflow(seed, steps=3, step_ms=150, progress_nodes=1)
     pid = str(uuid.uuid4())
     await run("ComfyUI: one fresh prompt (KLSlowProgress 3 steps -> SaveImage)", {"prompt": wf, "prompt_id": pid})
-    await run("ComfyUI: the same prompt again (fully cached)", {"prompt": wf})
+    cached = await run("ComfyUI: the same prompt again (fully cached)", {"prompt": wf})
+    ch = await comfy.history(cached)
+    notes.add("ComfyUI: /history of the fully cached run: outputs and messages",
+              short({"outputs": ch.get("outputs") if ch else None,
+                     "messages": [m[0] for m in (ch or {}).get("status", {}).get("messages", [])]}, 800))
     wf2 = workflow(fresh_seed(), steps=2, step_ms=150)
     await run("ComfyUI: a new prompt reusing the first prompt's prompt_id", {"prompt": wf2, "prompt_id": pid})
     h = await comfy.history(pid)
