@@ -33,6 +33,7 @@ import itertools
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -737,14 +738,15 @@ async def openai_checks(http: aiohttp.ClientSession, direct: aiohttp.ClientSessi
 
 # --- the spare ComfyUI that the kill check may SIGKILL ----------------------------------------------
 
-def spare_starter(a: argparse.Namespace, http: aiohttp.ClientSession, procs: list[subprocess.Popen]
-                  ) -> Callable[[], Awaitable[tuple[str, Callable[[], None]] | None]]:
+def spare_starter(a: argparse.Namespace, http: aiohttp.ClientSession, procs: list[subprocess.Popen],
+                  dirs: list[Path]) -> Callable[[], Awaitable[tuple[str, Callable[[], None]] | None]]:
     async def start() -> tuple[str, Callable[[], None]] | None:
         if not (a.comfy_dir and a.comfy_python):
             return None
         url = f"http://127.0.0.1:{a.spare_port}"
         # Its own output/temp/input/user folders and an in-memory database: nothing shared with the main one.
         base = Path(tempfile.mkdtemp(prefix="klcheck-spare-"))
+        dirs.append(base)
         p = subprocess.Popen([a.comfy_python, "main.py", "--cpu", "--listen", "127.0.0.1", "--port",
                               str(a.spare_port), "--output-directory", str(base / "output"),
                               "--temp-directory", str(base / "temp"), "--input-directory", str(base / "input"),
@@ -768,6 +770,7 @@ def spare_starter(a: argparse.Namespace, http: aiohttp.ClientSession, procs: lis
 async def main(a: argparse.Namespace) -> int:
     rep, notes = Report(), Notes()
     procs: list[subprocess.Popen] = []
+    dirs: list[Path] = []
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as http:
         comfy = Comfy(http, a.comfy_url)
         proxy = V1OnlyProxy(a.llama_url)
@@ -782,7 +785,7 @@ async def main(a: argparse.Namespace) -> int:
                 if a.only in (None, "comfy"):
                     if a.observe:
                         await observe_comfy(http, comfy, notes)
-                    await comfy_checks(http, gw, comfy, rep, spare_starter(a, http, procs))
+                    await comfy_checks(http, gw, comfy, rep, spare_starter(a, http, procs, dirs))
                 if a.only in (None, "openai"):
                     # llama-server closes its socket after every streamed answer although it sends
                     # "Keep-Alive: timeout=5": direct calls to it never reuse a connection.
@@ -795,6 +798,8 @@ async def main(a: argparse.Namespace) -> int:
                     with contextlib.suppress(ProcessLookupError):
                         p.kill()
                     p.wait()
+                for d in dirs:
+                    shutil.rmtree(d, ignore_errors=True)
                 with contextlib.suppress(Exception):
                     await comfy.interrupt_all()
                 await srv.shutdown()
