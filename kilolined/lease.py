@@ -27,7 +27,8 @@ from kilolined.runtime import Runtime
 
 log = logging.getLogger("kilolined")
 T = TypeVar("T")
-CLEANUP_SEC = 5.0  # an abort cleanup (interrupt a prompt) may take this long before the slot is freed
+CLEANUP_SEC = 5.0
+ATTEMPT_GRACE_SEC = 1.0  # an abort cleanup (interrupt a prompt) may take this long before the slot is freed
 
 
 class Listener:
@@ -55,8 +56,8 @@ class Attempt(Protocol[T]):  # type: ignore[misc]
 class LeaseScope:
     """``async with LeaseScope(...) as scope: work = await scope.acquire(attempt); …``"""
 
-    __slots__ = ("_aborts", "_deadline", "_detached", "_tm", "dispatched_at", "key", "lease", "listener",
-                 "ok", "rt", "ticket", "writing")
+    __slots__ = ("_aborts", "_deadline", "_detached", "_rerouted", "_tm", "dispatched_at", "key", "lease", "listener",
+                 "ok", "rt", "started", "ticket", "writing")
 
     def __init__(self, rt: Runtime, ticket: Ticket, listener: Listener, key: str | None):
         self.rt, self.ticket, self.listener, self.key = rt, ticket, listener, key
@@ -66,9 +67,12 @@ class LeaseScope:
         self.dispatched_at = 0.0
         #: set while a sink writes to the client: a deadline that fires then is the client's fault
         self.writing = False
+        #: set once a response head went to the client (a failure after it cuts the connection)
+        self.started = False
         self._aborts: list[Callable[[], Coroutine[Any, Any, Any]]] = []
         self._deadline: float | None = None
         self._detached = False
+        self._rerouted: tuple[str, str] | None = None  # (from node, reason) until the next dispatch
         self._tm: asyncio.Timeout | None = None
 
     @property
@@ -111,9 +115,12 @@ class LeaseScope:
         lease = await self._wait()
         while True:
             try:
-                return await self._run(attempt, lease)
+                result = await self._run(attempt, lease)
             except UpstreamFailed as e:
                 failure = e
+            else:
+                self._arm(self._deadline)
+                return result
             rcfg = rt.scheduler.routes[lease.route].cfg
             rt.node_failure(lease.node, failure.reason, lease.trial)
             if ticket.requeues >= rcfg.retry_on_failover:
@@ -124,11 +131,10 @@ class LeaseScope:
                                        else f"node {lease.node} did not answer in time", failure.timeout)
             if failure.response is not None:
                 failure.response.release()
-            from_node = lease.node
-            log.warning("⚡ [%s] %s — re-queued (%s)", from_node, failure.reason, lease.route)
+            log.warning("⚡ [%s] %s — re-queued (%s)", lease.node, failure.reason, lease.route)
+            self._rerouted = (lease.node, failure.reason)
             self._requeue(lease)
             lease = await self._wait()
-            self.listener.rerouted(from_node, lease.node, failure.reason)
 
     async def _wait(self) -> Lease:
         t = self.ticket
@@ -174,9 +180,18 @@ class LeaseScope:
         self.dispatched_at = now
         loop_now = asyncio.get_running_loop().time()
         self._deadline = loop_now + self.timeout
-        if self._tm is not None:
-            self._tm.reschedule(self._deadline)
+        # While the attempt waits for the node's answer, the attempt's own timeout (the same
+        # request_timeout_sec) decides, because a node silent before any byte is re-queued; the
+        # grace only bounds an attempt that would not bound itself.
+        self._arm(self._deadline + ATTEMPT_GRACE_SEC)
+        if self._rerouted is not None:
+            (from_node, reason), self._rerouted = self._rerouted, None
+            self.listener.rerouted(from_node, lease.node, reason)
         self.listener.dispatched(lease, now - self.ticket.enqueued_at)
+
+    def _arm(self, when: float | None) -> None:
+        if self._tm is not None:
+            self._tm.reschedule(when)
 
     async def _run(self, attempt: Callable[[Lease], Awaitable[T]], lease: Lease) -> T:
         if self.listener.tick_sec is None:
@@ -194,22 +209,23 @@ class LeaseScope:
                     return fut.result()
                 await self.listener.tick(queued and self.ticket.state == WAITING)
         except BaseException:
+            # The listener failed (the client left) or we were cancelled: the attempt's answer,
+            # even one that arrived in this very moment, must not be left holding a socket.
             if not fut.done():
                 fut.cancel()
                 try:
-                    res = await fut
+                    await fut
                 except BaseException:
                     pass
-                else:
-                    _discard(res)
+            if fut.done() and not fut.cancelled() and fut.exception() is None:
+                _discard(fut.result())
             raise
 
     def _requeue(self, lease: Lease) -> None:
         rt = self.rt
         self.lease = None
         self._deadline = None
-        if self._tm is not None:
-            self._tm.reschedule(None)
+        self._arm(None)
         rt.scheduler.requeue(lease, rt.clock())
         rt.metrics.failovers.labels(rt.route_label(lease.route)).inc()
         rt.wake()

@@ -193,6 +193,7 @@ class WriteFlag(Protocol):
     """Raised while bytes go to the client: a deadline then is the client's doing, not the node's."""
 
     writing: bool
+    started: bool  # the response's head went out: no other answer can follow
 
 
 async def stream_back(
@@ -213,6 +214,8 @@ async def stream_back(
     resp = web.StreamResponse(status=up.status, reason=up.reason, headers=headers)
     if up.content_length is not None:
         resp.content_length = up.content_length
+    if flag is not None:
+        flag.started = True
     await resp.prepare(request)
     sent = 0
     async for chunk in up.content.iter_any():

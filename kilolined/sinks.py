@@ -27,7 +27,7 @@ from kilolined.runtime import Runtime
 
 
 class SyncSink(ModeSink):
-    __slots__ = ("call", "label", "outcome", "response", "rt")
+    __slots__ = ("call", "label", "outcome", "response", "rt", "scope")
     mode = "sync"
     reports_progress = False
 
@@ -36,6 +36,7 @@ class SyncSink(ModeSink):
         self.label = call.route
         self.response: web.StreamResponse | None = None
         self.outcome = "ok"
+        self.scope: LeaseScope | None = None
 
     # --- listener -----------------------------------------------------------------------------
     def dispatched(self, lease: Lease, queue_wait: float) -> None:
@@ -64,6 +65,7 @@ class SyncSink(ModeSink):
                       capture: bytearray | None = None) -> None:
         """Copy the node's answer to the client. The slot is freed when the body ends (the scope)."""
         call = self.call
+        self.scope = scope
         ok = False
         try:
             self.response, call.bytes_out = await stream_back(call.request, up, self.headers_for(scope, up), obs,
@@ -93,7 +95,7 @@ class SyncSink(ModeSink):
     @property
     def started(self) -> bool:
         r = self.response
-        return r is not None and r.prepared
+        return (self.scope is not None and self.scope.started) or (r is not None and r.prepared)
 
     async def fail(self, f: Failure) -> web.StreamResponse:
         call = self.call
@@ -124,6 +126,7 @@ class StreamSink(SyncSink):
 
     async def begin(self, scope: LeaseScope) -> None:
         """Before the wait: a request that has to queue gets its 200 and a first comment at once."""
+        self.scope = scope
         if scope.ticket.state == WAITING:
             await self.tick(True, scope)
 
@@ -135,6 +138,8 @@ class StreamSink(SyncSink):
             if call.node != "-":
                 headers["X-KiloLine-Node"] = call.node
             resp = web.StreamResponse(status=200, headers=headers)
+            if self.scope is not None:
+                self.scope.started = True
             await resp.prepare(call.request)
             self.stream = self.response = resp
             call.status = 200
@@ -156,11 +161,13 @@ class StreamSink(SyncSink):
 
     async def deliver(self, scope: LeaseScope, up: Upstream, obs: Observer | None,
                       capture: bytearray | None = None) -> None:
-        if self.stream is None:
+        is_stream = up.status == 200 and "text/event-stream" in up.headers.get("Content-Type", "")
+        if self.stream is None and not is_stream:
             # The node answered before the request had to wait: its own status and body.
             return await super().deliver(scope, up, obs, capture)
         call = self.call
-        resp = self.stream
+        self.scope = scope
+        resp = await self._open()
         ok = False
         try:
             if up.status != 200 or "text/event-stream" not in up.headers.get("Content-Type", ""):

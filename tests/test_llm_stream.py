@@ -9,6 +9,7 @@ forwarding (SPEC §2: /comfy/prompt -> node /prompt), so the node URL carries ``
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import re
 import statistics
@@ -150,7 +151,7 @@ async def test_queue_timeout_ends_the_stream_with_an_error_the_sdk_raises(fakegp
     assert [e.data for e in events][-1] == "[DONE]"
     assert len(events) == 2, events
     err = orjson.loads(events[0].data)["error"]
-    assert {"message", "type", "code"} <= set(err)
+    assert {"message", "type", "code", "status"} <= set(err) and err["status"] == 503
     assert err["type"] == "queue_timeout" and err["message"]
     assert err["code"] is None or isinstance(err["code"], str)
 
@@ -255,7 +256,7 @@ async def test_stream_client_gone_the_moment_its_lease_arrives_frees_the_slot(fa
     """The race: the waiter gets its lease and the node's answer while the client goes away."""
     import types
 
-    from kilolined import llmstream
+    from kilolined import lease
 
     fake = await fakegpus("openai", step_ms=5)
     gw = await gateway(llm_cfg(fake))
@@ -265,11 +266,10 @@ async def test_stream_client_gone_the_moment_its_lease_arrives_frees_the_slot(fa
         await real_wait(fs)  # the lease and the node's headers are in …
         raise ConnectionResetError("client went away")  # … as the next write to the client fails
 
-    monkeypatch.setattr(llmstream, "asyncio", types.SimpleNamespace(**{**vars(asyncio), "wait": wait_then_client_gone}))
+    monkeypatch.setattr(lease, "asyncio", types.SimpleNamespace(**{**vars(asyncio), "wait": wait_then_client_gone}))
     body = {"model": "fake-llm", "messages": MESSAGES, "stream": True}
-    async with http.post(gw.url + "/v1/chat/completions", json=body, headers=auth()) as r:
-        assert r.status == 200  # the stream's headers went out before the wait
-        with pytest.raises(aiohttp.ClientError):
+    with contextlib.suppress(aiohttp.ClientError):
+        async with http.post(gw.url + "/v1/chat/completions", json=body, headers=auth()) as r:
             await r.read()
     await wait_until(lambda: views.state(gw.rt)["routes"]["gen"]["inflight"] == 0, timeout=3)
     assert views.state(gw.rt)["nodes"][next(iter(gw.rt.cfg.nodes))]["inflight"] == 0
@@ -281,20 +281,24 @@ async def test_node_error_after_the_200_is_told_in_openai_shape(fakegpus, gatewa
     gw = await gateway(llm_cfg(fake))
     fake.set_control(fail_status=500)
 
+    # Dispatched at once: the node's own status reaches the SDK, which raises the right class.
     c = client(gw)
-    stream = await c.chat.completions.create(model="fake-llm", messages=MESSAGES, stream=True)
-    with pytest.raises(openai.APIError, match="simulated failure"):
-        async for _ in stream:
-            pass
+    with pytest.raises(openai.InternalServerError, match="simulated failure"):
+        await c.chat.completions.create(model="fake-llm", messages=MESSAGES, stream=True)
     await c.close()
 
+    # Queued first: the 200 went out while it waited, so the failure is told in the stream.
+    fake.set_control(fail_status=None)
+    ahead = await hold_the_queue(http, gw, fake, 1, tokens=6)
+    fake.set_control(fail_status=500)
     body = {"model": "fake-llm", "messages": MESSAGES, "stream": True}
     async with http.post(gw.url + "/v1/chat/completions", json=body, headers=auth()) as r:
-        assert r.status == 200  # already promised before the node was asked
+        assert r.status == 200  # promised while it waited
         events = await SSEReader(r).rest(timeout=10)
+    await asyncio.gather(*ahead)
     assert [e.data for e in events][-1] == "[DONE]" and len(events) == 2, events
     err = orjson.loads(events[0].data)["error"]
-    assert {"message", "type", "code"} <= set(err)
+    assert {"message", "type", "code", "status"} <= set(err) and err["status"] == 500
     assert "simulated failure" in err["message"]  # the node's own message passes through
     assert err["type"] == "server_error"
     # PROTOCOLS §2: normalise every backend's error into the OpenAI shape, "code" a string or
