@@ -159,7 +159,7 @@ class LeaseScope:
             except asyncio.CancelledError:
                 # Gone while waiting: leave the queue. If the lease came in the same moment, it is
                 # ours now and the exit gives it back.
-                if not self.rt.scheduler.cancel(t) and t.state == LEASED and t.lease is not None:
+                if not self.rt.leases.cancel(t) and t.state == LEASED and t.lease is not None:
                     self._got(t.lease)
                 raise
             finally:
@@ -226,7 +226,7 @@ class LeaseScope:
         self.lease = None
         self._deadline = None
         self._arm(None)
-        rt.scheduler.requeue(lease, rt.clock())
+        rt.leases.requeue(lease, rt.clock())
         rt.metrics.failovers.labels(rt.route_label(lease.route)).inc()
         rt.wake()
 
@@ -310,14 +310,14 @@ class LeaseScope:
         rt = self.rt
         now = rt.clock()
         held = now - lease.started_at
-        rt.scheduler.release(lease, now, service_time=held if ok else None)
+        rt.leases.release(lease, now, service_time=held if ok else None)
         rt.stats.gpu_seconds += held
         rt.metrics.upstream.labels(rt.route_label(lease.route), lease.node).observe(held)
         if self.key is not None:
             rt.budgets.add(self.key, time.time(), gpu_seconds=held)
         # A freed slot changes no node state, hence no route mode: dispatching is all there is to
         # do (node events and the pump call wake() for the rest).
-        rt.scheduler.dispatch(now)
+        rt.leases.dispatch(now)
 
 
 async def _bounded(coro: Coroutine[Any, Any, Any]) -> None:

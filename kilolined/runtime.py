@@ -20,6 +20,7 @@ from kilolined.auth import KeyStore
 from kilolined.config import Config, ConfigError, NodeConfig, RouteConfig
 from kilolined.feed import Feed
 from kilolined.health import health_loop
+from kilolined.leasestore import LeaseStore
 from kilolined.limits import Budgets, RateLimiter
 from kilolined.metrics import Metrics
 from kilolined.nodes import NodeState
@@ -77,6 +78,8 @@ class Runtime:
         self.loaded_at = time.time()
         self.last_error: list[str] | None = None
         self.scheduler = Scheduler()
+        #: where leases live (docs/ARCHITECTURE.md): this gateway's scheduler unless a shared store replaces it
+        self.leases: LeaseStore = self.scheduler
         self.limiter = RateLimiter()
         self.budgets = Budgets(cfg.server.state_dir)
         self.keys = KeyStore(cfg)
@@ -292,7 +295,7 @@ class Runtime:
         self.scheduler.dispatch(now)
 
     def admit(self, route: str, key: str, priority: int, *, pinned_node: str | None = None) -> Ticket:
-        return self.scheduler.admit(route, key, priority, self.clock(), pinned_node=pinned_node)
+        return self.leases.admit(route, key, priority, self.clock(), pinned_node=pinned_node)
 
     # --- node results -------------------------------------------------------------------
     def node_success(self, node: str, trial: bool) -> None:

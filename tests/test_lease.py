@@ -49,6 +49,9 @@ class Peak(Listener):
         self.seen.append(self.rt.scheduler.routes["r"].inflight[lease.node])
 
 
+EXPECT = {"ok": "ok", "node_fails": "upstream_error", "node_fails_then_ok": "ok", "hang": "upstream_timeout",
+          "bug": "bug", "cancel_in_attempt": "cancelled", "cancel_after": "cancelled", "hold_ok": "ok",
+          "hold_hang": "ok"}
 BEHAVIOURS = ("ok", "node_fails", "node_fails_then_ok", "hang", "bug", "cancel_in_attempt", "cancel_after",
               "hold_ok", "hold_hang")
 
@@ -108,9 +111,7 @@ def test_every_slot_comes_back_whatever_the_attempts_do(behaviours: list[str], s
         assert max(seen, default=0) <= slots  # never more than the slots on one node
         assert len(ran) == len(set(ran))  # nobody's work ran twice
         for b, res in zip(behaviours, results, strict=True):
-            expect = {"ok": "ok", "node_fails": "upstream_error", "node_fails_then_ok": "ok", "hang": "upstream_timeout",
-                      "bug": "bug", "cancel_in_attempt": "cancelled", "cancel_after": "cancelled", "hold_ok": "ok",
-                      "hold_hang": "ok"}[b]
+            expect = EXPECT[b]
             assert res == expect, (b, res)
         await rt.stop()
 
