@@ -1,8 +1,10 @@
 #!/usr/bin/env python3
 """Added latency of the gateway vs direct, nginx and HAProxy, on a zero-delay node.
 
-One `kilolined fakegpu` (POST /generate {"steps": 0} answers at once) is measured four ways in the
-same run, interleaved per concurrency so that noise on a shared box hits every target alike:
+One zero-delay node — by default nginx `return 200` (written in C, so the proxy under test is the
+bottleneck), or with --upstream fakegpu a `kilolined fakegpu` (POST /generate {"steps": 0}) — is
+measured four ways in the same run, interleaved per concurrency so that noise on a shared box hits
+every target alike:
 
     direct   wrk → node
     gateway  wrk → kilolined (route max_concurrency 512: never queues) → node
@@ -40,6 +42,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-pin", action="store_true", help="do not pin processes to cores")
     ap.add_argument("--profile", action="store_true", help="after the grid, py-spy the gateway under wrk c=16 "
                                                           "(py-spy from $PYSPY or PATH) and print what dominates")
+    ap.add_argument("--upstream", choices=("nginx", "fakegpu"), default="nginx",
+                    help="the node: nginx `return 200` (C, zero delay: the proxy is what is measured; default) "
+                         "or the Python fake GPU")
     ap.add_argument("--json", help="also write the results here")
     args = ap.parse_args(argv)
     seconds = args.seconds or (3.0 if args.quick else 8.0)
@@ -55,7 +60,10 @@ def main(argv: list[str] | None = None) -> int:
     results: dict[tuple[str, int], list[dict[str, Any]]] = {}
     with bl.workdir("overhead") as wd, bl.Procs(wd) as procs:
         node_port, gw_port, ngx_port, hap_port = (bl.free_port() for _ in range(4))
-        bl.start_fakegpu(procs, node_port, "node", cpu=load_cpu)
+        if args.upstream == "nginx":
+            bl.start_nginx_origin(procs, node_port, cpu=load_cpu)
+        else:
+            bl.start_fakegpu(procs, node_port, "node", cpu=load_cpu)
         pids: dict[str, int | None] = {"direct": None}
         urls = {"direct": f"http://127.0.0.1:{node_port}/generate"}
         if "gateway" in targets:
@@ -149,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
     if profile:
         print_profile(profile)
     bl.write_json(args.json, {
-        "machine": machine, "seconds": seconds, "rounds": rounds,
+        "machine": machine, "seconds": seconds, "rounds": rounds, "upstream": args.upstream,
         "runs": {f"{t}@{c}": v for (t, c), v in results.items()}, "summary": summary, "rss_kb": rss,
         "spurious_node_failures": spurious,
         "tables": [table1, table2], "profile": profile,

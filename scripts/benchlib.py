@@ -387,6 +387,46 @@ http {{
     return path
 
 
+def start_nginx_origin(procs: Procs, listen: int, cpu: str | int | None = None) -> subprocess.Popen[bytes]:
+    """A zero-delay upstream written in C: nginx, one worker, `return 200` with a small JSON body.
+
+    Against a Python node every proxy looks alike (the node is the bottleneck); against this one
+    the proxy under test is what is measured.
+    """
+    d = procs.workdir / "origin"
+    d.mkdir(exist_ok=True)
+    conf = d / "nginx.conf"
+    conf.write_text(f"""
+daemon off;
+master_process off;
+worker_processes 1;
+pid {d}/nginx.pid;
+error_log {d}/error.log warn;
+worker_rlimit_nofile 20000;
+events {{ worker_connections 16000; multi_accept on; }}
+http {{
+    access_log off;
+    client_body_temp_path {d}/body;
+    proxy_temp_path {d}/proxy;
+    fastcgi_temp_path {d}/fastcgi;
+    uwsgi_temp_path {d}/uwsgi;
+    scgi_temp_path {d}/scgi;
+    keepalive_requests 10000000;
+    keepalive_timeout 600s;
+    server {{
+        listen 127.0.0.1:{listen} backlog=4096;
+        location / {{
+            default_type application/json;
+            return 200 '{{"ok": true}}';
+        }}
+    }}
+}}
+""")
+    p = procs.start([NGINX, "-p", str(d), "-e", str(d / "error.log"), "-c", str(conf)], "origin", cpu=cpu)
+    wait_port(listen, proc=p)
+    return p
+
+
 def start_nginx(procs: Procs, listen: int, upstream_port: int, cpu: str | int | None = None,
                 **kw: Any) -> subprocess.Popen[bytes]:
     conf = nginx_conf(procs.workdir, listen, upstream_port, **kw)
