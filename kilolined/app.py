@@ -193,7 +193,7 @@ async def admit(gw: Gateway, call: Call) -> web.StreamResponse | None:
     assert ex is not None
     principal = call.principal
     # A refused callback must cost nothing: no queue place, no budget.
-    callback, refused = await gw.jobs.check_callback(call, principal)
+    callback, refused = await gw.jobs.check_callback(call, principal) if call.mode == "async" else (None, None)
     if refused:
         return call.error(400, "bad_request", f"callback URL refused: {refused}")
     priority = principal.cfg.priority if principal else 0

@@ -60,7 +60,8 @@ async def check_path(request: web.Request, handler: Handler) -> web.StreamRespon
         if tr is not None:
             tr.abort()
         raise ConnectionResetError("HTTP/0.9 request refused")
-    problem = path_problem(path_of_target(request.raw_path))
+    raw = request.raw_path
+    problem = path_problem(raw if raw[:1] == "/" and "?" not in raw else path_of_target(raw))
     if problem is not None:
         resp = json_error(request, 400, problem)
         return resp

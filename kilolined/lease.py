@@ -50,14 +50,19 @@ class Listener:
 
 
 class Attempt(Protocol[T]):  # type: ignore[misc]
+    """Sends the request to the lease's node and returns its answer (headers), or raises
+    UpstreamFailed. It bounds itself by request_timeout_sec: a node silent before any byte is
+    a re-queue; the scope's deadline (request_timeout_sec plus a grace while the attempt runs)
+    is only the safety net."""
+
     async def __call__(self, lease: Lease) -> T: ...
 
 
 class LeaseScope:
     """``async with LeaseScope(...) as scope: work = await scope.acquire(attempt); …``"""
 
-    __slots__ = ("_aborts", "_deadline", "_detached", "_rerouted", "_tm", "dispatched_at", "key", "lease", "listener",
-                 "ok", "rt", "started", "ticket", "writing")
+    __slots__ = ("_aborts", "_armed", "_deadline", "_detached", "_expired", "_rerouted", "_task", "dispatched_at",
+                 "key", "lease", "listener", "ok", "rt", "started", "ticket", "writing")
 
     def __init__(self, rt: Runtime, ticket: Ticket, listener: Listener, key: str | None):
         self.rt, self.ticket, self.listener, self.key = rt, ticket, listener, key
@@ -73,7 +78,9 @@ class LeaseScope:
         self._deadline: float | None = None
         self._detached = False
         self._rerouted: tuple[str, str] | None = None  # (from node, reason) until the next dispatch
-        self._tm: asyncio.Timeout | None = None
+        self._task: asyncio.Task[Any] | None = None  # the task the deadline cancels
+        self._armed: int | None = None  # the deadline's key in rt.deadlines
+        self._expired = False
 
     @property
     def route(self) -> str:
@@ -90,9 +97,16 @@ class LeaseScope:
 
     # --- entering ---------------------------------------------------------------------------
     async def __aenter__(self) -> LeaseScope:
-        self._tm = asyncio.timeout(None)
-        await self._tm.__aenter__()
+        self._task = asyncio.current_task()
         return self
+
+    def expire(self) -> None:
+        """The deadline passed (called by rt.deadlines): cancel whatever holds the lease now."""
+        self._armed = None
+        task = self._task
+        if task is not None and not task.done() and not self._expired:
+            self._expired = True
+            task.cancel()
 
     def on_abort(self, cleanup: Callable[[], Coroutine[Any, Any, Any]]) -> None:
         """Run ``cleanup`` before the slot is freed if the scope ends by timeout, cancellation or
@@ -115,7 +129,10 @@ class LeaseScope:
         lease = await self._wait()
         while True:
             try:
-                result = await self._run(attempt, lease)
+                if self.listener.tick_sec is None:
+                    result = await attempt(lease)
+                else:
+                    result = await self._with_ticks(attempt(lease), queued=False)
             except UpstreamFailed as e:
                 failure = e
             else:
@@ -138,11 +155,12 @@ class LeaseScope:
 
     async def _wait(self) -> Lease:
         t = self.ticket
-        if self.listener.tick_sec is None or t.state != WAITING:
-            lease = await self._wait_plain()
-        else:
-            lease = await self._with_ticks(self._wait_plain(), queued=True)
-        return lease
+        if t.state == LEASED and t.lease is not None:
+            self._got(t.lease)  # straight through: the common case costs no coroutine
+            return t.lease
+        if self.listener.tick_sec is not None and t.state == WAITING:
+            return await self._with_ticks(self._wait_plain(), queued=True)
+        return await self._wait_plain()
 
     async def _wait_plain(self) -> Lease:
         t = self.ticket
@@ -181,8 +199,8 @@ class LeaseScope:
         loop_now = asyncio.get_running_loop().time()
         self._deadline = loop_now + self.timeout
         # While the attempt waits for the node's answer, the attempt's own timeout (the same
-        # request_timeout_sec) decides, because a node silent before any byte is re-queued; the
-        # grace only bounds an attempt that would not bound itself.
+        # request_timeout_sec) decides: a node silent before any byte is re-queued, not failed.
+        # The grace only bounds an attempt that would not bound itself.
         self._arm(self._deadline + ATTEMPT_GRACE_SEC)
         if self._rerouted is not None:
             (from_node, reason), self._rerouted = self._rerouted, None
@@ -190,13 +208,12 @@ class LeaseScope:
         self.listener.dispatched(lease, now - self.ticket.enqueued_at)
 
     def _arm(self, when: float | None) -> None:
-        if self._tm is not None:
-            self._tm.reschedule(when)
-
-    async def _run(self, attempt: Callable[[Lease], Awaitable[T]], lease: Lease) -> T:
-        if self.listener.tick_sec is None:
-            return await attempt(lease)
-        return await self._with_ticks(attempt(lease), queued=False)
+        deadlines = self.rt.deadlines
+        if self._armed is not None:
+            deadlines.discard(self, self._armed)
+            self._armed = None
+        if when is not None and not self._expired:
+            self._armed = deadlines.add(self, when)
 
     async def _with_ticks(self, aw: Awaitable[T], queued: bool) -> T:
         """Await ``aw`` while the listener ticks every ``tick_sec`` (keep-alive comments)."""
@@ -235,39 +252,62 @@ class LeaseScope:
         """Keep the lease after the HTTP answer went out, until ``work`` ends (ComfyUI answers
         ``/prompt`` at once and the GPU works on). Same deadline; the scope still releases."""
         self._detached = True
-        self.rt.spawn(self._hold(work))
+        self._task = self.rt.spawn(self._hold(work))  # the deadline now cancels the hold
 
     async def _hold(self, work: Coroutine[Any, Any, Any]) -> None:
         timed_out = False
         exc: BaseException | None = None
         try:
-            async with asyncio.timeout_at(self._deadline):
-                await work
+            await work
             self.ok = True
-        except TimeoutError:
-            timed_out = True
+        except asyncio.CancelledError as e:
+            if self._expired and not await self._take_back_cancel(delivered=True):
+                timed_out = True
+            else:
+                exc = e
         except BaseException as e:
             exc = e
             if not isinstance(e, asyncio.CancelledError | Failure):
                 log.exception("holding a lease on %s", self.lease.node if self.lease else "?")
         finally:
             work.close()
+            self._arm(None)
             await self._finish(exc, timed_out)
 
     # --- leaving ------------------------------------------------------------------------------
     async def __aexit__(self, et: type[BaseException] | None, exc: BaseException | None, tb: Any) -> bool:
-        timed_out = False
-        assert self._tm is not None
-        try:
-            await self._tm.__aexit__(et, exc, tb)
-        except TimeoutError:
-            timed_out = True
         if self._detached:
-            return False
+            return False  # the hold's task owns the lease (and the deadline) now
+        self._arm(None)
+        timed_out = self._expired
+        outside = False
+        if timed_out:
+            outside = await self._take_back_cancel(delivered=et is asyncio.CancelledError)
+            if et is asyncio.CancelledError:
+                exc = None
         await self._finish(exc, timed_out)
         if timed_out:
+            if outside:
+                raise asyncio.CancelledError  # cancelled from outside as well (the client left)
             raise Failure.upstream(f"node {self._node()} did not finish within {self.timeout:g}s", True) from None
         return False
+
+    async def _take_back_cancel(self, delivered: bool) -> bool:
+        """Undo the cancel our deadline made; True if the task is cancelled from outside too.
+
+        If the body ended just before the deadline fired, our cancel is still pending: take it
+        here, where it harms nothing, rather than at the caller's next await."""
+        task = self._task
+        if task is None:
+            return False
+        if not delivered:
+            try:
+                await asyncio.sleep(0)
+            except asyncio.CancelledError:
+                pass
+        if task.cancelling():
+            task.uncancel()
+        return task.cancelling() > 0
 
     def _node(self) -> str:
         return self.lease.node if self.lease is not None else "-"

@@ -41,6 +41,8 @@ def path_problem(raw_path: str) -> str | None:
     """
     if "\x00" in raw_path:
         return "the path holds a NUL byte"
+    if "." not in raw_path and "%" not in raw_path:
+        return None  # nothing that could decode to a dot part or a NUL: most paths stop here
     for segment in raw_path.split("/"):
         if not segment:
             continue

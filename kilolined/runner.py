@@ -52,7 +52,8 @@ async def run(rt: Runtime, ticket: Ticket, ex: Exchange, adapter: Adapter, sink:
     outcome: str | None = "ok"
     try:
         async with LeaseScope(rt, ticket, sink, key) as scope:
-            await sink.begin(scope)
+            if sink.tick_sec is not None:
+                await sink.begin(scope)  # a stream that must queue says so at once
             await adapter.serve(rt, scope, ex, sink)  # type: ignore[arg-type]
         outcome = sink.outcome
         return sink.response

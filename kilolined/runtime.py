@@ -18,6 +18,7 @@ import aiohttp
 
 from kilolined.auth import KeyStore
 from kilolined.config import Config, ConfigError, NodeConfig, RouteConfig
+from kilolined.deadlines import Deadlines
 from kilolined.feed import Feed
 from kilolined.health import health_loop
 from kilolined.leasestore import LeaseStore
@@ -80,6 +81,8 @@ class Runtime:
         self.scheduler = Scheduler()
         #: where leases live (docs/ARCHITECTURE.md): this gateway's scheduler unless a shared store replaces it
         self.leases: LeaseStore = self.scheduler
+        #: request_timeout_sec of every held lease, on one coarse timer (lease.py)
+        self.deadlines = Deadlines()
         self.limiter = RateLimiter()
         self.budgets = Budgets(cfg.server.state_dir)
         self.keys = KeyStore(cfg)
@@ -220,6 +223,7 @@ class Runtime:
         for p in self.pools.values():
             p.close()
         self.pools.clear()
+        self.deadlines.close()
         with contextlib.suppress(OSError):
             self.budgets.save()
 

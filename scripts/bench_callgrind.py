@@ -1,0 +1,85 @@
+#!/usr/bin/env python3
+"""Instructions per request of the gateway, counted by callgrind: repeatable on a busy box.
+
+Wall-clock and CPU-time benchmarks on a shared 2-core machine move by ±30 % between runs;
+instruction counts do not (valgrind's own docs: the same binary, inputs and environment give the
+same count). The gateway runs under ``valgrind --tool=callgrind`` in front of nginx `return 200`;
+a client sends N1, then N2 requests (keep-alive, 8 at a time); the difference of the two totals,
+divided by N2 − N1, is the cost of one request with start-up and shutdown cancelled out.
+
+    python scripts/bench_callgrind.py [--n1 300 --n2 1300] [--python .venv/bin/python]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import aiohttp
+import benchlib as bl
+
+
+async def send(url: str, n: int, conc: int = 8) -> None:
+    left = n
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=conc)) as s:
+        async def worker() -> None:
+            nonlocal left
+            while left > 0:
+                left -= 1
+                async with s.post(url, data=b'{"steps": 0}', headers={"Authorization": f"Bearer {bl.API_KEY}"}) as r:
+                    await r.read()
+                    assert r.status == 200, r.status
+
+        await asyncio.gather(*(worker() for _ in range(conc)))
+
+
+def run_one(python: str, wd: Path, procs: bl.Procs, node_port: int, n: int) -> int:
+    port = bl.free_port()
+    cfg = bl.gateway_config(port, {"gpu": f"http://127.0.0.1:{node_port}"})
+    path = wd / f"gw-{n}.yaml"
+    bl.write_yaml(path, cfg)
+    out = wd / f"callgrind-{n}.out"
+    kilolined = str(Path(python).parent / "kilolined")
+    cmd = ["valgrind", "--tool=callgrind", f"--callgrind-out-file={out}", "--dump-instr=no",
+           python, kilolined, "--log-format", "text", "run", "-c", str(path)]
+    with open(wd / f"gw-{n}.log", "wb") as log:
+        p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=log)
+    bl.wait_port(port, timeout=300, proc=p)
+    asyncio.run(send(f"http://127.0.0.1:{port}/gen/generate", 50))  # warm-up, the same in both runs
+    asyncio.run(send(f"http://127.0.0.1:{port}/gen/generate", n))
+    p.send_signal(signal.SIGINT)
+    p.wait(timeout=300)
+    text = (wd / f"gw-{n}.log").read_text(errors="replace")
+    m = re.search(r"Collected : (\d+)", text)
+    if m is None:
+        raise RuntimeError(text[-2000:])
+    return int(m.group(1))
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--n1", type=int, default=300)
+    ap.add_argument("--n2", type=int, default=1300)
+    ap.add_argument("--python", default=sys.executable, help="the venv whose kilolined is measured")
+    args = ap.parse_args()
+    with bl.workdir("callgrind") as wd, bl.Procs(wd) as procs:
+        node_port = bl.free_port()
+        bl.start_nginx_origin(procs, node_port)
+        t0 = time.monotonic()
+        a = run_one(args.python, wd, procs, node_port, args.n1)
+        b = run_one(args.python, wd, procs, node_port, args.n2)
+        per = (b - a) / (args.n2 - args.n1)
+        print(f"{os.path.realpath(args.python)}: {per:,.0f} instructions per request "
+              f"({a:,} at {args.n1}, {b:,} at {args.n2}; {time.monotonic() - t0:.0f} s)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
