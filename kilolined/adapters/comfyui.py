@@ -5,8 +5,10 @@ with the HTTP answer would count HTTP calls, not GPU work. For jobs we submit th
 own ``client_id`` (one per attempt: a second socket with the same id steals the events), follow
 the node's ``/ws`` for that prompt id, hold the lease until the prompt is finished, then read
 ``/history/{prompt_id}``. Files in the result get gateway URLs that stream ``/view`` from the node
-that made them. In sync mode the request passes through as generic, and ``sync_hold`` keeps the
-slot until the history shows the prompt done.
+that made them. In sync mode the request passes through as generic, and the lease is held until
+the history holds *this* submission's entry; the node's monitor socket (comfy_monitor.py) says
+when to look. A prompt whose node is lost before any output is re-queued by the lease scope.
+Control endpoints (/interrupt, POST /queue, job cancel) are comfy_control.py's.
 """
 
 from __future__ import annotations
@@ -319,9 +321,19 @@ class ComfyUIAdapter(Adapter):
         state = comfy_state(rt)
         state.owners(lease.route).add(prompt_id, scope.ticket.key, lease.node)
         node = node_api(rt, lease.node, ex.request_id)
+        monitor, number = state.monitor(lease.node), _prompt_number(data)
         # Past request_timeout_sec the prompt is interrupted before the slot is freed.
-        scope.on_abort(lambda: stop_prompt(node, prompt_id, None))
-        scope.hold(self._hold(scope, node, state.monitor(lease.node), prompt_id, _prompt_number(data)))
+        scope.on_abort(lambda: self._stop_sync(node, monitor, prompt_id, number))
+        scope.hold(self._hold(scope, node, monitor, prompt_id, number))
+
+    @staticmethod
+    async def _stop_sync(node: NodeAPI, monitor: NodeMonitor, prompt_id: str, number: float | None) -> None:
+        """Interrupt, then keep the slot until the node says the prompt ended: an interrupt lands
+        only at the node's next progress update, and the next prompt must not overlap it."""
+        if await stop_prompt(node, prompt_id, None):
+            with contextlib.suppress(TimeoutError, NodeError, PromptLost):
+                async with asyncio.timeout(DRAIN_SEC):
+                    await wait_history(node, prompt_id, number, SYNC_POLL_SEC, monitor)
 
     async def _hold(self, scope: LeaseScope, node: NodeAPI, monitor: NodeMonitor, prompt_id: str,
                     number: float | None) -> None:
