@@ -15,6 +15,7 @@ import orjson
 import pytest
 from conftest import auth, base_config, wait_until
 
+from kilolined.adapters.comfy_control import PromptOwners, action_of
 from kilolined.adapters.comfy_progress import Progress
 from kilolined.reload import reload_from_file
 
@@ -222,6 +223,8 @@ async def test_queue_clear_and_delete_touch_only_your_own_prompts(
     await wait_until(lambda: fake.stats["pending"] == 1)
     for body in ({"clear": True}, {"delete": [alice["prompt_id"]]}):
         assert (await sync_post(http, gw.url + "/gen/queue", body, who="bob"))[0] == 200
+    st, ans = await sync_post(http, gw.url + "/gen/api/jobs/cancel", {"job_ids": [alice["prompt_id"]]}, who="bob")
+    assert (st, ans) == (200, {"cancelled": False})
     assert fake.stats["pending"] == 1 and fake.stats["queue_deletes"] == 0
     assert (await sync_post(http, gw.url + "/gen/prompt", {"prompt": graph(5, 12)}, who="bob"))[0] == 200
     await wait_until(lambda: fake.stats["pending"] == 2)
@@ -333,3 +336,20 @@ async def test_file_index_out_of_range_is_no_such_file(fakegpus: Any, gateway: A
         async with http.get(gw.url + url.replace("/files/0", f"/files/{n}")) as r:
             body = await r.json()
             assert r.status == 404 and body["error"]["message"] == "no such file", n
+
+
+def test_prompt_owners_are_bounded_and_per_key() -> None:
+    owners = PromptOwners(cap=2)
+    for pid in ("a", "b", "c"):
+        owners.add(pid, "alice", "n1")
+    assert owners.node_of("a", "alice") is None  # the oldest was forgotten
+    assert owners.node_of("c", "alice") == "n1" and owners.node_of("c", "bob") is None
+    assert owners.mine("alice") == {"b": "n1", "c": "n1"} and owners.mine("bob") == {}
+
+
+def test_control_paths() -> None:
+    assert [action_of("POST", p) for p in ("/interrupt", "/api/interrupt", "/queue", "/api/queue",
+                                           "/api/jobs/x/cancel", "/api/jobs/cancel")] == \
+        ["interrupt", "interrupt", "queue", "queue", "cancel", "cancel_many"]
+    assert action_of("GET", "/queue") is None and action_of("POST", "/prompt") is None
+    assert action_of("POST", "/api/jobs//cancel") is None and action_of("POST", "/jobs/x/cancel") is None
