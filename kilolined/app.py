@@ -136,6 +136,11 @@ async def choose_mode(gw: Gateway, call: Call) -> web.StreamResponse | None:
 async def pass_unqueued(gw: Gateway, call: Call) -> web.StreamResponse | None:
     """Status, list and file endpoints neither take a slot nor wait behind the queue."""
     rcfg = gw.rt.scheduler.routes[call.route_name].cfg
+    # Control endpoints (ComfyUI's /interrupt, POST /queue): the adapter answers them itself.
+    ctl = await call.adapter.control(gw.rt, call.request, call.route_name, call.unqueued_path, call.subject,
+                                     call.request_id)
+    if ctl is not None:
+        return ctl
     if call.pinned_node is None and unqueued(rcfg, call.request.method, call.unqueued_path):
         return await forward_unqueued(gw.rt, call, rcfg)
     return None

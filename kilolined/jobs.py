@@ -290,7 +290,12 @@ class Jobs:
             return web.Response(status=202, body=orjson.dumps(body), content_type="application/json",
                                 headers={**call.headers, "Location": f"/v1/jobs/{job.id}",
                                          "X-Request-Id": call.request_id})
-        return await self.stream(request, job, 0, call.headers | {"X-Request-Id": call.request_id})
+        try:
+            resp = await self.stream(request, job, 0, call.headers | {"X-Request-Id": call.request_id})
+            call.bytes_out = resp.body_length
+            return resp
+        finally:
+            call.node = job.node or "-"  # the access-log line of an sse request names its node
 
     def est(self, job: Job, position: int | None) -> float | None:
         rq = self.rt.scheduler.routes.get(job.route)

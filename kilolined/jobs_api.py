@@ -80,10 +80,11 @@ async def file(request: web.Request) -> web.StreamResponse:
     job = _job(request)
     if job is None or job.result is None:
         return _not_found(request)
-    try:
-        node, query = job.result.files[int(request.match_info["n"])]
-    except (ValueError, IndexError):
-        return _not_found(request)
+    files = job.result.files
+    n = request.match_info["n"]
+    if not n.isdigit() or int(n) >= len(files):  # "-1" is not the last file
+        return error_response(404, "not_found", "no such file", request_id=request_id(request))
+    node, query = files[int(n)]
     rt = _rt(request)
     ns = rt.scheduler.nodes.get(node)
     if ns is None:

@@ -103,6 +103,9 @@ class Runtime:
         self.components: list[Component] = []
         self.started = False
         self.admin_sessions: dict[str, float] = {}  # dashboard session token -> expiry
+        #: what an adapter keeps across requests, by kind (ComfyUI: monitor sockets, prompt owners);
+        #: made on first use, its tasks are spawned here and end at stop
+        self.adapter_state: dict[str, object] = {}
         self._apply_state(cfg)
 
     # --- config -------------------------------------------------------------------------

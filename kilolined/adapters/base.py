@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from typing import Protocol
 
+from aiohttp import web
+
 from kilolined.lease import LeaseScope
 from kilolined.proxy import RETRY_STATUSES, Exchange, Observer, Upstream, UpstreamFailed, open_upstream
 from kilolined.queue import Lease
@@ -34,6 +36,12 @@ class Adapter:
 
     def prepare(self, ex: Exchange) -> None:
         """Validate or rewrite the request before it is queued; raise Rejected(400) to refuse it."""
+
+    async def control(self, rt: Runtime, request: web.Request, route: str, path: str, subject: str,
+                      request_id: str) -> web.StreamResponse | None:
+        """Answer at once, without a slot, a request that must never queue (ComfyUI's /interrupt);
+        None lets it go on through the pipeline."""
+        return None
 
     def observer(self, rt: Runtime, ex: Exchange, scope: LeaseScope, sink: Sink) -> Observer | None:
         return None

@@ -5,8 +5,10 @@ with the HTTP answer would count HTTP calls, not GPU work. For jobs we submit th
 own ``client_id`` (one per attempt: a second socket with the same id steals the events), follow
 the node's ``/ws`` for that prompt id, hold the lease until the prompt is finished, then read
 ``/history/{prompt_id}``. Files in the result get gateway URLs that stream ``/view`` from the node
-that made them. In sync mode the request passes through as generic, and ``sync_hold`` keeps the
-slot until the history shows the prompt done.
+that made them. In sync mode the request passes through as generic, and the lease is held until
+the history holds *this* submission's entry; the node's monitor socket (comfy_monitor.py) says
+when to look. A prompt whose node is lost before any output is re-queued by the lease scope.
+Control endpoints (/interrupt, POST /queue, job cancel) are comfy_control.py's.
 """
 
 from __future__ import annotations
@@ -22,8 +24,13 @@ from urllib.parse import quote, urlencode
 
 import aiohttp
 import orjson
+from aiohttp import web
 
 from kilolined.adapters.base import Adapter, HttpAttempt, Sink
+from kilolined.adapters.comfy_control import comfy_state, control
+from kilolined.adapters.comfy_monitor import NodeMonitor
+from kilolined.adapters.comfy_node import NodeAPI, NodeError, find_entry, node_api, on_queue, stop_prompt
+from kilolined.adapters.comfy_progress import Progress
 from kilolined.lease import LeaseScope
 from kilolined.outcome import Cancelled, Failure, Result
 from kilolined.proxy import RETRY_STATUSES, Exchange, UpstreamFailed
@@ -35,12 +42,12 @@ T = TypeVar("T")
 
 PROMPT_PATHS = ("/prompt", "/api/prompt")
 CONNECT_SEC = 10.0  # ws handshake; a node that cannot open a socket this fast is not usable
-CALL_SEC = 5.0  # one history/queue/interrupt call
-STOP_SEC = 2.0  # cancel: interrupt / queue delete, best-effort (DELETE /v1/jobs waits 5 s for us)
 DRAIN_SEC = 1.5  # cancel: wait this long for the node to confirm the interrupt
 SUCCESS_GRACE_SEC = 2.0  # after execution_success, wait this long for the final `executing: null`
 POLL_SEC = 0.5  # job fallback when the socket dropped
-SYNC_POLL_SEC = 0.25  # sync hold: the slot is freed this much late at worst
+SYNC_POLL_SEC = 0.25  # sync hold while the node's monitor socket is down: the slot is freed this much late at worst
+MONITOR_FALLBACK_SEC = 2.0  # with the monitor up, look at history this often anyway (a missed frame)
+NODE_LOST = "node lost while running the prompt"
 LOST_CHECK_EVERY = 4  # polls between checks that the prompt is still on the node at all
 MAX_CALL_FAILURES = 5  # consecutive failed polls before the node counts as gone
 WS_MAX_MSG = 64 * 1024 * 1024  # previews arrive on our socket too
@@ -69,14 +76,6 @@ def _json_object(raw: bytes) -> dict[str, Any] | None:
     return data if isinstance(data, dict) else None
 
 
-class NodeError(Exception):
-    """A call to the node failed (connection, timeout, status, or not JSON)."""
-
-    def __init__(self, reason: str):
-        super().__init__(reason)
-        self.reason = reason
-
-
 class PromptLost(Exception):
     """The prompt is neither queued, running nor in history: the node restarted or someone removed it."""
 
@@ -85,124 +84,41 @@ class PromptLost(Exception):
         self.reason = reason
 
 
-@dataclass
-class NodeAPI:
-    """The small ComfyUI client we need; errors never carry the node's address."""
+async def wait_history(node: NodeAPI, prompt_id: str, number: float | None, interval: float,
+                       monitor: NodeMonitor | None = None, look_first: bool = False) -> dict[str, Any]:
+    """Wait for this submission's history entry (``{}`` while queued or running; an older run's
+    entry under a reused id does not count).
 
-    session: aiohttp.ClientSession
-    url: str
-    headers: dict[str, str]
-
-    async def get_json(self, path: str) -> Any:
-        try:
-            async with self.session.get(self.url + path, headers=self.headers,
-                                        timeout=aiohttp.ClientTimeout(total=CALL_SEC)) as r:
-                if r.status != 200:
-                    raise NodeError(f"GET {path.split('/')[1]} answered HTTP {r.status}")
-                return orjson.loads(await r.read())
-        except (aiohttp.ClientError, OSError, TimeoutError, orjson.JSONDecodeError) as e:
-            raise NodeError(f"GET {path.split('/')[1]} failed ({type(e).__name__})")
-
-    async def post_json(self, path: str, body: Any) -> None:
-        headers = {**self.headers, "Content-Type": "application/json"}
-        try:
-            async with self.session.post(self.url + path, data=orjson.dumps(body), headers=headers,
-                                         timeout=aiohttp.ClientTimeout(total=CALL_SEC)) as r:
-                await r.read()
-        except (aiohttp.ClientError, OSError, TimeoutError) as e:
-            raise NodeError(f"POST {path} failed ({type(e).__name__})")
-
-
-def node_api(rt: Runtime, node: str, request_id: str) -> NodeAPI:
-    ncfg = rt.scheduler.nodes[node].cfg
-    return NodeAPI(rt.session(node), ncfg.url, {"X-Request-Id": request_id, **ncfg.headers})
-
-
-async def wait_history(node: NodeAPI, prompt_id: str, interval: float) -> dict[str, Any]:
-    """Poll ``/history/{id}`` until it holds the entry (it is ``{}`` while queued or running).
-
-    Raises PromptLost when the prompt has vanished from the node, NodeError when the node stops
-    answering. Unbounded in time: the caller puts a timeout around it.
+    With a connected ``monitor`` it looks again at each queue change the node broadcasts (history
+    is written before it), else every ``interval``. Raises PromptLost when the prompt has vanished
+    from the node (``look_first``: check that at once, the socket just dropped), NodeError when
+    the node stops answering or refuses connections. Unbounded in time: the caller bounds it.
     """
     path = "/history/" + quote(prompt_id, safe="")
     polls = failures = 0
     while True:
+        version = monitor.version if monitor is not None else 0
         try:
-            data = await node.get_json(path)
+            entry = find_entry(await node.get_json(path), prompt_id, number)
             failures = 0
-            entry = data.get(prompt_id) if isinstance(data, dict) else None
-            if isinstance(entry, dict):
+            if entry is not None:
                 return entry
             polls += 1
-            if polls % LOST_CHECK_EVERY == 0 and not _on_queue(await node.get_json("/queue"), prompt_id, None):
-                # Queue first, history second: ComfyUI writes history before it leaves the queue.
-                data = await node.get_json(path)
-                entry = data.get(prompt_id) if isinstance(data, dict) else None
-                if isinstance(entry, dict):
+            look = (look_first and polls == 1) or polls % LOST_CHECK_EVERY == 0
+            # Queue first, history second: ComfyUI writes history before it leaves the queue.
+            if look and not on_queue(await node.get_json("/queue"), prompt_id, None):
+                entry = find_entry(await node.get_json(path), prompt_id, number)
+                if entry is not None:
                     return entry
                 raise PromptLost("the prompt vanished from the node (restarted, or removed from its queue)")
-        except NodeError:
+        except NodeError as e:
             failures += 1
-            if failures >= MAX_CALL_FAILURES:
+            if e.refused or failures >= MAX_CALL_FAILURES:
                 raise
-        await asyncio.sleep(interval)
-
-
-def _queue_ids(items: Any, prompt_id: str | None, client_id: str | None) -> list[str]:
-    """Prompt ids in a queue list (``[number, id, prompt, extra_data, outputs]`` items) that are ours."""
-    out = []
-    for item in items if isinstance(items, list) else []:
-        if not isinstance(item, list) or len(item) < 2 or not isinstance(item[1], str):
-            continue
-        extra = item[3] if len(item) > 3 and isinstance(item[3], dict) else {}
-        if item[1] == prompt_id or (client_id is not None and extra.get("client_id") == client_id):
-            out.append(item[1])
-    return out
-
-
-def _on_queue(queue: Any, prompt_id: str, client_id: str | None) -> bool:
-    if not isinstance(queue, dict):
-        return True  # unreadable: do not call it lost
-    return bool(_queue_ids(queue.get("queue_running"), prompt_id, client_id)
-                or _queue_ids(queue.get("queue_pending"), prompt_id, client_id))
-
-
-async def stop_prompt(node: NodeAPI, prompt_id: str | None, client_id: str) -> bool:
-    """Best effort: interrupt our prompt if it runs, delete it if it still waits in the node's queue.
-
-    Finds it by id, or by our client_id when the POST went out but its answer never came back.
-    Returns whether a running prompt was interrupted. Never raises (except CancelledError).
-    """
-    interrupted = False
-    try:
-        async with asyncio.timeout(STOP_SEC):
-            for _ in range(2):
-                try:
-                    queue = await node.get_json("/queue")
-                except NodeError:
-                    if prompt_id is not None:
-                        # Without a queue view: newer builds interrupt only this id (a no-op if it
-                        # is not running); deleting a prompt that is not pending is a no-op too.
-                        await node.post_json("/queue", {"delete": [prompt_id]})
-                        await node.post_json("/interrupt", {"prompt_id": prompt_id})
-                        interrupted = True
-                    return interrupted
-                queue = queue if isinstance(queue, dict) else {}
-                running = _queue_ids(queue.get("queue_running"), prompt_id, client_id)
-                pending = _queue_ids(queue.get("queue_pending"), prompt_id, client_id)
-                if pending:
-                    await node.post_json("/queue", {"delete": pending})
-                for pid in running:
-                    await node.post_json("/interrupt", {"prompt_id": pid})
-                    interrupted = True
-                if not pending:
-                    return interrupted
-                # A pending prompt may have started between the two calls: look once more.
-    except (TimeoutError, NodeError):
-        pass
-    except Exception:
-        log.exception("stopping a ComfyUI prompt")
-    return interrupted
+        if monitor is not None and monitor.connected:
+            await monitor.changed(version, MONITOR_FALLBACK_SEC)
+        else:
+            await asyncio.sleep(interval)
 
 
 async def _shielded(rt: Runtime, coro: Coroutine[Any, Any, T]) -> T:
@@ -243,11 +159,27 @@ def _number(v: Any) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
+def _clean(data: dict[str, Any]) -> dict[str, Any]:
+    """An execution_error without the node's traceback: its frames name the node's files and
+    code, which clients have no use for (the message and the failing node stay)."""
+    return {k: v for k, v in data.items() if k != "traceback"}
+
+
+def _clean_entry(entry: dict[str, Any]) -> dict[str, Any]:
+    status = entry.get("status")
+    messages = status.get("messages") if isinstance(status, dict) else None
+    if not isinstance(messages, list):
+        return entry
+    clean = [[m[0], _clean(m[1])] if isinstance(m, list) and len(m) == 2 and isinstance(m[1], dict) else m
+             for m in messages]
+    return {**entry, "status": {**status, "messages": clean}}  # type: ignore[dict-item]
+
+
 def _execution_failed(data: dict[str, Any]) -> Failure:
     message = data.get("exception_message")
     if not isinstance(message, str) or not message:
         message = f"{data.get('node_type') or 'a node'} failed on the node"
-    body = orjson.dumps({"type": "execution_error", "data": data})
+    body = orjson.dumps({"type": "execution_error", "data": _clean(data)})
     return Failure("upstream_error", message.strip()[:2000], 500, body, "application/json")
 
 
@@ -263,7 +195,8 @@ def _check_status(entry: dict[str, Any]) -> None:
                 raise Cancelled("interrupted on the node")
             if m[0] == "execution_error":
                 raise _execution_failed(m[1])
-    raise Failure("upstream_error", "the prompt failed on the node", 500, orjson.dumps(entry), "application/json")
+    raise Failure("upstream_error", "the prompt failed on the node", 500, orjson.dumps(_clean_entry(entry)),
+                  "application/json")
 
 
 def annotate_files(entry: dict[str, Any], node: str, job: Any) -> tuple[dict[str, Any], list[tuple[str, str]]]:
@@ -303,8 +236,21 @@ class Submitted:
     ws: aiohttp.ClientWebSocketResponse
     client_id: str
     prompt_id: str
+    number: float | None  # the queue number the POST answered: which history entry is this run's
     deadline: float  # loop time; request_timeout_sec from the attempt's start
     timeout: float
+    output_seen: bool = False  # an output node ran: the prompt cannot be re-run elsewhere for free
+
+
+@dataclass
+class Finished:
+    sub: Submitted
+    entry: dict[str, Any]
+
+
+def _prompt_number(data: dict[str, Any] | None) -> float | None:
+    n = data.get("number") if data else None
+    return n if _number(n) else None
 
 
 class ComfyUIAdapter(Adapter):
@@ -316,6 +262,10 @@ class ComfyUIAdapter(Adapter):
         if is_prompt(ex) and _json_object(ex.body) is None:
             raise Rejected(400, "bad_request", "body must be a JSON object (ComfyUI API prompt)")
 
+    async def control(self, rt: Runtime, request: web.Request, route: str, path: str, subject: str,
+                      request_id: str) -> web.StreamResponse | None:
+        return await control(rt, request, route, path, subject, request_id)
+
     # --- one prompt, in every mode ------------------------------------------------------------
     async def serve(self, rt: Runtime, scope: LeaseScope, ex: Exchange, sink: Sink) -> None:
         if not is_prompt(ex):
@@ -325,10 +275,10 @@ class ComfyUIAdapter(Adapter):
         body = _json_object(ex.body)
         if body is None:
             raise Failure("bad_request", "body must be a JSON object (ComfyUI API prompt)", 400)
-        sub = await scope.acquire(self._attempt(rt, ex, body, scope))
-        if not isinstance(sub, Submitted):
+        done = await scope.acquire(self._attempt(rt, ex, body, scope, sink))
+        if not isinstance(done, Finished):
             # Out of retries and the node said 502/503/504: its answer is the job's (failed) result.
-            up = sub
+            up = done
             try:
                 err, _ = await _read_body(up, ERROR_BODY_MAX)
             except (aiohttp.ClientError, OSError, TimeoutError):
@@ -339,19 +289,10 @@ class ComfyUIAdapter(Adapter):
                           up.headers.get("Content-Type", "application/json"))
         lease = scope.lease
         assert lease is not None
-        # Timeout, cancel or error from here on: stop the prompt, and keep the slot until the GPU
-        # has really stopped (interrupts land between steps) — the scope runs this before release.
-        scope.on_abort(lambda: self._stop(sub, sink))
-        try:
-            await self._watch(sink, sub)
-            entry = await wait_history(sub.node, sub.prompt_id, POLL_SEC)
-        except (NodeError, PromptLost) as e:
-            rt.node_failure(lease.node, e.reason, lease.trial)
-            raise Failure("upstream_error", e.reason, 502)
         scope.done_with_node()
-        await sub.ws.close()
-        _check_status(entry)
-        result, files = annotate_files(entry, lease.node, sink.job)  # type: ignore[attr-defined]
+        await done.sub.ws.close()
+        _check_status(done.entry)
+        result, files = annotate_files(done.entry, lease.node, sink.job)  # type: ignore[attr-defined]
         scope.ok = True
         # /result serves the same view as output_ready.result: the URLs are how clients get files.
         sink.result(Result(200, "application/json", orjson.dumps(result), result=result, files=files))  # type: ignore[attr-defined]
@@ -361,7 +302,7 @@ class ComfyUIAdapter(Adapter):
             if await stop_prompt(sub.node, sub.prompt_id, sub.client_id):
                 with contextlib.suppress(TimeoutError):
                     async with asyncio.timeout(DRAIN_SEC):
-                        await self._watch(sink, sub, draining=True)
+                        await self._watch(sink, sub, None, draining=True)
         finally:
             await sub.ws.close()
 
@@ -377,52 +318,94 @@ class ComfyUIAdapter(Adapter):
             return
         lease = scope.lease
         assert lease is not None
+        state = comfy_state(rt)
+        state.owners(lease.route).add(prompt_id, scope.ticket.key, lease.node)
         node = node_api(rt, lease.node, ex.request_id)
+        monitor, number = state.monitor(lease.node), _prompt_number(data)
         # Past request_timeout_sec the prompt is interrupted before the slot is freed.
-        scope.on_abort(lambda: stop_prompt(node, prompt_id, None))
-        scope.hold(self._hold(scope, node, prompt_id))
+        scope.on_abort(lambda: self._stop_sync(node, monitor, prompt_id, number))
+        scope.hold(self._hold(scope, node, monitor, prompt_id, number))
 
-    async def _hold(self, scope: LeaseScope, node: NodeAPI, prompt_id: str) -> None:
+    @staticmethod
+    async def _stop_sync(node: NodeAPI, monitor: NodeMonitor, prompt_id: str, number: float | None) -> None:
+        """Interrupt, then keep the slot until the node says the prompt ended: an interrupt lands
+        only at the node's next progress update, and the next prompt must not overlap it."""
+        if await stop_prompt(node, prompt_id, None):
+            with contextlib.suppress(TimeoutError, NodeError, PromptLost):
+                async with asyncio.timeout(DRAIN_SEC):
+                    await wait_history(node, prompt_id, number, SYNC_POLL_SEC, monitor)
+
+    async def _hold(self, scope: LeaseScope, node: NodeAPI, monitor: NodeMonitor, prompt_id: str,
+                    number: float | None) -> None:
         try:
-            await wait_history(node, prompt_id, SYNC_POLL_SEC)
+            await wait_history(node, prompt_id, number, SYNC_POLL_SEC, monitor)
         except (NodeError, PromptLost) as e:
             log.warning("[%s] lost track of a prompt (%s): slot freed", scope.lease.node if scope.lease else "?",
                         e.reason)
         scope.done_with_node()
 
-    def _attempt(self, rt: Runtime, ex: Exchange, body: dict[str, Any],
-                 scope: LeaseScope) -> Callable[[Lease], Awaitable[Submitted]]:
-        async def attempt(lease: Lease) -> Submitted:
-            loop = asyncio.get_running_loop()
-            timeout = scope.timeout
-            deadline = scope.deadline or loop.time() + timeout
-            node = node_api(rt, lease.node, ex.request_id)
-            client_id = uuid.uuid4().hex
-            # The socket first: events for the prompt start as soon as it is queued.
+    def _attempt(self, rt: Runtime, ex: Exchange, body: dict[str, Any], scope: LeaseScope,
+                 sink: Sink) -> Callable[[Lease], Awaitable[Finished]]:
+        """Submit and follow the prompt to its end, all inside the lease scope's retry loop: a node
+        lost before any output re-queues the prompt like a node that never answered."""
+        progress = Progress(body.get("prompt"))
+
+        async def attempt(lease: Lease) -> Finished:
+            sub = await self._submit(rt, lease, ex, body, scope)
+            state = comfy_state(rt)
+            state.owners(lease.route).add(sub.prompt_id, scope.ticket.key, lease.node)
+            # Timeout, cancel or error from here on: stop the prompt, and keep the slot until the
+            # GPU has really stopped (interrupts land between steps); the scope runs this first.
+            scope.on_abort(lambda: self._stop(sub, sink))
             try:
-                async with asyncio.timeout(min(CONNECT_SEC, timeout)):
-                    ws = await node.session.ws_connect(
-                        f"{node.url}/ws?clientId={client_id}", headers=node.headers, autoping=True,
-                        heartbeat=15, max_msg_size=WS_MAX_MSG,
-                        timeout=aiohttp.ClientWSTimeout(ws_receive=None, ws_close=1.0))
+                async with asyncio.timeout_at(sub.deadline):
+                    await self._watch(sink, sub, progress)
+                    entry = await wait_history(sub.node, sub.prompt_id, sub.number, POLL_SEC,
+                                               state.monitor(lease.node), look_first=True)
             except TimeoutError:
-                raise UpstreamFailed("websocket handshake timed out", timeout=True)
-            except aiohttp.WSServerHandshakeError as e:
-                raise UpstreamFailed(f"websocket refused (HTTP {e.status})")
-            except (aiohttp.ClientError, OSError) as e:
-                raise UpstreamFailed(f"websocket connect failed ({type(e).__name__})")
-            try:
-                prompt_id = await self._post(rt, lease, ex, body, node, client_id, deadline - loop.time())
-            except BaseException:
-                await ws.close()
-                raise
-            return Submitted(node, ws, client_id, prompt_id, deadline, timeout)
+                raise Failure.upstream(f"node {lease.node} did not finish within {sub.timeout:g}s", True) from None
+            except (NodeError, PromptLost) as e:
+                log.warning("[%s] %s: %s", lease.node, NODE_LOST, e.reason)
+                if sub.output_seen:
+                    rt.node_failure(lease.node, e.reason, lease.trial)
+                    raise Failure("upstream_error", f"{NODE_LOST} (after its first output)", 502) from None
+                scope.done_with_node()  # nothing left there to stop
+                await sub.ws.close()
+                raise UpstreamFailed(NODE_LOST) from None
+            return Finished(sub, entry)
 
         return attempt
 
+    async def _submit(self, rt: Runtime, lease: Lease, ex: Exchange, body: dict[str, Any],
+                      scope: LeaseScope) -> Submitted:
+        loop = asyncio.get_running_loop()
+        timeout = scope.timeout
+        deadline = scope.deadline or loop.time() + timeout
+        node = node_api(rt, lease.node, ex.request_id)
+        client_id = uuid.uuid4().hex
+        # The socket first: events for the prompt start as soon as it is queued.
+        try:
+            async with asyncio.timeout(min(CONNECT_SEC, timeout)):
+                ws = await node.session.ws_connect(
+                    f"{node.url}/ws?clientId={client_id}", headers=node.headers, autoping=True,
+                    heartbeat=15, max_msg_size=WS_MAX_MSG,
+                    timeout=aiohttp.ClientWSTimeout(ws_receive=None, ws_close=1.0))
+        except TimeoutError:
+            raise UpstreamFailed("websocket handshake timed out", timeout=True)
+        except aiohttp.WSServerHandshakeError as e:
+            raise UpstreamFailed(f"websocket refused (HTTP {e.status})")
+        except (aiohttp.ClientError, OSError) as e:
+            raise UpstreamFailed(f"websocket connect failed ({type(e).__name__})")
+        try:
+            prompt_id, number = await self._post(rt, lease, ex, body, node, client_id, deadline - loop.time())
+        except BaseException:
+            await ws.close()
+            raise
+        return Submitted(node, ws, client_id, prompt_id, number, deadline, timeout)
+
     async def _post(self, rt: Runtime, lease: Lease, ex: Exchange, body: dict[str, Any], node: NodeAPI,
-                    client_id: str, timeout: float) -> str:
-        """Submit with our client_id; returns the prompt id, or raises UpstreamFailed / JobFailed."""
+                    client_id: str, timeout: float) -> tuple[str, float | None]:
+        """Submit with our client_id; returns (prompt id, queue number), or raises UpstreamFailed / Failure."""
         ncfg = rt.scheduler.nodes[lease.node].cfg
         headers = ex.upstream_headers(ncfg.headers, ncfg.url)
         for h in ("Content-Type", "Content-Encoding", "Accept-Encoding"):
@@ -470,12 +453,12 @@ class ComfyUIAdapter(Adapter):
         if not isinstance(prompt_id, str) or not prompt_id:
             await _shielded(rt, stop_prompt(node, None, client_id))
             raise Failure("upstream_error", "node accepted the prompt without a prompt_id", 502)
-        return prompt_id
+        return prompt_id, _prompt_number(data)
 
-    async def _watch(self, sink: Sink, sub: Submitted, draining: bool = False) -> None:
+    async def _watch(self, sink: Sink, sub: Submitted, progress: Progress | None, draining: bool = False) -> None:
         """Follow our prompt on the socket until it is finished, or until the socket drops.
 
-        Raises JobFailed on execution_error and JobCancelled on execution_interrupted (unless
+        Raises Failure on execution_error and Cancelled on execution_interrupted (unless
         draining after our own interrupt, where either just means "stopped").
         """
         ws, pid = sub.ws, sub.prompt_id
@@ -496,13 +479,9 @@ class ComfyUIAdapter(Adapter):
             if data.get("prompt_id", pid) != pid:
                 continue  # broadcasts about other prompts
             # Events without a prompt id on our socket are ours: the client_id is this job's alone.
-            if kind == "progress" and not draining:
-                value, total = data.get("value"), data.get("max")
-                if _number(value) and _number(total) and total > 0:
-                    sink.progress(value, total)
-            elif kind == "executing" and "node" in data and data["node"] is None:
+            if kind == "executing" and "node" in data and data["node"] is None:
                 return  # sent after history is written: safe to read it now
-            elif kind == "execution_success":
+            if kind == "execution_success":
                 success = True
             elif kind == "execution_error":
                 if draining:
@@ -512,3 +491,23 @@ class ComfyUIAdapter(Adapter):
                 if draining:
                     return
                 raise Cancelled("interrupted on the node")
+            elif kind == "executed":
+                sub.output_seen = True
+            elif progress is not None and not draining:
+                self._progress(sink, progress, kind, data)
+
+    @staticmethod
+    def _progress(sink: Sink, progress: Progress, kind: str, data: dict[str, Any]) -> None:
+        if kind == "progress":
+            progress.step(data.get("node"), data.get("value"), data.get("max"))
+        elif kind == "progress_state":
+            progress.state(data.get("nodes"))
+        elif kind == "executing":
+            progress.started(data.get("node"))
+        elif kind == "execution_cached":
+            progress.cached(data.get("nodes"))
+        else:
+            return
+        moved = progress.report()
+        if moved is not None:
+            sink.progress(*moved)
