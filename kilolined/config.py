@@ -100,6 +100,9 @@ class ServerConfig(_Model):
     header_timeout_sec: PosSec = 30  # a whole request head within this (slowloris); nginx: 60 s
     idle_timeout_sec: PosSec = 75  # keep-alive connection with no request in progress; nginx: 75 s
     max_connections: Annotated[int, Field(ge=1)] = 10000  # more wait in the kernel backlog
+    # Every URL the gateway hands out (job status/events/result/files, Location) starts with this,
+    # so a webhook receiver on another host can use them; none = paths relative to the gateway.
+    public_url: Annotated[str, Field(pattern=r"^https?://[^\s/?#]+(/[^\s?#]*)?$")] | None = None
 
     @field_validator("listen")
     @classmethod

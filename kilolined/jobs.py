@@ -92,6 +92,7 @@ class Job:
     mode: str
     ticket: Ticket
     callback: str | None
+    base_url: str = ""  # server.public_url: the URLs handed out are absolute when it is set
     created_at: float = field(default_factory=time.time)
     started_at: float | None = None
     finished_at: float | None = None
@@ -135,7 +136,7 @@ class Job:
                 sub.push(None)
 
     def urls(self) -> dict[str, str]:
-        base = f"/v1/jobs/{self.id}"
+        base = f"{self.base_url}/v1/jobs/{self.id}"
         return {"status_url": base, "events_url": f"{base}/events?token={self.access_token}",
                 "result_url": f"{base}/result?token={self.access_token}"}
 
@@ -272,6 +273,7 @@ class Jobs:
             access_token=secrets.token_urlsafe(24),
             route=ticket.route, route_label=rt.route_label(ticket.route), kind=call.kind,
             key=principal.key_id if principal else None, mode=call.mode, ticket=ticket, callback=callback,
+            base_url=(rt.cfg.server.public_url or "").rstrip("/"),
         )
         self.jobs[job.id] = job
         self.active.add(job)
@@ -288,7 +290,7 @@ class Jobs:
         if call.mode == "async":
             body = {"job_id": job.id, "status": job.status, "position": position, "est_wait_sec": est, **job.urls()}
             return web.Response(status=202, body=orjson.dumps(body), content_type="application/json",
-                                headers={**call.headers, "Location": f"/v1/jobs/{job.id}",
+                                headers={**call.headers, "Location": job.urls()["status_url"],
                                          "X-Request-Id": call.request_id})
         try:
             resp = await self.stream(request, job, 0, call.headers | {"X-Request-Id": call.request_id})

@@ -13,9 +13,12 @@ from typing import Any
 
 import orjson
 import pytest
+import yaml
 from conftest import ADMIN, auth, base_config, wait_until
 from fakes import FakeWebhookReceiver, verify_standard_webhook
 from test_sse_jobs import SSEReader, job_status, node_answer, read_all, submit_async, token_of, wait_status
+
+from kilolined.config import ConfigError, parse_config
 
 SECRET = "whsec_" + base64.b64encode(bytes(range(100, 132))).decode()
 OTHER_SECRET = "whsec_" + base64.b64encode(bytes(range(32))).decode()
@@ -379,3 +382,32 @@ async def test_cap_evicted_jobs_still_expire_after_result_ttl_sec(fakegpus, gate
     await asyncio.sleep(0.5)  # a few more ticks of the jobs loop
     assert await status(first) == 404, "the cap-evicted job is still kept after its TTL"
     assert first not in gw.jobs.jobs
+
+
+async def test_public_url_makes_every_handed_out_url_absolute(fakegpus, gateway, http, receiver) -> None:
+    """A webhook receiver on another host cannot use /v1/jobs/…; with server.public_url it need not."""
+    g = await fakegpus()
+    cfg = jobs_cfg({"a": g.url})
+    cfg["server"]["public_url"] = "https://gw.example.com/"
+    gw = await gateway(cfg)
+    async with http.post(gw.url + "/gen/generate", json={"echo": "abs"},
+                         headers={**auth(), "Prefer": "respond-async", "X-KiloLine-Callback": receiver.url()}) as r:
+        assert r.status == 202
+        sub = await r.json()
+        assert r.headers["Location"] == f"https://gw.example.com/v1/jobs/{sub['job_id']}"
+    for k in ("status_url", "events_url", "result_url"):
+        assert sub[k].startswith(f"https://gw.example.com/v1/jobs/{sub['job_id']}"), sub
+    [hook] = await receiver.wait_for(1, timeout=15)
+    body = orjson.loads(hook["body"])
+    assert body["result_url"].startswith("https://gw.example.com/v1/jobs/"), body
+    # The paths still work against the gateway itself.
+    rel = sub["result_url"].removeprefix("https://gw.example.com")
+    async with http.get(gw.url + rel) as r:
+        assert r.status == 200
+
+
+async def test_public_url_must_be_an_http_url() -> None:
+    cfg = jobs_cfg({"a": "http://127.0.0.1:9"})
+    cfg["server"]["public_url"] = "gw.example.com"
+    with pytest.raises(ConfigError, match="public_url"):
+        parse_config(yaml.safe_dump(cfg))
