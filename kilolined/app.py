@@ -199,6 +199,8 @@ async def admit(gw: Gateway, call: Call) -> web.StreamResponse | None:
     priority = principal.cfg.priority if principal else 0
     try:
         ticket = rt.admit(call.route_name, call.subject, priority, pinned_node=call.pinned_node)
+        if rt.settle is not None:  # cluster mode: Redis decides (kilolined/cluster/leases.py)
+            ticket = await rt.settle(ticket)
     except Rejected as r:
         rt.metrics.rejections.labels(call.route, r.type).inc()
         return call.rejected(r)

@@ -10,7 +10,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any
 
@@ -80,6 +80,8 @@ class Runtime:
         self.scheduler = Scheduler()
         #: where leases live (docs/ARCHITECTURE.md): this gateway's scheduler unless a shared store replaces it
         self.leases: LeaseStore = self.scheduler
+        #: a shared store's verdict on an admitted ticket (cluster mode); None: admit decided at once
+        self.settle: Callable[[Ticket], Awaitable[Ticket]] | None = None
         self.limiter = RateLimiter()
         self.budgets = Budgets(cfg.server.state_dir)
         self.keys = KeyStore(cfg)
