@@ -15,6 +15,7 @@ from aiohttp import web
 from kilolined import edge, systemd
 from kilolined.app import build_app
 from kilolined.cluster.leases import ClusterLeases, gateway_id
+from kilolined.cluster.view import ClusterGauges
 from kilolined.config import Config, split_listen
 from kilolined.connection import EdgeHandler
 from kilolined.context import Gateway
@@ -50,6 +51,9 @@ class Server:
             self.cluster = ClusterLeases(rt.scheduler, cfg.cluster, gateway_id(cfg), clock=rt.clock,
                                          version=lambda: rt.version, alert=rt.notify)
             rt.leases, rt.settle = self.cluster, self.cluster.settle
+            rt.cluster = self.cluster.view
+            alive_sec = 3 * cfg.cluster.lease_ttl_sec  # a peer seen within this counts as alive
+            rt.metrics.registry.register(ClusterGauges(self.cluster.view, lambda: alive_sec))
         self.app = build_app(self.gateway)
         self.runner: web.AppRunner | None = None
         self.app.on_response_prepare.append(edge.server_header)

@@ -19,7 +19,7 @@ import aiohttp
 import pytest
 import redis.asyncio as aioredis
 import yaml
-from conftest import ADMIN_KEY, KEYS, sha
+from conftest import ADMIN, ADMIN_KEY, KEYS, sha
 
 
 def free_port() -> int:
@@ -127,6 +127,11 @@ class GatewayProc:
                 assert time.monotonic() < deadline, "gateway did not start:\n" + self.log.read_text()[-3000:]
                 await asyncio.sleep(0.1)
 
+    async def state(self) -> dict[str, Any]:
+        async with aiohttp.ClientSession() as s, s.get(self.url + "/admin/state", headers=ADMIN) as r:
+            assert r.status == 200
+            return await r.json()
+
     def kill9(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
             self.proc.send_signal(signal.SIGKILL)
@@ -152,9 +157,17 @@ async def gateways(tmp_path: Path) -> AsyncIterator[list[GatewayProc]]:
 
 
 async def start_all(procs: list[GatewayProc]) -> None:
+    """Start them and wait until each sees all the others (its split is right from then on)."""
     for p in procs:
         p.start()
     await asyncio.gather(*(p.ready() for p in procs))
+    deadline = time.monotonic() + 20
+    while True:
+        states = await asyncio.gather(*(p.state() for p in procs))
+        if all(len(st["cluster"]["peers"]) == len(procs) - 1 for st in states):
+            return
+        assert time.monotonic() < deadline, states
+        await asyncio.sleep(0.1)
 
 
 def make_gateways(n: int, tmp: Path, redis_url: str, gpu_url: str, **kw: Any) -> list[GatewayProc]:

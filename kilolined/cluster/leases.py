@@ -20,10 +20,10 @@ import asyncio
 import heapq
 import itertools
 import logging
+import math
 import os
 import socket
 from collections.abc import Callable, Coroutine
-from dataclasses import dataclass, field
 from typing import Any
 
 import orjson
@@ -32,6 +32,7 @@ from redis.exceptions import RedisError
 
 from kilolined.cluster import scripts
 from kilolined.cluster.split import alive, share
+from kilolined.cluster.view import ClusterView, Peer
 from kilolined.config import ClusterConfig, Config, NodeConfig, RouteConfig, split_listen
 from kilolined.queue import LEASED, WAITING, Lease, Rejected, Scheduler, Ticket
 
@@ -40,23 +41,6 @@ WAITED_SEC = 1.0  # a ticket waiting this long has its grant re-read by the hear
 EXPIRE_SEC = 0.1  # how often queue timeouts are checked
 CALL_TIMEOUT_SEC = 2.0  # a Redis that does not answer within this is down
 POOL_SIZE = 32  # connections to Redis per gateway
-
-
-@dataclass
-class Peer:
-    id: str
-    last_seen_sec: float
-    config_version: str
-
-
-@dataclass
-class ClusterView:
-    """What /admin/state and the metrics show of the cluster."""
-
-    gateway_id: str
-    leader: str | None = None
-    redis_up: bool = False
-    peers: list[Peer] = field(default_factory=list)
 
 
 def gateway_id(cfg: Config) -> str:
@@ -92,6 +76,7 @@ class ClusterLeases:
         self._redis: aioredis.Redis | None = None
         self._scripts: dict[str, Any] = {}
         self._was_leader = False
+        self._seen: dict[str, float] = {}  # other gateway id -> when it was last seen alive (our clock)
         self._restored_pending = False
 
     # --- lifecycle ------------------------------------------------------------------------
@@ -301,6 +286,8 @@ class ClusterLeases:
             try:
                 if not self.view.redis_up:
                     assert self._redis is not None
+                    # Pooled connections from before the loss would each fail once: start afresh.
+                    await self._redis.connection_pool.disconnect()
                     await self._redis.ping()
                     await self._restore()
                 else:
@@ -338,6 +325,8 @@ class ClusterLeases:
             if inst != self.inst:
                 out.append(Peer(gid, int(age) / 1000, ver))
         self.view.peers = out
+        for p in out:
+            self._seen[p.id] = max(self._seen.get(p.id, -math.inf), now - p.last_seen_sec)
         leader = self.view.leader == self.view.gateway_id
         if self._restored_pending and self.view.leader is not None:
             # The first leader after the loss says it, once; the others only stop waiting to.
@@ -364,7 +353,9 @@ class ClusterLeases:
     def _degrade(self, alert: bool) -> None:
         self.view.redis_up = False
         now = self.clock()
-        others = alive(((p.id, p.last_seen_sec) for p in self.view.peers), 3 * self.cfg.lease_ttl_sec)
+        # Remembered here, not read from Redis: a Redis that came back empty forgot the peers.
+        others = alive(((pid, now - at) for pid, at in self._seen.items() if pid != self.view.gateway_id),
+                       3 * self.cfg.lease_ttl_sec)
         me = self.view.gateway_id
         for name, rq in self.sched.routes.items():
             self._full.setdefault("r:" + name, rq.cfg)
