@@ -17,6 +17,7 @@ from typing import Any
 import aiohttp
 
 from kilolined.auth import KeyStore
+from kilolined.cluster.limits import SharedLimits
 from kilolined.cluster.view import ClusterView
 from kilolined.config import Config, ConfigError, NodeConfig, RouteConfig
 from kilolined.feed import Feed
@@ -84,6 +85,7 @@ class Runtime:
         #: a shared store's verdict on an admitted ticket (cluster mode); None: admit decided at once
         self.settle: Callable[[Ticket], Awaitable[Ticket]] | None = None
         self.cluster: ClusterView | None = None  # cluster mode: what /admin/state shows of it
+        self.shared_limits: SharedLimits | None = None  # cluster mode: buckets and budgets in Redis
         self.limiter = RateLimiter()
         self.budgets = Budgets(cfg.server.state_dir)
         self.keys = KeyStore(cfg)

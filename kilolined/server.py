@@ -15,6 +15,7 @@ from aiohttp import web
 from kilolined import edge, systemd
 from kilolined.app import build_app
 from kilolined.cluster.leases import ClusterLeases, gateway_id
+from kilolined.cluster.limits import SharedLimits
 from kilolined.cluster.view import ClusterGauges
 from kilolined.config import Config, split_listen
 from kilolined.connection import EdgeHandler
@@ -52,6 +53,7 @@ class Server:
                                          version=lambda: rt.version, alert=rt.notify)
             rt.leases, rt.settle = self.cluster, self.cluster.settle
             rt.cluster = self.cluster.view
+            rt.shared_limits = SharedLimits(self.cluster.redis, cfg.cluster.key_prefix, rt.limiter, rt.budgets)
             alive_sec = 3 * cfg.cluster.lease_ttl_sec  # a peer seen within this counts as alive
             rt.metrics.registry.register(ClusterGauges(self.cluster.view, lambda: alive_sec))
         self.app = build_app(self.gateway)

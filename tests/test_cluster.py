@@ -221,3 +221,23 @@ async def _all_up(gws: list[GatewayProc]) -> bool:
 
 async def _has(alerts: AlertSink, event: str) -> bool:
     return event in alerts.events
+
+
+async def test_shared_bucket_and_budget_admit_exactly_b(redis_server: RedisServer, gateways: list[GatewayProc],
+                                                         gpu: FakeGPU, tmp_path: Path) -> None:
+    gateways += make_gateways(3, tmp_path, redis_server.url, gpu.url, max_concurrency=4)
+    for g in gateways:
+        g.cfg["keys"]["alice"]["rate"] = {"per_minute": 0.001, "burst": 10}  # no refill within the test
+        g.cfg["keys"]["bob"]["budget"] = {"requests_per_day": 10}
+    await start_all(gateways)
+
+    async def status(s: aiohttp.ClientSession, gw: GatewayProc, who: str) -> tuple[int, str | None]:
+        async with s.post(gw.url + "/gen/generate", json={}, headers=auth(who)) as r:
+            body = await r.json()
+            return r.status, (body.get("error") or {}).get("type") if r.status != 200 else None
+
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as s:
+        for who, refusal in (("alice", "rate_limited"), ("bob", "budget_exhausted")):
+            got = await asyncio.gather(*(status(s, gateways[i % 3], who) for i in range(200)))
+            assert sum(1 for st, _ in got if st == 200) == 10, (who, got)
+            assert {(st, t) for st, t in got if st != 200} == {(429, refusal)}

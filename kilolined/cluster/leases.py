@@ -73,7 +73,13 @@ class ClusterLeases:
         self._orphans: set[str] = set()  # lease ids released while Redis was down
         self._full: dict[str, RouteConfig | NodeConfig] = {}  # configs cut to a share, by route/node
         self._tasks: set[asyncio.Task[Any]] = set()
-        self._redis: aioredis.Redis | None = None
+        # A bounded pool that makes a burst wait for a connection instead of opening thousands.
+        pool = aioredis.BlockingConnectionPool.from_url(
+            cfg.redis_url, max_connections=POOL_SIZE, timeout=CALL_TIMEOUT_SEC,
+            socket_timeout=CALL_TIMEOUT_SEC, socket_connect_timeout=CALL_TIMEOUT_SEC)
+        #: connects on first use; the shared limits (kilolined/cluster/limits.py) use it too
+        self.redis = aioredis.Redis(connection_pool=pool)
+        self._redis: aioredis.Redis | None = self.redis
         self._scripts: dict[str, Any] = {}
         self._was_leader = False
         self._seen: dict[str, float] = {}  # other gateway id -> when it was last seen alive (our clock)
@@ -81,11 +87,7 @@ class ClusterLeases:
 
     # --- lifecycle ------------------------------------------------------------------------
     async def start(self) -> None:
-        # A bounded pool that makes a burst wait for a connection instead of opening thousands.
-        pool = aioredis.BlockingConnectionPool.from_url(
-            self.cfg.redis_url, max_connections=POOL_SIZE, timeout=CALL_TIMEOUT_SEC,
-            socket_timeout=CALL_TIMEOUT_SEC, socket_connect_timeout=CALL_TIMEOUT_SEC)
-        self._redis = aioredis.Redis(connection_pool=pool)
+        assert self._redis is not None
         for name in ("ADMIT", "RELEASE", "REQUEUE", "CANCEL", "BEAT", "REGISTER"):
             self._scripts[name] = self._redis.register_script(getattr(scripts, name))
         try:

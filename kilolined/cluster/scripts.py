@@ -308,3 +308,35 @@ for i = 3, #ARGV, 4 do
 end
 return out
 """
+
+#: ARGV: P, bucket key, tokens per ms, capacity -> {1|0, tokens left (string)}
+BUCKET = r"""
+local k = ARGV[1]..'b:'..ARGV[2]
+local per_ms, cap = tonumber(ARGV[3]), tonumber(ARGV[4])
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local b = redis.call('HMGET', k, 'tokens', 'ts')
+local tokens, ts = tonumber(b[1]) or cap, tonumber(b[2]) or now
+if now > ts then tokens = math.min(cap, tokens + (now - ts) * per_ms); ts = now end
+local ok = 0
+if tokens >= 1 then tokens = tokens - 1; ok = 1 end
+redis.call('HSET', k, 'tokens', tostring(tokens), 'ts', ts)
+redis.call('PEXPIRE', k, math.ceil(cap / per_ms) + 60000)
+return {ok, tostring(tokens)}
+"""
+
+#: ARGV: P, key id, UTC day, requests_per_day -> 1 taken | 0 exhausted (checked and counted at once)
+BUDGET_TAKE = r"""
+local k = ARGV[1]..'bd:'..ARGV[2]..':'..ARGV[3]
+local n = redis.call('INCR', k)
+redis.call('EXPIRE', k, 172800)
+if n > tonumber(ARGV[4]) then redis.call('DECR', k); return 0 end
+return 1
+"""
+
+#: ARGV: P, key id, UTC day -> the request counted by BUDGET_TAKE is given back
+BUDGET_GIVE = r"""
+local k = ARGV[1]..'bd:'..ARGV[2]..':'..ARGV[3]
+if tonumber(redis.call('GET', k) or '0') > 0 then redis.call('DECR', k) end
+return 1
+"""
