@@ -64,7 +64,8 @@ class ClusterLeases:
         #: this process: a restarted gateway with the same id must not renew its predecessor's leases
         self.inst = f"{gateway_id}#{os.urandom(4).hex()}"
         self.view = ClusterView(gateway_id)
-        self._seq = itertools.count(1)
+        # Far above the scheduler's own numbers: a ticket it adopts (Redis down) keys its queues by seq.
+        self._seq = itertools.count(1 << 48)
         self._tickets: dict[str, Ticket] = {}  # tid -> this gateway's tickets known to Redis
         self._tid: dict[Ticket, str] = {}
         self._lid: dict[Lease, str] = {}  # cluster leases held here -> their Redis id
