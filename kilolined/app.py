@@ -154,7 +154,9 @@ async def check_limits(gw: Gateway, call: Call) -> web.StreamResponse | None:
     route_rate = None if call.route_name.startswith("adhoc:") else rq.cfg.rate
     rate = (principal.cfg.rate if principal and principal.cfg.rate else None) or route_rate
     if rate is not None:
-        v = rt.limiter.check(call.subject, call.route, rate, rt.clock())
+        shared = rt.shared_limits  # cluster mode: one bucket for every gateway
+        v = (await shared.check(call.subject, call.route, rate, rt.clock()) if shared is not None
+             else rt.limiter.check(call.subject, call.route, rate, rt.clock()))
         call.headers.update({"RateLimit-Limit": str(v.limit), "RateLimit-Remaining": str(v.remaining),
                              "RateLimit-Reset": str(v.reset_sec)})
         if not v.ok:
@@ -163,7 +165,9 @@ async def check_limits(gw: Gateway, call: Call) -> web.StreamResponse | None:
                               v.retry_after)
     if principal is not None:
         wall = time.time()
-        spent = rt.budgets.take_request(principal.key_id, principal.cfg.budget, wall)
+        budget = principal.cfg.budget
+        spent = (await shared.take_request(principal.key_id, budget, wall) if (shared := rt.shared_limits)
+                 else rt.budgets.take_request(principal.key_id, budget, wall))
         if spent:
             rt.metrics.rejections.labels(call.route, "budget_exhausted").inc()
             return call.error(429, "budget_exhausted", f"daily budget {spent} exhausted", seconds_to_midnight(wall))
@@ -204,6 +208,8 @@ async def admit(gw: Gateway, call: Call) -> web.StreamResponse | None:
     priority = principal.cfg.priority if principal else 0
     try:
         ticket = rt.admit(call.route_name, call.subject, priority, pinned_node=call.pinned_node)
+        if rt.settle is not None:  # cluster mode: Redis decides (kilolined/cluster/leases.py)
+            ticket = await rt.settle(ticket)
     except Rejected as r:
         rt.metrics.rejections.labels(call.route, r.type).inc()
         return call.rejected(r)
@@ -234,7 +240,7 @@ def handler(stages: Sequence[Stage], route: str = "-") -> Callable[[web.Request]
             raise AssertionError("the last stage always answers")
         finally:
             if call.budget_taken and call.principal is not None:
-                gw.rt.budgets.give_back_request(call.principal.key_id, time.time())
+                (gw.rt.shared_limits or gw.rt.budgets).give_back_request(call.principal.key_id, time.time())
             log_access(gw, call)
 
     return handle

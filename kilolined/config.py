@@ -27,6 +27,8 @@ NOTIFY_EVENTS = (
     "route_down",
     "route_up",
     "reload_failed",
+    "cluster_degraded",  # cluster mode only (docs/CLUSTER.md)
+    "cluster_restored",
 )
 
 # Paths that are list/status/static endpoints per kind: forwarded without a slot (docs/API.md#route-kinds).
@@ -321,6 +323,15 @@ class CostConfig(_Model):
     serverless_per_sec_usd: Annotated[float, Field(ge=0)] | None = None
 
 
+class ClusterConfig(_Model):
+    """Several gateways sharing one truth through Redis (docs/CLUSTER.md)."""
+
+    redis_url: Annotated[str, Field(pattern=r"^(redis|rediss|unix)://")]
+    gateway_id: str | None = None  # default: hostname + ":" + listen port
+    lease_ttl_sec: Annotated[float, Field(ge=1)] = 10
+    key_prefix: Annotated[str, Field(min_length=1)] = "kiloline:"
+
+
 class Config(_Model):
     server: ServerConfig = ServerConfig()
     admin: AdminConfig = AdminConfig()
@@ -330,6 +341,7 @@ class Config(_Model):
     notify: NotifyConfig = NotifyConfig()
     jobs: JobsConfig = JobsConfig()
     cost: CostConfig = CostConfig()
+    cluster: ClusterConfig | None = None
 
     def cross_check(self) -> list[str]:
         """References between sections, which pydantic cannot see field by field."""

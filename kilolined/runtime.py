@@ -10,13 +10,15 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
 
 from kilolined.auth import KeyStore
+from kilolined.cluster.limits import SharedLimits
+from kilolined.cluster.view import ClusterView
 from kilolined.config import Config, ConfigError, NodeConfig, RouteConfig
 from kilolined.deadlines import Deadlines
 from kilolined.feed import Feed
@@ -83,6 +85,10 @@ class Runtime:
         self.leases: LeaseStore = self.scheduler
         #: request_timeout_sec of every held lease, on one coarse timer (lease.py)
         self.deadlines = Deadlines()
+        #: a shared store's verdict on an admitted ticket (cluster mode); None: admit decided at once
+        self.settle: Callable[[Ticket], Awaitable[Ticket]] | None = None
+        self.cluster: ClusterView | None = None  # cluster mode: what /admin/state shows of it
+        self.shared_limits: SharedLimits | None = None  # cluster mode: buckets and budgets in Redis
         self.limiter = RateLimiter()
         self.budgets = Budgets(cfg.server.state_dir)
         self.keys = KeyStore(cfg)

@@ -14,6 +14,9 @@ from aiohttp import web
 
 from kilolined import edge, systemd
 from kilolined.app import build_app
+from kilolined.cluster.leases import ClusterLeases, gateway_id
+from kilolined.cluster.limits import SharedLimits
+from kilolined.cluster.view import ClusterGauges
 from kilolined.config import Config, split_listen
 from kilolined.connection import EdgeHandler
 from kilolined.context import Gateway
@@ -43,6 +46,16 @@ class Server:
             Component("webhooks", lambda c: webhooks.configure(**_webhook_settings(c))),
             Component("jobs", lambda c: self.gateway.jobs.configure(c.jobs)),
         ]
+        #: cluster mode (docs/CLUSTER.md): the leases live in Redis, shared with the other gateways
+        self.cluster: ClusterLeases | None = None
+        if cfg.cluster is not None:
+            self.cluster = ClusterLeases(rt.scheduler, cfg.cluster, gateway_id(cfg), clock=rt.clock,
+                                         version=lambda: rt.version, alert=rt.notify)
+            rt.leases, rt.settle = self.cluster, self.cluster.settle
+            rt.cluster = self.cluster.view
+            rt.shared_limits = SharedLimits(self.cluster.redis, cfg.cluster.key_prefix, rt.limiter, rt.budgets)
+            alive_sec = 3 * cfg.cluster.lease_ttl_sec  # a peer seen within this counts as alive
+            rt.metrics.registry.register(ClusterGauges(self.cluster.view, lambda: alive_sec))
         self.app = build_app(self.gateway)
         self.runner: web.AppRunner | None = None
         self.app.on_response_prepare.append(edge.server_header)
@@ -59,6 +72,8 @@ class Server:
         await self.gateway.notifier.start()
         self.gateway.jobs.start()
         await rt.start()
+        if self.cluster is not None:
+            await self.cluster.start()
         # handler_cancellation: a client that goes away while queued must leave the queue at once.
         # shutdown_timeout is short: shutdown() waits out the grace for in-flight leases itself,
         # and aiohttp would otherwise wait it again, twice, per stuck connection.
@@ -122,6 +137,9 @@ class Server:
         failed = rt.scheduler.fail_all_waiting(
             lambda: Rejected(503, "shutting_down", "the gateway is shutting down", 5)
         )
+        if self.cluster is not None:
+            failed += self.cluster.fail_all_waiting(
+                lambda: Rejected(503, "shutting_down", "the gateway is shutting down", 5))
         if failed:
             log.info("stopping: %d waiting requests answered 503 shutting_down", len(failed))
         grace = rt.cfg.server.shutdown_grace_sec
@@ -136,6 +154,8 @@ class Server:
         if self.runner is not None:
             with contextlib.suppress(Exception):
                 await self.runner.cleanup()
+        if self.cluster is not None:
+            await self.cluster.stop()
         await rt.stop()
         await self.gateway.jobs.close()
         await self.gateway.webhooks.close()

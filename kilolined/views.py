@@ -80,6 +80,7 @@ def state(rt: Runtime) -> dict[str, Any]:
         # Beyond the documented fields, for the dashboard: rolling outcome counts and percentiles, and cost.
         "stats": rt.stats.snapshot(),
         "cost": rt.cfg.cost.model_dump(),
+        **({"cluster": rt.cluster.state(rt.version)} if rt.cluster is not None else {}),
     }
 
 

@@ -220,7 +220,8 @@ def annotate_files(entry: dict[str, Any], node: str, job: Any) -> tuple[dict[str
                 if isinstance(item, dict) and isinstance(item.get("filename"), str):
                     query = urlencode({"filename": item["filename"], "subfolder": item.get("subfolder") or "",
                                        "type": item.get("type") or "output"})
-                    item = {**item, "url": f"{job.base_url}/v1/jobs/{job.id}/files/{len(files)}?token={job.access_token}"}
+                    item = {**item, "url": f"{job.base_url}/v1/jobs/{job.id}/files/{len(files)}"
+                                                  f"?token={job.access_token}"}
                     files.append((node, query))
                 new_items.append(item)
             new_out[k] = new_items

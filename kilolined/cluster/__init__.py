@@ -1,0 +1,1 @@
+"""Cluster mode: several gateways sharing their leases through Redis (docs/CLUSTER.md)."""

@@ -1,0 +1,481 @@
+"""The cluster lease store: the second ``LeaseStore``, its leases and queues in Redis.
+
+Every decision is one Lua script (kilolined/cluster/scripts.py), so exactly N holds across all
+gateways of one ``key_prefix``. This gateway keeps only the tickets of its own clients, the
+waiters of the lease scope; a slot freed anywhere is handed to the head of the cluster-wide
+fair order by the script that freed it, and a grant for a ticket of another gateway travels to
+it by pub/sub. The heartbeat every ``lease_ttl_sec / 3`` renews this gateway's leases, reaps
+the dead gateways' ones, and re-reads grants a lost message would have carried (the sweep).
+
+The local counters of ``queue.Scheduler`` mirror this gateway's cluster leases, so the views
+(in-flight per node, /admin/state) and the drain at shutdown stay as they are. While Redis is
+unreachable the scheduler takes over alone, with each slot count cut to this gateway's share
+(kilolined/cluster/split.py); when Redis is back the leases held and the requests waiting are
+registered there again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import heapq
+import itertools
+import logging
+import math
+import os
+import socket
+from collections.abc import Callable, Coroutine
+from typing import Any
+
+import orjson
+import redis.asyncio as aioredis
+from redis.exceptions import RedisError
+
+from kilolined.cluster import scripts
+from kilolined.cluster.split import alive, share
+from kilolined.cluster.view import ClusterView, Peer
+from kilolined.config import ClusterConfig, Config, NodeConfig, RouteConfig, split_listen
+from kilolined.queue import LEASED, WAITING, Lease, Rejected, Scheduler, Ticket
+
+log = logging.getLogger("kilolined")
+WAITED_SEC = 1.0  # a ticket waiting this long has its grant re-read by the heartbeat (lost wake-up)
+EXPIRE_SEC = 0.1  # how often queue timeouts are checked
+CALL_TIMEOUT_SEC = 2.0  # a Redis that does not answer within this is down
+POOL_SIZE = 32  # connections to Redis per gateway
+
+
+def gateway_id(cfg: Config) -> str:
+    """``cluster.gateway_id``, by default the host name and the configured listen port."""
+    assert cfg.cluster is not None
+    return cfg.cluster.gateway_id or f"{socket.gethostname()}:{split_listen(cfg.server.listen)[1]}"
+
+
+class ClusterLeases:
+    """``LeaseStore`` over Redis; ``settle`` must follow ``admit`` (the Redis verdict)."""
+
+    def __init__(self, sched: Scheduler, cfg: ClusterConfig, gateway_id: str, *,
+                 clock: Callable[[], float], version: Callable[[], str],
+                 alert: Callable[[str, str, str | None], None]):
+        self.sched = sched
+        self.cfg = cfg
+        self.prefix = cfg.key_prefix
+        self.clock = clock
+        self.version = version
+        self.alert = alert
+        #: this process: a restarted gateway with the same id must not renew its predecessor's leases
+        self.inst = f"{gateway_id}#{os.urandom(4).hex()}"
+        self.view = ClusterView(gateway_id)
+        # Far above the scheduler's own numbers: a ticket it adopts (Redis down) keys its queues by seq.
+        self._seq = itertools.count(1 << 48)
+        self._tickets: dict[str, Ticket] = {}  # tid -> this gateway's tickets known to Redis
+        self._tid: dict[Ticket, str] = {}
+        self._lid: dict[Lease, str] = {}  # cluster leases held here -> their Redis id
+        self._deadlines: list[tuple[float, int, Ticket]] = []
+        self._local: set[Ticket] = set()  # tickets the scheduler holds alone (Redis down)
+        self._orphans: set[str] = set()  # lease ids released while Redis was down
+        self._full: dict[str, RouteConfig | NodeConfig] = {}  # configs cut to a share, by route/node
+        self._tasks: set[asyncio.Task[Any]] = set()
+        # A bounded pool that makes a burst wait for a connection instead of opening thousands.
+        pool = aioredis.BlockingConnectionPool.from_url(
+            cfg.redis_url, max_connections=POOL_SIZE, timeout=CALL_TIMEOUT_SEC,
+            socket_timeout=CALL_TIMEOUT_SEC, socket_connect_timeout=CALL_TIMEOUT_SEC)
+        #: connects on first use; the shared limits (kilolined/cluster/limits.py) use it too
+        self.redis = aioredis.Redis(connection_pool=pool)
+        self._redis: aioredis.Redis | None = self.redis
+        self._scripts: dict[str, Any] = {}
+        self._was_leader = False
+        self._seen: dict[str, float] = {}  # other gateway id -> when it was last seen alive (our clock)
+        self._restored_pending = False
+
+    # --- lifecycle ------------------------------------------------------------------------
+    async def start(self) -> None:
+        assert self._redis is not None
+        for name in ("ADMIT", "RELEASE", "REQUEUE", "CANCEL", "BEAT", "REGISTER"):
+            self._scripts[name] = self._redis.register_script(getattr(scripts, name))
+        try:
+            await self._beat()
+            self.view.redis_up = True
+        except (RedisError, OSError) as e:
+            log.warning("⚠ cluster: Redis unreachable at start (%s): going on alone with a safe share", e)
+            self._degrade(alert=False)
+        self._spawn(self._beat_loop())
+        self._spawn(self._expire_loop())
+        self._spawn(self._listen())
+
+    async def stop(self) -> None:
+        for t in list(self._tasks):
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self._redis is not None:
+            if self.view.redis_up:
+                try:
+                    # Leave at once: our leases and waiting tickets go back now, not after the TTL.
+                    await self._redis.zadd(self.prefix + "gw", {self.inst: 0})
+                    await self._call("RELEASE", "")
+                except (RedisError, OSError):
+                    pass
+            await self._redis.aclose()
+
+    def _spawn(self, coro: Coroutine[Any, Any, Any]) -> None:
+        t = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(t)
+        t.add_done_callback(self._tasks.discard)
+
+    async def _call(self, name: str, *args: str | int) -> Any:
+        assert self._redis is not None
+        return await self._scripts[name](args=[self.prefix, self.inst, *args])
+
+    # --- the LeaseStore calls ---------------------------------------------------------------
+    def admit(self, route: str, key: str, priority: int, now: float, *, pinned_node: str | None = None) -> Ticket:
+        if not self.view.redis_up:
+            t = self.sched.admit(route, key, priority, now, pinned_node=pinned_node)
+            self._local.add(t)
+            return t
+        t = Ticket(next(self._seq), route, key, priority, now, pinned_node=pinned_node)
+        t.deadline = now + self.sched.routes[route].cfg.queue_timeout_sec
+        return t
+
+    async def settle(self, t: Ticket) -> Ticket:
+        """The cluster's verdict on an admitted ticket: queued or leased; raises Rejected."""
+        if t in self._local:
+            return t
+        rq = self.sched.routes[t.route]
+        tid = self._track(t)
+        try:
+            res = await self._call("ADMIT", t.route, self._order_key(t), tid, t.pinned_node or "",
+                                   self._view_json(t.route), rq.cfg.max_queue_depth,
+                                   -1 if rq.cfg.max_queued_per_key is None else rq.cfg.max_queued_per_key)
+        except (RedisError, OSError) as e:
+            self._untrack(t)
+            self._lost(e)
+            self._adopt(t)
+            return t
+        verdict = _s(res[0])
+        if verdict != "ok":
+            self._untrack(t)
+            waiting = int(res[1])
+            ra = self.sched.retry_after(rq, self.clock())
+            if verdict == "per_key":
+                raise Rejected(429, "queue_full", f"key already has {waiting} requests waiting on route {t.route}", ra)
+            status = 503 if rq.cfg.drop_policy != "reject_with_429" else 429
+            raise Rejected(status, "queue_full", f"queue of route {t.route} is full ({waiting} waiting)", ra)
+        heapq.heappush(self._deadlines, (t.deadline, t.seq, t))
+        self._grants(res[2:])
+        return t
+
+    def cancel(self, t: Ticket) -> bool:
+        if t in self._local:
+            self._local.discard(t)
+            return self.sched.cancel(t)
+        if t.state != WAITING:
+            return False
+        t.state = "done"
+        tid = self._untrack(t)
+        if tid is not None and self.view.redis_up:
+            self._spawn(self._remote("CANCEL", tid))
+        return True
+
+    def requeue(self, lease: Lease, now: float, avoid_node: bool = True) -> Ticket:
+        lid = self._lid.pop(lease, None)
+        if lid is None or not self.view.redis_up:
+            if lid is not None:
+                self._orphans.add(lid)
+                self._untrack(lease.ticket)
+                self._local.add(lease.ticket)
+            return self.sched.requeue(lease, now, avoid_node)
+        t = lease.ticket
+        self.sched.release(lease, now, service_time=None)
+        if avoid_node:
+            t.avoid = t.avoid | {lease.node}
+        t.requeues += 1
+        t.state = WAITING
+        t.lease = None
+        t.deadline = now + self.sched.routes[t.route].cfg.queue_timeout_sec
+        heapq.heappush(self._deadlines, (t.deadline, t.seq, t))
+        tid = self._tid[t]
+        avoid = "," + "".join(n + "," for n in sorted(t.avoid))
+        self._spawn(self._remote("REQUEUE", lid, tid, t.route, self._order_key(t), t.pinned_node or "", avoid))
+        return t
+
+    def release(self, lease: Lease, now: float, service_time: float | None) -> None:
+        if lease.released:
+            return
+        self.sched.release(lease, now, service_time)
+        self._local.discard(lease.ticket)
+        lid = self._lid.pop(lease, None)
+        if lid is None:
+            return
+        self._untrack(lease.ticket)
+        if self.view.redis_up:
+            self._spawn(self._remote("RELEASE", lid))
+        else:
+            self._orphans.add(lid)
+
+    def dispatch(self, now: float) -> list[Lease]:
+        # With Redis, the script that frees a slot hands it on; alone, the scheduler does.
+        return [] if self.view.redis_up else self.sched.dispatch(now)
+
+    def fail_all_waiting(self, err: Callable[[], Rejected]) -> list[Ticket]:
+        """Shutdown: every ticket of this gateway still waiting in Redis is answered."""
+        out = []
+        for t in list(self._tickets.values()):
+            if t.state == WAITING and self.cancel(t):
+                t.state, t.error = "failed", err()
+                t.wake()
+                out.append(t)
+        return out
+
+    # --- grants ---------------------------------------------------------------------------
+    def _grants(self, items: list[Any]) -> None:
+        for g in items:
+            tid, lid, node = _s(g).split(" ")
+            self._granted(tid, lid, node)
+
+    def _granted(self, tid: str, lid: str, node: str) -> None:
+        t = self._tickets.get(tid)
+        if t is not None and t.lease is not None and self._lid.get(t.lease) == lid:
+            return  # the same grant twice (pub/sub and the sweep)
+        rq = self.sched.routes.get(t.route) if t is not None else None
+        ns = self.sched.nodes.get(node)
+        if t is None or t.state != WAITING or rq is None or ns is None:
+            # Nobody here wants it any more (the client left in the same moment): give it back.
+            self._spawn(self._remote("RELEASE", lid))
+            return
+        now = self.clock()
+        lease = Lease(t, t.route, node, now, ns.on_dispatch(now))
+        rq.inflight[node] += 1
+        self.sched.node_inflight[node] += 1
+        t.state = LEASED
+        t.lease = lease
+        self._lid[lease] = lid
+        t.wake()
+
+    async def _remote(self, name: str, *args: str) -> None:
+        try:
+            res = await self._call(name, *args)
+        except (RedisError, OSError) as e:
+            if name in ("RELEASE", "REQUEUE"):
+                self._orphans.add(args[0])  # given back in Redis once it answers again
+            self._lost(e)
+            return
+        if name == "CANCEL":
+            res = res[1:]
+        self._grants(res)
+
+    async def _listen(self) -> None:
+        """Grants for this gateway's tickets, decided by a script another gateway ran."""
+        channel = f"{self.prefix}grant:{self.inst}"
+        while True:
+            try:
+                assert self._redis is not None
+                async with self._redis.pubsub(ignore_subscribe_messages=True) as ps:
+                    await ps.subscribe(channel)
+                    while True:
+                        msg = await ps.get_message(timeout=None)
+                        if msg is not None and msg.get("type") == "message":
+                            tid, lid, node = _s(msg["data"]).split(" ")
+                            self._granted(tid, lid, node)
+            except asyncio.CancelledError:
+                raise
+            except (RedisError, OSError):
+                await asyncio.sleep(self.cfg.lease_ttl_sec / 3)  # the heartbeat notices and sweeps
+            except Exception:
+                log.exception("cluster: grant listener")
+                await asyncio.sleep(1.0)
+
+    # --- heartbeat, sweep and the loss of Redis ---------------------------------------------
+    async def _beat_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.cfg.lease_ttl_sec / 3)
+            try:
+                if not self.view.redis_up:
+                    assert self._redis is not None
+                    # Pooled connections from before the loss would each fail once: start afresh.
+                    await self._redis.connection_pool.disconnect()
+                    await self._redis.ping()
+                    await self._restore()
+                else:
+                    await self._beat()
+            except (RedisError, OSError) as e:
+                self._lost(e)
+            except Exception:
+                log.exception("cluster: heartbeat")
+
+    async def _beat(self) -> None:
+        now = self.clock()
+        stale = [tid for tid, t in self._tickets.items() if t.state == WAITING and now - t.enqueued_at > WAITED_SEC]
+        views = {r: self._view(r) for r, rq in self.sched.routes.items() if not rq.retired}
+        ttl_ms = int(self.cfg.lease_ttl_sec * 1000)
+        grants, lost, peers = await self._call("BEAT", ttl_ms, self.view.gateway_id, self.version(),
+                                               orjson.dumps(views).decode(), *stale)
+        assert self._redis is not None
+        # The leader: one gateway at a time holds this key (it renews it; a dead one's lapses).
+        key = self.prefix + "leader"
+        if await self._redis.set(key, self.view.gateway_id, nx=True, px=ttl_ms):
+            self.view.leader = self.view.gateway_id
+        else:
+            cur = _s(await self._redis.get(key) or b"")
+            if cur == self.view.gateway_id:
+                await self._redis.pexpire(key, ttl_ms)
+            self.view.leader = cur or None
+        self._grants(grants)
+        for tid in lost:
+            t = self._tickets.get(_s(tid))
+            if t is not None and t.state == WAITING:
+                self._spawn(self._readmit(t))
+        out = []
+        for i in range(0, len(peers), 4):
+            inst, gid, ver, age = (_s(x) for x in peers[i:i + 4])
+            if inst != self.inst:
+                out.append(Peer(gid, int(age) / 1000, ver))
+        self.view.peers = out
+        for p in out:
+            self._seen[p.id] = max(self._seen.get(p.id, -math.inf), now - p.last_seen_sec)
+        leader = self.view.leader == self.view.gateway_id
+        if self._restored_pending and self.view.leader is not None:
+            # The first leader after the loss says it, once; the others only stop waiting to.
+            self._restored_pending = False
+            if leader:
+                self._notify("cluster_restored", "✓ cluster: Redis is back, the gateways share their state again")
+        self._was_leader = leader
+
+    async def _readmit(self, t: Ticket) -> None:
+        """A ticket Redis no longer knows (it came back empty): queued again, at the back."""
+        self._untrack(t)
+        try:
+            await self.settle(t)
+        except Rejected as r:
+            t.state, t.error = "failed", r
+            t.wake()
+
+    def _lost(self, e: BaseException) -> None:
+        if not self.view.redis_up:
+            return
+        log.error("✗ cluster: Redis lost (%s): going on alone with a safe share of every slot", e)
+        self._degrade(alert=True)
+
+    def _degrade(self, alert: bool) -> None:
+        self.view.redis_up = False
+        now = self.clock()
+        # Remembered here, not read from Redis: a Redis that came back empty forgot the peers.
+        others = alive(((pid, now - at) for pid, at in self._seen.items() if pid != self.view.gateway_id),
+                       3 * self.cfg.lease_ttl_sec)
+        me = self.view.gateway_id
+        for name, rq in self.sched.routes.items():
+            self._full.setdefault("r:" + name, rq.cfg)
+            rq.cfg = rq.cfg.model_copy(update={"max_concurrency": share(rq.cfg.max_concurrency, me, others)})
+        for name, ns in self.sched.nodes.items():
+            if ns.cfg.max_concurrency is not None:
+                self._full.setdefault("n:" + name, ns.cfg)
+                ns.cfg = ns.cfg.model_copy(update={"max_concurrency": share(ns.cfg.max_concurrency, me, others)})
+        # The requests waiting in Redis wait here now, in their order.
+        for t in sorted((t for t in self._tickets.values() if t.state == WAITING), key=lambda x: x.seq):
+            self._untrack(t)
+            self._adopt(t)
+        if alert and self._was_leader:
+            self._notify("cluster_degraded", f"⚠ cluster: Redis unreachable — {me} goes on alone with "
+                         f"a 1/{len(others) + 1} share of every slot")
+        self.sched.dispatch(now)
+
+    def _adopt(self, t: Ticket) -> None:
+        """The scheduler takes over a waiting ticket it did not make (Redis is down)."""
+        deadline = t.deadline
+        self.sched._enqueue(self.sched.routes[t.route], t, self.clock(), front=False)
+        t.deadline = deadline  # the wait already spent counts
+        self._local.add(t)
+        self.sched.dispatch(self.clock())
+
+    async def _restore(self) -> None:
+        """Redis answers again: give back what was released meanwhile, register what is held and
+        what waits, then the full slot counts apply again."""
+        await self._beat()
+        for lid in list(self._orphans):
+            await self._call("RELEASE", lid)
+            self._orphans.discard(lid)
+        for lease, lid in list(self._lid.items()):
+            await self._call("RELEASE", lid)  # the TTL may have reaped it already; registered fresh below
+            del self._lid[lease]
+            self._local.add(lease.ticket)
+        held = [t for t in self._local if t.state == LEASED and t.lease is not None and not t.lease.released]
+        args: list[str] = []
+        for t in held:
+            assert t.lease is not None
+            args += [self._track(t), t.route, t.lease.node, self._order_key(t)]
+        lids = await self._call("REGISTER", *args) if args else []
+        for t, lid in zip(held, lids, strict=True):
+            assert t.lease is not None
+            self._lid[t.lease] = _s(lid)
+        for full_key, cfg in self._full.items():
+            kind, name = full_key.split(":", 1)
+            if kind == "r" and name in self.sched.routes:
+                self.sched.routes[name].cfg = cfg  # type: ignore[assignment]
+            elif kind == "n" and name in self.sched.nodes:
+                self.sched.nodes[name].cfg = cfg  # type: ignore[assignment]
+        self._full.clear()
+        self.view.redis_up = True
+        waiting = sorted((t for t in self._local if t.state == WAITING), key=lambda x: x.seq)
+        self._local.clear()
+        log.info("✓ cluster: Redis is back: %d leases and %d waiting requests registered", len(held), len(waiting))
+        for t in waiting:
+            self.sched.cancel(t)
+            t.state = WAITING
+            self._spawn(self._readmit(t))
+        self._restored_pending = True
+        await self._beat()
+
+    async def _expire_loop(self) -> None:
+        while True:
+            await asyncio.sleep(EXPIRE_SEC)
+            now = self.clock()
+            while self._deadlines and self._deadlines[0][0] <= now:
+                _, _, t = heapq.heappop(self._deadlines)
+                if t.state != WAITING or t.deadline > now or t not in self._tid:
+                    continue
+                rq = self.sched.routes[t.route]
+                self.cancel(t)
+                t.state = "failed"
+                t.error = Rejected(503, "queue_timeout", f"waited {rq.cfg.queue_timeout_sec:g}s in the queue of route "
+                                   f"{t.route}", self.sched.retry_after(rq, now))
+                t.wake()
+
+    # --- helpers --------------------------------------------------------------------------
+    def _notify(self, event: str, text: str) -> None:
+        log.warning("%s", text)
+        self.alert(event, text, None)
+
+    def _track(self, t: Ticket) -> str:
+        tid = f"{self.inst}:{t.seq}"
+        self._tickets[tid] = t
+        self._tid[t] = tid
+        return tid
+
+    def _untrack(self, t: Ticket) -> str | None:
+        tid = self._tid.pop(t, None)
+        if tid is not None:
+            self._tickets.pop(tid, None)
+        return tid
+
+    def _order_key(self, t: Ticket) -> str:
+        # fifo_fair_lease: one FIFO per key; fifo (and priority, see docs/CLUSTER.md): one FIFO.
+        return t.key if self.sched.routes[t.route].cfg.strategy == "fifo_fair_lease" else ""
+
+    def _view(self, route: str) -> dict[str, list[list[Any]]]:
+        """This gateway's view of the route's nodes: [name, free-able slots (0: unusable), node cap]."""
+        now = self.clock()
+        rq = self.sched.routes[route]
+
+        def entry(n: str) -> list[Any]:
+            ns = self.sched.nodes[n]
+            slots = ns.effective(rq.cfg.max_concurrency, now) if ns.available(now) else 0
+            cap = -1 if ns.cfg.max_concurrency is None else ns.effective(ns.cfg.max_concurrency, now)
+            return [n, slots, cap]
+
+        return {"p": [entry(n) for n in rq.cfg.nodes if n in self.sched.nodes],
+                "s": [entry(n) for n in rq.cfg.standby if n in self.sched.nodes]}
+
+    def _view_json(self, route: str) -> str:
+        return orjson.dumps(self._view(route)).decode()
+
+
+def _s(v: Any) -> str:
+    return v.decode() if isinstance(v, bytes) else str(v)
+

@@ -1,0 +1,342 @@
+"""The Lua scripts that make every cluster-wide lease decision atomically inside Redis.
+
+One script per decision, one round trip each: admit, release, requeue, cancel, and the
+heartbeat (renewal, reaping of dead gateways, the sweep that replaces a lost wake-up). Every
+script starts by reaping the gateways whose heartbeat expired, so a dead gateway's slots come
+back at the first decision after ``lease_ttl_sec``, whoever makes it. Time is Redis' own
+(``TIME``), one clock for every gateway.
+
+Keys, all under the prefix P (a single Redis primary; Redis Cluster sharding is not supported):
+  P gw            zset   gateway instance -> heartbeat expiry (ms)
+  P gi:<inst>     hash   id, version, seen (ms) of a gateway instance
+  P gt:<inst>     set    the instance's waiting ticket ids
+  P gl:<inst>     set    the instance's lease ids
+  P t:<tid>       hash   route, key, gw, pin, avoid (",a,b,"), state (w|l), lease, node
+  P r:<route>     list   the fair ring: keys with waiting tickets, the one served next first
+  P q:<route>:<k> list   one key's waiting tickets, oldest first
+  P n:<route>     string waiting tickets of the route
+  P nk:<route>    hash   key -> waiting tickets
+  P v:<route>     string the route's node view (JSON): {"p": [[node, slots, cap]], "s": [...]}
+  P in:<route>    hash   node -> leases of the route
+  P nin           hash   node -> leases on the node (every route)
+  P l:<lid>       hash   route, node, gw, tid
+  P routes        set    routes seen
+  P seq           string lease id counter
+Grants for another gateway are published on ``P grant:<inst>`` as "tid lid node"; the caller's
+own grants come back in the script's answer.
+"""
+
+from __future__ import annotations
+
+COMMON = r"""
+local P = ARGV[1]
+local ME = ARGV[2]
+local grants = {}
+
+local function now_ms()
+  local t = redis.call('TIME')
+  return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+end
+
+local function drop_lease(lid)
+  local l = redis.call('HMGET', P..'l:'..lid, 'route', 'node', 'gw', 'tid')
+  if not l[1] then return false end
+  redis.call('HINCRBY', P..'in:'..l[1], l[2], -1)
+  redis.call('HINCRBY', P..'nin', l[2], -1)
+  redis.call('DEL', P..'l:'..lid)
+  redis.call('SREM', P..'gl:'..l[3], lid)
+  if redis.call('HGET', P..'t:'..l[4], 'lease') == lid then
+    redis.call('DEL', P..'t:'..l[4])
+  end
+  return true
+end
+
+local function unqueue(tid)
+  local t = redis.call('HMGET', P..'t:'..tid, 'route', 'key', 'gw', 'state')
+  if not t[1] or t[4] ~= 'w' then return false end
+  local q = P..'q:'..t[1]..':'..t[2]
+  redis.call('LREM', q, 1, tid)
+  if redis.call('LLEN', q) == 0 then redis.call('LREM', P..'r:'..t[1], 1, t[2]) end
+  redis.call('DECR', P..'n:'..t[1])
+  redis.call('HINCRBY', P..'nk:'..t[1], t[2], -1)
+  redis.call('SREM', P..'gt:'..t[3], tid)
+  redis.call('DEL', P..'t:'..tid)
+  return true
+end
+
+local function reap()
+  local dead = redis.call('ZRANGEBYSCORE', P..'gw', '-inf', now_ms())
+  for _, inst in ipairs(dead) do
+    for _, lid in ipairs(redis.call('SMEMBERS', P..'gl:'..inst)) do drop_lease(lid) end
+    for _, tid in ipairs(redis.call('SMEMBERS', P..'gt:'..inst)) do unqueue(tid) end
+    redis.call('DEL', P..'gl:'..inst, P..'gt:'..inst, P..'gi:'..inst)
+    redis.call('ZREM', P..'gw', inst)
+  end
+  return #dead
+end
+
+local function enqueue(route, key, tid, gw, pin, avoid, front)
+  local ring = P..'r:'..route
+  local q = P..'q:'..route..':'..key
+  local fresh = redis.call('LLEN', q) == 0
+  if front then
+    redis.call('LPUSH', q, tid)
+    redis.call('LREM', ring, 1, key)
+    redis.call('LPUSH', ring, key)
+  else
+    redis.call('RPUSH', q, tid)
+    if fresh then redis.call('RPUSH', ring, key) end
+  end
+  redis.call('INCR', P..'n:'..route)
+  redis.call('HINCRBY', P..'nk:'..route, key, 1)
+  redis.call('SADD', P..'gt:'..gw, tid)
+  redis.call('HSET', P..'t:'..tid, 'route', route, 'key', key, 'gw', gw, 'pin', pin, 'avoid', avoid,
+             'state', 'w')
+end
+
+local function count(h, f)
+  return tonumber(redis.call('HGET', h, f) or '0') or 0
+end
+
+local function can_take(route, e)
+  if e[2] <= 0 or count(P..'in:'..route, e[1]) >= e[2] then return false end
+  return e[3] < 0 or count(P..'nin', e[1]) < e[3]
+end
+
+local function least_loaded(route, group, avoid, want_avoided)
+  local best, best_load = nil, 0
+  for _, e in ipairs(group) do
+    local avoided = string.find(avoid, ','..e[1]..',', 1, true) ~= nil
+    if avoided == want_avoided and can_take(route, e) then
+      local load = count(P..'nin', e[1])
+      if best == nil or load < best_load then best, best_load = e[1], load end
+    end
+  end
+  return best
+end
+
+-- The node for a ticket, as queue.Scheduler.choose_node decides it.
+local function choose(route, view, pin, avoid)
+  if pin ~= '' then
+    for _, g in ipairs({view.p, view.s}) do
+      for _, e in ipairs(g) do
+        if e[1] == pin then return can_take(route, e) and pin or nil end
+      end
+    end
+    return nil
+  end
+  for _, g in ipairs({view.p, view.s}) do
+    local n = least_loaded(route, g, avoid, false)
+    if n then return n end
+    for _, e in ipairs(g) do
+      if e[2] > 0 and string.find(avoid, ','..e[1]..',', 1, true) == nil then return nil end
+    end
+  end
+  local all = {}
+  for _, e in ipairs(view.p) do all[#all + 1] = e end
+  for _, e in ipairs(view.s) do all[#all + 1] = e end
+  return least_loaded(route, all, avoid, true)
+end
+
+local function grant(route, tid, gw, node)
+  local lid = tostring(redis.call('INCR', P..'seq'))
+  redis.call('HSET', P..'l:'..lid, 'route', route, 'node', node, 'gw', gw, 'tid', tid)
+  redis.call('HINCRBY', P..'in:'..route, node, 1)
+  redis.call('HINCRBY', P..'nin', node, 1)
+  redis.call('SADD', P..'gl:'..gw, lid)
+  redis.call('SREM', P..'gt:'..gw, tid)
+  redis.call('HSET', P..'t:'..tid, 'state', 'l', 'lease', lid, 'node', node)
+  local msg = tid..' '..lid..' '..node
+  if gw == ME then grants[#grants + 1] = msg else redis.call('PUBLISH', P..'grant:'..gw, msg) end
+  return lid
+end
+
+local function view_of(route)
+  local v = redis.call('GET', P..'v:'..route)
+  if not v then return nil end
+  return cjson.decode(v)
+end
+
+-- Free slots to waiting tickets, head of each route's fair order first (Scheduler.dispatch).
+local function dispatch_route(route)
+  local view = view_of(route)
+  if not view then return end
+  local ring = P..'r:'..route
+  while true do
+    local key = redis.call('LINDEX', ring, 0)
+    if not key then return end
+    local q = P..'q:'..route..':'..key
+    local tid = redis.call('LINDEX', q, 0)
+    if not tid then
+      redis.call('LPOP', ring)
+    else
+      local t = redis.call('HMGET', P..'t:'..tid, 'gw', 'pin', 'avoid')
+      local node = choose(route, view, t[2] or '', t[3] or ',')
+      if not node then return end
+      redis.call('LPOP', q)
+      if redis.call('LLEN', q) > 0 then redis.call('LMOVE', ring, ring, 'LEFT', 'RIGHT')
+      else redis.call('LPOP', ring) end
+      redis.call('DECR', P..'n:'..route)
+      redis.call('HINCRBY', P..'nk:'..route, key, -1)
+      grant(route, tid, t[1], node)
+    end
+  end
+end
+
+local function dispatch_all()
+  for _, route in ipairs(redis.call('SMEMBERS', P..'routes')) do dispatch_route(route) end
+end
+"""
+
+#: ARGV: P, ME, route, key, tid, pin, view, max_queue_depth, max_queued_per_key (-1: none)
+#: -> {'ok'|'per_key'|'full', waiting, grants...}
+ADMIT = COMMON + r"""
+local route, key, tid, pin = ARGV[3], ARGV[4], ARGV[5], ARGV[6]
+reap()
+redis.call('SET', P..'v:'..route, ARGV[7])
+redis.call('SADD', P..'routes', route)
+local waiting = tonumber(redis.call('GET', P..'n:'..route) or '0')
+local per_key = tonumber(ARGV[9])
+if per_key >= 0 and count(P..'nk:'..route, key) >= per_key then
+  return {'per_key', count(P..'nk:'..route, key)}
+end
+if waiting == 0 then
+  local node = choose(route, cjson.decode(ARGV[7]), pin, ',')
+  if node then
+    redis.call('HSET', P..'t:'..tid, 'route', route, 'key', key, 'gw', ME, 'pin', pin, 'avoid', ',',
+               'state', 'w')
+    grant(route, tid, ME, node)
+    local out = {'ok', 0}
+    for _, g in ipairs(grants) do out[#out + 1] = g end
+    return out
+  end
+end
+if waiting >= tonumber(ARGV[8]) then return {'full', waiting} end
+enqueue(route, key, tid, ME, pin, ',', false)
+dispatch_all()
+local out = {'ok', waiting + 1}
+for _, g in ipairs(grants) do out[#out + 1] = g end
+return out
+"""
+
+#: ARGV: P, ME, lid -> {grants...}
+RELEASE = COMMON + r"""
+reap()
+drop_lease(ARGV[3])
+dispatch_all()
+return grants
+"""
+
+#: ARGV: P, ME, lid, tid, route, key, pin, avoid -> {grants...}
+REQUEUE = COMMON + r"""
+reap()
+drop_lease(ARGV[3])
+redis.call('DEL', P..'t:'..ARGV[4])
+enqueue(ARGV[5], ARGV[6], ARGV[4], ME, ARGV[7], ARGV[8], true)
+dispatch_all()
+return grants
+"""
+
+#: ARGV: P, ME, tid -> {'cancelled'|'released'|'gone', grants...}
+CANCEL = COMMON + r"""
+local tid = ARGV[3]
+local st = redis.call('HMGET', P..'t:'..tid, 'state', 'lease')
+local out
+if st[1] == 'w' then
+  unqueue(tid)
+  out = {'cancelled'}
+elseif st[1] == 'l' then
+  drop_lease(st[2])
+  dispatch_all()
+  out = {'released'}
+else
+  out = {'gone'}
+end
+for _, g in ipairs(grants) do out[#out + 1] = g end
+return out
+"""
+
+#: ARGV: P, ME, ttl_ms, gateway_id, config_version, views (JSON {route: view}), tid...
+#: (tickets this gateway has waited on a while: their grants are re-read, a lost wake-up replaced)
+#: -> {{grants...}, {lost tids...}, {inst, id, version, age_ms, ...}}
+BEAT = COMMON + r"""
+local now = now_ms()
+redis.call('ZADD', P..'gw', now + tonumber(ARGV[3]), ME)
+redis.call('HSET', P..'gi:'..ME, 'id', ARGV[4], 'version', ARGV[5], 'seen', now)
+reap()
+for route, view in pairs(cjson.decode(ARGV[6])) do
+  redis.call('SET', P..'v:'..route, cjson.encode(view))
+  redis.call('SADD', P..'routes', route)
+end
+dispatch_all()
+local lost = {}
+for i = 7, #ARGV do
+  local st = redis.call('HMGET', P..'t:'..ARGV[i], 'state', 'lease', 'node', 'gw')
+  if st[1] == 'l' and st[4] == ME then
+    grants[#grants + 1] = ARGV[i]..' '..st[2]..' '..st[3]
+  elseif not st[1] then
+    lost[#lost + 1] = ARGV[i]
+  end
+end
+local peers = {}
+for _, inst in ipairs(redis.call('ZRANGE', P..'gw', 0, -1)) do
+  local g = redis.call('HMGET', P..'gi:'..inst, 'id', 'version', 'seen')
+  peers[#peers + 1] = inst
+  peers[#peers + 1] = g[1] or ''
+  peers[#peers + 1] = g[2] or ''
+  peers[#peers + 1] = tostring(now - (tonumber(g[3] or now) or now))
+end
+return {grants, lost, peers}
+"""
+
+#: ARGV: P, ME, then (tid, route, node, key) per lease held -> {lid...} in the same order
+#: (after Redis came back: the leases a gateway holds count again, cluster-wide)
+REGISTER = COMMON + r"""
+local out = {}
+for i = 3, #ARGV, 4 do
+  local tid, route, node, key = ARGV[i], ARGV[i + 1], ARGV[i + 2], ARGV[i + 3]
+  redis.call('HSET', P..'t:'..tid, 'route', route, 'key', key, 'gw', ME, 'pin', '', 'avoid', ',',
+             'state', 'w')
+  redis.call('SADD', P..'routes', route)
+  local lid = tostring(redis.call('INCR', P..'seq'))
+  redis.call('HSET', P..'l:'..lid, 'route', route, 'node', node, 'gw', ME, 'tid', tid)
+  redis.call('HINCRBY', P..'in:'..route, node, 1)
+  redis.call('HINCRBY', P..'nin', node, 1)
+  redis.call('SADD', P..'gl:'..ME, lid)
+  redis.call('HSET', P..'t:'..tid, 'state', 'l', 'lease', lid, 'node', node)
+  out[#out + 1] = lid
+end
+return out
+"""
+
+#: ARGV: P, bucket key, tokens per ms, capacity -> {1|0, tokens left (string)}
+BUCKET = r"""
+local k = ARGV[1]..'b:'..ARGV[2]
+local per_ms, cap = tonumber(ARGV[3]), tonumber(ARGV[4])
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local b = redis.call('HMGET', k, 'tokens', 'ts')
+local tokens, ts = tonumber(b[1]) or cap, tonumber(b[2]) or now
+if now > ts then tokens = math.min(cap, tokens + (now - ts) * per_ms); ts = now end
+local ok = 0
+if tokens >= 1 then tokens = tokens - 1; ok = 1 end
+redis.call('HSET', k, 'tokens', tostring(tokens), 'ts', ts)
+redis.call('PEXPIRE', k, math.ceil(cap / per_ms) + 60000)
+return {ok, tostring(tokens)}
+"""
+
+#: ARGV: P, key id, UTC day, requests_per_day -> 1 taken | 0 exhausted (checked and counted at once)
+BUDGET_TAKE = r"""
+local k = ARGV[1]..'bd:'..ARGV[2]..':'..ARGV[3]
+local n = redis.call('INCR', k)
+redis.call('EXPIRE', k, 172800)
+if n > tonumber(ARGV[4]) then redis.call('DECR', k); return 0 end
+return 1
+"""
+
+#: ARGV: P, key id, UTC day -> the request counted by BUDGET_TAKE is given back
+BUDGET_GIVE = r"""
+local k = ARGV[1]..'bd:'..ARGV[2]..':'..ARGV[3]
+if tonumber(redis.call('GET', k) or '0') > 0 then redis.call('DECR', k) end
+return 1
+"""

@@ -1,0 +1,178 @@
+"""Real parts for the cluster tests: a redis-server on a loopback port (no persistence) and
+gateway processes (``python -m kilolined run``) in front of in-process fake GPUs."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+import redis.asyncio as aioredis
+import yaml
+from conftest import ADMIN, ADMIN_KEY, KEYS, sha
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class RedisServer:
+    """One redis-server process; ``kill`` and ``start`` again on the same port (empty, as a
+    Redis without persistence comes back)."""
+
+    def __init__(self, tmp: Path):
+        self.port = free_port()
+        self.dir = tmp
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self) -> None:
+        self.proc = subprocess.Popen(
+            ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+             "--dir", str(self.dir), "--daemonize", "no", "--loglevel", "warning"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                with socket.create_connection(("127.0.0.1", self.port), timeout=0.2) as s:
+                    s.sendall(b"PING\r\n")
+                    if s.recv(16).startswith(b"+PONG"):
+                        return
+            except OSError:
+                pass
+            assert time.monotonic() < deadline, "redis-server did not start"
+            time.sleep(0.05)
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+    def client(self) -> aioredis.Redis:
+        return aioredis.from_url(self.url, decode_responses=True)
+
+
+@pytest.fixture
+def redis_server(tmp_path: Path) -> Iterator[RedisServer]:
+    if shutil.which("redis-server") is None:
+        pytest.skip("redis-server is not installed (apt-get install redis-server; .ci/run does)")
+    r = RedisServer(tmp_path)
+    r.start()
+    yield r
+    r.kill()
+
+
+def cluster_config(redis_url: str, gpu_url: str, port: int, gid: str, *, ttl: float = 2, prefix: str = "kl-test:",
+                   **route: Any) -> dict[str, Any]:
+    r = {"path": "/gen", "nodes": ["gpu"], "max_concurrency": 2, "queue_timeout_sec": 60,
+         "request_timeout_sec": 30, "max_queue_depth": 10000}
+    r.update(route)
+    return {
+        "server": {"listen": f"127.0.0.1:{port}", "heartbeat_sec": 1, "shutdown_grace_sec": 2, "access_log": False},
+        "admin": {"key_sha256": sha(ADMIN_KEY)},
+        "keys": {k: {"key_sha256": sha(v), "routes": ["*"]} for k, v in KEYS.items()},
+        "nodes": {"gpu": {"url": gpu_url}},
+        "routes": {"gen": r},
+        "cluster": {"redis_url": redis_url, "gateway_id": gid, "lease_ttl_sec": ttl, "key_prefix": prefix},
+    }
+
+
+class GatewayProc:
+    """One ``kilolined run`` process on its own loopback port."""
+
+    def __init__(self, cfg: dict[str, Any], path: Path):
+        self.cfg = cfg
+        self.path = path
+        self.port = int(cfg["server"]["listen"].rsplit(":", 1)[1])
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.log = path.with_suffix(".log")
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self) -> None:
+        self.path.write_text(yaml.safe_dump(self.cfg))
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        with self.log.open("ab") as log:
+            self.proc = subprocess.Popen([sys.executable, "-m", "kilolined", "run", "-c", str(self.path)],
+                                         stdout=log, stderr=log, env=env)
+
+    async def ready(self, timeout: float = 20) -> None:
+        deadline = time.monotonic() + timeout
+        async with aiohttp.ClientSession() as s:
+            while True:
+                assert self.proc is not None and self.proc.poll() is None, self.log.read_text()[-3000:]
+                try:
+                    async with s.get(self.url + "/healthz") as r:
+                        if r.status == 200:
+                            return
+                except aiohttp.ClientError:
+                    pass
+                assert time.monotonic() < deadline, "gateway did not start:\n" + self.log.read_text()[-3000:]
+                await asyncio.sleep(0.1)
+
+    async def state(self) -> dict[str, Any]:
+        async with aiohttp.ClientSession() as s, s.get(self.url + "/admin/state", headers=ADMIN) as r:
+            assert r.status == 200
+            return await r.json()
+
+    def kill9(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+            self.proc.wait()
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+@pytest.fixture
+async def gateways(tmp_path: Path) -> AsyncIterator[list[GatewayProc]]:
+    """Append GatewayProc objects; each is stopped at the end (``start_all`` starts them)."""
+    procs: list[GatewayProc] = []
+    yield procs
+    for p in procs:
+        p.stop()
+
+
+async def start_all(procs: list[GatewayProc]) -> None:
+    """Start them and wait until each sees all the others (its split is right from then on)."""
+    for p in procs:
+        p.start()
+    await asyncio.gather(*(p.ready() for p in procs))
+    deadline = time.monotonic() + 20
+    while True:
+        states = await asyncio.gather(*(p.state() for p in procs))
+        if all(len(st["cluster"]["peers"]) == len(procs) - 1 for st in states):
+            return
+        assert time.monotonic() < deadline, states
+        await asyncio.sleep(0.1)
+
+
+def make_gateways(n: int, tmp: Path, redis_url: str, gpu_url: str, **kw: Any) -> list[GatewayProc]:
+    out = []
+    for i in range(n):
+        port = free_port()
+        out.append(GatewayProc(cluster_config(redis_url, gpu_url, port, f"gw{i}", **kw), tmp / f"gw{i}.yaml"))
+    return out
