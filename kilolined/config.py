@@ -200,6 +200,7 @@ class NodeConfig(_Model):
     label: str | None = None
     headers: dict[str, str] = {}
     max_concurrency: Annotated[int, Field(ge=1)] | None = None
+    capacity: Annotated[float, Field(gt=0)] | None = None  # units held at once (say GB of VRAM)
     health: HealthConfig | None = None
     breaker: BreakerConfig = BreakerConfig()
 
@@ -209,6 +210,34 @@ class NodeConfig(_Model):
         if not re.fullmatch(r"https?://[^/\s?#]+(/[^\s?#]*)?", v):
             raise ValueError("must be http(s)://host:port")
         return v.rstrip("/")
+
+
+COST_UNITS = ("megapixels", "tokens")
+
+
+class RequestCostConfig(_Model):
+    """What one request of a route costs on a node's ``capacity``: ``base + per_unit × units``."""
+
+    base: Annotated[float, Field(ge=0)] = 0
+    per_unit: Annotated[float, Field(ge=0)] = 0
+    unit: str | None = None
+    default_max_tokens: Annotated[int, Field(ge=0)] = 1024
+
+    @field_validator("unit")
+    @classmethod
+    def _unit(cls, v: str | None) -> str | None:
+        if v is None or v in COST_UNITS:
+            return v
+        if v.startswith("json:"):
+            ptr = v[5:]
+            if ptr and not ptr.startswith("/"):
+                raise ValueError("a JSON pointer starts with / (RFC 6901), e.g. json:/batch_size")
+            if re.search(r"~[^01]|~$", ptr):
+                raise ValueError("in a JSON pointer ~ must be followed by 0 or 1")
+            return v
+        if v.startswith("header:") and re.fullmatch(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+", v[7:]):
+            return v
+        raise ValueError("must be megapixels, tokens, json:/pointer or header:Name")
 
 
 class RouteConfig(_Model):
@@ -228,6 +257,8 @@ class RouteConfig(_Model):
     retry_on_failover: Annotated[int, Field(ge=0)] = 1
     expected_duration_sec: Annotated[float, Field(gt=0)] | None = None
     unqueued_paths: list[str] | None = None
+    cost: RequestCostConfig | None = None
+    max_bypass: Annotated[int, Field(ge=0)] = 8  # times a head that does not fit may be passed (backfill)
 
     @field_validator("path")
     @classmethod
