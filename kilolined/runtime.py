@@ -294,8 +294,9 @@ class Runtime:
         # A mode change can make standbys usable.
         self.scheduler.dispatch(now)
 
-    def admit(self, route: str, key: str, priority: int, *, pinned_node: str | None = None) -> Ticket:
-        return self.leases.admit(route, key, priority, self.clock(), pinned_node=pinned_node)
+    def admit(self, route: str, key: str, priority: int, *, pinned_node: str | None = None,
+              cost: float = 0.0) -> Ticket:
+        return self.leases.admit(route, key, priority, self.clock(), pinned_node=pinned_node, cost=cost)
 
     # --- node results -------------------------------------------------------------------
     def node_success(self, node: str, trial: bool) -> None:
