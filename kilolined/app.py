@@ -1,6 +1,6 @@
 """The aiohttp application and the request pipeline, written once as a list of stages.
 
-    open → route → auth → mode → unqueued → limits → body → admit ─▶ runner (lease scope)
+    open → route → auth → mode → unqueued → limits → body → cost → admit ─▶ runner (lease scope)
 
 Each stage takes the request's ``Call`` and either fills it in and returns None (go on) or
 returns the response (stop: a refusal, or an answer that needs no slot). ``/v1/proxy`` is the
@@ -25,6 +25,7 @@ from kilolined.auth import presented_key
 from kilolined.call import Call
 from kilolined.config import RouteConfig
 from kilolined.context import GW, RT, Gateway
+from kilolined.costs import UnitError, request_cost
 from kilolined.limits import seconds_to_midnight
 from kilolined.proxy import Exchange, client_ip, request_id
 from kilolined.queue import Rejected
@@ -186,6 +187,19 @@ async def read_exchange(gw: Gateway, call: Call) -> web.StreamResponse | None:
     return None
 
 
+async def price(gw: Gateway, call: Call) -> web.StreamResponse | None:
+    """The request's cost on a node's capacity (docs/CONFIG.md#cost-and-capacity), read once from its body."""
+    rcfg = gw.rt.scheduler.routes[call.route_name].cfg
+    ex = call.exchange
+    if rcfg.cost is None or ex is None:
+        return None
+    try:
+        call.cost = request_cost(rcfg.cost, rcfg.kind, ex.method, ex.tail, ex.body, call.request.headers)
+    except UnitError as e:
+        return call.error(400, "bad_request", str(e))
+    return None
+
+
 async def admit(gw: Gateway, call: Call) -> web.StreamResponse | None:
     """A place in the queue, then the one runner in the request's mode."""
     rt = gw.rt
@@ -198,7 +212,8 @@ async def admit(gw: Gateway, call: Call) -> web.StreamResponse | None:
         return call.error(400, "bad_request", f"callback URL refused: {refused}")
     priority = principal.cfg.priority if principal else 0
     try:
-        ticket = rt.admit(call.route_name, call.subject, priority, pinned_node=call.pinned_node)
+        ticket = rt.admit(call.route_name, call.subject, priority, pinned_node=call.pinned_node,
+                          cost=call.cost or 0.0)
     except Rejected as r:
         rt.metrics.rejections.labels(call.route, r.type).inc()
         return call.rejected(r)
@@ -211,9 +226,9 @@ async def admit(gw: Gateway, call: Call) -> web.StreamResponse | None:
 
 
 PIPELINE: Sequence[Stage] = (check_open, resolve_path, authenticate, choose_mode, pass_unqueued, check_limits,
-                             read_exchange, admit)
+                             read_exchange, price, admit)
 PROXY_PIPELINE: Sequence[Stage] = (check_open, targets.resolve_target, authenticate, choose_mode, check_limits,
-                                   read_exchange, admit)
+                                   read_exchange, price, admit)
 
 
 def handler(stages: Sequence[Stage], route: str = "-") -> Callable[[web.Request], Awaitable[web.StreamResponse]]:
@@ -257,12 +272,14 @@ def log_access(gw: Gateway, call: Call) -> None:
         "duration_ms": int(duration * 1000),
         "bytes": call.bytes_out,
     }
+    if call.cost is not None:
+        rec["cost"] = round(call.cost, 3)
     if gw.log_json:
         access_log.info(orjson.dumps(rec).decode())
     else:
         access_log.info(
             "%(request_id)s %(key)s %(route)s %(node)s %(mode)s %(status)s wait=%(queue_wait_ms)dms "
-            "dur=%(duration_ms)dms bytes=%(bytes)d", rec,
+            "dur=%(duration_ms)dms bytes=%(bytes)d" + (" cost=%(cost)g" if call.cost is not None else ""), rec,
         )
 
 

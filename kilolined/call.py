@@ -43,6 +43,7 @@ class Call:
     unqueued_path: str = "/"  # the tail without query, percent-decoded, for unqueued_paths globs
     exchange: Exchange | None = None
     budget_taken: bool = False  # a request budget unit taken but not yet spent on an admitted request
+    cost: float | None = None  # what it holds of a node's capacity; None when its route has no ``cost``
 
     @property
     def key_id(self) -> str | None:

@@ -27,6 +27,7 @@ if TYPE_CHECKING:
     from kilolined.fakegpu.base import Job
 
 MODEL_ID = "fake-llm"
+KV_GB_PER_TOKEN = 0.00032  # capacity_mode="request": Llama-3.3-70B's ~320 KB of KV cache per token
 WORDS = ("The", " quick", " brown", " fox", " jumps", " over", " the", " lazy", " dog", ".")
 ERROR_TYPES = {
     400: "invalid_request_error",
@@ -147,7 +148,7 @@ class OpenAIBackend(Backend):
             finish_reason="length" if max_tokens is not None else "stop",
             include_usage=isinstance(stream_options, dict) and stream_options.get("include_usage") is True,
         )
-        job = gpu.begin_job()
+        job = gpu.begin_job(KV_GB_PER_TOKEN * (prompt_tokens + (max_tokens if max_tokens is not None else gpu.steps)))
         outcome: str | None = None
         try:
             if body.get("stream") is True:
