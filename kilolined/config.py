@@ -240,6 +240,25 @@ class RequestCostConfig(_Model):
         raise ValueError("must be megapixels, tokens, json:/pointer or header:Name")
 
 
+class MatchConfig(_Model):
+    """When a route takes a request on a path it shares with other routes (all given must hold)."""
+
+    min_units: Annotated[float, Field(ge=0)] | None = None  # inclusive, in the route's cost.unit
+    max_units: Annotated[float, Field(ge=0)] | None = None
+    model: list[str] | None = None  # globs on the JSON body's "model"
+    header: dict[str, str] | None = None  # header name -> glob on its value
+    method: list[str] | None = None
+
+    @field_validator("method")
+    @classmethod
+    def _upper(cls, v: list[str] | None) -> list[str] | None:
+        return None if v is None else [m.upper() for m in v]
+
+    @property
+    def needs_body(self) -> bool:
+        return self.min_units is not None or self.max_units is not None or self.model is not None
+
+
 class RouteConfig(_Model):
     path: str
     kind: Literal["generic", "comfyui", "openai"] = "generic"
@@ -259,6 +278,7 @@ class RouteConfig(_Model):
     unqueued_paths: list[str] | None = None
     cost: RequestCostConfig | None = None
     max_bypass: Annotated[int, Field(ge=0)] = 8  # times a head that does not fit may be passed (backfill)
+    match: MatchConfig | None = None  # several routes on one path: the first whose match holds
 
     @field_validator("path")
     @classmethod
@@ -361,10 +381,15 @@ class Config(_Model):
             if both:
                 errs.append(f"routes.{name}.standby: {sorted(both)} also listed in nodes")
             if r.path in paths:
-                errs.append(f"routes.{name}.path: {r.path!r} already used by route {paths[r.path]!r}")
+                errs.extend(_shared_path(name, r, paths[r.path], self.routes))
             elif r.path.startswith("/v1/jobs") or r.path.startswith("/admin") or r.path == "/v1/proxy":
                 errs.append(f"routes.{name}.path: {r.path!r} is reserved by the gateway")
-            paths[r.path] = name
+            else:
+                paths[r.path] = name
+            m = r.match
+            if m is not None and (m.min_units is not None or m.max_units is not None) and \
+                    (r.cost is None or r.cost.unit is None):
+                errs.append(f"routes.{name}.match: min_units/max_units need a cost.unit on the route")
         for name, k in self.keys.items():
             for i, rn in enumerate(k.routes):
                 if rn != "*" and rn not in self.routes:
@@ -376,6 +401,23 @@ class Config(_Model):
                 errs.append(f"keys.{name}: same key as keys.{digests[d]}")
             digests[d or ""] = name
         return errs
+
+
+def _shared_path(name: str, r: RouteConfig, first: str, routes: dict[str, RouteConfig]) -> list[str]:
+    """Routes on one path are tried in file order: each needs a match, but for one fallback, and
+    they share what the gateway decides before it reads the body (kind, auth)."""
+    same = [n for n, x in routes.items() if x.path == r.path]
+    errs = []
+    if r.match is None and any(routes[n].match is None for n in same[: same.index(name)]):
+        fallback = next(n for n in same if routes[n].match is None)
+        errs.append(f"routes.{name}.path: {r.path!r} already used by route {fallback!r} "
+                    "(routes sharing a path need a match, but for one fallback)")
+    base = routes[first]
+    for key in ("kind", "auth"):
+        if getattr(r, key) != getattr(base, key):
+            errs.append(f"routes.{name}.{key}: routes sharing path {r.path!r} must have the same {key} "
+                        f"(route {first!r} has {getattr(base, key)!r})")
+    return errs
 
 
 _VAR = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}")
