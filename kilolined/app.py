@@ -30,6 +30,7 @@ from kilolined.config import RouteConfig
 from kilolined.context import GW, RT, Gateway
 from kilolined.costs import UnitError, request_cost, request_units
 from kilolined.limits import seconds_to_midnight
+from kilolined.models_list import is_models_list, models_union
 from kilolined.proxy import Exchange, client_ip, request_id
 from kilolined.queue import Rejected
 from kilolined.routing import body_model, describe, head_holds, holds
@@ -132,6 +133,10 @@ async def authenticate(gw: Gateway, call: Call) -> web.StreamResponse | None:
             and not call.route_name.startswith("adhoc:") and not call.route_choices:
         rt.metrics.rejections.labels(call.route, "forbidden").inc()
         return call.error(403, "forbidden", f"key {call.principal.key_id!r} may not use route {call.route!r}")
+    if call.principal is not None and call.route_choices and \
+            not any(call.principal.may_use(n) for n in call.route_choices):
+        rt.metrics.rejections.labels(call.route, "forbidden").inc()
+        return call.error(403, "forbidden", f"key {call.principal.key_id!r} may use no route of {call.request.path!r}")
     call.client_ip = client_ip(request, rt.cfg.server.trusted_proxies)
     call.subject = call.principal.key_id if call.principal else f"ip:{call.client_ip}"
     call.key = call.principal.key_id if call.principal else "-"
@@ -152,6 +157,9 @@ async def choose_mode(gw: Gateway, call: Call) -> web.StreamResponse | None:
 async def pass_unqueued(gw: Gateway, call: Call) -> web.StreamResponse | None:
     """Status, list and file endpoints neither take a slot nor wait behind the queue."""
     rcfg = gw.rt.scheduler.routes[call.route_name].cfg
+    if call.route_choices and call.kind == "openai" and is_models_list(call.request.method, call.unqueued_path):
+        found = gw.rt.router.match(call.request.rel_url.raw_path)
+        return await models_union(gw.rt, call, found[0] if found else call.route_choices)
     if call.pinned_node is None and unqueued(rcfg, call.request.method, call.unqueued_path):
         return await forward_unqueued(gw.rt, call, rcfg)
     return None

@@ -72,3 +72,19 @@ async def test_no_match_and_no_fallback_is_404_naming_what_did_not_match(fakegpu
     msg = body["error"]["message"]
     assert "llm-batch (units ≥ 8000)" in msg and "qwen2.5-coder*" in msg and "X-Tier" in msg
     assert chat.requests == [] and big.requests == []
+
+
+async def test_models_on_a_shared_path_is_the_union_of_the_nodes_models(fakegpus: Any, gateway: Any,
+                                                                         http: aiohttp.ClientSession) -> None:
+    chat = await fakegpus("openai", models=["llama3", "qwen2.5-coder:32b"])
+    big = await fakegpus("openai", models=["qwen2.5-coder:32b", "llama3.3:70b"])
+    gw = await gateway(routes_config(chat, big))
+    async with http.get(gw.url + "/v1/models", headers=auth()) as r:
+        assert r.status == 200
+        body = await r.json()
+    assert body["object"] == "list"
+    assert [m["id"] for m in body["data"]] == ["qwen2.5-coder:32b", "llama3.3:70b", "llama3"]
+    await big.kill()
+    async with http.get(gw.url + "/v1/models", headers=auth()) as r:
+        assert r.status == 200  # a node that does not answer is left out
+        assert [m["id"] for m in (await r.json())["data"]] == ["llama3", "qwen2.5-coder:32b"]

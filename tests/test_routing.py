@@ -8,6 +8,7 @@ import pytest
 import yaml
 
 from kilolined.config import ConfigError, MatchConfig, RouteConfig, parse_config
+from kilolined.models_list import is_models_list, merge
 from kilolined.routing import Router, body_model, holds
 
 
@@ -81,3 +82,11 @@ def test_config_rules_for_shared_paths() -> None:
     assert any("routes.y.kind" in e for e in errors(kinds))
     no_unit = {"x": {"path": "/v1", "nodes": ["a"], "match": {"min_units": 1}}}
     assert any("routes.x.match" in e and "cost.unit" in e for e in errors(no_unit))
+
+
+def test_models_union_merge_keeps_the_first_of_each_id() -> None:
+    a = {"object": "list", "data": [{"id": "x", "n": 1}, {"id": "y"}]}
+    b = {"object": "list", "data": [{"id": "y", "n": 2}, {"id": "z"}, {"no": "id"}]}
+    assert merge([a, b, "junk", {"data": 3}]) == [{"id": "x", "n": 1}, {"id": "y"}, {"id": "z"}]
+    assert is_models_list("GET", "/models?x=1") and is_models_list("GET", "/v1/models/")
+    assert not is_models_list("POST", "/models") and not is_models_list("GET", "/models/x")

@@ -92,6 +92,7 @@ class Card:
         ctx_size: int = 4096,
         progress_min_sec: float = 0.0,
         capacity_mode: str = "fixed",
+        models: list[str] | None = None,
     ) -> None:
         if not (is_number(vram_gb) and vram_gb > 0 and is_number(job_vram_gb) and job_vram_gb >= 0):
             raise ValueError("vram_gb must be > 0 and job_vram_gb >= 0")
@@ -105,6 +106,7 @@ class Card:
             raise ValueError("capacity_mode must be fixed or request")
         self.kind = kind
         self.capacity_mode = capacity_mode
+        self.models = list(models) if models else None  # openai: the model ids it lists (default: one)
         self.host = host
         self.port = port
         self.vram_gb = float(vram_gb)
