@@ -1,6 +1,9 @@
 """The aiohttp application and the request pipeline, written once as a list of stages.
 
-    open → route → auth → mode → unqueued → limits → body → admit ─▶ runner (lease scope)
+    open → route → auth → mode → unqueued → [match] → limits → body → cost → admit ─▶ runner (lease scope)
+
+``[match]``: on a path that several routes share, the body is read before the limits, to pick
+the route whose ``match`` holds (its limits, queue and errors are then the request's).
 
 Each stage takes the request's ``Call`` and either fills it in and returns None (go on) or
 returns the response (stop: a refusal, or an answer that needs no slot). ``/v1/proxy`` is the
@@ -25,9 +28,12 @@ from kilolined.auth import presented_key
 from kilolined.call import Call
 from kilolined.config import RouteConfig
 from kilolined.context import GW, RT, Gateway
+from kilolined.costs import UnitError, request_cost, request_units
 from kilolined.limits import seconds_to_midnight
+from kilolined.models_list import is_models_list, models_union
 from kilolined.proxy import Exchange, client_ip, request_id
 from kilolined.queue import Rejected
+from kilolined.routing import body_model, describe, head_holds, holds
 from kilolined.runner import run
 from kilolined.sinks import StreamSink, SyncSink
 from kilolined.unqueued import forward_unqueued
@@ -94,7 +100,17 @@ async def resolve_path(gw: Gateway, call: Call) -> web.StreamResponse | None:
     match = rt.router.match(call.request.rel_url.raw_path)
     if match is None:
         return call.error(404, "not_found", f"no route for {call.request.path}")
-    call.route_name, tail = match
+    names, tail = match
+    call.route_name = names[0]
+    call.kind = rt.cfg.routes[names[0]].kind  # the same for every route of a path
+    if len(names) > 1 or rt.cfg.routes[names[0]].match is not None:
+        # Shared path: the first route whose method/header conditions hold stands in until
+        # choose_route has seen the body (same kind and auth for all: config.py checks it).
+        method, headers = call.request.method, call.request.headers
+        call.route_choices = tuple(n for n in names if head_holds(rt.cfg.routes[n].match, method, headers))
+        if not call.route_choices:
+            return no_match(gw, call)
+        call.route_name = call.route_choices[0]
     call.route = call.route_name
     call.tail = tail
     rcfg = rt.cfg.routes[call.route_name]
@@ -112,10 +128,15 @@ async def authenticate(gw: Gateway, call: Call) -> web.StreamResponse | None:
         if call.principal is None:
             rt.metrics.rejections.labels(call.route, "unauthorized").inc()
             return call.error(401, "unauthorized", "missing or unknown API key")
+    # On a shared path the route is known only once its body is read: choose_route checks it then.
     if call.principal is not None and call.pinned_node is None and not call.principal.may_use(call.route_name) \
-            and not call.route_name.startswith("adhoc:"):
+            and not call.route_name.startswith("adhoc:") and not call.route_choices:
         rt.metrics.rejections.labels(call.route, "forbidden").inc()
         return call.error(403, "forbidden", f"key {call.principal.key_id!r} may not use route {call.route!r}")
+    if call.principal is not None and call.route_choices and \
+            not any(call.principal.may_use(n) for n in call.route_choices):
+        rt.metrics.rejections.labels(call.route, "forbidden").inc()
+        return call.error(403, "forbidden", f"key {call.principal.key_id!r} may use no route of {call.request.path!r}")
     call.client_ip = client_ip(request, rt.cfg.server.trusted_proxies)
     call.subject = call.principal.key_id if call.principal else f"ip:{call.client_ip}"
     call.key = call.principal.key_id if call.principal else "-"
@@ -141,8 +162,53 @@ async def pass_unqueued(gw: Gateway, call: Call) -> web.StreamResponse | None:
                                      call.request_id)
     if ctl is not None:
         return ctl
+    if call.route_choices and call.kind == "openai" and is_models_list(call.request.method, call.unqueued_path):
+        found = gw.rt.router.match(call.request.rel_url.raw_path)
+        return await models_union(gw.rt, call, found[0] if found else call.route_choices)
     if call.pinned_node is None and unqueued(rcfg, call.request.method, call.unqueued_path):
         return await forward_unqueued(gw.rt, call, rcfg)
+    return None
+
+
+def no_match(gw: Gateway, call: Call) -> web.Response:
+    """404 naming every route of the path and what it would have needed."""
+    found = gw.rt.router.match(call.request.rel_url.raw_path)
+    names = found[0] if found is not None else ()
+    why = "; ".join(f"{n} ({describe(m)})" for n in names if (m := gw.rt.cfg.routes[n].match) is not None)
+    return call.error(404, "not_found", f"no route for {call.request.path} matches this request: {why}")
+
+
+async def choose_route(gw: Gateway, call: Call) -> web.StreamResponse | None:
+    """Among routes sharing a path, the first whose ``match`` holds (docs/CONFIG.md#routes-that-match-the-request)."""
+    if not call.route_choices:
+        return None
+    refused = await read_exchange(gw, call)
+    if refused is not None:
+        return refused
+    rt, ex = gw.rt, call.exchange
+    assert ex is not None
+    model = body_model(ex.body)
+    headers = call.request.headers
+    chosen = None
+    for name in call.route_choices:
+        rcfg = rt.scheduler.routes[name].cfg
+
+        def units(rcfg: RouteConfig = rcfg) -> float:
+            assert rcfg.cost is not None  # config.py: min_units/max_units need a cost.unit
+            return request_units(rcfg.cost, rcfg.kind, ex.method, ex.tail, ex.body, headers)
+
+        try:
+            if holds(rcfg.match, ex.method, headers, model, units):
+                chosen = name
+                break
+        except UnitError as e:
+            return call.error(400, "bad_request", str(e))
+    if chosen is None:
+        return no_match(gw, call)
+    if call.principal is not None and not call.principal.may_use(chosen):
+        rt.metrics.rejections.labels(chosen, "forbidden").inc()
+        return call.error(403, "forbidden", f"key {call.principal.key_id!r} may not use route {chosen!r}")
+    call.route_name = call.route = chosen
     return None
 
 
@@ -177,6 +243,8 @@ async def check_limits(gw: Gateway, call: Call) -> web.StreamResponse | None:
 
 async def read_exchange(gw: Gateway, call: Call) -> web.StreamResponse | None:
     """The request body (kept for a re-queue) and the adapter's look at it; or the refusal."""
+    if call.exchange is not None:
+        return None  # already read to choose among routes sharing the path
     rt = gw.rt
     request = call.request
     try:
@@ -195,6 +263,19 @@ async def read_exchange(gw: Gateway, call: Call) -> web.StreamResponse | None:
     return None
 
 
+async def price(gw: Gateway, call: Call) -> web.StreamResponse | None:
+    """The request's cost on a node's capacity (docs/CONFIG.md#cost-and-capacity), read once from its body."""
+    rcfg = gw.rt.scheduler.routes[call.route_name].cfg
+    ex = call.exchange
+    if rcfg.cost is None or ex is None:
+        return None
+    try:
+        call.cost = request_cost(rcfg.cost, rcfg.kind, ex.method, ex.tail, ex.body, call.request.headers)
+    except UnitError as e:
+        return call.error(400, "bad_request", str(e))
+    return None
+
+
 async def admit(gw: Gateway, call: Call) -> web.StreamResponse | None:
     """A place in the queue, then the one runner in the request's mode."""
     rt = gw.rt
@@ -207,7 +288,8 @@ async def admit(gw: Gateway, call: Call) -> web.StreamResponse | None:
         return call.error(400, "bad_request", f"callback URL refused: {refused}")
     priority = principal.cfg.priority if principal else 0
     try:
-        ticket = rt.admit(call.route_name, call.subject, priority, pinned_node=call.pinned_node)
+        ticket = rt.admit(call.route_name, call.subject, priority, pinned_node=call.pinned_node,
+                          cost=call.cost or 0.0)
         if rt.settle is not None:  # cluster mode: Redis decides (kilolined/cluster/leases.py)
             ticket = await rt.settle(ticket)
     except Rejected as r:
@@ -221,10 +303,10 @@ async def admit(gw: Gateway, call: Call) -> web.StreamResponse | None:
     return await run(rt, ticket, ex, call.adapter, sink, call.key_id, call.route)
 
 
-PIPELINE: Sequence[Stage] = (check_open, resolve_path, authenticate, choose_mode, pass_unqueued, check_limits,
-                             read_exchange, admit)
+PIPELINE: Sequence[Stage] = (check_open, resolve_path, authenticate, choose_mode, pass_unqueued, choose_route,
+                             check_limits, read_exchange, price, admit)
 PROXY_PIPELINE: Sequence[Stage] = (check_open, targets.resolve_target, authenticate, choose_mode, check_limits,
-                                   read_exchange, admit)
+                                   read_exchange, price, admit)
 
 
 def handler(stages: Sequence[Stage], route: str = "-") -> Callable[[web.Request], Awaitable[web.StreamResponse]]:
@@ -268,12 +350,14 @@ def log_access(gw: Gateway, call: Call) -> None:
         "duration_ms": int(duration * 1000),
         "bytes": call.bytes_out,
     }
+    if call.cost is not None:
+        rec["cost"] = round(call.cost, 3)
     if gw.log_json:
         access_log.info(orjson.dumps(rec).decode())
     else:
         access_log.info(
             "%(request_id)s %(key)s %(route)s %(node)s %(mode)s %(status)s wait=%(queue_wait_ms)dms "
-            "dur=%(duration_ms)dms bytes=%(bytes)d", rec,
+            "dur=%(duration_ms)dms bytes=%(bytes)d" + (" cost=%(cost)g" if call.cost is not None else ""), rec,
         )
 
 

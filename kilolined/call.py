@@ -43,6 +43,8 @@ class Call:
     unqueued_path: str = "/"  # the tail without query, percent-decoded, for unqueued_paths globs
     exchange: Exchange | None = None
     budget_taken: bool = False  # a request budget unit taken but not yet spent on an admitted request
+    cost: float | None = None  # what it holds of a node's capacity; None when its route has no ``cost``
+    route_choices: tuple[str, ...] = ()  # routes sharing the path whose match may hold (routing.py)
 
     @property
     def key_id(self) -> str | None:

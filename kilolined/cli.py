@@ -103,7 +103,7 @@ def cmd_keygen(args: argparse.Namespace) -> int:
 def cmd_fakegpu(args: argparse.Namespace) -> int:
     return fakegpu.run(args.kind, args.host, args.port, args.vram_gb, args.job_vram_gb, args.steps, args.step_ms,
                        args.crash_sec, api_key=args.api_key, ctx_size=args.ctx_size,
-                       progress_min_sec=args.progress_min_ms / 1000)
+                       progress_min_sec=args.progress_min_ms / 1000, capacity_mode=args.capacity_mode)
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
@@ -152,6 +152,8 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("--kind", choices=("generic", "comfyui", "openai"), default="generic")
     f.add_argument("--vram-gb", type=float, default=24)
     f.add_argument("--job-vram-gb", type=float, default=10)
+    f.add_argument("--capacity-mode", choices=("fixed", "request"), default="fixed",
+                   help="request: each job takes the VRAM its request implies (docs/CONFIG.md)")
     f.add_argument("--steps", type=int, default=25)
     f.add_argument("--step-ms", type=float, default=200)
     f.add_argument("--crash-sec", type=float, default=5)

@@ -216,6 +216,7 @@ class NodeConfig(_Model):
     label: str | None = None
     headers: dict[str, str] = {}
     max_concurrency: Annotated[int, Field(ge=1)] | None = None
+    capacity: Annotated[float, Field(gt=0)] | None = None  # units held at once (say GB of VRAM)
     health: HealthConfig | None = None
     breaker: BreakerConfig = BreakerConfig()
 
@@ -225,6 +226,53 @@ class NodeConfig(_Model):
         if not re.fullmatch(r"https?://[^/\s?#]+(/[^\s?#]*)?", v):
             raise ValueError("must be http(s)://host:port")
         return v.rstrip("/")
+
+
+COST_UNITS = ("megapixels", "tokens")
+
+
+class RequestCostConfig(_Model):
+    """What one request of a route costs on a node's ``capacity``: ``base + per_unit × units``."""
+
+    base: Annotated[float, Field(ge=0)] = 0
+    per_unit: Annotated[float, Field(ge=0)] = 0
+    unit: str | None = None
+    default_max_tokens: Annotated[int, Field(ge=0)] = 1024
+
+    @field_validator("unit")
+    @classmethod
+    def _unit(cls, v: str | None) -> str | None:
+        if v is None or v in COST_UNITS:
+            return v
+        if v.startswith("json:"):
+            ptr = v[5:]
+            if ptr and not ptr.startswith("/"):
+                raise ValueError("a JSON pointer starts with / (RFC 6901), e.g. json:/batch_size")
+            if re.search(r"~[^01]|~$", ptr):
+                raise ValueError("in a JSON pointer ~ must be followed by 0 or 1")
+            return v
+        if v.startswith("header:") and re.fullmatch(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+", v[7:]):
+            return v
+        raise ValueError("must be megapixels, tokens, json:/pointer or header:Name")
+
+
+class MatchConfig(_Model):
+    """When a route takes a request on a path it shares with other routes (all given must hold)."""
+
+    min_units: Annotated[float, Field(ge=0)] | None = None  # inclusive, in the route's cost.unit
+    max_units: Annotated[float, Field(ge=0)] | None = None
+    model: list[str] | None = None  # globs on the JSON body's "model"
+    header: dict[str, str] | None = None  # header name -> glob on its value
+    method: list[str] | None = None
+
+    @field_validator("method")
+    @classmethod
+    def _upper(cls, v: list[str] | None) -> list[str] | None:
+        return None if v is None else [m.upper() for m in v]
+
+    @property
+    def needs_body(self) -> bool:
+        return self.min_units is not None or self.max_units is not None or self.model is not None
 
 
 class RouteConfig(_Model):
@@ -244,6 +292,9 @@ class RouteConfig(_Model):
     retry_on_failover: Annotated[int, Field(ge=0)] = 1
     expected_duration_sec: Annotated[float, Field(gt=0)] | None = None
     unqueued_paths: list[str] | None = None
+    cost: RequestCostConfig | None = None
+    max_bypass: Annotated[int, Field(ge=0)] = 8  # times a head that does not fit may be passed (backfill)
+    match: MatchConfig | None = None  # several routes on one path: the first whose match holds
 
     @field_validator("path")
     @classmethod
@@ -356,10 +407,15 @@ class Config(_Model):
             if both:
                 errs.append(f"routes.{name}.standby: {sorted(both)} also listed in nodes")
             if r.path in paths:
-                errs.append(f"routes.{name}.path: {r.path!r} already used by route {paths[r.path]!r}")
+                errs.extend(_shared_path(name, r, paths[r.path], self.routes))
             elif r.path.startswith("/v1/jobs") or r.path.startswith("/admin") or r.path == "/v1/proxy":
                 errs.append(f"routes.{name}.path: {r.path!r} is reserved by the gateway")
-            paths[r.path] = name
+            else:
+                paths[r.path] = name
+            m = r.match
+            if m is not None and (m.min_units is not None or m.max_units is not None) and \
+                    (r.cost is None or r.cost.unit is None):
+                errs.append(f"routes.{name}.match: min_units/max_units need a cost.unit on the route")
         for name, k in self.keys.items():
             for i, rn in enumerate(k.routes):
                 if rn != "*" and rn not in self.routes:
@@ -371,6 +427,23 @@ class Config(_Model):
                 errs.append(f"keys.{name}: same key as keys.{digests[d]}")
             digests[d or ""] = name
         return errs
+
+
+def _shared_path(name: str, r: RouteConfig, first: str, routes: dict[str, RouteConfig]) -> list[str]:
+    """Routes on one path are tried in file order: each needs a match, but for one fallback, and
+    they share what the gateway decides before it reads the body (kind, auth)."""
+    same = [n for n, x in routes.items() if x.path == r.path]
+    errs = []
+    if r.match is None and any(routes[n].match is None for n in same[: same.index(name)]):
+        fallback = next(n for n in same if routes[n].match is None)
+        errs.append(f"routes.{name}.path: {r.path!r} already used by route {fallback!r} "
+                    "(routes sharing a path need a match, but for one fallback)")
+    base = routes[first]
+    for key in ("kind", "auth"):
+        if getattr(r, key) != getattr(base, key):
+            errs.append(f"routes.{name}.{key}: routes sharing path {r.path!r} must have the same {key} "
+                        f"(route {first!r} has {getattr(base, key)!r})")
+    return errs
 
 
 _VAR = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}")

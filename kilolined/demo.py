@@ -3,6 +3,9 @@
 Two simulated 24 GB GPUs (10 GB per job: two fit, the third OOMs). The same burst of 10
 concurrent requests goes first straight at one card, then through the gateway with
 ``max_concurrency: 2``; then a burst with the primary killed midway shows the failover.
+Last, a mixed burst (large and small images) on a third card whose jobs take the VRAM they
+need: fixed slots either leave half the card idle or run it out of memory; cost-aware
+admission (docs/CONFIG.md#cost-and-capacity) keeps it full and never crashes it.
 """
 
 from __future__ import annotations
@@ -24,6 +27,9 @@ from kilolined.server import Server
 
 BURST = 10
 STEPS, STEP_MS = 8, 100  # 0.8 s per image
+# the mixed burst: 1 in 4 is a large image; what each takes on the 24 GB card
+MIXED_BURST, LARGE_GB, SMALL_GB, MIXED_STEPS = 24, 12.0, 3.0, 4
+SAFE_SLOTS, FAST_SLOTS, CARD_CAPACITY = 2, 6, 22  # 2 × 12 GB fit; 6 is "for throughput"
 
 
 class Style:
@@ -57,10 +63,11 @@ class Outcome:
     node: str | None = None
 
 
-async def fire(session: aiohttp.ClientSession, url: str, headers: dict[str, str], i: int) -> Outcome:
+async def fire(session: aiohttp.ClientSession, url: str, headers: dict[str, str], i: int,
+               body: dict[str, object] | None = None) -> Outcome:
     t0 = time.monotonic()
     try:
-        async with session.post(url, json={"echo": i}, headers=headers) as r:
+        async with session.post(url, json=body or {"echo": i}, headers=headers) as r:
             await r.read()
             wait = r.headers.get("X-KiloLine-Queue-Wait-Ms")
             return Outcome(str(r.status), time.monotonic() - t0, int(wait) if wait else None,
@@ -85,7 +92,12 @@ def bar(results: list[Outcome], st: Style) -> str:
     return " ".join(cells)
 
 
-def gateway_config(primary: str, standby: str, admin_key: str, key: str, port: int) -> str:
+def mixed_sizes(n: int) -> list[float]:
+    return [LARGE_GB if i % 4 == 0 else SMALL_GB for i in range(n)]
+
+
+def gateway_config(primary: str, standby: str, admin_key: str, key: str, port: int, mixed: str = "") -> str:
+    extra_nodes = mixed_nodes(mixed) if mixed else ""
     return f"""
 server: {{listen: "127.0.0.1:{port}", heartbeat_sec: 2, shutdown_grace_sec: 3, access_log: false}}
 admin: {{key_sha256: "{hashlib.sha256(admin_key.encode()).hexdigest()}"}}
@@ -96,7 +108,7 @@ nodes:
           health: {{path: /health, interval_sec: 0.25, timeout_sec: 0.5, fall: 1, rise: 2}},
           breaker: {{consecutive_failures: 2, open_sec: 2, slow_start_sec: 3}}}}
   gpu-b: {{url: "{standby}", label: "RTX 4090 #B (standby)",
-          health: {{path: /health, interval_sec: 0.25, timeout_sec: 0.5, fall: 1, rise: 2}}}}
+          health: {{path: /health, interval_sec: 0.25, timeout_sec: 0.5, fall: 1, rise: 2}}}}{extra_nodes}
 routes:
   images:
     path: /images
@@ -107,8 +119,36 @@ routes:
     queue_timeout_sec: 60
     expected_duration_sec: {STEPS * STEP_MS / 1000}
     retry_on_failover: 2
+{mixed_routes() if mixed else ""}
 cost: {{gpu_hourly_usd: 0.30, serverless_per_sec_usd: 0.0011}}
 """
+
+
+def mixed_nodes(url: str) -> str:
+    """The mixed card under two names: one judged by slots only, one with a capacity."""
+    return f"""
+  card-slots: {{url: "{url}", label: "RTX 4090 #C (slots)", breaker: {{open_sec: 1, slow_start_sec: 0}}}}
+  card-cost: {{url: "{url}", label: "RTX 4090 #C (capacity)", capacity: {CARD_CAPACITY}}}"""
+
+
+def mixed_routes() -> str:
+    common = "max_queue_depth: 500, queue_timeout_sec: 60, retry_on_failover: 0"
+    return f"""
+  mixed-safe: {{path: /mixed-safe, nodes: [card-slots], max_concurrency: {SAFE_SLOTS}, {common}}}
+  mixed-fast: {{path: /mixed-fast, nodes: [card-slots], max_concurrency: {FAST_SLOTS}, {common}}}
+  mixed-cost: {{path: /mixed, nodes: [card-cost], max_concurrency: 8, {common},
+               cost: {{base: 0, per_unit: 1, unit: "json:/vram_gb"}}}}"""
+
+
+async def mixed_scene(http: aiohttp.ClientSession, gw: str, hdr: dict[str, str], gpu: FakeGPU,
+                      path: str) -> tuple[list[Outcome], float, dict[str, object]]:
+    """One mixed burst through one route; (outcomes, seconds, the card's stats after it)."""
+    gpu.reset()
+    sizes = mixed_sizes(MIXED_BURST)
+    t0 = time.monotonic()
+    res = await asyncio.gather(*[fire(http, gw + path, hdr, i, {"vram_gb": gb, "steps": MIXED_STEPS})
+                                 for i, gb in enumerate(sizes)])
+    return list(res), time.monotonic() - t0, dict(gpu.stats)
 
 
 async def run_demo(once: bool, port: int = 8080, out: object = None) -> int:
@@ -120,8 +160,10 @@ async def run_demo(once: bool, port: int = 8080, out: object = None) -> int:
 
     gpu_a = FakeGPU("generic", vram_gb=24, job_vram_gb=10, steps=STEPS, step_ms=STEP_MS, crash_sec=2)
     gpu_b = FakeGPU("generic", vram_gb=24, job_vram_gb=10, steps=STEPS, step_ms=STEP_MS, crash_sec=2)
+    gpu_c = FakeGPU("generic", vram_gb=24, capacity_mode="request", steps=MIXED_STEPS, step_ms=STEP_MS, crash_sec=2)
     await gpu_a.start()
     await gpu_b.start()
+    await gpu_c.start()
     admin_key = "kl_" + secrets.token_urlsafe(24)
     key = "kl_" + secrets.token_urlsafe(24)
     server: Server | None = None
@@ -141,13 +183,13 @@ async def run_demo(once: bool, port: int = 8080, out: object = None) -> int:
                 f"{gpu_a.crash_sec:g}s")
             await asyncio.sleep(gpu_a.crash_sec + 0.3)
             # 2. through the gateway
-            cfg_text = gateway_config(gpu_a.url, gpu_b.url, admin_key, key, port)
+            cfg_text = gateway_config(gpu_a.url, gpu_b.url, admin_key, key, port, gpu_c.url)
             try:
                 server = Server(parse_config(cfg_text, env={}), hashlib.sha256(cfg_text.encode()).hexdigest(), None)
                 await server.start()
             except OSError:
-                server = Server(parse_config(gateway_config(gpu_a.url, gpu_b.url, admin_key, key, 0), env={}),
-                                "demo", None)
+                cfg_any_port = gateway_config(gpu_a.url, gpu_b.url, admin_key, key, 0, gpu_c.url)
+                server = Server(parse_config(cfg_any_port, env={}), "demo", None)
                 await server.start()
             gw = f"http://127.0.0.1:{server.port}"
             hdr = {"Authorization": f"Bearer {key}"}
@@ -184,12 +226,35 @@ async def run_demo(once: bool, port: int = 8080, out: object = None) -> int:
             say(f"   {verdict}; served by {by_node}; "
                 f"re-queued after the node died: {int(_failovers(server))}")
             await gpu_a.revive()
+            # 4. cost-aware admission
+            say()
+            say(st.bold(f"4) A mixed burst on a 24 GB card: {MIXED_BURST} images, 1 in 4 large "
+                        f"({LARGE_GB:g} GB), the rest small ({SMALL_GB:g} GB)"))
+            cost_ok = True
+            scenes = ((f"fixed max_concurrency: {SAFE_SLOTS} (safe)", "/mixed-safe/generate"),
+                      (f"fixed max_concurrency: {FAST_SLOTS} (for throughput)", "/mixed-fast/generate"),
+                      (f"cost-aware, capacity: {CARD_CAPACITY}", "/mixed/generate"))
+            for label, path in scenes:
+                res, took, stats = await mixed_scene(http, gw, hdr, gpu_c, path)
+                served = summary(res).get("200", 0)
+                line = (f"{served}/{MIXED_BURST} served, oom_count={stats['oom_count']}, "
+                        f"peak {stats['peak_vram_gb']:g}/24 GB, up to {stats['max_concurrent']} at once, "
+                        f"done in {took:.1f}s")
+                good = stats["oom_count"] == 0 and served == MIXED_BURST
+                say(f"   {label:<42} {bar(res, st)}")
+                say(f"   {'':<42} {st.green(line) if good else st.red(line)}")
+                if path == "/mixed/generate":
+                    cost_ok = good
+                if stats["crashes"]:
+                    await asyncio.sleep(gpu_c.crash_sec + 1.2)  # the card comes back, its breaker closes
+            say(st.dim("   slots count requests; capacity counts what they hold: small images fill the room "
+                       "a large one leaves, and no mix overflows the card"))
         say()
         if once:
             # The gateway stops as this returns: a dashboard URL or keys printed now would be dead.
             say(st.dim("--once: the gateway stops here; run `kilolined demo` to keep it up and "
                        "watch the same bursts on its dashboard."))
-            return 0 if s.get("200") == BURST else 1
+            return 0 if s.get("200") == BURST and cost_ok else 1
         say(st.bold("Dashboard: ") + f"{gw}/dashboard")
         say(st.bold("Admin key: ") + admin_key)
         say(st.bold("API key:   ") + key + st.dim(f"   (try: curl -H 'Authorization: Bearer {key}' "
@@ -209,6 +274,7 @@ async def run_demo(once: bool, port: int = 8080, out: object = None) -> int:
             await server.shutdown()
         await gpu_a.stop()
         await gpu_b.stop()
+        await gpu_c.stop()
 
 
 def _failovers(server: object) -> float:

@@ -282,13 +282,15 @@ class Jobs:
         rq = rt.scheduler.routes[ticket.route]
         job.last_position = position
         urls = job.urls()
+        cost = {"cost": ticket.cost} if rq.cfg.cost is not None else {}  # docs/CONFIG.md#cost-and-capacity
         job.emit("queued", {"job_id": job.id, "route": job.route_label, "position": position,
-                            "queue_depth": len(rq.waiting), "est_wait_sec": est,
+                            "queue_depth": len(rq.waiting), "est_wait_sec": est, **cost,
                             "events_url": urls["events_url"], "result_url": urls["result_url"]})
         job.task = rt.spawn(self._run(job, ex, adapter))
         call.headers["X-KiloLine-Job"] = job.id
         if call.mode == "async":
-            body = {"job_id": job.id, "status": job.status, "position": position, "est_wait_sec": est, **job.urls()}
+            body = {"job_id": job.id, "status": job.status, "position": position, "est_wait_sec": est,
+                    **cost, **job.urls()}
             return web.Response(status=202, body=orjson.dumps(body), content_type="application/json",
                                 headers={**call.headers, "Location": job.urls()["status_url"],
                                          "X-Request-Id": call.request_id})

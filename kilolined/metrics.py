@@ -59,6 +59,9 @@ class _LiveGauges(Collector):
         br = GaugeMetricFamily(
             "kiloline_breaker_state", "0 closed, 1 half-open, 2 open", labels=["node"]
         )
+        cap = GaugeMetricFamily("kiloline_capacity", "A node's configured capacity (nodes that have one)",
+                                labels=["node"])
+        used = GaugeMetricFamily("kiloline_capacity_used", "The costs of a node's leases in flight", labels=["node"])
         for name, rq in sched.routes.items():
             if rq.name.startswith("adhoc:"):
                 continue
@@ -74,6 +77,9 @@ class _LiveGauges(Collector):
                 continue
             up.add_metric([n], 1 if ns.healthy else 0)
             br.add_metric([n], BREAKER_GAUGE[ns.breaker_state(now)])
+            if ns.cfg.capacity is not None:
+                cap.add_metric([n], ns.cfg.capacity)
+                used.add_metric([n], sched.capacity_used.get(n, 0.0))
         # Prometheus' own idiom for "is the running config the file": 0 while a reload was refused
         # (the previous config still runs), and when the running one was loaded.
         ok = GaugeMetricFamily("kiloline_config_last_reload_successful",
@@ -82,7 +88,7 @@ class _LiveGauges(Collector):
         at = GaugeMetricFamily("kiloline_config_last_reload_success_timestamp_seconds",
                                "Unix time the running config was loaded")
         at.add_metric([], rt.loaded_at)
-        yield from (depth, infl, slots, up, br, ok, at)
+        yield from (depth, infl, slots, up, br, cap, used, ok, at)
 
 
 class _Children:

@@ -3,6 +3,11 @@
 Pure, synchronous logic with ``now`` passed in, so that hypothesis can drive it with a fake
 clock. The async layer (``runtime.py``) attaches a waker to each ticket and calls ``dispatch``
 whenever something may have freed capacity.
+
+Cost and capacity (docs/CONFIG.md, "Cost and capacity"): a ticket may carry a cost, and a node
+with ``capacity`` takes it only while its leases' costs plus this one fit. When the head of a
+route does not fit anywhere, a later ticket that fits goes first (backfill), at most
+``max_bypass`` times per head; after that, the nodes that could hold the head wait for it.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ from kilolined.config import RouteConfig
 from kilolined.nodes import NodeState
 
 WAITING, LEASED, DONE, FAILED = "waiting", "leased", "done", "failed"
+EPS = 1e-9  # costs are sums of floats: compare with a little slack
 
 
 class Rejected(Exception):
@@ -46,6 +52,8 @@ class Ticket:
     error: Rejected | None = None
     on_wake: Callable[[Ticket], None] | None = None
     deadline: float = math.inf
+    cost: float = 0.0  # what it holds of a node's capacity while leased
+    bypassed: int = 0  # requests dispatched ahead of it while it was the head (backfill)
 
     def wake(self) -> None:
         if self.on_wake is not None:
@@ -60,6 +68,7 @@ class Lease:
     started_at: float
     trial: bool
     released: bool = False
+    cost: float = 0.0
 
 
 # --- strategies: the order in which waiting tickets get slots ---------------------------------
@@ -245,6 +254,7 @@ class RouteQueue:
         self.waiting = make_order(cfg)
         self.by_key: Counter[str] = Counter()
         self.inflight: Counter[str] = Counter()  # node -> leases of this route
+        self.capacity_used = 0.0  # the costs of this route's leases
         self.retired = False
         self.mode = "primary"
         self.mean_service: float | None = cfg.expected_duration_sec
@@ -284,6 +294,7 @@ class Scheduler:
         self.routes: dict[str, RouteQueue] = {}
         self.nodes: dict[str, NodeState] = {}
         self.node_inflight: Counter[str] = Counter()
+        self.capacity_used: dict[str, float] = {}  # node -> the costs of its leases
         self._seq = itertools.count(1)
         self._deadlines: list[tuple[float, int, Ticket]] = []
 
@@ -292,14 +303,51 @@ class Scheduler:
         ns = self.nodes[node]
         return ns.effective(rq.cfg.max_concurrency, now)
 
-    def can_take(self, rq: RouteQueue, node: str, now: float) -> bool:
+    def can_take(self, rq: RouteQueue, node: str, now: float, cost: float = 0.0) -> bool:
         ns = self.nodes.get(node)
         if ns is None or not ns.available(now):
             return False
         if rq.inflight[node] >= ns.effective(rq.cfg.max_concurrency, now):
             return False
         cap = ns.cfg.max_concurrency
-        return cap is None or self.node_inflight[node] < ns.effective(cap, now)
+        if cap is not None and self.node_inflight[node] >= ns.effective(cap, now):
+            return False
+        return self.fits(ns, cost, now)
+
+    def fits(self, ns: NodeState, cost: float, now: float) -> bool:
+        """In-flight costs plus ``cost`` within the node's capacity (ramped during slow start).
+
+        While ramping, a node that holds no cost still takes one request that fits its full
+        capacity, as the slots ramp from one request up."""
+        full = ns.cfg.capacity
+        if full is None:
+            return True
+        used = self.capacity_used.get(ns.name, 0.0)
+        if used + cost <= ramped_capacity(ns, now) + EPS:
+            return True
+        return used <= EPS and cost <= full + EPS
+
+    @staticmethod
+    def could_hold(ns: NodeState | None, cost: float) -> bool:
+        """The node could ever take a request of this cost (no capacity: always)."""
+        return ns is not None and (ns.cfg.capacity is None or cost <= ns.cfg.capacity + EPS)
+
+    def max_capacity(self, rq: RouteQueue, pinned_node: str | None = None) -> float | None:
+        """The largest capacity of the route's nodes; None when one of them has none (no limit)."""
+        caps = []
+        for n in [pinned_node] if pinned_node is not None else rq.all_nodes:
+            ns = self.nodes.get(n)
+            if ns is None:
+                continue
+            if ns.cfg.capacity is None:
+                return None
+            caps.append(ns.cfg.capacity)
+        return max(caps) if caps else None
+
+    def costed(self, rq: RouteQueue) -> bool:
+        """Whether costs can hold this route's tickets back (so backfill may be needed)."""
+        return rq.cfg.cost is not None and any(
+            n in self.nodes and self.nodes[n].cfg.capacity is not None for n in rq.all_nodes)
 
     def usable(self, rq: RouteQueue, now: float) -> list[str]:
         """Nodes the route would send new work to right now (primaries, else standbys)."""
@@ -318,25 +366,30 @@ class Scheduler:
             total += s
         return total
 
-    def choose_node(self, rq: RouteQueue, t: Ticket, now: float) -> str | None:
+    def choose_node(self, rq: RouteQueue, t: Ticket, now: float,
+                    blocked: frozenset[str] = frozenset()) -> str | None:
+        """Where ``t`` goes now, or None; ``blocked`` nodes are held for a head that was passed over."""
         if t.pinned_node is not None:
-            return t.pinned_node if self.can_take(rq, t.pinned_node, now) else None
+            ok = t.pinned_node not in blocked and self.can_take(rq, t.pinned_node, now, t.cost)
+            return t.pinned_node if ok else None
         best: str | None = None
         for group in (rq.cfg.nodes, rq.cfg.standby):
-            best = self._least_loaded([n for n in group if n not in t.avoid], rq, now)
+            best = self._least_loaded([n for n in group if n not in t.avoid and n not in blocked], rq, now, t.cost)
             if best is not None:
                 return best
             # A standby is only for when no primary can *be used*; a primary that is merely
-            # full means wait for it, not spill onto the standby.
-            if any(n not in t.avoid and n in self.nodes and self.nodes[n].available(now) for n in group):
+            # full means wait for it, not spill onto the standby. One too small to ever hold
+            # this request cannot be used for it.
+            if any(n not in t.avoid and n in self.nodes and self.nodes[n].available(now)
+                   and self.could_hold(self.nodes[n], t.cost) for n in group):
                 return None
         # Every other node is gone: retrying where it failed beats failing outright.
-        return self._least_loaded([n for n in rq.all_nodes if n in t.avoid], rq, now)
+        return self._least_loaded([n for n in rq.all_nodes if n in t.avoid and n not in blocked], rq, now, t.cost)
 
-    def _least_loaded(self, names: list[str], rq: RouteQueue, now: float) -> str | None:
+    def _least_loaded(self, names: list[str], rq: RouteQueue, now: float, cost: float = 0.0) -> str | None:
         best, best_load = None, 0
         for n in names:
-            if self.can_take(rq, n, now):
+            if self.can_take(rq, n, now, cost):
                 load = self.node_inflight[n]
                 if best is None or load < best_load:
                     best, best_load = n, load
@@ -365,10 +418,16 @@ class Scheduler:
         *,
         pinned_node: str | None = None,
         on_wake: Callable[[Ticket], None] | None = None,
+        cost: float = 0.0,
     ) -> Ticket:
         """Queue a request (raises Rejected); it may be leased at once by the dispatch inside."""
         rq = self.routes[route]
         cfg = rq.cfg
+        limit = self.max_capacity(rq, pinned_node) if cost > 0 else None
+        if limit is not None and cost > limit + EPS:
+            raise Rejected(422, "exceeds_capacity",
+                           f"request costs {cost:g}, more than the largest capacity of route {route}'s nodes "
+                           f"({limit:g})")
         if cfg.max_queued_per_key is not None and rq.by_key[key] >= cfg.max_queued_per_key:
             raise Rejected(
                 429,
@@ -376,7 +435,7 @@ class Scheduler:
                 f"key already has {rq.by_key[key]} requests waiting on route {route}",
                 self.retry_after(rq, now),
             )
-        t = Ticket(next(self._seq), route, key, priority, now, pinned_node=pinned_node, on_wake=on_wake)
+        t = Ticket(next(self._seq), route, key, priority, now, pinned_node=pinned_node, on_wake=on_wake, cost=cost)
         # A free slot and nobody ahead: straight through, even when max_queue_depth is 0.
         if not rq.waiting:
             node = self.choose_node(rq, t, now)
@@ -483,9 +542,12 @@ class Scheduler:
     # -- leases ----------------------------------------------------------------------------
     def _lease(self, rq: RouteQueue, t: Ticket, node: str, now: float) -> Lease:
         trial = self.nodes[node].on_dispatch(now)
-        lease = Lease(t, rq.name, node, now, trial)
+        lease = Lease(t, rq.name, node, now, trial, cost=t.cost)
         rq.inflight[node] += 1
         self.node_inflight[node] += 1
+        if t.cost:
+            rq.capacity_used += t.cost
+            self.capacity_used[node] = self.capacity_used.get(node, 0.0) + t.cost
         t.state = LEASED
         t.lease = lease
         return lease
@@ -499,13 +561,15 @@ class Scheduler:
             if len(active) > 1:
                 active.sort(key=lambda r: (r.waiting.peek(now) or _NEVER).enqueued_at)
             for rq in active:
-                t = rq.waiting.peek(now)
-                if t is None:
+                picked = self._pick(rq, now)
+                if picked is None:
                     continue
-                node = self.choose_node(rq, t, now)
-                if node is None:
-                    continue
-                rq.waiting.pop(now)
+                t, node, head = picked
+                if t is head:
+                    rq.waiting.pop(now)  # pop, not remove: a fair queue moves on to the next key
+                else:
+                    rq.waiting.remove(t)
+                    head.bypassed = min(head.bypassed + 1, rq.cfg.max_bypass)
                 rq.by_key[t.key] -= 1
                 if rq.by_key[t.key] <= 0:
                     del rq.by_key[t.key]
@@ -518,6 +582,33 @@ class Scheduler:
             active = [rq for rq in active if rq.waiting]
         return made
 
+    def _pick(self, rq: RouteQueue, now: float) -> tuple[Ticket, str, Ticket] | None:
+        """The ticket that goes next and its node, with the head it was picked for.
+
+        The head if it fits somewhere; else (backfill) the first later ticket in strategy order
+        that fits, on a node not held for a head already passed over ``max_bypass`` times."""
+        head = rq.waiting.peek(now)
+        if head is None:
+            return None
+        node = self.choose_node(rq, head, now)
+        if node is not None:
+            return head, node, head
+        if not self.costed(rq):
+            return None
+        blocked: frozenset[str] = frozenset()
+        if head.bypassed >= rq.cfg.max_bypass:
+            blocked = frozenset(n for n in rq.all_nodes if self.could_hold(self.nodes.get(n), head.cost))
+        # The scan is for cost only: when no open node has a free slot, nothing later fits either.
+        if not any(n not in blocked and self.can_take(rq, n, now) for n in rq.all_nodes):
+            return None
+        for t in rq.waiting.order(now):
+            if t is head:
+                continue
+            node = self.choose_node(rq, t, now, blocked)
+            if node is not None:
+                return t, node, head
+        return None
+
     def release(self, lease: Lease, now: float, service_time: float | None) -> None:
         """Free the slot; idempotent so that every exit path may call it."""
         if lease.released:
@@ -528,11 +619,15 @@ class Scheduler:
             rq.inflight[lease.node] -= 1
             if rq.inflight[lease.node] <= 0:
                 del rq.inflight[lease.node]
+            rq.capacity_used = rq.capacity_used - lease.cost if rq.inflight else 0.0  # 0 again: no float drift
             if service_time is not None:
                 rq.observe(service_time)
         self.node_inflight[lease.node] -= 1
         if self.node_inflight[lease.node] <= 0:
             del self.node_inflight[lease.node]
+            self.capacity_used.pop(lease.node, None)
+        elif lease.cost:
+            self.capacity_used[lease.node] -= lease.cost
         ns = self.nodes.get(lease.node)
         if ns is not None and lease.trial and ns.trial_in_flight:
             # The trial ended without a verdict (e.g. cancelled): let another one run.
@@ -571,6 +666,16 @@ class Scheduler:
                 changes.append((rq.name, rq.mode, mode))
                 rq.mode = mode
         return changes
+
+
+def ramped_capacity(ns: NodeState, now: float) -> float:
+    """The node's capacity now: during slow start it climbs linearly from 0, as the slots do."""
+    full = ns.cfg.capacity
+    assert full is not None
+    ss = ns.breaker_cfg.slow_start_sec
+    if ns.recovered_at is None or ss <= 0:
+        return full
+    return full * min(1.0, max(0.0, (now - ns.recovered_at) / ss))
 
 
 _NEVER = Ticket(0, "", "", 0, math.inf)

@@ -28,6 +28,7 @@ from kilolined.limits import Budgets, RateLimiter
 from kilolined.metrics import Metrics
 from kilolined.nodes import NodeState
 from kilolined.queue import RouteQueue, Scheduler, Ticket
+from kilolined.routing import Router
 from kilolined.stats import Stats
 from kilolined.upstream import NodePool
 
@@ -38,21 +39,6 @@ PUMP_SEC = 0.05
 
 class ConfigRefused(ConfigError):
     """A component refused a new config: the reload changes nothing."""
-
-
-class Router:
-    """Longest path prefix on a segment boundary wins: /comfy matches /comfy and /comfy/x, not /comfyx."""
-
-    def __init__(self, routes: dict[str, str]):
-        self._by_len = sorted(routes.items(), key=lambda kv: -len(kv[0]))
-
-    def match(self, path: str) -> tuple[str, str] | None:
-        for prefix, name in self._by_len:
-            if prefix == "/":
-                return name, path
-            if path == prefix or path.startswith(prefix + "/"):
-                return name, path[len(prefix) :] or "/"
-        return None
 
 
 @dataclass(frozen=True)
@@ -148,7 +134,7 @@ class Runtime:
         for name, rq in sched.routes.items():
             if name not in cfg.routes and not name.startswith("adhoc:"):
                 rq.retired = True
-        self.router = Router({r.path: n for n, r in cfg.routes.items()})
+        self.router = Router(cfg.routes)
         for name in cfg.routes:
             # Counters exist at 0 from the start, so dashboards and alerts see "none yet", not "absent".
             self.metrics.failovers.labels(name)
@@ -307,8 +293,9 @@ class Runtime:
         # A mode change can make standbys usable.
         self.scheduler.dispatch(now)
 
-    def admit(self, route: str, key: str, priority: int, *, pinned_node: str | None = None) -> Ticket:
-        return self.leases.admit(route, key, priority, self.clock(), pinned_node=pinned_node)
+    def admit(self, route: str, key: str, priority: int, *, pinned_node: str | None = None,
+              cost: float = 0.0) -> Ticket:
+        return self.leases.admit(route, key, priority, self.clock(), pinned_node=pinned_node, cost=cost)
 
     # --- node results -------------------------------------------------------------------
     def node_success(self, node: str, trial: bool) -> None:

@@ -28,6 +28,7 @@ def route_snapshot(sched: Scheduler, rq: RouteQueue, now: float) -> dict[str, An
         "max_concurrency": rq.cfg.max_concurrency,
         "nodes": list(rq.cfg.nodes),
         "standby": list(rq.cfg.standby),
+        "capacity_used": round(rq.capacity_used, 3),
     }
 
 
@@ -71,7 +72,9 @@ def state(rt: Runtime) -> dict[str, Any]:
                     "latency_ms": list(ns.latencies[-20:]),
                     # Slow start (docs/CONFIG.md, breaker.slow_start_sec): slots climbs to full_slots.
                     "full_slots": full, "ramping": left is not None,
-                    "full_in_sec": None if left is None else round(left, 1)}
+                    "full_in_sec": None if left is None else round(left, 1),
+                    # Cost and capacity (docs/CONFIG.md#cost-and-capacity): None when the node has no capacity.
+                    "capacity": ns.cfg.capacity, "capacity_used": round(sched.capacity_used.get(n, 0.0), 3)}
     return {
         "config": {"version": rt.version, "loaded_at": rt.loaded_at, "last_error": rt.last_error},
         "routes": routes,

@@ -191,6 +191,11 @@ def test_demo_once_shows_the_crash_and_the_rescue() -> None:
     assert "http://127.0.0.1" not in out.split("3) Spot interruption")[1], out
     assert "Admin key" not in out and "/dashboard" not in out
     assert "--once: the gateway stops here" in out
+    # The mixed burst: fixed slots for throughput run the card out of memory, cost-aware admission does not.
+    mixed = out.split("4) A mixed burst")[1]
+    fast, cost_aware = mixed.split("(for throughput)")[1].split("cost-aware")
+    assert "oom_count=0" not in fast
+    assert "24/24 served, oom_count=0" in cost_aware
 
 
 MARKER = "SECRET-PAYLOAD-7f3a9c"

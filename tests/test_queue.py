@@ -9,9 +9,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kilolined.config import BreakerConfig, HealthConfig, NodeConfig, RouteConfig
+from kilolined.config import BreakerConfig, HealthConfig, NodeConfig, RequestCostConfig, RouteConfig
 from kilolined.nodes import NodeState
-from kilolined.queue import DONE, FAILED, LEASED, WAITING, Rejected, RouteQueue, Scheduler, Ticket
+from kilolined.queue import DONE, EPS, FAILED, LEASED, WAITING, Rejected, RouteQueue, Scheduler, Ticket, ramped_capacity
 
 # --- helpers ------------------------------------------------------------------------------------
 
@@ -510,6 +510,7 @@ def setups(draw: st.DrawFn) -> tuple[dict[str, RouteConfig], list[NodeState]]:
         nodes.append(NodeState(n, NodeConfig(
             url=f"http://10.0.0.1:{NODE_NAMES.index(n) + 1}",
             max_concurrency=draw(st.one_of(st.none(), st.integers(1, 4))),
+            capacity=draw(st.sampled_from([None, 4.0, 10.0, 24.0])),
             health=HealthConfig(fall=1, rise=1),
             breaker=BreakerConfig(consecutive_failures=2, open_sec=3, max_open_sec=12,
                                   slow_start_sec=draw(st.sampled_from([0, 5]))),
@@ -526,12 +527,15 @@ def setups(draw: st.DrawFn) -> tuple[dict[str, RouteConfig], list[NodeState]]:
             strategy=draw(st.sampled_from(["fifo", "fifo_fair_lease", "priority"])),
             max_queued_per_key=draw(st.sampled_from([None, None, 2, 10])),
             retry_on_failover=1,
+            cost=draw(st.sampled_from([None, RequestCostConfig(base=1)])),
+            max_bypass=draw(st.sampled_from([0, 1, 8])),
         )
     return routes, nodes
 
 
 _OP_ARGS: dict[str, st.SearchStrategy[tuple[Any, ...]]] = {
-    "admit": st.tuples(st.just("admit"), st.integers(0, 2), st.sampled_from(sorted(KEYS))),
+    "admit": st.tuples(st.just("admit"), st.integers(0, 2), st.sampled_from(sorted(KEYS)),
+                       st.sampled_from([0.0, 0.5, 2.0, 3.5, 8.0, 30.0])),
     "cancel": st.tuples(st.just("cancel"), st.integers(0, 10_000)),
     "advance": st.tuples(st.just("advance"), st.floats(0, 4, allow_nan=False)),
     "complete": st.tuples(st.just("complete"), st.integers(0, 10_000), st.booleans()),
@@ -546,11 +550,27 @@ _OP_KINDS = ["admit"] * 6 + ["complete"] * 3 + ["requeue", "requeue", "cancel", 
 OPS = st.sampled_from(_OP_KINDS).flatmap(lambda k: _OP_ARGS[k])
 
 
+class CheckedScheduler(Scheduler):
+    """Checks the capacity rule at the moment each lease is made (several may be made at once)."""
+
+    def _lease(self, rq: RouteQueue, t: Ticket, node: str, now: float) -> Any:
+        ns = self.nodes[node]
+        if ns.cfg.capacity is not None:
+            held = self.capacity_used.get(node, 0.0)
+            # Within the (ramped) capacity, or the ramp's one request on a node that holds none.
+            assert held + t.cost <= ramped_capacity(ns, now) + EPS or (held <= EPS and t.cost <= ns.cfg.capacity)
+        return super()._lease(rq, t, node, now)
+
+
 class Model:
     """Drives a Scheduler like the Runtime does and checks its invariants after every step."""
 
     def __init__(self, routes: dict[str, RouteConfig], nodes: list[NodeState]):
-        self.s = make(routes, nodes)
+        self.s = CheckedScheduler()
+        for ns in nodes:
+            self.s.nodes[ns.name] = ns
+        for name, cfg in routes.items():
+            self.s.routes[name] = RouteQueue(name, cfg)
         self.now = 0.0
         self.tickets: list[Ticket] = []
         self.outcomes: dict[int, list[str]] = {}
@@ -584,9 +604,15 @@ class Model:
             route = f"r{op[1]}"
             rq = s.routes[route]
             depth, by_key = len(rq.waiting), rq.by_key[op[2]]
+            cost = op[3] if rq.cfg.cost is not None else 0.0
             try:
-                t = s.admit(route, op[2], KEYS[op[2]], now, on_wake=self.on_wake)
+                t = s.admit(route, op[2], KEYS[op[2]], now, on_wake=self.on_wake, cost=cost)
             except Rejected as r:
+                caps = [s.nodes[n].cfg.capacity for n in rq.all_nodes]
+                if r.type == "exceeds_capacity":
+                    assert r.status == 422 and None not in caps and cost > max(caps)  # type: ignore[type-var]
+                    return
+                assert None in caps or cost <= max(caps), "a request no node can hold was queued"  # type: ignore[type-var]
                 assert r.type == "queue_full" and r.retry_after is not None and r.retry_after >= 1
                 cfg = rq.cfg
                 per_key = cfg.max_queued_per_key is not None and by_key >= cfg.max_queued_per_key
@@ -661,8 +687,11 @@ class Model:
         self.check(before, woken_before)
 
     def check_prefix(self, before_order: dict[str, list[Ticket]], before: dict[int, str]) -> None:
-        """With the clock still, the tickets that leave a queue for a slot are its first positions."""
+        """With the clock still, the tickets that leave a queue for a slot are its first positions
+        (unless costs let a later one fit first: backfill)."""
         for route, order in before_order.items():
+            if self.s.costed(self.s.routes[route]):
+                continue
             got = [t for t in self.wake_order if t.route == route and t.state == LEASED
                    and before.get(t.seq) == WAITING]
             assert got == order[: len(got)], f"{route}: dispatched out of position order"
@@ -687,6 +716,20 @@ class Model:
         for n, c in per_node.items():
             cap = s.nodes[n].cfg.max_concurrency
             assert cap is None or c <= cap
+        # in-flight cost: counted exactly, never above a node's capacity
+        node_cost: Counter[str] = Counter()
+        route_cost: Counter[str] = Counter()
+        for t in live:
+            assert t.lease is not None and t.lease.cost == t.cost
+            node_cost[t.lease.node] += t.cost
+            route_cost[t.lease.route] += t.cost
+        for n in s.nodes:
+            assert abs(s.capacity_used.get(n, 0.0) - node_cost[n]) < 1e-6
+            capacity = s.nodes[n].cfg.capacity
+            assert capacity is None or node_cost[n] <= capacity + EPS, "in-flight cost above capacity"
+        for name, rq in s.routes.items():
+            assert abs(rq.capacity_used - route_cost[name]) < 1e-6
+            assert all(t.bypassed <= rq.cfg.max_bypass for t in self.tickets if t.route == name)
         # waiting tickets: each in exactly one queue, exactly once; counters agree
         for name, rq in s.routes.items():
             order = list(rq.waiting.order(now))
@@ -720,8 +763,9 @@ class Model:
             if ns.cfg.max_concurrency is not None:
                 assert s.node_inflight[lease.node] <= ns.effective(ns.cfg.max_concurrency, now)
             if lease.node in rq.cfg.standby and not t.avoid:
-                assert not any(s.nodes[p].available(now) for p in rq.cfg.nodes), "standby used while a primary could"
-            if t.seq not in self.first_leased:
+                assert not any(s.nodes[p].available(now) and s.could_hold(s.nodes[p], t.cost)
+                               for p in rq.cfg.nodes), "standby used while a primary could"
+            if t.seq not in self.first_leased and not s.costed(rq):
                 self.first_leased.add(t.seq)
                 older = [o for o in self.tickets if o.route == t.route and o.key == t.key and o.seq < t.seq
                          and o.state == WAITING and o.seq not in self.first_leased]
@@ -797,3 +841,143 @@ def test_fifo_within_a_key_and_nothing_lost(strategy: str, arrivals: list[tuple[
         seqs = [t.seq for t in served if t.key == k]
         assert seqs == sorted(seqs)
     assert not +s.node_inflight and len(s.routes["r"].waiting) == 0
+
+
+# --- cost and capacity (docs/CONFIG.md, "Cost and capacity") ------------------------------------
+
+
+def cnode(name: str, capacity: float | None, **kw: Any) -> NodeState:
+    return node(name, capacity=capacity, **kw)
+
+
+def crcfg(nodes: list[str] | None = None, **kw: Any) -> RouteConfig:
+    kw.setdefault("max_concurrency", 8)
+    kw.setdefault("cost", RequestCostConfig(base=1))
+    return rcfg(nodes, **kw)
+
+
+def test_a_node_takes_requests_while_their_costs_fit() -> None:
+    s = make({"r": crcfg(["a"])}, [cnode("a", 10)])
+    t1, t2, t3 = (admit(s, "r", "k", cost=c) for c in (6, 5, 5))
+    assert (t1.state, t2.state, t3.state) == (LEASED, WAITING, WAITING)
+    assert s.capacity_used["a"] == 6 and s.routes["r"].capacity_used == 6
+    finish(s, t1, 1.0)
+    assert (t2.state, t3.state) == (LEASED, LEASED)  # 5 + 5 fit in 10
+    assert s.capacity_used["a"] == 10
+
+
+def test_exceeds_capacity_is_refused_at_once_naming_cost_and_capacity() -> None:
+    s = make({"r": crcfg(["a"], standby=["b"])}, [cnode("a", 10), cnode("b", 22)])
+    with pytest.raises(Rejected) as e:
+        admit(s, "r", "k", cost=23)
+    assert (e.value.status, e.value.type) == (422, "exceeds_capacity")
+    assert "23" in e.value.message and "22" in e.value.message
+    assert admit(s, "r", "k", cost=22).state == LEASED  # the standby can hold it: a too-small primary is skipped
+
+
+def test_a_node_without_capacity_never_refuses_by_cost() -> None:
+    s = make({"r": crcfg(["a", "b"])}, [cnode("a", 10), cnode("b", None)])
+    t = admit(s, "r", "k", cost=1000)
+    assert t.state == LEASED and t.lease is not None and t.lease.node == "b"
+
+
+def test_routes_without_cost_ignore_capacity() -> None:
+    s = make({"c": crcfg(["a"]), "free": rcfg(["a"], max_concurrency=4)}, [cnode("a", 10)])
+    admit(s, "c", "k", cost=10)
+    assert all(admit(s, "free", "k").state == LEASED for _ in range(4))
+
+
+def test_backfill_lets_a_small_request_pass_a_head_that_does_not_fit() -> None:
+    s = make({"r": crcfg(["a"], strategy="fifo")}, [cnode("a", 10)])
+    first = admit(s, "r", "k", cost=6)
+    big = admit(s, "r", "k", cost=8)
+    small = admit(s, "r", "k", cost=3)
+    assert (first.state, big.state, small.state) == (LEASED, WAITING, LEASED)
+    assert big.bypassed == 1
+
+
+def test_a_head_passed_over_max_bypass_times_is_not_passed_again() -> None:
+    s = make({"r": crcfg(["a"], strategy="fifo", max_bypass=2)}, [cnode("a", 10)])
+    running = admit(s, "r", "k", cost=6)
+    big = admit(s, "r", "k", cost=8)
+    smalls = [admit(s, "r", "k", cost=1) for _ in range(5)]
+    assert [t.state for t in smalls] == [LEASED, LEASED, WAITING, WAITING, WAITING]
+    assert big.bypassed == 2
+    for t in smalls[:2]:
+        finish(s, t, 1.0)
+    assert [t.state for t in smalls[2:]] == [WAITING] * 3  # room for a 1, but the node waits for the head
+    finish(s, running, 2.0)
+    assert big.state == LEASED  # 8 fits now; then the smalls backfill again
+    assert [t.state for t in smalls[2:]] == [LEASED, LEASED, WAITING]
+
+
+def test_a_held_head_does_not_block_nodes_that_could_never_hold_it() -> None:
+    s = make({"r": crcfg(["a", "b"], strategy="fifo", max_bypass=0)}, [cnode("a", 10), cnode("b", 4)])
+    admit(s, "r", "k", cost=6)  # on a
+    big = admit(s, "r", "k", cost=8)
+    small = admit(s, "r", "k", cost=2)
+    assert big.state == WAITING
+    assert small.state == LEASED and small.lease is not None and small.lease.node == "b"
+
+
+def test_capacity_ramps_during_slow_start() -> None:
+    ns = cnode("a", 20, health=HealthConfig(fall=1, rise=1), breaker=BreakerConfig(slow_start_sec=10))
+    s = make({"r": crcfg(["a"])}, [ns])
+    ns.record_check(False, 0.0, None, "down")
+    ns.record_check(True, 0.0, 1.0, None)  # recovered at t=0
+    assert ramped_capacity(ns, 5.0) == 10
+    t1 = admit(s, "r", "k", 5.0, cost=15)
+    assert t1.state == LEASED  # a node holding nothing takes one request that fits its full capacity
+    t2 = admit(s, "r", "k", 5.0, cost=1)
+    assert t2.state == WAITING  # 16 > 10 while ramping
+    s.dispatch(9.5)
+    assert t2.state == LEASED  # 16 ≤ 19 at 95 %
+
+
+def test_release_returns_capacity_exactly() -> None:
+    s = make({"r": crcfg(["a"], max_concurrency=10)}, [cnode("a", 1)])
+    ts = [admit(s, "r", "k", cost=0.1) for _ in range(10)]
+    assert all(t.state == LEASED for t in ts)
+    for t in ts:
+        finish(s, t, 1.0)
+    assert "a" not in s.capacity_used and s.routes["r"].capacity_used == 0
+
+
+@settings(max_examples=200, deadline=None)
+@given(costs=st.lists(st.sampled_from([0.5, 1.0, 2.0, 5.0, 9.0, 10.0]), min_size=1, max_size=40),
+       max_bypass=st.integers(0, 4), strategy=st.sampled_from(["fifo", "fifo_fair_lease"]),
+       finish_order=st.randoms(use_true_random=False))
+def test_a_passed_over_head_waits_at_most_max_bypass_dispatches(costs: list[float], max_bypass: int,
+                                                                strategy: str, finish_order: Any) -> None:
+    """One node of capacity 10, mixed costs, completions in random order: every lease made while
+    another ticket was the head counts against that head; no head is passed more than max_bypass
+    times, capacity is never exceeded, and everything is served."""
+    s = make({"r": crcfg(["a"], strategy=strategy, max_bypass=max_bypass, max_queue_depth=1000,
+                         queue_timeout_sec=1e6)}, [cnode("a", 10)])
+    rq = s.routes["r"]
+    passes: Counter[int] = Counter()
+    head: list[Ticket | None] = [None]  # the head just before each lease
+
+    def on_wake(t: Ticket) -> None:
+        # Called inside dispatch right after the lease: the queue is already as it left it.
+        h = head[0]
+        if h is not None and t is not h:
+            passes[h.seq] += 1
+        head[0] = rq.waiting.peek(0.0)
+
+    def step(fn: Any) -> None:
+        head[0] = rq.waiting.peek(0.0)
+        fn()
+        assert s.capacity_used.get("a", 0.0) <= 10 + EPS
+
+    tickets: list[Ticket] = []
+    for i, c in enumerate(costs):
+        step(lambda c=c, i=i: tickets.append(s.admit("r", f"k{i % 3}", 0, 0.0, cost=c, on_wake=on_wake)))
+    for _ in range(10 * len(costs)):
+        live = [t for t in tickets if t.state == LEASED]
+        if not live:
+            break
+        t = finish_order.choice(live)
+        step(lambda t=t: finish(s, t, 0.0))
+    assert all(t.state == DONE for t in tickets)
+    assert max(passes.values(), default=0) <= max_bypass

@@ -125,12 +125,14 @@ class ClusterLeases:
         return await self._scripts[name](args=[self.prefix, self.inst, *args])
 
     # --- the LeaseStore calls ---------------------------------------------------------------
-    def admit(self, route: str, key: str, priority: int, now: float, *, pinned_node: str | None = None) -> Ticket:
+    def admit(self, route: str, key: str, priority: int, now: float, *, pinned_node: str | None = None,
+              cost: float = 0.0) -> Ticket:
+        # Cost-aware capacity is per gateway for now: the cluster scripts count slots, not costs.
         if not self.view.redis_up:
-            t = self.sched.admit(route, key, priority, now, pinned_node=pinned_node)
+            t = self.sched.admit(route, key, priority, now, pinned_node=pinned_node, cost=cost)
             self._local.add(t)
             return t
-        t = Ticket(next(self._seq), route, key, priority, now, pinned_node=pinned_node)
+        t = Ticket(next(self._seq), route, key, priority, now, pinned_node=pinned_node, cost=cost)
         t.deadline = now + self.sched.routes[route].cfg.queue_timeout_sec
         return t
 

@@ -1,6 +1,7 @@
 """The simulated card behind `kilolined fakegpu` (docs/CONFIG.md, "The simulated GPU").
 
-It behaves like a rented 24 GB card: every running job holds `job_vram_gb`, and the job that
+It behaves like a rented 24 GB card: every running job holds `job_vram_gb` (with
+`capacity_mode="request"`: what its request implies, from the kind's backend), and the job that
 would push the total past `vram_gb` makes every running job fail with "CUDA out of memory";
 then the "process" dies (listener closed, every connection reset) for `crash_sec` and comes back
 on the same port. That is what an unprotected GPU does under a burst, and what the gateway must
@@ -90,6 +91,8 @@ class Card:
         api_key: str | None = None,
         ctx_size: int = 4096,
         progress_min_sec: float = 0.0,
+        capacity_mode: str = "fixed",
+        models: list[str] | None = None,
     ) -> None:
         if not (is_number(vram_gb) and vram_gb > 0 and is_number(job_vram_gb) and job_vram_gb >= 0):
             raise ValueError("vram_gb must be > 0 and job_vram_gb >= 0")
@@ -99,7 +102,11 @@ class Card:
             raise ValueError("crash_sec must be >= 0 and parallel an int >= 0")
         if not (is_int(ctx_size) and ctx_size >= 1 and is_number(progress_min_sec) and progress_min_sec >= 0):
             raise ValueError("ctx_size must be an int >= 1 and progress_min_sec a number >= 0")
+        if capacity_mode not in ("fixed", "request"):
+            raise ValueError("capacity_mode must be fixed or request")
         self.kind = kind
+        self.capacity_mode = capacity_mode
+        self.models = list(models) if models else None  # openai: the model ids it lists (default: one)
         self.host = host
         self.port = port
         self.vram_gb = float(vram_gb)
@@ -117,6 +124,8 @@ class Card:
         self._running: set[Job] = set()
         self._counters: dict[str, int] = dict.fromkeys(COUNTERS, 0)
         self._max_concurrent = 0
+        self._peak_vram = 0.0
+        self._oom_alloc = self.job_vram_gb  # what the job that overflowed tried to allocate
         self._hanging = 0
         self._next_job_id = 0
         self._requests: deque[dict[str, Any]] = deque(maxlen=REQUEST_LOG_SIZE)
@@ -163,7 +172,9 @@ class Card:
             "kind": self.kind,
             "port": self.port,
             "vram_gb": self.vram_gb,
-            "vram_used_gb": self.vram_used_gb,
+            "vram_used_gb": round(self.vram_used_gb, 3),
+            "peak_vram_gb": round(self._peak_vram, 3),
+            "capacity_mode": self.capacity_mode,
             **self.backend.extra_stats(),
         }
 
@@ -182,6 +193,7 @@ class Card:
         """Zero the counters; max_concurrent restarts from what is running now."""
         self._counters = dict.fromkeys(COUNTERS, 0)
         self._max_concurrent = len(self._running)
+        self._peak_vram = self.vram_used_gb
         self._requests.clear()
 
     async def start(self) -> None:
@@ -227,15 +239,19 @@ class Card:
 
     # ----------------------------------------------------------------- the card: jobs and VRAM
 
-    def begin_job(self) -> Job:
-        """Allocate VRAM for a job. On overflow the job comes back already failed ("oom")."""
+    def begin_job(self, vram_gb: float | None = None) -> Job:
+        """Allocate VRAM for a job. On overflow the job comes back already failed ("oom").
+
+        ``vram_gb`` is what the request implies; it counts only with ``capacity_mode="request"``."""
         self._next_job_id += 1
-        job = Job(self._next_job_id, self.job_vram_gb)
+        need = vram_gb if vram_gb is not None and self.capacity_mode == "request" else self.job_vram_gb
+        job = Job(self._next_job_id, need)
         if self._crashed:
             job.reason = "oom"
             job.stop.set()
             return job
         if self.vram_used_gb + job.vram_gb > self.vram_gb + 1e-9:
+            self._oom_alloc = job.vram_gb
             victims = [*self._running, job]
             for victim in victims:
                 victim.reason = "oom"
@@ -246,6 +262,7 @@ class Card:
             return job
         self._running.add(job)
         self._max_concurrent = max(self._max_concurrent, len(self._running))
+        self._peak_vram = max(self._peak_vram, self.vram_used_gb)
         return job
 
     async def work(self, job: Job, seconds: float) -> bool:
@@ -288,7 +305,7 @@ class Card:
     def oom_message(self) -> str:
         free = max(self.vram_gb - self.vram_used_gb, 0.0)
         return (
-            f"CUDA out of memory. Tried to allocate {self.job_vram_gb:.2f} GiB. GPU 0 has a total "
+            f"CUDA out of memory. Tried to allocate {self._oom_alloc:.2f} GiB. GPU 0 has a total "
             f"capacity of {self.vram_gb:.2f} GiB of which {free:.2f} GiB is free."
         )
 

@@ -32,6 +32,7 @@ from urllib.parse import urlsplit
 
 from aiohttp import WSMsgType, web
 
+from kilolined.costs import megapixels
 from kilolined.fakegpu import comfy_jobs
 from kilolined.fakegpu.base import GIB, Job, is_int
 from kilolined.fakegpu.card import Backend
@@ -52,6 +53,8 @@ if TYPE_CHECKING:
     from kilolined.fakegpu.card import Card
 
 VERSION = "0.19.3"
+# capacity_mode="request": what an SDXL-class job holds (docs/CONFIG.md, "The simulated GPU")
+COMFY_BASE_GB, COMFY_GB_PER_MEGAPIXEL = 4.0, 1.5
 HISTORY_CAP = 10000  # ComfyUI's own cap
 IMAGE_CAP = 10000
 LOOPBACK_NAMES = frozenset({"localhost", "127.0.0.1", "::1"})
@@ -297,7 +300,8 @@ class ComfyBackend(Backend):
         ):
             prompt = min(self.pending, key=lambda p: (p.number, p.seq))
             self.pending.remove(prompt)
-            prompt.job = gpu.begin_job()  # may trigger the OOM crash; the loop then stops
+            # may trigger the OOM crash; the loop then stops
+            prompt.job = gpu.begin_job(COMFY_BASE_GB + COMFY_GB_PER_MEGAPIXEL * megapixels(prompt.graph))
             self.running.append(prompt)
             self.queue_updated()  # started: ComfyUI's second status of a prompt
             task = asyncio.get_running_loop().create_task(self._run(prompt))

@@ -37,7 +37,8 @@ class GenericBackend(Backend):
         steps, step_ms = body.get("steps", gpu.steps), body.get("step_ms", gpu.step_ms)
         if not (is_int(steps) and steps >= 0 and is_number(step_ms) and step_ms >= 0):
             return self.error_response(400, "steps must be an int >= 0 and step_ms a number >= 0")
-        job = gpu.begin_job()
+        vram = body.get("vram_gb")
+        job = gpu.begin_job(float(vram) if is_number(vram) and vram >= 0 else None)
         outcome: str | None = None
         try:
             if body.get("stream") is True:

@@ -27,6 +27,7 @@ if TYPE_CHECKING:
     from kilolined.fakegpu.base import Job
 
 MODEL_ID = "fake-llm"
+KV_GB_PER_TOKEN = 0.00032  # capacity_mode="request": Llama-3.3-70B's ~320 KB of KV cache per token
 WORDS = ("The", " quick", " brown", " fox", " jumps", " over", " the", " lazy", " dog", ".")
 ERROR_TYPES = {
     400: "invalid_request_error",
@@ -100,21 +101,25 @@ class OpenAIBackend(Backend):
         self.gpu.count("auth_rejects")
         return llama_error(401, "Invalid API Key", "authentication_error")
 
-    def _model_card(self) -> dict[str, Any]:
-        return {"id": MODEL_ID, "object": "model", "created": self.gpu.started_at, "owned_by": "kiloline"}
+    @property
+    def model_ids(self) -> list[str]:
+        return self.gpu.models or [MODEL_ID]
+
+    def _model_card(self, model_id: str = MODEL_ID) -> dict[str, Any]:
+        return {"id": model_id, "object": "model", "created": self.gpu.started_at, "owned_by": "kiloline"}
 
     async def health(self, request: web.Request) -> web.Response:
         return await self.gpu.health(request, lambda: web.json_response({"status": "ok"}))
 
     async def models(self, request: web.Request) -> web.Response:
-        return web.json_response({"object": "list", "data": [self._model_card()]})
+        return web.json_response({"object": "list", "data": [self._model_card(m) for m in self.model_ids]})
 
     async def model(self, request: web.Request) -> web.Response:
         """`GET /v1/models/{id}` (the SDK's `models.retrieve`); answered at once, no GPU work."""
         model_id = request.match_info["model_id"]
-        if model_id != MODEL_ID:
+        if model_id not in self.model_ids:
             return openai_error(404, f"The model '{model_id}' does not exist", "model")
-        return web.json_response(self._model_card())
+        return web.json_response(self._model_card(model_id))
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
         gpu = self.gpu
@@ -147,7 +152,7 @@ class OpenAIBackend(Backend):
             finish_reason="length" if max_tokens is not None else "stop",
             include_usage=isinstance(stream_options, dict) and stream_options.get("include_usage") is True,
         )
-        job = gpu.begin_job()
+        job = gpu.begin_job(KV_GB_PER_TOKEN * (prompt_tokens + (max_tokens if max_tokens is not None else gpu.steps)))
         outcome: str | None = None
         try:
             if body.get("stream") is True:
