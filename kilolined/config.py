@@ -51,7 +51,9 @@ DEFAULT_UNQUEUED: dict[str, list[str]] = {
         "GET /api/prompt",
         "/api/ws",
     ],
-    "openai": ["/v1/models", "/v1/models/*", "/health", "/models"],
+    # Model lists and health: never GPU work (the SDK's models.retrieve is /v1/models/{id}); the
+    # /models forms are what a route with strip_path: true sees.
+    "openai": ["/v1/models", "/v1/models/*", "/health", "/v1/health", "/models", "/models/*"],
     "generic": [],
 }
 
@@ -228,6 +230,8 @@ class RouteConfig(_Model):
     retry_on_failover: Annotated[int, Field(ge=0)] = 1
     expected_duration_sec: Annotated[float, Field(gt=0)] | None = None
     unqueued_paths: list[str] | None = None
+    #: cut ``path`` off before forwarding (nginx's proxy_pass with a URI); None = the kind's default
+    strip_path: bool | None = None
 
     @field_validator("path")
     @classmethod
@@ -239,6 +243,14 @@ class RouteConfig(_Model):
     @property
     def unqueued(self) -> list[str]:
         return self.unqueued_paths if self.unqueued_paths is not None else DEFAULT_UNQUEUED[self.kind]
+
+    @property
+    def strips_path(self) -> bool:
+        """OpenAI clients' base URL ends in /v1 and a node's url is the server's root (vLLM serves
+        nothing without /v1): an openai route at .../v1 forwards the whole path by default."""
+        if self.strip_path is not None:
+            return self.strip_path
+        return not (self.kind == "openai" and self.path.endswith("/v1"))
 
 
 class TelegramConfig(_Model):

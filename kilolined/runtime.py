@@ -40,12 +40,13 @@ class ConfigRefused(ConfigError):
 class Router:
     """Longest path prefix on a segment boundary wins: /comfy matches /comfy and /comfy/x, not /comfyx."""
 
-    def __init__(self, routes: dict[str, str]):
+    def __init__(self, routes: dict[str, str], keep_prefix: frozenset[str] = frozenset()):
         self._by_len = sorted(routes.items(), key=lambda kv: -len(kv[0]))
+        self._keep = keep_prefix  # prefixes of routes with strip_path: false (the node gets the whole path)
 
     def match(self, path: str) -> tuple[str, str] | None:
         for prefix, name in self._by_len:
-            if prefix == "/":
+            if prefix == "/" or ((path == prefix or path.startswith(prefix + "/")) and prefix in self._keep):
                 return name, path
             if path == prefix or path.startswith(prefix + "/"):
                 return name, path[len(prefix) :] or "/"
@@ -136,7 +137,8 @@ class Runtime:
         for name, rq in sched.routes.items():
             if name not in cfg.routes and not name.startswith("adhoc:"):
                 rq.retired = True
-        self.router = Router({r.path: n for n, r in cfg.routes.items()})
+        self.router = Router({r.path: n for n, r in cfg.routes.items()},
+                             frozenset(r.path for r in cfg.routes.values() if not r.strips_path))
         for name in cfg.routes:
             # Counters exist at 0 from the start, so dashboards and alerts see "none yet", not "absent".
             self.metrics.failovers.labels(name)

@@ -34,7 +34,7 @@ LABEL = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"')
 
 def llm_cfg(fake: Any, **route: Any) -> dict[str, Any]:
     route.setdefault("max_concurrency", 1)
-    cfg = base_config({"o": fake.url + "/v1"}, kind="openai", path="/v1", **route)
+    cfg = base_config({"o": fake.url}, kind="openai", path="/v1", **route)
     cfg["server"]["heartbeat_sec"] = 0.3
     return cfg
 
