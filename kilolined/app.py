@@ -317,7 +317,8 @@ def handler(stages: Sequence[Stage], route: str = "-") -> Callable[[web.Request]
             for stage in stages:
                 resp = await stage(gw, call)
                 if resp is not None:
-                    call.status = resp.status
+                    # A stream that failed after its 200 has set the status it would have had.
+                    call.status = call.status if resp.prepared and call.status else resp.status
                     return resp
             raise AssertionError("the last stage always answers")
         finally:

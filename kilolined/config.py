@@ -64,7 +64,9 @@ DEFAULT_UNQUEUED: dict[str, list[str]] = {
         "/api/internal/*",
         "GET /api/jobs*",
     ],
-    "openai": ["/v1/models", "/v1/models/*", "/health", "/models"],
+    # Model lists and health: never GPU work (the SDK's models.retrieve is /v1/models/{id}); the
+    # /models forms are what a route with strip_path: true sees.
+    "openai": ["/v1/models", "/v1/models/*", "/health", "/v1/health", "/models", "/models/*"],
     "generic": [],
 }
 
@@ -295,6 +297,8 @@ class RouteConfig(_Model):
     cost: RequestCostConfig | None = None
     max_bypass: Annotated[int, Field(ge=0)] = 8  # times a head that does not fit may be passed (backfill)
     match: MatchConfig | None = None  # several routes on one path: the first whose match holds
+    #: cut ``path`` off before forwarding (nginx's proxy_pass with a URI); None = the kind's default
+    strip_path: bool | None = None
 
     @field_validator("path")
     @classmethod
@@ -306,6 +310,14 @@ class RouteConfig(_Model):
     @property
     def unqueued(self) -> list[str]:
         return self.unqueued_paths if self.unqueued_paths is not None else DEFAULT_UNQUEUED[self.kind]
+
+    @property
+    def strips_path(self) -> bool:
+        """OpenAI clients' base URL ends in /v1 and a node's url is the server's root (vLLM serves
+        nothing without /v1): an openai route at .../v1 forwards the whole path by default."""
+        if self.strip_path is not None:
+            return self.strip_path
+        return not (self.kind == "openai" and self.path.endswith("/v1"))
 
 
 class TelegramConfig(_Model):

@@ -114,6 +114,9 @@ class Budgets:
         self.day = ""
         self._day_no = -1
         self.used: dict[str, dict[str, float]] = {}
+        #: tokens promised to dispatched requests whose usage has not arrived (memory only: a
+        #: restart ends those requests too)
+        self.reserved: dict[str, int] = {}
         self.dirty = False
         self._load()
 
@@ -181,6 +184,32 @@ class Budgets:
         u["tokens"] += tokens
         u["gpu_seconds"] += gpu_seconds
         self.dirty = True
+
+    def reserve_tokens(self, key: str, budget: BudgetConfig | None, tokens: int, wall: float) -> int | None:
+        """At dispatch: hold ``tokens`` of the key's token budget until ``release_tokens``.
+
+        Returns what was reserved (0 without a token budget), or None when the reservation does
+        not fit beside what was spent and what other dispatched requests hold: the request must
+        not reach the node. So concurrent requests overshoot only by what a node generates past
+        its reservation."""
+        if budget is None or budget.tokens_per_day is None:
+            return 0
+        spent = self.usage(key, wall)["tokens"]
+        held = self.reserved.get(key, 0)
+        if spent + held + tokens > budget.tokens_per_day:
+            return None
+        self.reserved[key] = held + tokens
+        return tokens
+
+    def release_tokens(self, key: str, tokens: int) -> None:
+        """The request's usage arrived (or it ended without any): its reservation is over."""
+        if tokens <= 0:
+            return
+        left = self.reserved.get(key, 0) - tokens
+        if left > 0:
+            self.reserved[key] = left
+        else:
+            self.reserved.pop(key, None)
 
     def save(self) -> None:
         """Atomic write (temp file + rename) so a crash never leaves a half-written file."""

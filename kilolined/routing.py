@@ -28,14 +28,17 @@ class Router:
         for names in groups.values():
             names.sort(key=lambda n: routes[n].match is None)  # stable: file order, fallback last
         self._by_len = sorted(((p, tuple(ns)) for p, ns in groups.items()), key=lambda kv: -len(kv[0]))
+        # strip_path: false (an openai route at .../v1 by default): the node gets the whole path.
+        self._keep = frozenset(p for p, ns in groups.items() if not routes[ns[0]].strips_path)
 
     def match(self, path: str) -> tuple[tuple[str, ...], str] | None:
-        """The routes of the longest matching prefix (candidates, in order), and the rest of the path."""
+        """The routes of the longest matching prefix (candidates, in order), and the path the node
+        gets: the rest after the prefix, or the whole path when the route keeps it."""
         for prefix, names in self._by_len:
             if prefix == "/":
                 return names, path
             if path == prefix or path.startswith(prefix + "/"):
-                return names, path[len(prefix):] or "/"
+                return names, path if prefix in self._keep else (path[len(prefix):] or "/")
         return None
 
 

@@ -17,6 +17,7 @@ import orjson
 from aiohttp import web
 from multidict import CIMultiDict
 
+from kilolined.adapters.openai import UsageStripper, gateway_added_usage
 from kilolined.call import Call
 from kilolined.lease import LeaseScope
 from kilolined.outcome import Failure, Result
@@ -54,7 +55,9 @@ class SyncSink(ModeSink):
         rt, call = self.rt, self.call
         lease_node = call.node
         node_url = rt.scheduler.nodes[lease_node].cfg.url
-        headers = response_headers(up, node_url, rt.scheduler.routes[scope.route].cfg.path)
+        rcfg = rt.scheduler.routes[scope.route].cfg
+        # A node's redirect comes back through the route: under its path only if the path was cut off.
+        headers = response_headers(up, node_url, rcfg.path if rcfg.strips_path else "/")
         headers.update(call.headers)
         headers["X-Request-Id"] = call.request_id
         headers["X-KiloLine-Node"] = lease_node
@@ -110,11 +113,14 @@ class SyncSink(ModeSink):
 class StreamSink(SyncSink):
     """``"stream": true`` on an openai route (docs/API.md "OpenAI streams")."""
 
-    __slots__ = ("stream",)
+    __slots__ = ("stream", "strip")
 
     def __init__(self, rt: Runtime, call: Call):
         super().__init__(rt, call)
         self.stream: web.StreamResponse | None = None
+        # The usage chunk the gateway asked for on the client's behalf is not the client's.
+        ex = call.exchange
+        self.strip = UsageStripper() if ex is not None and gateway_added_usage(ex) else None
 
     @property
     def tick_sec(self) -> float:  # type: ignore[override]
@@ -181,14 +187,21 @@ class StreamSink(SyncSink):
                 else:
                     message, type_ = node_message(body, up.status)
                     await _write(scope, resp, error_event(type_, message, up.status))
+                    call.status = up.status  # the access log tells what the client really got
                     ok = up.status < 500
                     self.outcome = "ok" if ok else "upstream_error"
             else:
+                strip = self.strip
                 async for chunk in up.content.iter_any():
                     if obs is not None:
                         obs.feed(chunk)
-                    await _write(scope, resp, chunk)
-                    call.bytes_out += len(chunk)
+                    out = strip.feed(chunk) if strip is not None else chunk
+                    if out:
+                        await _write(scope, resp, out)
+                        call.bytes_out += len(out)
+                if strip is not None and (rest := strip.flush()):
+                    await _write(scope, resp, rest)
+                    call.bytes_out += len(rest)
                 ok = True
             scope.ok = ok
             if not ok:
@@ -208,6 +221,7 @@ class StreamSink(SyncSink):
     async def fail(self, f: Failure) -> web.StreamResponse:
         if self.stream is None:
             return await super().fail(f)
+        self.call.status = f.http_status or 502  # the 200 went out; the log tells the truth
         try:
             await self.stream.write(error_event(f.type, f.message, f.http_status or 502))
             await self.stream.write_eof()

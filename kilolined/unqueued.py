@@ -43,7 +43,7 @@ async def forward_unqueued(rt: Runtime, call: Call, rcfg: RouteConfig) -> web.St
         up = await open_upstream(rt.pool(node), ex, ns.cfg.url, ns.cfg.headers, rcfg.request_timeout_sec)
     except UpstreamFailed as e:
         return _failed(call, node, e)
-    headers = response_headers(up, ns.cfg.url, rcfg.path)
+    headers = response_headers(up, ns.cfg.url, rcfg.path if rcfg.strips_path else "/")
     headers["X-Request-Id"] = call.request_id
     headers["X-KiloLine-Node"] = node
     try:

@@ -276,8 +276,10 @@ def gateway_config(a: argparse.Namespace, v1only_url: str, spare_url: str | None
         "llama": {"url": a.llama_url, "headers": node_hdr, "health": {"path": "/health", "interval_sec": 1}},
         "llama-badkey": {"url": a.llama_url, "headers": {"Authorization": "Bearer wrong-node-key"},
                          "health": {"path": "/health", "interval_sec": 1}},
-        "llama-v1only": {"url": v1only_url, "headers": node_hdr,
-                         "health": {"path": "/v1/models", "interval_sec": 1}},
+        # Behind a route with its own prefix, nginx's "proxy_pass with a URI": the prefix is cut
+        # (strip_path: true) and the node's url carries /v1. The shipped /v1 route needs neither.
+        "llama-v1only": {"url": v1only_url + "/v1", "headers": node_hdr,
+                         "health": {"path": "/models", "interval_sec": 1}},
     }
     comfy = {"kind": "comfyui", "nodes": ["comfy"], "max_concurrency": 1, "queue_timeout_sec": 120,
              "request_timeout_sec": 120, "expected_duration_sec": 1}
@@ -288,7 +290,8 @@ def gateway_config(a: argparse.Namespace, v1only_url: str, spare_url: str | None
         "llm": {"path": "/v1", "kind": "openai", "nodes": ["llama"], "max_concurrency": 2,
                 "queue_timeout_sec": 120, "request_timeout_sec": 120},
         "llmbad": {"path": "/bad/v1", "kind": "openai", "nodes": ["llama-badkey"], "max_concurrency": 2},
-        "llmv1": {"path": "/vllm/v1", "kind": "openai", "nodes": ["llama-v1only"], "max_concurrency": 2},
+        "llmv1": {"path": "/vllm/v1", "kind": "openai", "nodes": ["llama-v1only"], "max_concurrency": 2,
+                  "strip_path": True},
     }
     if spare_url:
         nodes["comfy-spare"] = {"url": spare_url, "max_concurrency": 1,
@@ -716,7 +719,7 @@ async def openai_checks(http: aiohttp.ClientSession, direct: aiohttp.ClientSessi
         got, st = f"{type(e).__name__} status {e.status_code}: {short(e.message, 70)}", e.status_code
     rep.add("openai: wrong gateway->node key", "502 upstream_error (not the client's 401)", got, st == 502)
 
-    # 12a. a /v1-only server (vLLM's path set) behind the shipped example's route path /v1
+    # 12a. a /v1-only server (vLLM's path set) behind a prefixed route (strip_path: true, url …/v1)
     v1 = openai.AsyncOpenAI(base_url=gw + "/vllm/v1", api_key=KEYS["alice"], max_retries=0, timeout=30)
     proxy.paths.clear()
     try:
@@ -725,7 +728,8 @@ async def openai_checks(http: aiohttp.ClientSession, direct: aiohttp.ClientSessi
     except openai.APIStatusError as e:
         got = f"{type(e).__name__} {e.status_code}"
     seen = [p for p in proxy.paths if "chat" in p]
-    rep.add("openai: route /vllm/v1 -> a /v1-only server", "node gets /v1/chat/completions; 200",
+    rep.add("openai: route /vllm/v1 (strip_path: true) -> a /v1-only server at url/v1",
+            "node gets /v1/chat/completions; 200",
             f"{got}; node got {seen}", got == "200" and seen == ["/v1/chat/completions"])
 
     # 12b. X-KiloLine-Node on a streamed response

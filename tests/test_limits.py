@@ -223,3 +223,22 @@ def test_save_without_state_dir_or_changes_writes_nothing(tmp_path: Path) -> Non
     b = Budgets(str(tmp_path))
     b.save()
     assert not (tmp_path / "budgets.json").exists()
+
+
+def test_token_reservations_bound_what_concurrent_requests_may_spend() -> None:
+    b = Budgets(None)
+    budget = BudgetConfig(tokens_per_day=100)
+    wall = 1_800_000_000.0
+    assert b.reserve_tokens("k", budget, 40, wall) == 40
+    assert b.reserve_tokens("k", budget, 40, wall) == 40
+    assert b.reserve_tokens("k", budget, 40, wall) is None  # 80 held: 40 more do not fit
+    b.add("k", wall, tokens=30)  # the first one's usage arrived …
+    b.release_tokens("k", 40)  # … and its reservation ends
+    assert b.reserve_tokens("k", budget, 30, wall) == 30  # 30 spent + 40 held + 30 = 100 fits
+    assert b.reserve_tokens("k", budget, 1, wall) is None
+    assert b.reserve_tokens("other", budget, 100, wall) == 100  # per key
+    assert b.reserve_tokens("k", None, 10**9, wall) == 0  # no budget: nothing to hold
+    assert b.reserve_tokens("k", BudgetConfig(requests_per_day=5), 10**9, wall) == 0
+    b.release_tokens("k", 40)
+    b.release_tokens("k", 30)
+    assert "k" not in b.reserved

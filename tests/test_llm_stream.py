@@ -2,8 +2,9 @@
 
 The real ``openai`` Python client talks to the gateway; a raw aiohttp reader looks at the bytes
 (the ``: queued position=N est_wait_sec=S`` comments the SDK must ignore).
-The route is at ``/v1`` so ``base_url`` is ``gateway + "/v1"``; the prefix is stripped before
-forwarding (SPEC §2: /comfy/prompt -> node /prompt), so the node URL carries ``/v1`` itself.
+The route is at ``/v1`` so ``base_url`` is ``gateway + "/v1"``; as in the shipped example the node's
+url is the server's root and an openai route at ``/v1`` forwards the whole path (``strip_path``
+defaults to false there), which the fake, serving only ``/v1/...`` as vLLM does, insists on.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ LABEL = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"')
 
 def llm_cfg(fake: Any, **route: Any) -> dict[str, Any]:
     route.setdefault("max_concurrency", 1)
-    cfg = base_config({"o": fake.url + "/v1"}, kind="openai", path="/v1", **route)
+    cfg = base_config({"o": fake.url}, kind="openai", path="/v1", **route)
     cfg["server"]["heartbeat_sec"] = 0.3
     return cfg
 
@@ -356,3 +357,24 @@ async def test_queue_comment_estimate_is_a_number_or_null_before_any_sample(fake
     assert estimates, reader.comments
     for est in estimates:
         assert est == "null" or re.fullmatch(r"\d+(\.\d+)?", est), reader.comments
+
+
+async def test_node_silent_before_its_first_byte_gets_waiting_comments_then_a_504_event(fakegpus, gateway,
+                                                                                         http) -> None:
+    """Dispatched at once to a node that does not answer (a model swap): after heartbeat_sec the
+    200 goes out and a ``: waiting for the node`` comment every heartbeat_sec; the deadline then
+    ends the stream with the status it would have had."""
+    fake = await fakegpus("openai", step_ms=10)
+    gw = await gateway(llm_cfg(fake, request_timeout_sec=1.5, retry_on_failover=0))
+    fake.set_control(hang=True)
+    body = {"model": "fake-llm", "messages": MESSAGES, "stream": True, "max_tokens": 2}
+    async with http.post(gw.url + "/v1/chat/completions", json=body, headers=auth()) as r:
+        assert r.status == 200 and r.headers["X-KiloLine-Node"] == "o"
+        reader = SSEReader(r)
+        events = await reader.rest(timeout=15)
+    waiting = [text for _, text in reader.comments if text == "waiting for the node"]
+    assert len(waiting) >= 3, reader.comments  # ~1.5 s at one per 0.3 s
+    assert not any(text.startswith("queued") for _, text in reader.comments)
+    assert [e.data for e in events][-1] == "[DONE]"
+    err = orjson.loads(events[0].data)["error"]
+    assert err["status"] == 504 and err["type"] == "upstream_timeout" and err["code"] == "upstream_timeout"

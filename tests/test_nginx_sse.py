@@ -197,7 +197,7 @@ async def test_llm_keepalive_comments_pass_nginx_while_queued(fakegpus, gateway,
     """An openai ``stream: true`` request waiting ~1.5 s in the queue: its ``: queued`` comments must
     reach the client through nginx while it waits, or a proxy/client timeout would still fire."""
     fake = await fakegpus("openai", step_ms=100)
-    cfg = base_config({"o": fake.url + "/v1"}, kind="openai", path="/v1", max_concurrency=1)
+    cfg = base_config({"o": fake.url}, kind="openai", path="/v1", max_concurrency=1)
     cfg["server"]["heartbeat_sec"] = 0.3
     gw = await gateway(cfg)
     front = await nginx(gw.server.port)

@@ -39,7 +39,7 @@ async def test_metrics_parse_and_have_every_family(fakegpus, gateway, http) -> N
     a = await fakegpus(steps=2, step_ms=30)
     llm = await fakegpus("openai", step_ms=1)
     cfg = base_config({"a": a.url}, max_concurrency=1, max_queue_depth=2)
-    cfg["nodes"]["llm"] = {"url": llm.url + "/v1"}
+    cfg["nodes"]["llm"] = {"url": llm.url}
     cfg["routes"]["llm"] = {"path": "/v1", "kind": "openai", "nodes": ["llm"]}
     gw = await gateway(cfg)
     statuses = await asyncio.gather(*[_post(http, gw.url + "/gen/generate", {}) for _ in range(6)])
@@ -211,7 +211,7 @@ async def test_no_payload_in_logs_or_files(fakegpus, gateway, http, tmp_path: Pa
     cfg["server"]["state_dir"] = str(state_dir)
     cfg["keys"]["alice"]["budget"] = {"requests_per_day": 1000}
     cfg["jobs"] = {"webhook_allow_private": True, "webhook_backoff_sec": [0.05]}
-    cfg["nodes"]["llm"] = {"url": llm.url + "/v1"}
+    cfg["nodes"]["llm"] = {"url": llm.url}
     cfg["nodes"]["c"] = {"url": comfy.url}
     cfg["routes"]["llm"] = {"path": "/v1", "kind": "openai", "nodes": ["llm"]}
     cfg["routes"]["comfy"] = {"path": "/comfy", "kind": "comfyui", "nodes": ["c"]}

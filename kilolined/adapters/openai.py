@@ -1,13 +1,21 @@
 """``openai``: OpenAI-compatible servers (vLLM, llama.cpp, Ollama).
 
-Streams pass through unbuffered; on the way we read ``usage`` (the JSON body, or the final
-chunk when the client asked for ``stream_options.include_usage``) into token budgets and
-metrics, and time the first token. Without a usage chunk, each content chunk counts as one
-token — an estimate (servers send one token per chunk by default) and documented as such.
+Streams pass through unbuffered; on the way we read ``usage`` into token budgets and metrics,
+and time the first token. A stream's usage is asked of the node (``stream_options.include_usage``
+is added to the body; the extra chunk is cut out again for a client that did not ask for it);
+llama.cpp's ``timings`` count when a server sends no usage; without either, each content chunk
+counts as one token (an estimate: servers send one token per chunk by default).
+
+Token budgets hold across concurrent and queued requests: at dispatch a request reserves its
+estimated tokens (``estimate_tokens``) until its usage arrives, and one that does not fit fails
+429 before it reaches the node. A node that refuses the gateway's own credentials (401/403) is a
+node failure, never the client's: the client's key is not what the node saw.
 """
 
 from __future__ import annotations
 
+import logging
+import math
 import time
 from typing import Any
 
@@ -15,9 +23,16 @@ import orjson
 
 from kilolined.adapters.base import Adapter, Sink, Tee
 from kilolined.lease import LeaseScope
-from kilolined.proxy import Exchange, Observer
-from kilolined.queue import Rejected
+from kilolined.limits import seconds_to_midnight
+from kilolined.outcome import Failure
+from kilolined.proxy import RETRY_STATUSES, Exchange, Observer, UpstreamFailed, open_upstream
+from kilolined.queue import Lease, Rejected
 from kilolined.runtime import Runtime
+from kilolined.upstream import UpstreamResponse
+
+log = logging.getLogger("kilolined")
+#: what a node answers when it refuses the gateway's credentials (its `headers`)
+CREDENTIAL_STATUSES = frozenset((401, 403))
 
 COMPLETION_PATHS = ("/v1/chat/completions", "/chat/completions", "/v1/completions", "/completions")
 
@@ -41,6 +56,81 @@ def wants_stream(ex: Exchange) -> bool:
     return bool(data and data.get("stream") is True)
 
 
+def _asks_usage(data: dict[str, Any]) -> bool:
+    opts = data.get("stream_options")
+    return isinstance(opts, dict) and opts.get("include_usage") is True
+
+
+def gateway_added_usage(ex: Exchange) -> bool:
+    """The usage chunk of this stream is ours (asked for by ``prepare``), not the client's."""
+    data = request_json(ex)
+    return bool(is_completion(ex) and data and data.get("stream") is True and not _asks_usage(data))
+
+
+def estimate_tokens(data: dict[str, Any]) -> int:
+    """A request's tokens before it runs: the characters of all text content (string `content`,
+    the `text` of content parts, `prompt`) ÷ 4, rounded up once, plus max_tokens when given."""
+    chars = 0
+    messages = data.get("messages")
+    for m in messages if isinstance(messages, list) else ():
+        content = m.get("content") if isinstance(m, dict) else None
+        if isinstance(content, str):
+            chars += len(content)
+        elif isinstance(content, list):
+            chars += sum(len(p["text"]) for p in content if isinstance(p, dict) and isinstance(p.get("text"), str))
+    prompt = data.get("prompt")
+    if isinstance(prompt, str):
+        chars += len(prompt)
+    elif isinstance(prompt, list):
+        chars += sum(len(p) for p in prompt if isinstance(p, str))
+    limit = data.get("max_completion_tokens", data.get("max_tokens"))
+    extra = limit if isinstance(limit, int) and not isinstance(limit, bool) and limit > 0 else 0
+    return math.ceil(chars / 4) + extra
+
+
+class UsageStripper:
+    """Cuts the usage-only chunk (``"choices": []`` with ``usage``) out of an SSE stream whose
+    client did not ask for it; every other byte passes as it came, flushed per line."""
+
+    __slots__ = ("buf", "drop_blank")
+
+    def __init__(self) -> None:
+        self.buf = bytearray()
+        self.drop_blank = False
+
+    def feed(self, chunk: bytes) -> bytes:
+        if not self.buf and not self.drop_blank and b'"usage"' not in chunk and chunk.endswith(b"\n"):
+            return chunk  # the common case: no usage in sight, whole lines
+        self.buf += chunk
+        *lines, rest = self.buf.split(b"\n")
+        self.buf = bytearray(rest)
+        out = bytearray()
+        for line in lines:
+            if self.drop_blank and not line.strip():
+                self.drop_blank = False  # the blank line that ended the dropped event
+                continue
+            self.drop_blank = False
+            if line.startswith(b"data:") and _usage_only(line[5:]):
+                self.drop_blank = True
+                continue
+            out += line + b"\n"
+        return bytes(out)
+
+    def flush(self) -> bytes:
+        rest, self.buf = bytes(self.buf), bytearray()
+        return rest
+
+
+def _usage_only(payload: bytes) -> bool:
+    if b'"usage"' not in payload:
+        return False
+    try:
+        ev = orjson.loads(payload)
+    except orjson.JSONDecodeError:
+        return False
+    return isinstance(ev, dict) and ev.get("choices") == [] and isinstance(ev.get("usage"), dict)
+
+
 class StreamParser(Observer):
     """Reads usage and counts content chunks, from either a JSON body or an SSE stream."""
 
@@ -48,6 +138,7 @@ class StreamParser(Observer):
         self.first_at: float | None = None
         self.chunks = 0
         self.usage: dict[str, Any] | None = None
+        self.timings: dict[str, Any] | None = None  # llama.cpp's, on its last chunk
         self.buf = bytearray()
         self.stream: bool | None = None
         self.on_chunk = on_chunk
@@ -79,6 +170,8 @@ class StreamParser(Observer):
                 continue
             if isinstance(ev.get("usage"), dict):
                 self.usage = ev["usage"]
+            if isinstance(ev.get("timings"), dict):
+                self.timings = ev["timings"]
             if _has_content(ev):
                 if self.first_at is None:
                     self.first_at = time.monotonic()
@@ -102,6 +195,10 @@ class StreamParser(Observer):
                 return total
             parts = [self.usage.get("prompt_tokens"), self.usage.get("completion_tokens")]
             return sum(p for p in parts if isinstance(p, int))
+        if self.timings:
+            # llama.cpp: prompt_n counts only the tokens not served from its cache.
+            parts = [self.timings.get(k) for k in ("cache_n", "prompt_n", "predicted_n")]
+            return sum(p for p in parts if isinstance(p, int) and p > 0)
         return self.chunks
 
 
@@ -147,8 +244,26 @@ class OpenAIAdapter(Adapter):
     kind = "openai"
 
     def prepare(self, ex: Exchange) -> None:
-        if is_completion(ex) and request_json(ex) is None:
+        if not is_completion(ex):
+            return
+        data = request_json(ex)
+        if data is None:
             raise Rejected(400, "bad_request", "body must be a JSON object")
+        if gateway_added_usage(ex):
+            # Without it a stream tells no prompt tokens (the SDK's default): budgets would not hold.
+            opts = data.get("stream_options")
+            ex.body_override = orjson.dumps({**data, "stream_options": {**(opts if isinstance(opts, dict) else {}),
+                                                                          "include_usage": True}})
+
+    async def serve(self, rt: Runtime, scope: LeaseScope, ex: Exchange, sink: Sink) -> None:
+        data = request_json(ex) if is_completion(ex) else None
+        attempt = OpenAIAttempt(rt, ex, scope.key, estimate_tokens(data) if data is not None else 0)
+        try:
+            up = await scope.acquire(attempt)
+            await sink.deliver(scope, up, self.observer(rt, ex, scope, sink))
+        finally:
+            # The usage (if any) was counted when the answer ended: the promise is over.
+            attempt.unreserve()
 
     def observer(self, rt: Runtime, ex: Exchange, scope: LeaseScope, sink: Sink) -> Observer | None:
         if not is_completion(ex):
@@ -172,3 +287,53 @@ class OpenAIAdapter(Adapter):
                 sink.progress(n, total)
 
         return StreamParser(on_chunk)
+
+
+class OpenAIAttempt:
+    """One try on a node: the token budget's reservation first, then the request.
+
+    The reservation is re-checked at every dispatch (a queued request may find the budget spent
+    by the ones ahead of it) and taken once. 401/403 from the node mean the gateway's key for
+    it is wrong: a node failure (breaker, re-queue to another node, 502), logged loudly.
+    """
+
+    __slots__ = ("estimate", "ex", "key", "reserved", "rt")
+
+    def __init__(self, rt: Runtime, ex: Exchange, key: str | None, estimate: int):
+        self.rt, self.ex, self.key, self.estimate = rt, ex, key, estimate
+        self.reserved: int | None = None
+
+    def _reserve(self) -> None:
+        if self.reserved is not None or self.key is None:
+            return
+        kcfg = self.rt.cfg.keys.get(self.key)
+        wall = time.time()
+        got = self.rt.budgets.reserve_tokens(self.key, kcfg.budget if kcfg else None, self.estimate, wall)
+        if got is None:
+            raise Failure("budget_exhausted", f"daily budget tokens_per_day cannot hold this request "
+                          f"(about {self.estimate} tokens)", 429, retry_after=seconds_to_midnight(wall))
+        self.reserved = got
+
+    def unreserve(self) -> None:
+        if self.reserved and self.key is not None:
+            self.rt.budgets.release_tokens(self.key, self.reserved)
+        self.reserved = None
+
+    async def __call__(self, lease: Lease) -> UpstreamResponse:
+        self._reserve()
+        rt = self.rt
+        ns = rt.scheduler.nodes[lease.node]
+        rcfg = rt.scheduler.routes[lease.route].cfg
+        up = await open_upstream(rt.pool(lease.node), self.ex, ns.cfg.url, ns.cfg.headers, rcfg.request_timeout_sec)
+        if up.status in CREDENTIAL_STATUSES:
+            up.release()
+            log.error("✗ [%s] refused the gateway's credentials (HTTP %d): check nodes.%s.headers; "
+                      "counted as a node failure, the client gets 502", lease.node, up.status, lease.node)
+            raise UpstreamFailed(f"HTTP {up.status} from node (the gateway's credentials for it were refused)")
+        if up.status in RETRY_STATUSES:
+            raise UpstreamFailed(f"HTTP {up.status} from node", response=up)
+        if up.status >= 500:
+            rt.node_failure(lease.node, f"HTTP {up.status} from node", lease.trial)
+        else:
+            rt.node_success(lease.node, lease.trial)
+        return up
