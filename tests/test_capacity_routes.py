@@ -12,7 +12,7 @@ from kilolined.fakegpu import FakeGPU
 
 
 def routes_config(chat: FakeGPU, big: FakeGPU, fallback: bool = True) -> dict[str, Any]:
-    cfg = base_config({"chat": chat.url + "/v1", "big": big.url + "/v1"})
+    cfg = base_config({"chat": chat.url, "big": big.url})
     common = {"path": "/v1", "kind": "openai", "max_concurrency": 2, "queue_timeout_sec": 30}
     cfg["routes"] = {
         "llm-batch": {**common, "nodes": ["big"], "match": {"min_units": 8000},
