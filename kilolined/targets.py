@@ -25,7 +25,7 @@ class HasRuntime(Protocol):
     rt: Runtime
 
 
-async def resolve_target(gw: HasRuntime, call: Call) -> web.StreamResponse | None:
+def resolve_target(gw: HasRuntime, call: Call) -> web.StreamResponse | None:
     """``X-Target-Host`` → (route, pinned node) or an ad-hoc route; always needs a key."""
     rt = gw.rt
     request = call.request
