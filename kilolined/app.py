@@ -161,10 +161,11 @@ async def pass_unqueued(gw: Gateway, call: Call) -> web.StreamResponse | None:
     """Status, list and file endpoints neither take a slot nor wait behind the queue."""
     rcfg = gw.rt.scheduler.routes[call.route_name].cfg
     # Control endpoints (ComfyUI's /interrupt, POST /queue): the adapter answers them itself.
-    ctl = await call.adapter.control(gw.rt, call.request, call.route_name, call.unqueued_path, call.subject,
-                                     call.request_id)
-    if ctl is not None:
-        return ctl
+    if call.adapter.has_control:
+        ctl = await call.adapter.control(gw.rt, call.request, call.route_name, call.unqueued_path, call.subject,
+                                         call.request_id)
+        if ctl is not None:
+            return ctl
     if call.route_choices and call.kind == "openai" and is_models_list(call.request.method, call.unqueued_path):
         found = gw.rt.router.match(call.request.rel_url.raw_path)
         return await models_union(gw.rt, call, found[0] if found else call.route_choices)

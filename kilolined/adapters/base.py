@@ -33,6 +33,8 @@ class Sink(Protocol):
 
 class Adapter:
     kind = "generic"
+    #: whether ``control`` can answer anything (spares every other kind's request a coroutine)
+    has_control = False
 
     def prepare(self, ex: Exchange) -> None:
         """Validate or rewrite the request before it is queued; raise Rejected(400) to refuse it."""

@@ -263,6 +263,8 @@ class ComfyUIAdapter(Adapter):
         if is_prompt(ex) and _json_object(ex.body) is None:
             raise Rejected(400, "bad_request", "body must be a JSON object (ComfyUI API prompt)")
 
+    has_control = True
+
     async def control(self, rt: Runtime, request: web.Request, route: str, path: str, subject: str,
                       request_id: str) -> web.StreamResponse | None:
         return await control(rt, request, route, path, subject, request_id)
