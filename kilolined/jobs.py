@@ -24,6 +24,7 @@ import orjson
 from aiohttp import web
 
 from kilolined.adapters.base import Adapter
+from kilolined.adapters.openai import UsageStripper, gateway_added_usage
 from kilolined.auth import Principal, presented_key
 from kilolined.call import Call
 from kilolined.config import JobsConfig
@@ -151,12 +152,12 @@ class Job:
 class JobSink(ModeSink):
     """The sse/async client modes: the request's moves become job events, its answer the result."""
 
-    __slots__ = ("failure", "job", "res", "rt")
+    __slots__ = ("ex", "failure", "job", "res", "rt")
     reports_progress = True
     gone = "cancelled"
 
-    def __init__(self, rt: Runtime, job: Job):
-        self.rt, self.job = rt, job
+    def __init__(self, rt: Runtime, job: Job, ex: Exchange | None = None):
+        self.rt, self.job, self.ex = rt, job, ex
         self.res: Result | None = None
         self.failure: Failure | None = None
 
@@ -188,7 +189,9 @@ class JobSink(ModeSink):
         limit = int(self.rt.cfg.jobs.max_results_mb * 1024 * 1024)
         ok = False
         try:
-            body = await _read_result(up, limit, obs)
+            # The usage chunk the gateway asked for on the client's behalf is not part of its result.
+            strip = UsageStripper() if self.ex is not None and gateway_added_usage(self.ex) else None
+            body = await _read_result(up, limit, obs, strip)
             ok = up.status < 500
             scope.ok = ok
         except (aiohttp.ClientError, TimeoutError, UpstreamFailed) as e:
@@ -214,14 +217,16 @@ class JobSink(ModeSink):
         self.failure = f
 
 
-async def _read_result(up: Upstream, limit: int, obs: Observer | None) -> bytes:
+async def _read_result(up: Upstream, limit: int, obs: Observer | None, strip: UsageStripper | None) -> bytes:
     buf = bytearray()
     async for chunk in up.content.iter_any():
-        buf += chunk
         if obs is not None:
             obs.feed(chunk)
+        buf += strip.feed(chunk) if strip is not None else chunk
         if len(buf) > limit:
             raise UpstreamFailed("result larger than jobs.max_results_mb")
+    if strip is not None:
+        buf += strip.flush()
     return bytes(buf)
 
 
@@ -310,7 +315,7 @@ class Jobs:
     # --- running ------------------------------------------------------------------------
     async def _run(self, job: Job, ex: Exchange, adapter: Adapter) -> None:
         """Run the job to its end; whatever happens, it ends terminal (events, webhook)."""
-        sink = JobSink(self.rt, job)
+        sink = JobSink(self.rt, job, ex)
         try:
             await run(self.rt, job.ticket, ex, adapter, sink, job.key, job.route_label)
         except (Cancelled, asyncio.CancelledError):

@@ -173,6 +173,26 @@ async def test_stream_without_include_usage_counts_prompt_and_completion(fakegpu
     assert gw.rt.budgets.usage("alice", time.time())["tokens"] == 3 + 4
 
 
+async def test_a_streamed_job_result_has_no_usage_chunk_the_client_did_not_ask_for(fakegpus, gateway, http) -> None:
+    fake = await fakegpus("openai", step_ms=1)
+    gw = await gateway(llm_cfg(fake))
+    body = {"model": "fake-llm", "messages": MESSAGES, "stream": True, "max_tokens": 4}
+    async with http.post(gw.url + "/v1/chat/completions", json=body,
+                         headers={**auth(), "X-KiloLine-Mode": "async"}) as r:
+        assert r.status == 202
+        result_url = (await r.json())["result_url"]
+    for _ in range(200):
+        async with http.get(gw.url + result_url) as r:
+            if r.status != 425:
+                text = (await r.read()).decode()
+                break
+        await asyncio.sleep(0.05)
+    datas = [ln[5:].strip() for ln in text.splitlines() if ln.startswith("data:")]
+    assert datas and datas[-1] == "[DONE]", text
+    assert all(orjson.loads(d)["choices"] for d in datas[:-1]), "the usage chunk is not the client's"
+    assert gw.rt.budgets.usage("alice", time.time())["tokens"] == 3 + 4
+
+
 async def test_token_budget_holds_for_concurrent_and_queued_requests(fakegpus, gateway, http) -> None:
     """Each request reserves 5 + 10 tokens at dispatch and uses 3 + 10; 40 hold two of them."""
     fake = await fakegpus("openai", step_ms=30)
