@@ -8,6 +8,7 @@ itself: it asks the lease scope for a lease (``scope.acquire``) and hands the an
 
 from __future__ import annotations
 
+import logging
 from typing import Protocol
 
 from aiohttp import web
@@ -17,6 +18,8 @@ from kilolined.proxy import RETRY_STATUSES, Exchange, Observer, Upstream, Upstre
 from kilolined.queue import Lease
 from kilolined.runtime import Runtime
 from kilolined.upstream import UpstreamResponse
+
+log = logging.getLogger("kilolined")
 
 
 class Sink(Protocol):
@@ -62,6 +65,9 @@ class HttpAttempt:
     """
 
     __slots__ = ("ex", "rt")
+    #: statuses that mean the node refused the *gateway's* credentials (a node failure, not the
+    #: client's): none for a generic node, whose 401 may well be meant for the client
+    credential_statuses: frozenset[int] = frozenset()
 
     def __init__(self, rt: Runtime, ex: Exchange):
         self.rt, self.ex = rt, ex
@@ -71,6 +77,11 @@ class HttpAttempt:
         ns = rt.scheduler.nodes[lease.node]
         rcfg = rt.scheduler.routes[lease.route].cfg
         up = await open_upstream(rt.pool(lease.node), self.ex, ns.cfg.url, ns.cfg.headers, rcfg.request_timeout_sec)
+        if up.status in self.credential_statuses:
+            up.release()
+            log.error("✗ [%s] refused the gateway's credentials (HTTP %d): check nodes.%s.headers; "
+                      "counted as a node failure, the client gets 502", lease.node, up.status, lease.node)
+            raise UpstreamFailed(f"HTTP {up.status} from node (the gateway's credentials for it were refused)")
         if up.status in RETRY_STATUSES:
             raise UpstreamFailed(f"HTTP {up.status} from node", response=up)
         if up.status >= 500:

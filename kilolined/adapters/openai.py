@@ -21,11 +21,11 @@ from typing import Any
 
 import orjson
 
-from kilolined.adapters.base import Adapter, Sink, Tee
+from kilolined.adapters.base import Adapter, HttpAttempt, Sink, Tee
 from kilolined.lease import LeaseScope
 from kilolined.limits import seconds_to_midnight
 from kilolined.outcome import Failure
-from kilolined.proxy import RETRY_STATUSES, Exchange, Observer, UpstreamFailed, open_upstream
+from kilolined.proxy import Exchange, Observer
 from kilolined.queue import Lease, Rejected
 from kilolined.runtime import Runtime
 from kilolined.upstream import UpstreamResponse
@@ -289,7 +289,7 @@ class OpenAIAdapter(Adapter):
         return StreamParser(on_chunk)
 
 
-class OpenAIAttempt:
+class OpenAIAttempt(HttpAttempt):
     """One try on a node: the token budget's reservation first, then the request.
 
     The reservation is re-checked at every dispatch (a queued request may find the budget spent
@@ -297,10 +297,12 @@ class OpenAIAttempt:
     it is wrong: a node failure (breaker, re-queue to another node, 502), logged loudly.
     """
 
-    __slots__ = ("estimate", "ex", "key", "reserved", "rt")
+    __slots__ = ("estimate", "key", "reserved")
+    credential_statuses = CREDENTIAL_STATUSES
 
     def __init__(self, rt: Runtime, ex: Exchange, key: str | None, estimate: int):
-        self.rt, self.ex, self.key, self.estimate = rt, ex, key, estimate
+        super().__init__(rt, ex)
+        self.key, self.estimate = key, estimate
         self.reserved: int | None = None
 
     def _reserve(self) -> None:
@@ -321,19 +323,4 @@ class OpenAIAttempt:
 
     async def __call__(self, lease: Lease) -> UpstreamResponse:
         self._reserve()
-        rt = self.rt
-        ns = rt.scheduler.nodes[lease.node]
-        rcfg = rt.scheduler.routes[lease.route].cfg
-        up = await open_upstream(rt.pool(lease.node), self.ex, ns.cfg.url, ns.cfg.headers, rcfg.request_timeout_sec)
-        if up.status in CREDENTIAL_STATUSES:
-            up.release()
-            log.error("✗ [%s] refused the gateway's credentials (HTTP %d): check nodes.%s.headers; "
-                      "counted as a node failure, the client gets 502", lease.node, up.status, lease.node)
-            raise UpstreamFailed(f"HTTP {up.status} from node (the gateway's credentials for it were refused)")
-        if up.status in RETRY_STATUSES:
-            raise UpstreamFailed(f"HTTP {up.status} from node", response=up)
-        if up.status >= 500:
-            rt.node_failure(lease.node, f"HTTP {up.status} from node", lease.trial)
-        else:
-            rt.node_success(lease.node, lease.trial)
-        return up
+        return await super().__call__(lease)
