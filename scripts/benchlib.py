@@ -341,11 +341,10 @@ def start_fakegpu(procs: Procs, port: int, name: str, cpu: str | int | None = No
     return p
 
 
-def nginx_conf(workdir: Path, listen: int, upstream_port: int, *, buffering: bool = True,
-               keepalive: int = 512) -> Path:
-    d = workdir / "nginx"
-    d.mkdir(exist_ok=True)
-    text = f"""
+def _nginx_prelude(d: Path) -> str:
+    """One worker, no logs, temp files in the workdir, keep-alive without limits: the part every
+    nginx of the benchmarks shares; the caller adds the rest of the http block and closes it."""
+    return f"""
 daemon off;
 master_process off;
 worker_processes 1;
@@ -362,6 +361,14 @@ http {{
     scgi_temp_path {d}/scgi;
     keepalive_requests 10000000;
     keepalive_timeout 600s;
+"""
+
+
+def nginx_conf(workdir: Path, listen: int, upstream_port: int, *, buffering: bool = True,
+               keepalive: int = 512) -> Path:
+    d = workdir / "nginx"
+    d.mkdir(exist_ok=True)
+    text = _nginx_prelude(d) + f"""
     upstream node {{
         server 127.0.0.1:{upstream_port};
         keepalive {keepalive};
@@ -396,23 +403,7 @@ def start_nginx_origin(procs: Procs, listen: int, cpu: str | int | None = None) 
     d = procs.workdir / "origin"
     d.mkdir(exist_ok=True)
     conf = d / "nginx.conf"
-    conf.write_text(f"""
-daemon off;
-master_process off;
-worker_processes 1;
-pid {d}/nginx.pid;
-error_log {d}/error.log warn;
-worker_rlimit_nofile 20000;
-events {{ worker_connections 16000; multi_accept on; }}
-http {{
-    access_log off;
-    client_body_temp_path {d}/body;
-    proxy_temp_path {d}/proxy;
-    fastcgi_temp_path {d}/fastcgi;
-    uwsgi_temp_path {d}/uwsgi;
-    scgi_temp_path {d}/scgi;
-    keepalive_requests 10000000;
-    keepalive_timeout 600s;
+    conf.write_text(_nginx_prelude(d) + f"""
     server {{
         listen 127.0.0.1:{listen} backlog=4096;
         location / {{
