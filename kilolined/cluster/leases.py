@@ -142,10 +142,17 @@ class ClusterLeases:
             return t
         rq = self.sched.routes[t.route]
         tid = self._track(t)
+        call = asyncio.ensure_future(self._call(
+            "ADMIT", t.route, self._order_key(t), tid, t.pinned_node or "", self._view_json(t.route),
+            rq.cfg.max_queue_depth, -1 if rq.cfg.max_queued_per_key is None else rq.cfg.max_queued_per_key))
         try:
-            res = await self._call("ADMIT", t.route, self._order_key(t), tid, t.pinned_node or "",
-                                   self._view_json(t.route), rq.cfg.max_queue_depth,
-                                   -1 if rq.cfg.max_queued_per_key is None else rq.cfg.max_queued_per_key)
+            res = await asyncio.shield(call)
+        except asyncio.CancelledError:
+            # The client left while Redis decided: let the decision land, then undo it.
+            self._untrack(t)
+            t.state = "done"
+            self._spawn(self._undo_admit(call, tid))
+            raise
         except (RedisError, OSError) as e:
             self._untrack(t)
             self._lost(e)
@@ -163,6 +170,18 @@ class ClusterLeases:
         heapq.heappush(self._deadlines, (t.deadline, t.seq, t))
         self._grants(res[2:])
         return t
+
+    async def _undo_admit(self, call: asyncio.Future[Any], tid: str) -> None:
+        """An admission whose requester is gone: a grant in its answer goes back (the ticket is no
+        longer tracked, so _granted releases it), and a place it still holds in the queue is left."""
+        try:
+            res = await call
+        except (RedisError, OSError):
+            return
+        if _s(res[0]) == "ok":
+            self._grants(res[2:])
+            if self.view.redis_up:
+                await self._remote("CANCEL", tid)
 
     def cancel(self, t: Ticket) -> bool:
         if t in self._local:
