@@ -44,7 +44,8 @@ access_log = logging.getLogger("kilolined.access")
 
 MODES = ("sync", "sse", "async")
 # A stage fills the Call in and returns None (go on), or returns the response (stop). Stages that
-# never wait are plain functions: a coroutine per stage would cost ~1 µs each on every request.
+# never wait are plain functions: a coroutine per stage would cost ~1 µs each on every request;
+# a plain stage may also hand back an awaitable for the rare request that needs one.
 Stage = Callable[[Gateway, Call], "Awaitable[web.StreamResponse | None] | web.StreamResponse | None"]
 
 
@@ -157,20 +158,31 @@ def choose_mode(gw: Gateway, call: Call) -> web.StreamResponse | None:
     return None
 
 
-async def pass_unqueued(gw: Gateway, call: Call) -> web.StreamResponse | None:
-    """Status, list and file endpoints neither take a slot nor wait behind the queue."""
-    rcfg = gw.rt.scheduler.routes[call.route_name].cfg
-    # Control endpoints (ComfyUI's /interrupt, POST /queue): the adapter answers them itself.
+def pass_unqueued(gw: Gateway, call: Call) -> Awaitable[web.StreamResponse | None] | None:
+    """Status, list and file endpoints neither take a slot nor wait behind the queue. Returns the
+    answer to await, or None (most requests: no coroutine made)."""
     if call.adapter.has_control:
-        ctl = await call.adapter.control(gw.rt, call.request, call.route_name, call.unqueued_path, call.subject,
-                                         call.request_id)
-        if ctl is not None:
-            return ctl
+        return _control_or_unqueued(gw, call)
+    return _unqueued_answer(gw, call)
+
+
+async def _control_or_unqueued(gw: Gateway, call: Call) -> web.StreamResponse | None:
+    # Control endpoints (ComfyUI's /interrupt, POST /queue): the adapter answers them itself.
+    ctl = await call.adapter.control(gw.rt, call.request, call.route_name, call.unqueued_path, call.subject,
+                                     call.request_id)
+    if ctl is not None:
+        return ctl
+    answer = _unqueued_answer(gw, call)
+    return None if answer is None else await answer
+
+
+def _unqueued_answer(gw: Gateway, call: Call) -> Awaitable[web.StreamResponse] | None:
+    rcfg = gw.rt.scheduler.routes[call.route_name].cfg
     if call.route_choices and call.kind == "openai" and is_models_list(call.request.method, call.unqueued_path):
         found = gw.rt.router.match(call.request.rel_url.raw_path)
-        return await models_union(gw.rt, call, found[0] if found else call.route_choices)
+        return models_union(gw.rt, call, found[0] if found else call.route_choices)
     if call.pinned_node is None and unqueued(rcfg, call.request.method, call.unqueued_path):
-        return await forward_unqueued(gw.rt, call, rcfg)
+        return forward_unqueued(gw.rt, call, rcfg)
     return None
 
 
@@ -182,10 +194,13 @@ def no_match(gw: Gateway, call: Call) -> web.Response:
     return call.error(404, "not_found", f"no route for {call.request.path} matches this request: {why}")
 
 
-async def choose_route(gw: Gateway, call: Call) -> web.StreamResponse | None:
-    """Among routes sharing a path, the first whose ``match`` holds (docs/CONFIG.md#routes-that-match-the-request)."""
-    if not call.route_choices:
-        return None
+def choose_route(gw: Gateway, call: Call) -> Awaitable[web.StreamResponse | None] | None:
+    """Among routes sharing a path, the first whose ``match`` holds (docs/CONFIG.md#routes-that-match-the-request);
+    nothing to do (no coroutine) on a path of one route."""
+    return _choose_route(gw, call) if call.route_choices else None
+
+
+async def _choose_route(gw: Gateway, call: Call) -> web.StreamResponse | None:
     refused = await read_exchange(gw, call)
     if refused is not None:
         return refused
@@ -322,6 +337,8 @@ def handler(stages: Sequence[Stage], route: str = "-") -> Callable[[web.Request]
         try:
             for stage, waits in plan:
                 resp = await stage(gw, call) if waits else stage(gw, call)  # type: ignore[misc]
+                if resp is not None and not isinstance(resp, web.StreamResponse):
+                    resp = await resp  # a plain stage that handed back work to wait for
                 if resp is not None:
                     # A stream that failed after its 200 has set the status it would have had.
                     call.status = call.status if resp.prepared and call.status else resp.status
