@@ -49,6 +49,9 @@ class Listener:
         pass
 
 
+ENDED = Listener()  # an exited scope's listener (no state: __slots__ is empty)
+
+
 class Attempt(Protocol[T]):  # type: ignore[misc]
     """Sends the request to the lease's node and returns its answer (headers), or raises
     UpstreamFailed. It bounds itself by request_timeout_sec: a node silent before any byte is
@@ -296,9 +299,13 @@ class LeaseScope:
     def exit_now(self, exc: BaseException | None) -> bool:
         """Leave without waiting when nothing needs it; False: ``await exit`` must do it."""
         if self._detached:
+            self.listener = ENDED
             return True  # the hold's task owns the lease (and the deadline) now
         if self._expired or (exc is not None and self._aborts and self.lease is not None):
             return False  # the deadline's cancel to take back, or cleanups to run on the node
+        # The sink keeps the scope (its ``started``): without the listener the two are no cycle,
+        # and a request's whole object graph is freed by refcount, not by the collector.
+        self.listener = ENDED
         self._arm(None)
         lease = self.lease
         if lease is not None:
@@ -309,6 +316,7 @@ class LeaseScope:
     async def exit(self, et: type[BaseException] | None, exc: BaseException | None) -> None:
         """The exit that waits: a deadline fired (raises Failure, or CancelledError when the
         client left as well), or abort cleanups run before the release."""
+        self.listener = ENDED
         self._arm(None)
         timed_out = self._expired
         outside = False
