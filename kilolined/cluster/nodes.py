@@ -200,7 +200,8 @@ class NodeSync:
                     self.changed(ns)
                 else:
                     self._known.setdefault(name, snapshot(ns))
-            elif gen > self._gen.get(name, 0):
+            elif gen != self._gen.get(name, 0):
+                # Newer; or older, from a Redis that restarted empty and counts from 1 again.
                 self._gen[name] = gen
                 self._apply(ns, fields or {})
 
@@ -228,10 +229,15 @@ class NodeSync:
                 await asyncio.sleep(1.0)
 
     async def _sweep_loop(self) -> None:
+        lost = False
         while True:
             await asyncio.sleep(self.sweep_sec)
             if not self.redis_up():
+                lost = True
                 continue
+            if lost:
+                lost = False
+                self._gen.clear()  # a Redis back from a restart numbers the changes from 1 again
             try:
                 await self.pull()
             except (RedisError, OSError):
