@@ -15,6 +15,7 @@ from typing import Any
 
 import aiohttp
 import pytest
+import redis.asyncio as aioredis
 import yaml
 from cluster_harness import (
     GatewayProc,
@@ -29,10 +30,12 @@ from cluster_harness import (
 from conftest import ADMIN, auth
 from fakes import FakeTelegram
 
-from kilolined.cluster.leader import Leadership
+from kilolined.cluster.leader import LeaderLease, Leadership
+from kilolined.cluster.nodes import NodeSync
 from kilolined.cluster.nodestate import apply, changed_groups, export, snapshot
 from kilolined.cluster.persistence import persistence
-from kilolined.config import BreakerConfig, HealthConfig, NodeConfig
+from kilolined.cluster.view import ClusterView
+from kilolined.config import BreakerConfig, ClusterConfig, HealthConfig, NodeConfig
 from kilolined.fakegpu import FakeGPU
 from kilolined.nodes import CLOSED, HALF_OPEN, OPEN, NodeState
 
@@ -152,6 +155,77 @@ def test_persistence_settings() -> None:
     assert persistence("", "no") == []
     assert persistence("3600 1 300 100", "no") == ['save "3600 1 300 100"']
     assert persistence("", "yes") == ["appendonly yes"]
+
+
+# --- the Redis parts in-process, on a real redis-server ------------------------------------------
+async def test_leader_lease_renews_only_its_own_lease(redis_server: RedisServer) -> None:
+    now = [0.0]
+    alerts: list[str] = []
+    made = []
+    for gid in ("a", "b"):
+        cfg = ClusterConfig(redis_url=redis_server.url, gateway_id=gid, lease_ttl_sec=30, key_prefix="ll:")
+        r = aioredis.from_url(redis_server.url)
+        view = ClusterView(gid, redis_up=True)
+        made.append((LeaderLease(r, cfg, f"{gid}#1", view, Leadership(gid, 30), clock=lambda: now[0],
+                                 alert=lambda ev, _t, _n: alerts.append(ev)), r))
+    (a, ra), (b, rb) = made
+    await a.round()
+    await b.round()
+    assert a.state.is_leader(0.0) and not b.state.is_leader(0.0)
+    assert a.view.leader == b.view.leader == "a"
+    # a's lease lapsed (a paused longer than the TTL) and b took it: a must not renew b's lease.
+    await ra.set("ll:leader", "b#1")
+    await a.round()
+    assert not a.state.is_leader(0.0) and a.view.leader == "b"
+    assert await ra.get("ll:leader") == b"b#1"
+    # Redis came back: the leader of the next round says so, once.
+    a.state.redis_back()
+    b.state.redis_back()
+    await a.round()
+    await b.round()
+    await b.round()
+    assert alerts == ["cluster_restored"]
+    await a.stop()  # not the holder: leaves b's lease alone
+    assert await ra.get("ll:leader") == b"b#1"
+    b.state.held(now[0])
+    await b.stop()  # the holder: hands it on at once
+    assert await ra.get("ll:leader") is None
+    await ra.aclose()
+    await rb.aclose()
+
+
+async def test_node_state_survives_a_redis_that_restarted_empty(redis_server: RedisServer) -> None:
+    up = [True]
+    nodes = {"a": {"gpu": node()}, "b": {"gpu": node()}}
+    syncs = []
+    for who in ("a", "b"):
+        r = aioredis.from_url(redis_server.url)
+        syncs.append(NodeSync(r, "ns:", f"{who}#1", lambda who=who: nodes[who], clock=time.monotonic,
+                              redis_up=lambda: up[0], leader=lambda who=who: who == "a",
+                              on_applied=lambda _ns, _ev: None, sweep_sec=0.1))
+    sa, sb = syncs
+    await sa.start()
+    await sb.start()
+    a, b = nodes["a"]["gpu"], nodes["b"]["gpu"]
+
+    async def drained_on_b(want: bool) -> bool:
+        return b.drained is want
+
+    a.drained = True
+    sa.changed(a)
+    await until(lambda: drained_on_b(True), "b never saw the drain")
+    redis_server.kill()
+    up[0] = False
+    await asyncio.sleep(0.3)
+    redis_server.start()  # empty: it counts the changes from 1 again
+    up[0] = True
+    await asyncio.sleep(0.3)
+    a.drained = False
+    sa.changed(a)
+    await until(lambda: drained_on_b(False), "b skipped the changes of a Redis that restarted empty", timeout=5)
+    for s in syncs:
+        await s.stop()
+        await s.redis.aclose()
 
 
 # --- end to end ----------------------------------------------------------------------------------
