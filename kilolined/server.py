@@ -77,7 +77,8 @@ class Server:
         assert rt.cfg.cluster is not None
         view = cluster.view
         leader = self.leader = LeaderLease(cluster.redis, rt.cfg.cluster, cluster.inst, view, cluster.leadership,
-                                           clock=rt.clock, alert=rt.notify)
+                                           clock=rt.clock, alert=rt.notify,
+                                           on_restored=lambda: rt.node_sync.republish() if rt.node_sync else None)
         rt.alert = lambda event, text, node: notifier.emit(event, text, node=node) if leader.speaks(event) else None
         rt.checks_here = leader.checks
         rt.node_sync = NodeSync(

@@ -124,7 +124,7 @@ class LeaderLease:
 
     def __init__(self, redis: aioredis.Redis, cfg: ClusterConfig, token: str, view: ClusterView,
                  leadership: Leadership, *, clock: Callable[[], float],
-                 alert: Callable[[str, str, str | None], None]):
+                 alert: Callable[[str, str, str | None], None], on_restored: Callable[[], None] = lambda: None):
         self.redis = redis
         self.cfg = cfg
         self.key = cfg.key_prefix + "leader"
@@ -133,6 +133,7 @@ class LeaderLease:
         self.state = leadership
         self.clock = clock
         self.alert = alert
+        self.on_restored = on_restored  # the node state sync republishes this leader's view
         self._renew = redis.register_script(RENEW)
         self._resign = redis.register_script(RESIGN)
         self._task: asyncio.Task[None] | None = None
@@ -199,3 +200,4 @@ class LeaderLease:
             text = "✓ cluster: Redis is back, the gateways share their state again"
             log.warning("%s", text)
             self.alert("cluster_restored", text, None)
+            self.on_restored()

@@ -205,6 +205,13 @@ class NodeSync:
                 self._gen[name] = gen
                 self._apply(ns, fields or {})
 
+    def republish(self) -> None:
+        """Publish this gateway's whole view of every node: the first leader after a loss of
+        Redis does, since the state Redis kept is older than what each gateway saw meanwhile."""
+        for name, ns in list(self.nodes().items()):
+            self._known.pop(name, None)
+            self.changed(ns)
+
     def _apply(self, ns: NodeState, fields: dict[str, Any]) -> None:
         events = apply(ns, fields, self.clock())
         self._known[ns.name] = snapshot(ns)
@@ -212,10 +219,17 @@ class NodeSync:
 
     async def _listen(self) -> None:
         channel = self.prefix + "nodes"
+        first = True
         while True:
             try:
                 async with self.redis.pubsub(ignore_subscribe_messages=True) as ps:
                     await ps.subscribe(channel)
+                    if not first:
+                        # Subscribed again after a loss: catch up on what was missed. A Redis that
+                        # kept its memory holds the numbers applied here (nothing older is taken);
+                        # one back from a restart numbers from 1 again, which ``pull`` adopts.
+                        await self.pull()
+                    first = False
                     while True:
                         msg = await ps.get_message(timeout=None)
                         if msg is not None and msg.get("type") == "message":
@@ -229,15 +243,10 @@ class NodeSync:
                 await asyncio.sleep(1.0)
 
     async def _sweep_loop(self) -> None:
-        lost = False
         while True:
             await asyncio.sleep(self.sweep_sec)
             if not self.redis_up():
-                lost = True
                 continue
-            if lost:
-                lost = False
-                self._gen.clear()  # a Redis back from a restart numbers the changes from 1 again
             try:
                 await self.pull()
             except (RedisError, OSError):
