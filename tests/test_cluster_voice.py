@@ -306,9 +306,9 @@ async def test_a_node_going_down_is_one_alert_from_two_gateways(redis_server: Re
         await start_all(gateways)
         await until(lambda: _leader_known(gateways), "no leader")
         checks = gpu.stats["health_checks"]
-        await asyncio.sleep(1.0)
-        # One gateway probes (about 5 checks a second), not both.
-        assert gpu.stats["health_checks"] - checks <= 8, gpu.stats["health_checks"] - checks
+        await asyncio.sleep(2.0)
+        # One gateway probes (about 5 checks a second, at most 12 in 2 s), not both (about 20).
+        assert gpu.stats["health_checks"] - checks <= 14, gpu.stats["health_checks"] - checks
         await gpu.kill()
 
         async def both_down() -> bool:
@@ -375,7 +375,6 @@ async def test_failures_through_two_gateways_add_up(redis_server: RedisServer, g
         # 2 + 2 failures: neither gateway saw 4 alone; together they are the node's 4 in a row.
         for gw in (a, b, a, b):
             assert await post(s, gw) >= 500
-            await asyncio.sleep(0.2)  # each failure counted in Redis before the next
 
         async def open_on_both() -> bool:
             return all(st["breaker"] == "open" for st in await asyncio.gather(node_state(a), node_state(b)))
