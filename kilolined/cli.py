@@ -11,6 +11,7 @@ import orjson
 
 from kilolined import __version__, fakegpu
 from kilolined.auth import digest, new_key
+from kilolined.cluster.persistence import warnings as redis_persistence_warnings
 from kilolined.config import ConfigError, default_config_path, load_config
 from kilolined.demo import run_demo
 from kilolined.probe import probe_all
@@ -80,6 +81,10 @@ def cmd_check(args: argparse.Namespace) -> int:
             print(line)
         return 1
     print(f"ok: {len(cfg.routes)} routes, {len(cfg.nodes)} nodes, {len(cfg.keys)} keys in {path}")
+    if cfg.cluster is not None:
+        # No payload on disk: say so when the shared Redis persists (a warning, exit status unchanged).
+        for line in asyncio.run(redis_persistence_warnings(cfg.cluster.redis_url)):
+            print(line)
     if not args.probe:
         return 0
     probes = asyncio.run(probe_all(cfg))

@@ -41,14 +41,17 @@ async def probe(session: aiohttp.ClientSession, ns: NodeState) -> tuple[bool, fl
 
 
 async def health_loop(session: Callable[[str], aiohttp.ClientSession], ns: NodeState, clock: Callable[[], float],
-                      on_events: Callable[[NodeState, list[str]], None]) -> None:
+                      on_events: Callable[[NodeState, list[str]], None], *,
+                      active: Callable[[], bool] = lambda: True) -> None:
     hc = ns.health_cfg
     assert hc is not None
     # First probe soon (a node that is down at start should be known quickly), then jittered.
     await asyncio.sleep(random.uniform(0, min(hc.interval_sec, 0.5)))
     while True:
-        ok, ms, err = await probe(session(ns.name), ns)
-        if ns.retired:
-            return
-        on_events(ns, ns.record_check(ok, clock(), ms, err))
+        # Cluster mode: only the leader probes; the others apply what it publishes.
+        if active():
+            ok, ms, err = await probe(session(ns.name), ns)
+            if ns.retired:
+                return
+            on_events(ns, ns.record_check(ok, clock(), ms, err))
         await asyncio.sleep(hc.interval_sec * random.uniform(0.9, 1.1))

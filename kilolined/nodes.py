@@ -119,6 +119,17 @@ class NodeState:
             return self._trip(now)
         return []
 
+    def merge_failures(self, count: int, now: float) -> list[str]:
+        """Cluster mode: ``count`` consecutive failures seen on every gateway together; they
+        open a closed breaker as this gateway's own would."""
+        self.tick(now)
+        if self.breaker != CLOSED:
+            return []
+        self.failures = max(self.failures, count)
+        if self.failures >= self.breaker_cfg.consecutive_failures:
+            return self._trip(now)
+        return []
+
     def _trip(self, now: float) -> list[str]:
         cfg = self.breaker_cfg
         was_closed = self.breaker == CLOSED

@@ -18,6 +18,7 @@ import aiohttp
 
 from kilolined.auth import KeyStore
 from kilolined.cluster.limits import SharedLimits
+from kilolined.cluster.nodes import NodeSync
 from kilolined.cluster.view import ClusterView
 from kilolined.config import Config, ConfigError, NodeConfig, RouteConfig
 from kilolined.deadlines import Deadlines
@@ -75,6 +76,10 @@ class Runtime:
         self.settle: Callable[[Ticket], Awaitable[Ticket]] | None = None
         self.cluster: ClusterView | None = None  # cluster mode: what /admin/state shows of it
         self.shared_limits: SharedLimits | None = None  # cluster mode: buckets and budgets in Redis
+        #: cluster mode: node transitions shared with the other gateways (kilolined/cluster/nodes.py)
+        self.node_sync: NodeSync | None = None
+        #: whether this gateway runs the active health checks (cluster mode: the leader's job)
+        self.checks_here: Callable[[], bool] = lambda: True
         self.limiter = RateLimiter()
         self.budgets = Budgets(cfg.server.state_dir)
         self.keys = KeyStore(cfg)
@@ -258,7 +263,8 @@ class Runtime:
                 del self._health_tasks[n]
         for n, ns in want.items():
             if n not in self._health_tasks:
-                t = asyncio.create_task(health_loop(self.session, ns, self.clock, self.node_events), name=f"health-{n}")
+                t = asyncio.create_task(health_loop(self.session, ns, self.clock, self.node_events,
+                                                    active=lambda: self.checks_here()), name=f"health-{n}")
                 t.kl_cfg = ns.cfg  # type: ignore[attr-defined]
                 self._health_tasks[n] = t
 
@@ -301,18 +307,27 @@ class Runtime:
     def node_success(self, node: str, trial: bool) -> None:
         ns = self.scheduler.nodes.get(node)
         if ns is not None:
-            self.node_events(ns, ns.record_success(self.clock(), trial))
+            had_failures = ns.failures > 0
+            events = ns.record_success(self.clock(), trial)
+            if self.node_sync is not None and had_failures:
+                self.node_sync.succeeded(ns)
+            self.node_events(ns, events)
 
     def node_failure(self, node: str, reason: str, trial: bool) -> None:
         ns = self.scheduler.nodes.get(node)
         if ns is None:
             return
         log.warning("✗ [%s] %s", node, reason)
-        self.node_events(ns, ns.record_failure(self.clock(), reason, trial))
+        events = ns.record_failure(self.clock(), reason, trial)
+        if self.node_sync is not None:
+            self.node_sync.failed(ns)
+        self.node_events(ns, events)
 
     def node_events(self, ns: NodeState, events: list[str]) -> None:
         if not events:
             return
+        if self.node_sync is not None:
+            self.node_sync.changed(ns)  # the other gateways apply the same transition
         for ev in events:
             text = self._node_text(ns, ev)
             log.warning("%s", text) if ev in ("node_down", "breaker_open") else log.info("%s", text)
