@@ -94,6 +94,7 @@ class OpenAIBackend(Backend):
         self.warm: list[str] = models[:1]  # loaded, least recently used first
         self.loading: set[str] = set()
         self.swaps = 0
+        self.asked: list[str] = []  # the model of each completion, in the order they came (tests read it)
         self._swap_lock = asyncio.Lock()  # one model loads at a time, as on one card
 
     def add_routes(self, app: web.Application) -> None:
@@ -187,6 +188,7 @@ class OpenAIBackend(Backend):
             model = body.get("model")
             if not isinstance(model, str) or model not in gpu.models:
                 return openai_error(404, f"model '{model}' not found", "model")
+            self.asked.append(model)
             await self.load(model)  # before the first byte, as llama-swap starts the model's server
         stream_options = body.get("stream_options")
         call = _Call(
