@@ -1,4 +1,4 @@
-"""The simulated card behind `kilolined fakegpu` (docs/CONFIG.md, "The simulated GPU").
+"""The simulated card behind `kilolined fakegpu` (docs/BACKENDS.md, "The simulated GPU").
 
 It behaves like a rented 24 GB card: every running job holds `job_vram_gb` (with
 `capacity_mode="request"`: what its request implies, from the kind's backend), and the job that
