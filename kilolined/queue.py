@@ -29,6 +29,7 @@ from kilolined.nodes import NodeState
 
 WAITING, LEASED, DONE, FAILED = "waiting", "leased", "done", "failed"
 EPS = 1e-9  # costs are sums of floats: compare with a little slack
+COLD = 1 << 40  # node choice: a node where the model is not warm ranks after every node where it is
 
 
 class Rejected(Exception):
@@ -408,11 +409,13 @@ class Scheduler:
     def _least_loaded(self, names: list[str], rq: RouteQueue, now: float, cost: float = 0.0,
                       model: str | None = None) -> str | None:
         """The free node with the fewest leases; with a model, one where it is warm first."""
-        best, best_load = None, (0, 0)
+        best, best_load = None, 0
         for n in names:
             if self.can_take(rq, n, now, cost):
-                cold = 0 if model is None or self.nodes[n].models.is_warm(model) else 1
-                load = (cold, self.node_inflight[n])
+                # A cold node counts as more loaded than any warm one (the hot path has no model).
+                load = self.node_inflight[n]
+                if model is not None and not self.nodes[n].models.is_warm(model):
+                    load += COLD
                 if best is None or load < best_load:
                     best, best_load = n, load
         return best
