@@ -61,9 +61,17 @@ async def test_discover_reads_the_nodes_models_and_what_it_holds_loaded(
     assert status == 404 and body["error"]["type"] == "not_found" and "'zeta'" in body["error"]["message"]
     assert gpu.backend.asked == []  # type: ignore[attr-defined]
     assert (await post(http, gw, chat("b")))[0] == 200
-    # The node said b is loaded now (GET /running, on the next health check).
-    await wait_until(lambda: gpu.stats["swaps"] == 1)
-    assert (await node_state(http, gw, "box"))["warm"] == ["b"]
+    assert gpu.stats["swaps"] == 1 and (await node_state(http, gw, "box"))["warm"] == ["b"]
+    # Someone else makes the node load c, past the gateway: the next GET /running tells it.
+    async with http.post(gpu.url + "/v1/chat/completions", json=chat("c")) as r:
+        assert r.status == 200
+
+    async def told() -> bool:
+        return (await node_state(http, gw, "box"))["warm"] == ["c"]
+
+    await wait_until(told)
+    assert (await post(http, gw, chat("b")))[0] == 200
+    assert gw.rt.scheduler.swaps["box"] == 2  # b after c: the gateway knew it was a swap
 
 
 async def test_discover_without_a_health_check_asks_once_at_start(fakegpus: Any, gateway: Any,
@@ -175,3 +183,18 @@ async def test_keep_alive_comments_go_on_while_the_node_swaps(fakegpus: Any, gat
     # 1.5 s of swapping before the node's first byte, one comment every 0.2 s: several, not one.
     assert before_data.count(": waiting for the node") >= 3
     assert "data: [DONE]" in body and gpu.stats["swaps"] == 1
+
+
+async def test_models_on_a_shared_path_lists_the_declared_models(fakegpus: Any, gateway: Any,
+                                                                  http: aiohttp.ClientSession) -> None:
+    box: FakeGPU = await fakegpus("openai", models=["a", "b", "secret"], **FAST)
+    other: FakeGPU = await fakegpus("openai", models=["z"], **FAST)
+    cfg = models_config({"box": (box.url, ["a", "b"]), "other": (other.url, "discover")})
+    common = {"path": "/v1", "kind": "openai", "max_concurrency": 1}
+    cfg["routes"] = {"coder": {**common, "nodes": ["box"], "match": {"model": ["a", "b"]}},
+                     "rest": {**common, "nodes": ["other"]}}
+    gw = await gateway(cfg)
+    async with http.get(gw.url + "/v1/models", headers=auth()) as r:
+        assert r.status == 200
+        ids = [m["id"] for m in (await r.json())["data"]]
+    assert ids == ["a", "b", "z"]  # box's declared list (not its "secret"), other's own answer
