@@ -1,6 +1,6 @@
 """The aiohttp application and the request pipeline, written once as a list of stages.
 
-    open → route → auth → mode → unqueued → [match] → limits → body → cost → admit ─▶ runner (lease scope)
+    open → route → auth → mode → unqueued → [match] → limits → body → model → cost → admit ─▶ runner (lease scope)
 
 ``[match]``: on a path that several routes share, the body is read before the limits, to pick
 the route whose ``match`` holds (its limits, queue and errors are then the request's).
@@ -206,7 +206,7 @@ async def _choose_route(gw: Gateway, call: Call) -> web.StreamResponse | None:
         return refused
     rt, ex = gw.rt, call.exchange
     assert ex is not None
-    model = body_model(ex.body)
+    model = call.model = body_model(ex.body)
     headers = call.request.headers
     chosen = None
     for name in call.route_choices:
@@ -282,6 +282,18 @@ async def read_exchange(gw: Gateway, call: Call) -> web.StreamResponse | None:
     return None
 
 
+def name_model(gw: Gateway, call: Call) -> web.StreamResponse | None:
+    """The model an OpenAI request asks for, when its route has multi-model nodes
+    (docs/CONFIG.md#multi-model-nodes): the scheduler sends it only where it is served."""
+    if call.kind != "openai" or call.model is not None or call.exchange is None:
+        return None
+    sched = gw.rt.scheduler
+    rq = sched.routes[call.route_name]
+    if any(n in sched.nodes and sched.nodes[n].cfg.models is not None for n in rq.all_nodes):
+        call.model = body_model(call.exchange.body)
+    return None
+
+
 def price(gw: Gateway, call: Call) -> web.StreamResponse | None:
     """The request's cost on a node's capacity (docs/CONFIG.md#cost-and-capacity), read once from its body."""
     rcfg = gw.rt.scheduler.routes[call.route_name].cfg
@@ -308,7 +320,7 @@ async def admit(gw: Gateway, call: Call) -> web.StreamResponse | None:
     priority = principal.cfg.priority if principal else 0
     try:
         ticket = rt.admit(call.route_name, call.subject, priority, pinned_node=call.pinned_node,
-                          cost=call.cost or 0.0)
+                          cost=call.cost or 0.0, model=call.model)
         if rt.settle is not None:  # cluster mode: Redis decides (kilolined/cluster/leases.py)
             ticket = await rt.settle(ticket)
     except Rejected as r:
@@ -323,7 +335,7 @@ async def admit(gw: Gateway, call: Call) -> web.StreamResponse | None:
 
 
 PIPELINE: Sequence[Stage] = (check_open, resolve_path, authenticate, choose_mode, pass_unqueued, choose_route,
-                             check_limits, read_exchange, price, admit)
+                             check_limits, read_exchange, name_model, price, admit)
 PROXY_PIPELINE: Sequence[Stage] = (check_open, targets.resolve_target, authenticate, choose_mode, check_limits,
                                    read_exchange, price, admit)
 
@@ -391,12 +403,15 @@ def log_access(gw: Gateway, call: Call) -> None:
     }
     if call.cost is not None:
         rec["cost"] = round(call.cost, 3)
+    if call.swap is not None:
+        rec["swap"] = call.swap
     if gw.log_json:
         access_log.info(orjson.dumps(rec).decode())
     else:
         access_log.info(
             "%(request_id)s %(key)s %(route)s %(node)s %(mode)s %(status)s wait=%(queue_wait_ms)dms "
-            "dur=%(duration_ms)dms bytes=%(bytes)d" + (" cost=%(cost)g" if call.cost is not None else ""), rec,
+            "dur=%(duration_ms)dms bytes=%(bytes)d" + (" cost=%(cost)g" if call.cost is not None else "")
+            + ("" if call.swap is None else " swap=true" if call.swap else " swap=false"), rec,
         )
 
 

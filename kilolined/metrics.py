@@ -48,7 +48,7 @@ class _LiveGauges(Collector):
     def __init__(self, rt: Callable[[], LiveState]):
         self._rt = rt
 
-    def collect(self) -> Iterable[GaugeMetricFamily]:
+    def collect(self) -> Iterable[GaugeMetricFamily | CounterMetricFamily]:
         rt = self._rt()
         now = rt.clock()
         sched = rt.scheduler
@@ -64,6 +64,9 @@ class _LiveGauges(Collector):
         cap = GaugeMetricFamily("kiloline_capacity", "A node's configured capacity (nodes that have one)",
                                 labels=["node"])
         used = GaugeMetricFamily("kiloline_capacity_used", "The costs of a node's leases in flight", labels=["node"])
+        # Counted by the scheduler as it leases (queue.py): read here, so the lease path bumps nothing.
+        swaps = CounterMetricFamily("kiloline_model_swaps", "Dispatches that made a multi-model node load a model",
+                                    labels=["node"])
         for name, rq in sched.routes.items():
             if rq.name.startswith("adhoc:"):
                 continue
@@ -82,6 +85,8 @@ class _LiveGauges(Collector):
             if ns.cfg.capacity is not None:
                 cap.add_metric([n], ns.cfg.capacity)
                 used.add_metric([n], sched.capacity_used.get(n, 0.0))
+            if ns.cfg.models is not None:
+                swaps.add_metric([n], sched.swaps.get(n, 0))
         # Prometheus' own idiom for "is the running config the file": 0 while a reload was refused
         # (the previous config still runs), and when the running one was loaded.
         ok = GaugeMetricFamily("kiloline_config_last_reload_successful",
@@ -90,7 +95,7 @@ class _LiveGauges(Collector):
         at = GaugeMetricFamily("kiloline_config_last_reload_success_timestamp_seconds",
                                "Unix time the running config was loaded")
         at.add_metric([], rt.loaded_at)
-        yield from (depth, infl, slots, up, br, cap, used, ok, at)
+        yield from (depth, infl, slots, up, br, cap, used, swaps, ok, at)
 
 
 class CounterChild:

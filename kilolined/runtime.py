@@ -23,7 +23,7 @@ from kilolined.cluster.view import ClusterView
 from kilolined.config import Config, ConfigError, NodeConfig, RouteConfig
 from kilolined.deadlines import Deadlines
 from kilolined.feed import Feed
-from kilolined.health import health_loop
+from kilolined.health import health_loop, refresh_models
 from kilolined.leasestore import LeaseStore
 from kilolined.limits import Budgets, RateLimiter
 from kilolined.metrics import Metrics
@@ -204,6 +204,10 @@ class Runtime:
     async def start(self) -> None:
         self.started = True
         self._sync_health_loops()
+        for ns in self.scheduler.nodes.values():
+            if ns.cfg.models is not None and ns.cfg.health is None:
+                # Multi-model nodes with a health check are asked after each one (health.py).
+                self.spawn(refresh_models(self.session(ns.name), ns))
         self._pump = asyncio.create_task(self._pump_loop(), name="kiloline-pump")
 
     async def stop(self) -> None:
@@ -300,8 +304,9 @@ class Runtime:
         self.scheduler.dispatch(now)
 
     def admit(self, route: str, key: str, priority: int, *, pinned_node: str | None = None,
-              cost: float = 0.0) -> Ticket:
-        return self.leases.admit(route, key, priority, self.clock(), pinned_node=pinned_node, cost=cost)
+              cost: float = 0.0, model: str | None = None) -> Ticket:
+        return self.leases.admit(route, key, priority, self.clock(), pinned_node=pinned_node, cost=cost,
+                                 model=model)
 
     # --- node results -------------------------------------------------------------------
     def node_success(self, node: str, trial: bool) -> None:

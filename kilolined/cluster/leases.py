@@ -128,13 +128,14 @@ class ClusterLeases:
 
     # --- the LeaseStore calls ---------------------------------------------------------------
     def admit(self, route: str, key: str, priority: int, now: float, *, pinned_node: str | None = None,
-              cost: float = 0.0) -> Ticket:
+              cost: float = 0.0, model: str | None = None) -> Ticket:
         # Cost-aware capacity is per gateway for now: the cluster scripts count slots, not costs.
+        # So are model affinity and collation (docs/CLUSTER.md): the model rides along unused.
         if not self.view.redis_up:
-            t = self.sched.admit(route, key, priority, now, pinned_node=pinned_node, cost=cost)
+            t = self.sched.admit(route, key, priority, now, pinned_node=pinned_node, cost=cost, model=model)
             self._local.add(t)
             return t
-        t = Ticket(next(self._seq), route, key, priority, now, pinned_node=pinned_node, cost=cost)
+        t = Ticket(next(self._seq), route, key, priority, now, pinned_node=pinned_node, cost=cost, model=model)
         t.deadline = now + self.sched.routes[route].cfg.queue_timeout_sec
         return t
 
