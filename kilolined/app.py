@@ -26,15 +26,16 @@ from kilolined.adapters.openai import wants_stream
 from kilolined.adapters.registry import adapter_for
 from kilolined.auth import presented_key
 from kilolined.call import Call
-from kilolined.config import RouteConfig
+from kilolined.config import RateConfig, RouteConfig
 from kilolined.context import GW, RT, Gateway
 from kilolined.costs import UnitError, request_cost, request_units
-from kilolined.limits import seconds_to_midnight
+from kilolined.limits import Verdict, seconds_to_midnight
 from kilolined.models_list import is_models_list, models_union
 from kilolined.proxy import Exchange, client_ip, request_id
 from kilolined.queue import Rejected
 from kilolined.routing import body_model, describe, head_holds, holds
 from kilolined.runner import run
+from kilolined.runtime import Runtime
 from kilolined.sinks import StreamSink, SyncSink
 from kilolined.unqueued import forward_unqueued
 
@@ -201,7 +202,9 @@ def choose_route(gw: Gateway, call: Call) -> Awaitable[web.StreamResponse | None
 
 
 async def _choose_route(gw: Gateway, call: Call) -> web.StreamResponse | None:
-    refused = await read_exchange(gw, call)
+    refused = read_exchange(gw, call)
+    if refused is not None and not isinstance(refused, web.StreamResponse):
+        refused = await refused
     if refused is not None:
         return refused
     rt, ex = gw.rt, call.exchange
@@ -231,48 +234,100 @@ async def _choose_route(gw: Gateway, call: Call) -> web.StreamResponse | None:
     return None
 
 
-async def check_limits(gw: Gateway, call: Call) -> web.StreamResponse | None:
-    """Token bucket per (subject, route), then the key's daily request budget, taken at once."""
+def check_limits(gw: Gateway, call: Call) -> Awaitable[web.StreamResponse | None] | web.StreamResponse | None:
+    """Token bucket per (subject, route), then the key's daily request budget, taken at once.
+    Plain: in cluster mode Redis decides, and only then is there anything to wait for."""
     rt = gw.rt
-    principal = call.principal
-    rq = rt.scheduler.routes[call.route_name]
-    route_rate = None if call.route_name.startswith("adhoc:") else rq.cfg.rate
-    rate = (principal.cfg.rate if principal and principal.cfg.rate else None) or route_rate
+    if rt.shared_limits is not None:
+        return _check_shared_limits(gw, call)
+    rate = _rate_of(rt, call)
     if rate is not None:
-        shared = rt.shared_limits  # cluster mode: one bucket for every gateway
-        v = (await shared.check(call.subject, call.route, rate, rt.clock()) if shared is not None
-             else rt.limiter.check(call.subject, call.route, rate, rt.clock()))
-        call.headers.update({"RateLimit-Limit": str(v.limit), "RateLimit-Remaining": str(v.remaining),
-                             "RateLimit-Reset": str(v.reset_sec)})
-        if not v.ok:
-            rt.metrics.rejections.labels(call.route, "rate_limited").inc()
-            return call.error(429, "rate_limited", f"rate limit of {rate.per_minute:g}/min exceeded",
-                              v.retry_after)
+        refused = _rate_verdict(rt, call, rate, rt.limiter.check(call.subject, call.route, rate, rt.clock()))
+        if refused is not None:
+            return refused
+    principal = call.principal
     if principal is not None:
         wall = time.time()
-        budget = principal.cfg.budget
-        spent = (await shared.take_request(principal.key_id, budget, wall) if (shared := rt.shared_limits)
-                 else rt.budgets.take_request(principal.key_id, budget, wall))
-        if spent:
-            rt.metrics.rejections.labels(call.route, "budget_exhausted").inc()
-            return call.error(429, "budget_exhausted", f"daily budget {spent} exhausted", seconds_to_midnight(wall))
-        call.budget_taken = True
+        return _budget_verdict(rt, call, wall, rt.budgets.take_request(principal.key_id, principal.cfg.budget, wall))
     return None
 
 
-async def read_exchange(gw: Gateway, call: Call) -> web.StreamResponse | None:
-    """The request body (kept for a re-queue) and the adapter's look at it; or the refusal."""
+async def _check_shared_limits(gw: Gateway, call: Call) -> web.StreamResponse | None:
+    """check_limits in cluster mode: one bucket and one budget for every gateway."""
+    rt = gw.rt
+    shared = rt.shared_limits
+    assert shared is not None
+    rate = _rate_of(rt, call)
+    if rate is not None:
+        refused = _rate_verdict(rt, call, rate, await shared.check(call.subject, call.route, rate, rt.clock()))
+        if refused is not None:
+            return refused
+    principal = call.principal
+    if principal is not None:
+        wall = time.time()
+        return _budget_verdict(rt, call, wall, await shared.take_request(principal.key_id, principal.cfg.budget, wall))
+    return None
+
+
+def _rate_of(rt: Runtime, call: Call) -> RateConfig | None:
+    principal = call.principal
+    route_rate = None if call.route_name.startswith("adhoc:") else rt.scheduler.routes[call.route_name].cfg.rate
+    return (principal.cfg.rate if principal and principal.cfg.rate else None) or route_rate
+
+
+def _rate_verdict(rt: Runtime, call: Call, rate: RateConfig, v: Verdict) -> web.StreamResponse | None:
+    call.headers.update({"RateLimit-Limit": str(v.limit), "RateLimit-Remaining": str(v.remaining),
+                         "RateLimit-Reset": str(v.reset_sec)})
+    if v.ok:
+        return None
+    rt.metrics.rejections.labels(call.route, "rate_limited").inc()
+    return call.error(429, "rate_limited", f"rate limit of {rate.per_minute:g}/min exceeded", v.retry_after)
+
+
+def _budget_verdict(rt: Runtime, call: Call, wall: float, spent: str | None) -> web.StreamResponse | None:
+    if spent:
+        rt.metrics.rejections.labels(call.route, "budget_exhausted").inc()
+        return call.error(429, "budget_exhausted", f"daily budget {spent} exhausted", seconds_to_midnight(wall))
+    call.budget_taken = True
+    return None
+
+
+def read_exchange(gw: Gateway, call: Call) -> Awaitable[web.StreamResponse | None] | web.StreamResponse | None:
+    """The request body (kept for a re-queue) and the adapter's look at it; or the refusal.
+    Plain when the whole body is here already (small requests arrive with their head)."""
     if call.exchange is not None:
         return None  # already read to choose among routes sharing the path
-    rt = gw.rt
     request = call.request
+    limit = int(gw.rt.cfg.server.max_body_mb * 1024 * 1024)
+    content = request.content
+    if request.content_length is not None and request.content_length > limit:
+        return _too_large(call, limit)
+    if not content.is_eof():
+        return _read_exchange(gw, call, limit)
+    body = content.read_nowait(-1)
+    if len(body) > limit:
+        return _too_large(call, limit)
+    return _exchange(call, body)
+
+
+async def _read_exchange(gw: Gateway, call: Call, limit: int) -> web.StreamResponse | None:
     try:
-        body = await read_body(request, int(rt.cfg.server.max_body_mb * 1024 * 1024))
+        body = await read_body(call.request, limit)
     except Rejected as r:
         resp = call.rejected(r)
-        # Close instead of draining the rest of a body we refused (it may be gigabytes).
-        resp.force_close()
+        resp.force_close()  # do not drain the rest of a body we refused (it may be gigabytes)
         return resp
+    return _exchange(call, body)
+
+
+def _too_large(call: Call, limit: int) -> web.StreamResponse:
+    resp = call.rejected(Rejected(413, "payload_too_large", f"body over {limit // (1024 * 1024)} MB"))
+    resp.force_close()  # do not drain the rest of a body we refused (it may be gigabytes)
+    return resp
+
+
+def _exchange(call: Call, body: bytes) -> web.StreamResponse | None:
+    request = call.request
     ex = Exchange(request, request.method, call.tail, body, call.request_id, call.client_ip)
     try:
         call.adapter.prepare(ex)
