@@ -8,6 +8,7 @@ from anything a client sends, so cardinality is bounded by the config.
 from __future__ import annotations
 
 import math
+import os
 import time
 from bisect import bisect_left
 from collections.abc import Callable, Iterable, Sequence
@@ -134,7 +135,7 @@ class Recorded:
     (``*_created`` series included). Label sets are bounded by the config and never removed.
     """
 
-    __slots__ = ("_buckets", "_children", "_clock", "doc", "kind", "labelnames", "name")
+    __slots__ = ("_buckets", "_children", "_clock", "_created", "doc", "kind", "labelnames", "name")
 
     def __init__(self, kind: str, name: str, doc: str, labelnames: Sequence[str],
                  buckets: Sequence[float] = (), clock: Callable[[], float] = time.time):
@@ -142,6 +143,8 @@ class Recorded:
         self._buckets = (*buckets, math.inf)
         self._children: dict[tuple[str, ...], Any] = {}
         self._clock = clock
+        # prometheus-client's own switch for the *_created series (docs/METRICS.md), honoured the same way
+        self._created = os.environ.get("PROMETHEUS_DISABLE_CREATED_SERIES", "False").lower() not in ("true", "1", "t")
 
     def labels(self, *values: str) -> Any:
         child = self._children.get(values)
@@ -161,7 +164,7 @@ class Recorded:
         if self.kind == "counter":
             fam: Metric = CounterMetricFamily(self.name, self.doc, labels=names)
             for values, c in self._children.items():
-                fam.add_metric(list(values), c.value, created=c.created)
+                fam.add_metric(list(values), c.value, created=c.created if self._created else None)
             return fam
         fam = HistogramMetricFamily(self.name, self.doc, labels=names)
         for values, h in self._children.items():
@@ -170,7 +173,8 @@ class Recorded:
                 running += n
                 cumulative.append((floatToGoString(bound), running))
             fam.add_metric(list(values), cumulative, h.sum)
-            fam.add_sample(self.name + "_created", dict(zip(names, values, strict=True)), h.created)
+            if self._created:
+                fam.add_sample(self.name + "_created", dict(zip(names, values, strict=True)), h.created)
         return fam
 
 
