@@ -18,6 +18,7 @@ from kilolined.context import RT
 from kilolined.edge import guard
 from kilolined.errors import error_response
 from kilolined.history import History
+from kilolined.proxy import SERVER
 from kilolined.reload import reload_from_file
 from kilolined.runtime import Runtime
 from kilolined.views import HISTORY_SERIES, route_series
@@ -135,7 +136,7 @@ async def events(request: web.Request) -> web.StreamResponse:
         return _denied()
     rt = _rt(request)
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
-                                       "X-Accel-Buffering": "no"})
+                                       "X-Accel-Buffering": "no", "Server": SERVER})
     await resp.prepare(request)
     q = rt.feed.subscribe()
     try:

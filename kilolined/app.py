@@ -31,7 +31,7 @@ from kilolined.context import GW, RT, Gateway
 from kilolined.costs import UnitError, request_cost, request_units
 from kilolined.limits import Verdict, seconds_to_midnight
 from kilolined.models_list import is_models_list, models_union
-from kilolined.proxy import Exchange, client_ip, request_id
+from kilolined.proxy import SERVER, Exchange, client_ip, request_id
 from kilolined.queue import Rejected
 from kilolined.routing import body_model, describe, head_holds, holds
 from kilolined.runner import run
@@ -402,6 +402,7 @@ def handler(stages: Sequence[Stage], route: str = "-") -> Callable[[web.Request]
         # The edge (kilolined/edge.py) inline rather than as edge.guard: one coroutine less per request.
         refused = edge.refuse(request)
         if refused is not None:
+            refused.headers["Server"] = SERVER
             return refused
         gw = request.app[GW]
         call = Call(request, request_id(request), time.monotonic(), route=route)
@@ -416,14 +417,20 @@ def handler(stages: Sequence[Stage], route: str = "-") -> Callable[[web.Request]
                     resp = await resp  # type: ignore[misc]
                     if resp is None:
                         continue
-                # A stream that failed after its 200 has set the status it would have had.
-                call.status = call.status if resp.prepared and call.status else resp.status
+                if resp.prepared:
+                    # A stream set its Server header before its prepare(); one that failed after
+                    # its 200 has set the status it would have had.
+                    call.status = call.status or resp.status
+                else:
+                    resp.headers["Server"] = SERVER
+                    call.status = resp.status
                 return resp
             raise AssertionError("the last stage always answers")
         except Exception as exc:
             answer = edge.error_answer(request, exc)
             if answer is None:
                 raise
+            answer.headers["Server"] = SERVER
             call.status = answer.status
             return answer
         finally:

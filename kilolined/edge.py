@@ -21,11 +21,10 @@ from aiohttp.web_protocol import RequestPayloadError
 
 from kilolined.errors import REASONS, error_response
 from kilolined.paths import path_of_target, path_problem
-from kilolined.proxy import request_id
+from kilolined.proxy import SERVER, request_id
 
 log = logging.getLogger("kilolined")
 
-SERVER = "kilolined"
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 _TYPES = {**REASONS, 405: "bad_request", 500: "internal_error", 503: "shutting_down"}
 _KEEP_HEADERS = ("Allow", "Retry-After")
@@ -70,6 +69,7 @@ def error_answer(request: web.BaseRequest, exc: Exception) -> web.StreamResponse
     redirect, an answer that is already ours, a client that left)."""
     if isinstance(exc, web.HTTPException):
         if exc.status < 400 or exc.content_type == "application/json":
+            exc.headers["Server"] = SERVER
             return None  # a redirect, or an answer that is already ours
         headers = {k: exc.headers[k] for k in _KEEP_HEADERS if k in exc.headers}
         resp = json_error(request, exc.status, exc.reason, headers=headers)
@@ -104,21 +104,16 @@ def guard(handler: Handler) -> Handler:
     layers per request (the pipeline's handler inlines the same two calls: kilolined/app.py)."""
 
     async def guarded(request: web.Request) -> web.StreamResponse:
-        refused = refuse(request)
-        if refused is not None:
-            return refused
-        try:
-            return await handler(request)
-        except Exception as exc:
-            resp = error_answer(request, exc)
-            if resp is None:
-                raise
-            return resp
+        resp = refuse(request)
+        if resp is None:
+            try:
+                resp = await handler(request)
+            except Exception as exc:
+                resp = error_answer(request, exc)
+                if resp is None:
+                    raise
+        if not resp.prepared:
+            resp.headers["Server"] = SERVER  # a streamed answer set it before its prepare()
+        return resp
 
     return guarded
-
-
-async def server_header(_request: web.BaseRequest, response: web.StreamResponse) -> None:
-    """``on_response_prepare`` hook: streamed answers are prepared inside the handler, after any
-    middleware could touch them."""
-    response.headers["Server"] = SERVER

@@ -30,7 +30,7 @@ from kilolined.call import Call
 from kilolined.config import JobsConfig
 from kilolined.lease import LeaseScope
 from kilolined.outcome import Cancelled, Failure, Result
-from kilolined.proxy import Exchange, Observer, Upstream, UpstreamFailed
+from kilolined.proxy import SERVER, Exchange, Observer, Upstream, UpstreamFailed
 from kilolined.queue import WAITING, Lease, Ticket
 from kilolined.runner import ModeSink, run
 from kilolined.runtime import Runtime
@@ -530,7 +530,7 @@ class Jobs:
     async def stream(self, request: web.Request, job: Job, after: int, headers: dict[str, str]) -> web.StreamResponse:
         resp = web.StreamResponse(status=200, headers={
             **headers, "Content-Type": "text/event-stream", "Cache-Control": "no-cache",
-            "X-Accel-Buffering": "no", "X-KiloLine-Job": job.id,
+            "X-Accel-Buffering": "no", "X-KiloLine-Job": job.id, "Server": SERVER,
         })
         await resp.prepare(request)
         await resp.write(b"retry: 3000\n\n")

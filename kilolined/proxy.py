@@ -34,6 +34,7 @@ STRIP_REQUEST = HOP_BY_HOP | {
 }
 STRIP_RESPONSE = HOP_BY_HOP | {"content-length", "server", "date"}
 RETRY_STATUSES = frozenset((502, 503, 504))
+SERVER = "kilolined"  # every answer's Server header: no versions (docs/SECURITY.md)
 # A node's answer: from the hot-path pool, or from aiohttp's client (ComfyUI's side calls, files).
 Upstream = UpstreamResponse | aiohttp.ClientResponse
 CAPTURE_MAX = 1024 * 1024  # what an adapter may ask to see of a sync answer (ComfyUI's prompt id)
@@ -218,6 +219,7 @@ async def stream_back(
     shown to ``obs`` and copied into ``capture`` (up to 1 MiB) on the way. Upstream read errors
     propagate after the response has started: the caller cuts the client.
     """
+    headers["Server"] = SERVER  # the node's own is stripped (STRIP_RESPONSE)
     if isinstance(up, UpstreamResponse) and whole_body_here(up, request.method):
         body = up.body()
         _seen(body, obs, capture)

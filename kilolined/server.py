@@ -12,7 +12,7 @@ import ssl
 
 from aiohttp import web
 
-from kilolined import edge, systemd
+from kilolined import systemd
 from kilolined.app import build_app
 from kilolined.cluster.leader import LeaderLease
 from kilolined.cluster.leases import ClusterLeases, gateway_id
@@ -62,7 +62,6 @@ class Server:
             self._one_voice(rt, notifier, self.cluster, cfg.cluster.key_prefix, cfg.cluster.lease_ttl_sec)
         self.app = build_app(self.gateway)
         self.runner: web.AppRunner | None = None
-        self.app.on_response_prepare.append(edge.server_header)
         self.listeners: list[Listener] = []
         self.gate: ConnectionGate | None = None
         self._paused_logged = -60.0

@@ -21,7 +21,7 @@ from kilolined.adapters.openai import UsageStripper, gateway_added_usage
 from kilolined.call import Call
 from kilolined.lease import LeaseScope
 from kilolined.outcome import Failure, Result
-from kilolined.proxy import Observer, Upstream, cut_client, response_headers, stream_back
+from kilolined.proxy import SERVER, Observer, Upstream, cut_client, response_headers, stream_back
 from kilolined.queue import WAITING, Lease
 from kilolined.runner import ModeSink
 from kilolined.runtime import Runtime
@@ -141,7 +141,7 @@ class StreamSink(SyncSink):
         call = self.call
         if self.stream is None:
             headers = {**call.headers, "Content-Type": "text/event-stream", "Cache-Control": "no-cache",
-                       "X-Accel-Buffering": "no", "X-Request-Id": call.request_id}
+                       "X-Accel-Buffering": "no", "X-Request-Id": call.request_id, "Server": SERVER}
             if call.node != "-":
                 headers["X-KiloLine-Node"] = call.node
             resp = web.StreamResponse(status=200, headers=headers)

@@ -17,7 +17,7 @@ import orjson
 from aiohttp import WSCloseCode, WSMsgType, web
 
 from kilolined.errors import error_body
-from kilolined.proxy import STRIP_REQUEST, UpstreamFailed
+from kilolined.proxy import SERVER, STRIP_REQUEST, UpstreamFailed
 
 CONNECT_SEC = 10.0
 MAX_MSG = 64 * 1024 * 1024  # node → client frames (image previews)
@@ -102,6 +102,7 @@ async def proxy_websocket(request: web.Request, session: aiohttp.ClientSession, 
                                    autoping=True, heartbeat=HEARTBEAT_SEC, max_msg_size=CLIENT_MAX_MSG)
     for k, v in (response_headers or {}).items():
         client.headers[k] = v
+    client.headers["Server"] = SERVER
     try:
         await client.prepare(request)
     except BaseException:

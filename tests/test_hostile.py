@@ -325,11 +325,28 @@ async def test_http09_request_gets_no_http09_answer(node: Any, gateway: Any) -> 
     c.close()
 
 
+async def _head_then_body(conn: Any) -> None:
+    """A node whose answer is streamed back: its head, then (later) a chunked body."""
+    while True:
+        await conn.read_head()
+        await conn.send(b"HTTP/1.1 200 OK\r\nServer: node/1.2.3\r\nTransfer-Encoding: chunked\r\n\r\n")
+        await asyncio.sleep(0.05)
+        await conn.send(b"5\r\nhello\r\n0\r\n\r\n")
+
+
 async def test_server_header_names_no_versions(node: Any, gateway: Any) -> None:
     gw = await gateway(base_config({"a": (await node()).url}))
     for raw in (b"GET /gen/x HTTP/1.1\r\nHost: gw\r\n\r\n",  # 401 to a stranger
                 b"GET /nowhere HTTP/1.1\r\nHost: gw\r\n\r\n",  # 404
                 get("/gen/x"),  # a node's answer
+                get("/gen/x", b"X-KiloLine-Mode: sse\r\nConnection: close\r\n"),  # an SSE job's stream
+                b"GET /healthz HTTP/1.1\r\nHost: gw\r\n\r\n",  # an admin handler
+                b"GET /v1/jobs/nope HTTP/1.1\r\nHost: gw\r\n\r\n",  # a jobs handler's 404
                 b"GET /healthz HTTP/1.1\r\nHost: gw\r\nBad\x01: x\r\n\r\n"):  # aiohttp's 400
         a = await exchange(gw.server.port, raw)
         assert a.header("Server") == "kilolined", (a.status, a.headers)
+    # A streamed answer (prepared before its body) says so too, and never the node's name.
+    streamed = await gateway(base_config({"b": (await node(_head_then_body)).url}))
+    a = await exchange(streamed.server.port, get("/gen/x", b"Connection: close\r\n"))
+    assert a.status == 200 and a.header("Server") == "kilolined", (a.status, a.headers)
+    assert b"hello" in a.body
