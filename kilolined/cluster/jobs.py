@@ -36,7 +36,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -219,7 +219,7 @@ class ClusterJobs:
         self.prefix = leases.prefix
         self.inst = leases.inst
         self.jobs: Jobs | None = None
-        self._ops: list[Callable[[Any], None]] = []  # writes not yet sent, in order
+        self._ops: list[Callable[[Any], Awaitable[Any]]] = []  # writes not yet sent, in order
         self._waiters: list[asyncio.Future[None]] = []
         self._wake: asyncio.Event | None = None
         self._tasks: set[asyncio.Task[Any]] = set()
@@ -292,7 +292,7 @@ class ClusterJobs:
             args += ["1", res.http_status, res.content_type, res.body, orjson.dumps(res.files)]
         self._op(lambda p: self._scripts["FINISH"](args=args, client=p))
 
-    def _op(self, op: Callable[[Any], None]) -> None:
+    def _op(self, op: Callable[[Any], Awaitable[Any]]) -> None:
         if not self.up or self._wake is None:
             return  # degraded: the job goes on here alone
         self._ops.append(op)
@@ -318,7 +318,7 @@ class ClusterJobs:
                 if ops:
                     pipe = self.redis.pipeline(transaction=False)
                     for op in ops:
-                        op(pipe)
+                        await op(pipe)  # queues the script on the pipeline (nothing is sent yet)
                     for r in await pipe.execute(raise_on_error=False):
                         if isinstance(r, Exception):
                             log.warning("cluster jobs: a write was refused (%s)", r)

@@ -1,0 +1,198 @@
+"""Jobs anywhere (docs/CLUSTER.md#jobs): an sse/async job submitted on one gateway is served,
+cancelled and — when its gateway dies — carried on by another. Real redis-server, real gateway
+processes, a fake GPU, a local webhook receiver."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import orjson
+import pytest
+from cluster_harness import GatewayProc, RedisServer, gateways, make_gateways, redis_server, start_all
+from conftest import auth
+from fakes import FakeWebhookReceiver
+
+from kilolined.fakegpu import FakeGPU
+
+__all__ = ["gateways", "redis_server"]  # fixtures
+ASYNC = {"X-KiloLine-Mode": "async"}
+
+
+@pytest.fixture
+async def gpu() -> AsyncIterator[FakeGPU]:
+    g = FakeGPU("generic", vram_gb=1000, job_vram_gb=1, steps=2, step_ms=20, crash_sec=0.4)
+    await g.start()
+    yield g
+    await g.stop()
+
+
+@pytest.fixture
+async def receiver() -> AsyncIterator[FakeWebhookReceiver]:
+    async with FakeWebhookReceiver() as r:
+        yield r
+
+
+async def submit(s: aiohttp.ClientSession, gw: GatewayProc, who: str = "alice", headers: dict[str, str] | None = None,
+                 **body: Any) -> dict[str, Any]:
+    async with s.post(gw.url + "/gen/generate", json=body, headers={**auth(who), **ASYNC, **(headers or {})}) as r:
+        assert r.status == 202, await r.text()
+        return await r.json()
+
+
+async def status(s: aiohttp.ClientSession, gw: GatewayProc, job_id: str, who: str = "alice") -> tuple[int, Any]:
+    async with s.get(f"{gw.url}/v1/jobs/{job_id}", headers=auth(who)) as r:
+        return r.status, await r.json()
+
+
+async def until_status(s: aiohttp.ClientSession, gw: GatewayProc, job_id: str, want: set[str],
+                       timeout: float = 30) -> dict[str, Any]:
+    deadline = time.monotonic() + timeout
+    while True:
+        st, body = await status(s, gw, job_id)
+        if st == 200 and body["status"] in want:
+            return body
+        assert time.monotonic() < deadline, (st, body)
+        await asyncio.sleep(0.05)
+
+
+def parse_sse(text: str) -> list[tuple[int, str, dict[str, Any]]]:
+    out = []
+    for block in text.split("\n\n"):
+        fields = dict(line.split(": ", 1) for line in block.splitlines() if ": " in line)
+        if "event" in fields:
+            out.append((int(fields["id"]), fields["event"], orjson.loads(fields["data"])))
+    return out
+
+
+async def events(s: aiohttp.ClientSession, gw: GatewayProc, job_id: str, after: int = 0) -> list[Any]:
+    async with s.get(f"{gw.url}/v1/jobs/{job_id}/events", headers={**auth(), "Last-Event-ID": str(after)},
+                     timeout=aiohttp.ClientTimeout(total=60)) as r:
+        assert r.status == 200, await r.text()
+        return parse_sse(await r.text())
+
+
+async def test_a_job_taken_on_a_is_served_by_b(redis_server: RedisServer, gateways: list[GatewayProc],
+                                               gpu: FakeGPU, tmp_path: Path) -> None:
+    gateways += make_gateways(2, tmp_path, redis_server.url, gpu.url)
+    await start_all(gateways)
+    a, b = gateways
+    async with aiohttp.ClientSession() as s:
+        job = await submit(s, a, steps=10, step_ms=100, echo="hello")
+        jid = job["job_id"]
+        # While it runs on A, B follows it live from the start.
+        follow = asyncio.create_task(events(s, b, jid))
+        st, body = await status(s, b, jid)
+        assert st == 200 and body["job_id"] == jid and body["status"] in ("queued", "running")
+        # Another key may not see it on B either; its token may.
+        assert (await status(s, b, jid, "bob"))[0] == 404
+        async with s.get(gw_url(b, job["events_url"]), headers={"Last-Event-ID": "1"}) as r:
+            assert r.status == 200
+        live = await follow
+        done = await until_status(s, b, jid, {"completed"})
+        assert done["node"] == "gpu" and done["http_status"] == 200
+        async with s.get(f"{b.url}/v1/jobs/{jid}/result", headers=auth()) as r:
+            assert r.status == 200
+            assert (await r.json())["echo"] == "hello"
+        # The replay on B from Last-Event-ID: every later event, ids without a gap, then the end.
+        replay = await events(s, b, jid, after=1)
+    names = [name for _, name, _ in live]
+    assert names[0] == "queued" and "dispatched" in names and names[-1] == "output_ready", names
+    assert [i for i, _, _ in live] == list(range(1, len(live) + 1))
+    assert replay == live[1:]
+
+
+def gw_url(gw: GatewayProc, url: str) -> str:
+    return url if url.startswith("http") else gw.url + url
+
+
+async def test_delete_on_b_cancels_the_job_running_on_a(redis_server: RedisServer, gateways: list[GatewayProc],
+                                                        gpu: FakeGPU, tmp_path: Path) -> None:
+    gateways += make_gateways(2, tmp_path, redis_server.url, gpu.url, max_concurrency=1)
+    await start_all(gateways)
+    a, b = gateways
+    async with aiohttp.ClientSession() as s:
+        jid = (await submit(s, a, steps=300, step_ms=100))["job_id"]  # 30 s unless cancelled
+        await until_status(s, b, jid, {"running"})
+        async with s.delete(f"{b.url}/v1/jobs/{jid}", headers=auth()) as r:
+            assert r.status == 200
+            assert (await r.json())["status"] == "cancelled"
+        assert (await status(s, a, jid))[1]["status"] == "cancelled"
+        # The one slot is free again: a request on B is served long before the cancelled one's 30 s.
+        async with s.post(b.url + "/gen/generate", json={}, headers=auth(),
+                          timeout=aiohttp.ClientTimeout(total=10)) as r:
+            assert r.status == 200
+        ev = await events(s, b, jid)
+    assert ev[-1][1] == "failed" and ev[-1][2]["status"] == "cancelled"
+
+
+async def test_kill9_of_the_gateway_running_a_job(redis_server: RedisServer, gateways: list[GatewayProc],
+                                                  gpu: FakeGPU, receiver: FakeWebhookReceiver,
+                                                  tmp_path: Path) -> None:
+    gateways += make_gateways(2, tmp_path, redis_server.url, gpu.url, retry_on_failover=1)
+    for g in gateways:
+        g.cfg["jobs"] = {"webhook_allow_private": True, "webhook_backoff_sec": [0.2, 0.2]}
+    await start_all(gateways)
+    a, b = gateways
+    async with aiohttp.ClientSession() as s:
+        jid = (await submit(s, a, headers={"X-KiloLine-Callback": receiver.url()}, steps=15, step_ms=100,
+                            echo="again"))["job_id"]
+        await until_status(s, b, jid, {"running"})
+        a.kill9()
+        done = await until_status(s, b, jid, {"completed", "failed"})
+        assert done["status"] == "completed", done
+        async with s.get(f"{b.url}/v1/jobs/{jid}/result", headers=auth()) as r:
+            assert r.status == 200 and (await r.json())["echo"] == "again"
+        ev = await events(s, b, jid)
+        await asyncio.sleep(1.0)  # a second webhook, were one to be sent, would arrive by now
+    rerouted = [d for _, name, d in ev if name == "rerouted"]
+    assert rerouted == [{"from_node": "gpu", "to_node": "gpu", "reason": "gateway_lost"}], ev
+    assert [i for i, _, _ in ev] == list(range(1, len(ev) + 1))  # one log, no gap, across both gateways
+    hooks = [d["json"] for d in receiver.deliveries if d["json"] and d["json"]["job_id"] == jid]
+    assert len(hooks) == 1 and hooks[0]["type"] == "job.completed", receiver.deliveries
+
+
+async def test_a_queued_job_of_a_dead_gateway_keeps_its_place(redis_server: RedisServer, gateways: list[GatewayProc],
+                                                              gpu: FakeGPU, tmp_path: Path) -> None:
+    gateways += make_gateways(2, tmp_path, redis_server.url, gpu.url, max_concurrency=1, strategy="fifo")
+    await start_all(gateways)
+    a, b = gateways
+    async with aiohttp.ClientSession() as s:
+        first = (await submit(s, b, steps=50, step_ms=100))["job_id"]  # holds the one slot for 5 s
+        await until_status(s, b, first, {"running"})
+        mine = (await submit(s, a, steps=1, step_ms=10))["job_id"]  # waits, on A
+        later = (await submit(s, b, steps=1, step_ms=10))["job_id"]  # waits behind it, on B
+        await until_status(s, b, mine, {"queued"})
+        a.kill9()
+        j_mine = await until_status(s, b, mine, {"completed"})
+        j_later = await until_status(s, b, later, {"completed"})
+        ev = await events(s, b, mine)
+    assert j_mine["started_at"] < j_later["started_at"]
+    assert "rerouted" not in [name for _, name, _ in ev]  # it never ran: it only changed hands
+
+
+async def test_redis_restarted_empty_forgets_the_jobs_it_held(redis_server: RedisServer,
+                                                              gateways: list[GatewayProc], gpu: FakeGPU,
+                                                              tmp_path: Path) -> None:
+    gateways += make_gateways(2, tmp_path, redis_server.url, gpu.url)
+    await start_all(gateways)
+    a, b = gateways
+    async with aiohttp.ClientSession() as s:
+        jid = (await submit(s, a))["job_id"]
+        await until_status(s, b, jid, {"completed"})
+        redis_server.kill()
+        redis_server.start()
+        deadline = time.monotonic() + 20
+        while not all(st["cluster"]["redis"] == "up" for st in await asyncio.gather(a.state(), b.state())):
+            assert time.monotonic() < deadline, "the gateways never saw Redis again"
+            await asyncio.sleep(0.1)
+        for path in ("", "/result", "/events"):
+            async with s.get(f"{b.url}/v1/jobs/{jid}{path}", headers=auth()) as r:
+                assert r.status == 404, path
+                assert (await r.json())["error"]["type"] == "not_found"
+        # The gateway that ran it still holds it in its own memory.
+        assert (await status(s, a, jid))[1]["status"] == "completed"
