@@ -5,6 +5,7 @@ processes, a fake GPU, a local webhook receiver."""
 from __future__ import annotations
 
 import asyncio
+import signal
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -196,3 +197,33 @@ async def test_redis_restarted_empty_forgets_the_jobs_it_held(redis_server: Redi
                 assert (await r.json())["error"]["type"] == "not_found"
         # The gateway that ran it still holds it in its own memory.
         assert (await status(s, a, jid))[1]["status"] == "completed"
+
+
+async def test_a_paused_gateway_that_comes_back_sends_no_second_webhook(
+        redis_server: RedisServer, gateways: list[GatewayProc], gpu: FakeGPU, receiver: FakeWebhookReceiver,
+        tmp_path: Path) -> None:
+    # SIGSTOP, not kill: A's heartbeat lapses, B carries the job on and finishes it; then A wakes
+    # up, finishes its own run too — and the webhook still goes out once.
+    gateways += make_gateways(2, tmp_path, redis_server.url, gpu.url, retry_on_failover=1)
+    for g in gateways:
+        g.cfg["jobs"] = {"webhook_allow_private": True, "webhook_backoff_sec": [0.2, 0.2]}
+    await start_all(gateways)
+    a, b = gateways
+    assert a.proc is not None
+    async with aiohttp.ClientSession() as s:
+        jid = (await submit(s, a, headers={"X-KiloLine-Callback": receiver.url()}, steps=15, step_ms=100))["job_id"]
+        await until_status(s, b, jid, {"running"})
+        a.proc.send_signal(signal.SIGSTOP)
+        try:
+            done = await until_status(s, b, jid, {"completed"})
+            assert done["status"] == "completed"
+            deadline = time.monotonic() + 10
+            while not [d for d in receiver.deliveries if (d["json"] or {}).get("job_id") == jid]:
+                assert time.monotonic() < deadline, "B never sent the webhook"
+                await asyncio.sleep(0.05)
+        finally:
+            a.proc.send_signal(signal.SIGCONT)
+        await until_status(s, a, jid, {"completed"})  # A's own run ended too, on A
+        await asyncio.sleep(1.0)
+    hooks = [d for d in receiver.deliveries if (d["json"] or {}).get("job_id") == jid]
+    assert len(hooks) == 1, hooks

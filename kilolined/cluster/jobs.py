@@ -73,14 +73,17 @@ if tid ~= '' and redis.call('EXISTS', P..'t:'..tid) == 1 then redis.call('HSET',
 return 1
 """
 
-#: ARGV: P, id, event id, name, frame, state, evicted event id ('' none) -> 1 | 0 (job unknown)
+#: ARGV: P, ME, id, event id, name, frame, state, evicted event id ('' none)
+#: -> 1 | 0 (job unknown) | -1 (another gateway carries it on now: this copy is not mirrored)
 EVENT = r"""
-local P, id = ARGV[1], ARGV[2]
+local P, ME, id = ARGV[1], ARGV[2], ARGV[3]
 local j = P..'j:'..id
-if redis.call('EXISTS', j) == 0 then return 0 end
-redis.call('XADD', P..'je:'..id, '0-'..ARGV[3], 'e', ARGV[4], 'f', ARGV[5])
-if ARGV[7] ~= '' then redis.call('XDEL', P..'je:'..id, '0-'..ARGV[7]) end
-redis.call('HSET', j, 'st', ARGV[6])
+local owner = redis.call('HGET', j, 'owner')
+if not owner then return 0 end
+if owner ~= ME then return -1 end
+redis.call('XADD', P..'je:'..id, '0-'..ARGV[4], 'e', ARGV[5], 'f', ARGV[6])
+if ARGV[8] ~= '' then redis.call('XDEL', P..'je:'..id, '0-'..ARGV[8]) end
+redis.call('HSET', j, 'st', ARGV[7])
 return 1
 """
 
@@ -93,21 +96,23 @@ if redis.call('EXISTS', P..'t:'..tid) == 1 then redis.call('HSET', P..'t:'..tid,
 return 1
 """
 
-#: ARGV: P, id, ttl_sec, cap_bytes, has_result (1|0), status, content type, body, files (JSON) -> 1 | 0
+#: ARGV: P, ME, id, ttl_sec, cap_bytes, has_result (1|0), status, content type, body, files (JSON)
+#: -> 1 | 0 (job unknown) | -1 (another gateway owns it)
 FINISH = r"""
-local P, id, ttl, cap = ARGV[1], ARGV[2], tonumber(ARGV[3]), tonumber(ARGV[4])
+local P, ME, id, ttl, cap = ARGV[1], ARGV[2], ARGV[3], tonumber(ARGV[4]), tonumber(ARGV[5])
 local j = P..'j:'..id
-if redis.call('EXISTS', j) == 0 then return 0 end
 local owner = redis.call('HGET', j, 'owner')
-if owner then redis.call('SREM', P..'jg:'..owner, id) end
+if not owner then return 0 end
+if owner ~= ME then return -1 end
+redis.call('SREM', P..'jg:'..ME, id)
 redis.call('HDEL', j, 'spec', 'body')
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-if ARGV[5] == '1' then
-  redis.call('HSET', j, 'r_status', ARGV[6], 'r_ctype', ARGV[7], 'r_body', ARGV[8], 'r_files', ARGV[9])
+if ARGV[6] == '1' then
+  redis.call('HSET', j, 'r_status', ARGV[7], 'r_ctype', ARGV[8], 'r_body', ARGV[9], 'r_files', ARGV[10])
   redis.call('ZADD', P..'jres', now, id)
-  redis.call('HSET', P..'jsz', id, #ARGV[8])
-  redis.call('INCRBY', P..'jbytes', #ARGV[8])
+  redis.call('HSET', P..'jsz', id, #ARGV[9])
+  redis.call('INCRBY', P..'jbytes', #ARGV[9])
 end
 redis.call('EXPIRE', j, ttl)
 redis.call('EXPIRE', P..'je:'..id, ttl)
@@ -277,7 +282,7 @@ class ClusterJobs:
     def emitted(self, job: Job, ev: Event, evicted: int | None) -> None:
         eid, name, frame = ev
         state = _state(job)
-        self._op(lambda p: self._scripts["EVENT"](args=[self.prefix, job.id, eid, name, frame, state,
+        self._op(lambda p: self._scripts["EVENT"](args=[self.prefix, self.inst, job.id, eid, name, frame, state,
                                                         "" if evicted is None else evicted], client=p))
         if name in ENDING:
             self._finished(job)
@@ -285,7 +290,8 @@ class ClusterJobs:
     def _finished(self, job: Job) -> None:
         cfg = self.rt.cfg.jobs
         res = job.result
-        args: list[Any] = [self.prefix, job.id, max(1, int(cfg.result_ttl_sec)), int(cfg.max_results_mb * 1024 * 1024)]
+        args: list[Any] = [self.prefix, self.inst, job.id, max(1, int(cfg.result_ttl_sec)),
+                           int(cfg.max_results_mb * 1024 * 1024)]
         if res is None:
             args += ["0", "", "", "", "[]"]
         else:
@@ -319,9 +325,15 @@ class ClusterJobs:
                     pipe = self.redis.pipeline(transaction=False)
                     for op in ops:
                         await op(pipe)  # queues the script on the pipeline (nothing is sent yet)
+                    disowned = False
                     for r in await pipe.execute(raise_on_error=False):
                         if isinstance(r, Exception):
                             log.warning("cluster jobs: a write was refused (%s)", r)
+                        disowned = disowned or r == -1
+                    if disowned:
+                        # This gateway was cut off longer than lease_ttl_sec: another carries its
+                        # job on; this copy runs out here unseen, and sends no webhook (send_once).
+                        log.warning("cluster jobs: a job of this gateway is carried on by another now")
             except (RedisError, OSError) as e:
                 log.warning("cluster jobs: %d writes lost, Redis unreachable (%s)", len(ops), e)
             except Exception:
