@@ -157,23 +157,50 @@ async def test_kill9_of_the_gateway_running_a_job(redis_server: RedisServer, gat
     assert len(hooks) == 1 and hooks[0]["type"] == "job.completed", receiver.deliveries
 
 
-async def test_a_queued_job_of_a_dead_gateway_keeps_its_place(redis_server: RedisServer, gateways: list[GatewayProc],
-                                                              gpu: FakeGPU, tmp_path: Path) -> None:
+async def test_queued_jobs_of_a_dead_gateway_keep_their_place(redis_server: RedisServer,
+                                                              gateways: list[GatewayProc], gpu: FakeGPU,
+                                                              receiver: FakeWebhookReceiver, tmp_path: Path) -> None:
     gateways += make_gateways(2, tmp_path, redis_server.url, gpu.url, max_concurrency=1, strategy="fifo")
+    for g in gateways:
+        g.cfg["jobs"] = {"webhook_allow_private": True, "webhook_backoff_sec": [0.2, 0.2]}
     await start_all(gateways)
     a, b = gateways
+    hook = {"X-KiloLine-Callback": receiver.url()}
     async with aiohttp.ClientSession() as s:
         first = (await submit(s, b, steps=50, step_ms=100))["job_id"]  # holds the one slot for 5 s
         await until_status(s, b, first, {"running"})
-        mine = (await submit(s, a, steps=1, step_ms=10))["job_id"]  # waits, on A
-        later = (await submit(s, b, steps=1, step_ms=10))["job_id"]  # waits behind it, on B
-        await until_status(s, b, mine, {"queued"})
+        mine = [(await submit(s, a, headers=hook, steps=1, step_ms=10))["job_id"] for _ in range(4)]  # wait, on A
+        later = (await submit(s, b, steps=1, step_ms=10))["job_id"]  # waits behind them, on B
+        await until_status(s, b, mine[-1], {"queued"})
         a.kill9()
-        j_mine = await until_status(s, b, mine, {"completed"})
+        j_mine = [await until_status(s, b, jid, {"completed"}) for jid in mine]
         j_later = await until_status(s, b, later, {"completed"})
-        ev = await events(s, b, mine)
-    assert j_mine["started_at"] < j_later["started_at"]
-    assert "rerouted" not in [name for _, name, _ in ev]  # it never ran: it only changed hands
+        ev = await events(s, b, mine[0])
+        await asyncio.sleep(1.0)  # a second webhook, were one to be sent, would arrive by now
+    starts = [j["started_at"] for j in j_mine]
+    assert starts == sorted(starts) and starts[-1] < j_later["started_at"]  # in their order, ahead of B's
+    assert "rerouted" not in [name for _, name, _ in ev]  # they never ran: they only changed hands
+    sent = sorted(d["json"]["job_id"] for d in receiver.deliveries if d["json"])
+    assert sent == sorted(mine), sent  # each webhook once, by the gateway that carried the job on
+
+
+async def test_results_in_redis_stay_within_max_results_mb(redis_server: RedisServer, gateways: list[GatewayProc],
+                                                           gpu: FakeGPU, tmp_path: Path) -> None:
+    gateways += make_gateways(2, tmp_path, redis_server.url, gpu.url)
+    for g in gateways:
+        g.cfg["jobs"] = {"max_results_mb": 0.00012}  # 125 bytes: room for two results of ~56, not three
+    await start_all(gateways)
+    a, b = gateways
+    async with aiohttp.ClientSession() as s:
+        jids = []
+        for i in range(3):
+            jids.append((await submit(s, a if i % 2 else b, steps=1, step_ms=1))["job_id"])
+            await until_status(s, a, jids[-1], {"completed"})
+        got = []
+        for jid, gw in zip(jids, (a, b, a), strict=True):  # each asked where it did not run
+            async with s.get(f"{gw.url}/v1/jobs/{jid}/result", headers=auth()) as r:
+                got.append(r.status)
+    assert got == [404, 200, 200]  # the oldest result made room, cluster-wide
 
 
 async def test_redis_restarted_empty_forgets_the_jobs_it_held(redis_server: RedisServer,
