@@ -449,9 +449,19 @@ class ClusterJobs:
 
     # --- carrying on the jobs of a lost gateway -------------------------------------------
     async def _claim_loop(self) -> None:
+        ttl = self.leases.cfg.lease_ttl_sec
+        up_since: float | None = None
         while True:
-            await asyncio.sleep(self.leases.cfg.lease_ttl_sec / 3)
+            await asyncio.sleep(ttl / 3)
             if not self.up or self.jobs is None or self.rt.shutting_down:
+                up_since = None
+                continue
+            now = self.rt.clock()
+            if up_since is None:
+                up_since = now
+            if now - up_since < ttl:
+                # Just started, or Redis just came back: a live peer may not have renewed its
+                # heartbeat yet (after an outage every heartbeat had lapsed); its jobs are not ours.
                 continue
             try:
                 await self.claim()
