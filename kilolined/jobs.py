@@ -630,7 +630,7 @@ class Jobs:
     def view(self, job: Job) -> dict[str, Any]:
         """``GET /v1/jobs/{id}``: position and estimate live while queued here, as stored if remote."""
         if job.remote:
-            return job.view(job.last_position, job.last_est)
+            return job.view(job.last_position, job.last_est) if job.status == "queued" else job.view(None, None)
         pos = self.rt.scheduler.position(job.ticket, self.rt.clock()) if job.status == "queued" else None
         return job.view(pos, self.est(job, pos))
 

@@ -131,6 +131,30 @@ async def test_delete_on_b_cancels_the_job_running_on_a(redis_server: RedisServe
     assert ev[-1][1] == "failed" and ev[-1][2]["status"] == "cancelled"
 
 
+async def test_delete_of_a_queued_job_gives_its_place_back(redis_server: RedisServer, gateways: list[GatewayProc],
+                                                           gpu: FakeGPU, tmp_path: Path) -> None:
+    gateways += make_gateways(2, tmp_path, redis_server.url, gpu.url, max_concurrency=1)
+    await start_all(gateways)
+    a, b = gateways
+    r = redis_server.client()
+    async with aiohttp.ClientSession() as s:
+        first = (await submit(s, a, steps=300, step_ms=100))["job_id"]
+        await until_status(s, b, first, {"running"})
+        queued = [(await submit(s, a))["job_id"] for _ in range(2)]
+        assert int(await r.get("kl-test:n:gen") or 0) == 2
+        # One deleted on the gateway that holds it, one through the other gateway.
+        for gw, jid in zip((a, b), queued, strict=True):
+            async with s.delete(f"{gw.url}/v1/jobs/{jid}", headers=auth()) as resp:
+                assert resp.status == 200 and (await resp.json())["status"] == "cancelled"
+        deadline = time.monotonic() + 5
+        while int(await r.get("kl-test:n:gen") or 0) != 0:
+            assert time.monotonic() < deadline, "a cancelled job still waits in the cluster's queue"
+            await asyncio.sleep(0.05)
+        async with s.delete(f"{b.url}/v1/jobs/{first}", headers=auth()) as resp:
+            assert resp.status == 200
+    await r.aclose()
+
+
 async def test_kill9_of_the_gateway_running_a_job(redis_server: RedisServer, gateways: list[GatewayProc],
                                                   gpu: FakeGPU, receiver: FakeWebhookReceiver,
                                                   tmp_path: Path) -> None:
@@ -227,6 +251,9 @@ async def test_redis_restarted_empty_forgets_the_jobs_it_held(redis_server: Redi
                     assert (await r.json())["error"]["type"] == "not_found"
             # The gateway that ran it still holds it in its own memory.
             assert (await status(s, a, job_id))[1]["status"] == "completed"
+        # A new job is the cluster's again (the scripts the empty Redis forgot are loaded anew).
+        fresh = (await submit(s, a))["job_id"]
+        await until_status(s, b, fresh, {"completed"})
 
 
 async def redis_is(gw: GatewayProc, state: str) -> None:

@@ -36,7 +36,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -44,7 +44,7 @@ import orjson
 import redis.asyncio as aioredis
 from aiohttp import web
 from multidict import CIMultiDict, CIMultiDictProxy
-from redis.exceptions import RedisError
+from redis.exceptions import NoScriptError, RedisError
 
 from kilolined.adapters.registry import adapter_for
 from kilolined.call import Call
@@ -224,7 +224,7 @@ class ClusterJobs:
         self.prefix = leases.prefix
         self.inst = leases.inst
         self.jobs: Jobs | None = None
-        self._ops: list[Callable[[Any], Awaitable[Any]]] = []  # writes not yet sent, in order
+        self._ops: list[tuple[str, list[Any]]] = []  # writes not yet sent, in order: (script, ARGV)
         self._waiters: list[asyncio.Future[None]] = []
         self._wake: asyncio.Event | None = None
         self._tasks: set[asyncio.Task[Any]] = set()
@@ -266,6 +266,8 @@ class ClusterJobs:
 
     # --- the JobStore calls: mirroring this gateway's jobs -------------------------------
     def created(self, job: Job, call: Call, ex: Exchange, priority: int) -> None:
+        if not self.up:
+            return
         req = call.request
         t = job.ticket
         spec = orjson.dumps({
@@ -276,14 +278,12 @@ class ClusterJobs:
         })
         tid = self.leases.tid_of(t) or ""
         state = _state(job)
-        self._op(lambda p: self._scripts["SAVE"](args=[self.prefix, self.inst, job.id, tid, state, spec, ex.body],
-                                                 client=p))
+        self._op("SAVE", [self.prefix, self.inst, job.id, tid, state, spec, ex.body])
 
     def emitted(self, job: Job, ev: Event, evicted: int | None) -> None:
         eid, name, frame = ev
         state = _state(job)
-        self._op(lambda p: self._scripts["EVENT"](args=[self.prefix, self.inst, job.id, eid, name, frame, state,
-                                                        "" if evicted is None else evicted], client=p))
+        self._op("EVENT", [self.prefix, self.inst, job.id, eid, name, frame, state, "" if evicted is None else evicted])
         if name in ENDING:
             self._finished(job)
 
@@ -296,12 +296,12 @@ class ClusterJobs:
             args += ["0", "", "", "", "[]"]
         else:
             args += ["1", res.http_status, res.content_type, res.body, orjson.dumps(res.files)]
-        self._op(lambda p: self._scripts["FINISH"](args=args, client=p))
+        self._op("FINISH", args)
 
-    def _op(self, op: Callable[[Any], Awaitable[Any]]) -> None:
+    def _op(self, script: str, args: list[Any]) -> None:
         if not self.up or self._wake is None:
             return  # degraded: the job goes on here alone
-        self._ops.append(op)
+        self._ops.append((script, args))
         self._wake.set()
 
     async def synced(self) -> None:
@@ -322,11 +322,8 @@ class ClusterJobs:
             waiters, self._waiters = self._waiters, []
             try:
                 if ops:
-                    pipe = self.redis.pipeline(transaction=False)
-                    for op in ops:
-                        await op(pipe)  # queues the script on the pipeline (nothing is sent yet)
                     disowned = False
-                    for r in await pipe.execute(raise_on_error=False):
+                    for r in await self._send(ops):
                         if isinstance(r, Exception):
                             log.warning("cluster jobs: a write was refused (%s)", r)
                         disowned = disowned or r == -1
@@ -342,6 +339,24 @@ class ClusterJobs:
                 for w in waiters:
                     if not w.done():
                         w.set_result(None)
+
+    async def _send(self, ops: list[tuple[str, list[Any]]]) -> list[Any]:
+        """The scripts by their sha in one pipeline; a Redis that lost them (restarted) is given
+        them again and the refused ones are sent once more, in their order."""
+        results = await self._pipeline(ops)
+        missing = [i for i, r in enumerate(results) if isinstance(r, NoScriptError)]
+        if missing:
+            for sc in self._scripts.values():
+                await self.redis.script_load(sc.script)
+            for i, r in zip(missing, await self._pipeline([ops[i] for i in missing]), strict=True):
+                results[i] = r
+        return results
+
+    async def _pipeline(self, ops: list[tuple[str, list[Any]]]) -> list[Any]:
+        pipe = self.redis.pipeline(transaction=False)
+        for name, args in ops:
+            pipe.evalsha(self._scripts[name].sha, 0, *args)
+        return list(await pipe.execute(raise_on_error=False))
 
     def send_once(self, job: Job, send: Callable[[], None]) -> None:
         if not self.up:
@@ -539,7 +554,7 @@ class ClusterJobs:
                     return
             new_tid = self.leases.tid_of(ticket)
             if new_tid is not None:
-                self._op(lambda p: self._scripts["FLAG"](args=[self.prefix, job_id, new_tid], client=p))
+                self._op("FLAG", [self.prefix, job_id, new_tid])
         ticket.requeues = job.ticket.requeues + (1 if running else 0)
         job.ticket = ticket
         lost = None
