@@ -181,6 +181,29 @@ async def test_kill9_of_the_gateway_running_a_job(redis_server: RedisServer, gat
     assert len(hooks) == 1 and hooks[0]["type"] == "job.completed", receiver.deliveries
 
 
+async def test_a_job_cut_by_a_clean_stop_is_carried_on(redis_server: RedisServer, gateways: list[GatewayProc],
+                                                       gpu: FakeGPU, receiver: FakeWebhookReceiver,
+                                                       tmp_path: Path) -> None:
+    # SIGTERM: the job outlasts shutdown_grace_sec (2 s), so the stopping gateway cuts it; it is
+    # still the cluster's, and the other gateway runs it again and sends its one webhook.
+    gateways += make_gateways(2, tmp_path, redis_server.url, gpu.url, retry_on_failover=1)
+    for g in gateways:
+        g.cfg["jobs"] = {"webhook_allow_private": True, "webhook_backoff_sec": [0.2, 0.2]}
+    await start_all(gateways)
+    a, b = gateways
+    async with aiohttp.ClientSession() as s:
+        jid = (await submit(s, a, headers={"X-KiloLine-Callback": receiver.url()}, steps=40, step_ms=100))["job_id"]
+        await until_status(s, b, jid, {"running"})
+        await asyncio.get_running_loop().run_in_executor(None, a.stop)
+        done = await until_status(s, b, jid, {"completed", "failed", "cancelled"})
+        ev = await events(s, b, jid)
+        await asyncio.sleep(1.0)
+    assert done["status"] == "completed", done
+    assert [d["reason"] for _, name, d in ev if name == "rerouted"] == ["gateway_lost"]
+    hooks = [d["json"] for d in receiver.deliveries if (d["json"] or {}).get("job_id") == jid]
+    assert [h["type"] for h in hooks] == ["job.completed"], hooks
+
+
 async def test_queued_jobs_of_a_dead_gateway_keep_their_place(redis_server: RedisServer,
                                                               gateways: list[GatewayProc], gpu: FakeGPU,
                                                               receiver: FakeWebhookReceiver, tmp_path: Path) -> None:

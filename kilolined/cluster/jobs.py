@@ -228,6 +228,7 @@ class ClusterJobs:
         self._waiters: list[asyncio.Future[None]] = []
         self._wake: asyncio.Event | None = None
         self._tasks: set[asyncio.Task[Any]] = set()
+        self._closed = False
         self._scripts: dict[str, Any] = {name: self.redis.register_script(src) for name, src in
                                          (("SAVE", SAVE), ("EVENT", EVENT), ("FLAG", FLAG), ("FINISH", FINISH),
                                           ("CLAIM", CLAIM))}
@@ -251,9 +252,11 @@ class ClusterJobs:
         self._spawn(self._listen())
 
     async def stop(self) -> None:
-        """Send what is pending (a shutdown's last events), then stop."""
+        """Send what is pending (a shutdown's last events), then stop. The jobs still running
+        after that (past shutdown_grace_sec) stay the cluster's: another gateway carries them on."""
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self.synced(), timeout=2)
+        self._closed = True
         for t in list(self._tasks):
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
@@ -281,6 +284,8 @@ class ClusterJobs:
         self._op("SAVE", [self.prefix, self.inst, job.id, tid, state, spec, ex.body])
 
     def emitted(self, job: Job, ev: Event, evicted: int | None) -> None:
+        if not self.up or self._closed:
+            return
         eid, name, frame = ev
         state = _state(job)
         self._op("EVENT", [self.prefix, self.inst, job.id, eid, name, frame, state, "" if evicted is None else evicted])
@@ -299,7 +304,7 @@ class ClusterJobs:
         self._op("FINISH", args)
 
     def _op(self, script: str, args: list[Any]) -> None:
-        if not self.up or self._wake is None:
+        if not self.up or self._wake is None or self._closed:
             return  # degraded: the job goes on here alone
         self._ops.append((script, args))
         self._wake.set()
@@ -359,6 +364,8 @@ class ClusterJobs:
         return list(await pipe.execute(raise_on_error=False))
 
     def send_once(self, job: Job, send: Callable[[], None]) -> None:
+        if self._closed:
+            return  # a job cut by this gateway's shutdown: the gateway that carries it on sends it
         if not self.up:
             send()
             return
