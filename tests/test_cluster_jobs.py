@@ -250,15 +250,19 @@ async def test_results_in_redis_stay_within_max_results_mb(redis_server: RedisSe
     assert got == [404, 200, 200]  # the oldest result made room, cluster-wide
 
 
-async def test_redis_restarted_empty_forgets_the_jobs_it_held(redis_server: RedisServer,
-                                                              gateways: list[GatewayProc], gpu: FakeGPU,
-                                                              tmp_path: Path) -> None:
-    gateways += make_gateways(2, tmp_path, redis_server.url, gpu.url)
+async def test_redis_restarted_empty_forgets_only_what_no_gateway_holds(
+        redis_server: RedisServer, gateways: list[GatewayProc], gpu: FakeGPU, tmp_path: Path) -> None:
+    gateways += make_gateways(3, tmp_path, redis_server.url, gpu.url)
     await start_all(gateways)
-    a, b = gateways
+    a, b, c = gateways
     async with aiohttp.ClientSession() as s:
-        jid = (await submit(s, a))["job_id"]
-        await until_status(s, b, jid, {"completed"})
+        done_a = (await submit(s, a))["job_id"]
+        gone_c = (await submit(s, c))["job_id"]
+        for jid in (done_a, gone_c):
+            await until_status(s, b, jid, {"completed"})
+        c.kill9()  # its job was held by Redis alone from now on
+        running = (await submit(s, a, steps=40, step_ms=100, echo="through"))["job_id"]
+        await until_status(s, b, running, {"running"})
         redis_server.kill()
         await redis_is(a, "down")
         # Degraded: a job goes on on the gateway that took it, as on one gateway.
@@ -267,16 +271,22 @@ async def test_redis_restarted_empty_forgets_the_jobs_it_held(redis_server: Redi
         redis_server.start()
         await redis_is(a, "up")
         await redis_is(b, "up")
-        for job_id in (jid, alone):
-            for path in ("", "/result", "/events"):
-                async with s.get(f"{b.url}/v1/jobs/{job_id}{path}", headers=auth()) as r:
-                    assert r.status == 404, path
-                    assert (await r.json())["error"]["type"] == "not_found"
-            # The gateway that ran it still holds it in its own memory.
-            assert (await status(s, a, job_id))[1]["status"] == "completed"
+        # What Redis alone held is gone: 404 everywhere.
+        for path in ("", "/result", "/events"):
+            async with s.get(f"{b.url}/v1/jobs/{gone_c}{path}", headers=auth()) as r:
+                assert r.status == 404, path
+                assert (await r.json())["error"]["type"] == "not_found"
+        # What a live gateway holds is written again: the cluster's once more.
+        for jid in (done_a, alone):
+            await until_status(s, b, jid, {"completed"})
+        await until_status(s, b, running, {"completed"})
+        async with s.get(f"{b.url}/v1/jobs/{running}/result", headers=auth()) as r:
+            assert r.status == 200 and (await r.json())["echo"] == "through"
+        ev = await events(s, b, running)
         # A new job is the cluster's again (the scripts the empty Redis forgot are loaded anew).
         fresh = (await submit(s, a))["job_id"]
         await until_status(s, b, fresh, {"completed"})
+    assert [i for i, _, _ in ev] == list(range(1, len(ev) + 1)) and ev[-1][1] == "output_ready"
 
 
 async def redis_is(gw: GatewayProc, state: str) -> None:

@@ -40,7 +40,7 @@ from redis.exceptions import NoScriptError, RedisError
 
 from kilolined.adapters.registry import adapter_for
 from kilolined.call import Call
-from kilolined.cluster.jobscripts import CLAIM, EVENT, FINISH, FLAG, SAVE
+from kilolined.cluster.jobscripts import CLAIM, EVENT, FINISH, FLAG, RESYNC, SAVE
 from kilolined.cluster.leases import ClusterLeases
 from kilolined.jobs import TERMINAL, Event, Job, Jobs
 from kilolined.outcome import Result
@@ -109,9 +109,12 @@ class ClusterJobs:
         self._wake: asyncio.Event | None = None
         self._tasks: set[asyncio.Task[Any]] = set()
         self._closed = False
+        #: this gateway's unfinished jobs — and those that ended while Redis was unreachable — with
+        #: their request (the body is the Exchange's own bytes): what RESYNC writes again
+        self._mine: dict[str, tuple[Job, bytes, bytes]] = {}
         self._scripts: dict[str, Any] = {name: self.redis.register_script(src) for name, src in
                                          (("SAVE", SAVE), ("EVENT", EVENT), ("FLAG", FLAG), ("FINISH", FINISH),
-                                          ("CLAIM", CLAIM))}
+                                          ("CLAIM", CLAIM), ("RESYNC", RESYNC))}
         # Blocking reads of remote followers get their own connections: they must never hold the
         # bounded pool the admissions use.
         self._follow = aioredis.Redis.from_url(leases.cfg.redis_url, socket_timeout=FOLLOW_BLOCK_MS / 1000 + 2,
@@ -149,8 +152,6 @@ class ClusterJobs:
 
     # --- the JobStore calls: mirroring this gateway's jobs -------------------------------
     def created(self, job: Job, call: Call, ex: Exchange, priority: int) -> None:
-        if not self.up:
-            return
         req = call.request
         t = job.ticket
         spec = orjson.dumps({
@@ -159,13 +160,14 @@ class ClusterJobs:
             "remote": req.remote, "scheme": req.scheme,
             "headers": [[k, v] for k, v in req.headers.items() if k.lower() not in CREDENTIALS],
         })
-        tid = self.leases.tid_of(t) or ""
-        state = _state(job)
-        self._op("SAVE", [self.prefix, self.inst, job.id, tid, state, spec, ex.body])
+        self._mine[job.id] = (job, spec, ex.body)
+        if self.up:
+            tid = self.leases.tid_of(t) or ""
+            self._op("SAVE", [self.prefix, self.inst, job.id, tid, _state(job), spec, ex.body])
 
     def emitted(self, job: Job, ev: Event, evicted: int | None) -> None:
         if not self.up or self._closed:
-            return
+            return  # an ending is written by RESYNC once Redis is back (the job stays in _mine)
         eid, name, frame = ev
         state = _state(job)
         self._op("EVENT", [self.prefix, self.inst, job.id, eid, name, frame, state, "" if evicted is None else evicted])
@@ -175,8 +177,8 @@ class ClusterJobs:
     def _finished(self, job: Job) -> None:
         cfg = self.rt.cfg.jobs
         res = job.result
-        args: list[Any] = [self.prefix, self.inst, job.id, max(1, int(cfg.result_ttl_sec)),
-                           int(cfg.max_results_mb * 1024 * 1024)]
+        left = (job.finished_at or time.time()) + cfg.result_ttl_sec - time.time()
+        args: list[Any] = [self.prefix, self.inst, job.id, max(1, int(left)), int(cfg.max_results_mb * 1024 * 1024)]
         if res is None:
             args += ["0", "", "", "", "[]"]
         else:
@@ -207,15 +209,7 @@ class ClusterJobs:
             waiters, self._waiters = self._waiters, []
             try:
                 if ops:
-                    disowned = False
-                    for r in await self._send(ops):
-                        if isinstance(r, Exception):
-                            log.warning("cluster jobs: a write was refused (%s)", r)
-                        disowned = disowned or r == -1
-                    if disowned:
-                        # This gateway was cut off longer than lease_ttl_sec: another carries its
-                        # job on; this copy runs out here unseen, and sends no webhook (send_once).
-                        log.warning("cluster jobs: a job of this gateway is carried on by another now")
+                    self._answered(ops, await self._send(ops))
             except (RedisError, OSError) as e:
                 log.warning("cluster jobs: %d writes lost, Redis unreachable (%s)", len(ops), e)
             except Exception:
@@ -224,6 +218,28 @@ class ClusterJobs:
                 for w in waiters:
                     if not w.done():
                         w.set_result(None)
+
+    def _answered(self, ops: list[tuple[str, list[Any]]], results: list[Any]) -> None:
+        """What Redis said of each write: a job it does not know (it restarted empty, or the job
+        was made while it was down) is written again whole; an ending that landed is done."""
+        disowned = False
+        again: set[str] = set()
+        for (name, args), r in zip(ops, results, strict=True):
+            if isinstance(r, Exception):
+                log.warning("cluster jobs: a write was refused (%s)", r)
+            elif name in ("EVENT", "FINISH", "RESYNC"):
+                job_id = args[2]
+                if r == 0 and job_id in self._mine:
+                    again.add(job_id)
+                elif name == "FINISH" or r == -1:
+                    self._mine.pop(job_id, None)
+                disowned = disowned or r == -1
+        if disowned:
+            # This gateway was cut off longer than lease_ttl_sec: another carries its job on;
+            # this copy runs out here unseen, and sends no webhook (send_once).
+            log.warning("cluster jobs: a job of this gateway is carried on by another now")
+        if again:
+            self.resync(again)
 
     async def _send(self, ops: list[tuple[str, list[Any]]]) -> list[Any]:
         """The scripts by their sha in one pipeline; a Redis that lost them (restarted) is given
@@ -350,6 +366,45 @@ class ClusterJobs:
                 await asyncio.sleep(1.0)
 
     # --- carrying on the jobs of a lost gateway -------------------------------------------
+    def resync(self, only: set[str] | None = None, ended: bool = False) -> int:
+        """This gateway's jobs (or ``only`` these) written to Redis again: after Redis was lost, a
+        Redis that came back empty forgot them, one that did not missed their latest events and
+        endings. ``ended``: the jobs that ended here before, still held in memory, too (Redis came
+        back empty). An ended job leaves ``_mine`` once its FINISH landed."""
+        n = 0
+        held = [(j, spec, body) for j, spec, body in self._mine.values() if only is None or j.id in only]
+        if ended and self.jobs is not None:
+            held += [(j, b"", b"") for j in self.jobs.finished.values() if j.id not in self._mine and not j.remote]
+        for job, spec, body in held:
+            tid = self.leases.tid_of(job.ticket) or ""
+            args: list[Any] = [self.prefix, self.inst, job.id, tid, _state(job), spec, body]
+            for ev in job.events:
+                args += ev
+            self._op("RESYNC", args)
+            if job.status in TERMINAL:
+                self._finished(job)
+            n += 1
+        return n
+
+    async def _check_back(self, after_outage: bool) -> bool:
+        """After an outage, or when Redis forgot this gateway's mark (it restarted empty, maybe
+        too fast for the heartbeat to notice): write this gateway's jobs there again."""
+        mark = f"{self.prefix}jmark:{self.inst}"
+        empty = not await self.redis.exists(mark)
+        if empty:
+            await self.redis.set(mark, "1")
+        if (empty or after_outage) and self.resync(ended=empty):
+            log.info("cluster jobs: this gateway's jobs are written to Redis again%s",
+                     " (it came back empty)" if empty else "")
+        return empty
+
+    def _forget_old(self) -> None:
+        """While Redis is down: an ended job is written again only within result_ttl_sec."""
+        cutoff = time.time() - self.rt.cfg.jobs.result_ttl_sec
+        for job_id, (job, _, _) in list(self._mine.items()):
+            if job.status in TERMINAL and (job.finished_at or 0) < cutoff:
+                del self._mine[job_id]
+
     async def _claim_loop(self) -> None:
         ttl = self.leases.cfg.lease_ttl_sec
         up_since: float | None = None
@@ -357,13 +412,19 @@ class ClusterJobs:
             await asyncio.sleep(ttl / 3)
             if not self.up or self.jobs is None or self.rt.shutting_down:
                 up_since = None
+                self._forget_old()
                 continue
             now = self.rt.clock()
-            if up_since is None:
+            try:
+                empty = await self._check_back(after_outage=up_since is None)
+            except (RedisError, OSError):
+                up_since = None
+                continue
+            if up_since is None or empty:
                 up_since = now
             if now - up_since < ttl:
-                # Just started, or Redis just came back: a live peer may not have renewed its
-                # heartbeat yet (after an outage every heartbeat had lapsed); its jobs are not ours.
+                # Just started, or Redis just came back (maybe empty): a live peer may not have
+                # renewed its heartbeat yet, though its jobs are written again; they are not ours.
                 continue
             try:
                 await self.claim()
@@ -459,6 +520,7 @@ class ClusterJobs:
         except Rejected as r:
             self.jobs.fail_carried(job, f"its gateway was lost and the request is refused now: {r.message}")
             return
+        self._mine[job_id] = (job, spec_raw, bytes(body or b""))
         self.jobs.resume(job, ex, adapter, lost)
         if how == "l":
             self.leases.take_grants([f"{tid} {lid} {node}"])

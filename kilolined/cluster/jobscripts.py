@@ -11,6 +11,7 @@ Keys under the prefix P (beside those of kilolined/cluster/scripts.py):
   P jres       zset    jobs holding a result -> finish time (ms), for max_results_mb
   P jsz        hash    job -> result bytes;  P jbytes: their sum
   P jw:<id>    string  the gateway that sends the job's webhook (SET NX)
+  P jmark:<inst> string set by each gateway: missing, Redis came back empty
 """
 
 from __future__ import annotations
@@ -50,7 +51,8 @@ if redis.call('EXISTS', P..'t:'..tid) == 1 then redis.call('HSET', P..'t:'..tid,
 return 1
 """
 
-#: ARGV: P, ME, id, ttl_sec, cap_bytes, has_result (1|0), status, content type, body, files (JSON)
+#: ARGV: P, ME, id, ttl_sec (what is left of result_ttl_sec), cap_bytes, has_result (1|0), status,
+#:       content type, body, files (JSON)
 #: -> 1 | 0 (job unknown) | -1 (another gateway owns it)
 FINISH = r"""
 local P, ME, id, ttl, cap = ARGV[1], ARGV[2], ARGV[3], tonumber(ARGV[4]), tonumber(ARGV[5])
@@ -63,6 +65,8 @@ redis.call('HDEL', j, 'spec', 'body')
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 if ARGV[6] == '1' then
+  -- Written again (RESYNC after Redis was lost): counted once.
+  redis.call('DECRBY', P..'jbytes', tonumber(redis.call('HGET', P..'jsz', id) or '0'))
   redis.call('HSET', j, 'r_status', ARGV[7], 'r_ctype', ARGV[8], 'r_body', ARGV[9], 'r_files', ARGV[10])
   redis.call('ZADD', P..'jres', now, id)
   redis.call('HSET', P..'jsz', id, #ARGV[9])
@@ -127,4 +131,27 @@ end
 dispatch_all()
 for _, g in ipairs(grants) do out[#out + 1] = 'grant'; out[#out + 1] = g end
 return out
+"""
+
+#: ARGV: P, ME, id, tid, state, spec, body, then (event id, name, frame) per event held
+#: -> 1 | -1 (another gateway owns it)
+#: After Redis was lost: a job this gateway runs (or ended meanwhile) is the cluster's again. A
+#: Redis that came back empty gets it whole; one that kept it gets the events it missed.
+RESYNC = r"""
+local P, ME, id, tid = ARGV[1], ARGV[2], ARGV[3], ARGV[4]
+local j = P..'j:'..id
+local owner = redis.call('HGET', j, 'owner')
+if owner and owner ~= ME then return -1 end
+redis.call('HSET', j, 'owner', ME, 'tid', tid, 'st', ARGV[5], 'spec', ARGV[6], 'body', ARGV[7])
+redis.call('SADD', P..'jg:'..ME, id)
+redis.call('SADD', P..'jgs', ME)
+if tid ~= '' and redis.call('EXISTS', P..'t:'..tid) == 1 then redis.call('HSET', P..'t:'..tid, 'job', id) end
+local s = P..'je:'..id
+local last = 0
+local top = redis.call('XREVRANGE', s, '+', '-', 'COUNT', 1)[1]
+if top then last = tonumber(string.match(top[1], '-(%d+)$')) end
+for i = 8, #ARGV, 3 do
+  if tonumber(ARGV[i]) > last then redis.call('XADD', s, '0-'..ARGV[i], 'e', ARGV[i + 1], 'f', ARGV[i + 2]) end
+end
+return 1
 """
