@@ -457,6 +457,8 @@ class ClusterJobs:
         return len(claimed)
 
     async def _adopt(self, job_id: str, how: str, tid: str, lid: str, node: str) -> None:
+        """Carry on one claimed job: rebuild it and its request, then its ticket — the kept one
+        (``how`` 'w' waiting, 'l' granted meanwhile) or a new one ('n')."""
         assert self.jobs is not None
         rt = self.rt
         pipe = self.redis.pipeline(transaction=False)
@@ -464,6 +466,7 @@ class ClusterJobs:
         pipe.xrange(f"{self.prefix}je:{job_id}")
         (st_raw, spec_raw, body, cancel), entries = await pipe.execute()
         if st_raw is None or spec_raw is None:
+            self._drop_ticket(how, tid, lid, node)
             return
         st, spec = orjson.loads(st_raw), orjson.loads(spec_raw)
         job = _job(job_id, st)
@@ -476,16 +479,26 @@ class ClusterJobs:
                     "re-queued" if running else "in its place" if how != "n" else "queued again")
         route = spec["route"]
         rq = rt.scheduler.routes.get(route)
+        why = None
         if rq is None:
-            if how == "w":  # its place goes back
-                self.leases.cancel(self.leases.carry(tid, route, spec["subject"], 0, pinned_node=None, cost=0.0,
-                                                     deadline=0.0))
-            elif how == "l":
-                self.leases.take_grants([f"{tid} {lid} {node}"])  # a grant nobody here wants is given back
-            self.jobs.fail_carried(job, f"its gateway was lost and route {route} is gone")
-            return
-        if running and job.ticket.requeues >= rq.cfg.retry_on_failover:
-            self.jobs.fail_carried(job, "the gateway running it was lost (retry_on_failover spent)")
+            why = f"its gateway was lost and route {route} is gone"
+        elif running and job.ticket.requeues >= rq.cfg.retry_on_failover:
+            why = "the gateway running it was lost (retry_on_failover spent)"
+        body = bytes(body or b"")
+        head = RequestHead(CIMultiDictProxy(CIMultiDict([(k, v) for k, v in spec["headers"]])),
+                           spec["remote"], spec["scheme"])
+        # The forwarder reads only headers, remote and scheme of the request (RequestHead).
+        ex = Exchange(cast(web.Request, head), spec["method"], spec["tail"], body, spec["request_id"],
+                      spec["client_ip"])
+        adapter = adapter_for(job.kind)
+        if why is None:
+            try:
+                adapter.prepare(ex)
+            except Rejected as r:
+                why = f"its gateway was lost and the request is refused now: {r.message}"
+        if why is not None or rq is None:
+            self._drop_ticket(how, tid, lid, node)
+            self.jobs.fail_carried(job, why or "")
             return
         waited = time.time() - job.created_at
         deadline = rt.clock() + max(1.0, rq.cfg.queue_timeout_sec - waited)
@@ -509,18 +522,14 @@ class ClusterJobs:
         if running:
             lost = (job.node or "-", "gateway_lost")
             job.status, job.node = "queued", None
-        head = RequestHead(CIMultiDictProxy(CIMultiDict([(k, v) for k, v in spec["headers"]])),
-                           spec["remote"], spec["scheme"])
-        # The forwarder reads only headers, remote and scheme of the request (RequestHead).
-        ex = Exchange(cast(web.Request, head), spec["method"], spec["tail"], bytes(body or b""), spec["request_id"],
-                      spec["client_ip"])
-        adapter = adapter_for(job.kind)
-        try:
-            adapter.prepare(ex)
-        except Rejected as r:
-            self.jobs.fail_carried(job, f"its gateway was lost and the request is refused now: {r.message}")
-            return
-        self._mine[job_id] = (job, spec_raw, bytes(body or b""))
+        self._mine[job_id] = (job, spec_raw, body)
         self.jobs.resume(job, ex, adapter, lost)
         if how == "l":
             self.leases.take_grants([f"{tid} {lid} {node}"])
+
+    def _drop_ticket(self, how: str, tid: str, lid: str, node: str) -> None:
+        """A claimed job that will not run here: its kept place or grant goes back."""
+        if how == "w":
+            self.leases.cancel(self.leases.carry(tid, "", "", 0, pinned_node=None, cost=0.0, deadline=0.0))
+        elif how == "l":
+            self.leases.take_grants([f"{tid} {lid} {node}"])  # a grant nobody here waits for is given back
