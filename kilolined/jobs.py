@@ -2,7 +2,8 @@
 
 A job is a queued request that outlives its HTTP connection: the client may watch it over SSE,
 disconnect and come back with ``Last-Event-ID``, or hand it over and get a signed webhook.
-Results live in memory only, under ``jobs.max_results_mb``.
+Results live in memory only, under ``jobs.max_results_mb``. A ``JobStore`` mirrors jobs beyond this
+process: nowhere on one gateway (``LocalStore``), into Redis in cluster mode (kilolined/cluster/jobs.py).
 """
 
 from __future__ import annotations
