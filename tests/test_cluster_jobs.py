@@ -77,6 +77,10 @@ async def events(s: aiohttp.ClientSession, gw: GatewayProc, job_id: str, after: 
         return parse_sse(await r.text())
 
 
+def gw_url(gw: GatewayProc, url: str) -> str:
+    return url if url.startswith("http") else gw.url + url
+
+
 async def test_a_job_taken_on_a_is_served_by_b(redis_server: RedisServer, gateways: list[GatewayProc],
                                                gpu: FakeGPU, tmp_path: Path) -> None:
     gateways += make_gateways(2, tmp_path, redis_server.url, gpu.url)
@@ -99,16 +103,17 @@ async def test_a_job_taken_on_a_is_served_by_b(redis_server: RedisServer, gatewa
         async with s.get(f"{b.url}/v1/jobs/{jid}/result", headers=auth()) as r:
             assert r.status == 200
             assert (await r.json())["echo"] == "hello"
+        # Without a key: its token on B, as on A; a wrong one is a 404.
+        async with s.get(gw_url(b, job["result_url"])) as r:
+            assert r.status == 200 and (await r.json())["echo"] == "hello"
+        async with s.get(gw_url(b, job["result_url"]).split("?")[0] + "?token=nope") as r:
+            assert r.status == 404
         # The replay on B from Last-Event-ID: every later event, ids without a gap, then the end.
         replay = await events(s, b, jid, after=1)
     names = [name for _, name, _ in live]
     assert names[0] == "queued" and "dispatched" in names and names[-1] == "output_ready", names
     assert [i for i, _, _ in live] == list(range(1, len(live) + 1))
     assert replay == live[1:]
-
-
-def gw_url(gw: GatewayProc, url: str) -> str:
-    return url if url.startswith("http") else gw.url + url
 
 
 async def test_delete_on_b_cancels_the_job_running_on_a(redis_server: RedisServer, gateways: list[GatewayProc],
