@@ -219,7 +219,8 @@ async def test_queued_jobs_of_a_dead_gateway_keep_their_place(redis_server: Redi
     a, b = gateways
     hook = {"X-KiloLine-Callback": receiver.url()}
     async with aiohttp.ClientSession() as s:
-        first = (await submit(s, b, steps=50, step_ms=100))["job_id"]  # holds the one slot for 5 s
+        # It holds the one slot for 8 s: longer than the kill and the reaping of A (lease_ttl_sec 2).
+        first = (await submit(s, b, steps=80, step_ms=100))["job_id"]
         await until_status(s, b, first, {"running"})
         mine = [(await submit(s, a, headers=hook, steps=1, step_ms=10))["job_id"] for _ in range(4)]  # wait, on A
         later = (await submit(s, b, steps=1, step_ms=10))["job_id"]  # waits behind them, on B
