@@ -169,7 +169,7 @@ async def test_kill9_of_the_gateway_running_a_job(redis_server: RedisServer, gat
     await start_all(gateways)
     a, b = gateways
     async with aiohttp.ClientSession() as s:
-        jid = (await submit(s, a, headers={"X-KiloLine-Callback": receiver.url()}, steps=15, step_ms=100,
+        jid = (await submit(s, a, headers={"X-KiloLine-Callback": receiver.url()}, steps=30, step_ms=100,
                             echo="again"))["job_id"]
         await until_status(s, b, jid, {"running"})
         a.kill9()
@@ -314,7 +314,7 @@ async def test_a_paused_gateway_that_comes_back_sends_no_second_webhook(
     a, b = gateways
     assert a.proc is not None
     async with aiohttp.ClientSession() as s:
-        jid = (await submit(s, a, headers={"X-KiloLine-Callback": receiver.url()}, steps=15, step_ms=100))["job_id"]
+        jid = (await submit(s, a, headers={"X-KiloLine-Callback": receiver.url()}, steps=30, step_ms=100))["job_id"]
         await until_status(s, b, jid, {"running"})
         a.proc.send_signal(signal.SIGSTOP)
         try:
