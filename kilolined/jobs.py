@@ -2,7 +2,8 @@
 
 A job is a queued request that outlives its HTTP connection: the client may watch it over SSE,
 disconnect and come back with ``Last-Event-ID``, or hand it over and get a signed webhook.
-Results live in memory only, under ``jobs.max_results_mb``.
+Results live in memory only, under ``jobs.max_results_mb``. A ``JobStore`` mirrors jobs beyond this
+process: nowhere on one gateway (``LocalStore``), into Redis in cluster mode (kilolined/cluster/jobs.py).
 """
 
 from __future__ import annotations
@@ -15,9 +16,9 @@ import logging
 import secrets
 import time
 from collections import OrderedDict
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import aiohttp
 import orjson
@@ -43,6 +44,73 @@ EPHEMERAL = ("heartbeat", "queue_status", "step_progress")
 REPLAY_KEEP = 256  # events kept per job; ephemeral ones are evicted first
 INLINE_RESULT_MAX = 1024 * 1024
 TICK_SEC = 0.25  # queue_status / heartbeat tick
+
+
+Event = tuple[int, str, bytes]  # (id, event name, the rendered SSE frame)
+
+
+class JobStore(Protocol):
+    """Where a job is mirrored beyond this process: nowhere on one gateway (``LocalStore``),
+    Redis in cluster mode (kilolined/cluster/jobs.py), so every gateway can serve it."""
+
+    def created(self, job: Job, call: Call, ex: Exchange, priority: int) -> None:
+        """A new job: what it needs to run again elsewhere is kept with it."""
+        ...
+
+    def emitted(self, job: Job, ev: Event, evicted: int | None) -> None:
+        """An event of ``job`` (``evicted``: the id the replay log dropped for it, if any)."""
+        ...
+
+    async def synced(self) -> None:
+        """What was handed over so far is stored (another gateway can read it)."""
+        ...
+
+    def send_once(self, job: Job, send: Callable[[], None]) -> None:
+        """Call ``send`` (the job's webhook) unless another gateway already did."""
+        ...
+
+    async def load(self, job_id: str) -> Job | None:
+        """A job this gateway does not run, as it was stored (``remote``), or None."""
+        ...
+
+    def follow(self, job: Job, after: int) -> AsyncIterator[list[Event]]:
+        """A remote job's events after ``after``: the stored ones, then live ones, to its end."""
+        ...
+
+    async def cancel(self, job: Job) -> Job | None:
+        """Ask the gateway running a remote job to cancel it; the job as stored afterwards."""
+        ...
+
+
+class LocalStore:
+    """One gateway: jobs live in this process only; nothing to mirror, nothing to find elsewhere."""
+
+    __slots__ = ()
+
+    def created(self, job: Job, call: Call, ex: Exchange, priority: int) -> None:
+        pass
+
+    def emitted(self, job: Job, ev: Event, evicted: int | None) -> None:
+        pass
+
+    async def synced(self) -> None:
+        pass
+
+    def send_once(self, job: Job, send: Callable[[], None]) -> None:
+        send()
+
+    async def load(self, job_id: str) -> Job | None:
+        return None
+
+    async def follow(self, job: Job, after: int) -> AsyncIterator[list[Event]]:
+        return
+        yield  # an async generator that yields nothing
+
+    async def cancel(self, job: Job) -> Job | None:
+        return None
+
+
+LOCAL = LocalStore()  # stateless: shared by every job of a single gateway
 
 
 class Subscriber:
@@ -113,6 +181,10 @@ class Job:
     task: asyncio.Task[None] | None = None
     cancel_requested: bool = False
     started_mono: float | None = None
+    last_est: float | None = None
+    store: JobStore = LOCAL
+    #: read from another gateway's store (cluster mode): a snapshot, not this process's job
+    remote: bool = False
 
     def emit(self, event: str, data: dict[str, Any]) -> None:
         # Keep the rendered frame: built once for every subscriber and every replay, and
@@ -122,14 +194,17 @@ class Job:
                                                                            _json(data)))
         self.next_id += 1
         self.events.append(ev)
+        evicted = None
         if len(self.events) > REPLAY_KEEP:
-            for i, (_, name, _) in enumerate(self.events):
+            for i, (eid, name, _) in enumerate(self.events):
                 if name in EPHEMERAL:
+                    evicted = eid
                     del self.events[i]
                     break
             else:
-                del self.events[0]
+                evicted = self.events.pop(0)[0]
         self.last_event_at = time.monotonic()
+        self.store.emitted(self, ev, evicted)
         terminal = event in ("output_ready", "failed")
         for sub in self.subscribers:
             sub.push(ev)
@@ -152,14 +227,16 @@ class Job:
 class JobSink(ModeSink):
     """The sse/async client modes: the request's moves become job events, its answer the result."""
 
-    __slots__ = ("ex", "failure", "job", "res", "rt")
+    __slots__ = ("ex", "failure", "job", "lost", "res", "rt")
     reports_progress = True
     gone = "cancelled"
 
-    def __init__(self, rt: Runtime, job: Job, ex: Exchange | None = None):
+    def __init__(self, rt: Runtime, job: Job, ex: Exchange | None = None, lost: tuple[str, str] | None = None):
         self.rt, self.job, self.ex = rt, job, ex
         self.res: Result | None = None
         self.failure: Failure | None = None
+        #: (from node, reason) of a job carried on from a lost gateway: said at its next dispatch
+        self.lost = lost
 
     @property
     def mode(self) -> str:  # type: ignore[override]
@@ -167,6 +244,9 @@ class JobSink(ModeSink):
 
     def dispatched(self, lease: Lease, queue_wait: float) -> None:
         job, rt = self.job, self.rt
+        if self.lost is not None:
+            (from_node, reason), self.lost = self.lost, None
+            self.rerouted(from_node, lease.node, reason)
         job.node = lease.node
         job.status = "running"
         if job.started_at is None:
@@ -231,10 +311,12 @@ async def _read_result(up: Upstream, limit: int, obs: Observer | None, strip: Us
 
 
 class Jobs:
-    def __init__(self, rt: Runtime, cfg: JobsConfig, webhooks: WebhookDeliverer):
+    def __init__(self, rt: Runtime, cfg: JobsConfig, webhooks: WebhookDeliverer, store: JobStore = LOCAL):
         self.rt = rt
         self.cfg = cfg
         self.webhooks = webhooks
+        #: where jobs are mirrored for the other gateways (cluster mode); nowhere by default
+        self.store = store
         self.jobs: dict[str, Job] = {}
         self.active: set[Job] = set()  # not yet terminal: what the ticker looks at
         self.finished: OrderedDict[str, Job] = OrderedDict()  # finish order, for the TTL
@@ -278,14 +360,15 @@ class Jobs:
             access_token=secrets.token_urlsafe(24),
             route=ticket.route, route_label=rt.route_label(ticket.route), kind=call.kind,
             key=principal.key_id if principal else None, mode=call.mode, ticket=ticket, callback=callback,
-            base_url=(rt.cfg.server.public_url or "").rstrip("/"),
+            base_url=(rt.cfg.server.public_url or "").rstrip("/"), store=self.store,
         )
         self.jobs[job.id] = job
         self.active.add(job)
         position = rt.scheduler.position(ticket, rt.clock())
         est = self.est(job, position)
         rq = rt.scheduler.routes[ticket.route]
-        job.last_position = position
+        job.last_position, job.last_est = position, est
+        self.store.created(job, call, ex, principal.cfg.priority if principal else 0)
         urls = job.urls()
         cost = {"cost": ticket.cost} if rq.cfg.cost is not None else {}  # docs/CONFIG.md#cost-and-capacity
         job.emit("queued", {"job_id": job.id, "route": job.route_label, "position": position,
@@ -293,6 +376,7 @@ class Jobs:
                             "events_url": urls["events_url"], "result_url": urls["result_url"]})
         job.task = rt.spawn(self._run(job, ex, adapter))
         call.headers["X-KiloLine-Job"] = job.id
+        await self.store.synced()  # another gateway asked about it right after the answer knows it
         if call.mode == "async":
             body = {"job_id": job.id, "status": job.status, "position": position, "est_wait_sec": est,
                     **cost, **job.urls()}
@@ -313,9 +397,26 @@ class Jobs:
         return self.rt.scheduler.est_wait(rq, position, self.rt.clock())
 
     # --- running ------------------------------------------------------------------------
-    async def _run(self, job: Job, ex: Exchange, adapter: Adapter) -> None:
+    def resume(self, job: Job, ex: Exchange, adapter: Adapter, lost: tuple[str, str] | None) -> None:
+        """Carry on a job another gateway ran (cluster mode: that gateway was lost)."""
+        job.store = self.store
+        self.jobs[job.id] = job
+        self.active.add(job)
+        if job.cancel_requested:
+            self._cancelled(job)
+            return
+        job.task = self.rt.spawn(self._run(job, ex, adapter, lost))
+
+    def fail_carried(self, job: Job, message: str) -> None:
+        """A job carried on from a lost gateway that cannot run again here: it fails, once."""
+        job.store = self.store
+        self.jobs[job.id] = job
+        self.active.add(job)
+        self._finish_failed(job, "upstream_error", message, 502)
+
+    async def _run(self, job: Job, ex: Exchange, adapter: Adapter, lost: tuple[str, str] | None = None) -> None:
         """Run the job to its end; whatever happens, it ends terminal (events, webhook)."""
-        sink = JobSink(self.rt, job, ex)
+        sink = JobSink(self.rt, job, ex, lost)
         try:
             await run(self.rt, job.ticket, ex, adapter, sink, job.key, job.route_label)
         except (Cancelled, asyncio.CancelledError):
@@ -347,7 +448,7 @@ class Jobs:
             self._webhook(job, "job.failed", None)
 
     def _cancelled(self, job: Job) -> None:
-        self.rt.scheduler.cancel(job.ticket)
+        self.rt.leases.cancel(job.ticket)  # the store that holds it (Redis in cluster mode)
         if job.status not in TERMINAL:
             self._finish(job, "cancelled")
             job.error = {"type": "cancelled", "message": "cancelled"}
@@ -400,7 +501,8 @@ class Jobs:
                    "queue_wait_sec": _r(job.queue_wait), "result_url": job.urls()["result_url"], "result": result}
         if job.error:
             payload["error"] = job.error
-        self.webhooks.submit(job.callback, payload, msg_id=f"msg_{job.id}")
+        callback = job.callback
+        self.store.send_once(job, lambda: self.webhooks.submit(callback, payload, msg_id=f"msg_{job.id}"))
 
     def _evict(self) -> None:
         """Forget jobs past result_ttl_sec; drop the oldest results while over max_results_mb."""
@@ -421,12 +523,23 @@ class Jobs:
             self.result_bytes -= len(job.result.body)
             job.result = None
 
+    async def cancel_any(self, job: Job) -> Job:
+        """DELETE: cancel it here, or have the gateway that runs it cancel it; the job afterwards."""
+        if job.remote:
+            return await self.store.cancel(job) or job
+        self.cancel(job)
+        task = job.task
+        if task is not None and not task.done():
+            # Let the runner record the cancellation (and interrupt ComfyUI) before answering.
+            await asyncio.wait({task}, timeout=5)
+        return job
+
     def cancel(self, job: Job) -> None:
         if job.status in TERMINAL:
             return
         job.cancel_requested = True
         if job.ticket.state == WAITING:
-            self.rt.scheduler.cancel(job.ticket)
+            self.rt.leases.cancel(job.ticket)
         if job.task is not None and not job.task.done():
             job.task.cancel()
 
@@ -485,6 +598,7 @@ class Jobs:
         # Per route and tick, not per job: thousands of jobs may wait on one route.
         slots, mean = self._route_view.get(job.route) or self._view_route(job.route, now)
         est = None if mean is None or not slots or pos is None else round(pos * mean / slots, 2)
+        job.last_est = est
         job.emit("queue_status", {
             "position": pos, "queue_depth": len(rq.waiting), "est_wait_sec": est,
             "waiting_for_node": not sched.usable(rq, now) if not slots else False,
@@ -502,6 +616,26 @@ class Jobs:
         job = self.jobs.get(job_id)
         if job is None:
             return None
+        return self._visible(request, job)
+
+    async def find_any(self, request: web.Request, job_id: str) -> Job | None:
+        """``find``, then — for a job this gateway does not hold — the store (cluster mode), with
+        the same rule of who may see it."""
+        job = self.jobs.get(job_id)
+        if job is None:
+            job = await self.store.load(job_id)
+            if job is None:
+                return None
+        return self._visible(request, job)
+
+    def view(self, job: Job) -> dict[str, Any]:
+        """``GET /v1/jobs/{id}``: position and estimate live while queued here, as stored if remote."""
+        if job.remote:
+            return job.view(job.last_position, job.last_est) if job.status == "queued" else job.view(None, None)
+        pos = self.rt.scheduler.position(job.ticket, self.rt.clock()) if job.status == "queued" else None
+        return job.view(pos, self.est(job, pos))
+
+    def _visible(self, request: web.Request, job: Job) -> Job | None:
         token = request.query.get("token")
         if token is not None:
             return job if hmac.compare_digest(token.encode(), job.access_token.encode()) else None  # bytes: any token
@@ -512,6 +646,10 @@ class Jobs:
 
     async def subscribe(self, job: Job, after: int) -> AsyncIterator[list[tuple[int, str, bytes]]]:
         """Batches of events after ``after``: the replay first, then live ones as they come."""
+        if job.remote:
+            async for batch in self.store.follow(job, after):
+                yield batch
+            return
         sub = Subscriber()
         backlog = [ev for ev in job.events if ev[0] > after]
         job.subscribers.add(sub)

@@ -7,8 +7,6 @@ must not be probeable.
 
 from __future__ import annotations
 
-import asyncio
-
 import aiohttp
 import orjson
 from aiohttp import web
@@ -29,8 +27,9 @@ def _jobs(request: web.Request) -> Jobs:
     return request.app[GW].jobs
 
 
-def _job(request: web.Request) -> Job | None:
-    return _jobs(request).find(request, request.match_info["job_id"])
+async def _job(request: web.Request) -> Job | None:
+    # Any gateway of a cluster answers for every job (docs/CLUSTER.md#jobs).
+    return await _jobs(request).find_any(request, request.match_info["job_id"])
 
 
 def _not_found(request: web.Request) -> web.Response:
@@ -38,20 +37,18 @@ def _not_found(request: web.Request) -> web.Response:
 
 
 def _view(request: web.Request, job: Job) -> dict[str, object]:
-    rt = _rt(request)
-    pos = rt.scheduler.position(job.ticket, rt.clock()) if job.status == "queued" else None
-    return job.view(pos, _jobs(request).est(job, pos))
+    return _jobs(request).view(job)
 
 
 async def status(request: web.Request) -> web.Response:
-    job = _job(request)
+    job = await _job(request)
     if job is None:
         return _not_found(request)
     return web.Response(body=orjson.dumps(_view(request, job)), content_type="application/json")
 
 
 async def events(request: web.Request) -> web.StreamResponse:
-    job = _job(request)
+    job = await _job(request)
     if job is None:
         return _not_found(request)
     raw = request.headers.get("Last-Event-ID") or request.query.get("last_event_id") or "0"
@@ -63,7 +60,7 @@ async def events(request: web.Request) -> web.StreamResponse:
 
 
 async def result(request: web.Request) -> web.Response:
-    job = _job(request)
+    job = await _job(request)
     if job is None:
         return _not_found(request)
     if job.status not in TERMINAL:
@@ -78,7 +75,7 @@ async def result(request: web.Request) -> web.Response:
 
 async def file(request: web.Request) -> web.StreamResponse:
     """ComfyUI outputs: stream /view from the node that rendered the image, never revealing it."""
-    job = _job(request)
+    job = await _job(request)
     if job is None or job.result is None:
         return _not_found(request)
     files = job.result.files
@@ -102,14 +99,10 @@ async def file(request: web.Request) -> web.StreamResponse:
 
 
 async def cancel(request: web.Request) -> web.Response:
-    job = _job(request)
+    job = await _job(request)
     if job is None:
         return _not_found(request)
-    _jobs(request).cancel(job)
-    task = job.task
-    if task is not None and not task.done():
-        # Let the runner record the cancellation (and interrupt ComfyUI) before answering.
-        await asyncio.wait({task}, timeout=5)
+    job = await _jobs(request).cancel_any(job)
     return web.Response(body=orjson.dumps(_view(request, job)), content_type="application/json")
 
 

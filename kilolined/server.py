@@ -14,6 +14,7 @@ from aiohttp import web
 
 from kilolined import systemd
 from kilolined.app import build_app
+from kilolined.cluster.jobs import ClusterJobs
 from kilolined.cluster.leader import LeaderLease
 from kilolined.cluster.leases import ClusterLeases, gateway_id
 from kilolined.cluster.limits import SharedLimits
@@ -51,6 +52,7 @@ class Server:
         #: cluster mode (docs/CLUSTER.md): the leases live in Redis, shared with the other gateways
         self.cluster: ClusterLeases | None = None
         self.leader: LeaderLease | None = None
+        self.cluster_jobs: ClusterJobs | None = None
         if cfg.cluster is not None:
             self.cluster = ClusterLeases(rt.scheduler, cfg.cluster, gateway_id(cfg), clock=rt.clock,
                                          version=lambda: rt.version, alert=rt.notify)
@@ -60,6 +62,10 @@ class Server:
             alive_sec = 3 * cfg.cluster.lease_ttl_sec  # a peer seen within this counts as alive
             rt.metrics.registry.register(ClusterGauges(self.cluster.view, lambda: alive_sec))
             self._one_voice(rt, notifier, self.cluster, cfg.cluster.key_prefix, cfg.cluster.lease_ttl_sec)
+            # Jobs anywhere: every job mirrored into Redis, served by any gateway, carried on by one.
+            self.cluster_jobs = ClusterJobs(rt, self.cluster)
+            self.cluster_jobs.attach(self.gateway.jobs)
+            self.gateway.jobs.store = self.cluster_jobs
         self.app = build_app(self.gateway)
         self.runner: web.AppRunner | None = None
         self.listeners: list[Listener] = []
@@ -95,6 +101,8 @@ class Server:
         if self.leader is not None and rt.node_sync is not None:
             await self.leader.start()
             await rt.node_sync.start()
+        if self.cluster_jobs is not None:
+            await self.cluster_jobs.start()
         # handler_cancellation: a client that goes away while queued must leave the queue at once.
         # shutdown_timeout is short: shutdown() waits out the grace for in-flight leases itself,
         # and aiohttp would otherwise wait it again, twice, per stuck connection.
@@ -179,6 +187,8 @@ class Server:
             await rt.node_sync.stop()
         if self.leader is not None:
             await self.leader.stop()  # hands the voice on at once
+        if self.cluster_jobs is not None:
+            await self.cluster_jobs.stop()  # the last events and endings reach Redis first
         if self.cluster is not None:
             await self.cluster.stop()
         await rt.stop()

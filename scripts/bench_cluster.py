@@ -5,7 +5,9 @@ cluster on a redis-server (no persistence) in front of the same node. wrk drives
 the same connection counts; CPU per request is each process's CPU seconds over the requests it
 served (the cluster figure adds the Redis server's share). A burst phase sends N concurrent
 clients at 2 slots through the two cluster gateways and through the single one: wall time
-against the ideal (N × service time / 2 slots).
+against the ideal (N × service time / 2 slots). A jobs phase runs sse jobs (``--jobs``, 16 at a
+time) through each target: time per job from submission to ``output_ready``, and CPU per job —
+in cluster mode every job is also mirrored into Redis (state, events, result).
 
     .venv/bin/python scripts/bench_cluster.py [--quick] [--conc 1,16,64] [--burst 2000] [--json out.json]
 """
@@ -57,6 +59,44 @@ async def burst(urls: list[str], n: int, step_ms: float) -> dict[str, Any]:
             "ideal_sec": round(ideal, 2), "vs_ideal": round(wall / ideal, 3) if ideal else None}
 
 
+async def sse_jobs(url: str, n: int, conc: int = 16) -> list[float]:
+    """``n`` sse jobs, ``conc`` at a time: seconds from submission to the end of each stream."""
+    headers = {"Authorization": f"Bearer {bl.API_KEY}", "X-KiloLine-Mode": "sse"}
+    times: list[float] = []
+    sem = asyncio.Semaphore(conc)
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as s:
+
+        async def one() -> None:
+            async with sem:
+                t0 = time.perf_counter()
+                async with s.post(url, json={"steps": 1, "step_ms": 0}, headers=headers) as r:
+                    body = await r.read()
+                if r.status == 200 and b"output_ready" in body:
+                    times.append(time.perf_counter() - t0)
+
+        await asyncio.gather(*(one() for _ in range(n)))
+    return times
+
+
+def jobs_phase(targets: dict[str, tuple[str, list[int]]], n: int) -> list[dict[str, Any]]:
+    recs, rows = [], []
+    for name, (url, pids) in targets.items():
+        asyncio.run(sse_jobs(url, 50))  # warm-up
+        cpu0 = [bl.cpu_seconds(p) for p in pids]
+        times = asyncio.run(sse_jobs(url, n))
+        cpu = [(bl.cpu_seconds(p) - c0) / max(1, len(times)) * 1e6 for p, c0 in zip(pids, cpu0, strict=True)]
+        rec = {"target": name, "jobs": n, "ok": len(times),
+               "p50_ms": round((bl.percentile(times, 50) or 0) * 1000, 2),
+               "p99_ms": round((bl.percentile(times, 99) or 0) * 1000, 2),
+               "gateway_cpu_us_per_job": round(cpu[0], 1),
+               "redis_cpu_us_per_job": round(cpu[1], 1) if len(cpu) > 1 else None}
+        recs.append(rec)
+        rows.append([name, n, rec["ok"], rec["p50_ms"], rec["p99_ms"], rec["gateway_cpu_us_per_job"],
+                     rec["redis_cpu_us_per_job"]])
+    bl.print_table(["target", "sse jobs", "ok", "p50 ms", "p99 ms", "gw CPU µs/job", "redis CPU µs/job"], rows)
+    return recs
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="3 s per point")
@@ -64,6 +104,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--conc", default="1,16,64", help="comma-separated wrk connection counts")
     ap.add_argument("--burst", type=int, default=2000, help="clients of the burst phase (0: skip)")
     ap.add_argument("--burst-step-ms", type=float, default=20, help="service time of one burst request")
+    ap.add_argument("--jobs", type=int, default=1000, help="sse jobs of the jobs phase (0: skip)")
     ap.add_argument("--json", help="also write the results here")
     args = ap.parse_args(argv)
     redis_bin = shutil.which("redis-server")
@@ -109,6 +150,8 @@ def main(argv: list[str] | None = None) -> int:
                              rec["redis_cpu_us_per_req"], rec["errors"]])
         bl.print_table(["target", "conc", "rps", "p50 ms", "p99 ms", "gw CPU µs/req", "redis CPU µs/req", "err"],
                        rows)
+        if args.jobs:
+            out["jobs"] = jobs_phase(targets, args.jobs)
         if args.burst:
             # The same 2 slots for the burst: restart the three gateways with max_concurrency 2.
             for p in list(procs.procs):

@@ -248,6 +248,25 @@ class ClusterLeases:
                 out.append(t)
         return out
 
+    # --- jobs carried on from a lost gateway (kilolined/cluster/jobs.py) ----------------------
+    def carry(self, tid: str, route: str, key: str, priority: int, *, pinned_node: str | None, cost: float,
+              deadline: float) -> Ticket:
+        """A lost gateway's waiting ticket, which Redis now counts as this gateway's (same place)."""
+        t = Ticket(next(self._seq), route, key, priority, self.clock(), pinned_node=pinned_node, cost=cost)
+        t.deadline = deadline
+        self._tickets[tid] = t
+        self._tid[t] = tid
+        heapq.heappush(self._deadlines, (t.deadline, t.seq, t))
+        return t
+
+    def take_grants(self, grants: list[str]) -> None:
+        """Grants ("tid lid node") for this gateway learnt outside the lease scripts' answers."""
+        self._grants(grants)
+
+    def tid_of(self, t: Ticket) -> str | None:
+        """The Redis id of a ticket of this gateway (None: not in Redis)."""
+        return self._tid.get(t)
+
     # --- grants ---------------------------------------------------------------------------
     def _grants(self, items: list[Any]) -> None:
         for g in items:

@@ -11,7 +11,7 @@ Keys, all under the prefix P (a single Redis primary; Redis Cluster sharding is 
   P gi:<inst>     hash   id, version, seen (ms) of a gateway instance
   P gt:<inst>     set    the instance's waiting ticket ids
   P gl:<inst>     set    the instance's lease ids
-  P t:<tid>       hash   route, key, gw, pin, avoid (",a,b,"), state (w|l), lease, node
+  P t:<tid>       hash   route, key, gw, pin, avoid (",a,b,"), state (w|l), lease, node, job (its sse/async job)
   P r:<route>     list   the fair ring: keys with waiting tickets, the one served next first
   P q:<route>:<k> list   one key's waiting tickets, oldest first
   P n:<route>     string waiting tickets of the route
@@ -68,7 +68,11 @@ local function reap()
   local dead = redis.call('ZRANGEBYSCORE', P..'gw', '-inf', now_ms())
   for _, inst in ipairs(dead) do
     for _, lid in ipairs(redis.call('SMEMBERS', P..'gl:'..inst)) do drop_lease(lid) end
-    for _, tid in ipairs(redis.call('SMEMBERS', P..'gt:'..inst)) do unqueue(tid) end
+    for _, tid in ipairs(redis.call('SMEMBERS', P..'gt:'..inst)) do
+      -- A waiting job keeps its place: the gateway that carries it on takes it over (cluster/jobs.py).
+      local job = redis.call('HGET', P..'t:'..tid, 'job')
+      if not job or redis.call('SISMEMBER', P..'jg:'..inst, job) == 0 then unqueue(tid) end
+    end
     redis.call('DEL', P..'gl:'..inst, P..'gt:'..inst, P..'gi:'..inst)
     redis.call('ZREM', P..'gw', inst)
   end
