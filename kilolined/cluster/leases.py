@@ -374,12 +374,17 @@ class ClusterLeases:
         log.error("✗ cluster: Redis lost (%s): going on alone with a safe share of every slot", e)
         self._degrade(alert=True)
 
+    def alive_peers(self) -> list[str]:
+        """The other gateways seen within 3 × lease_ttl_sec: the k of every split while Redis is down."""
+        now = self.clock()
+        # Remembered here, not read from Redis: a Redis that came back empty forgot the peers.
+        return alive(((pid, now - at) for pid, at in self._seen.items() if pid != self.view.gateway_id),
+                     3 * self.cfg.lease_ttl_sec)
+
     def _degrade(self, alert: bool) -> None:
         self.view.redis_up = False
         now = self.clock()
-        # Remembered here, not read from Redis: a Redis that came back empty forgot the peers.
-        others = alive(((pid, now - at) for pid, at in self._seen.items() if pid != self.view.gateway_id),
-                       3 * self.cfg.lease_ttl_sec)
+        others = self.alive_peers()
         me = self.view.gateway_id
         for name, rq in self.sched.routes.items():
             self._full.setdefault("r:" + name, rq.cfg)

@@ -22,6 +22,9 @@ Keys, all under the prefix P (a single Redis primary; Redis Cluster sharding is 
   P l:<lid>       hash   route, node, gw, tid
   P routes        set    routes seen
   P seq           string lease id counter
+  P b:<subj>|<r>  hash   a token bucket: tokens, ts
+  P bu:<key>:<d>  hash   a key's budget spent on UTC day d: requests, tokens, gpu
+  P br:<key>      hash   gateway instance -> tokens it holds reserved for the key
 Grants for another gateway are published on ``P grant:<inst>`` as "tid lid node"; the caller's
 own grants come back in the script's answer.
 """
@@ -325,18 +328,78 @@ redis.call('PEXPIRE', k, math.ceil(cap / per_ms) + 60000)
 return {ok, tostring(tokens)}
 """
 
-#: ARGV: P, key id, UTC day, requests_per_day -> 1 taken | 0 exhausted (checked and counted at once)
+#: Budgets, per key and UTC day: ``P bu:<key>:<day>`` hash (requests, tokens, gpu: spent) and
+#: ``P br:<key>`` hash (gateway instance -> tokens it holds reserved for its dispatched
+#: requests; a dead gateway's entry no longer counts and is dropped by the next reservation).
+
+#: ARGV: P, key id, UTC day, requests_per_day, tokens_per_day, gpu_seconds_per_day (-1: none)
+#: -> {spent budget's name or '', requests, tokens, gpu} (checked and the request counted at once)
 BUDGET_TAKE = r"""
-local k = ARGV[1]..'bd:'..ARGV[2]..':'..ARGV[3]
-local n = redis.call('INCR', k)
-redis.call('EXPIRE', k, 172800)
-if n > tonumber(ARGV[4]) then redis.call('DECR', k); return 0 end
-return 1
+local k = ARGV[1]..'bu:'..ARGV[2]..':'..ARGV[3]
+local u = redis.call('HMGET', k, 'requests', 'tokens', 'gpu')
+local req, tok, gpu = tonumber(u[1]) or 0, tonumber(u[2]) or 0, tonumber(u[3]) or 0
+local lr, lt, lg = tonumber(ARGV[4]), tonumber(ARGV[5]), tonumber(ARGV[6])
+local spent = ''
+if lr >= 0 and req >= lr then spent = 'requests_per_day'
+elseif lt >= 0 and tok >= lt then spent = 'tokens_per_day'
+elseif lg >= 0 and gpu >= lg then spent = 'gpu_seconds_per_day' end
+if spent == '' then
+  req = redis.call('HINCRBY', k, 'requests', 1)
+  redis.call('EXPIRE', k, 172800)
+end
+return {spent, tostring(req), tostring(tok), tostring(gpu)}
 """
 
-#: ARGV: P, key id, UTC day -> the request counted by BUDGET_TAKE is given back
-BUDGET_GIVE = r"""
-local k = ARGV[1]..'bd:'..ARGV[2]..':'..ARGV[3]
-if tonumber(redis.call('GET', k) or '0') > 0 then redis.call('DECR', k) end
-return 1
+#: ARGV: P, ME (gateway instance), key id, UTC day, tokens, tokens_per_day
+#: -> {1 reserved | 0 does not fit, tokens spent, tokens reserved by the live gateways}
+BUDGET_RESERVE = r"""
+local P, ME, key = ARGV[1], ARGV[2], ARGV[3]
+local n, limit = tonumber(ARGV[5]), tonumber(ARGV[6])
+local spent = tonumber(redis.call('HGET', P..'bu:'..key..':'..ARGV[4], 'tokens') or '0') or 0
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local rk = P..'br:'..key
+local r = redis.call('HGETALL', rk)
+local held = 0
+for i = 1, #r, 2 do
+  local live = r[i] == ME
+  if not live then
+    local exp = redis.call('ZSCORE', P..'gw', r[i])
+    live = exp and tonumber(exp) > now
+  end
+  if live then held = held + tonumber(r[i + 1]) else redis.call('HDEL', rk, r[i]) end
+end
+if spent + held + n > limit then return {0, tostring(spent), tostring(held)} end
+redis.call('HINCRBY', rk, ME, n)
+return {1, tostring(spent), tostring(held + n)}
+"""
+
+#: ARGV: P, ME, then (key id, UTC day, requests, tokens, gpu seconds, tokens unreserved) per key
+#: -> {requests, tokens, gpu, ...} spent after, per key (usage counted and its reservation ended
+#: in one step, so a budget never looks emptier than it is between the two)
+BUDGET_SETTLE = r"""
+local P, ME = ARGV[1], ARGV[2]
+local out = {}
+for i = 3, #ARGV, 6 do
+  local key = ARGV[i]
+  local k = P..'bu:'..key..':'..ARGV[i + 1]
+  local req, tok, gpu, un = tonumber(ARGV[i + 2]), tonumber(ARGV[i + 3]), tonumber(ARGV[i + 4]),
+    tonumber(ARGV[i + 5])
+  if req ~= 0 then
+    local v = redis.call('HINCRBY', k, 'requests', req)
+    if v < 0 then redis.call('HSET', k, 'requests', 0) end
+  end
+  if tok ~= 0 then redis.call('HINCRBY', k, 'tokens', tok) end
+  if gpu ~= 0 then redis.call('HINCRBYFLOAT', k, 'gpu', ARGV[i + 4]) end
+  if req ~= 0 or tok ~= 0 or gpu ~= 0 then redis.call('EXPIRE', k, 172800) end
+  if un > 0 then
+    local rk = P..'br:'..key
+    if redis.call('HINCRBY', rk, ME, -un) <= 0 then redis.call('HDEL', rk, ME) end
+  end
+  local u = redis.call('HMGET', k, 'requests', 'tokens', 'gpu')
+  out[#out + 1] = u[1] or '0'
+  out[#out + 1] = u[2] or '0'
+  out[#out + 1] = u[3] or '0'
+end
+return out
 """
