@@ -34,7 +34,7 @@ from kilolined.cluster import scripts
 from kilolined.cluster.split import alive, share
 from kilolined.cluster.view import ClusterView, Peer
 from kilolined.config import ClusterConfig, Config, NodeConfig, RouteConfig, split_listen
-from kilolined.queue import LEASED, WAITING, Lease, Rejected, Scheduler, Ticket
+from kilolined.queue import FAILED, LEASED, WAITING, Lease, Rejected, Scheduler, Ticket
 
 log = logging.getLogger("kilolined")
 WAITED_SEC = 1.0  # a ticket waiting this long has its grant re-read by the heartbeat (lost wake-up)
@@ -144,7 +144,8 @@ class ClusterLeases:
         tid = self._track(t)
         call = asyncio.ensure_future(self._call(
             "ADMIT", t.route, self._order_key(t), tid, t.pinned_node or "", self._view_json(t.route),
-            rq.cfg.max_queue_depth, -1 if rq.cfg.max_queued_per_key is None else rq.cfg.max_queued_per_key))
+            rq.cfg.max_queue_depth, -1 if rq.cfg.max_queued_per_key is None else rq.cfg.max_queued_per_key,
+            t.key, 1 if rq.cfg.drop_policy == "drop_oldest" else 0))
         try:
             res = await asyncio.shield(call)
         except asyncio.CancelledError:
@@ -165,7 +166,7 @@ class ClusterLeases:
             ra = self.sched.retry_after(rq, self.clock())
             if verdict == "per_key":
                 raise Rejected(429, "queue_full", f"key already has {waiting} requests waiting on route {t.route}", ra)
-            status = 503 if rq.cfg.drop_policy != "reject_with_429" else 429
+            status = 503 if rq.cfg.drop_policy != "reject_with_429" else 429  # drop_oldest: nothing to drop
             raise Rejected(status, "queue_full", f"queue of route {t.route} is full ({waiting} waiting)", ra)
         heapq.heappush(self._deadlines, (t.deadline, t.seq, t))
         self._grants(res[2:])
@@ -214,7 +215,8 @@ class ClusterLeases:
         heapq.heappush(self._deadlines, (t.deadline, t.seq, t))
         tid = self._tid[t]
         avoid = "," + "".join(n + "," for n in sorted(t.avoid))
-        self._spawn(self._remote("REQUEUE", lid, tid, t.route, self._order_key(t), t.pinned_node or "", avoid))
+        self._spawn(self._remote("REQUEUE", lid, tid, t.route, self._order_key(t, front=True), t.pinned_node or "",
+                                 avoid, t.key))
         return t
 
     def release(self, lease: Lease, now: float, service_time: float | None) -> None:
@@ -252,6 +254,9 @@ class ClusterLeases:
             self._granted(tid, lid, node)
 
     def _granted(self, tid: str, lid: str, node: str) -> None:
+        if lid == "!":
+            self._dropped(tid)
+            return
         t = self._tickets.get(tid)
         if t is not None and t.lease is not None and self._lid.get(t.lease) == lid:
             return  # the same grant twice (pub/sub and the sweep)
@@ -268,6 +273,17 @@ class ClusterLeases:
         t.state = LEASED
         t.lease = lease
         self._lid[lease] = lid
+        t.wake()
+
+    def _dropped(self, tid: str) -> None:
+        """drop_oldest: this gateway's ticket was the cluster's oldest waiting when the queue was full."""
+        t = self._tickets.get(tid)
+        if t is None or t.state != WAITING:
+            return
+        self._untrack(t)
+        rq = self.sched.routes[t.route]
+        t.state = FAILED
+        t.error = Rejected(503, "queue_full", "dropped: queue full", self.sched.retry_after(rq, self.clock()))
         t.wake()
 
     async def _remote(self, name: str, *args: str) -> None:
@@ -294,7 +310,7 @@ class ClusterLeases:
                         msg = await ps.get_message(timeout=None)
                         if msg is not None and msg.get("type") == "message":
                             tid, lid, node = _s(msg["data"]).split(" ")
-                            self._granted(tid, lid, node)
+                            self._granted(tid, lid, node)  # or its drop (lid "!")
             except asyncio.CancelledError:
                 raise
             except (RedisError, OSError):
@@ -480,12 +496,19 @@ class ClusterLeases:
             self._tickets.pop(tid, None)
         return tid
 
-    def _order_key(self, t: Ticket) -> str:
-        # fifo_fair_lease: one FIFO per key; fifo (and priority, see docs/CLUSTER.md): one FIFO.
-        return t.key if self.sched.routes[t.route].cfg.strategy == "fifo_fair_lease" else ""
+    def _order_key(self, t: Ticket, front: bool = False) -> str:
+        """The Redis queue of the ticket: fifo_fair_lease one per key, priority one per level (the
+        re-queued in their own, served first), fifo one."""
+        strategy = self.sched.routes[t.route].cfg.strategy
+        if strategy == "fifo_fair_lease":
+            return t.key
+        if strategy == "priority":
+            return "!" if front else str(t.priority)
+        return ""
 
-    def _view(self, route: str) -> dict[str, list[list[Any]]]:
-        """This gateway's view of the route's nodes: [name, free-able slots (0: unusable), node cap]."""
+    def _view(self, route: str) -> dict[str, Any]:
+        """This gateway's view of the route's nodes: [name, free-able slots (0: unusable), node cap];
+        and its order: the strategy and the priority aging step (ms), as queue.make_order has them."""
         now = self.clock()
         rq = self.sched.routes[route]
 
@@ -496,7 +519,8 @@ class ClusterLeases:
             return [n, slots, cap]
 
         return {"p": [entry(n) for n in rq.cfg.nodes if n in self.sched.nodes],
-                "s": [entry(n) for n in rq.cfg.standby if n in self.sched.nodes]}
+                "s": [entry(n) for n in rq.cfg.standby if n in self.sched.nodes],
+                "o": rq.cfg.strategy, "a": max(1, int(rq.cfg.queue_timeout_sec * 250))}
 
     def _view_json(self, route: str) -> str:
         return orjson.dumps(self._view(route)).decode()

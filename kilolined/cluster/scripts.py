@@ -11,12 +11,17 @@ Keys, all under the prefix P (a single Redis primary; Redis Cluster sharding is 
   P gi:<inst>     hash   id, version, seen (ms) of a gateway instance
   P gt:<inst>     set    the instance's waiting ticket ids
   P gl:<inst>     set    the instance's lease ids
-  P t:<tid>       hash   route, key, gw, pin, avoid (",a,b,"), state (w|l), lease, node
-  P r:<route>     list   the fair ring: keys with waiting tickets, the one served next first
-  P q:<route>:<k> list   one key's waiting tickets, oldest first
+  P t:<tid>       hash   route, key (its queue), ck (the client's key), gw, pin, avoid (",a,b,"),
+                         at (ms), state (w waiting | l leased | x dropped), lease, node
+  P r:<route>     list   the queues with waiting tickets: fifo one (""), fifo_fair_lease one per
+                         client key, the one served next first; priority one per level ("!": the
+                         re-queued, before every level), the best head chosen at each dispatch
+  P q:<route>:<k> list   one queue's waiting tickets, oldest first
+  P w:<route>     zset   the route's waiting tickets by arrival (the oldest: drop_oldest's victim)
   P n:<route>     string waiting tickets of the route
-  P nk:<route>    hash   key -> waiting tickets
-  P v:<route>     string the route's node view (JSON): {"p": [[node, slots, cap]], "s": [...]}
+  P nk:<route>    hash   client key -> waiting tickets
+  P v:<route>     string the route's view (JSON): {"p": [[node, slots, cap]], "s": [...],
+                         "o": strategy, "a": priority aging step (ms)}
   P in:<route>    hash   node -> leases of the route
   P nin           hash   node -> leases on the node (every route)
   P l:<lid>       hash   route, node, gw, tid
@@ -26,7 +31,8 @@ Keys, all under the prefix P (a single Redis primary; Redis Cluster sharding is 
   P bu:<key>:<d>  hash   a key's budget spent on UTC day d: requests, tokens, gpu
   P br:<key>      hash   gateway instance -> tokens it holds reserved for the key
 Grants for another gateway are published on ``P grant:<inst>`` as "tid lid node"; the caller's
-own grants come back in the script's answer.
+own grants come back in the script's answer. A ticket dropped by ``drop_oldest`` travels the
+same way as "tid ! drop" (and the sweep finds it, state x, for a message that was lost).
 """
 
 from __future__ import annotations
@@ -55,13 +61,14 @@ local function drop_lease(lid)
 end
 
 local function unqueue(tid)
-  local t = redis.call('HMGET', P..'t:'..tid, 'route', 'key', 'gw', 'state')
+  local t = redis.call('HMGET', P..'t:'..tid, 'route', 'key', 'gw', 'state', 'ck')
   if not t[1] or t[4] ~= 'w' then return false end
   local q = P..'q:'..t[1]..':'..t[2]
   redis.call('LREM', q, 1, tid)
   if redis.call('LLEN', q) == 0 then redis.call('LREM', P..'r:'..t[1], 1, t[2]) end
   redis.call('DECR', P..'n:'..t[1])
-  redis.call('HINCRBY', P..'nk:'..t[1], t[2], -1)
+  redis.call('HINCRBY', P..'nk:'..t[1], t[5] or '', -1)
+  redis.call('ZREM', P..'w:'..t[1], tid)
   redis.call('SREM', P..'gt:'..t[3], tid)
   redis.call('DEL', P..'t:'..tid)
   return true
@@ -78,7 +85,7 @@ local function reap()
   return #dead
 end
 
-local function enqueue(route, key, tid, gw, pin, avoid, front)
+local function enqueue(route, key, ck, tid, gw, pin, avoid, front)
   local ring = P..'r:'..route
   local q = P..'q:'..route..':'..key
   local fresh = redis.call('LLEN', q) == 0
@@ -91,10 +98,12 @@ local function enqueue(route, key, tid, gw, pin, avoid, front)
     if fresh then redis.call('RPUSH', ring, key) end
   end
   redis.call('INCR', P..'n:'..route)
-  redis.call('HINCRBY', P..'nk:'..route, key, 1)
+  redis.call('HINCRBY', P..'nk:'..route, ck, 1)
   redis.call('SADD', P..'gt:'..gw, tid)
-  redis.call('HSET', P..'t:'..tid, 'route', route, 'key', key, 'gw', gw, 'pin', pin, 'avoid', avoid,
-             'state', 'w')
+  local at = now_ms()
+  redis.call('HSET', P..'t:'..tid, 'route', route, 'key', key, 'ck', ck, 'gw', gw, 'pin', pin, 'avoid', avoid,
+             'at', at, 'state', 'w')
+  redis.call('ZADD', P..'w:'..route, redis.call('INCR', P..'wseq'), tid)
 end
 
 local function count(h, f)
@@ -148,6 +157,7 @@ local function grant(route, tid, gw, node)
   redis.call('HINCRBY', P..'nin', node, 1)
   redis.call('SADD', P..'gl:'..gw, lid)
   redis.call('SREM', P..'gt:'..gw, tid)
+  redis.call('ZREM', P..'w:'..route, tid)
   redis.call('HSET', P..'t:'..tid, 'state', 'l', 'lease', lid, 'node', node)
   local msg = tid..' '..lid..' '..node
   if gw == ME then grants[#grants + 1] = msg else redis.call('PUBLISH', P..'grant:'..gw, msg) end
@@ -160,30 +170,64 @@ local function view_of(route)
   return cjson.decode(v)
 end
 
--- Free slots to waiting tickets, head of each route's fair order first (Scheduler.dispatch).
+-- priority: the queue whose head ranks first, as queue.PriorityOrder ranks them: the re-queued
+-- first, then the highest level + 1 per aging step waited, the one waiting longest on a tie.
+local function best_level(route, ring, view)
+  local best, best_eff, best_at = nil, 0, 0
+  local now = now_ms()
+  for _, key in ipairs(redis.call('LRANGE', ring, 0, -1)) do
+    if key == '!' then return key end
+    local tid = redis.call('LINDEX', P..'q:'..route..':'..key, 0)
+    if not tid then return key end  -- an empty queue: dispatch_route drops it from the ring
+    local at = tonumber(redis.call('HGET', P..'t:'..tid, 'at') or now) or now
+    local eff = (tonumber(key) or 0) + math.floor(math.max(0, now - at) / math.max(1, view.a or 1))
+    if best == nil or eff > best_eff or (eff == best_eff and at < best_at) then
+      best, best_eff, best_at = key, eff, at
+    end
+  end
+  return best
+end
+
+-- Free slots to waiting tickets, head of each route's order first (Scheduler.dispatch).
 local function dispatch_route(route)
   local view = view_of(route)
   if not view then return end
   local ring = P..'r:'..route
+  local prio = view.o == 'priority'
   while true do
-    local key = redis.call('LINDEX', ring, 0)
+    local key
+    if prio then key = best_level(route, ring, view) else key = redis.call('LINDEX', ring, 0) end
     if not key then return end
     local q = P..'q:'..route..':'..key
     local tid = redis.call('LINDEX', q, 0)
     if not tid then
-      redis.call('LPOP', ring)
+      redis.call('LREM', ring, 1, key)
     else
-      local t = redis.call('HMGET', P..'t:'..tid, 'gw', 'pin', 'avoid')
+      local t = redis.call('HMGET', P..'t:'..tid, 'gw', 'pin', 'avoid', 'ck')
       local node = choose(route, view, t[2] or '', t[3] or ',')
       if not node then return end
       redis.call('LPOP', q)
-      if redis.call('LLEN', q) > 0 then redis.call('LMOVE', ring, ring, 'LEFT', 'RIGHT')
-      else redis.call('LPOP', ring) end
+      if redis.call('LLEN', q) == 0 then redis.call('LREM', ring, 1, key)
+      elseif not prio then redis.call('LMOVE', ring, ring, 'LEFT', 'RIGHT') end
       redis.call('DECR', P..'n:'..route)
-      redis.call('HINCRBY', P..'nk:'..route, key, -1)
+      redis.call('HINCRBY', P..'nk:'..route, t[4] or '', -1)
       grant(route, tid, t[1], node)
     end
   end
+end
+
+-- drop_oldest: the route's oldest waiting ticket, on whichever gateway, leaves for the new one.
+local function drop_oldest(route)
+  local tid = redis.call('ZRANGE', P..'w:'..route, 0, 0)[1]
+  if not tid then return false end
+  local gw = redis.call('HGET', P..'t:'..tid, 'gw')
+  unqueue(tid)
+  -- Kept a while as dropped, so the sweep of its gateway learns it if the message is lost.
+  redis.call('HSET', P..'t:'..tid, 'state', 'x', 'gw', gw)
+  redis.call('PEXPIRE', P..'t:'..tid, 600000)
+  local msg = tid..' ! drop'
+  if gw == ME then grants[#grants + 1] = msg else redis.call('PUBLISH', P..'grant:'..gw, msg) end
+  return true
 end
 
 local function dispatch_all()
@@ -191,22 +235,22 @@ local function dispatch_all()
 end
 """
 
-#: ARGV: P, ME, route, key, tid, pin, view, max_queue_depth, max_queued_per_key (-1: none)
-#: -> {'ok'|'per_key'|'full', waiting, grants...}
+#: ARGV: P, ME, route, key (its queue), tid, pin, view, max_queue_depth, max_queued_per_key (-1:
+#: none), client key, drop_oldest (1|0) -> {'ok'|'per_key'|'full', waiting, grants...}
 ADMIT = COMMON + r"""
-local route, key, tid, pin = ARGV[3], ARGV[4], ARGV[5], ARGV[6]
+local route, key, tid, pin, ck = ARGV[3], ARGV[4], ARGV[5], ARGV[6], ARGV[10]
 reap()
 redis.call('SET', P..'v:'..route, ARGV[7])
 redis.call('SADD', P..'routes', route)
 local waiting = tonumber(redis.call('GET', P..'n:'..route) or '0')
 local per_key = tonumber(ARGV[9])
-if per_key >= 0 and count(P..'nk:'..route, key) >= per_key then
-  return {'per_key', count(P..'nk:'..route, key)}
+if per_key >= 0 and count(P..'nk:'..route, ck) >= per_key then
+  return {'per_key', count(P..'nk:'..route, ck)}
 end
 if waiting == 0 then
   local node = choose(route, cjson.decode(ARGV[7]), pin, ',')
   if node then
-    redis.call('HSET', P..'t:'..tid, 'route', route, 'key', key, 'gw', ME, 'pin', pin, 'avoid', ',',
+    redis.call('HSET', P..'t:'..tid, 'route', route, 'key', key, 'ck', ck, 'gw', ME, 'pin', pin, 'avoid', ',',
                'state', 'w')
     grant(route, tid, ME, node)
     local out = {'ok', 0}
@@ -214,8 +258,11 @@ if waiting == 0 then
     return out
   end
 end
-if waiting >= tonumber(ARGV[8]) then return {'full', waiting} end
-enqueue(route, key, tid, ME, pin, ',', false)
+if waiting >= tonumber(ARGV[8]) then
+  if ARGV[11] ~= '1' or not drop_oldest(route) then return {'full', waiting} end
+  waiting = waiting - 1
+end
+enqueue(route, key, ck, tid, ME, pin, ',', false)
 dispatch_all()
 local out = {'ok', waiting + 1}
 for _, g in ipairs(grants) do out[#out + 1] = g end
@@ -230,12 +277,12 @@ dispatch_all()
 return grants
 """
 
-#: ARGV: P, ME, lid, tid, route, key, pin, avoid -> {grants...}
+#: ARGV: P, ME, lid, tid, route, key (its queue), pin, avoid, client key -> {grants...}
 REQUEUE = COMMON + r"""
 reap()
 drop_lease(ARGV[3])
 redis.call('DEL', P..'t:'..ARGV[4])
-enqueue(ARGV[5], ARGV[6], ARGV[4], ME, ARGV[7], ARGV[8], true)
+enqueue(ARGV[5], ARGV[6], ARGV[9], ARGV[4], ME, ARGV[7], ARGV[8], true)
 dispatch_all()
 return grants
 """
@@ -277,6 +324,8 @@ for i = 7, #ARGV do
   local st = redis.call('HMGET', P..'t:'..ARGV[i], 'state', 'lease', 'node', 'gw')
   if st[1] == 'l' and st[4] == ME then
     grants[#grants + 1] = ARGV[i]..' '..st[2]..' '..st[3]
+  elseif st[1] == 'x' then
+    grants[#grants + 1] = ARGV[i]..' ! drop'
   elseif not st[1] then
     lost[#lost + 1] = ARGV[i]
   end
