@@ -34,7 +34,7 @@ from kilolined.cluster import scripts
 from kilolined.cluster.split import alive, share
 from kilolined.cluster.view import ClusterView, Peer
 from kilolined.config import ClusterConfig, Config, NodeConfig, RouteConfig, split_listen
-from kilolined.queue import FAILED, LEASED, WAITING, Lease, Rejected, Scheduler, Ticket
+from kilolined.queue import EPS, FAILED, LEASED, WAITING, Lease, Rejected, Scheduler, Ticket, ramped_capacity
 
 log = logging.getLogger("kilolined")
 WAITED_SEC = 1.0  # a ticket waiting this long has its grant re-read by the heartbeat (lost wake-up)
@@ -127,13 +127,19 @@ class ClusterLeases:
     # --- the LeaseStore calls ---------------------------------------------------------------
     def admit(self, route: str, key: str, priority: int, now: float, *, pinned_node: str | None = None,
               cost: float = 0.0) -> Ticket:
-        # Cost-aware capacity is per gateway for now: the cluster scripts count slots, not costs.
         if not self.view.redis_up:
             t = self.sched.admit(route, key, priority, now, pinned_node=pinned_node, cost=cost)
             self._local.add(t)
             return t
+        rq = self.sched.routes[route]
+        # As Scheduler.admit: a request no node of the route could ever hold is refused at once.
+        limit = self.sched.max_capacity(rq, pinned_node) if cost > 0 else None
+        if limit is not None and cost > limit + EPS:
+            raise Rejected(422, "exceeds_capacity",
+                           f"request costs {cost:g}, more than the largest capacity of route {route}'s nodes "
+                           f"({limit:g})")
         t = Ticket(next(self._seq), route, key, priority, now, pinned_node=pinned_node, cost=cost)
-        t.deadline = now + self.sched.routes[route].cfg.queue_timeout_sec
+        t.deadline = now + rq.cfg.queue_timeout_sec
         return t
 
     async def settle(self, t: Ticket) -> Ticket:
@@ -145,7 +151,7 @@ class ClusterLeases:
         call = asyncio.ensure_future(self._call(
             "ADMIT", t.route, self._order_key(t), tid, t.pinned_node or "", self._view_json(t.route),
             rq.cfg.max_queue_depth, -1 if rq.cfg.max_queued_per_key is None else rq.cfg.max_queued_per_key,
-            t.key, 1 if rq.cfg.drop_policy == "drop_oldest" else 0))
+            t.key, 1 if rq.cfg.drop_policy == "drop_oldest" else 0, repr(t.cost)))
         try:
             res = await asyncio.shield(call)
         except asyncio.CancelledError:
@@ -216,7 +222,7 @@ class ClusterLeases:
         tid = self._tid[t]
         avoid = "," + "".join(n + "," for n in sorted(t.avoid))
         self._spawn(self._remote("REQUEUE", lid, tid, t.route, self._order_key(t, front=True), t.pinned_node or "",
-                                 avoid, t.key))
+                                 avoid, t.key, repr(t.cost)))
         return t
 
     def release(self, lease: Lease, now: float, service_time: float | None) -> None:
@@ -267,9 +273,12 @@ class ClusterLeases:
             self._spawn(self._remote("RELEASE", lid))
             return
         now = self.clock()
-        lease = Lease(t, t.route, node, now, ns.on_dispatch(now))
+        lease = Lease(t, t.route, node, now, ns.on_dispatch(now), cost=t.cost)
         rq.inflight[node] += 1
         self.sched.node_inflight[node] += 1
+        if t.cost:  # mirrored for the views; Scheduler.release takes it off again
+            rq.capacity_used += t.cost
+            self.sched.capacity_used[node] = self.sched.capacity_used.get(node, 0.0) + t.cost
         t.state = LEASED
         t.lease = lease
         self._lid[lease] = lid
@@ -406,9 +415,14 @@ class ClusterLeases:
             self._full.setdefault("r:" + name, rq.cfg)
             rq.cfg = rq.cfg.model_copy(update={"max_concurrency": share(rq.cfg.max_concurrency, me, others)})
         for name, ns in self.sched.nodes.items():
+            upd: dict[str, Any] = {}
             if ns.cfg.max_concurrency is not None:
+                upd["max_concurrency"] = share(ns.cfg.max_concurrency, me, others)
+            if ns.cfg.capacity is not None:
+                upd["capacity"] = ns.cfg.capacity / (len(others) + 1)  # a capacity is split evenly
+            if upd:
                 self._full.setdefault("n:" + name, ns.cfg)
-                ns.cfg = ns.cfg.model_copy(update={"max_concurrency": share(ns.cfg.max_concurrency, me, others)})
+                ns.cfg = ns.cfg.model_copy(update=upd)
         # The requests waiting in Redis wait here now, in their order.
         for t in sorted((t for t in self._tickets.values() if t.state == WAITING), key=lambda x: x.seq):
             self._untrack(t)
@@ -441,7 +455,7 @@ class ClusterLeases:
         args: list[str] = []
         for t in held:
             assert t.lease is not None
-            args += [self._track(t), t.route, t.lease.node, self._order_key(t)]
+            args += [self._track(t), t.route, t.lease.node, self._order_key(t), repr(t.cost)]
         lids = await self._call("REGISTER", *args) if args else []
         for t, lid in zip(held, lids, strict=True):
             assert t.lease is not None
@@ -507,8 +521,9 @@ class ClusterLeases:
         return ""
 
     def _view(self, route: str) -> dict[str, Any]:
-        """This gateway's view of the route's nodes: [name, free-able slots (0: unusable), node cap];
-        and its order: the strategy and the priority aging step (ms), as queue.make_order has them."""
+        """This gateway's view of the route's nodes: [name, free-able slots (0: unusable), node cap,
+        capacity now (ramped), capacity] (-1: none); its order: the strategy and the priority aging
+        step (ms), as queue.make_order has them; and whether backfill applies, with max_bypass."""
         now = self.clock()
         rq = self.sched.routes[route]
 
@@ -516,11 +531,14 @@ class ClusterLeases:
             ns = self.sched.nodes[n]
             slots = ns.effective(rq.cfg.max_concurrency, now) if ns.available(now) else 0
             cap = -1 if ns.cfg.max_concurrency is None else ns.effective(ns.cfg.max_concurrency, now)
-            return [n, slots, cap]
+            if ns.cfg.capacity is None:
+                return [n, slots, cap, -1, -1]
+            return [n, slots, cap, ramped_capacity(ns, now), ns.cfg.capacity]
 
         return {"p": [entry(n) for n in rq.cfg.nodes if n in self.sched.nodes],
                 "s": [entry(n) for n in rq.cfg.standby if n in self.sched.nodes],
-                "o": rq.cfg.strategy, "a": max(1, int(rq.cfg.queue_timeout_sec * 250))}
+                "o": rq.cfg.strategy, "a": max(1, int(rq.cfg.queue_timeout_sec * 250)),
+                "c": self.sched.costed(rq), "b": rq.cfg.max_bypass}
 
     def _view_json(self, route: str) -> str:
         return orjson.dumps(self._view(route)).decode()

@@ -12,7 +12,8 @@ Keys, all under the prefix P (a single Redis primary; Redis Cluster sharding is 
   P gt:<inst>     set    the instance's waiting ticket ids
   P gl:<inst>     set    the instance's lease ids
   P t:<tid>       hash   route, key (its queue), ck (the client's key), gw, pin, avoid (",a,b,"),
-                         at (ms), state (w waiting | l leased | x dropped), lease, node
+                         at (ms), cost, by (times passed over while the head: backfill),
+                         state (w waiting | l leased | x dropped), lease, node
   P r:<route>     list   the queues with waiting tickets: fifo one (""), fifo_fair_lease one per
                          client key, the one served next first; priority one per level ("!": the
                          re-queued, before every level), the best head chosen at each dispatch
@@ -20,11 +21,13 @@ Keys, all under the prefix P (a single Redis primary; Redis Cluster sharding is 
   P w:<route>     zset   the route's waiting tickets by arrival (the oldest: drop_oldest's victim)
   P n:<route>     string waiting tickets of the route
   P nk:<route>    hash   client key -> waiting tickets
-  P v:<route>     string the route's view (JSON): {"p": [[node, slots, cap]], "s": [...],
-                         "o": strategy, "a": priority aging step (ms)}
+  P v:<route>     string the route's view (JSON): {"p": [[node, slots, cap, capacity now, capacity]],
+                         "s": [...], "o": strategy, "a": priority aging step (ms), "c": costs can
+                         hold tickets back (backfill), "b": max_bypass}; -1: no such limit
   P in:<route>    hash   node -> leases of the route
   P nin           hash   node -> leases on the node (every route)
-  P l:<lid>       hash   route, node, gw, tid
+  P ncost         hash   node -> the costs of its leases (every route)
+  P l:<lid>       hash   route, node, gw, tid, cost
   P routes        set    routes seen
   P seq           string lease id counter
   P b:<subj>|<r>  hash   a token bucket: tokens, ts
@@ -47,11 +50,19 @@ local function now_ms()
   return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 end
 
+local EPS = 1e-9
+local SCAN = 256  -- backfill looks this far down the order for a ticket that fits
+
 local function drop_lease(lid)
-  local l = redis.call('HMGET', P..'l:'..lid, 'route', 'node', 'gw', 'tid')
+  local l = redis.call('HMGET', P..'l:'..lid, 'route', 'node', 'gw', 'tid', 'cost')
   if not l[1] then return false end
   redis.call('HINCRBY', P..'in:'..l[1], l[2], -1)
-  redis.call('HINCRBY', P..'nin', l[2], -1)
+  local cost = tonumber(l[5] or '0') or 0
+  if redis.call('HINCRBY', P..'nin', l[2], -1) <= 0 then
+    redis.call('HDEL', P..'ncost', l[2])  -- 0 again: no float drift
+  elseif cost > 0 then
+    redis.call('HINCRBYFLOAT', P..'ncost', l[2], -cost)
+  end
   redis.call('DEL', P..'l:'..lid)
   redis.call('SREM', P..'gl:'..l[3], lid)
   if redis.call('HGET', P..'t:'..l[4], 'lease') == lid then
@@ -85,7 +96,7 @@ local function reap()
   return #dead
 end
 
-local function enqueue(route, key, ck, tid, gw, pin, avoid, front)
+local function enqueue(route, key, ck, tid, gw, pin, avoid, front, cost)
   local ring = P..'r:'..route
   local q = P..'q:'..route..':'..key
   local fresh = redis.call('LLEN', q) == 0
@@ -102,7 +113,7 @@ local function enqueue(route, key, ck, tid, gw, pin, avoid, front)
   redis.call('SADD', P..'gt:'..gw, tid)
   local at = now_ms()
   redis.call('HSET', P..'t:'..tid, 'route', route, 'key', key, 'ck', ck, 'gw', gw, 'pin', pin, 'avoid', avoid,
-             'at', at, 'state', 'w')
+             'at', at, 'cost', cost, 'state', 'w')
   redis.call('ZADD', P..'w:'..route, redis.call('INCR', P..'wseq'), tid)
 end
 
@@ -110,16 +121,32 @@ local function count(h, f)
   return tonumber(redis.call('HGET', h, f) or '0') or 0
 end
 
-local function can_take(route, e)
-  if e[2] <= 0 or count(P..'in:'..route, e[1]) >= e[2] then return false end
-  return e[3] < 0 or count(P..'nin', e[1]) < e[3]
+-- In-flight costs plus this one within the node's capacity (ramped during slow start), as
+-- queue.Scheduler.fits: a node that holds no cost still takes one that fits its full capacity.
+local function fits(e, cost)
+  local now_cap = tonumber(e[4]) or -1
+  if now_cap < 0 then return true end
+  local used = tonumber(redis.call('HGET', P..'ncost', e[1]) or '0') or 0
+  if used + cost <= now_cap + EPS then return true end
+  return used <= EPS and cost <= (tonumber(e[5]) or now_cap) + EPS
 end
 
-local function least_loaded(route, group, avoid, want_avoided)
+local function could_hold(e, cost)
+  local full = tonumber(e[5]) or -1
+  return full < 0 or cost <= full + EPS
+end
+
+local function can_take(route, e, cost)
+  if e[2] <= 0 or count(P..'in:'..route, e[1]) >= e[2] then return false end
+  if e[3] >= 0 and count(P..'nin', e[1]) >= e[3] then return false end
+  return fits(e, cost)
+end
+
+local function least_loaded(route, group, avoid, want_avoided, cost, blocked)
   local best, best_load = nil, 0
   for _, e in ipairs(group) do
     local avoided = string.find(avoid, ','..e[1]..',', 1, true) ~= nil
-    if avoided == want_avoided and can_take(route, e) then
+    if avoided == want_avoided and not blocked[e[1]] and can_take(route, e, cost) then
       local load = count(P..'nin', e[1])
       if best == nil or load < best_load then best, best_load = e[1], load end
     end
@@ -127,34 +154,40 @@ local function least_loaded(route, group, avoid, want_avoided)
   return best
 end
 
--- The node for a ticket, as queue.Scheduler.choose_node decides it.
-local function choose(route, view, pin, avoid)
+-- The node for a ticket, as queue.Scheduler.choose_node decides it; ``blocked`` nodes are held
+-- for a head that was passed over max_bypass times.
+local function choose(route, view, pin, avoid, cost, blocked)
+  blocked = blocked or {}
   if pin ~= '' then
+    if blocked[pin] then return nil end
     for _, g in ipairs({view.p, view.s}) do
       for _, e in ipairs(g) do
-        if e[1] == pin then return can_take(route, e) and pin or nil end
+        if e[1] == pin then return can_take(route, e, cost) and pin or nil end
       end
     end
     return nil
   end
   for _, g in ipairs({view.p, view.s}) do
-    local n = least_loaded(route, g, avoid, false)
+    local n = least_loaded(route, g, avoid, false, cost, blocked)
     if n then return n end
     for _, e in ipairs(g) do
-      if e[2] > 0 and string.find(avoid, ','..e[1]..',', 1, true) == nil then return nil end
+      if e[2] > 0 and string.find(avoid, ','..e[1]..',', 1, true) == nil and could_hold(e, cost) then
+        return nil
+      end
     end
   end
   local all = {}
   for _, e in ipairs(view.p) do all[#all + 1] = e end
   for _, e in ipairs(view.s) do all[#all + 1] = e end
-  return least_loaded(route, all, avoid, true)
+  return least_loaded(route, all, avoid, true, cost, blocked)
 end
 
-local function grant(route, tid, gw, node)
+local function grant(route, tid, gw, node, cost)
   local lid = tostring(redis.call('INCR', P..'seq'))
-  redis.call('HSET', P..'l:'..lid, 'route', route, 'node', node, 'gw', gw, 'tid', tid)
+  redis.call('HSET', P..'l:'..lid, 'route', route, 'node', node, 'gw', gw, 'tid', tid, 'cost', cost)
   redis.call('HINCRBY', P..'in:'..route, node, 1)
   redis.call('HINCRBY', P..'nin', node, 1)
+  if cost > 0 then redis.call('HINCRBYFLOAT', P..'ncost', node, cost) end
   redis.call('SADD', P..'gl:'..gw, lid)
   redis.call('SREM', P..'gt:'..gw, tid)
   redis.call('ZREM', P..'w:'..route, tid)
@@ -188,6 +221,82 @@ local function best_level(route, ring, view)
   return best
 end
 
+-- The waiting tickets after the head in strategy order (the first SCAN), as {tid, queue key}:
+-- fifo and fifo_fair_lease round-robin over the queues, priority by rank (best_level's).
+local function later(route, ring, view, prio)
+  local keys = redis.call('LRANGE', ring, 0, -1)
+  local lists = {}
+  for i, key in ipairs(keys) do lists[i] = redis.call('LRANGE', P..'q:'..route..':'..key, 0, SCAN - 1) end
+  local out = {}
+  if prio then
+    local now = now_ms()
+    for i, key in ipairs(keys) do
+      for _, tid in ipairs(lists[i]) do
+        local at = tonumber(redis.call('HGET', P..'t:'..tid, 'at') or now) or now
+        local eff = math.huge
+        if key ~= '!' then
+          eff = (tonumber(key) or 0) + math.floor(math.max(0, now - at) / math.max(1, view.a or 1))
+        end
+        out[#out + 1] = {tid, key, eff, at}
+      end
+    end
+    table.sort(out, function(x, y) if x[3] ~= y[3] then return x[3] > y[3] end return x[4] < y[4] end)
+    return out
+  end
+  for j = 1, SCAN do
+    local any = false
+    for i, key in ipairs(keys) do
+      local tid = lists[i][j]
+      if tid then
+        any = true
+        out[#out + 1] = {tid, key}
+        if #out >= SCAN then return out end
+      end
+    end
+    if not any then break end
+  end
+  return out
+end
+
+-- Backfill (queue.Scheduler._pick): the head fits nowhere now, so the first later ticket that
+-- fits goes first, on a node not held for a head passed over max_bypass times already.
+local function backfill(route, ring, view, prio, head, head_cost, bypassed)
+  local mb = tonumber(view.b) or 8
+  local blocked = {}
+  local open = false
+  for _, g in ipairs({view.p, view.s}) do
+    for _, e in ipairs(g) do
+      if bypassed >= mb and could_hold(e, head_cost) then blocked[e[1]] = true end
+    end
+  end
+  for _, g in ipairs({view.p, view.s}) do
+    for _, e in ipairs(g) do
+      if not blocked[e[1]] and can_take(route, e, 0) then open = true end
+    end
+  end
+  -- The scan is for cost only: when no open node has a free slot, nothing later fits either.
+  if not open then return false end
+  for _, c in ipairs(later(route, ring, view, prio)) do
+    local tid, key = c[1], c[2]
+    if tid ~= head then
+      local t = redis.call('HMGET', P..'t:'..tid, 'gw', 'pin', 'avoid', 'ck', 'cost')
+      local cost = tonumber(t[5] or '0') or 0
+      local node = choose(route, view, t[2] or '', t[3] or ',', cost, blocked)
+      if node then
+        local q = P..'q:'..route..':'..key
+        redis.call('LREM', q, 1, tid)
+        if redis.call('LLEN', q) == 0 then redis.call('LREM', ring, 1, key) end
+        redis.call('DECR', P..'n:'..route)
+        redis.call('HINCRBY', P..'nk:'..route, t[4] or '', -1)
+        redis.call('HSET', P..'t:'..head, 'by', math.min(bypassed + 1, mb))
+        grant(route, tid, t[1], node, cost)
+        return true
+      end
+    end
+  end
+  return false
+end
+
 -- Free slots to waiting tickets, head of each route's order first (Scheduler.dispatch).
 local function dispatch_route(route)
   local view = view_of(route)
@@ -203,15 +312,19 @@ local function dispatch_route(route)
     if not tid then
       redis.call('LREM', ring, 1, key)
     else
-      local t = redis.call('HMGET', P..'t:'..tid, 'gw', 'pin', 'avoid', 'ck')
-      local node = choose(route, view, t[2] or '', t[3] or ',')
-      if not node then return end
-      redis.call('LPOP', q)
-      if redis.call('LLEN', q) == 0 then redis.call('LREM', ring, 1, key)
-      elseif not prio then redis.call('LMOVE', ring, ring, 'LEFT', 'RIGHT') end
-      redis.call('DECR', P..'n:'..route)
-      redis.call('HINCRBY', P..'nk:'..route, t[4] or '', -1)
-      grant(route, tid, t[1], node)
+      local t = redis.call('HMGET', P..'t:'..tid, 'gw', 'pin', 'avoid', 'ck', 'cost', 'by')
+      local cost = tonumber(t[5] or '0') or 0
+      local node = choose(route, view, t[2] or '', t[3] or ',', cost, nil)
+      if node then
+        redis.call('LPOP', q)
+        if redis.call('LLEN', q) == 0 then redis.call('LREM', ring, 1, key)
+        elseif not prio then redis.call('LMOVE', ring, ring, 'LEFT', 'RIGHT') end
+        redis.call('DECR', P..'n:'..route)
+        redis.call('HINCRBY', P..'nk:'..route, t[4] or '', -1)
+        grant(route, tid, t[1], node, cost)
+      elseif not view.c or not backfill(route, ring, view, prio, tid, cost, tonumber(t[6] or '0') or 0) then
+        return
+      end
     end
   end
 end
@@ -236,9 +349,10 @@ end
 """
 
 #: ARGV: P, ME, route, key (its queue), tid, pin, view, max_queue_depth, max_queued_per_key (-1:
-#: none), client key, drop_oldest (1|0) -> {'ok'|'per_key'|'full', waiting, grants...}
+#: none), client key, drop_oldest (1|0), cost -> {'ok'|'per_key'|'full', waiting, grants...}
 ADMIT = COMMON + r"""
 local route, key, tid, pin, ck = ARGV[3], ARGV[4], ARGV[5], ARGV[6], ARGV[10]
+local cost = tonumber(ARGV[12]) or 0
 reap()
 redis.call('SET', P..'v:'..route, ARGV[7])
 redis.call('SADD', P..'routes', route)
@@ -248,11 +362,11 @@ if per_key >= 0 and count(P..'nk:'..route, ck) >= per_key then
   return {'per_key', count(P..'nk:'..route, ck)}
 end
 if waiting == 0 then
-  local node = choose(route, cjson.decode(ARGV[7]), pin, ',')
+  local node = choose(route, cjson.decode(ARGV[7]), pin, ',', cost, nil)
   if node then
     redis.call('HSET', P..'t:'..tid, 'route', route, 'key', key, 'ck', ck, 'gw', ME, 'pin', pin, 'avoid', ',',
-               'state', 'w')
-    grant(route, tid, ME, node)
+               'cost', cost, 'state', 'w')
+    grant(route, tid, ME, node, cost)
     local out = {'ok', 0}
     for _, g in ipairs(grants) do out[#out + 1] = g end
     return out
@@ -262,7 +376,7 @@ if waiting >= tonumber(ARGV[8]) then
   if ARGV[11] ~= '1' or not drop_oldest(route) then return {'full', waiting} end
   waiting = waiting - 1
 end
-enqueue(route, key, ck, tid, ME, pin, ',', false)
+enqueue(route, key, ck, tid, ME, pin, ',', false, cost)
 dispatch_all()
 local out = {'ok', waiting + 1}
 for _, g in ipairs(grants) do out[#out + 1] = g end
@@ -277,12 +391,12 @@ dispatch_all()
 return grants
 """
 
-#: ARGV: P, ME, lid, tid, route, key (its queue), pin, avoid, client key -> {grants...}
+#: ARGV: P, ME, lid, tid, route, key (its queue), pin, avoid, client key, cost -> {grants...}
 REQUEUE = COMMON + r"""
 reap()
 drop_lease(ARGV[3])
 redis.call('DEL', P..'t:'..ARGV[4])
-enqueue(ARGV[5], ARGV[6], ARGV[9], ARGV[4], ME, ARGV[7], ARGV[8], true)
+enqueue(ARGV[5], ARGV[6], ARGV[9], ARGV[4], ME, ARGV[7], ARGV[8], true, tonumber(ARGV[10]) or 0)
 dispatch_all()
 return grants
 """
@@ -341,19 +455,21 @@ end
 return {grants, lost, peers}
 """
 
-#: ARGV: P, ME, then (tid, route, node, key) per lease held -> {lid...} in the same order
+#: ARGV: P, ME, then (tid, route, node, key, cost) per lease held -> {lid...} in the same order
 #: (after Redis came back: the leases a gateway holds count again, cluster-wide)
 REGISTER = COMMON + r"""
 local out = {}
-for i = 3, #ARGV, 4 do
+for i = 3, #ARGV, 5 do
   local tid, route, node, key = ARGV[i], ARGV[i + 1], ARGV[i + 2], ARGV[i + 3]
+  local cost = tonumber(ARGV[i + 4]) or 0
   redis.call('HSET', P..'t:'..tid, 'route', route, 'key', key, 'gw', ME, 'pin', '', 'avoid', ',',
              'state', 'w')
   redis.call('SADD', P..'routes', route)
   local lid = tostring(redis.call('INCR', P..'seq'))
-  redis.call('HSET', P..'l:'..lid, 'route', route, 'node', node, 'gw', ME, 'tid', tid)
+  redis.call('HSET', P..'l:'..lid, 'route', route, 'node', node, 'gw', ME, 'tid', tid, 'cost', cost)
   redis.call('HINCRBY', P..'in:'..route, node, 1)
   redis.call('HINCRBY', P..'nin', node, 1)
+  if cost > 0 then redis.call('HINCRBYFLOAT', P..'ncost', node, cost) end
   redis.call('SADD', P..'gl:'..ME, lid)
   redis.call('HSET', P..'t:'..tid, 'state', 'l', 'lease', lid, 'node', node)
   out[#out + 1] = lid
