@@ -174,8 +174,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     bl.install_sigterm_exit()
     nofile = bl.raise_nofile()
-    if nofile < 2 * n + 500:
-        # Each client holds one socket here and one in its gateway (one process each: fine).
+    if nofile < n + 500:
+        # Each client holds one socket here and one in its gateway (one process each: fine);
+        # the gateways' max_connections is raised to n + 1000 so that /admin/state still gets in.
         print(f"warning: RLIMIT_NOFILE is {nofile}; {n} clients need about {n + 500}", file=sys.stderr)
     machine = bl.print_machine()
     print(f"# {n} clients, {slots} slots, node step {args.step_ms:g} ms, RLIMIT_NOFILE {nofile}")
@@ -189,8 +190,9 @@ def main(argv: list[str] | None = None) -> int:
         for phase in phases:
             if phase == "single":
                 port = bl.free_port()
-                gw, _ = bl.start_gateway(procs, bl.gateway_config(port, {"gpu": node_url},
-                                                                  route(n, slots, args.timeout)), "single")
+                cfg = bl.gateway_config(port, {"gpu": node_url}, route(n, slots, args.timeout),
+                                        max_connections=n + 1000)
+                gw, _ = bl.start_gateway(procs, cfg, "single")
                 gws, ports, redis_proc = [gw], [port], None
 
                 async def waiting_count(ctl: Any, port: int = port) -> int:
@@ -211,7 +213,8 @@ def main(argv: list[str] | None = None) -> int:
                 redis_url = f"redis://127.0.0.1:{redis_port}/0"
                 ports, gws = [bl.free_port(), bl.free_port()], []
                 for gid, port in zip("ab", ports, strict=True):
-                    cfg = bl.gateway_config(port, {"gpu": node_url}, route(n, slots, args.timeout))
+                    cfg = bl.gateway_config(port, {"gpu": node_url}, route(n, slots, args.timeout),
+                                            max_connections=n + 1000)
                     cfg["cluster"] = {"redis_url": redis_url, "gateway_id": gid, "lease_ttl_sec": 10,
                                       "key_prefix": PREFIX}
                     gws.append(bl.start_gateway(procs, cfg, f"cluster-{gid}")[0])
