@@ -120,3 +120,34 @@ async def test_max_queued_per_key_counts_keys_under_fifo(redis_server: RedisServ
         assert second[:2] == (429, "queue_full")  # alice's second, on the other gateway
         assert [(await t)[0] for t in (alice, bob, blocker)] == [200, 200, 200]
     await r.aclose()
+
+
+async def test_positions_and_depths_are_cluster_wide(redis_server: RedisServer, gateways: list[GatewayProc],
+                                                     gpu: FakeGPU, tmp_path: Path) -> None:
+    """Alice queues 3 on A, Bob 1 on B (fifo_fair_lease): Bob's async job is 2nd in the cluster's
+    order, and both gateways show the cluster's 4 waiting, by key."""
+    gateways += make_gateways(2, tmp_path, redis_server.url, gpu.url, max_concurrency=1)
+    await start_all(gateways)
+    a, b = gateways
+    r = redis_server.client()
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as s:
+        blocker = asyncio.create_task(post(s, a, "carol", steps=1, step_ms=2500))
+        await until(lambda: _leased(r), "the blocker never took the slot")
+        alice = [asyncio.create_task(post(s, a, "alice", steps=1, step_ms=300)) for _ in range(3)]
+        await until(lambda: waiting(r, 3), "alice never queued")
+        async with s.post(b.url + "/gen/generate", json={}, headers={**auth("bob"), "Prefer": "respond-async"}) as resp:
+            assert resp.status == 202
+            job = await resp.json()
+        assert job["position"] == 2  # alice's 1st, then bob's: round-robin over the keys
+        for gw in (a, b):
+            await until(lambda gw=gw: _route_is(gw, 4, {"alice": 3, "bob": 1}), "a gateway's view is not the cluster's")
+        async with s.get(b.url + f"/v1/jobs/{job['job_id']}", headers=auth("bob")) as resp:
+            assert (await resp.json())["position"] == 2
+        assert (await blocker)[0] == 200
+        await asyncio.gather(*alice)
+    await r.aclose()
+
+
+async def _route_is(gw: GatewayProc, depth: int, by_key: dict[str, int]) -> bool:
+    rt = (await gw.state())["routes"]["gen"]
+    return rt["queue_depth"] == depth and rt["waiting_by_key"] == by_key

@@ -40,6 +40,7 @@ log = logging.getLogger("kilolined")
 WAITED_SEC = 1.0  # a ticket waiting this long has its grant re-read by the heartbeat (lost wake-up)
 EXPIRE_SEC = 0.1  # how often queue timeouts are checked
 CALL_TIMEOUT_SEC = 2.0  # a Redis that does not answer within this is down
+POSITIONS_SEC = 1.0  # how often the cluster-wide positions and queue depths are re-read
 POOL_SIZE = 32  # connections to Redis per gateway
 
 
@@ -85,11 +86,17 @@ class ClusterLeases:
         self._was_leader = False
         self._seen: dict[str, float] = {}  # other gateway id -> when it was last seen alive (our clock)
         self._restored_pending = False
+        # The cluster's queues as the views see them (queue.WaitingElsewhere), re-read every
+        # POSITIONS_SEC: waiting per route, per client key, and our tickets' positions by tid.
+        self._depth: dict[str, int] = {}
+        self._by_key: dict[str, dict[str, int]] = {}
+        self._pos: dict[str, int] = {}
+        sched.elsewhere = self
 
     # --- lifecycle ------------------------------------------------------------------------
     async def start(self) -> None:
         assert self._redis is not None
-        for name in ("ADMIT", "RELEASE", "REQUEUE", "CANCEL", "BEAT", "REGISTER"):
+        for name in ("ADMIT", "RELEASE", "REQUEUE", "CANCEL", "BEAT", "REGISTER", "POSITIONS"):
             self._scripts[name] = self._redis.register_script(getattr(scripts, name))
         try:
             await self._beat()
@@ -100,6 +107,7 @@ class ClusterLeases:
         self._spawn(self._beat_loop())
         self._spawn(self._expire_loop())
         self._spawn(self._listen())
+        self._spawn(self._positions_loop())
 
     async def stop(self) -> None:
         for t in list(self._tasks):
@@ -169,13 +177,17 @@ class ClusterLeases:
         if verdict != "ok":
             self._untrack(t)
             waiting = int(res[1])
-            ra = self.sched.retry_after(rq, self.clock())
+            est = self.sched.est_wait(rq, waiting + 1, self.clock())  # the cluster's queue, not ours
+            ra = max(1.0, math.ceil(est)) if est is not None else 1.0
             if verdict == "per_key":
                 raise Rejected(429, "queue_full", f"key already has {waiting} requests waiting on route {t.route}", ra)
             status = 503 if rq.cfg.drop_policy != "reject_with_429" else 429  # drop_oldest: nothing to drop
             raise Rejected(status, "queue_full", f"queue of route {t.route} is full ({waiting} waiting)", ra)
         heapq.heappush(self._deadlines, (t.deadline, t.seq, t))
-        self._grants(res[2:])
+        self._depth[t.route] = int(res[1])
+        if int(res[2]):
+            self._pos[tid] = int(res[2])
+        self._grants(res[3:])
         return t
 
     async def _undo_admit(self, call: asyncio.Future[Any], tid: str) -> None:
@@ -186,7 +198,7 @@ class ClusterLeases:
         except (RedisError, OSError):
             return
         if _s(res[0]) == "ok":
-            self._grants(res[2:])
+            self._grants(res[3:])
             if self.view.redis_up:
                 await self._remote("CANCEL", tid)
 
@@ -328,6 +340,42 @@ class ClusterLeases:
                 log.exception("cluster: grant listener")
                 await asyncio.sleep(1.0)
 
+    # --- the cluster's queues, for the views (queue.WaitingElsewhere) ------------------------
+    def position(self, t: Ticket) -> int | None:
+        tid = self._tid.get(t)
+        return self._pos.get(tid) if tid is not None and self.view.redis_up else None
+
+    def positions(self, route: str) -> dict[int, int]:
+        out = {}
+        for t, tid in self._tid.items():
+            if t.route == route and (p := self._pos.get(tid)) is not None:
+                out[t.seq] = p
+        return out
+
+    def depth(self, route: str) -> int:
+        return self._depth.get(route, 0) if self.view.redis_up else 0
+
+    def by_key(self, route: str) -> dict[str, int]:
+        return self._by_key.get(route, {}) if self.view.redis_up else {}
+
+    async def _positions_loop(self) -> None:
+        while True:
+            await asyncio.sleep(POSITIONS_SEC)
+            if not self.view.redis_up:
+                continue
+            routes = [r for r, rq in self.sched.routes.items() if not rq.retired]
+            try:
+                res = await self._call("POSITIONS", *routes)
+            except (RedisError, OSError):
+                continue  # the heartbeat notices a lost Redis
+            pos: dict[str, int] = {}
+            for route, (waiting, by_key, ranks) in zip(routes, res, strict=True):
+                self._depth[route] = int(waiting)
+                self._by_key[route] = {_s(by_key[i]): int(by_key[i + 1]) for i in range(0, len(by_key), 2)}
+                for i in range(0, len(ranks), 2):
+                    pos[_s(ranks[i])] = int(ranks[i + 1])
+            self._pos = pos
+
     # --- heartbeat, sweep and the loss of Redis ---------------------------------------------
     async def _beat_loop(self) -> None:
         while True:
@@ -408,6 +456,7 @@ class ClusterLeases:
 
     def _degrade(self, alert: bool) -> None:
         self.view.redis_up = False
+        self._depth, self._by_key, self._pos = {}, {}, {}
         now = self.clock()
         others = self.alive_peers()
         me = self.view.gateway_id

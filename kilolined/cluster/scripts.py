@@ -221,20 +221,23 @@ local function best_level(route, ring, view)
   return best
 end
 
--- The waiting tickets after the head in strategy order (the first SCAN), as {tid, queue key}:
--- fifo and fifo_fair_lease round-robin over the queues, priority by rank (best_level's).
-local function later(route, ring, view, prio)
+-- The route's waiting tickets in strategy order (the first ``limit`` of each queue; nil: all),
+-- as {tid, queue key}: fifo and fifo_fair_lease round-robin over the queues in ring order,
+-- priority by rank (best_level's): the re-queued first, then level + aging, the oldest first.
+local function order(route, ring, view, prio, limit)
   local keys = redis.call('LRANGE', ring, 0, -1)
   local lists = {}
-  for i, key in ipairs(keys) do lists[i] = redis.call('LRANGE', P..'q:'..route..':'..key, 0, SCAN - 1) end
+  for i, key in ipairs(keys) do
+    lists[i] = redis.call('LRANGE', P..'q:'..route..':'..key, 0, limit and limit - 1 or -1)
+  end
   local out = {}
   if prio then
     local now = now_ms()
     for i, key in ipairs(keys) do
-      for _, tid in ipairs(lists[i]) do
-        local at = tonumber(redis.call('HGET', P..'t:'..tid, 'at') or now) or now
-        local eff = math.huge
+      for j, tid in ipairs(lists[i]) do
+        local eff, at = math.huge, j - 1e15  -- the re-queued: in their queue's order, before all
         if key ~= '!' then
+          at = tonumber(redis.call('HGET', P..'t:'..tid, 'at') or now) or now
           eff = (tonumber(key) or 0) + math.floor(math.max(0, now - at) / math.max(1, view.a or 1))
         end
         out[#out + 1] = {tid, key, eff, at}
@@ -243,19 +246,50 @@ local function later(route, ring, view, prio)
     table.sort(out, function(x, y) if x[3] ~= y[3] then return x[3] > y[3] end return x[4] < y[4] end)
     return out
   end
-  for j = 1, SCAN do
-    local any = false
-    for i, key in ipairs(keys) do
+  local active = {}
+  for i = 1, #keys do active[i] = i end
+  local j = 1
+  while #active > 0 do
+    local still = {}
+    for _, i in ipairs(active) do
       local tid = lists[i][j]
       if tid then
-        any = true
-        out[#out + 1] = {tid, key}
-        if #out >= SCAN then return out end
+        out[#out + 1] = {tid, keys[i]}
+        if lists[i][j + 1] then still[#still + 1] = i end
       end
     end
-    if not any then break end
+    active = still
+    j = j + 1
   end
   return out
+end
+
+-- The rank of a ticket just queued at the back of queue ``key`` (1 = next), without a scan:
+-- round-robin over the ring; priority by level alone (the aging of the others is left to the
+-- next POSITIONS).
+local function rank_of_new(route, key, view)
+  local ring = P..'r:'..route
+  local keys = redis.call('LRANGE', ring, 0, -1)
+  local j = redis.call('LLEN', P..'q:'..route..':'..key)
+  local rank = 0
+  if view.o == 'priority' then
+    local mine = tonumber(key) or 0
+    for _, k in ipairs(keys) do
+      if k == '!' or k == key or (tonumber(k) or 0) > mine then
+        rank = rank + redis.call('LLEN', P..'q:'..route..':'..k)
+      end
+    end
+    return rank
+  end
+  local before = true
+  for _, k in ipairs(keys) do
+    local len = j
+    if k ~= key then len = redis.call('LLEN', P..'q:'..route..':'..k) end
+    rank = rank + math.min(len, j - 1)
+    if before and len >= j then rank = rank + 1 end
+    if k == key then before = false end
+  end
+  return rank
 end
 
 -- Backfill (queue.Scheduler._pick): the head fits nowhere now, so the first later ticket that
@@ -276,7 +310,10 @@ local function backfill(route, ring, view, prio, head, head_cost, bypassed)
   end
   -- The scan is for cost only: when no open node has a free slot, nothing later fits either.
   if not open then return false end
-  for _, c in ipairs(later(route, ring, view, prio)) do
+  local n = 0
+  for _, c in ipairs(order(route, ring, view, prio, SCAN)) do
+    n = n + 1
+    if n > SCAN then return false end
     local tid, key = c[1], c[2]
     if tid ~= head then
       local t = redis.call('HMGET', P..'t:'..tid, 'gw', 'pin', 'avoid', 'ck', 'cost')
@@ -349,7 +386,8 @@ end
 """
 
 #: ARGV: P, ME, route, key (its queue), tid, pin, view, max_queue_depth, max_queued_per_key (-1:
-#: none), client key, drop_oldest (1|0), cost -> {'ok'|'per_key'|'full', waiting, grants...}
+#: none), client key, drop_oldest (1|0), cost
+#: -> {'ok'|'per_key'|'full', waiting, position (0: leased at once), grants...}
 ADMIT = COMMON + r"""
 local route, key, tid, pin, ck = ARGV[3], ARGV[4], ARGV[5], ARGV[6], ARGV[10]
 local cost = tonumber(ARGV[12]) or 0
@@ -367,7 +405,7 @@ if waiting == 0 then
     redis.call('HSET', P..'t:'..tid, 'route', route, 'key', key, 'ck', ck, 'gw', ME, 'pin', pin, 'avoid', ',',
                'cost', cost, 'state', 'w')
     grant(route, tid, ME, node, cost)
-    local out = {'ok', 0}
+    local out = {'ok', 0, 0}
     for _, g in ipairs(grants) do out[#out + 1] = g end
     return out
   end
@@ -378,7 +416,9 @@ if waiting >= tonumber(ARGV[8]) then
 end
 enqueue(route, key, ck, tid, ME, pin, ',', false, cost)
 dispatch_all()
-local out = {'ok', waiting + 1}
+local pos = 0
+if redis.call('HGET', P..'t:'..tid, 'state') == 'w' then pos = rank_of_new(route, key, view_of(route)) end
+local out = {'ok', tonumber(redis.call('GET', P..'n:'..route) or '0'), pos}
 for _, g in ipairs(grants) do out[#out + 1] = g end
 return out
 """
@@ -565,6 +605,36 @@ for i = 3, #ARGV, 6 do
   out[#out + 1] = u[1] or '0'
   out[#out + 1] = u[2] or '0'
   out[#out + 1] = u[3] or '0'
+end
+return out
+"""
+
+#: ARGV: P, ME, route... -> per route {waiting, {client key, waiting, ...}, {tid, position, ...}}
+#: (positions of this gateway's waiting tickets in the cluster's order, for its views)
+POSITIONS = COMMON + r"""
+local mine = ME..':'
+local out = {}
+for i = 3, #ARGV do
+  local route = ARGV[i]
+  local view = view_of(route)
+  local ranks = {}
+  if view then
+    for rank, c in ipairs(order(route, P..'r:'..route, view, view.o == 'priority', nil)) do
+      if string.sub(c[1], 1, #mine) == mine then
+        ranks[#ranks + 1] = c[1]
+        ranks[#ranks + 1] = rank
+      end
+    end
+  end
+  local by_key = {}
+  local nk = redis.call('HGETALL', P..'nk:'..route)
+  for j = 1, #nk, 2 do
+    if tonumber(nk[j + 1]) > 0 then
+      by_key[#by_key + 1] = nk[j]
+      by_key[#by_key + 1] = nk[j + 1]
+    end
+  end
+  out[#out + 1] = {tonumber(redis.call('GET', P..'n:'..route) or '0'), by_key, ranks}
 end
 return out
 """
