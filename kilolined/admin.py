@@ -15,6 +15,7 @@ from aiohttp import web
 
 from kilolined.auth import presented_key
 from kilolined.context import RT
+from kilolined.edge import guard
 from kilolined.errors import error_response
 from kilolined.history import History
 from kilolined.reload import reload_from_file
@@ -95,6 +96,8 @@ async def drain(request: web.Request) -> web.Response:
     if ns is None or ns.retired:
         return error_response(404, "not_found", f"no node {name!r}")
     ns.drained = request.match_info["op"] == "drain"
+    if rt.node_sync is not None:
+        rt.node_sync.changed(ns)  # cluster mode: drained on every gateway
     rt.feed.publish("drain" if ns.drained else "undrain", node=name,
                     text=f"{'⏸' if ns.drained else '▶'} {name} {'drained' if ns.drained else 'undrained'}")
     rt.wake()
@@ -184,18 +187,19 @@ async def _history_sampler(app: web.Application) -> AsyncIterator[None]:
 
 
 def add_routes(app: web.Application) -> None:
+    # each handler behind the edge: raw-path check, JSON errors (kilolined/edge.py)
     app[HISTORY] = History(HISTORY_SERIES, span_sec=HISTORY_SPAN_SEC, step_sec=HISTORY_STEP_SEC,
                            clock=app[RT].clock)
     app.cleanup_ctx.append(_history_sampler)
     r = app.router
-    r.add_get("/healthz", healthz)
-    r.add_get("/readyz", readyz)
-    r.add_get("/metrics", metrics)
-    r.add_get("/admin/state", state)
-    r.add_get("/admin/events", events)
-    r.add_get("/admin/history", history)
-    r.add_post("/admin/session", new_session)
-    r.add_post("/admin/reload", reload)
-    r.add_post(r"/admin/nodes/{name}/{op:drain|undrain}", drain)
-    r.add_get("/dashboard", dashboard)
-    r.add_get("/dashboard/", dashboard)
+    r.add_get("/healthz", guard(healthz))
+    r.add_get("/readyz", guard(readyz))
+    r.add_get("/metrics", guard(metrics))
+    r.add_get("/admin/state", guard(state))
+    r.add_get("/admin/events", guard(events))
+    r.add_get("/admin/history", guard(history))
+    r.add_post("/admin/session", guard(new_session))
+    r.add_post("/admin/reload", guard(reload))
+    r.add_post(r"/admin/nodes/{name}/{op:drain|undrain}", guard(drain))
+    r.add_get("/dashboard", guard(dashboard))
+    r.add_get("/dashboard/", guard(dashboard))

@@ -1,6 +1,6 @@
 """The aiohttp application and the request pipeline, written once as a list of stages.
 
-    open → route → auth → mode → unqueued → [match] → limits → body → cost → admit ─▶ runner (lease scope)
+    open → route → auth → mode → unqueued → [match] → limits → body → model → cost → admit ─▶ runner (lease scope)
 
 ``[match]``: on a path that several routes share, the body is read before the limits, to pick
 the route whose ``match`` holds (its limits, queue and errors are then the request's).
@@ -13,7 +13,6 @@ same list with another way to resolve the route (``targets.resolve_target``).
 from __future__ import annotations
 
 import fnmatch
-import inspect
 import logging
 import time
 from collections.abc import Awaitable, Callable, Sequence
@@ -27,15 +26,16 @@ from kilolined.adapters.openai import wants_stream
 from kilolined.adapters.registry import adapter_for
 from kilolined.auth import presented_key
 from kilolined.call import Call
-from kilolined.config import RouteConfig
+from kilolined.config import RateConfig, RouteConfig
 from kilolined.context import GW, RT, Gateway
 from kilolined.costs import UnitError, request_cost, request_units
-from kilolined.limits import seconds_to_midnight
+from kilolined.limits import Verdict, seconds_to_midnight
 from kilolined.models_list import is_models_list, models_union
 from kilolined.proxy import Exchange, client_ip, request_id
 from kilolined.queue import Rejected
 from kilolined.routing import body_model, describe, head_holds, holds
 from kilolined.runner import run
+from kilolined.runtime import Runtime
 from kilolined.sinks import StreamSink, SyncSink
 from kilolined.unqueued import forward_unqueued
 
@@ -45,7 +45,8 @@ access_log = logging.getLogger("kilolined.access")
 MODES = ("sync", "sse", "async")
 # A stage fills the Call in and returns None (go on), or returns the response (stop). Stages that
 # never wait are plain functions: a coroutine per stage would cost ~1 µs each on every request;
-# a plain stage may also hand back an awaitable for the rare request that needs one.
+# a plain stage may also hand back an awaitable for the rare request that needs one (to the
+# pipeline, a coroutine stage is just a stage that always does).
 Stage = Callable[[Gateway, Call], "Awaitable[web.StreamResponse | None] | web.StreamResponse | None"]
 
 
@@ -201,12 +202,14 @@ def choose_route(gw: Gateway, call: Call) -> Awaitable[web.StreamResponse | None
 
 
 async def _choose_route(gw: Gateway, call: Call) -> web.StreamResponse | None:
-    refused = await read_exchange(gw, call)
+    refused = read_exchange(gw, call)
+    if refused is not None and not isinstance(refused, web.StreamResponse):
+        refused = await refused
     if refused is not None:
         return refused
     rt, ex = gw.rt, call.exchange
     assert ex is not None
-    model = body_model(ex.body)
+    model = call.model = body_model(ex.body)
     headers = call.request.headers
     chosen = None
     for name in call.route_choices:
@@ -231,54 +234,118 @@ async def _choose_route(gw: Gateway, call: Call) -> web.StreamResponse | None:
     return None
 
 
-async def check_limits(gw: Gateway, call: Call) -> web.StreamResponse | None:
-    """Token bucket per (subject, route), then the key's daily request budget, taken at once."""
+def check_limits(gw: Gateway, call: Call) -> Awaitable[web.StreamResponse | None] | web.StreamResponse | None:
+    """Token bucket per (subject, route), then the key's daily request budget, taken at once.
+    Plain: in cluster mode Redis decides, and only then is there anything to wait for."""
     rt = gw.rt
-    principal = call.principal
-    rq = rt.scheduler.routes[call.route_name]
-    route_rate = None if call.route_name.startswith("adhoc:") else rq.cfg.rate
-    rate = (principal.cfg.rate if principal and principal.cfg.rate else None) or route_rate
+    if rt.shared_limits is not None:
+        return _check_shared_limits(gw, call)
+    rate = _rate_of(rt, call)
     if rate is not None:
-        shared = rt.shared_limits  # cluster mode: one bucket for every gateway
-        v = (await shared.check(call.subject, call.route, rate, rt.clock()) if shared is not None
-             else rt.limiter.check(call.subject, call.route, rate, rt.clock()))
-        call.headers.update({"RateLimit-Limit": str(v.limit), "RateLimit-Remaining": str(v.remaining),
-                             "RateLimit-Reset": str(v.reset_sec)})
-        if not v.ok:
-            rt.metrics.rejections.labels(call.route, "rate_limited").inc()
-            return call.error(429, "rate_limited", f"rate limit of {rate.per_minute:g}/min exceeded",
-                              v.retry_after)
+        refused = _rate_verdict(rt, call, rate, rt.limiter.check(call.subject, call.route, rate, rt.clock()))
+        if refused is not None:
+            return refused
+    principal = call.principal
     if principal is not None:
         wall = time.time()
-        budget = principal.cfg.budget
-        spent = (await shared.take_request(principal.key_id, budget, wall) if (shared := rt.shared_limits)
-                 else rt.budgets.take_request(principal.key_id, budget, wall))
-        if spent:
-            rt.metrics.rejections.labels(call.route, "budget_exhausted").inc()
-            return call.error(429, "budget_exhausted", f"daily budget {spent} exhausted", seconds_to_midnight(wall))
-        call.budget_taken = True
+        return _budget_verdict(rt, call, wall, rt.budgets.take_request(principal.key_id, principal.cfg.budget, wall))
     return None
 
 
-async def read_exchange(gw: Gateway, call: Call) -> web.StreamResponse | None:
-    """The request body (kept for a re-queue) and the adapter's look at it; or the refusal."""
+async def _check_shared_limits(gw: Gateway, call: Call) -> web.StreamResponse | None:
+    """check_limits in cluster mode: one bucket and one budget for every gateway."""
+    rt = gw.rt
+    shared = rt.shared_limits
+    assert shared is not None
+    rate = _rate_of(rt, call)
+    if rate is not None:
+        refused = _rate_verdict(rt, call, rate, await shared.check(call.subject, call.route, rate, rt.clock()))
+        if refused is not None:
+            return refused
+    principal = call.principal
+    if principal is not None:
+        wall = time.time()
+        return _budget_verdict(rt, call, wall, await shared.take_request(principal.key_id, principal.cfg.budget, wall))
+    return None
+
+
+def _rate_of(rt: Runtime, call: Call) -> RateConfig | None:
+    principal = call.principal
+    route_rate = None if call.route_name.startswith("adhoc:") else rt.scheduler.routes[call.route_name].cfg.rate
+    return (principal.cfg.rate if principal and principal.cfg.rate else None) or route_rate
+
+
+def _rate_verdict(rt: Runtime, call: Call, rate: RateConfig, v: Verdict) -> web.StreamResponse | None:
+    call.headers.update({"RateLimit-Limit": str(v.limit), "RateLimit-Remaining": str(v.remaining),
+                         "RateLimit-Reset": str(v.reset_sec)})
+    if v.ok:
+        return None
+    rt.metrics.rejections.labels(call.route, "rate_limited").inc()
+    return call.error(429, "rate_limited", f"rate limit of {rate.per_minute:g}/min exceeded", v.retry_after)
+
+
+def _budget_verdict(rt: Runtime, call: Call, wall: float, spent: str | None) -> web.StreamResponse | None:
+    if spent:
+        rt.metrics.rejections.labels(call.route, "budget_exhausted").inc()
+        return call.error(429, "budget_exhausted", f"daily budget {spent} exhausted", seconds_to_midnight(wall))
+    call.budget_taken = True
+    return None
+
+
+def read_exchange(gw: Gateway, call: Call) -> Awaitable[web.StreamResponse | None] | web.StreamResponse | None:
+    """The request body (kept for a re-queue) and the adapter's look at it; or the refusal.
+    Plain when the whole body is here already (small requests arrive with their head)."""
     if call.exchange is not None:
         return None  # already read to choose among routes sharing the path
-    rt = gw.rt
     request = call.request
+    limit = int(gw.rt.cfg.server.max_body_mb * 1024 * 1024)
+    content = request.content
+    if request.content_length is not None and request.content_length > limit:
+        return _too_large(call, limit)
+    if not content.is_eof():
+        return _read_exchange(gw, call, limit)
+    body = content.read_nowait(-1)
+    if len(body) > limit:
+        return _too_large(call, limit)
+    return _exchange(call, body)
+
+
+async def _read_exchange(gw: Gateway, call: Call, limit: int) -> web.StreamResponse | None:
     try:
-        body = await read_body(request, int(rt.cfg.server.max_body_mb * 1024 * 1024))
+        body = await read_body(call.request, limit)
     except Rejected as r:
         resp = call.rejected(r)
-        # Close instead of draining the rest of a body we refused (it may be gigabytes).
-        resp.force_close()
+        resp.force_close()  # do not drain the rest of a body we refused (it may be gigabytes)
         return resp
+    return _exchange(call, body)
+
+
+def _too_large(call: Call, limit: int) -> web.StreamResponse:
+    resp = call.rejected(Rejected(413, "payload_too_large", f"body over {limit // (1024 * 1024)} MB"))
+    resp.force_close()  # do not drain the rest of a body we refused (it may be gigabytes)
+    return resp
+
+
+def _exchange(call: Call, body: bytes) -> web.StreamResponse | None:
+    request = call.request
     ex = Exchange(request, request.method, call.tail, body, call.request_id, call.client_ip)
     try:
         call.adapter.prepare(ex)
     except Rejected as r:
         return call.rejected(r)
     call.exchange = ex
+    return None
+
+
+def name_model(gw: Gateway, call: Call) -> web.StreamResponse | None:
+    """The model an OpenAI request asks for, when its route has multi-model nodes
+    (docs/CONFIG.md#multi-model-nodes): the scheduler sends it only where it is served."""
+    if call.kind != "openai" or call.model is not None or call.exchange is None:
+        return None
+    sched = gw.rt.scheduler
+    rq = sched.routes[call.route_name]
+    if any(n in sched.nodes and sched.nodes[n].cfg.models is not None for n in rq.all_nodes):
+        call.model = body_model(call.exchange.body)
     return None
 
 
@@ -308,7 +375,7 @@ async def admit(gw: Gateway, call: Call) -> web.StreamResponse | None:
     priority = principal.cfg.priority if principal else 0
     try:
         ticket = rt.admit(call.route_name, call.subject, priority, pinned_node=call.pinned_node,
-                          cost=call.cost or 0.0)
+                          cost=call.cost or 0.0, model=call.model)
         if rt.settle is not None:  # cluster mode: Redis decides (kilolined/cluster/leases.py)
             ticket = await rt.settle(ticket)
     except Rejected as r:
@@ -323,27 +390,42 @@ async def admit(gw: Gateway, call: Call) -> web.StreamResponse | None:
 
 
 PIPELINE: Sequence[Stage] = (check_open, resolve_path, authenticate, choose_mode, pass_unqueued, choose_route,
-                             check_limits, read_exchange, price, admit)
+                             check_limits, read_exchange, name_model, price, admit)
 PROXY_PIPELINE: Sequence[Stage] = (check_open, targets.resolve_target, authenticate, choose_mode, check_limits,
                                    read_exchange, price, admit)
 
 
 def handler(stages: Sequence[Stage], route: str = "-") -> Callable[[web.Request], Awaitable[web.StreamResponse]]:
-    plan = tuple((stage, inspect.iscoroutinefunction(stage)) for stage in stages)
+    plan = tuple(stages)
 
     async def handle(request: web.Request) -> web.StreamResponse:
+        # The edge (kilolined/edge.py) inline rather than as edge.guard: one coroutine less per request.
+        refused = edge.refuse(request)
+        if refused is not None:
+            return refused
         gw = request.app[GW]
         call = Call(request, request_id(request), time.monotonic(), route=route)
         try:
-            for stage, waits in plan:
-                resp = await stage(gw, call) if waits else stage(gw, call)  # type: ignore[misc]
-                if resp is not None and not isinstance(resp, web.StreamResponse):
-                    resp = await resp  # a plain stage that handed back work to wait for
-                if resp is not None:
-                    # A stream that failed after its 200 has set the status it would have had.
-                    call.status = call.status if resp.prepared and call.status else resp.status
-                    return resp
+            for stage in plan:
+                # None: go on. A coroutine stage, or a plain one with work to wait for, hands
+                # back an awaitable.
+                resp = stage(gw, call)
+                if resp is None:
+                    continue
+                if not isinstance(resp, web.StreamResponse):
+                    resp = await resp  # type: ignore[misc]
+                    if resp is None:
+                        continue
+                # A stream that failed after its 200 has set the status it would have had.
+                call.status = call.status if resp.prepared and call.status else resp.status
+                return resp
             raise AssertionError("the last stage always answers")
+        except Exception as exc:
+            answer = edge.error_answer(request, exc)
+            if answer is None:
+                raise
+            call.status = answer.status
+            return answer
         finally:
             if call.budget_taken and call.principal is not None:
                 (gw.rt.shared_limits or gw.rt.budgets).give_back_request(call.principal.key_id, time.time())
@@ -376,18 +458,20 @@ def log_access(gw: Gateway, call: Call) -> None:
     }
     if call.cost is not None:
         rec["cost"] = round(call.cost, 3)
+    if call.swap is not None:
+        rec["swap"] = call.swap
     if gw.log_json:
         access_log.info(orjson.dumps(rec).decode())
     else:
         access_log.info(
             "%(request_id)s %(key)s %(route)s %(node)s %(mode)s %(status)s wait=%(queue_wait_ms)dms "
-            "dur=%(duration_ms)dms bytes=%(bytes)d" + (" cost=%(cost)g" if call.cost is not None else ""), rec,
+            "dur=%(duration_ms)dms bytes=%(bytes)d" + (" cost=%(cost)g" if call.cost is not None else "")
+            + ("" if call.swap is None else " swap=true" if call.swap else " swap=false"), rec,
         )
 
 
 def build_app(gw: Gateway) -> web.Application:
-    app = web.Application(middlewares=edge.middlewares(),
-                          client_max_size=int(gw.rt.cfg.server.max_body_mb * 1024 * 1024) + 1)
+    app = web.Application(client_max_size=int(gw.rt.cfg.server.max_body_mb * 1024 * 1024) + 1)
     app[GW] = gw
     app[RT] = gw.rt
     admin.add_routes(app)

@@ -45,6 +45,8 @@ class Call:
     budget_taken: bool = False  # a request budget unit taken but not yet spent on an admitted request
     cost: float | None = None  # what it holds of a node's capacity; None when its route has no ``cost``
     route_choices: tuple[str, ...] = ()  # routes sharing the path whose match may hold (routing.py)
+    model: str | None = None  # the body's model, read when the route's nodes declare models (models.py)
+    swap: bool | None = None  # its node had to load the model; None when the node has no model state
 
     @property
     def key_id(self) -> str | None:

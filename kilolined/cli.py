@@ -11,6 +11,7 @@ import orjson
 
 from kilolined import __version__, fakegpu
 from kilolined.auth import digest, new_key
+from kilolined.cluster.persistence import warnings as redis_persistence_warnings
 from kilolined.config import ConfigError, default_config_path, load_config
 from kilolined.demo import run_demo
 from kilolined.probe import probe_all
@@ -80,6 +81,10 @@ def cmd_check(args: argparse.Namespace) -> int:
             print(line)
         return 1
     print(f"ok: {len(cfg.routes)} routes, {len(cfg.nodes)} nodes, {len(cfg.keys)} keys in {path}")
+    if cfg.cluster is not None:
+        # No payload on disk: say so when the shared Redis persists (a warning, exit status unchanged).
+        for line in asyncio.run(redis_persistence_warnings(cfg.cluster.redis_url)):
+            print(line)
     if not args.probe:
         return 0
     probes = asyncio.run(probe_all(cfg))
@@ -103,7 +108,9 @@ def cmd_keygen(args: argparse.Namespace) -> int:
 def cmd_fakegpu(args: argparse.Namespace) -> int:
     return fakegpu.run(args.kind, args.host, args.port, args.vram_gb, args.job_vram_gb, args.steps, args.step_ms,
                        args.crash_sec, api_key=args.api_key, ctx_size=args.ctx_size,
-                       progress_min_sec=args.progress_min_ms / 1000, capacity_mode=args.capacity_mode)
+                       progress_min_sec=args.progress_min_ms / 1000, capacity_mode=args.capacity_mode,
+                       models=[m.strip() for m in args.models.split(",") if m.strip()] if args.models else None,
+                       swap_ms=args.swap_ms, warm_models=args.warm_models)
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
@@ -159,6 +166,12 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("--crash-sec", type=float, default=5)
     f.add_argument("--api-key", help="openai: the key the node requires, as llama-server --api-key")
     f.add_argument("--ctx-size", type=int, default=4096, help="openai: context window in tokens (llama-server -c)")
+    f.add_argument("--models", help="openai: comma-separated model ids it serves and swaps between "
+                                    "(like llama-swap; default: one model, fake-llm)")
+    f.add_argument("--swap-ms", type=float, default=0,
+                   help="openai with --models: time to load a model that is not warm, before the first byte")
+    f.add_argument("--warm-models", type=int, default=1,
+                   help="openai with --models: models kept loaded at once (the first is warm at start)")
     f.add_argument("--progress-min-ms", type=float, default=100,
                    help="comfyui: drop progress updates closer than this (ComfyUI's ProgressBar; 0 sends all)")
     f.set_defaults(fn=cmd_fakegpu)

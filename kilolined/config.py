@@ -70,6 +70,7 @@ DEFAULT_UNQUEUED: dict[str, list[str]] = {
     "generic": [],
 }
 
+DISCOVER = "discover"  # nodes.*.models: ask the node's GET /v1/models
 Sec = Annotated[float, Field(ge=0)]
 PosSec = Annotated[float, Field(gt=0)]
 
@@ -221,6 +222,26 @@ class NodeConfig(_Model):
     capacity: Annotated[float, Field(gt=0)] | None = None  # units held at once (say GB of VRAM)
     health: HealthConfig | None = None
     breaker: BreakerConfig = BreakerConfig()
+    #: the models it serves (a list, or "discover": its GET /v1/models); None = whatever it is asked
+    models: list[str] | str | None = None
+    warm_models: Annotated[int, Field(ge=1)] = 1  # models it keeps loaded at once (OLLAMA_MAX_LOADED_MODELS)
+
+    @field_validator("models")
+    @classmethod
+    def _models(cls, v: list[str] | str | None) -> list[str] | str | None:
+        if v is None or v == DISCOVER:
+            return v
+        if isinstance(v, str):
+            raise ValueError(f'must be a list of model names or "{DISCOVER}"')
+        if not v:
+            raise ValueError(f'must name at least one model (or be "{DISCOVER}")')
+        for m in v:
+            if not m.strip():
+                raise ValueError("a model name may not be empty")
+        dup = sorted({m for m in v if v.count(m) > 1})
+        if dup:
+            raise ValueError(f"model listed twice: {', '.join(dup)}")
+        return v
 
     @field_validator("url")
     @classmethod
@@ -296,6 +317,8 @@ class RouteConfig(_Model):
     unqueued_paths: list[str] | None = None
     cost: RequestCostConfig | None = None
     max_bypass: Annotated[int, Field(ge=0)] = 8  # times a head that does not fit may be passed (backfill)
+    #: times a head that would make its node swap models may be passed for a request warm there
+    max_swap_bypass: Annotated[int, Field(ge=0)] = 4
     match: MatchConfig | None = None  # several routes on one path: the first whose match holds
     #: cut ``path`` off before forwarding (nginx's proxy_pass with a URI); None = the kind's default
     strip_path: bool | None = None

@@ -279,9 +279,4 @@ async def run_demo(once: bool, port: int = 8080, out: object = None) -> int:
 
 def _failovers(server: object) -> float:
     assert isinstance(server, Server)
-    total = 0.0
-    for metric in server.rt.metrics.failovers.metric.collect():
-        for sample in metric.samples:
-            if sample.name.endswith("_total"):
-                total += sample.value
-    return total
+    return server.rt.metrics.failovers.total()

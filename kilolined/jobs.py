@@ -174,7 +174,7 @@ class JobSink(ModeSink):
             job.started_mono = rt.clock()
             job.queue_wait = queue_wait
             rt.metrics.queue_wait.labels(job.route_label).observe(queue_wait)
-        job.emit("dispatched", {"node": lease.node, "queue_wait_sec": round(queue_wait, 3)})
+        job.emit("dispatched", {"node": lease.node, "queue_wait_sec": round(queue_wait, 3), "swap": lease.swap is True})
 
     def rerouted(self, from_node: str, to_node: str, reason: str) -> None:
         self.job.emit("rerouted", {"from_node": from_node, "to_node": to_node, "reason": reason})

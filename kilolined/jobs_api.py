@@ -14,6 +14,7 @@ import orjson
 from aiohttp import web
 
 from kilolined.context import GW
+from kilolined.edge import guard
 from kilolined.errors import error_response
 from kilolined.jobs import TERMINAL, Job, Jobs
 from kilolined.proxy import request_id, response_headers, stream_back
@@ -113,9 +114,10 @@ async def cancel(request: web.Request) -> web.Response:
 
 
 def add_routes(app: web.Application) -> None:
+    # each handler behind the edge: raw-path check, JSON errors (kilolined/edge.py)
     r = app.router
-    r.add_get("/v1/jobs/{job_id}", status)
-    r.add_delete("/v1/jobs/{job_id}", cancel)
-    r.add_get("/v1/jobs/{job_id}/events", events)
-    r.add_get("/v1/jobs/{job_id}/result", result)
-    r.add_get("/v1/jobs/{job_id}/files/{n}", file)
+    r.add_get("/v1/jobs/{job_id}", guard(status))
+    r.add_delete("/v1/jobs/{job_id}", guard(cancel))
+    r.add_get("/v1/jobs/{job_id}/events", guard(events))
+    r.add_get("/v1/jobs/{job_id}/result", guard(result))
+    r.add_get("/v1/jobs/{job_id}/files/{n}", guard(file))

@@ -49,6 +49,9 @@ class Listener:
         pass
 
 
+ENDED = Listener()  # an exited scope's listener (no state: __slots__ is empty)
+
+
 class Attempt(Protocol[T]):  # type: ignore[misc]
     """Sends the request to the lease's node and returns its answer (headers), or raises
     UpstreamFailed. It bounds itself by request_timeout_sec: a node silent before any byte is
@@ -59,10 +62,14 @@ class Attempt(Protocol[T]):  # type: ignore[misc]
 
 
 class LeaseScope:
-    """``async with LeaseScope(...) as scope: work = await scope.acquire(attempt); …``"""
+    """``async with LeaseScope(...) as scope: work = await scope.acquire(attempt); …``
 
-    __slots__ = ("_aborts", "_armed", "_deadline", "_detached", "_expired", "_rerouted", "_task", "dispatched_at",
-                 "key", "lease", "listener", "ok", "rt", "started", "ticket", "writing")
+    The runner spells the exit out (``exit_now``, else ``await exit``) so that the common exit —
+    no deadline fired, nothing to clean up on the node — costs no coroutine.
+    """
+
+    __slots__ = ("_aborts", "_armed", "_attempting", "_deadline", "_detached", "_expired", "_graced", "_rerouted",
+                 "_task", "dispatched_at", "key", "lease", "listener", "ok", "rt", "started", "ticket", "writing")
 
     def __init__(self, rt: Runtime, ticket: Ticket, listener: Listener, key: str | None):
         self.rt, self.ticket, self.listener, self.key = rt, ticket, listener, key
@@ -78,9 +85,11 @@ class LeaseScope:
         self._deadline: float | None = None
         self._detached = False
         self._rerouted: tuple[str, str] | None = None  # (from node, reason) until the next dispatch
-        self._task: asyncio.Task[Any] | None = None  # the task the deadline cancels
+        self._task: asyncio.Task[Any] | None = asyncio.current_task()  # the task the deadline cancels
         self._armed: int | None = None  # the deadline's key in rt.deadlines
         self._expired = False
+        self._attempting = False  # an attempt is waiting for the node's answer
+        self._graced = False  # the deadline fired during the attempt and was moved by the grace
 
     @property
     def route(self) -> str:
@@ -97,12 +106,18 @@ class LeaseScope:
 
     # --- entering ---------------------------------------------------------------------------
     async def __aenter__(self) -> LeaseScope:
-        self._task = asyncio.current_task()
         return self
 
     def expire(self) -> None:
         """The deadline passed (called by rt.deadlines): cancel whatever holds the lease now."""
         self._armed = None
+        if self._attempting and not self._graced and self._deadline is not None:
+            # While the attempt waits for the node's answer, the attempt's own timeout (the same
+            # request_timeout_sec) decides: a node silent before any byte is re-queued, not
+            # failed. The grace only bounds an attempt that would not bound itself.
+            self._graced = True
+            self._arm(self._deadline + ATTEMPT_GRACE_SEC)
+            return
         task = self._task
         if task is not None and not task.done() and not self._expired:
             self._expired = True
@@ -128,6 +143,7 @@ class LeaseScope:
         rt, ticket = self.rt, self.ticket
         lease = await self._wait()
         while True:
+            self._attempting = True
             try:
                 if self.listener.tick_sec is None:
                     result = await attempt(lease)
@@ -136,8 +152,11 @@ class LeaseScope:
             except UpstreamFailed as e:
                 failure = e
             else:
-                self._arm(self._deadline)
+                if self._graced:
+                    self._arm(self._deadline)  # past the deadline already: it fires at the next tick
                 return result
+            finally:
+                self._attempting = False
             rcfg = rt.scheduler.routes[lease.route].cfg
             rt.node_failure(lease.node, failure.reason, lease.trial)
             if ticket.requeues >= rcfg.retry_on_failover:
@@ -196,12 +215,9 @@ class LeaseScope:
         rt = self.rt
         now = rt.clock()
         self.dispatched_at = now
-        loop_now = asyncio.get_running_loop().time()
-        self._deadline = loop_now + self.timeout
-        # While the attempt waits for the node's answer, the attempt's own timeout (the same
-        # request_timeout_sec) decides: a node silent before any byte is re-queued, not failed.
-        # The grace only bounds an attempt that would not bound itself.
-        self._arm(self._deadline + ATTEMPT_GRACE_SEC)
+        self._deadline = asyncio.get_running_loop().time() + self.timeout
+        self._graced = False
+        self._arm(self._deadline)  # moved by the grace if it fires while an attempt waits (expire)
         if self._rerouted is not None:
             (from_node, reason), self._rerouted = self._rerouted, None
             self.listener.rerouted(from_node, lease.node, reason)
@@ -276,8 +292,31 @@ class LeaseScope:
 
     # --- leaving ------------------------------------------------------------------------------
     async def __aexit__(self, et: type[BaseException] | None, exc: BaseException | None, tb: Any) -> bool:
+        if not self.exit_now(exc):
+            await self.exit(et, exc)
+        return False
+
+    def exit_now(self, exc: BaseException | None) -> bool:
+        """Leave without waiting when nothing needs it; False: ``await exit`` must do it."""
         if self._detached:
-            return False  # the hold's task owns the lease (and the deadline) now
+            self.listener = ENDED
+            return True  # the hold's task owns the lease (and the deadline) now
+        if self._expired or (exc is not None and self._aborts and self.lease is not None):
+            return False  # the deadline's cancel to take back, or cleanups to run on the node
+        # The sink keeps the scope (its ``started``): without the listener the two are no cycle,
+        # and a request's whole object graph is freed by refcount, not by the collector.
+        self.listener = ENDED
+        self._arm(None)
+        lease = self.lease
+        if lease is not None:
+            self._release(lease, self.ok if exc is None else (None if isinstance(exc, asyncio.CancelledError)
+                                                              else False))
+        return True
+
+    async def exit(self, et: type[BaseException] | None, exc: BaseException | None) -> None:
+        """The exit that waits: a deadline fired (raises Failure, or CancelledError when the
+        client left as well), or abort cleanups run before the release."""
+        self.listener = ENDED
         self._arm(None)
         timed_out = self._expired
         outside = False
@@ -290,7 +329,6 @@ class LeaseScope:
             if outside:
                 raise asyncio.CancelledError  # cancelled from outside as well (the client left)
             raise Failure.upstream(f"node {self._node()} did not finish within {self.timeout:g}s", True) from None
-        return False
 
     async def _take_back_cancel(self, delivered: bool) -> bool:
         """Undo the cancel our deadline made; True if the task is cancelled from outside too.

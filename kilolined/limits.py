@@ -178,8 +178,11 @@ class Budgets:
             self.dirty = True
 
     def add(self, key: str, wall: float, *, requests: int = 0, tokens: int = 0, gpu_seconds: float = 0) -> None:
-        self._roll(wall)
-        u = self.used.setdefault(key, dict.fromkeys(self.FIELDS, 0.0))
+        if int(wall // 86400) != self._day_no:
+            self._roll(wall)
+        u = self.used.get(key)
+        if u is None:
+            u = self.used[key] = dict.fromkeys(self.FIELDS, 0.0)
         u["requests"] += requests
         u["tokens"] += tokens
         u["gpu_seconds"] += gpu_seconds

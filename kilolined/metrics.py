@@ -7,21 +7,24 @@ from anything a client sends, so cardinality is bounded by the config.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+import math
+import os
+import time
+from bisect import bisect_left
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Protocol
 
 from prometheus_client import (
     CollectorRegistry,
-    Counter,
     Gauge,
     GCCollector,
-    Histogram,
     PlatformCollector,
     ProcessCollector,
     generate_latest,
 )
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
+from prometheus_client.utils import floatToGoString
 
 from kilolined import __version__
 from kilolined.nodes import BREAKER_GAUGE
@@ -46,7 +49,7 @@ class _LiveGauges(Collector):
     def __init__(self, rt: Callable[[], LiveState]):
         self._rt = rt
 
-    def collect(self) -> Iterable[GaugeMetricFamily]:
+    def collect(self) -> Iterable[GaugeMetricFamily | CounterMetricFamily]:
         rt = self._rt()
         now = rt.clock()
         sched = rt.scheduler
@@ -62,6 +65,9 @@ class _LiveGauges(Collector):
         cap = GaugeMetricFamily("kiloline_capacity", "A node's configured capacity (nodes that have one)",
                                 labels=["node"])
         used = GaugeMetricFamily("kiloline_capacity_used", "The costs of a node's leases in flight", labels=["node"])
+        # Counted by the scheduler as it leases (queue.py): read here, so the lease path bumps nothing.
+        swaps = CounterMetricFamily("kiloline_model_swaps", "Dispatches that made a multi-model node load a model",
+                                    labels=["node"])
         for name, rq in sched.routes.items():
             if rq.name.startswith("adhoc:"):
                 continue
@@ -80,6 +86,8 @@ class _LiveGauges(Collector):
             if ns.cfg.capacity is not None:
                 cap.add_metric([n], ns.cfg.capacity)
                 used.add_metric([n], sched.capacity_used.get(n, 0.0))
+            if ns.cfg.models is not None:
+                swaps.add_metric([n], sched.swaps.get(n, 0))
         # Prometheus' own idiom for "is the running config the file": 0 while a reload was refused
         # (the previous config still runs), and when the running one was loaded.
         ok = GaugeMetricFamily("kiloline_config_last_reload_successful",
@@ -88,60 +96,117 @@ class _LiveGauges(Collector):
         at = GaugeMetricFamily("kiloline_config_last_reload_success_timestamp_seconds",
                                "Unix time the running config was loaded")
         at.add_metric([], rt.loaded_at)
-        yield from (depth, infl, slots, up, br, cap, used, ok, at)
+        yield from (depth, infl, slots, up, br, cap, used, swaps, ok, at)
 
 
-class _Children:
-    """A labelled metric whose ``labels()`` children are memoised.
+class CounterChild:
+    __slots__ = ("created", "value")
 
-    prometheus_client validates and re-looks-up the labels on every ``labels()`` call (2–3 % of
-    the gateway's CPU at thousands of requests per second); the label sets here are bounded by
-    the config, so the children are kept in a dict. Label sets are never removed.
+    def __init__(self, created: float):
+        self.value = 0.0
+        self.created = created
+
+    def inc(self, amount: float = 1.0) -> None:
+        self.value += amount
+
+
+class HistogramChild:
+    __slots__ = ("bounds", "counts", "created", "sum")
+
+    def __init__(self, bounds: tuple[float, ...], created: float):
+        self.bounds = bounds  # upper bounds, +Inf last
+        self.counts = [0] * len(bounds)  # per bucket, not cumulative
+        self.sum = 0.0
+        self.created = created
+
+    def observe(self, value: float) -> None:
+        # le buckets: the first bound >= value (Prometheus' "less than or equal")
+        self.counts[bisect_left(self.bounds, value)] += 1
+        self.sum += value
+
+
+class Recorded:
+    """A counter or histogram the request path bumps: plain numbers in a dict of children.
+
+    prometheus_client's own Counter/Histogram take a lock, re-validate labels and, for a
+    histogram, walk every bucket on each observation — 5 % of the gateway's whole cost per
+    request. The gateway is one thread on one event loop, so a float per child is enough; the
+    registry reads them at scrape time (``collect``), in prometheus_client's exposition format
+    (``*_created`` series included). Label sets are bounded by the config and never removed.
     """
 
-    __slots__ = ("_children", "metric")
+    __slots__ = ("_buckets", "_children", "_clock", "_created", "doc", "kind", "labelnames", "name")
 
-    def __init__(self, metric: Any):
-        self.metric = metric
+    def __init__(self, kind: str, name: str, doc: str, labelnames: Sequence[str],
+                 buckets: Sequence[float] = (), clock: Callable[[], float] = time.time):
+        self.kind, self.name, self.doc, self.labelnames = kind, name, doc, tuple(labelnames)
+        self._buckets = (*buckets, math.inf)
         self._children: dict[tuple[str, ...], Any] = {}
+        self._clock = clock
+        # prometheus-client's own switch for the *_created series (docs/METRICS.md), honoured the same way
+        self._created = os.environ.get("PROMETHEUS_DISABLE_CREATED_SERIES", "False").lower() not in ("true", "1", "t")
 
     def labels(self, *values: str) -> Any:
         child = self._children.get(values)
         if child is None:
-            child = self._children[values] = self.metric.labels(*values)
+            if len(values) != len(self.labelnames):
+                raise ValueError(f"{self.name}: expected labels {self.labelnames}, got {values}")
+            child = self._children[values] = (CounterChild(self._clock()) if self.kind == "counter"
+                                              else HistogramChild(self._buckets, self._clock()))
         return child
+
+    def total(self) -> float:
+        """The sum over every label set (a counter's)."""
+        return sum(c.value for c in self._children.values())
+
+    def family(self) -> Metric:
+        names = list(self.labelnames)
+        if self.kind == "counter":
+            fam: Metric = CounterMetricFamily(self.name, self.doc, labels=names)
+            for values, c in self._children.items():
+                fam.add_metric(list(values), c.value, created=c.created if self._created else None)
+            return fam
+        fam = HistogramMetricFamily(self.name, self.doc, labels=names)
+        for values, h in self._children.items():
+            cumulative, running = [], 0
+            for bound, n in zip(self._buckets, h.counts, strict=True):
+                running += n
+                cumulative.append((floatToGoString(bound), running))
+            fam.add_metric(list(values), cumulative, h.sum)
+            if self._created:
+                fam.add_sample(self.name + "_created", dict(zip(names, values, strict=True)), h.created)
+        return fam
+
+
+class _RecordedCollector(Collector):
+    def __init__(self, metrics: Sequence[Recorded]):
+        self._metrics = metrics
+
+    def collect(self) -> Iterable[Metric]:
+        return [m.family() for m in self._metrics]
 
 
 class Metrics:
     def __init__(self, rt: Callable[[], LiveState]):
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
-        self.requests = _Children(Counter(
-            "kiloline_requests", "Finished requests by outcome", ["route", "outcome"], registry=r
-        ))
-        self.queue_wait = _Children(Histogram(
-            "kiloline_queue_wait_seconds", "Time from admission to lease", ["route"], buckets=WAIT_BUCKETS,
-            registry=r,
-        ))
-        self.upstream = _Children(Histogram(
-            "kiloline_upstream_seconds", "Time from dispatch to the last byte", ["route", "node"],
-            buckets=UPSTREAM_BUCKETS, registry=r,
-        ))
-        self.ttft = _Children(Histogram(
-            "kiloline_ttft_seconds", "Time to first token (openai routes)", ["route"], buckets=TTFT_BUCKETS,
-            registry=r,
-        ))
-        self.rejections = _Children(Counter(
-            "kiloline_rejections", "Requests refused before the upstream", ["route", "reason"], registry=r
-        ))
-        self.failovers = _Children(Counter(
-            "kiloline_failovers", "Requests re-queued or sent to a standby after a node failure", ["route"],
-            registry=r,
-        ))
-        self.reloads = Counter("kiloline_reloads", "Config reloads", ["result"], registry=r)
+        self.requests = Recorded("counter", "kiloline_requests", "Finished requests by outcome", ["route", "outcome"])
+        self.queue_wait = Recorded("histogram", "kiloline_queue_wait_seconds", "Time from admission to lease",
+                                   ["route"], WAIT_BUCKETS)
+        self.upstream = Recorded("histogram", "kiloline_upstream_seconds", "Time from dispatch to the last byte",
+                                 ["route", "node"], UPSTREAM_BUCKETS)
+        self.ttft = Recorded("histogram", "kiloline_ttft_seconds", "Time to first token (openai routes)", ["route"],
+                             TTFT_BUCKETS)
+        self.rejections = Recorded("counter", "kiloline_rejections", "Requests refused before the upstream",
+                                   ["route", "reason"])
+        self.failovers = Recorded("counter", "kiloline_failovers",
+                                  "Requests re-queued or sent to a standby after a node failure", ["route"])
+        self.reloads = Recorded("counter", "kiloline_reloads", "Config reloads", ["result"])
         for result in ("ok", "error"):
             self.reloads.labels(result)
-        self.tokens = _Children(Counter("kiloline_tokens", "LLM tokens by route and key", ["route", "key"], registry=r))
+        self.tokens = Recorded("counter", "kiloline_tokens", "LLM tokens by route and key", ["route", "key"])
+        r.register(_RecordedCollector([self.requests, self.queue_wait, self.upstream, self.ttft, self.rejections,
+                                       self.failovers, self.reloads, self.tokens]))
         r.register(_LiveGauges(rt))
         # The daemon's own process (CPU, memory, fds, start time), Python and its collector.
         ProcessCollector(registry=r)

@@ -1,7 +1,8 @@
 """``GET {path}/models`` on a path that several OpenAI routes share: the union of what their nodes
 serve (docs/CONFIG.md#routes-that-match-the-request), in the OpenAI list shape.
 
-Each node is asked its own ``/models`` (the same tail the client sent) at once, without a slot;
+Each node is asked its own ``/models`` (the same tail the client sent) at once, without a slot,
+unless it declares its ``models`` (docs/CONFIG.md#multi-model-nodes): those are its answer;
 a node that fails or does not answer in time is left out, and the answer is 502 only when none
 answered.
 """
@@ -39,6 +40,9 @@ def merge(answers: Sequence[Any]) -> list[dict[str, Any]]:
 
 async def _ask(rt: Runtime, node: str, tail: str) -> Any:
     ns = rt.scheduler.nodes[node]
+    if isinstance(ns.cfg.models, list):
+        # Declared models (docs/CONFIG.md#multi-model-nodes) are what the gateway routes by: say those.
+        return {"data": [{"id": m, "object": "model", "owned_by": node} for m in ns.cfg.models]}
     try:
         async with rt.session(node).get(ns.cfg.url + tail, headers=ns.cfg.headers,
                                         timeout=aiohttp.ClientTimeout(total=ASK_SEC)) as r:

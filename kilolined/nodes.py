@@ -11,6 +11,7 @@ import math
 from dataclasses import dataclass, field
 
 from kilolined.config import BreakerConfig, HealthConfig, NodeConfig
+from kilolined.models import ModelState
 
 CLOSED, HALF_OPEN, OPEN = "closed", "half-open", "open"
 BREAKER_GAUGE = {CLOSED: 0, HALF_OPEN: 1, OPEN: 2}
@@ -37,6 +38,7 @@ class NodeState:
     recovered_at: float | None = None
     retired: bool = False  # removed by a reload: gets no new work, in-flight finishes
     latencies: list[float] = field(default_factory=list)
+    models: ModelState = field(default_factory=ModelState)  # what it serves and holds loaded
 
     @property
     def label(self) -> str:
@@ -115,6 +117,17 @@ class NodeState:
         if self.breaker == OPEN:
             return []
         self.failures += 1
+        if self.failures >= self.breaker_cfg.consecutive_failures:
+            return self._trip(now)
+        return []
+
+    def merge_failures(self, count: int, now: float) -> list[str]:
+        """Cluster mode: ``count`` consecutive failures seen on every gateway together; they
+        open a closed breaker as this gateway's own would."""
+        self.tick(now)
+        if self.breaker != CLOSED:
+            return []
+        self.failures = max(self.failures, count)
         if self.failures >= self.breaker_cfg.consecutive_failures:
             return self._trip(now)
         return []

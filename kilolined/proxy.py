@@ -6,6 +6,7 @@ the request on another node); after that, the client connection is cut, as a pro
 
 from __future__ import annotations
 
+import functools
 import ipaddress
 import os
 import re
@@ -59,6 +60,13 @@ class UpstreamFailed(Exception):
         self.reason = reason
         self.timeout = timeout
         self.response = response  # set when the node answered 502/503/504 (passed on if out of retries)
+
+
+@functools.lru_cache(maxsize=1024)
+def host_of(node_url: str) -> str:
+    """The Host header for a node: its URL's authority without userinfo (one split per node,
+    not per request: node URLs are few and come from the config)."""
+    return node_url.split("://", 1)[1].split("/", 1)[0].rsplit("@", 1)[-1]
 
 
 def request_id(request: web.BaseRequest) -> str:
@@ -115,20 +123,19 @@ class Exchange:
         extra = self.extra_headers
         override = {k.lower() for k in node_headers} | {k.lower() for k in extra} if node_headers or extra else ()
         conn = src.get("Connection")
-        conn_listed = {t.strip().lower() for t in conn.split(",")} if conn else ()
         drop = self.drop_headers
-        out = [
-            (k, v) for k, v in src.items()
-            if (lk := k.lower()) not in STRIP_REQUEST and lk not in conn_listed and lk not in override
-            and lk not in drop and not lk.startswith("x-kiloline-")
-        ]
+        skip = STRIP_REQUEST
+        if conn or override or drop:  # rare: one set to test against instead of four
+            listed = {t.strip().lower() for t in conn.split(",")} if conn else set()
+            skip = skip | listed | set(override) | drop
+        out = [(k, v) for k, v in src.items() if (lk := k.lower()) not in skip and not lk.startswith("x-kiloline-")]
         xff = src.get("X-Forwarded-For")
         peer = req.remote or ""
         ours = (
             ("X-Forwarded-For", f"{xff}, {peer}" if xff and peer != self.client_ip else (self.client_ip or peer)),
             ("X-Forwarded-Proto", req.scheme),
             ("X-Request-Id", self.request_id),
-            ("Host", node_url.split("://", 1)[1].split("/", 1)[0].rsplit("@", 1)[-1]),  # no userinfo
+            ("Host", host_of(node_url)),
         )
         out.extend(ours if not override else [(k, v) for k, v in ours if k.lower() not in override])
         out.extend(node_headers.items())
@@ -161,15 +168,19 @@ async def open_upstream(
 def response_headers(up: Upstream, node_url: str, route_path: str) -> CIMultiDict[str]:
     out: CIMultiDict[str] = CIMultiDict()
     items = up.raw_headers if isinstance(up, UpstreamResponse) else list(up.headers.items())
-    conn_listed = {t.strip().lower() for k, v in items if k.lower() == "connection" for t in v.split(",")}
+    listed: set[str] = set()  # what the node's Connection header names is hop-by-hop too
     for k, v in items:
         lk = k.lower()
-        if lk in STRIP_RESPONSE or lk in conn_listed:
+        if lk in STRIP_RESPONSE:
+            if lk == "connection":
+                listed.update(t.strip().lower() for t in v.split(","))
             continue
         if lk in ("location", "content-location") and v.startswith(node_url):
             # Redirects must not reveal the node: point them back through the route.
             v = route_path.rstrip("/") + (v[len(node_url) :] or "/")
         out.add(k, v)
+    for name in listed - STRIP_RESPONSE:  # "Connection: keep-alive" (most nodes): nothing more to drop
+        out.popall(name, None)
     return out
 
 

@@ -8,6 +8,11 @@ Cost and capacity (docs/CONFIG.md, "Cost and capacity"): a ticket may carry a co
 with ``capacity`` takes it only while its leases' costs plus this one fit. When the head of a
 route does not fit anywhere, a later ticket that fits goes first (backfill), at most
 ``max_bypass`` times per head; after that, the nodes that could hold the head wait for it.
+
+Multi-model nodes (docs/CONFIG.md#multi-model-nodes): a ticket may name its model; only nodes
+that serve it take it, one where it is warm first. When the head would make its node swap
+models, a later ticket whose model is warm there goes first (collation), at most
+``max_swap_bypass`` times per head and for at most ``queue_timeout_sec / 4`` after the first.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from kilolined.nodes import NodeState
 
 WAITING, LEASED, DONE, FAILED = "waiting", "leased", "done", "failed"
 EPS = 1e-9  # costs are sums of floats: compare with a little slack
+COLD = 1 << 40  # node choice: a node where the model is not warm ranks after every node where it is
 
 
 class Rejected(Exception):
@@ -55,6 +61,9 @@ class Ticket:
     deadline: float = math.inf
     cost: float = 0.0  # what it holds of a node's capacity while leased
     bypassed: int = 0  # requests dispatched ahead of it while it was the head (backfill)
+    model: str | None = None  # the model it asks for (OpenAI "model"); None: any node of the route
+    swap_bypassed: int = 0  # requests collated ahead of it while it was the head
+    swap_bypassed_at: float | None = None  # when it was first collated past
 
     def wake(self) -> None:
         if self.on_wake is not None:
@@ -70,6 +79,7 @@ class Lease:
     trial: bool
     released: bool = False
     cost: float = 0.0
+    swap: bool | None = None  # the node had to load the model (None: the node has no model state)
 
 
 # --- strategies: the order in which waiting tickets get slots ---------------------------------
@@ -308,6 +318,7 @@ class Scheduler:
         self.nodes: dict[str, NodeState] = {}
         self.node_inflight: Counter[str] = Counter()
         self.capacity_used: dict[str, float] = {}  # node -> the costs of its leases
+        self.swaps: Counter[str] = Counter()  # node -> dispatches that made it load a model
         self._seq = itertools.count(1)
         self._deadlines: list[tuple[float, int, Ticket]] = []
 
@@ -379,31 +390,45 @@ class Scheduler:
             total += s
         return total
 
+    def serves(self, node: str, model: str | None) -> bool:
+        """The node may take a request for ``model`` (always, for a request naming none)."""
+        ns = self.nodes.get(node)
+        return ns is not None and (model is None or ns.models.serves(ns.cfg, model))
+
     def choose_node(self, rq: RouteQueue, t: Ticket, now: float,
                     blocked: frozenset[str] = frozenset()) -> str | None:
         """Where ``t`` goes now, or None; ``blocked`` nodes are held for a head that was passed over."""
+        model = t.model
         if t.pinned_node is not None:
-            ok = t.pinned_node not in blocked and self.can_take(rq, t.pinned_node, now, t.cost)
+            ok = (t.pinned_node not in blocked and self.can_take(rq, t.pinned_node, now, t.cost)
+                  and self.serves(t.pinned_node, model))
             return t.pinned_node if ok else None
         best: str | None = None
         for group in (rq.cfg.nodes, rq.cfg.standby):
-            best = self._least_loaded([n for n in group if n not in t.avoid and n not in blocked], rq, now, t.cost)
+            best = self._least_loaded([n for n in group if n not in t.avoid and n not in blocked
+                                       and (model is None or self.serves(n, model))], rq, now, t.cost, model)
             if best is not None:
                 return best
             # A standby is only for when no primary can *be used*; a primary that is merely
             # full means wait for it, not spill onto the standby. One too small to ever hold
-            # this request cannot be used for it.
+            # this request, or that does not serve its model, cannot be used for it.
             if any(n not in t.avoid and n in self.nodes and self.nodes[n].available(now)
-                   and self.could_hold(self.nodes[n], t.cost) for n in group):
+                   and self.could_hold(self.nodes[n], t.cost) and self.serves(n, model) for n in group):
                 return None
         # Every other node is gone: retrying where it failed beats failing outright.
-        return self._least_loaded([n for n in rq.all_nodes if n in t.avoid and n not in blocked], rq, now, t.cost)
+        return self._least_loaded([n for n in rq.all_nodes if n in t.avoid and n not in blocked
+                                   and self.serves(n, model)], rq, now, t.cost, model)
 
-    def _least_loaded(self, names: list[str], rq: RouteQueue, now: float, cost: float = 0.0) -> str | None:
+    def _least_loaded(self, names: list[str], rq: RouteQueue, now: float, cost: float = 0.0,
+                      model: str | None = None) -> str | None:
+        """The free node with the fewest leases; with a model, one where it is warm first."""
         best, best_load = None, 0
         for n in names:
             if self.can_take(rq, n, now, cost):
+                # A cold node counts as more loaded than any warm one (the hot path has no model).
                 load = self.node_inflight[n]
+                if model is not None and not self.nodes[n].models.is_warm(model):
+                    load += COLD
                 if best is None or load < best_load:
                     best, best_load = n, load
         return best
@@ -432,6 +457,7 @@ class Scheduler:
         pinned_node: str | None = None,
         on_wake: Callable[[Ticket], None] | None = None,
         cost: float = 0.0,
+        model: str | None = None,
     ) -> Ticket:
         """Queue a request (raises Rejected); it may be leased at once by the dispatch inside."""
         rq = self.routes[route]
@@ -441,6 +467,9 @@ class Scheduler:
             raise Rejected(422, "exceeds_capacity",
                            f"request costs {cost:g}, more than the largest capacity of route {route}'s nodes "
                            f"({limit:g})")
+        if model is not None and not any(self.serves(n, model) for n in
+                                         ([pinned_node] if pinned_node is not None else rq.all_nodes)):
+            raise Rejected(404, "not_found", f"no node of route {route} serves model {model!r}")
         if cfg.max_queued_per_key is not None and rq.by_key[key] >= cfg.max_queued_per_key:
             raise Rejected(
                 429,
@@ -448,7 +477,8 @@ class Scheduler:
                 f"key already has {rq.by_key[key]} requests waiting on route {route}",
                 self.retry_after(rq, now),
             )
-        t = Ticket(next(self._seq), route, key, priority, now, pinned_node=pinned_node, on_wake=on_wake, cost=cost)
+        t = Ticket(next(self._seq), route, key, priority, now, pinned_node=pinned_node, on_wake=on_wake, cost=cost,
+                   model=model)
         # A free slot and nobody ahead: straight through, even when max_queue_depth is 0.
         if not rq.waiting:
             node = self.choose_node(rq, t, now)
@@ -554,8 +584,12 @@ class Scheduler:
 
     # -- leases ----------------------------------------------------------------------------
     def _lease(self, rq: RouteQueue, t: Ticket, node: str, now: float) -> Lease:
-        trial = self.nodes[node].on_dispatch(now)
-        lease = Lease(t, rq.name, node, now, trial, cost=t.cost)
+        ns = self.nodes[node]
+        trial = ns.on_dispatch(now)
+        swap = ns.models.dispatch(ns.cfg, t.model) if ns.cfg.models is not None else None
+        if swap:
+            self.swaps[node] += 1
+        lease = Lease(t, rq.name, node, now, trial, cost=t.cost, swap=swap)
         rq.inflight[node] += 1
         self.node_inflight[node] += 1
         if t.cost:
@@ -577,9 +611,14 @@ class Scheduler:
                 picked = self._pick(rq, now)
                 if picked is None:
                     continue
-                t, node, head = picked
+                t, node, head, collated = picked
                 if t is head:
                     rq.waiting.pop(now)  # pop, not remove: a fair queue moves on to the next key
+                elif collated:
+                    rq.waiting.remove(t)
+                    head.swap_bypassed += 1
+                    if head.swap_bypassed_at is None:
+                        head.swap_bypassed_at = now
                 else:
                     rq.waiting.remove(t)
                     head.bypassed = min(head.bypassed + 1, rq.cfg.max_bypass)
@@ -595,17 +634,23 @@ class Scheduler:
             active = [rq for rq in active if rq.waiting]
         return made
 
-    def _pick(self, rq: RouteQueue, now: float) -> tuple[Ticket, str, Ticket] | None:
-        """The ticket that goes next and its node, with the head it was picked for.
+    def _pick(self, rq: RouteQueue, now: float) -> tuple[Ticket, str, Ticket, bool] | None:
+        """The ticket that goes next and its node, with the head it was picked for, and whether
+        it was collated ahead of the head.
 
-        The head if it fits somewhere; else (backfill) the first later ticket in strategy order
+        The head if it fits somewhere — unless it would make that node swap models and a later
+        ticket is warm there (collation); else (backfill) the first later ticket in strategy order
         that fits, on a node not held for a head already passed over ``max_bypass`` times."""
         head = rq.waiting.peek(now)
         if head is None:
             return None
         node = self.choose_node(rq, head, now)
         if node is not None:
-            return head, node, head
+            if head.model is not None and self._may_collate(rq, head, node, now):
+                t = self._warm_later(rq, head, node, now)
+                if t is not None:
+                    return t, node, head, True
+            return head, node, head, False
         if not self.costed(rq):
             return None
         blocked: frozenset[str] = frozenset()
@@ -619,7 +664,28 @@ class Scheduler:
                 continue
             node = self.choose_node(rq, t, now, blocked)
             if node is not None:
-                return t, node, head
+                return t, node, head, False
+        return None
+
+    def _may_collate(self, rq: RouteQueue, head: Ticket, node: str, now: float) -> bool:
+        """The head would make ``node`` swap models and has not been passed over enough yet."""
+        ns = self.nodes[node]
+        if not ns.models.would_swap(ns.cfg, head.model) or head.swap_bypassed >= rq.cfg.max_swap_bypass:
+            return False
+        since = head.swap_bypassed_at
+        return since is None or now - since < rq.cfg.queue_timeout_sec / 4
+
+    def _warm_later(self, rq: RouteQueue, head: Ticket, node: str, now: float) -> Ticket | None:
+        """The first later ticket in strategy order whose model is warm on ``node`` and that
+        ``node`` can take now."""
+        models = self.nodes[node].models
+        for t in rq.waiting.order(now):
+            if t is head or not models.is_warm(t.model) or node in t.avoid:
+                continue
+            if t.pinned_node not in (None, node):
+                continue
+            if self.serves(node, t.model) and self.can_take(rq, node, now, t.cost):
+                return t
         return None
 
     def release(self, lease: Lease, now: float, service_time: float | None) -> None:

@@ -22,7 +22,8 @@ log = logging.getLogger("kilolined")
 # A file is applied once it has been quiet this long: an editor or a script writing it in
 # place, in pieces, leaves it valid-but-partial for a moment (docs/CONFIG.md, "Hot reload").
 STABLE_SEC = 0.3
-TICK_MS = 100  # the watcher looks at the file's stat this often while nothing happens
+TICK_MS = 100  # while a change waits out its quiet period, the watcher looks at the file this often
+IDLE_TICK_MS = 5000  # and this often while nothing happens (a write that an event missed)
 
 
 async def reload_from_file(rt: Runtime, reason: str) -> list[str]:
@@ -104,27 +105,39 @@ async def watch_config(rt: Runtime, stop: asyncio.Event) -> None:
     def concerns_config(_change: object, path: str) -> bool:
         return os.path.abspath(path) in relevant
 
-    async for changes in awatch(*dirs, watch_filter=concerns_config, recursive=False, debounce=TICK_MS,
-                                step=20, stop_event=stop, yield_on_timeout=True, rust_timeout=TICK_MS):
-        now = loop.time()
-        sig = _signature(target)
-        if changes or sig != seen:
-            seen = sig
-            changed_at = now
-            relevant = watched_paths(rt.config_path)[1] | relevant  # a swapped symlink adds entries
-            continue
-        if changed_at is None or now - changed_at < STABLE_SEC:
-            continue
-        changed_at = None
-        try:
-            digest = hashlib.sha256(target.read_bytes()).hexdigest()
-        except OSError:
-            continue  # mid-swap, or removed: keep the running config
-        if digest == refused or (digest == rt.version and rt.last_error is None):
-            continue  # nothing new (a file put back to the running version still clears last_error)
-        try:
-            errors = await reload_from_file(rt, reason="file changed")
-        except Exception:
-            log.exception("reload")
-            continue
-        refused = digest if errors else None
+    while not stop.is_set():
+        # Two speeds: quick ticks only while a change waits out its quiet period. Ticking at
+        # 100 ms all the time would wake a thread ten times a second on an idle gateway.
+        quick = changed_at is not None
+        # Each start watches what the path resolves to now: a ConfigMap swap removes the
+        # directory the previous watch was on.
+        dirs, now_relevant = watched_paths(rt.config_path)
+        relevant = now_relevant | relevant
+        async for changes in awatch(*dirs, watch_filter=concerns_config, recursive=False, debounce=TICK_MS,
+                                    step=20, stop_event=stop, yield_on_timeout=True,
+                                    rust_timeout=TICK_MS if quick else IDLE_TICK_MS):
+            now = loop.time()
+            sig = _signature(target)
+            if changes or sig != seen:
+                seen = sig
+                changed_at = now
+                relevant = watched_paths(rt.config_path)[1] | relevant  # a swapped symlink adds entries
+                if not quick:
+                    break  # on to quick ticks (the stat check on the next tick sees what the gap missed)
+                continue
+            if changed_at is None or now - changed_at < STABLE_SEC:
+                continue
+            changed_at = None
+            try:
+                digest = hashlib.sha256(target.read_bytes()).hexdigest()
+            except OSError:
+                break  # mid-swap, or removed: keep the running config
+            if digest == refused or (digest == rt.version and rt.last_error is None):
+                break  # nothing new (a file put back to the running version still clears last_error)
+            try:
+                errors = await reload_from_file(rt, reason="file changed")
+            except Exception:
+                log.exception("reload")
+                break
+            refused = digest if errors else None
+            break  # back to idle ticks

@@ -51,10 +51,17 @@ async def run(rt: Runtime, ticket: Ticket, ex: Exchange, adapter: Adapter, sink:
     """Run one admitted request to its end; returns the sink's response (sync modes)."""
     outcome: str | None = "ok"
     try:
-        async with LeaseScope(rt, ticket, sink, key) as scope:
+        scope = LeaseScope(rt, ticket, sink, key)
+        try:
             if sink.tick_sec is not None:
                 await sink.begin(scope)  # a stream that must queue says so at once
             await adapter.serve(rt, scope, ex, sink)  # type: ignore[arg-type]
+        except BaseException as e:
+            if not scope.exit_now(e):
+                await scope.exit(type(e), e)
+            raise
+        if not scope.exit_now(None):
+            await scope.exit(None, None)
         outcome = sink.outcome
         return sink.response
     except Failure as f:

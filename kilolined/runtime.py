@@ -18,11 +18,12 @@ import aiohttp
 
 from kilolined.auth import KeyStore
 from kilolined.cluster.limits import SharedLimits
+from kilolined.cluster.nodes import NodeSync
 from kilolined.cluster.view import ClusterView
 from kilolined.config import Config, ConfigError, NodeConfig, RouteConfig
 from kilolined.deadlines import Deadlines
 from kilolined.feed import Feed
-from kilolined.health import health_loop
+from kilolined.health import health_loop, refresh_models
 from kilolined.leasestore import LeaseStore
 from kilolined.limits import Budgets, RateLimiter
 from kilolined.metrics import Metrics
@@ -75,6 +76,10 @@ class Runtime:
         self.settle: Callable[[Ticket], Awaitable[Ticket]] | None = None
         self.cluster: ClusterView | None = None  # cluster mode: what /admin/state shows of it
         self.shared_limits: SharedLimits | None = None  # cluster mode: buckets and budgets in Redis
+        #: cluster mode: node transitions shared with the other gateways (kilolined/cluster/nodes.py)
+        self.node_sync: NodeSync | None = None
+        #: whether this gateway runs the active health checks (cluster mode: the leader's job)
+        self.checks_here: Callable[[], bool] = lambda: True
         self.limiter = RateLimiter()
         self.budgets = Budgets(cfg.server.state_dir)
         self.keys = KeyStore(cfg)
@@ -199,6 +204,10 @@ class Runtime:
     async def start(self) -> None:
         self.started = True
         self._sync_health_loops()
+        for ns in self.scheduler.nodes.values():
+            if ns.cfg.models is not None and ns.cfg.health is None:
+                # Multi-model nodes with a health check are asked after each one (health.py).
+                self.spawn(refresh_models(self.session(ns.name), ns))
         self._pump = asyncio.create_task(self._pump_loop(), name="kiloline-pump")
 
     async def stop(self) -> None:
@@ -258,7 +267,8 @@ class Runtime:
                 del self._health_tasks[n]
         for n, ns in want.items():
             if n not in self._health_tasks:
-                t = asyncio.create_task(health_loop(self.session, ns, self.clock, self.node_events), name=f"health-{n}")
+                t = asyncio.create_task(health_loop(self.session, ns, self.clock, self.node_events,
+                                                    active=lambda: self.checks_here()), name=f"health-{n}")
                 t.kl_cfg = ns.cfg  # type: ignore[attr-defined]
                 self._health_tasks[n] = t
 
@@ -294,25 +304,35 @@ class Runtime:
         self.scheduler.dispatch(now)
 
     def admit(self, route: str, key: str, priority: int, *, pinned_node: str | None = None,
-              cost: float = 0.0) -> Ticket:
-        return self.leases.admit(route, key, priority, self.clock(), pinned_node=pinned_node, cost=cost)
+              cost: float = 0.0, model: str | None = None) -> Ticket:
+        return self.leases.admit(route, key, priority, self.clock(), pinned_node=pinned_node, cost=cost,
+                                 model=model)
 
     # --- node results -------------------------------------------------------------------
     def node_success(self, node: str, trial: bool) -> None:
         ns = self.scheduler.nodes.get(node)
         if ns is not None:
-            self.node_events(ns, ns.record_success(self.clock(), trial))
+            had_failures = ns.failures > 0
+            events = ns.record_success(self.clock(), trial)
+            if self.node_sync is not None and had_failures:
+                self.node_sync.succeeded(ns)
+            self.node_events(ns, events)
 
     def node_failure(self, node: str, reason: str, trial: bool) -> None:
         ns = self.scheduler.nodes.get(node)
         if ns is None:
             return
         log.warning("✗ [%s] %s", node, reason)
-        self.node_events(ns, ns.record_failure(self.clock(), reason, trial))
+        events = ns.record_failure(self.clock(), reason, trial)
+        if self.node_sync is not None:
+            self.node_sync.failed(ns)
+        self.node_events(ns, events)
 
     def node_events(self, ns: NodeState, events: list[str]) -> None:
         if not events:
             return
+        if self.node_sync is not None:
+            self.node_sync.changed(ns)  # the other gateways apply the same transition
         for ev in events:
             text = self._node_text(ns, ev)
             log.warning("%s", text) if ev in ("node_down", "breaker_open") else log.info("%s", text)

@@ -14,8 +14,10 @@ from aiohttp import web
 
 from kilolined import edge, systemd
 from kilolined.app import build_app
+from kilolined.cluster.leader import LeaderLease
 from kilolined.cluster.leases import ClusterLeases, gateway_id
 from kilolined.cluster.limits import SharedLimits
+from kilolined.cluster.nodes import NodeSync
 from kilolined.cluster.view import ClusterGauges
 from kilolined.config import Config, split_listen
 from kilolined.connection import EdgeHandler
@@ -48,6 +50,7 @@ class Server:
         ]
         #: cluster mode (docs/CLUSTER.md): the leases live in Redis, shared with the other gateways
         self.cluster: ClusterLeases | None = None
+        self.leader: LeaderLease | None = None
         if cfg.cluster is not None:
             self.cluster = ClusterLeases(rt.scheduler, cfg.cluster, gateway_id(cfg), clock=rt.clock,
                                          version=lambda: rt.version, alert=rt.notify)
@@ -59,6 +62,7 @@ class Server:
                                             redis_up=lambda: c.view.redis_up)
             alive_sec = 3 * cfg.cluster.lease_ttl_sec  # a peer seen within this counts as alive
             rt.metrics.registry.register(ClusterGauges(self.cluster.view, lambda: alive_sec))
+            self._one_voice(rt, notifier, self.cluster, cfg.cluster.key_prefix, cfg.cluster.lease_ttl_sec)
         self.app = build_app(self.gateway)
         self.runner: web.AppRunner | None = None
         self.app.on_response_prepare.append(edge.server_header)
@@ -70,6 +74,21 @@ class Server:
         self._bg: list[asyncio.Task[None]] = []
         self.port: int | None = None
 
+    def _one_voice(self, rt: Runtime, notifier: Notifier, cluster: ClusterLeases, prefix: str, ttl: float) -> None:
+        """Cluster mode: the leader alone runs the health checks and sends the alerts; every
+        gateway shares node state (docs/CLUSTER.md "One voice")."""
+        assert rt.cfg.cluster is not None
+        view = cluster.view
+        leader = self.leader = LeaderLease(cluster.redis, rt.cfg.cluster, cluster.inst, view, cluster.leadership,
+                                           clock=rt.clock, alert=rt.notify,
+                                           on_restored=lambda: rt.node_sync.republish() if rt.node_sync else None)
+        rt.alert = lambda event, text, node: notifier.emit(event, text, node=node) if leader.speaks(event) else None
+        rt.checks_here = leader.checks
+        rt.node_sync = NodeSync(
+            cluster.redis, prefix, cluster.inst, lambda: rt.scheduler.nodes, clock=rt.clock,
+            redis_up=lambda: view.redis_up, leader=lambda: leader.state.is_leader(rt.clock()),
+            on_applied=lambda ns, events: rt.node_events(ns, events) if events else rt.wake(), sweep_sec=ttl / 3)
+
     async def start(self) -> None:
         rt = self.rt
         await self.gateway.notifier.start()
@@ -77,6 +96,9 @@ class Server:
         await rt.start()
         if self.cluster is not None:
             await self.cluster.start()
+        if self.leader is not None and rt.node_sync is not None:
+            await self.leader.start()
+            await rt.node_sync.start()
         if rt.shared_limits is not None and rt.cfg.cluster is not None:
             rt.shared_limits.start(lambda: [k for k, c in self.rt.cfg.keys.items() if c.budget is not None],
                                    rt.cfg.cluster.lease_ttl_sec / 3)
@@ -162,6 +184,10 @@ class Server:
                 await self.runner.cleanup()
         if rt.shared_limits is not None:
             await rt.shared_limits.stop()  # the last usage to Redis before it is closed
+        if rt.node_sync is not None:
+            await rt.node_sync.stop()
+        if self.leader is not None:
+            await self.leader.stop()  # hands the voice on at once
         if self.cluster is not None:
             await self.cluster.stop()
         await rt.stop()

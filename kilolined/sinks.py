@@ -46,6 +46,7 @@ class SyncSink(ModeSink):
             call.queue_wait = queue_wait
             self.rt.metrics.queue_wait.labels(self.label).observe(queue_wait)
         call.node = lease.node
+        call.swap = lease.swap  # the access log's swap= (docs/CONFIG.md#multi-model-nodes)
 
     def progress(self, step: int | float, total: int | float) -> None:
         pass

@@ -51,16 +51,6 @@ class HeadTooLarge(aiohttp.ServerDisconnectedError):
     wherever a node that hung up before answering is."""
 
 
-def header_text(raw: bytes) -> str:
-    """A header value as text, never failing: UTF-8 when it is (aiohttp writes headers back as
-    UTF-8, so a relayed value keeps its bytes), else latin-1 (one char per byte, no surrogates
-    that would break a JSON encoder downstream)."""
-    try:
-        return raw.decode("utf-8")
-    except UnicodeDecodeError:
-        return raw.decode("latin-1")
-
-
 class UpstreamResponse:
     """One exchange on one pooled connection; the subset of ``aiohttp.ClientResponse`` we use.
 
@@ -70,6 +60,7 @@ class UpstreamResponse:
     __slots__ = (
         "_bucket",
         "_buffered",
+        "_chunked",
         "_chunks",
         "_conn",
         "_eof",
@@ -77,7 +68,6 @@ class UpstreamResponse:
         "_got_bytes",
         "_head",
         "_head_bytes",
-        "_head_lines",
         "_headers",
         "_keep_alive",
         "_loop",
@@ -114,7 +104,7 @@ class UpstreamResponse:
         self._released = False
         self._got_bytes = False
         self._head_bytes = 0  # head bytes so far, 1xx interim answers included
-        self._head_lines = 0
+        self._chunked = False
         self._bucket: int | None = conn.pool.deadlines.add(self, deadline)  # its deadline bucket
 
     # --- what callers read -------------------------------------------------------------
@@ -265,13 +255,25 @@ class UpstreamResponse:
             self.reason = reason.decode("latin-1")
 
     def on_header(self, name: bytes, value: bytes) -> None:
+        # Called for every header of every answer: kept short. The line limit is checked once the
+        # head is complete (feed bounds its bytes, so the list stays small meanwhile).
         if self.status or self._error is not None:
             return
-        self._head_lines += 1
-        if self._head_lines > MAX_HEAD_LINES:
-            self._head_too_large()
-            return
-        self.raw_headers.append((name.decode("latin-1"), header_text(value)))
+        n = len(name)
+        if n == 14 or n == 17:  # len("content-length"), len("transfer-encoding"): the framing headers
+            lname = name.lower()
+            if lname == b"content-length" and value.strip().isdigit():
+                self.content_length = int(value)
+            elif lname == b"transfer-encoding" and b"chunked" in value.lower():
+                self._chunked = True
+        # The value as text, never failing: UTF-8 when it is (aiohttp writes headers back as UTF-8,
+        # so a relayed value keeps its bytes), else latin-1 (one char per byte, no surrogates that
+        # would break a JSON encoder downstream).
+        try:
+            text = value.decode("utf-8")
+        except UnicodeDecodeError:
+            text = value.decode("latin-1")
+        self.raw_headers.append((name.decode("latin-1"), text))
 
     def _head_too_large(self) -> None:
         self.raw_headers = []
@@ -287,15 +289,14 @@ class UpstreamResponse:
             # 1xx interim answer (100 Continue, 103 Early Hints): the real one follows.
             self.raw_headers = []
             self.reason = ""
+            self.content_length = None
+            self._chunked = False
+            return
+        if len(self.raw_headers) > MAX_HEAD_LINES:
+            self._head_too_large()
             return
         self.status = status
-        chunked = False
-        for k, v in self.raw_headers:
-            lk = k.lower()
-            if lk == "content-length" and v.strip().isdigit():
-                self.content_length = int(v)
-            elif lk == "transfer-encoding" and "chunked" in v.lower():
-                chunked = True
+        chunked = self._chunked
         self._keep_alive = bool(self._parser.should_keep_alive())
         no_body = self._method == "HEAD" or status in (204, 304)
         self._until_close = not no_body and not chunked and self.content_length is None
@@ -496,7 +497,9 @@ class NodePool:
 
     def _render(self, method: str, tail: str, headers: Headers, body: bytes) -> bytes:
         lines = [f"{method} {self.base_path}{tail} HTTP/1.1"]
-        lines += [f"{k}: {v}" for k, v in (headers.items() if isinstance(headers, Mapping) else headers)]
+        # map(": ".join, pairs): each "Name: value" line built in C, not one f-string per header
+        lines += map(": ".join, headers if isinstance(headers, list) else
+                     headers.items() if isinstance(headers, Mapping) else headers)
         if self.auth is not None and not any(line[:14].lower() == "authorization:" for line in lines):
             lines.append(f"Authorization: {self.auth}")
         if body or method not in ("GET", "HEAD"):

@@ -74,7 +74,10 @@ def state(rt: Runtime) -> dict[str, Any]:
                     "full_slots": full, "ramping": left is not None,
                     "full_in_sec": None if left is None else round(left, 1),
                     # Cost and capacity (docs/CONFIG.md#cost-and-capacity): None when the node has no capacity.
-                    "capacity": ns.cfg.capacity, "capacity_used": round(sched.capacity_used.get(n, 0.0), 3)}
+                    "capacity": ns.cfg.capacity, "capacity_used": round(sched.capacity_used.get(n, 0.0), 3),
+                    # Multi-model nodes (docs/CONFIG.md#multi-model-nodes): models null = it declares none.
+                    "models": ns.models.listed(ns.cfg), "warm": list(ns.models.warm or ()),
+                    "warm_models": ns.cfg.warm_models}
     return {
         "config": {"version": rt.version, "loaded_at": rt.loaded_at, "last_error": rt.last_error},
         "routes": routes,

@@ -32,9 +32,10 @@ class RedisServer:
     """One redis-server process; ``kill`` and ``start`` again on the same port (empty, as a
     Redis without persistence comes back)."""
 
-    def __init__(self, tmp: Path):
+    def __init__(self, tmp: Path, persistence: tuple[str, ...] = ("--save", "", "--appendonly", "no")):
         self.port = free_port()
         self.dir = tmp
+        self.persistence = persistence  # `kilolined check` warns when a test turns it on
         self.proc: subprocess.Popen[bytes] | None = None
 
     @property
@@ -43,7 +44,7 @@ class RedisServer:
 
     def start(self) -> None:
         self.proc = subprocess.Popen(
-            ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+            ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", *self.persistence,
              "--dir", str(self.dir), "--daemonize", "no", "--loglevel", "warning"],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         deadline = time.monotonic() + 10

@@ -254,3 +254,14 @@ async def test_run_serves_and_stops_on_sigterm(tmp_path: Path) -> None:
                     p.kill()
                     p.wait()
     assert gpu.returncode == 0
+
+
+def test_check_passes_the_multi_model_keys(tmp_path: Path) -> None:
+    good = tmp_path / "models.yaml"
+    good.write_text(yaml.safe_dump({
+        "nodes": {"box": {"url": "http://127.0.0.1:1", "models": ["a", "b"], "warm_models": 1},
+                  "disc": {"url": "http://127.0.0.1:2", "models": "discover"}},
+        "routes": {"llm": {"path": "/v1", "kind": "openai", "nodes": ["box", "disc"], "max_swap_bypass": 4}},
+    }))
+    r = kl("check", "-c", str(good))
+    assert r.returncode == 0 and r.stdout.startswith("ok:"), r.stdout + r.stderr

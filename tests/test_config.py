@@ -337,3 +337,32 @@ def test_client_side_limits_defaults() -> None:
     errs = errors_of(dump(minimal(server={"max_connections": 0, "header_timeout_sec": 0})))
     assert any(e.startswith("server.max_connections:") for e in errs)
     assert any(e.startswith("server.header_timeout_sec:") for e in errs)
+
+
+# --- multi-model nodes (docs/CONFIG.md#multi-model-nodes) ---------------------------------------
+
+
+def test_models_warm_models_and_max_swap_bypass() -> None:
+    cfg = parse_config(dump(minimal(
+        nodes={"box": {"url": "http://h:1", "models": ["qwen2.5-coder:32b", "llama3.3:70b"], "warm_models": 2},
+               "disc": {"url": "http://h:2", "models": "discover"}},
+        routes={"gen": {"path": "/v1", "kind": "openai", "nodes": ["box", "disc"], "max_swap_bypass": 0}})), env={})
+    assert cfg.nodes["box"].models == ["qwen2.5-coder:32b", "llama3.3:70b"] and cfg.nodes["box"].warm_models == 2
+    assert cfg.nodes["disc"].models == "discover" and cfg.nodes["disc"].warm_models == 1
+    assert cfg.routes["gen"].max_swap_bypass == 0
+    plain = parse_config(dump(minimal()), env={})
+    assert plain.nodes["gpu"].models is None and plain.routes["gen"].max_swap_bypass == 4
+
+
+@pytest.mark.parametrize(("node", "route", "want"), [
+    ({"models": "discovery"}, {}, 'nodes.gpu.models: must be a list of model names or "discover"'),
+    ({"models": []}, {}, "nodes.gpu.models: must name at least one model"),
+    ({"models": ["a", "a"]}, {}, "nodes.gpu.models: model listed twice: a"),
+    ({"models": [" "]}, {}, "nodes.gpu.models: a model name may not be empty"),
+    ({"warm_models": 0}, {}, "nodes.gpu.warm_models:"),
+    ({}, {"max_swap_bypass": -1}, "routes.gen.max_swap_bypass:"),
+])
+def test_bad_multi_model_keys_name_their_path(node: dict[str, Any], route: dict[str, Any], want: str) -> None:
+    errs = errors_of(dump(minimal(nodes={"gpu": {"url": "http://127.0.0.1:8188", **node}},
+                                  routes={"gen": {"path": "/gen", "nodes": ["gpu"], **route}})))
+    assert any(e.startswith(want) for e in errs), errs

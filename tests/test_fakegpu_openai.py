@@ -9,6 +9,8 @@ from typing import Any
 import aiohttp
 from fakegpu_util import MakeGPU, eventually, make_gpu, sse_data
 
+from kilolined.cli import build_parser
+
 __all__ = ["make_gpu"]  # the fixture, imported for pytest
 
 CHAT = {"model": "fake-llm", "messages": [{"role": "user", "content": "hello there big world"}]}
@@ -156,3 +158,60 @@ async def test_openai_model_retrieve(make_gpu: MakeGPU, http: aiohttp.ClientSess
     async with http.get(gpu.url + "/v1/models/other") as r:
         assert r.status == 404 and (await r.json())["error"]["type"] == "not_found_error"
     assert gpu.stats["served"] == 0  # no GPU work
+
+
+# --- multi-model mode: --models a,b,c --swap-ms N --warm-models K -------------------------------
+
+
+async def test_multi_model_fake_swaps_lists_and_answers_running(make_gpu: MakeGPU,
+                                                                http: aiohttp.ClientSession) -> None:
+    gpu = await make_gpu("openai", models=["a", "b", "c"], swap_ms=10, warm_models=2, steps=1, step_ms=1)
+
+    async def running() -> list[tuple[str, str]]:
+        async with http.get(gpu.url + "/running") as r:
+            doc = await r.json()
+        # llama-swap's shape: every field of its runningModel, sorted by model id.
+        assert all(set(e) == {"model", "state", "cmd", "proxy", "ttl", "name", "description"} for e in doc["running"])
+        return [(e["model"], e["state"]) for e in doc["running"]]
+
+    assert await running() == [("a", "ready")]  # the first model is warm at start
+    async with http.get(gpu.url + "/v1/models") as r:
+        assert [m["id"] for m in (await r.json())["data"]] == ["a", "b", "c"]
+    for model in ["a", "b", "a", "c", "b"]:  # swaps: b, c (evicts b), b (evicts a)
+        async with http.post(gpu.url + "/v1/chat/completions", json={**CHAT, "model": model}) as r:
+            assert r.status == 200 and (await r.json())["model"] == model
+    assert gpu.stats["swaps"] == 3 and gpu.stats["warm"] == ["c", "b"]
+    assert await running() == [("b", "ready"), ("c", "ready")]
+    async with http.post(gpu.url + "/v1/chat/completions", json={**CHAT, "model": "zeta"}) as r:
+        assert r.status == 404 and (await r.json())["error"]["type"] == "not_found_error"
+    assert "vram_used_gb" in gpu.stats and "peak_vram_gb" in gpu.stats
+
+
+async def test_a_swap_comes_before_the_first_byte(make_gpu: MakeGPU, http: aiohttp.ClientSession) -> None:
+    gpu = await make_gpu("openai", models=["a", "b"], swap_ms=60_000, steps=1, step_ms=1)
+    got_head = asyncio.Event()
+
+    async def ask() -> None:
+        async with http.post(gpu.url + "/v1/chat/completions", json={**CHAT, "model": "b", "stream": True}):
+            got_head.set()
+
+    task = asyncio.create_task(ask())
+
+    async def loading() -> bool:
+        async with http.get(gpu.url + "/running") as r:
+            return [(e["model"], e["state"]) for e in (await r.json())["running"]] == [("a", "ready"),
+                                                                                       ("b", "starting")]
+
+    for _ in range(200):
+        if await loading():
+            break
+        await asyncio.sleep(0.02)
+    assert await loading() and not got_head.is_set()  # loading b: not a byte of the answer yet
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+
+
+def test_fakegpu_cli_takes_the_multi_model_options() -> None:
+    args = build_parser().parse_args(["fakegpu", "--kind", "openai", "--models", "a,b,c", "--swap-ms", "3000",
+                                      "--warm-models", "2"])
+    assert (args.models, args.swap_ms, args.warm_models) == ("a,b,c", 3000, 2)

@@ -31,6 +31,7 @@ import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
 from kilolined.cluster import scripts
+from kilolined.cluster.leader import Leadership
 from kilolined.cluster.split import alive, share
 from kilolined.cluster.view import ClusterView, Peer
 from kilolined.config import ClusterConfig, Config, NodeConfig, RouteConfig, split_listen
@@ -83,9 +84,10 @@ class ClusterLeases:
         self.redis = aioredis.Redis(connection_pool=pool)
         self._redis: aioredis.Redis | None = self.redis
         self._scripts: dict[str, Any] = {}
-        self._was_leader = False
+        #: who leads (kilolined/cluster/leader.py runs the election); it decides who says
+        #: cluster_degraded and cluster_restored
+        self.leadership = Leadership(gateway_id, cfg.lease_ttl_sec)
         self._seen: dict[str, float] = {}  # other gateway id -> when it was last seen alive (our clock)
-        self._restored_pending = False
         # The cluster's queues as the views see them (queue.WaitingElsewhere), re-read every
         # POSITIONS_SEC: waiting per route, per client key, and our tickets' positions by tid.
         self._depth: dict[str, int] = {}
@@ -134,9 +136,10 @@ class ClusterLeases:
 
     # --- the LeaseStore calls ---------------------------------------------------------------
     def admit(self, route: str, key: str, priority: int, now: float, *, pinned_node: str | None = None,
-              cost: float = 0.0) -> Ticket:
+              cost: float = 0.0, model: str | None = None) -> Ticket:
+        # Model affinity and collation are per gateway (docs/CLUSTER.md): the model rides along unused.
         if not self.view.redis_up:
-            t = self.sched.admit(route, key, priority, now, pinned_node=pinned_node, cost=cost)
+            t = self.sched.admit(route, key, priority, now, pinned_node=pinned_node, cost=cost, model=model)
             self._local.add(t)
             return t
         rq = self.sched.routes[route]
@@ -146,7 +149,7 @@ class ClusterLeases:
             raise Rejected(422, "exceeds_capacity",
                            f"request costs {cost:g}, more than the largest capacity of route {route}'s nodes "
                            f"({limit:g})")
-        t = Ticket(next(self._seq), route, key, priority, now, pinned_node=pinned_node, cost=cost)
+        t = Ticket(next(self._seq), route, key, priority, now, pinned_node=pinned_node, cost=cost, model=model)
         t.deadline = now + rq.cfg.queue_timeout_sec
         return t
 
@@ -401,16 +404,6 @@ class ClusterLeases:
         ttl_ms = int(self.cfg.lease_ttl_sec * 1000)
         grants, lost, peers = await self._call("BEAT", ttl_ms, self.view.gateway_id, self.version(),
                                                orjson.dumps(views).decode(), *stale)
-        assert self._redis is not None
-        # The leader: one gateway at a time holds this key (it renews it; a dead one's lapses).
-        key = self.prefix + "leader"
-        if await self._redis.set(key, self.view.gateway_id, nx=True, px=ttl_ms):
-            self.view.leader = self.view.gateway_id
-        else:
-            cur = _s(await self._redis.get(key) or b"")
-            if cur == self.view.gateway_id:
-                await self._redis.pexpire(key, ttl_ms)
-            self.view.leader = cur or None
         self._grants(grants)
         for tid in lost:
             t = self._tickets.get(_s(tid))
@@ -424,13 +417,6 @@ class ClusterLeases:
         self.view.peers = out
         for p in out:
             self._seen[p.id] = max(self._seen.get(p.id, -math.inf), now - p.last_seen_sec)
-        leader = self.view.leader == self.view.gateway_id
-        if self._restored_pending and self.view.leader is not None:
-            # The first leader after the loss says it, once; the others only stop waiting to.
-            self._restored_pending = False
-            if leader:
-                self._notify("cluster_restored", "✓ cluster: Redis is back, the gateways share their state again")
-        self._was_leader = leader
 
     async def _readmit(self, t: Ticket) -> None:
         """A ticket Redis no longer knows (it came back empty): queued again, at the back."""
@@ -476,7 +462,7 @@ class ClusterLeases:
         for t in sorted((t for t in self._tickets.values() if t.state == WAITING), key=lambda x: x.seq):
             self._untrack(t)
             self._adopt(t)
-        if alert and self._was_leader:
+        if alert and self.leadership.redis_lost():
             self._notify("cluster_degraded", f"⚠ cluster: Redis unreachable — {me} goes on alone with "
                          f"a 1/{len(others) + 1} share of every slot")
         self.sched.dispatch(now)
@@ -524,7 +510,7 @@ class ClusterLeases:
             self.sched.cancel(t)
             t.state = WAITING
             self._spawn(self._readmit(t))
-        self._restored_pending = True
+        self.leadership.redis_back()  # the first leader elected now says cluster_restored
         await self._beat()
 
     async def _expire_loop(self) -> None:

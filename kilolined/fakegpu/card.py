@@ -1,4 +1,4 @@
-"""The simulated card behind `kilolined fakegpu` (docs/CONFIG.md, "The simulated GPU").
+"""The simulated card behind `kilolined fakegpu` (docs/BACKENDS.md, "The simulated GPU").
 
 It behaves like a rented 24 GB card: every running job holds `job_vram_gb` (with
 `capacity_mode="request"`: what its request implies, from the kind's backend), and the job that
@@ -93,6 +93,8 @@ class Card:
         progress_min_sec: float = 0.0,
         capacity_mode: str = "fixed",
         models: list[str] | None = None,
+        swap_ms: float = 0.0,
+        warm_models: int = 1,
     ) -> None:
         if not (is_number(vram_gb) and vram_gb > 0 and is_number(job_vram_gb) and job_vram_gb >= 0):
             raise ValueError("vram_gb must be > 0 and job_vram_gb >= 0")
@@ -104,9 +106,13 @@ class Card:
             raise ValueError("ctx_size must be an int >= 1 and progress_min_sec a number >= 0")
         if capacity_mode not in ("fixed", "request"):
             raise ValueError("capacity_mode must be fixed or request")
+        if not (is_number(swap_ms) and swap_ms >= 0 and is_int(warm_models) and warm_models >= 1):
+            raise ValueError("swap_ms must be a number >= 0 and warm_models an int >= 1")
         self.kind = kind
         self.capacity_mode = capacity_mode
         self.models = list(models) if models else None  # openai: the model ids it lists (default: one)
+        self.swap_ms = float(swap_ms)  # openai with models: time to load a model that is not warm
+        self.warm_models = warm_models  # openai with models: how many stay loaded at once
         self.host = host
         self.port = port
         self.vram_gb = float(vram_gb)

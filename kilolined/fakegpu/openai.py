@@ -8,10 +8,16 @@ asks for it (one extra chunk with empty `choices`, as OpenAI and vLLM do), and i
 llama.cpp's `llama-server` does when started with `--api-key` (401 "Invalid API Key", the health
 and model list stay public) or given a prompt as long as its context (400
 `exceed_context_size_error` with `n_prompt_tokens` and `n_ctx`, streaming or not).
+
+With `models` it is a multi-model server as llama-swap and Ollama are: it holds `warm_models` of
+them loaded (the first at start), a request for another one waits `swap_ms` before its first byte
+while that model replaces the least recently used, and `GET /running` answers as llama-swap's
+does. A model it does not list is a 404, as Ollama answers.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 import uuid
@@ -21,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 from aiohttp import web
 
 from kilolined.fakegpu.base import is_int, read_json, sse_headers
-from kilolined.fakegpu.card import Backend
+from kilolined.fakegpu.card import Backend, Card
 
 if TYPE_CHECKING:
     from kilolined.fakegpu.base import Job
@@ -38,7 +44,7 @@ ERROR_TYPES = {
     503: "unavailable_error",
 }
 # llama.cpp answers these without a key even when it was started with --api-key.
-PUBLIC_PATHS = frozenset({"/health", "/v1/health", "/models", "/v1/models"})
+PUBLIC_PATHS = frozenset({"/health", "/v1/health", "/models", "/v1/models", "/running"})
 
 
 def openai_error(status: int, message: str, param: str | None = None) -> web.Response:
@@ -82,8 +88,18 @@ def count_prompt_tokens(messages: list[Any]) -> int:
 
 
 class OpenAIBackend(Backend):
+    def __init__(self, gpu: Card) -> None:
+        super().__init__(gpu)
+        models = gpu.models or []
+        self.warm: list[str] = models[:1]  # loaded, least recently used first
+        self.loading: set[str] = set()
+        self.swaps = 0
+        self.asked: list[str] = []  # the model of each completion, in the order they came (tests read it)
+        self._swap_lock = asyncio.Lock()  # one model loads at a time, as on one card
+
     def add_routes(self, app: web.Application) -> None:
         app.router.add_post("/v1/chat/completions", self.chat)
+        app.router.add_get("/running", self.running)
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/v1/models/{model_id:.+}", self.model)
         app.router.add_get("/health", self.health)
@@ -91,6 +107,32 @@ class OpenAIBackend(Backend):
 
     def error_response(self, status: int, message: str) -> web.Response:
         return openai_error(status, message)
+
+    def extra_stats(self) -> dict[str, Any]:
+        return {"swaps": self.swaps, "warm": list(self.warm)} if self.gpu.models else {"swaps": 0}
+
+    async def running(self, request: web.Request) -> web.Response:
+        """llama-swap's `GET /running`: every process not stopped, sorted by model id."""
+        states = {m: "ready" for m in self.warm} | {m: "starting" for m in self.loading}
+        entries = [{"model": m, "state": st, "cmd": "", "proxy": "", "ttl": 0, "name": "", "description": ""}
+                   for m, st in sorted(states.items())]
+        return web.json_response({"running": entries})
+
+    async def load(self, model: str) -> bool:
+        """Make `model` warm; returns whether that was a swap (it took `swap_ms`)."""
+        async with self._swap_lock:
+            if model in self.warm:
+                self.warm.remove(model)
+                self.warm.append(model)
+                return False
+            self.loading.add(model)
+            try:
+                await asyncio.sleep(self.gpu.swap_ms / 1000)
+            finally:
+                self.loading.discard(model)
+            self.warm = [*self.warm, model][-self.gpu.warm_models:]
+            self.swaps += 1
+            return True
 
     def screen(self, request: web.Request) -> web.Response | None:
         key = self.gpu.api_key
@@ -142,6 +184,12 @@ class OpenAIBackend(Backend):
         prompt_tokens = count_prompt_tokens(messages)
         if prompt_tokens >= gpu.ctx_size:  # llama.cpp compares the prompt alone, `>=`
             return context_exceeded(prompt_tokens, gpu.ctx_size)
+        if gpu.models:
+            model = body.get("model")
+            if not isinstance(model, str) or model not in gpu.models:
+                return openai_error(404, f"model '{model}' not found", "model")
+            self.asked.append(model)
+            await self.load(model)  # before the first byte, as llama-swap starts the model's server
         stream_options = body.get("stream_options")
         call = _Call(
             id=f"chatcmpl-{uuid.uuid4().hex[:24]}",
