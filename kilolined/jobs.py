@@ -372,7 +372,7 @@ class Jobs:
         urls = job.urls()
         cost = {"cost": ticket.cost} if rq.cfg.cost is not None else {}  # docs/CONFIG.md#cost-and-capacity
         job.emit("queued", {"job_id": job.id, "route": job.route_label, "position": position,
-                            "queue_depth": len(rq.waiting), "est_wait_sec": est, **cost,
+                            "queue_depth": rt.scheduler.depth(rq), "est_wait_sec": est, **cost,
                             "events_url": urls["events_url"], "result_url": urls["result_url"]})
         job.task = rt.spawn(self._run(job, ex, adapter))
         call.headers["X-KiloLine-Job"] = job.id
@@ -600,7 +600,7 @@ class Jobs:
         est = None if mean is None or not slots or pos is None else round(pos * mean / slots, 2)
         job.last_est = est
         job.emit("queue_status", {
-            "position": pos, "queue_depth": len(rq.waiting), "est_wait_sec": est,
+            "position": pos, "queue_depth": sched.depth(rq), "est_wait_sec": est,
             "waiting_for_node": not sched.usable(rq, now) if not slots else False,
         })
 

@@ -392,7 +392,7 @@ class LeaseScope:
         rt.stats.gpu_seconds += held
         rt.metrics.upstream.labels(rt.route_label(lease.route), lease.node).observe(held)
         if self.key is not None:
-            rt.budgets.add(self.key, time.time(), gpu_seconds=held)
+            (rt.shared_limits or rt.budgets).add(self.key, time.time(), gpu_seconds=held)
         # A freed slot changes no node state, hence no route mode: dispatching is all there is to
         # do (node events and the pump call wake() for the rest).
         rt.leases.dispatch(now)

@@ -71,7 +71,7 @@ class _LiveGauges(Collector):
         for name, rq in sched.routes.items():
             if rq.name.startswith("adhoc:"):
                 continue
-            depth.add_metric([name], len(rq.waiting))
+            depth.add_metric([name], sched.depth(rq))
             for n in rq.all_nodes:
                 ns = sched.nodes.get(n)
                 if ns is None:

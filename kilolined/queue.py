@@ -23,6 +23,7 @@ import math
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import Protocol
 
 from kilolined.config import RouteConfig
 from kilolined.nodes import NodeState
@@ -297,10 +298,22 @@ class RouteQueue:
 # --- the scheduler -----------------------------------------------------------------------------
 
 
+class WaitingElsewhere(Protocol):
+    """The waiting requests a shared lease store holds instead of this scheduler (cluster mode):
+    their ranks and counts, for the views."""
+
+    def position(self, t: Ticket) -> int | None: ...
+    def positions(self, route: str) -> dict[int, int]: ...
+    def depth(self, route: str) -> int: ...
+    def by_key(self, route: str) -> dict[str, int]: ...
+
+
 class Scheduler:
     """All routes' queues and all nodes' slots; the only place where leases are made."""
 
     def __init__(self) -> None:
+        #: cluster mode: the waiting requests the cluster lease store holds (they count in the views)
+        self.elsewhere: WaitingElsewhere | None = None
         self.routes: dict[str, RouteQueue] = {}
         self.nodes: dict[str, NodeState] = {}
         self.node_inflight: Counter[str] = Counter()
@@ -708,13 +721,25 @@ class Scheduler:
     def position(self, t: Ticket, now: float) -> int | None:
         if t.state != WAITING:
             return None
+        if self.elsewhere is not None and (p := self.elsewhere.position(t)) is not None:
+            return p
         for i, x in enumerate(self.routes[t.route].waiting.order(now), 1):
             if x is t:
                 return i
         return None
 
     def positions(self, route: str, now: float) -> dict[int, int]:
-        return {t.seq: i for i, t in enumerate(self.routes[route].waiting.order(now), 1)}
+        local = {t.seq: i for i, t in enumerate(self.routes[route].waiting.order(now), 1)}
+        return local if self.elsewhere is None else {**local, **self.elsewhere.positions(route)}
+
+    def depth(self, rq: RouteQueue) -> int:
+        """Waiting requests of the route: this scheduler's and (cluster mode) the cluster's."""
+        return len(rq.waiting) + (self.elsewhere.depth(rq.name) if self.elsewhere is not None else 0)
+
+    def waiting_by_key(self, rq: RouteQueue) -> dict[str, int]:
+        if self.elsewhere is None:
+            return dict(rq.by_key)
+        return dict(rq.by_key + Counter(self.elsewhere.by_key(rq.name)))
 
     def update_modes(self, now: float) -> list[tuple[str, str, str]]:
         """Recompute each route's mode; returns (route, old, new) for every change."""

@@ -355,7 +355,7 @@ class Runtime:
 
     def _mode_changed(self, route: str, old: str, new: str) -> None:
         rq = self.scheduler.routes[route]
-        queued = len(rq.waiting)
+        queued = self.scheduler.depth(rq)
         if new == "failover":
             targets = ", ".join(n for n in rq.cfg.standby if self.scheduler.nodes[n].available(self.clock()))
             events = [("failover", f"⚡ {route} failing over to {targets} ({queued} queued)")]

@@ -58,7 +58,10 @@ class Server:
                                          version=lambda: rt.version, alert=rt.notify)
             rt.leases, rt.settle = self.cluster, self.cluster.settle
             rt.cluster = self.cluster.view
-            rt.shared_limits = SharedLimits(self.cluster.redis, cfg.cluster.key_prefix, rt.limiter, rt.budgets)
+            c = self.cluster
+            rt.shared_limits = SharedLimits(c.redis, cfg.cluster.key_prefix, rt.limiter, rt.budgets, inst=c.inst,
+                                            gateway_id=c.view.gateway_id, peers=c.alive_peers,
+                                            redis_up=lambda: c.view.redis_up)
             alive_sec = 3 * cfg.cluster.lease_ttl_sec  # a peer seen within this counts as alive
             rt.metrics.registry.register(ClusterGauges(self.cluster.view, lambda: alive_sec))
             self._one_voice(rt, notifier, self.cluster, cfg.cluster.key_prefix, cfg.cluster.lease_ttl_sec)
@@ -103,6 +106,9 @@ class Server:
             await rt.node_sync.start()
         if self.cluster_jobs is not None:
             await self.cluster_jobs.start()
+        if rt.shared_limits is not None and rt.cfg.cluster is not None:
+            rt.shared_limits.start(lambda: [k for k, c in self.rt.cfg.keys.items() if c.budget is not None],
+                                   rt.cfg.cluster.lease_ttl_sec / 3)
         # handler_cancellation: a client that goes away while queued must leave the queue at once.
         # shutdown_timeout is short: shutdown() waits out the grace for in-flight leases itself,
         # and aiohttp would otherwise wait it again, twice, per stuck connection.
@@ -183,6 +189,8 @@ class Server:
         if self.runner is not None:
             with contextlib.suppress(Exception):
                 await self.runner.cleanup()
+        if rt.shared_limits is not None:
+            await rt.shared_limits.stop()  # the last usage to Redis before it is closed
         if rt.node_sync is not None:
             await rt.node_sync.stop()
         if self.leader is not None:

@@ -15,11 +15,11 @@ from kilolined.runtime import Runtime
 
 def route_snapshot(sched: Scheduler, rq: RouteQueue, now: float) -> dict[str, Any]:
     return {
-        "queue_depth": len(rq.waiting),
+        "queue_depth": sched.depth(rq),
         "inflight": sum(rq.inflight.values()),
         "slots": sched.live_slots(rq, now),
-        "waiting_by_key": dict(rq.by_key),
-        "est_wait_sec": sched.est_wait(rq, len(rq.waiting) + 1, now) if rq.waiting else
+        "waiting_by_key": sched.waiting_by_key(rq),
+        "est_wait_sec": sched.est_wait(rq, sched.depth(rq) + 1, now) if sched.depth(rq) else
         sched.est_wait(rq, 0, now),
         "active_nodes": sched.usable(rq, now),
         "mode": rq.mode,
@@ -95,7 +95,7 @@ HISTORY_SERIES = ("queue_depth", "inflight")  # what the dashboard's route chart
 
 def route_series(rt: Runtime) -> dict[str, tuple[int, int]]:
     """One observation of HISTORY_SERIES per configured route (cheap: no estimates)."""
-    return {n: (len(rq.waiting), sum(rq.inflight.values())) for n, rq in rt.scheduler.routes.items()
+    return {n: (rt.scheduler.depth(rq), sum(rq.inflight.values())) for n, rq in rt.scheduler.routes.items()
             if not n.startswith("adhoc:") and not rq.retired}
 
 

@@ -218,7 +218,7 @@ class UsageObserver(StreamParser):
         if tokens:
             self.rt.metrics.tokens.labels(self.route, self.key or "-").inc(tokens)
             if self.key is not None:
-                self.rt.budgets.add(self.key, time.time(), tokens=tokens)
+                (self.rt.shared_limits or self.rt.budgets).add(self.key, time.time(), tokens=tokens)
 
     def _dispatched_wall(self) -> float:
         # dispatched is on the runtime clock; convert to time.monotonic's frame.
@@ -305,12 +305,15 @@ class OpenAIAttempt(HttpAttempt):
         self.key, self.estimate = key, estimate
         self.reserved: int | None = None
 
-    def _reserve(self) -> None:
+    async def _reserve(self) -> None:
         if self.reserved is not None or self.key is None:
             return
         kcfg = self.rt.cfg.keys.get(self.key)
+        budget = kcfg.budget if kcfg else None
         wall = time.time()
-        got = self.rt.budgets.reserve_tokens(self.key, kcfg.budget if kcfg else None, self.estimate, wall)
+        shared = self.rt.shared_limits  # cluster mode: the cluster's spent and reserved tokens
+        got = (await shared.reserve_tokens(self.key, budget, self.estimate, wall) if shared is not None
+               else self.rt.budgets.reserve_tokens(self.key, budget, self.estimate, wall))
         if got is None:
             raise Failure("budget_exhausted", f"daily budget tokens_per_day cannot hold this request "
                           f"(about {self.estimate} tokens)", 429, retry_after=seconds_to_midnight(wall))
@@ -318,9 +321,9 @@ class OpenAIAttempt(HttpAttempt):
 
     def unreserve(self) -> None:
         if self.reserved and self.key is not None:
-            self.rt.budgets.release_tokens(self.key, self.reserved)
+            (self.rt.shared_limits or self.rt.budgets).release_tokens(self.key, self.reserved)
         self.reserved = None
 
     async def __call__(self, lease: Lease) -> UpstreamResponse:
-        self._reserve()
+        await self._reserve()
         return await super().__call__(lease)

@@ -35,12 +35,13 @@ from kilolined.cluster.leader import Leadership
 from kilolined.cluster.split import alive, share
 from kilolined.cluster.view import ClusterView, Peer
 from kilolined.config import ClusterConfig, Config, NodeConfig, RouteConfig, split_listen
-from kilolined.queue import LEASED, WAITING, Lease, Rejected, Scheduler, Ticket
+from kilolined.queue import EPS, FAILED, LEASED, WAITING, Lease, Rejected, Scheduler, Ticket, ramped_capacity
 
 log = logging.getLogger("kilolined")
 WAITED_SEC = 1.0  # a ticket waiting this long has its grant re-read by the heartbeat (lost wake-up)
 EXPIRE_SEC = 0.1  # how often queue timeouts are checked
 CALL_TIMEOUT_SEC = 2.0  # a Redis that does not answer within this is down
+POSITIONS_SEC = 1.0  # how often the cluster-wide positions and queue depths are re-read
 POOL_SIZE = 32  # connections to Redis per gateway
 
 
@@ -87,11 +88,17 @@ class ClusterLeases:
         #: cluster_degraded and cluster_restored
         self.leadership = Leadership(gateway_id, cfg.lease_ttl_sec)
         self._seen: dict[str, float] = {}  # other gateway id -> when it was last seen alive (our clock)
+        # The cluster's queues as the views see them (queue.WaitingElsewhere), re-read every
+        # POSITIONS_SEC: waiting per route, per client key, and our tickets' positions by tid.
+        self._depth: dict[str, int] = {}
+        self._by_key: dict[str, dict[str, int]] = {}
+        self._pos: dict[str, int] = {}
+        sched.elsewhere = self
 
     # --- lifecycle ------------------------------------------------------------------------
     async def start(self) -> None:
         assert self._redis is not None
-        for name in ("ADMIT", "RELEASE", "REQUEUE", "CANCEL", "BEAT", "REGISTER"):
+        for name in ("ADMIT", "RELEASE", "REQUEUE", "CANCEL", "BEAT", "REGISTER", "POSITIONS"):
             self._scripts[name] = self._redis.register_script(getattr(scripts, name))
         try:
             await self._beat()
@@ -102,6 +109,7 @@ class ClusterLeases:
         self._spawn(self._beat_loop())
         self._spawn(self._expire_loop())
         self._spawn(self._listen())
+        self._spawn(self._positions_loop())
 
     async def stop(self) -> None:
         for t in list(self._tasks):
@@ -129,14 +137,20 @@ class ClusterLeases:
     # --- the LeaseStore calls ---------------------------------------------------------------
     def admit(self, route: str, key: str, priority: int, now: float, *, pinned_node: str | None = None,
               cost: float = 0.0, model: str | None = None) -> Ticket:
-        # Cost-aware capacity is per gateway for now: the cluster scripts count slots, not costs.
-        # So are model affinity and collation (docs/CLUSTER.md): the model rides along unused.
+        # Model affinity and collation are per gateway (docs/CLUSTER.md): the model rides along unused.
         if not self.view.redis_up:
             t = self.sched.admit(route, key, priority, now, pinned_node=pinned_node, cost=cost, model=model)
             self._local.add(t)
             return t
+        rq = self.sched.routes[route]
+        # As Scheduler.admit: a request no node of the route could ever hold is refused at once.
+        limit = self.sched.max_capacity(rq, pinned_node) if cost > 0 else None
+        if limit is not None and cost > limit + EPS:
+            raise Rejected(422, "exceeds_capacity",
+                           f"request costs {cost:g}, more than the largest capacity of route {route}'s nodes "
+                           f"({limit:g})")
         t = Ticket(next(self._seq), route, key, priority, now, pinned_node=pinned_node, cost=cost, model=model)
-        t.deadline = now + self.sched.routes[route].cfg.queue_timeout_sec
+        t.deadline = now + rq.cfg.queue_timeout_sec
         return t
 
     async def settle(self, t: Ticket) -> Ticket:
@@ -147,7 +161,8 @@ class ClusterLeases:
         tid = self._track(t)
         call = asyncio.ensure_future(self._call(
             "ADMIT", t.route, self._order_key(t), tid, t.pinned_node or "", self._view_json(t.route),
-            rq.cfg.max_queue_depth, -1 if rq.cfg.max_queued_per_key is None else rq.cfg.max_queued_per_key))
+            rq.cfg.max_queue_depth, -1 if rq.cfg.max_queued_per_key is None else rq.cfg.max_queued_per_key,
+            t.key, 1 if rq.cfg.drop_policy == "drop_oldest" else 0, repr(t.cost)))
         try:
             res = await asyncio.shield(call)
         except asyncio.CancelledError:
@@ -165,13 +180,17 @@ class ClusterLeases:
         if verdict != "ok":
             self._untrack(t)
             waiting = int(res[1])
-            ra = self.sched.retry_after(rq, self.clock())
+            est = self.sched.est_wait(rq, waiting + 1, self.clock())  # the cluster's queue, not ours
+            ra = max(1.0, math.ceil(est)) if est is not None else 1.0
             if verdict == "per_key":
                 raise Rejected(429, "queue_full", f"key already has {waiting} requests waiting on route {t.route}", ra)
-            status = 503 if rq.cfg.drop_policy != "reject_with_429" else 429
+            status = 503 if rq.cfg.drop_policy != "reject_with_429" else 429  # drop_oldest: nothing to drop
             raise Rejected(status, "queue_full", f"queue of route {t.route} is full ({waiting} waiting)", ra)
         heapq.heappush(self._deadlines, (t.deadline, t.seq, t))
-        self._grants(res[2:])
+        self._depth[t.route] = int(res[1])
+        if int(res[2]):
+            self._pos[tid] = int(res[2])
+        self._grants(res[3:])
         return t
 
     async def _undo_admit(self, call: asyncio.Future[Any], tid: str) -> None:
@@ -182,7 +201,7 @@ class ClusterLeases:
         except (RedisError, OSError):
             return
         if _s(res[0]) == "ok":
-            self._grants(res[2:])
+            self._grants(res[3:])
             if self.view.redis_up:
                 await self._remote("CANCEL", tid)
 
@@ -217,7 +236,8 @@ class ClusterLeases:
         heapq.heappush(self._deadlines, (t.deadline, t.seq, t))
         tid = self._tid[t]
         avoid = "," + "".join(n + "," for n in sorted(t.avoid))
-        self._spawn(self._remote("REQUEUE", lid, tid, t.route, self._order_key(t), t.pinned_node or "", avoid))
+        self._spawn(self._remote("REQUEUE", lid, tid, t.route, self._order_key(t, front=True), t.pinned_node or "",
+                                 avoid, t.key, repr(t.cost)))
         return t
 
     def release(self, lease: Lease, now: float, service_time: float | None) -> None:
@@ -274,6 +294,9 @@ class ClusterLeases:
             self._granted(tid, lid, node)
 
     def _granted(self, tid: str, lid: str, node: str) -> None:
+        if lid == "!":
+            self._dropped(tid)
+            return
         t = self._tickets.get(tid)
         if t is not None and t.lease is not None and self._lid.get(t.lease) == lid:
             return  # the same grant twice (pub/sub and the sweep)
@@ -284,12 +307,26 @@ class ClusterLeases:
             self._spawn(self._remote("RELEASE", lid))
             return
         now = self.clock()
-        lease = Lease(t, t.route, node, now, ns.on_dispatch(now))
+        lease = Lease(t, t.route, node, now, ns.on_dispatch(now), cost=t.cost)
         rq.inflight[node] += 1
         self.sched.node_inflight[node] += 1
+        if t.cost:  # mirrored for the views; Scheduler.release takes it off again
+            rq.capacity_used += t.cost
+            self.sched.capacity_used[node] = self.sched.capacity_used.get(node, 0.0) + t.cost
         t.state = LEASED
         t.lease = lease
         self._lid[lease] = lid
+        t.wake()
+
+    def _dropped(self, tid: str) -> None:
+        """drop_oldest: this gateway's ticket was the cluster's oldest waiting when the queue was full."""
+        t = self._tickets.get(tid)
+        if t is None or t.state != WAITING:
+            return
+        self._untrack(t)
+        rq = self.sched.routes[t.route]
+        t.state = FAILED
+        t.error = Rejected(503, "queue_full", "dropped: queue full", self.sched.retry_after(rq, self.clock()))
         t.wake()
 
     async def _remote(self, name: str, *args: str) -> None:
@@ -316,7 +353,7 @@ class ClusterLeases:
                         msg = await ps.get_message(timeout=None)
                         if msg is not None and msg.get("type") == "message":
                             tid, lid, node = _s(msg["data"]).split(" ")
-                            self._granted(tid, lid, node)
+                            self._granted(tid, lid, node)  # or its drop (lid "!")
             except asyncio.CancelledError:
                 raise
             except (RedisError, OSError):
@@ -324,6 +361,42 @@ class ClusterLeases:
             except Exception:
                 log.exception("cluster: grant listener")
                 await asyncio.sleep(1.0)
+
+    # --- the cluster's queues, for the views (queue.WaitingElsewhere) ------------------------
+    def position(self, t: Ticket) -> int | None:
+        tid = self._tid.get(t)
+        return self._pos.get(tid) if tid is not None and self.view.redis_up else None
+
+    def positions(self, route: str) -> dict[int, int]:
+        out = {}
+        for t, tid in self._tid.items():
+            if t.route == route and (p := self._pos.get(tid)) is not None:
+                out[t.seq] = p
+        return out
+
+    def depth(self, route: str) -> int:
+        return self._depth.get(route, 0) if self.view.redis_up else 0
+
+    def by_key(self, route: str) -> dict[str, int]:
+        return self._by_key.get(route, {}) if self.view.redis_up else {}
+
+    async def _positions_loop(self) -> None:
+        while True:
+            await asyncio.sleep(POSITIONS_SEC)
+            if not self.view.redis_up:
+                continue
+            routes = [r for r, rq in self.sched.routes.items() if not rq.retired]
+            try:
+                res = await self._call("POSITIONS", *routes)
+            except (RedisError, OSError):
+                continue  # the heartbeat notices a lost Redis
+            pos: dict[str, int] = {}
+            for route, (waiting, by_key, ranks) in zip(routes, res, strict=True):
+                self._depth[route] = int(waiting)
+                self._by_key[route] = {_s(by_key[i]): int(by_key[i + 1]) for i in range(0, len(by_key), 2)}
+                for i in range(0, len(ranks), 2):
+                    pos[_s(ranks[i])] = int(ranks[i + 1])
+            self._pos = pos
 
     # --- heartbeat, sweep and the loss of Redis ---------------------------------------------
     async def _beat_loop(self) -> None:
@@ -379,20 +452,31 @@ class ClusterLeases:
         log.error("✗ cluster: Redis lost (%s): going on alone with a safe share of every slot", e)
         self._degrade(alert=True)
 
-    def _degrade(self, alert: bool) -> None:
-        self.view.redis_up = False
+    def alive_peers(self) -> list[str]:
+        """The other gateways seen within 3 × lease_ttl_sec: the k of every split while Redis is down."""
         now = self.clock()
         # Remembered here, not read from Redis: a Redis that came back empty forgot the peers.
-        others = alive(((pid, now - at) for pid, at in self._seen.items() if pid != self.view.gateway_id),
-                       3 * self.cfg.lease_ttl_sec)
+        return alive(((pid, now - at) for pid, at in self._seen.items() if pid != self.view.gateway_id),
+                     3 * self.cfg.lease_ttl_sec)
+
+    def _degrade(self, alert: bool) -> None:
+        self.view.redis_up = False
+        self._depth, self._by_key, self._pos = {}, {}, {}
+        now = self.clock()
+        others = self.alive_peers()
         me = self.view.gateway_id
         for name, rq in self.sched.routes.items():
             self._full.setdefault("r:" + name, rq.cfg)
             rq.cfg = rq.cfg.model_copy(update={"max_concurrency": share(rq.cfg.max_concurrency, me, others)})
         for name, ns in self.sched.nodes.items():
+            upd: dict[str, Any] = {}
             if ns.cfg.max_concurrency is not None:
+                upd["max_concurrency"] = share(ns.cfg.max_concurrency, me, others)
+            if ns.cfg.capacity is not None:
+                upd["capacity"] = ns.cfg.capacity / (len(others) + 1)  # a capacity is split evenly
+            if upd:
                 self._full.setdefault("n:" + name, ns.cfg)
-                ns.cfg = ns.cfg.model_copy(update={"max_concurrency": share(ns.cfg.max_concurrency, me, others)})
+                ns.cfg = ns.cfg.model_copy(update=upd)
         # The requests waiting in Redis wait here now, in their order.
         for t in sorted((t for t in self._tickets.values() if t.state == WAITING), key=lambda x: x.seq):
             self._untrack(t)
@@ -425,7 +509,7 @@ class ClusterLeases:
         args: list[str] = []
         for t in held:
             assert t.lease is not None
-            args += [self._track(t), t.route, t.lease.node, self._order_key(t)]
+            args += [self._track(t), t.route, t.lease.node, self._order_key(t), repr(t.cost)]
         lids = await self._call("REGISTER", *args) if args else []
         for t, lid in zip(held, lids, strict=True):
             assert t.lease is not None
@@ -480,12 +564,20 @@ class ClusterLeases:
             self._tickets.pop(tid, None)
         return tid
 
-    def _order_key(self, t: Ticket) -> str:
-        # fifo_fair_lease: one FIFO per key; fifo (and priority, see docs/CLUSTER.md): one FIFO.
-        return t.key if self.sched.routes[t.route].cfg.strategy == "fifo_fair_lease" else ""
+    def _order_key(self, t: Ticket, front: bool = False) -> str:
+        """The Redis queue of the ticket: fifo_fair_lease one per key, priority one per level (the
+        re-queued in their own, served first), fifo one."""
+        strategy = self.sched.routes[t.route].cfg.strategy
+        if strategy == "fifo_fair_lease":
+            return t.key
+        if strategy == "priority":
+            return "!" if front else str(t.priority)
+        return ""
 
-    def _view(self, route: str) -> dict[str, list[list[Any]]]:
-        """This gateway's view of the route's nodes: [name, free-able slots (0: unusable), node cap]."""
+    def _view(self, route: str) -> dict[str, Any]:
+        """This gateway's view of the route's nodes: [name, free-able slots (0: unusable), node cap,
+        capacity now (ramped), capacity] (-1: none); its order: the strategy and the priority aging
+        step (ms), as queue.make_order has them; and whether backfill applies, with max_bypass."""
         now = self.clock()
         rq = self.sched.routes[route]
 
@@ -493,10 +585,14 @@ class ClusterLeases:
             ns = self.sched.nodes[n]
             slots = ns.effective(rq.cfg.max_concurrency, now) if ns.available(now) else 0
             cap = -1 if ns.cfg.max_concurrency is None else ns.effective(ns.cfg.max_concurrency, now)
-            return [n, slots, cap]
+            if ns.cfg.capacity is None:
+                return [n, slots, cap, -1, -1]
+            return [n, slots, cap, ramped_capacity(ns, now), ns.cfg.capacity]
 
         return {"p": [entry(n) for n in rq.cfg.nodes if n in self.sched.nodes],
-                "s": [entry(n) for n in rq.cfg.standby if n in self.sched.nodes]}
+                "s": [entry(n) for n in rq.cfg.standby if n in self.sched.nodes],
+                "o": rq.cfg.strategy, "a": max(1, int(rq.cfg.queue_timeout_sec * 250)),
+                "c": self.sched.costed(rq), "b": rq.cfg.max_bypass}
 
     def _view_json(self, route: str) -> str:
         return orjson.dumps(self._view(route)).decode()

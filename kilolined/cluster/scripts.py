@@ -11,19 +11,32 @@ Keys, all under the prefix P (a single Redis primary; Redis Cluster sharding is 
   P gi:<inst>     hash   id, version, seen (ms) of a gateway instance
   P gt:<inst>     set    the instance's waiting ticket ids
   P gl:<inst>     set    the instance's lease ids
-  P t:<tid>       hash   route, key, gw, pin, avoid (",a,b,"), state (w|l), lease, node, job (its sse/async job)
-  P r:<route>     list   the fair ring: keys with waiting tickets, the one served next first
-  P q:<route>:<k> list   one key's waiting tickets, oldest first
+  P t:<tid>       hash   route, key (its queue), ck (the client's key), gw, pin, avoid (",a,b,"),
+                         at (ms), cost, by (times passed over while the head: backfill),
+                         state (w waiting | l leased | x dropped), lease, node,
+                         job (its sse/async job)
+  P r:<route>     list   the queues with waiting tickets: fifo one (""), fifo_fair_lease one per
+                         client key, the one served next first; priority one per level ("!": the
+                         re-queued, before every level), the best head chosen at each dispatch
+  P q:<route>:<k> list   one queue's waiting tickets, oldest first
+  P w:<route>     zset   the route's waiting tickets by arrival (the oldest: drop_oldest's victim)
   P n:<route>     string waiting tickets of the route
-  P nk:<route>    hash   key -> waiting tickets
-  P v:<route>     string the route's node view (JSON): {"p": [[node, slots, cap]], "s": [...]}
+  P nk:<route>    hash   client key -> waiting tickets
+  P v:<route>     string the route's view (JSON): {"p": [[node, slots, cap, capacity now, capacity]],
+                         "s": [...], "o": strategy, "a": priority aging step (ms), "c": costs can
+                         hold tickets back (backfill), "b": max_bypass}; -1: no such limit
   P in:<route>    hash   node -> leases of the route
   P nin           hash   node -> leases on the node (every route)
-  P l:<lid>       hash   route, node, gw, tid
+  P ncost         hash   node -> the costs of its leases (every route)
+  P l:<lid>       hash   route, node, gw, tid, cost
   P routes        set    routes seen
   P seq           string lease id counter
+  P b:<subj>|<r>  hash   a token bucket: tokens, ts
+  P bu:<key>:<d>  hash   a key's budget spent on UTC day d: requests, tokens, gpu
+  P br:<key>      hash   gateway instance -> tokens it holds reserved for the key
 Grants for another gateway are published on ``P grant:<inst>`` as "tid lid node"; the caller's
-own grants come back in the script's answer.
+own grants come back in the script's answer. A ticket dropped by ``drop_oldest`` travels the
+same way as "tid ! drop" (and the sweep finds it, state x, for a message that was lost).
 """
 
 from __future__ import annotations
@@ -38,11 +51,19 @@ local function now_ms()
   return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 end
 
+local EPS = 1e-9
+local SCAN = 256  -- backfill looks this far down the order for a ticket that fits
+
 local function drop_lease(lid)
-  local l = redis.call('HMGET', P..'l:'..lid, 'route', 'node', 'gw', 'tid')
+  local l = redis.call('HMGET', P..'l:'..lid, 'route', 'node', 'gw', 'tid', 'cost')
   if not l[1] then return false end
   redis.call('HINCRBY', P..'in:'..l[1], l[2], -1)
-  redis.call('HINCRBY', P..'nin', l[2], -1)
+  local cost = tonumber(l[5] or '0') or 0
+  if redis.call('HINCRBY', P..'nin', l[2], -1) <= 0 then
+    redis.call('HDEL', P..'ncost', l[2])  -- 0 again: no float drift
+  elseif cost > 0 then
+    redis.call('HINCRBYFLOAT', P..'ncost', l[2], -cost)
+  end
   redis.call('DEL', P..'l:'..lid)
   redis.call('SREM', P..'gl:'..l[3], lid)
   if redis.call('HGET', P..'t:'..l[4], 'lease') == lid then
@@ -52,13 +73,14 @@ local function drop_lease(lid)
 end
 
 local function unqueue(tid)
-  local t = redis.call('HMGET', P..'t:'..tid, 'route', 'key', 'gw', 'state')
+  local t = redis.call('HMGET', P..'t:'..tid, 'route', 'key', 'gw', 'state', 'ck')
   if not t[1] or t[4] ~= 'w' then return false end
   local q = P..'q:'..t[1]..':'..t[2]
   redis.call('LREM', q, 1, tid)
   if redis.call('LLEN', q) == 0 then redis.call('LREM', P..'r:'..t[1], 1, t[2]) end
   redis.call('DECR', P..'n:'..t[1])
-  redis.call('HINCRBY', P..'nk:'..t[1], t[2], -1)
+  redis.call('HINCRBY', P..'nk:'..t[1], t[5] or '', -1)
+  redis.call('ZREM', P..'w:'..t[1], tid)
   redis.call('SREM', P..'gt:'..t[3], tid)
   redis.call('DEL', P..'t:'..tid)
   return true
@@ -79,7 +101,7 @@ local function reap()
   return #dead
 end
 
-local function enqueue(route, key, tid, gw, pin, avoid, front)
+local function enqueue(route, key, ck, tid, gw, pin, avoid, front, cost)
   local ring = P..'r:'..route
   local q = P..'q:'..route..':'..key
   local fresh = redis.call('LLEN', q) == 0
@@ -92,26 +114,44 @@ local function enqueue(route, key, tid, gw, pin, avoid, front)
     if fresh then redis.call('RPUSH', ring, key) end
   end
   redis.call('INCR', P..'n:'..route)
-  redis.call('HINCRBY', P..'nk:'..route, key, 1)
+  redis.call('HINCRBY', P..'nk:'..route, ck, 1)
   redis.call('SADD', P..'gt:'..gw, tid)
-  redis.call('HSET', P..'t:'..tid, 'route', route, 'key', key, 'gw', gw, 'pin', pin, 'avoid', avoid,
-             'state', 'w')
+  local at = now_ms()
+  redis.call('HSET', P..'t:'..tid, 'route', route, 'key', key, 'ck', ck, 'gw', gw, 'pin', pin, 'avoid', avoid,
+             'at', at, 'cost', cost, 'state', 'w')
+  redis.call('ZADD', P..'w:'..route, redis.call('INCR', P..'wseq'), tid)
 end
 
 local function count(h, f)
   return tonumber(redis.call('HGET', h, f) or '0') or 0
 end
 
-local function can_take(route, e)
-  if e[2] <= 0 or count(P..'in:'..route, e[1]) >= e[2] then return false end
-  return e[3] < 0 or count(P..'nin', e[1]) < e[3]
+-- In-flight costs plus this one within the node's capacity (ramped during slow start), as
+-- queue.Scheduler.fits: a node that holds no cost still takes one that fits its full capacity.
+local function fits(e, cost)
+  local now_cap = tonumber(e[4]) or -1
+  if now_cap < 0 then return true end
+  local used = tonumber(redis.call('HGET', P..'ncost', e[1]) or '0') or 0
+  if used + cost <= now_cap + EPS then return true end
+  return used <= EPS and cost <= (tonumber(e[5]) or now_cap) + EPS
 end
 
-local function least_loaded(route, group, avoid, want_avoided)
+local function could_hold(e, cost)
+  local full = tonumber(e[5]) or -1
+  return full < 0 or cost <= full + EPS
+end
+
+local function can_take(route, e, cost)
+  if e[2] <= 0 or count(P..'in:'..route, e[1]) >= e[2] then return false end
+  if e[3] >= 0 and count(P..'nin', e[1]) >= e[3] then return false end
+  return fits(e, cost)
+end
+
+local function least_loaded(route, group, avoid, want_avoided, cost, blocked)
   local best, best_load = nil, 0
   for _, e in ipairs(group) do
     local avoided = string.find(avoid, ','..e[1]..',', 1, true) ~= nil
-    if avoided == want_avoided and can_take(route, e) then
+    if avoided == want_avoided and not blocked[e[1]] and can_take(route, e, cost) then
       local load = count(P..'nin', e[1])
       if best == nil or load < best_load then best, best_load = e[1], load end
     end
@@ -119,36 +159,43 @@ local function least_loaded(route, group, avoid, want_avoided)
   return best
 end
 
--- The node for a ticket, as queue.Scheduler.choose_node decides it.
-local function choose(route, view, pin, avoid)
+-- The node for a ticket, as queue.Scheduler.choose_node decides it; ``blocked`` nodes are held
+-- for a head that was passed over max_bypass times.
+local function choose(route, view, pin, avoid, cost, blocked)
+  blocked = blocked or {}
   if pin ~= '' then
+    if blocked[pin] then return nil end
     for _, g in ipairs({view.p, view.s}) do
       for _, e in ipairs(g) do
-        if e[1] == pin then return can_take(route, e) and pin or nil end
+        if e[1] == pin then return can_take(route, e, cost) and pin or nil end
       end
     end
     return nil
   end
   for _, g in ipairs({view.p, view.s}) do
-    local n = least_loaded(route, g, avoid, false)
+    local n = least_loaded(route, g, avoid, false, cost, blocked)
     if n then return n end
     for _, e in ipairs(g) do
-      if e[2] > 0 and string.find(avoid, ','..e[1]..',', 1, true) == nil then return nil end
+      if e[2] > 0 and string.find(avoid, ','..e[1]..',', 1, true) == nil and could_hold(e, cost) then
+        return nil
+      end
     end
   end
   local all = {}
   for _, e in ipairs(view.p) do all[#all + 1] = e end
   for _, e in ipairs(view.s) do all[#all + 1] = e end
-  return least_loaded(route, all, avoid, true)
+  return least_loaded(route, all, avoid, true, cost, blocked)
 end
 
-local function grant(route, tid, gw, node)
+local function grant(route, tid, gw, node, cost)
   local lid = tostring(redis.call('INCR', P..'seq'))
-  redis.call('HSET', P..'l:'..lid, 'route', route, 'node', node, 'gw', gw, 'tid', tid)
+  redis.call('HSET', P..'l:'..lid, 'route', route, 'node', node, 'gw', gw, 'tid', tid, 'cost', cost)
   redis.call('HINCRBY', P..'in:'..route, node, 1)
   redis.call('HINCRBY', P..'nin', node, 1)
+  if cost > 0 then redis.call('HINCRBYFLOAT', P..'ncost', node, cost) end
   redis.call('SADD', P..'gl:'..gw, lid)
   redis.call('SREM', P..'gt:'..gw, tid)
+  redis.call('ZREM', P..'w:'..route, tid)
   redis.call('HSET', P..'t:'..tid, 'state', 'l', 'lease', lid, 'node', node)
   local msg = tid..' '..lid..' '..node
   if gw == ME then grants[#grants + 1] = msg else redis.call('PUBLISH', P..'grant:'..gw, msg) end
@@ -161,30 +208,181 @@ local function view_of(route)
   return cjson.decode(v)
 end
 
--- Free slots to waiting tickets, head of each route's fair order first (Scheduler.dispatch).
+-- priority: the queue whose head ranks first, as queue.PriorityOrder ranks them: the re-queued
+-- first, then the highest level + 1 per aging step waited, the one waiting longest on a tie.
+local function best_level(route, ring, view)
+  local best, best_eff, best_at = nil, 0, 0
+  local now = now_ms()
+  for _, key in ipairs(redis.call('LRANGE', ring, 0, -1)) do
+    if key == '!' then return key end
+    local tid = redis.call('LINDEX', P..'q:'..route..':'..key, 0)
+    if not tid then return key end  -- an empty queue: dispatch_route drops it from the ring
+    local at = tonumber(redis.call('HGET', P..'t:'..tid, 'at') or now) or now
+    local eff = (tonumber(key) or 0) + math.floor(math.max(0, now - at) / math.max(1, view.a or 1))
+    if best == nil or eff > best_eff or (eff == best_eff and at < best_at) then
+      best, best_eff, best_at = key, eff, at
+    end
+  end
+  return best
+end
+
+-- The route's waiting tickets in strategy order (the first ``limit`` of each queue; nil: all),
+-- as {tid, queue key}: fifo and fifo_fair_lease round-robin over the queues in ring order,
+-- priority by rank (best_level's): the re-queued first, then level + aging, the oldest first.
+local function order(route, ring, view, prio, limit)
+  local keys = redis.call('LRANGE', ring, 0, -1)
+  local lists = {}
+  for i, key in ipairs(keys) do
+    lists[i] = redis.call('LRANGE', P..'q:'..route..':'..key, 0, limit and limit - 1 or -1)
+  end
+  local out = {}
+  if prio then
+    local now = now_ms()
+    for i, key in ipairs(keys) do
+      for j, tid in ipairs(lists[i]) do
+        local eff, at = math.huge, j - 1e15  -- the re-queued: in their queue's order, before all
+        if key ~= '!' then
+          at = tonumber(redis.call('HGET', P..'t:'..tid, 'at') or now) or now
+          eff = (tonumber(key) or 0) + math.floor(math.max(0, now - at) / math.max(1, view.a or 1))
+        end
+        out[#out + 1] = {tid, key, eff, at}
+      end
+    end
+    table.sort(out, function(x, y) if x[3] ~= y[3] then return x[3] > y[3] end return x[4] < y[4] end)
+    return out
+  end
+  local active = {}
+  for i = 1, #keys do active[i] = i end
+  local j = 1
+  while #active > 0 do
+    local still = {}
+    for _, i in ipairs(active) do
+      local tid = lists[i][j]
+      if tid then
+        out[#out + 1] = {tid, keys[i]}
+        if lists[i][j + 1] then still[#still + 1] = i end
+      end
+    end
+    active = still
+    j = j + 1
+  end
+  return out
+end
+
+-- The rank of a ticket just queued at the back of queue ``key`` (1 = next), without a scan:
+-- round-robin over the ring; priority by level alone (the aging of the others is left to the
+-- next POSITIONS).
+local function rank_of_new(route, key, view)
+  local ring = P..'r:'..route
+  local keys = redis.call('LRANGE', ring, 0, -1)
+  local j = redis.call('LLEN', P..'q:'..route..':'..key)
+  local rank = 0
+  if view.o == 'priority' then
+    local mine = tonumber(key) or 0
+    for _, k in ipairs(keys) do
+      if k == '!' or k == key or (tonumber(k) or 0) > mine then
+        rank = rank + redis.call('LLEN', P..'q:'..route..':'..k)
+      end
+    end
+    return rank
+  end
+  local before = true
+  for _, k in ipairs(keys) do
+    local len = j
+    if k ~= key then len = redis.call('LLEN', P..'q:'..route..':'..k) end
+    rank = rank + math.min(len, j - 1)
+    if before and len >= j then rank = rank + 1 end
+    if k == key then before = false end
+  end
+  return rank
+end
+
+-- Backfill (queue.Scheduler._pick): the head fits nowhere now, so the first later ticket that
+-- fits goes first, on a node not held for a head passed over max_bypass times already.
+local function backfill(route, ring, view, prio, head, head_cost, bypassed)
+  local mb = tonumber(view.b) or 8
+  local blocked = {}
+  local open = false
+  for _, g in ipairs({view.p, view.s}) do
+    for _, e in ipairs(g) do
+      if bypassed >= mb and could_hold(e, head_cost) then blocked[e[1]] = true end
+    end
+  end
+  for _, g in ipairs({view.p, view.s}) do
+    for _, e in ipairs(g) do
+      if not blocked[e[1]] and can_take(route, e, 0) then open = true end
+    end
+  end
+  -- The scan is for cost only: when no open node has a free slot, nothing later fits either.
+  if not open then return false end
+  local n = 0
+  for _, c in ipairs(order(route, ring, view, prio, SCAN)) do
+    n = n + 1
+    if n > SCAN then return false end
+    local tid, key = c[1], c[2]
+    if tid ~= head then
+      local t = redis.call('HMGET', P..'t:'..tid, 'gw', 'pin', 'avoid', 'ck', 'cost')
+      local cost = tonumber(t[5] or '0') or 0
+      local node = choose(route, view, t[2] or '', t[3] or ',', cost, blocked)
+      if node then
+        local q = P..'q:'..route..':'..key
+        redis.call('LREM', q, 1, tid)
+        if redis.call('LLEN', q) == 0 then redis.call('LREM', ring, 1, key) end
+        redis.call('DECR', P..'n:'..route)
+        redis.call('HINCRBY', P..'nk:'..route, t[4] or '', -1)
+        redis.call('HSET', P..'t:'..head, 'by', math.min(bypassed + 1, mb))
+        grant(route, tid, t[1], node, cost)
+        return true
+      end
+    end
+  end
+  return false
+end
+
+-- Free slots to waiting tickets, head of each route's order first (Scheduler.dispatch).
 local function dispatch_route(route)
   local view = view_of(route)
   if not view then return end
   local ring = P..'r:'..route
+  local prio = view.o == 'priority'
   while true do
-    local key = redis.call('LINDEX', ring, 0)
+    local key
+    if prio then key = best_level(route, ring, view) else key = redis.call('LINDEX', ring, 0) end
     if not key then return end
     local q = P..'q:'..route..':'..key
     local tid = redis.call('LINDEX', q, 0)
     if not tid then
-      redis.call('LPOP', ring)
+      redis.call('LREM', ring, 1, key)
     else
-      local t = redis.call('HMGET', P..'t:'..tid, 'gw', 'pin', 'avoid')
-      local node = choose(route, view, t[2] or '', t[3] or ',')
-      if not node then return end
-      redis.call('LPOP', q)
-      if redis.call('LLEN', q) > 0 then redis.call('LMOVE', ring, ring, 'LEFT', 'RIGHT')
-      else redis.call('LPOP', ring) end
-      redis.call('DECR', P..'n:'..route)
-      redis.call('HINCRBY', P..'nk:'..route, key, -1)
-      grant(route, tid, t[1], node)
+      local t = redis.call('HMGET', P..'t:'..tid, 'gw', 'pin', 'avoid', 'ck', 'cost', 'by')
+      local cost = tonumber(t[5] or '0') or 0
+      local node = choose(route, view, t[2] or '', t[3] or ',', cost, nil)
+      if node then
+        redis.call('LPOP', q)
+        if redis.call('LLEN', q) == 0 then redis.call('LREM', ring, 1, key)
+        elseif not prio then redis.call('LMOVE', ring, ring, 'LEFT', 'RIGHT') end
+        redis.call('DECR', P..'n:'..route)
+        redis.call('HINCRBY', P..'nk:'..route, t[4] or '', -1)
+        grant(route, tid, t[1], node, cost)
+      elseif not view.c or not backfill(route, ring, view, prio, tid, cost, tonumber(t[6] or '0') or 0) then
+        return
+      end
     end
   end
+end
+
+-- drop_oldest: the route's oldest waiting ticket, on whichever gateway, leaves for the new one.
+local function drop_oldest(route)
+  local tid = redis.call('ZRANGE', P..'w:'..route, 0, 0)[1]
+  if not tid then return false end
+  local gw = redis.call('HGET', P..'t:'..tid, 'gw')
+  unqueue(tid)
+  -- Kept a while as dropped, so the sweep of its gateway learns it if the message is lost.
+  redis.call('HSET', P..'t:'..tid, 'state', 'x', 'gw', gw)
+  redis.call('PEXPIRE', P..'t:'..tid, 600000)
+  local msg = tid..' ! drop'
+  if gw == ME then grants[#grants + 1] = msg else redis.call('PUBLISH', P..'grant:'..gw, msg) end
+  return true
 end
 
 local function dispatch_all()
@@ -192,33 +390,40 @@ local function dispatch_all()
 end
 """
 
-#: ARGV: P, ME, route, key, tid, pin, view, max_queue_depth, max_queued_per_key (-1: none)
-#: -> {'ok'|'per_key'|'full', waiting, grants...}
+#: ARGV: P, ME, route, key (its queue), tid, pin, view, max_queue_depth, max_queued_per_key (-1:
+#: none), client key, drop_oldest (1|0), cost
+#: -> {'ok'|'per_key'|'full', waiting, position (0: leased at once), grants...}
 ADMIT = COMMON + r"""
-local route, key, tid, pin = ARGV[3], ARGV[4], ARGV[5], ARGV[6]
+local route, key, tid, pin, ck = ARGV[3], ARGV[4], ARGV[5], ARGV[6], ARGV[10]
+local cost = tonumber(ARGV[12]) or 0
 reap()
 redis.call('SET', P..'v:'..route, ARGV[7])
 redis.call('SADD', P..'routes', route)
 local waiting = tonumber(redis.call('GET', P..'n:'..route) or '0')
 local per_key = tonumber(ARGV[9])
-if per_key >= 0 and count(P..'nk:'..route, key) >= per_key then
-  return {'per_key', count(P..'nk:'..route, key)}
+if per_key >= 0 and count(P..'nk:'..route, ck) >= per_key then
+  return {'per_key', count(P..'nk:'..route, ck)}
 end
 if waiting == 0 then
-  local node = choose(route, cjson.decode(ARGV[7]), pin, ',')
+  local node = choose(route, cjson.decode(ARGV[7]), pin, ',', cost, nil)
   if node then
-    redis.call('HSET', P..'t:'..tid, 'route', route, 'key', key, 'gw', ME, 'pin', pin, 'avoid', ',',
-               'state', 'w')
-    grant(route, tid, ME, node)
-    local out = {'ok', 0}
+    redis.call('HSET', P..'t:'..tid, 'route', route, 'key', key, 'ck', ck, 'gw', ME, 'pin', pin, 'avoid', ',',
+               'cost', cost, 'state', 'w')
+    grant(route, tid, ME, node, cost)
+    local out = {'ok', 0, 0}
     for _, g in ipairs(grants) do out[#out + 1] = g end
     return out
   end
 end
-if waiting >= tonumber(ARGV[8]) then return {'full', waiting} end
-enqueue(route, key, tid, ME, pin, ',', false)
+if waiting >= tonumber(ARGV[8]) then
+  if ARGV[11] ~= '1' or not drop_oldest(route) then return {'full', waiting} end
+  waiting = waiting - 1
+end
+enqueue(route, key, ck, tid, ME, pin, ',', false, cost)
 dispatch_all()
-local out = {'ok', waiting + 1}
+local pos = 0
+if redis.call('HGET', P..'t:'..tid, 'state') == 'w' then pos = rank_of_new(route, key, view_of(route)) end
+local out = {'ok', tonumber(redis.call('GET', P..'n:'..route) or '0'), pos}
 for _, g in ipairs(grants) do out[#out + 1] = g end
 return out
 """
@@ -231,12 +436,12 @@ dispatch_all()
 return grants
 """
 
-#: ARGV: P, ME, lid, tid, route, key, pin, avoid -> {grants...}
+#: ARGV: P, ME, lid, tid, route, key (its queue), pin, avoid, client key, cost -> {grants...}
 REQUEUE = COMMON + r"""
 reap()
 drop_lease(ARGV[3])
 redis.call('DEL', P..'t:'..ARGV[4])
-enqueue(ARGV[5], ARGV[6], ARGV[4], ME, ARGV[7], ARGV[8], true)
+enqueue(ARGV[5], ARGV[6], ARGV[9], ARGV[4], ME, ARGV[7], ARGV[8], true, tonumber(ARGV[10]) or 0)
 dispatch_all()
 return grants
 """
@@ -278,6 +483,8 @@ for i = 7, #ARGV do
   local st = redis.call('HMGET', P..'t:'..ARGV[i], 'state', 'lease', 'node', 'gw')
   if st[1] == 'l' and st[4] == ME then
     grants[#grants + 1] = ARGV[i]..' '..st[2]..' '..st[3]
+  elseif st[1] == 'x' then
+    grants[#grants + 1] = ARGV[i]..' ! drop'
   elseif not st[1] then
     lost[#lost + 1] = ARGV[i]
   end
@@ -293,19 +500,21 @@ end
 return {grants, lost, peers}
 """
 
-#: ARGV: P, ME, then (tid, route, node, key) per lease held -> {lid...} in the same order
+#: ARGV: P, ME, then (tid, route, node, key, cost) per lease held -> {lid...} in the same order
 #: (after Redis came back: the leases a gateway holds count again, cluster-wide)
 REGISTER = COMMON + r"""
 local out = {}
-for i = 3, #ARGV, 4 do
+for i = 3, #ARGV, 5 do
   local tid, route, node, key = ARGV[i], ARGV[i + 1], ARGV[i + 2], ARGV[i + 3]
+  local cost = tonumber(ARGV[i + 4]) or 0
   redis.call('HSET', P..'t:'..tid, 'route', route, 'key', key, 'gw', ME, 'pin', '', 'avoid', ',',
              'state', 'w')
   redis.call('SADD', P..'routes', route)
   local lid = tostring(redis.call('INCR', P..'seq'))
-  redis.call('HSET', P..'l:'..lid, 'route', route, 'node', node, 'gw', ME, 'tid', tid)
+  redis.call('HSET', P..'l:'..lid, 'route', route, 'node', node, 'gw', ME, 'tid', tid, 'cost', cost)
   redis.call('HINCRBY', P..'in:'..route, node, 1)
   redis.call('HINCRBY', P..'nin', node, 1)
+  if cost > 0 then redis.call('HINCRBYFLOAT', P..'ncost', node, cost) end
   redis.call('SADD', P..'gl:'..ME, lid)
   redis.call('HSET', P..'t:'..tid, 'state', 'l', 'lease', lid, 'node', node)
   out[#out + 1] = lid
@@ -329,18 +538,108 @@ redis.call('PEXPIRE', k, math.ceil(cap / per_ms) + 60000)
 return {ok, tostring(tokens)}
 """
 
-#: ARGV: P, key id, UTC day, requests_per_day -> 1 taken | 0 exhausted (checked and counted at once)
+#: Budgets, per key and UTC day: ``P bu:<key>:<day>`` hash (requests, tokens, gpu: spent) and
+#: ``P br:<key>`` hash (gateway instance -> tokens it holds reserved for its dispatched
+#: requests; a dead gateway's entry no longer counts and is dropped by the next reservation).
+
+#: ARGV: P, key id, UTC day, requests_per_day, tokens_per_day, gpu_seconds_per_day (-1: none)
+#: -> {spent budget's name or '', requests, tokens, gpu} (checked and the request counted at once)
 BUDGET_TAKE = r"""
-local k = ARGV[1]..'bd:'..ARGV[2]..':'..ARGV[3]
-local n = redis.call('INCR', k)
-redis.call('EXPIRE', k, 172800)
-if n > tonumber(ARGV[4]) then redis.call('DECR', k); return 0 end
-return 1
+local k = ARGV[1]..'bu:'..ARGV[2]..':'..ARGV[3]
+local u = redis.call('HMGET', k, 'requests', 'tokens', 'gpu')
+local req, tok, gpu = tonumber(u[1]) or 0, tonumber(u[2]) or 0, tonumber(u[3]) or 0
+local lr, lt, lg = tonumber(ARGV[4]), tonumber(ARGV[5]), tonumber(ARGV[6])
+local spent = ''
+if lr >= 0 and req >= lr then spent = 'requests_per_day'
+elseif lt >= 0 and tok >= lt then spent = 'tokens_per_day'
+elseif lg >= 0 and gpu >= lg then spent = 'gpu_seconds_per_day' end
+if spent == '' then
+  req = redis.call('HINCRBY', k, 'requests', 1)
+  redis.call('EXPIRE', k, 172800)
+end
+return {spent, tostring(req), tostring(tok), tostring(gpu)}
 """
 
-#: ARGV: P, key id, UTC day -> the request counted by BUDGET_TAKE is given back
-BUDGET_GIVE = r"""
-local k = ARGV[1]..'bd:'..ARGV[2]..':'..ARGV[3]
-if tonumber(redis.call('GET', k) or '0') > 0 then redis.call('DECR', k) end
-return 1
+#: ARGV: P, ME (gateway instance), key id, UTC day, tokens, tokens_per_day
+#: -> {1 reserved | 0 does not fit, tokens spent, tokens reserved by the live gateways}
+BUDGET_RESERVE = r"""
+local P, ME, key = ARGV[1], ARGV[2], ARGV[3]
+local n, limit = tonumber(ARGV[5]), tonumber(ARGV[6])
+local spent = tonumber(redis.call('HGET', P..'bu:'..key..':'..ARGV[4], 'tokens') or '0') or 0
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local rk = P..'br:'..key
+local r = redis.call('HGETALL', rk)
+local held = 0
+for i = 1, #r, 2 do
+  local live = r[i] == ME
+  if not live then
+    local exp = redis.call('ZSCORE', P..'gw', r[i])
+    live = exp and tonumber(exp) > now
+  end
+  if live then held = held + tonumber(r[i + 1]) else redis.call('HDEL', rk, r[i]) end
+end
+if spent + held + n > limit then return {0, tostring(spent), tostring(held)} end
+redis.call('HINCRBY', rk, ME, n)
+return {1, tostring(spent), tostring(held + n)}
+"""
+
+#: ARGV: P, ME, then (key id, UTC day, requests, tokens, gpu seconds, tokens unreserved) per key
+#: -> {requests, tokens, gpu, ...} spent after, per key (usage counted and its reservation ended
+#: in one step, so a budget never looks emptier than it is between the two)
+BUDGET_SETTLE = r"""
+local P, ME = ARGV[1], ARGV[2]
+local out = {}
+for i = 3, #ARGV, 6 do
+  local key = ARGV[i]
+  local k = P..'bu:'..key..':'..ARGV[i + 1]
+  local req, tok, gpu, un = tonumber(ARGV[i + 2]), tonumber(ARGV[i + 3]), tonumber(ARGV[i + 4]),
+    tonumber(ARGV[i + 5])
+  if req ~= 0 then
+    local v = redis.call('HINCRBY', k, 'requests', req)
+    if v < 0 then redis.call('HSET', k, 'requests', 0) end
+  end
+  if tok ~= 0 then redis.call('HINCRBY', k, 'tokens', tok) end
+  if gpu ~= 0 then redis.call('HINCRBYFLOAT', k, 'gpu', ARGV[i + 4]) end
+  if req ~= 0 or tok ~= 0 or gpu ~= 0 then redis.call('EXPIRE', k, 172800) end
+  if un > 0 then
+    local rk = P..'br:'..key
+    if redis.call('HINCRBY', rk, ME, -un) <= 0 then redis.call('HDEL', rk, ME) end
+  end
+  local u = redis.call('HMGET', k, 'requests', 'tokens', 'gpu')
+  out[#out + 1] = u[1] or '0'
+  out[#out + 1] = u[2] or '0'
+  out[#out + 1] = u[3] or '0'
+end
+return out
+"""
+
+#: ARGV: P, ME, route... -> per route {waiting, {client key, waiting, ...}, {tid, position, ...}}
+#: (positions of this gateway's waiting tickets in the cluster's order, for its views)
+POSITIONS = COMMON + r"""
+local mine = ME..':'
+local out = {}
+for i = 3, #ARGV do
+  local route = ARGV[i]
+  local view = view_of(route)
+  local ranks = {}
+  if view then
+    for rank, c in ipairs(order(route, P..'r:'..route, view, view.o == 'priority', nil)) do
+      if string.sub(c[1], 1, #mine) == mine then
+        ranks[#ranks + 1] = c[1]
+        ranks[#ranks + 1] = rank
+      end
+    end
+  end
+  local by_key = {}
+  local nk = redis.call('HGETALL', P..'nk:'..route)
+  for j = 1, #nk, 2 do
+    if tonumber(nk[j + 1]) > 0 then
+      by_key[#by_key + 1] = nk[j]
+      by_key[#by_key + 1] = nk[j + 1]
+    end
+  end
+  out[#out + 1] = {tonumber(redis.call('GET', P..'n:'..route) or '0'), by_key, ranks}
+end
+return out
 """
