@@ -167,6 +167,7 @@ class Job:
     finished_at: float | None = None
     status: str = "queued"
     node: str | None = None
+    swap: bool | None = None  # its last dispatch made the node load the model (None: no model state)
     http_status: int | None = None
     error: dict[str, str] | None = None
     queue_wait: float | None = None
@@ -248,6 +249,7 @@ class JobSink(ModeSink):
             (from_node, reason), self.lost = self.lost, None
             self.rerouted(from_node, lease.node, reason)
         job.node = lease.node
+        job.swap = lease.swap
         job.status = "running"
         if job.started_at is None:
             job.started_at = time.time()
@@ -389,6 +391,7 @@ class Jobs:
             return resp
         finally:
             call.node = job.node or "-"  # the access-log line of an sse request names its node
+            call.swap = job.swap  # and whether it was a swap
 
     def est(self, job: Job, position: int | None) -> float | None:
         rq = self.rt.scheduler.routes.get(job.route)

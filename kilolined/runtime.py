@@ -91,6 +91,7 @@ class Runtime:
         self._retired_sessions: list[aiohttp.ClientSession] = []
         self.pools: dict[str, NodePool] = {}  # the forwarding hot path's keep-alive pools (upstream.py)
         self._health_tasks: dict[str, asyncio.Task[None]] = {}
+        self._models_asked: dict[str, object] = {}  # node -> the ``models`` it was last asked for
         self._tasks: set[asyncio.Task[Any]] = set()
         self._pump: asyncio.Task[None] | None = None
         self.shutting_down = False
@@ -171,6 +172,7 @@ class Runtime:
             c.commit(cfg)
         if self.started:
             self._sync_health_loops()
+            self._ask_models()
             self.wake()
         self.metrics.reloads.labels("ok").inc()
         self.feed.publish("reload", version=version, ok=True)
@@ -200,14 +202,23 @@ class Runtime:
                 if p is not None:
                     p.close_idle()
 
+    def _ask_models(self) -> None:
+        """Ask each multi-model node without a health check for its models once: at start, and
+        after a reload that added it or changed its ``models`` (those with a health check are
+        asked after each one, health.py)."""
+        for name, ns in self.scheduler.nodes.items():
+            if ns.cfg.models is None or ns.cfg.health is not None:
+                self._models_asked.pop(name, None)
+                continue
+            if self._models_asked.get(name) != ns.cfg.models:
+                self._models_asked[name] = ns.cfg.models
+                self.spawn(refresh_models(self.session(name), ns))
+
     # --- lifecycle ----------------------------------------------------------------------
     async def start(self) -> None:
         self.started = True
         self._sync_health_loops()
-        for ns in self.scheduler.nodes.values():
-            if ns.cfg.models is not None and ns.cfg.health is None:
-                # Multi-model nodes with a health check are asked after each one (health.py).
-                self.spawn(refresh_models(self.session(ns.name), ns))
+        self._ask_models()
         self._pump = asyncio.create_task(self._pump_loop(), name="kiloline-pump")
 
     async def stop(self) -> None:

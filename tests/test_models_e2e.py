@@ -82,6 +82,24 @@ async def test_discover_without_a_health_check_asks_once_at_start(fakegpus: Any,
     assert (await post(http, gw, chat("c")))[0] == 404
 
 
+async def test_a_node_a_reload_adds_is_asked_for_its_models(fakegpus: Any, gateway: Any,
+                                                            http: aiohttp.ClientSession) -> None:
+    """No health check: asked once when it appears, whether at start or by a reload."""
+    a: FakeGPU = await fakegpus("openai", models=["a"], **FAST)
+    b: FakeGPU = await fakegpus("openai", models=["b", "c"], **FAST)
+    gw = await gateway(models_config({"x": (a.url, "discover")}))
+    await wait_until(lambda: gw.rt.scheduler.nodes["x"].models.discovered == ("a",))
+    assert (await post(http, gw, chat("c")))[0] == 404
+    cfg = models_config({"x": (a.url, "discover"), "y": (b.url, "discover")})
+    cfg["server"]["listen"] = f"127.0.0.1:{gw.server.port}"
+    gw.write_config(cfg)
+    async with http.post(f"http://127.0.0.1:{gw.server.port}/admin/reload", headers=ADMIN) as r:
+        assert r.status == 200, await r.text()
+    await wait_until(lambda: "y" in gw.rt.scheduler.nodes
+                     and gw.rt.scheduler.nodes["y"].models.discovered == ("b", "c"))
+    assert (await post(http, gw, chat("c")))[0] == 200
+
+
 async def test_a_model_no_node_lists_is_404_at_admission(fakegpus: Any, gateway: Any,
                                                          http: aiohttp.ClientSession) -> None:
     x: FakeGPU = await fakegpus("openai", models=["a", "b"], **FAST)
@@ -162,8 +180,12 @@ async def test_a_swap_shows_in_the_event_the_metric_and_the_access_log(
         text = ""
         while "event: dispatched" not in text or not text.endswith("\n\n"):
             text += (await r.content.readuntil(b"\n\n")).decode()
+        await r.read()  # to the job's end: the sse request's access-log line is written then
     data = text.split("event: dispatched", 1)[1].split("data: ", 1)[1].split("\n", 1)[0]
     assert json.loads(data)["swap"] is True and json.loads(data)["node"] == "box"
+    await wait_until(lambda: len([r for r in caplog.records if r.name == "kilolined.access"]) == 3)
+    sse_line = [rec.getMessage() for rec in caplog.records if rec.name == "kilolined.access"][2]
+    assert (json.loads(sse_line)["swap"] is True) if json_log else (" swap=true" in sse_line), sse_line
     async with http.get(gw.url + "/metrics", headers=ADMIN) as r:
         metrics = await r.text()
     assert 'kiloline_model_swaps_total{node="box"} 2.0' in metrics
