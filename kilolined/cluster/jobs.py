@@ -183,6 +183,9 @@ class ClusterJobs:
             args += ["0", "", "", "", "[]"]
         else:
             args += ["1", res.http_status, res.content_type, res.body, orjson.dumps(res.files)]
+        # The oldest result is the one that finished first, not the one whose write reached Redis
+        # first (two gateways' writers race).
+        args.append(int((job.finished_at or time.time()) * 1000))
         self._op("FINISH", args)
 
     def _op(self, script: str, args: list[Any]) -> None:

@@ -52,7 +52,7 @@ return 1
 """
 
 #: ARGV: P, ME, id, ttl_sec (what is left of result_ttl_sec), cap_bytes, has_result (1|0), status,
-#:       content type, body, files (JSON)
+#:       content type, body, files (JSON), finished at (Unix ms, the gateway's clock)
 #: -> 1 | 0 (job unknown) | -1 (another gateway owns it)
 FINISH = r"""
 local P, ME, id, ttl, cap = ARGV[1], ARGV[2], ARGV[3], tonumber(ARGV[4]), tonumber(ARGV[5])
@@ -68,7 +68,7 @@ if ARGV[6] == '1' then
   -- Written again (RESYNC after Redis was lost): counted once.
   redis.call('DECRBY', P..'jbytes', tonumber(redis.call('HGET', P..'jsz', id) or '0'))
   redis.call('HSET', j, 'r_status', ARGV[7], 'r_ctype', ARGV[8], 'r_body', ARGV[9], 'r_files', ARGV[10])
-  redis.call('ZADD', P..'jres', now, id)
+  redis.call('ZADD', P..'jres', tonumber(ARGV[11]) or now, id)
   redis.call('HSET', P..'jsz', id, #ARGV[9])
   redis.call('INCRBY', P..'jbytes', #ARGV[9])
 end

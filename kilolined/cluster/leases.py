@@ -137,7 +137,8 @@ class ClusterLeases:
     # --- the LeaseStore calls ---------------------------------------------------------------
     def admit(self, route: str, key: str, priority: int, now: float, *, pinned_node: str | None = None,
               cost: float = 0.0, model: str | None = None) -> Ticket:
-        # Model affinity and collation are per gateway (docs/CLUSTER.md): the model rides along unused.
+        # Which nodes serve the model holds in Redis too (the ticket's "only"); warm affinity and
+        # collation are per gateway (docs/CLUSTER.md).
         if not self.view.redis_up:
             t = self.sched.admit(route, key, priority, now, pinned_node=pinned_node, cost=cost, model=model)
             self._local.add(t)
@@ -149,6 +150,9 @@ class ClusterLeases:
             raise Rejected(422, "exceeds_capacity",
                            f"request costs {cost:g}, more than the largest capacity of route {route}'s nodes "
                            f"({limit:g})")
+        if model is not None and not any(self.sched.serves(n, model) for n in
+                                         ([pinned_node] if pinned_node is not None else rq.all_nodes)):
+            raise Rejected(404, "not_found", f"no node of route {route} serves model {model!r}")
         t = Ticket(next(self._seq), route, key, priority, now, pinned_node=pinned_node, cost=cost, model=model)
         t.deadline = now + rq.cfg.queue_timeout_sec
         return t
@@ -162,7 +166,7 @@ class ClusterLeases:
         call = asyncio.ensure_future(self._call(
             "ADMIT", t.route, self._order_key(t), tid, t.pinned_node or "", self._view_json(t.route),
             rq.cfg.max_queue_depth, -1 if rq.cfg.max_queued_per_key is None else rq.cfg.max_queued_per_key,
-            t.key, 1 if rq.cfg.drop_policy == "drop_oldest" else 0, repr(t.cost)))
+            t.key, 1 if rq.cfg.drop_policy == "drop_oldest" else 0, repr(t.cost), self._only(t)))
         try:
             res = await asyncio.shield(call)
         except asyncio.CancelledError:
@@ -237,7 +241,7 @@ class ClusterLeases:
         tid = self._tid[t]
         avoid = "," + "".join(n + "," for n in sorted(t.avoid))
         self._spawn(self._remote("REQUEUE", lid, tid, t.route, self._order_key(t, front=True), t.pinned_node or "",
-                                 avoid, t.key, repr(t.cost)))
+                                 avoid, t.key, repr(t.cost), self._only(t)))
         return t
 
     def release(self, lease: Lease, now: float, service_time: float | None) -> None:
@@ -593,6 +597,15 @@ class ClusterLeases:
                 "s": [entry(n) for n in rq.cfg.standby if n in self.sched.nodes],
                 "o": rq.cfg.strategy, "a": max(1, int(rq.cfg.queue_timeout_sec * 250)),
                 "c": self.sched.costed(rq), "b": rq.cfg.max_bypass}
+
+    def _only(self, t: Ticket) -> str:
+        """The nodes of its route that serve the ticket's model, as the scripts read it: ",a,b,"
+        ("" when it names none, or when every node may take it)."""
+        if t.model is None:
+            return ""
+        nodes = self.sched.routes[t.route].all_nodes
+        able = [n for n in nodes if self.sched.serves(n, t.model)]
+        return "" if len(able) == len(nodes) else "," + "".join(n + "," for n in able)
 
     def _view_json(self, route: str) -> str:
         return orjson.dumps(self._view(route)).decode()
