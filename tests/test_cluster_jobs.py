@@ -186,6 +186,27 @@ async def test_kill9_of_the_gateway_running_a_job(redis_server: RedisServer, gat
     assert len(hooks) == 1 and hooks[0]["type"] == "job.completed", receiver.deliveries
 
 
+async def test_a_running_job_whose_gateway_died_goes_back_to_the_head(
+        redis_server: RedisServer, gateways: list[GatewayProc], gpu: FakeGPU, tmp_path: Path) -> None:
+    """Re-queued after its gateway's loss as after a node failure: before the jobs still waiting."""
+    gateways += make_gateways(2, tmp_path, redis_server.url, gpu.url, max_concurrency=1, retry_on_failover=1)
+    await start_all(gateways)
+    a, b = gateways
+    async with aiohttp.ClientSession() as s:
+        cut = (await submit(s, a, steps=10, step_ms=100))["job_id"]
+        await until_status(s, b, cut, {"running"})
+        waiting = [(await submit(s, b, steps=10, step_ms=100))["job_id"] for _ in range(3)]
+        a.kill9()
+        ended = {}
+        for jid in [cut, *waiting]:
+            ended[jid] = (await until_status(s, b, jid, {"completed", "failed"}, timeout=60))["finished_at"]
+    assert all(st for st in ended.values())
+    # The slot the dead gateway held may go to the first waiting job in the moment it is freed;
+    # the cut job is at the head after that, before the two others.
+    order = sorted(ended, key=lambda j: ended[j])
+    assert order.index(cut) <= 1, (order.index(cut), order)
+
+
 async def test_a_job_cut_by_a_clean_stop_is_carried_on(redis_server: RedisServer, gateways: list[GatewayProc],
                                                        gpu: FakeGPU, receiver: FakeWebhookReceiver,
                                                        tmp_path: Path) -> None:

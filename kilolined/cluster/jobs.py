@@ -510,6 +510,8 @@ class ClusterJobs:
             ticket = self.leases.carry(tid, route, spec["subject"], spec["priority"], deadline=deadline, **args)
         else:
             ticket = rt.admit(route, spec["subject"], spec["priority"], **args)
+            # A running job cut by its gateway's loss is re-queued: at the head, as after a node failure.
+            ticket.requeues = job.ticket.requeues + (1 if running else 0)
             if rt.settle is not None:
                 try:
                     ticket = await rt.settle(ticket)

@@ -163,10 +163,11 @@ class ClusterLeases:
             return t
         rq = self.sched.routes[t.route]
         tid = self._track(t)
+        front = t.requeues > 0  # re-queued (a job whose gateway was lost): the head, as after a node failure
         call = asyncio.ensure_future(self._call(
-            "ADMIT", t.route, self._order_key(t), tid, t.pinned_node or "", self._view_json(t.route),
+            "ADMIT", t.route, self._order_key(t, front=front), tid, t.pinned_node or "", self._view_json(t.route),
             rq.cfg.max_queue_depth, -1 if rq.cfg.max_queued_per_key is None else rq.cfg.max_queued_per_key,
-            t.key, 1 if rq.cfg.drop_policy == "drop_oldest" else 0, repr(t.cost), self._only(t)))
+            t.key, 1 if rq.cfg.drop_policy == "drop_oldest" else 0, repr(t.cost), self._only(t), 1 if front else 0))
         try:
             res = await asyncio.shield(call)
         except asyncio.CancelledError:

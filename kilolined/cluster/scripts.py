@@ -399,7 +399,8 @@ end
 """
 
 #: ARGV: P, ME, route, key (its queue), tid, pin, view, max_queue_depth, max_queued_per_key (-1:
-#: none), client key, drop_oldest (1|0), cost, only (the nodes serving its model: ",a,b,", "" any)
+#: none), client key, drop_oldest (1|0), cost, only (the nodes serving its model: ",a,b,", "" any),
+#: front (1: a re-queued request, at the head of its queue as after a node failure)
 #: -> {'ok'|'per_key'|'full', waiting, position (0: leased at once), grants...}
 ADMIT = COMMON + r"""
 local route, key, tid, pin, ck = ARGV[3], ARGV[4], ARGV[5], ARGV[6], ARGV[10]
@@ -428,7 +429,7 @@ if waiting >= tonumber(ARGV[8]) then
   if ARGV[11] ~= '1' or not drop_oldest(route) then return {'full', waiting} end
   waiting = waiting - 1
 end
-enqueue(route, key, ck, tid, ME, pin, ',', false, cost, only)
+enqueue(route, key, ck, tid, ME, pin, ',', ARGV[14] == '1', cost, only)
 dispatch_all()
 local pos = 0
 if redis.call('HGET', P..'t:'..tid, 'state') == 'w' then pos = rank_of_new(route, key, view_of(route)) end
