@@ -156,7 +156,8 @@ class ClusterJobs:
         t = job.ticket
         spec = orjson.dumps({
             "route": t.route, "subject": t.key, "priority": priority, "pinned": t.pinned_node, "cost": t.cost,
-            "method": ex.method, "tail": ex.tail, "request_id": ex.request_id, "client_ip": ex.client_ip,
+            "model": t.model, "method": ex.method, "tail": ex.tail, "request_id": ex.request_id,
+            "client_ip": ex.client_ip,
             "remote": req.remote, "scheme": req.scheme,
             "headers": [[k, v] for k, v in req.headers.items() if k.lower() not in CREDENTIALS],
         })
@@ -505,7 +506,7 @@ class ClusterJobs:
             return
         waited = time.time() - job.created_at
         deadline = rt.clock() + max(1.0, rq.cfg.queue_timeout_sec - waited)
-        args = {"pinned_node": spec["pinned"], "cost": spec["cost"]}
+        args = {"pinned_node": spec["pinned"], "cost": spec["cost"], "model": spec.get("model")}
         if how in ("w", "l"):
             ticket = self.leases.carry(tid, route, spec["subject"], spec["priority"], deadline=deadline, **args)
         else:

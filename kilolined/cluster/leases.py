@@ -275,9 +275,10 @@ class ClusterLeases:
 
     # --- jobs carried on from a lost gateway (kilolined/cluster/jobs.py) ----------------------
     def carry(self, tid: str, route: str, key: str, priority: int, *, pinned_node: str | None, cost: float,
-              deadline: float) -> Ticket:
+              deadline: float, model: str | None = None) -> Ticket:
         """A lost gateway's waiting ticket, which Redis now counts as this gateway's (same place)."""
-        t = Ticket(next(self._seq), route, key, priority, self.clock(), pinned_node=pinned_node, cost=cost)
+        t = Ticket(next(self._seq), route, key, priority, self.clock(), pinned_node=pinned_node, cost=cost,
+                   model=model)
         t.deadline = deadline
         self._tickets[tid] = t
         self._tid[t] = tid
