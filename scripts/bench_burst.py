@@ -15,7 +15,7 @@ is measured on one clock. Each phase:
 4. open the gate and let the queue drain; every client's outcome is counted; the node's
    max_concurrent (must be exactly 2) and its start/end timeline give the dispatch gaps.
 
-    /work/venv/bin/python scripts/bench_burst.py [--quick] [--clients 2000] [--step-ms 5] [--json out.json]
+    .venv/bin/python scripts/bench_burst.py [--quick] [--clients 2000] [--step-ms 5] [--json out.json]
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ wrk (with a Lua script for the POST and the percentiles) runs on core 1 with the
 under test has core 0 to itself. Reported: p50/p95/p99, requests/s, the proxy's CPU time per
 request, and the ratios gateway/direct and gateway/nginx.
 
-    /work/venv/bin/python scripts/bench_overhead.py [--quick] [--seconds 8] [--rounds 2] [--json out.json]
+    .venv/bin/python scripts/bench_overhead.py [--quick] [--seconds 8] [--rounds 2] [--json out.json]
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ timestamps them, so the client adds next to no lag of its own). After every stre
 - the gateway's RSS at the start and end of the window (the per-job replay log grows with
   every heartbeat/queue_status until REPLAY_KEEP events).
 
-    /work/venv/bin/python scripts/bench_sse.py [--quick] [--jobs 1000] [--window 10] [--json out.json]
+    .venv/bin/python scripts/bench_sse.py [--quick] [--jobs 1000] [--window 10] [--json out.json]
 """
 
 from __future__ import annotations

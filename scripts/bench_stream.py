@@ -6,7 +6,7 @@ The client is curl (-o /dev/null) on core 1; the proxy under test has core 0. Th
 sampled every 20 ms during its transfer (and VmHWM read before and after): a proxy that streams
 must stay flat whatever the size.
 
-    /work/venv/bin/python scripts/bench_stream.py [--quick] [--mb 1024] [--rounds 1] [--json out.json]
+    .venv/bin/python scripts/bench_stream.py [--quick] [--mb 1024] [--rounds 1] [--json out.json]
 """
 
 from __future__ import annotations

@@ -4,11 +4,11 @@ reloads (valid and invalid) and client disconnects, while sync / sse / async tra
 
 At the end it asserts what a gateway owes its clients and its operator:
 
-- every request is accounted for: a 2xx; a SPEC §4.5 error type in a JSON body; a node's own
+- every request is accounted for: a 2xx; an error type of docs/API.md "Errors" in a JSON body; a node's own
   status passed through (X-KiloLine-Node set); an SSE/async job that ended `completed` or
   `failed` with a SPEC type (or `cancelled`); a client-side cancel we did ourselves; or a
   connection cut — only *after* the response headers and only for a request whose node was
-  killed while it ran (SPEC §3.4: no honest error can be written once bytes went out);
+  killed while it ran (docs/API.md: no honest error can be written once bytes went out);
 - no slot leaked: once idle, every route of /admin/state has inflight 0 and queue_depth 0;
 - the gateway's open file descriptors (and, in-process, its asyncio task count) are back to
   the baseline taken before the chaos (keep-alive pools are flushed the same way both times).
@@ -16,7 +16,7 @@ At the end it asserts what a gateway owes its clients and its operator:
 The core, ``run_chaos(env, …)``, is shared by this script (gateway and nodes as subprocesses,
 `--seconds`, default 120) and by tests/test_chaos.py (everything in-process, ~25 s).
 
-    /work/venv/bin/python scripts/chaos.py [--quick] [--seconds 120] [--seed 1] [--json out.json]
+    .venv/bin/python scripts/chaos.py [--quick] [--seconds 120] [--seed 1] [--json out.json]
 """
 
 from __future__ import annotations
@@ -74,7 +74,7 @@ def classify_error(status: int, raw: bytes, node: str | None) -> str:
     if isinstance(err, dict) and err.get("type") in SPEC_TYPES:
         return f"gw:{err['type']}"
     if node:
-        return f"node:{status}"  # the node's own answer, passed through unchanged (SPEC §3.5)
+        return f"node:{status}"  # the node's own answer, passed through unchanged (docs/API.md)
     return f"violation:non-spec error {status} {raw[:80]!r}"
 
 

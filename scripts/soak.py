@@ -8,7 +8,7 @@ after the warm-up), and the idle check (no slot held, nothing queued).
 `jobs.result_ttl_sec` is 60 here, so finished jobs leave memory within a round or two: memory
 kept on purpose (results for their TTL) reaches its plateau early, and what still grows is a leak.
 
-    /work/venv/bin/python scripts/soak.py [--quick] [--minutes 30] [--round-sec 60] [--json out.json]
+    .venv/bin/python scripts/soak.py [--quick] [--minutes 30] [--round-sec 60] [--json out.json]
 """
 
 from __future__ import annotations
