@@ -12,7 +12,8 @@ from typing import Any
 import aiohttp
 import pytest
 from cluster_harness import GatewayProc, RedisServer, gateways, make_gateways, redis_server, start_all
-from conftest import auth
+from conftest import ADMIN, auth
+from test_cluster import until
 
 from kilolined.fakegpu import FakeGPU
 
@@ -57,3 +58,40 @@ async def test_only_a_node_serving_the_model_is_granted_it(redis_server: RedisSe
         assert y.stats["max_concurrent"] <= 2
         status, body = await chat(s, gateways[1], "zeta")
         assert status == 404 and body["error"]["type"] == "not_found" and "'zeta'" in body["error"]["message"]
+
+
+async def warm_of(s: aiohttp.ClientSession, gw: GatewayProc, node: str) -> list[str] | None:
+    async with s.get(gw.url + "/admin/state", headers=ADMIN) as r:
+        st = await r.json()
+    return st["nodes"][node]["warm"]
+
+
+async def test_a_node_where_the_model_is_warm_is_preferred_across_gateways(
+        redis_server: RedisServer, gateways: list[GatewayProc], tmp_path: Path) -> None:
+    """Both nodes serve a and b; x holds a, y holds b (their /running says so). Requests for b,
+    through either gateway, go to y: no swap on x."""
+    x = FakeGPU("openai", models=["a", "b"], swap_ms=50, steps=2, step_ms=10)
+    y = FakeGPU("openai", models=["b", "a"], swap_ms=50, steps=2, step_ms=10)
+    await x.start()
+    await y.start()
+    try:
+        gateways += make_gateways(2, tmp_path, redis_server.url, x.url)
+        two_boxes(gateways, x, y)
+        for g in gateways:
+            g.cfg["nodes"]["x"]["models"] = g.cfg["nodes"]["y"]["models"] = ["a", "b"]
+        await start_all(gateways)
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as s:
+            for g in gateways:
+                await until(lambda g=g: _warm_known(s, g), "warm sets read from /running")
+            for i in range(6):
+                status, _ = await chat(s, gateways[i % 2], "b")
+                assert status == 200
+        assert x.backend.asked == [] and y.backend.asked == ["b"] * 6  # type: ignore[attr-defined]
+        assert x.stats["swaps"] == 0 and y.stats["swaps"] == 0
+    finally:
+        await x.stop()
+        await y.stop()
+
+
+async def _warm_known(s: aiohttp.ClientSession, gw: GatewayProc) -> bool:
+    return await warm_of(s, gw, "x") == ["a"] and await warm_of(s, gw, "y") == ["b"]

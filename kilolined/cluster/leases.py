@@ -167,7 +167,8 @@ class ClusterLeases:
         call = asyncio.ensure_future(self._call(
             "ADMIT", t.route, self._order_key(t, front=front), tid, t.pinned_node or "", self._view_json(t.route),
             rq.cfg.max_queue_depth, -1 if rq.cfg.max_queued_per_key is None else rq.cfg.max_queued_per_key,
-            t.key, 1 if rq.cfg.drop_policy == "drop_oldest" else 0, repr(t.cost), self._only(t), 1 if front else 0))
+            t.key, 1 if rq.cfg.drop_policy == "drop_oldest" else 0, repr(t.cost), self._only(t), 1 if front else 0,
+            self._warm(t)))
         try:
             res = await asyncio.shield(call)
         except asyncio.CancelledError:
@@ -242,7 +243,7 @@ class ClusterLeases:
         tid = self._tid[t]
         avoid = "," + "".join(n + "," for n in sorted(t.avoid))
         self._spawn(self._remote("REQUEUE", lid, tid, t.route, self._order_key(t, front=True), t.pinned_node or "",
-                                 avoid, t.key, repr(t.cost), self._only(t)))
+                                 avoid, t.key, repr(t.cost), self._only(t), self._warm(t)))
         return t
 
     def release(self, lease: Lease, now: float, service_time: float | None) -> None:
@@ -313,7 +314,11 @@ class ClusterLeases:
             self._spawn(self._remote("RELEASE", lid))
             return
         now = self.clock()
-        lease = Lease(t, t.route, node, now, ns.on_dispatch(now), cost=t.cost)
+        # As Scheduler._lease: the node's warm set follows what this gateway sends it, and a swap counts.
+        swap = ns.models.dispatch(ns.cfg, t.model) if ns.cfg.models is not None else None
+        if swap:
+            self.sched.swaps[node] += 1
+        lease = Lease(t, t.route, node, now, ns.on_dispatch(now), cost=t.cost, swap=swap)
         rq.inflight[node] += 1
         self.sched.node_inflight[node] += 1
         if t.cost:  # mirrored for the views; Scheduler.release takes it off again
@@ -599,6 +604,14 @@ class ClusterLeases:
                 "s": [entry(n) for n in rq.cfg.standby if n in self.sched.nodes],
                 "o": rq.cfg.strategy, "a": max(1, int(rq.cfg.queue_timeout_sec * 250)),
                 "c": self.sched.costed(rq), "b": rq.cfg.max_bypass}
+
+    def _warm(self, t: Ticket) -> str:
+        """The nodes where, as this gateway knows, the ticket's model is warm: ",a," ("" when it
+        names none). The scripts rank them first, as Scheduler._least_loaded does."""
+        if t.model is None:
+            return ""
+        return "," + "".join(n + "," for n in self.sched.routes[t.route].all_nodes
+                             if (ns := self.sched.nodes.get(n)) is not None and ns.models.is_warm(t.model))
 
     def _only(self, t: Ticket) -> str:
         """The nodes of its route that serve the ticket's model, as the scripts read it: ",a,b,"

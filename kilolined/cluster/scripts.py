@@ -12,7 +12,8 @@ Keys, all under the prefix P (a single Redis primary; Redis Cluster sharding is 
   P gt:<inst>     set    the instance's waiting ticket ids
   P gl:<inst>     set    the instance's lease ids
   P t:<tid>       hash   route, key (its queue), ck (the client's key), gw, pin, avoid (",a,b,"),
-                         only (",a,b,": the nodes serving its model; "" any),
+                         only (",a,b,": the nodes serving its model; "" any), warm (",a,": where
+                         the admitting gateway knew its model warm),
                          at (ms), cost, by (times passed over while the head: backfill),
                          state (w waiting | l leased | x dropped), lease, node,
                          job (its sse/async job)
@@ -102,7 +103,7 @@ local function reap()
   return #dead
 end
 
-local function enqueue(route, key, ck, tid, gw, pin, avoid, front, cost, only)
+local function enqueue(route, key, ck, tid, gw, pin, avoid, front, cost, only, warm)
   local ring = P..'r:'..route
   local q = P..'q:'..route..':'..key
   local fresh = redis.call('LLEN', q) == 0
@@ -119,7 +120,7 @@ local function enqueue(route, key, ck, tid, gw, pin, avoid, front, cost, only)
   redis.call('SADD', P..'gt:'..gw, tid)
   local at = now_ms()
   redis.call('HSET', P..'t:'..tid, 'route', route, 'key', key, 'ck', ck, 'gw', gw, 'pin', pin, 'avoid', avoid,
-             'at', at, 'cost', cost, 'only', only or '', 'state', 'w')
+             'at', at, 'cost', cost, 'only', only or '', 'warm', warm or '', 'state', 'w')
   redis.call('ZADD', P..'w:'..route, redis.call('INCR', P..'wseq'), tid)
 end
 
@@ -153,12 +154,17 @@ local function allowed(only, node)
   return only == '' or string.find(only, ','..node..',', 1, true) ~= nil
 end
 
-local function least_loaded(route, group, avoid, want_avoided, cost, blocked, only)
+-- ``warm`` (",a,", or "" when the ticket names no model): where its model is loaded already; a
+-- node where it is not ranks after every node where it is (queue.Scheduler._least_loaded).
+local COLD = 2^40
+
+local function least_loaded(route, group, avoid, want_avoided, cost, blocked, only, warm)
   local best, best_load = nil, 0
   for _, e in ipairs(group) do
     local avoided = string.find(avoid, ','..e[1]..',', 1, true) ~= nil
     if avoided == want_avoided and not blocked[e[1]] and allowed(only, e[1]) and can_take(route, e, cost) then
       local load = count(P..'nin', e[1])
+      if warm and warm ~= '' and string.find(warm, ','..e[1]..',', 1, true) == nil then load = load + COLD end
       if best == nil or load < best_load then best, best_load = e[1], load end
     end
   end
@@ -167,7 +173,7 @@ end
 
 -- The node for a ticket, as queue.Scheduler.choose_node decides it; ``blocked`` nodes are held
 -- for a head that was passed over max_bypass times.
-local function choose(route, view, pin, avoid, cost, blocked, only)
+local function choose(route, view, pin, avoid, cost, blocked, only, warm)
   blocked = blocked or {}
   only = only or ''
   if pin ~= '' then
@@ -180,7 +186,7 @@ local function choose(route, view, pin, avoid, cost, blocked, only)
     return nil
   end
   for _, g in ipairs({view.p, view.s}) do
-    local n = least_loaded(route, g, avoid, false, cost, blocked, only)
+    local n = least_loaded(route, g, avoid, false, cost, blocked, only, warm)
     if n then return n end
     for _, e in ipairs(g) do
       if e[2] > 0 and string.find(avoid, ','..e[1]..',', 1, true) == nil and allowed(only, e[1])
@@ -192,7 +198,7 @@ local function choose(route, view, pin, avoid, cost, blocked, only)
   local all = {}
   for _, e in ipairs(view.p) do all[#all + 1] = e end
   for _, e in ipairs(view.s) do all[#all + 1] = e end
-  return least_loaded(route, all, avoid, true, cost, blocked, only)
+  return least_loaded(route, all, avoid, true, cost, blocked, only, warm)
 end
 
 local function grant(route, tid, gw, node, cost)
@@ -329,9 +335,9 @@ local function backfill(route, ring, view, prio, head, head_cost, bypassed)
     if n > SCAN then return false end
     local tid, key = c[1], c[2]
     if tid ~= head then
-      local t = redis.call('HMGET', P..'t:'..tid, 'gw', 'pin', 'avoid', 'ck', 'cost', 'only')
+      local t = redis.call('HMGET', P..'t:'..tid, 'gw', 'pin', 'avoid', 'ck', 'cost', 'only', 'warm')
       local cost = tonumber(t[5] or '0') or 0
-      local node = choose(route, view, t[2] or '', t[3] or ',', cost, blocked, t[6] or '')
+      local node = choose(route, view, t[2] or '', t[3] or ',', cost, blocked, t[6] or '', t[7] or '')
       if node then
         local q = P..'q:'..route..':'..key
         redis.call('LREM', q, 1, tid)
@@ -362,9 +368,9 @@ local function dispatch_route(route)
     if not tid then
       redis.call('LREM', ring, 1, key)
     else
-      local t = redis.call('HMGET', P..'t:'..tid, 'gw', 'pin', 'avoid', 'ck', 'cost', 'by', 'only')
+      local t = redis.call('HMGET', P..'t:'..tid, 'gw', 'pin', 'avoid', 'ck', 'cost', 'by', 'only', 'warm')
       local cost = tonumber(t[5] or '0') or 0
-      local node = choose(route, view, t[2] or '', t[3] or ',', cost, nil, t[7] or '')
+      local node = choose(route, view, t[2] or '', t[3] or ',', cost, nil, t[7] or '', t[8] or '')
       if node then
         redis.call('LPOP', q)
         if redis.call('LLEN', q) == 0 then redis.call('LREM', ring, 1, key)
@@ -400,12 +406,14 @@ end
 
 #: ARGV: P, ME, route, key (its queue), tid, pin, view, max_queue_depth, max_queued_per_key (-1:
 #: none), client key, drop_oldest (1|0), cost, only (the nodes serving its model: ",a,b,", "" any),
-#: front (1: a re-queued request, at the head of its queue as after a node failure)
+#: front (1: a re-queued request, at the head of its queue as after a node failure), warm (the
+#: nodes where its model is loaded, as this gateway knows: ",a,", "" when it names none)
 #: -> {'ok'|'per_key'|'full', waiting, position (0: leased at once), grants...}
 ADMIT = COMMON + r"""
 local route, key, tid, pin, ck = ARGV[3], ARGV[4], ARGV[5], ARGV[6], ARGV[10]
 local cost = tonumber(ARGV[12]) or 0
 local only = ARGV[13] or ''
+local warm = ARGV[15] or ''
 reap()
 redis.call('SET', P..'v:'..route, ARGV[7])
 redis.call('SADD', P..'routes', route)
@@ -415,7 +423,7 @@ if per_key >= 0 and count(P..'nk:'..route, ck) >= per_key then
   return {'per_key', count(P..'nk:'..route, ck)}
 end
 if waiting == 0 then
-  local node = choose(route, cjson.decode(ARGV[7]), pin, ',', cost, nil, only)
+  local node = choose(route, cjson.decode(ARGV[7]), pin, ',', cost, nil, only, warm)
   if node then
     redis.call('HSET', P..'t:'..tid, 'route', route, 'key', key, 'ck', ck, 'gw', ME, 'pin', pin, 'avoid', ',',
                'cost', cost, 'only', only, 'state', 'w')
@@ -429,7 +437,7 @@ if waiting >= tonumber(ARGV[8]) then
   if ARGV[11] ~= '1' or not drop_oldest(route) then return {'full', waiting} end
   waiting = waiting - 1
 end
-enqueue(route, key, ck, tid, ME, pin, ',', ARGV[14] == '1', cost, only)
+enqueue(route, key, ck, tid, ME, pin, ',', ARGV[14] == '1', cost, only, warm)
 dispatch_all()
 local pos = 0
 if redis.call('HGET', P..'t:'..tid, 'state') == 'w' then pos = rank_of_new(route, key, view_of(route)) end
@@ -446,12 +454,13 @@ dispatch_all()
 return grants
 """
 
-#: ARGV: P, ME, lid, tid, route, key (its queue), pin, avoid, client key, cost, only -> {grants...}
+#: ARGV: P, ME, lid, tid, route, key (its queue), pin, avoid, client key, cost, only, warm -> {grants...}
 REQUEUE = COMMON + r"""
 reap()
 drop_lease(ARGV[3])
 redis.call('DEL', P..'t:'..ARGV[4])
-enqueue(ARGV[5], ARGV[6], ARGV[9], ARGV[4], ME, ARGV[7], ARGV[8], true, tonumber(ARGV[10]) or 0, ARGV[11] or '')
+enqueue(ARGV[5], ARGV[6], ARGV[9], ARGV[4], ME, ARGV[7], ARGV[8], true, tonumber(ARGV[10]) or 0, ARGV[11] or '',
+        ARGV[12] or '')
 dispatch_all()
 return grants
 """
