@@ -320,3 +320,27 @@ async def test_a_page_opened_after_a_burst_shows_it_and_a_ramping_node(fakegpus,
     assert await page.text('[data-node="a"] [data-field=slots]') == "1"
     ARTIFACTS.mkdir(exist_ok=True)
     await page.screenshot(ARTIFACTS / "dashboard-history-ramp.png", 1280, 800)
+
+
+async def test_a_multi_model_node_shows_what_it_has_loaded(fakegpus, gateway, http, browser) -> None:
+    """llama-swap-like node: the card says which model is loaded, and follows a swap."""
+    gpu = await fakegpus("openai", models=["a", "b"], swap_ms=20, steps=2, step_ms=5)
+    cfg = base_config({"box": gpu.url})
+    cfg["nodes"]["box"]["models"] = ["a", "b"]
+    cfg["routes"] = {"llm": {"path": "/v1", "kind": "openai", "nodes": ["box"], "max_concurrency": 1}}
+    gw = await gateway(cfg)
+    await wait_until(lambda: gw.rt.scheduler.nodes["box"].models.warm == ["a"])
+    page = Page(browser)
+    await page.call(browser.get, gw.url + "/dashboard")
+    await page.until("!document.querySelector('#login').hidden", "the login form")
+    await page.type_into("#admin-key", ADMIN_KEY)
+    await page.click("#login-submit")
+    models = '[data-node="box"] [data-field=models]'
+    text = await page.until(f"document.querySelector('{models}')?.dataset.warm === 'a' && "
+                            f"document.querySelector('{models}').textContent", "the loaded model")
+    assert text == "loaded: a · serves a, b"
+    async with http.post(gw.url + "/v1/chat/completions", headers=auth(),
+                         json={"model": "b", "messages": [{"role": "user", "content": "hi"}]}) as r:
+        assert r.status == 200
+    await page.until(f"document.querySelector('{models}').dataset.warm === 'b'", "the swap to b")
+    assert await page.text(models) == "loaded: b · serves a, b"
