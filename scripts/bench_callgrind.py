@@ -22,22 +22,7 @@ import sys
 import time
 from pathlib import Path
 
-import aiohttp
 import benchlib as bl
-
-
-async def send(url: str, n: int, conc: int = 8) -> None:
-    left = n
-    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=conc)) as s:
-        async def worker() -> None:
-            nonlocal left
-            while left > 0:
-                left -= 1
-                async with s.post(url, data=b'{"steps": 0}', headers={"Authorization": f"Bearer {bl.API_KEY}"}) as r:
-                    await r.read()
-                    assert r.status == 200, r.status
-
-        await asyncio.gather(*(worker() for _ in range(conc)))
 
 
 def run_one(python: str, wd: Path, procs: bl.Procs, node_port: int, n: int) -> int:
@@ -52,8 +37,8 @@ def run_one(python: str, wd: Path, procs: bl.Procs, node_port: int, n: int) -> i
     with open(wd / f"gw-{n}.log", "wb") as log:
         p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=log)
     bl.wait_port(port, timeout=300, proc=p)
-    asyncio.run(send(f"http://127.0.0.1:{port}/gen/generate", 50))  # warm-up, the same in both runs
-    asyncio.run(send(f"http://127.0.0.1:{port}/gen/generate", n))
+    asyncio.run(bl.post_keepalive(f"http://127.0.0.1:{port}/gen/generate", 50))  # warm-up, the same in both runs
+    asyncio.run(bl.post_keepalive(f"http://127.0.0.1:{port}/gen/generate", n))
     p.send_signal(signal.SIGINT)
     p.wait(timeout=300)
     text = (wd / f"gw-{n}.log").read_text(errors="replace")

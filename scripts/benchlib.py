@@ -8,6 +8,7 @@ a script writes nothing but its own output (and ``--json`` when asked).
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import hashlib
 import json
@@ -26,6 +27,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import yaml
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -596,6 +598,22 @@ done = function(summary, latency, requests)
     latency:percentile(99), latency.mean, latency.max, e.connect, e.read, e.write, e.status, e.timeout))
 end
 """
+
+
+async def post_keepalive(url: str, n: int, conc: int = 8, body: bytes = b'{"steps": 0}') -> None:
+    """``n`` POSTs of ``body`` over ``conc`` keep-alive connections, with the bench key; every
+    answer must be a 200 (the callgrind and opcode counts are per request served)."""
+    left = n
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=conc)) as s:
+        async def worker() -> None:
+            nonlocal left
+            while left > 0:
+                left -= 1
+                async with s.post(url, data=body, headers={"Authorization": f"Bearer {API_KEY}"}) as r:
+                    await r.read()
+                    assert r.status == 200, r.status
+
+        await asyncio.gather(*(worker() for _ in range(conc)))
 
 
 def wrk_script(workdir: Path, method: str = "POST", body: str = '{"steps": 0}', key: str = API_KEY) -> Path:

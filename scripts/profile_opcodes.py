@@ -28,7 +28,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-import aiohttp
 import benchlib as bl
 
 # Run inside the gateway's process (python -c): counts per code object while SIGUSR1 has it on.
@@ -56,20 +55,6 @@ signal.signal(signal.SIGUSR1, toggle)
 sys.argv = sys.argv[1:]
 runpy.run_path(sys.argv[0], run_name="__main__")
 """
-
-
-async def send(url: str, n: int, conc: int = 8) -> None:
-    left = n
-    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=conc)) as s:
-        async def worker() -> None:
-            nonlocal left
-            while left > 0:
-                left -= 1
-                async with s.post(url, data=b'{"steps": 0}', headers={"Authorization": f"Bearer {bl.API_KEY}"}) as r:
-                    await r.read()
-                    assert r.status == 200, r.status
-
-        await asyncio.gather(*(worker() for _ in range(conc)))
 
 
 def short(filename: str) -> str:
@@ -107,10 +92,10 @@ def measure(python: str, n: int, out: Path) -> dict[str, list[int]]:
         try:
             bl.wait_port(port, timeout=60, proc=p)
             url = f"http://127.0.0.1:{port}/gen/generate"
-            asyncio.run(send(url, 100))  # warm-up: first-use caches are not the hot path
+            asyncio.run(bl.post_keepalive(url, 100))  # warm-up: first-use caches are not the hot path
             p.send_signal(signal.SIGUSR1)
             time.sleep(0.5)
-            asyncio.run(send(url, n))
+            asyncio.run(bl.post_keepalive(url, n))
             p.send_signal(signal.SIGUSR1)
             deadline = time.monotonic() + 60
             while not out.exists() and time.monotonic() < deadline:
