@@ -152,19 +152,7 @@ async def run_burst(target: str, url: str, n: int, proxy_pid: int, node_url: str
     tasks: list[asyncio.Task[None]] = []
 
     async def one() -> None:
-        try:
-            async with session.post(url, data=b'{"steps": 0}', headers=headers) as r:
-                raw = await r.read()
-                if r.status < 300:
-                    outcomes[str(r.status)] += 1
-                    return
-                try:
-                    kind = json.loads(raw)["error"]["type"]
-                except (ValueError, KeyError, TypeError):
-                    kind = "non-json"
-                outcomes[f"{r.status} {kind}"] += 1
-        except (aiohttp.ClientError, TimeoutError, OSError) as e:
-            outcomes[f"client error {type(e).__name__}"] += 1
+        await bl.post_counted(session, url, headers, outcomes)
 
     try:
         # Warm-up (gate open): code paths loaded, pools filled; then the idle baseline.

@@ -68,19 +68,7 @@ async def run_phase(name: str, urls: list[str], pids: list[int], redis_pid: int 
     tasks: list[asyncio.Task[None]] = []
 
     async def one(url: str) -> None:
-        try:
-            async with session.post(url, data=b'{"steps": 0}', headers=headers) as r:
-                raw = await r.read()
-                if r.status < 300:
-                    outcomes[str(r.status)] += 1
-                    return
-                try:
-                    kind = json.loads(raw)["error"]["type"]
-                except (ValueError, KeyError, TypeError):
-                    kind = "non-json"
-                outcomes[f"{r.status} {kind}"] += 1
-        except (aiohttp.ClientError, TimeoutError, OSError) as e:
-            outcomes[f"client error {type(e).__name__}"] += 1
+        await bl.post_counted(session, url, headers, outcomes)
 
     def rss(pid_list: list[int]) -> float:
         return float(sum(bl.rss_kb(p) for p in pid_list))

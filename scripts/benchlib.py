@@ -616,6 +616,25 @@ async def post_keepalive(url: str, n: int, conc: int = 8, body: bytes = b'{"step
         await asyncio.gather(*(worker() for _ in range(conc)))
 
 
+async def post_counted(session: aiohttp.ClientSession, url: str, headers: dict[str, str],
+                       outcomes: dict[str, int], body: bytes = b'{"steps": 0}') -> None:
+    """One POST; its outcome counted in ``outcomes``: the status for a success, "status type" for
+    the gateway's JSON error, "client error X" when the connection failed."""
+    try:
+        async with session.post(url, data=body, headers=headers) as r:
+            raw = await r.read()
+            if r.status < 300:
+                outcomes[str(r.status)] += 1
+                return
+            try:
+                kind = json.loads(raw)["error"]["type"]
+            except (ValueError, KeyError, TypeError):
+                kind = "non-json"
+            outcomes[f"{r.status} {kind}"] += 1
+    except (aiohttp.ClientError, TimeoutError, OSError) as e:
+        outcomes[f"client error {type(e).__name__}"] += 1
+
+
 def wrk_script(workdir: Path, method: str = "POST", body: str = '{"steps": 0}', key: str = API_KEY) -> Path:
     path = workdir / f"wrk-{method.lower()}.lua"
     path.write_text(WRK_LUA.format(method=method, body=body, key=key))
