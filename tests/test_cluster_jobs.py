@@ -17,6 +17,8 @@ import pytest
 from cluster_harness import GatewayProc, RedisServer, gateways, make_gateways, redis_server, start_all
 from conftest import auth
 from fakes import FakeWebhookReceiver
+from test_comfyui import PNG_SIGNATURE
+from test_comfyui import graph as comfy_graph
 
 from kilolined.fakegpu import FakeGPU
 
@@ -351,3 +353,34 @@ async def test_a_paused_gateway_that_comes_back_sends_no_second_webhook(
         await asyncio.sleep(1.0)
     hooks = [d for d in receiver.deliveries if (d["json"] or {}).get("job_id") == jid]
     assert len(hooks) == 1, hooks
+
+
+async def test_a_comfyui_jobs_files_are_served_by_another_gateway(redis_server: RedisServer,
+                                                                  gateways: list[GatewayProc],
+                                                                  tmp_path: Path) -> None:
+    """files/{n} of a ComfyUI job taken and run on A, fetched through B (it streams /view from
+    the node that rendered it, as A would)."""
+    fake = FakeGPU("comfyui", steps=2, step_ms=10)
+    await fake.start()
+    try:
+        gateways += make_gateways(2, tmp_path, redis_server.url, fake.url, kind="comfyui")
+        await start_all(gateways)
+        a, b = gateways
+        async with aiohttp.ClientSession() as s:
+            async with s.post(a.url + "/gen/prompt", json={"prompt": comfy_graph(3)},
+                              headers={**auth(), **ASYNC}) as r:
+                assert r.status == 202, await r.text()
+                jid = (await r.json())["job_id"]
+            await until_status(s, b, jid, {"completed"})
+            async with s.get(f"{b.url}/v1/jobs/{jid}/result", headers=auth()) as r:
+                assert r.status == 200
+                image = (await r.json())["outputs"]["9"]["images"][0]
+            async with s.get(b.url + image["url"]) as r:  # the file token alone is enough
+                assert r.status == 200, await r.text()
+                via_b = await r.read()
+            params = {k: image[k] for k in ("filename", "subfolder", "type")}
+            async with s.get(fake.url + "/view", params=params) as r:
+                direct = await r.read()
+        assert via_b == direct and via_b.startswith(PNG_SIGNATURE)
+    finally:
+        await fake.stop()
