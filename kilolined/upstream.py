@@ -20,8 +20,6 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import heapq
-import math
 import ssl
 from collections import deque
 from collections.abc import AsyncIterator, Iterable, Mapping
@@ -30,6 +28,8 @@ import aiohttp
 import httptools
 from multidict import CIMultiDict, CIMultiDictProxy
 from yarl import URL
+
+from kilolined.deadlines import Deadlines
 
 HIGH_WATER = 1 << 20  # stop reading from the node while this much body waits for a slow client
 LOW_WATER = 1 << 18
@@ -202,10 +202,11 @@ class UpstreamResponse:
 
     def _stop_timer(self) -> None:
         if self._bucket is not None:
-            self._conn.pool.deadlines.remove(self, self._bucket)
+            self._conn.pool.deadlines.discard(self, self._bucket)
             self._bucket = None
 
-    def _on_deadline(self) -> None:
+    def expire(self) -> None:
+        """Its deadline passed (called by the pool's Deadlines)."""
         self._bucket = None
         self._fail(TimeoutError())
         self._conn.close()
@@ -326,65 +327,6 @@ class UpstreamResponse:
         self._wake()
 
 
-class Deadlines:
-    """Coarse deadlines for many exchanges: buckets of GRAIN seconds and one timer.
-
-    A uvloop ``call_at`` costs ~2 µs (a libuv timer per handle) — per request, on the hot path;
-    adding to and discarding from a bucket's set is ~0.1 µs. A deadline fires up to GRAIN late
-    (aiohttp itself rounds timeouts over 5 s up to the whole second).
-    """
-
-    GRAIN = 0.05
-
-    def __init__(self, loop: asyncio.AbstractEventLoop):
-        self.loop = loop
-        self.buckets: dict[int, set[UpstreamResponse]] = {}
-        self.order: list[int] = []  # heap of bucket numbers (may hold emptied ones; skipped)
-        self.timer: asyncio.TimerHandle | None = None
-        self.timer_bucket = 0
-
-    def add(self, resp: UpstreamResponse, deadline: float) -> int:
-        b = math.ceil(deadline / self.GRAIN)
-        members = self.buckets.get(b)
-        if members is None:
-            members = self.buckets[b] = set()
-            heapq.heappush(self.order, b)
-            if self.timer is None or b < self.timer_bucket:
-                self._arm(b)
-        members.add(resp)
-        return b
-
-    def remove(self, resp: UpstreamResponse, b: int) -> None:
-        members = self.buckets.get(b)
-        if members is not None:
-            members.discard(resp)
-            if not members:
-                del self.buckets[b]
-
-    def _arm(self, b: int) -> None:
-        if self.timer is not None:
-            self.timer.cancel()
-        self.timer_bucket = b
-        self.timer = self.loop.call_at(b * self.GRAIN, self._sweep)
-
-    def _sweep(self) -> None:
-        self.timer = None
-        now_b = (self.loop.time() + 0.001) / self.GRAIN  # libuv timers have 1 ms resolution
-        while self.order and self.order[0] <= now_b:
-            members = self.buckets.pop(heapq.heappop(self.order), None)
-            for resp in list(members or ()):
-                resp._on_deadline()
-        while self.order and self.order[0] not in self.buckets:
-            heapq.heappop(self.order)  # emptied before its time: forget it
-        if self.order:
-            self._arm(self.order[0])
-
-    def close(self) -> None:
-        if self.timer is not None:
-            self.timer.cancel()
-            self.timer = None
-
-
 class _Conn(asyncio.Protocol):
     """One TCP (or TLS) connection to a node; serves one exchange at a time."""
 
@@ -459,13 +401,7 @@ class NodePool:
         self.busy: set[_Conn] = set()
         self.closed = False
         self._prune: asyncio.TimerHandle | None = None
-        self._deadlines: Deadlines | None = None
-
-    @property
-    def deadlines(self) -> Deadlines:
-        if self._deadlines is None:
-            self._deadlines = Deadlines(asyncio.get_running_loop())
-        return self._deadlines
+        self.deadlines = Deadlines()  # every exchange's deadline (kilolined/deadlines.py)
 
     async def request(self, method: str, tail: str, headers: Headers, body: bytes,
                       timeout: float) -> UpstreamResponse:
@@ -579,8 +515,7 @@ class NodePool:
         self.close_idle()
         for c in list(self.busy):
             c.close()
-        if self._deadlines is not None:
-            self._deadlines.close()
+        self.deadlines.close()
 
     @property
     def open_connections(self) -> int:

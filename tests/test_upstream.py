@@ -28,6 +28,7 @@ from conftest import wait_until
 from multidict import CIMultiDict
 
 from kilolined import upstream
+from kilolined.deadlines import Deadlines
 from kilolined.upstream import ConnectFailed, NodePool, UpstreamResponse
 
 # --- a raw HTTP/1.1 server that says exactly what it is told ----------------------------------------
@@ -1076,13 +1077,13 @@ class _Exchange:
     def __init__(self, loop: asyncio.AbstractEventLoop, name: str, fired: list[tuple[str, float]]):
         self.loop, self.name, self.fired = loop, name, fired
 
-    def _on_deadline(self) -> None:
+    def expire(self) -> None:
         self.fired.append((self.name, self.loop.time()))
 
 
 async def test_deadlines_fire_in_order_at_most_a_grain_late_and_removed_ones_never() -> None:
     loop = asyncio.get_running_loop()
-    d = upstream.Deadlines(loop)
+    d = Deadlines()
     fired: list[tuple[str, float]] = []
     t0 = loop.time()
     want = {"a": 0.30, "b": 0.12, "c": 0.12, "d": 0.20, "gone": 0.15, "later-gone": 0.40}
@@ -1090,20 +1091,20 @@ async def test_deadlines_fire_in_order_at_most_a_grain_late_and_removed_ones_nev
     # Removing needs the same object that was added: look it up by name in its bucket.
     for name in ("gone", "later-gone"):
         (ex,) = [e for e in d.buckets[buckets[name]] if e.name == name]  # type: ignore[attr-defined]
-        d.remove(ex, buckets[name])  # type: ignore[arg-type]
+        d.discard(ex, buckets[name])  # type: ignore[arg-type]
     await asyncio.sleep(0.5)
     names = [n for n, _ in fired]
     assert sorted(names) == ["a", "b", "c", "d"]
     assert names.index("b") < names.index("d") < names.index("a")
     for name, at in fired:
         late = at - (t0 + want[name])
-        assert -0.002 <= late <= d.GRAIN + 0.05, (name, late)  # never early; at most a grain (plus a busy box)
+        assert -0.002 <= late <= d.tick + 0.05, (name, late)  # never early; at most a grain (plus a busy box)
     assert d.buckets == {} and d.timer is None  # nothing left armed once every exchange is done
 
 
 async def test_deadlines_an_earlier_deadline_rearms_the_timer() -> None:
     loop = asyncio.get_running_loop()
-    d = upstream.Deadlines(loop)
+    d = Deadlines()
     fired: list[tuple[str, float]] = []
     t0 = loop.time()
     d.add(_Exchange(loop, "late", fired), t0 + 5.0)  # type: ignore[arg-type]
