@@ -28,13 +28,13 @@ import argparse
 import asyncio
 import hashlib
 import itertools
-import json
 import random
 import sys
 import time
 from typing import Any
 
 import aiohttp
+import benchlib as bl
 import yaml
 
 from kilolined.config import parse_config
@@ -152,9 +152,7 @@ def main() -> int:
     args = p.parse_args()
     rows = asyncio.run(main_async(args))
     print(table(rows))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=2)
+    bl.write_json(args.json, rows)
     safe = next(r for r in rows if r["variant"] == "safe")
     ok = all(r["oom_crashes"] == 0 and r["failed"] == 0 and r["makespan_sec"] < safe["makespan_sec"]
              for r in rows if r["variant"].startswith("cost-"))

@@ -23,13 +23,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import hashlib
-import json
 import statistics
 import sys
 import time
 from typing import Any
 
 import aiohttp
+import benchlib as bl
 import yaml
 
 from kilolined.config import parse_config
@@ -130,9 +130,7 @@ def main() -> int:
     args = p.parse_args()
     rows = asyncio.run(main_async(args))
     print(table(rows))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=2)
+    bl.write_json(args.json, rows)
     return 0
 
 

@@ -27,7 +27,6 @@ import argparse
 import asyncio
 import hashlib
 import itertools
-import json
 import random
 import statistics
 import sys
@@ -35,6 +34,7 @@ import time
 from typing import Any
 
 import aiohttp
+import benchlib as bl
 import yaml
 
 from kilolined.config import parse_config
@@ -143,9 +143,7 @@ def main() -> int:
     args = p.parse_args()
     rows = asyncio.run(main_async(args))
     print(table(rows))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=2)
+    bl.write_json(args.json, rows)
     fifo, coll = rows
     ok = coll["swaps"] < fifo["swaps"] and coll["most_passed_over"] <= coll["max_swap_bypass"]
     if not ok:
