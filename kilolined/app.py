@@ -79,17 +79,6 @@ def tail_with_query(request: web.Request, tail: str) -> str:
     return tail + ("?" + qs if qs else "")
 
 
-async def read_body(request: web.Request, limit: int) -> bytes:
-    if request.content_length is not None and request.content_length > limit:
-        raise Rejected(413, "payload_too_large", f"body over {limit // (1024 * 1024)} MB")
-    buf = bytearray()
-    async for chunk in request.content.iter_any():
-        buf += chunk
-        if len(buf) > limit:
-            raise Rejected(413, "payload_too_large", f"body over {limit // (1024 * 1024)} MB")
-    return bytes(buf)
-
-
 # --- the stages, in the order a request lives them ------------------------------------------------
 
 
@@ -303,21 +292,21 @@ def read_exchange(gw: Gateway, call: Call) -> Awaitable[web.StreamResponse | Non
     if request.content_length is not None and request.content_length > limit:
         return _too_large(call, limit)
     if not content.is_eof():
-        return _read_exchange(gw, call, limit)
+        return _read_exchange(call, limit)
     body = content.read_nowait(-1)
     if len(body) > limit:
         return _too_large(call, limit)
     return _exchange(call, body)
 
 
-async def _read_exchange(gw: Gateway, call: Call, limit: int) -> web.StreamResponse | None:
-    try:
-        body = await read_body(call.request, limit)
-    except Rejected as r:
-        resp = call.rejected(r)
-        resp.force_close()  # do not drain the rest of a body we refused (it may be gigabytes)
-        return resp
-    return _exchange(call, body)
+async def _read_exchange(call: Call, limit: int) -> web.StreamResponse | None:
+    """A body still arriving: taken as it comes, refused as soon as it outgrows the limit."""
+    buf = bytearray()
+    async for chunk in call.request.content.iter_any():
+        buf += chunk
+        if len(buf) > limit:
+            return _too_large(call, limit)
+    return _exchange(call, bytes(buf))
 
 
 def _too_large(call: Call, limit: int) -> web.StreamResponse:
