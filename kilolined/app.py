@@ -391,7 +391,6 @@ def handler(stages: Sequence[Stage], route: str = "-") -> Callable[[web.Request]
         # The edge (kilolined/edge.py) inline rather than as edge.guard: one coroutine less per request.
         refused = edge.refuse(request)
         if refused is not None:
-            refused.headers["Server"] = SERVER
             return refused
         gw = request.app[GW]
         call = Call(request, request_id(request), time.monotonic(), route=route)
@@ -419,7 +418,6 @@ def handler(stages: Sequence[Stage], route: str = "-") -> Callable[[web.Request]
             answer = edge.error_answer(request, exc)
             if answer is None:
                 raise
-            answer.headers["Server"] = SERVER
             call.status = answer.status
             return answer
         finally:

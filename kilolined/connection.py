@@ -19,7 +19,7 @@ from typing import Any
 from aiohttp import web
 from aiohttp.web_protocol import RequestHandler
 
-from kilolined.edge import SERVER, json_error, reason_of
+from kilolined.edge import json_error, reason_of
 from kilolined.listener import ConnectionGate
 
 log = logging.getLogger("kilolined")
@@ -98,6 +98,6 @@ class EdgeHandler(RequestHandler):
             text = "internal error (logged)"
         else:
             text = "request failed"
-        resp = json_error(request, status, text, rid=rid, headers={"Server": SERVER})
+        resp = json_error(request, status, text, rid=rid)
         resp.force_close()
         return resp

@@ -44,8 +44,9 @@ def reason_of(exc: BaseException) -> str:
 
 def json_error(request: web.BaseRequest, status: int, message: str, *, rid: str | None = None,
                headers: dict[str, str] | None = None) -> web.Response:
+    """An error the edge makes (its own, or aiohttp's turned into JSON), with our Server header."""
     return error_response(status, _TYPES.get(status, "bad_request" if status < 500 else "internal_error"),
-                          message, request_id=rid or request_id(request), headers=headers)
+                          message, request_id=rid or request_id(request), headers={**(headers or {}), "Server": SERVER})
 
 
 def refuse(request: web.BaseRequest) -> web.StreamResponse | None:
