@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import logging
 import os
@@ -113,31 +114,33 @@ async def watch_config(rt: Runtime, stop: asyncio.Event) -> None:
         # directory the previous watch was on.
         dirs, now_relevant = watched_paths(rt.config_path)
         relevant = now_relevant | relevant
-        async for changes in awatch(*dirs, watch_filter=concerns_config, recursive=False, debounce=TICK_MS,
-                                    step=20, stop_event=stop, yield_on_timeout=True,
-                                    rust_timeout=TICK_MS if quick else IDLE_TICK_MS):
-            now = loop.time()
-            sig = _signature(target)
-            if changes or sig != seen:
-                seen = sig
-                changed_at = now
-                relevant = watched_paths(rt.config_path)[1] | relevant  # a swapped symlink adds entries
-                if not quick:
-                    break  # on to quick ticks (the stat check on the next tick sees what the gap missed)
-                continue
-            if changed_at is None or now - changed_at < STABLE_SEC:
-                continue
-            changed_at = None
-            try:
-                digest = hashlib.sha256(target.read_bytes()).hexdigest()
-            except OSError:
-                break  # mid-swap, or removed: keep the running config
-            if digest == refused or (digest == rt.version and rt.last_error is None):
-                break  # nothing new (a file put back to the running version still clears last_error)
-            try:
-                errors = await reload_from_file(rt, reason="file changed")
-            except Exception:
-                log.exception("reload")
-                break
-            refused = digest if errors else None
-            break  # back to idle ticks
+        # aclosing: a watch left by break closes its inotify handle now, not when collected.
+        watch = awatch(*dirs, watch_filter=concerns_config, recursive=False, debounce=TICK_MS, step=20,
+                       stop_event=stop, yield_on_timeout=True, rust_timeout=TICK_MS if quick else IDLE_TICK_MS)
+        async with contextlib.aclosing(watch):
+            async for changes in watch:
+                now = loop.time()
+                sig = _signature(target)
+                if changes or sig != seen:
+                    seen = sig
+                    changed_at = now
+                    relevant = watched_paths(rt.config_path)[1] | relevant  # a swapped symlink adds entries
+                    if not quick:
+                        break  # on to quick ticks (the stat check on the next tick sees what the gap missed)
+                    continue
+                if changed_at is None or now - changed_at < STABLE_SEC:
+                    continue
+                changed_at = None
+                try:
+                    digest = hashlib.sha256(target.read_bytes()).hexdigest()
+                except OSError:
+                    break  # mid-swap, or removed: keep the running config
+                if digest == refused or (digest == rt.version and rt.last_error is None):
+                    break  # nothing new (a file put back to the running version still clears last_error)
+                try:
+                    errors = await reload_from_file(rt, reason="file changed")
+                except Exception:
+                    log.exception("reload")
+                    break
+                refused = digest if errors else None
+                break  # back to idle ticks
