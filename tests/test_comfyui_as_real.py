@@ -14,6 +14,7 @@ import aiohttp
 import orjson
 import pytest
 from conftest import auth, base_config, wait_until
+from test_comfyui import read_sse
 
 from kilolined.adapters.comfy_control import PromptOwners, action_of
 from kilolined.adapters.comfy_progress import Progress
@@ -48,21 +49,6 @@ async def sync_post(http: aiohttp.ClientSession, url: str, body: dict[str, Any],
     async with http.post(url, json=body, headers=auth(who)) as r:
         text = await r.read()
         return r.status, orjson.loads(text) if text else None
-
-
-async def read_sse(resp: aiohttp.ClientResponse) -> list[tuple[str, dict[str, Any]]]:
-    events, name, data = [], "message", ""
-    async for raw in resp.content:
-        line = raw.decode().rstrip("\r\n")
-        if not line:
-            if data:
-                events.append((name, orjson.loads(data)))
-            name, data = "message", ""
-        elif line.startswith("event:"):
-            name = line[6:].strip()
-        elif line.startswith("data:"):
-            data += line[5:].strip()
-    return events
 
 
 async def sse_job(http: aiohttp.ClientSession, url: str, body: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
