@@ -71,6 +71,24 @@ async def _pump(src: web.WebSocketResponse | aiohttp.ClientWebSocketResponse,
             return  # dst is gone; the caller closes src
 
 
+async def connect_node_ws(session: aiohttp.ClientSession, url: str, headers: Mapping[str, str], *,
+                          connect_sec: float, heartbeat: float, max_msg_size: int, close_sec: float,
+                          protocols: list[str] | tuple[str, ...] = ()) -> aiohttp.ClientWebSocketResponse:
+    """Open a websocket to a node; every way it can fail is an UpstreamFailed that names no
+    address (the client's relay here, ComfyUI's progress socket in adapters/comfyui.py)."""
+    try:
+        async with asyncio.timeout(connect_sec):
+            return await session.ws_connect(
+                url, headers=headers, protocols=protocols, autoping=True, heartbeat=heartbeat,
+                max_msg_size=max_msg_size, timeout=aiohttp.ClientWSTimeout(ws_receive=None, ws_close=close_sec))
+    except TimeoutError:
+        raise UpstreamFailed("websocket handshake timed out", timeout=True)
+    except aiohttp.WSServerHandshakeError as e:
+        raise UpstreamFailed(f"node refused the websocket (HTTP {e.status})")
+    except (aiohttp.ClientError, OSError) as e:
+        raise UpstreamFailed(f"websocket connect failed ({type(e).__name__})")
+
+
 async def proxy_websocket(request: web.Request, session: aiohttp.ClientSession, url: str,
                           headers: dict[str, str], *,
                           response_headers: Mapping[str, str] | None = None) -> web.WebSocketResponse:
@@ -84,18 +102,9 @@ async def proxy_websocket(request: web.Request, session: aiohttp.ClientSession, 
         body = orjson.dumps(error_body("bad_request", "invalid websocket handshake", None, None))
         raise web.HTTPBadRequest(body=body, content_type="application/json")
     protocols = [p.strip() for p in request.headers.get("Sec-WebSocket-Protocol", "").split(",") if p.strip()]
-    try:
-        async with asyncio.timeout(CONNECT_SEC):
-            upstream = await session.ws_connect(
-                url, headers=upstream_ws_headers(request, headers), protocols=protocols, autoping=True,
-                heartbeat=HEARTBEAT_SEC, max_msg_size=MAX_MSG,
-                timeout=aiohttp.ClientWSTimeout(ws_receive=None, ws_close=5.0))
-    except TimeoutError:
-        raise UpstreamFailed("websocket handshake timed out", timeout=True)
-    except aiohttp.WSServerHandshakeError as e:
-        raise UpstreamFailed(f"node refused the websocket (HTTP {e.status})")
-    except (aiohttp.ClientError, OSError) as e:
-        raise UpstreamFailed(f"websocket connect failed ({type(e).__name__})")
+    upstream = await connect_node_ws(session, url, upstream_ws_headers(request, headers), protocols=protocols,
+                                     connect_sec=CONNECT_SEC, heartbeat=HEARTBEAT_SEC, max_msg_size=MAX_MSG,
+                                     close_sec=5.0)
 
     # Offer the client exactly the subprotocol the node chose.
     client = web.WebSocketResponse(protocols=(upstream.protocol,) if upstream.protocol else (),

@@ -36,6 +36,7 @@ from kilolined.outcome import Cancelled, Failure, Result
 from kilolined.proxy import RETRY_STATUSES, Exchange, UpstreamFailed
 from kilolined.queue import Lease, Rejected
 from kilolined.runtime import Runtime
+from kilolined.wsproxy import connect_node_ws
 
 log = logging.getLogger("kilolined")
 T = TypeVar("T")
@@ -387,18 +388,9 @@ class ComfyUIAdapter(Adapter):
         node = node_api(rt, lease.node, ex.request_id)
         client_id = uuid.uuid4().hex
         # The socket first: events for the prompt start as soon as it is queued.
-        try:
-            async with asyncio.timeout(min(CONNECT_SEC, timeout)):
-                ws = await node.session.ws_connect(
-                    f"{node.url}/ws?clientId={client_id}", headers=node.headers, autoping=True,
-                    heartbeat=15, max_msg_size=WS_MAX_MSG,
-                    timeout=aiohttp.ClientWSTimeout(ws_receive=None, ws_close=1.0))
-        except TimeoutError:
-            raise UpstreamFailed("websocket handshake timed out", timeout=True)
-        except aiohttp.WSServerHandshakeError as e:
-            raise UpstreamFailed(f"websocket refused (HTTP {e.status})")
-        except (aiohttp.ClientError, OSError) as e:
-            raise UpstreamFailed(f"websocket connect failed ({type(e).__name__})")
+        ws = await connect_node_ws(node.session, f"{node.url}/ws?clientId={client_id}", node.headers,
+                                   connect_sec=min(CONNECT_SEC, timeout), heartbeat=15, max_msg_size=WS_MAX_MSG,
+                                   close_sec=1.0)
         try:
             prompt_id, number = await self._post(rt, lease, ex, body, node, client_id, deadline - loop.time())
         except BaseException:
