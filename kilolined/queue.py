@@ -447,6 +447,19 @@ class Scheduler:
         est = self.est_wait(rq, len(rq.waiting) + 1, now)
         return max(1.0, math.ceil(est)) if est is not None else 1.0
 
+    def check_servable(self, rq: RouteQueue, pinned_node: str | None, cost: float, model: str | None) -> None:
+        """Refuse at once (Rejected) a request no node of the route could ever take: one that costs
+        more than the largest capacity (422), or names a model none serves (404). Every lease store
+        asks this before it queues anything (the cluster's too)."""
+        limit = self.max_capacity(rq, pinned_node) if cost > 0 else None
+        if limit is not None and cost > limit + EPS:
+            raise Rejected(422, "exceeds_capacity",
+                           f"request costs {cost:g}, more than the largest capacity of route {rq.name}'s nodes "
+                           f"({limit:g})")
+        if model is not None and not any(self.serves(n, model) for n in
+                                         ([pinned_node] if pinned_node is not None else rq.all_nodes)):
+            raise Rejected(404, "not_found", f"no node of route {rq.name} serves model {model!r}")
+
     def admit(
         self,
         route: str,
@@ -462,14 +475,7 @@ class Scheduler:
         """Queue a request (raises Rejected); it may be leased at once by the dispatch inside."""
         rq = self.routes[route]
         cfg = rq.cfg
-        limit = self.max_capacity(rq, pinned_node) if cost > 0 else None
-        if limit is not None and cost > limit + EPS:
-            raise Rejected(422, "exceeds_capacity",
-                           f"request costs {cost:g}, more than the largest capacity of route {route}'s nodes "
-                           f"({limit:g})")
-        if model is not None and not any(self.serves(n, model) for n in
-                                         ([pinned_node] if pinned_node is not None else rq.all_nodes)):
-            raise Rejected(404, "not_found", f"no node of route {route} serves model {model!r}")
+        self.check_servable(rq, pinned_node, cost, model)
         if cfg.max_queued_per_key is not None and rq.by_key[key] >= cfg.max_queued_per_key:
             raise Rejected(
                 429,

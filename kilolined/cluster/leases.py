@@ -35,7 +35,7 @@ from kilolined.cluster.leader import Leadership
 from kilolined.cluster.split import alive, share
 from kilolined.cluster.view import ClusterView, Peer
 from kilolined.config import ClusterConfig, Config, NodeConfig, RouteConfig, split_listen
-from kilolined.queue import EPS, FAILED, LEASED, WAITING, Lease, Rejected, Scheduler, Ticket, ramped_capacity
+from kilolined.queue import FAILED, LEASED, WAITING, Lease, Rejected, Scheduler, Ticket, ramped_capacity
 
 log = logging.getLogger("kilolined")
 WAITED_SEC = 1.0  # a ticket waiting this long has its grant re-read by the heartbeat (lost wake-up)
@@ -144,15 +144,7 @@ class ClusterLeases:
             self._local.add(t)
             return t
         rq = self.sched.routes[route]
-        # As Scheduler.admit: a request no node of the route could ever hold is refused at once.
-        limit = self.sched.max_capacity(rq, pinned_node) if cost > 0 else None
-        if limit is not None and cost > limit + EPS:
-            raise Rejected(422, "exceeds_capacity",
-                           f"request costs {cost:g}, more than the largest capacity of route {route}'s nodes "
-                           f"({limit:g})")
-        if model is not None and not any(self.sched.serves(n, model) for n in
-                                         ([pinned_node] if pinned_node is not None else rq.all_nodes)):
-            raise Rejected(404, "not_found", f"no node of route {route} serves model {model!r}")
+        self.sched.check_servable(rq, pinned_node, cost, model)
         t = Ticket(next(self._seq), route, key, priority, now, pinned_node=pinned_node, cost=cost, model=model)
         t.deadline = now + rq.cfg.queue_timeout_sec
         return t
