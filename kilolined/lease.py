@@ -169,7 +169,7 @@ class LeaseScope:
                 failure.response.release()
             log.warning("⚡ [%s] %s — re-queued (%s)", lease.node, failure.reason, lease.route)
             self._rerouted = (lease.node, failure.reason)
-            self._requeue(lease)
+            self._requeue(lease, lost=not failure.answered)
             lease = await self._wait()
 
     async def _wait(self) -> Lease:
@@ -254,12 +254,12 @@ class LeaseScope:
                 _discard(fut.result())
             raise
 
-    def _requeue(self, lease: Lease) -> None:
+    def _requeue(self, lease: Lease, lost: bool) -> None:
         rt = self.rt
         self.lease = None
         self._deadline = None
         self._arm(None)
-        rt.leases.requeue(lease, rt.clock())
+        rt.leases.requeue(lease, rt.clock(), lost=lost)
         rt.metrics.failovers.labels(rt.route_label(lease.route)).inc()
         rt.wake()
 

@@ -22,7 +22,7 @@ class LeaseStore(Protocol):
         """Take a waiting ticket out; False when it is not waiting."""
         ...
 
-    def requeue(self, lease: Lease, now: float, avoid_node: bool = True) -> Ticket:
+    def requeue(self, lease: Lease, now: float, avoid_node: bool = True, lost: bool = False) -> Ticket:
         """Give the lease back and put its ticket at the head of its queue."""
         ...
 

@@ -38,6 +38,9 @@ class NodeState:
     recovered_at: float | None = None
     retired: bool = False  # removed by a reload: gets no new work, in-flight finishes
     latencies: list[float] = field(default_factory=list)
+    # The last time it was seen alive: a health check passed or a request succeeded. A request
+    # the node lost goes back to it only after this moves (queue.Scheduler.barred).
+    alive_at: float = -math.inf
     models: ModelState = field(default_factory=ModelState)  # what it serves and holds loaded
 
     @property
@@ -100,6 +103,7 @@ class NodeState:
     # --- passive results ----------------------------------------------------------------
     def record_success(self, now: float, trial: bool = False) -> list[str]:
         self.failures = 0
+        self.alive_at = now
         # While half-open only the one trial's result counts; stragglers from before the trip don't.
         if self.breaker == HALF_OPEN and trial:
             self.breaker = CLOSED
@@ -156,6 +160,7 @@ class NodeState:
         events: list[str] = []
         if ok:
             self.check_fails = 0
+            self.alive_at = now
             # A half-open breaker may use a health check as its one trial.
             if self.breaker_state(now) == HALF_OPEN and not self.trial_in_flight:
                 events += self.record_success(now, trial=True)

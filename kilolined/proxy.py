@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import ipaddress
+import logging
 import os
 import re
 from collections.abc import Iterable
@@ -37,6 +38,7 @@ RETRY_STATUSES = frozenset((502, 503, 504))
 SERVER = "kilolined"  # every answer's Server header: no versions (docs/SECURITY.md)
 # A node's answer: from the hot-path pool, or from aiohttp's client (ComfyUI's side calls, files).
 Upstream = UpstreamResponse | aiohttp.ClientResponse
+log = logging.getLogger("kilolined")
 CAPTURE_MAX = 1024 * 1024  # what an adapter may ask to see of a sync answer (ComfyUI's prompt id)
 _SANE_ID = re.compile(r"[A-Za-z0-9._:\-]{1,128}")
 
@@ -54,13 +56,25 @@ class Observer:
 
 
 class UpstreamFailed(Exception):
-    """The node failed before any byte reached the client."""
+    """The node failed before any byte reached the client.
 
-    def __init__(self, reason: str, *, timeout: bool = False, response: Upstream | None = None):
+    ``answered``: the node gave an answer (an HTTP status, a history without the prompt), so it
+    is alive; otherwise it is *lost* (refused, reset, silent), and a request re-queued from it
+    goes back to it only once it has been seen alive again (queue.Scheduler.barred)."""
+
+    def __init__(self, reason: str, *, timeout: bool = False, response: Upstream | None = None,
+                 answered: bool = False):
         super().__init__(reason)
         self.reason = reason
         self.timeout = timeout
         self.response = response  # set when the node answered 502/503/504 (passed on if out of retries)
+        self.answered = answered or response is not None
+
+
+def node_lost(what: str) -> UpstreamFailed:
+    """The node stopped answering: the words a client and an alert see name that, never an
+    exception class (the class goes to the log, where the operator can use it)."""
+    return UpstreamFailed(f"node lost ({what})")
 
 
 @functools.lru_cache(maxsize=1024)
@@ -158,12 +172,13 @@ async def open_upstream(
     except TimeoutError:
         raise UpstreamFailed(f"no response within {timeout:g}s", timeout=True)
     except ConnectFailed:
-        raise UpstreamFailed("connection refused (spot interrupted?)")
+        raise node_lost("connection refused")
     except aiohttp.ServerDisconnectedError:
-        raise UpstreamFailed("connection reset (spot interrupted?)")
+        raise node_lost("connection reset")
     except (aiohttp.ClientError, OSError, ValueError) as e:
         # str(e) can hold the node's address; the type name cannot.
-        raise UpstreamFailed(f"upstream error ({type(e).__name__})")
+        log.info("[%s] upstream %s", host_of(node_url), type(e).__name__)
+        raise node_lost("connection failed")
 
 
 def response_headers(up: Upstream, node_url: str, route_path: str) -> CIMultiDict[str]:

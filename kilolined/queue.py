@@ -22,7 +22,7 @@ import itertools
 import math
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 from kilolined.config import RouteConfig
@@ -52,7 +52,8 @@ class Ticket:
     priority: int
     enqueued_at: float
     pinned_node: str | None = None
-    avoid: frozenset[str] = frozenset()  # nodes that failed this request (replaced, not mutated: most never fail)
+    # Nodes that failed this request -> when they were lost (-inf: they answered, so are alive).
+    avoid: dict[str, float] = field(default_factory=dict)
     requeues: int = 0
     state: str = WAITING
     lease: Lease | None = None
@@ -321,6 +322,8 @@ class Scheduler:
         self.swaps: Counter[str] = Counter()  # node -> dispatches that made it load a model
         self._seq = itertools.count(1)
         self._deadlines: list[tuple[float, int, Ticket]] = []
+        #: whether this gateway's own health checks run (cluster mode: only the leader's do)
+        self.checks_here: Callable[[], bool] = lambda: True
 
     # -- capacity --------------------------------------------------------------------------
     def route_slots(self, rq: RouteQueue, node: str, now: float) -> int:
@@ -395,13 +398,34 @@ class Scheduler:
         ns = self.nodes.get(node)
         return ns is not None and (model is None or ns.models.serves(ns.cfg, model))
 
+    def barred(self, t: Ticket, node: str, now: float) -> bool:
+        """``node`` lost ``t`` and has not been seen alive since: it may not have it back.
+
+        As HAProxy's redispatch: a request re-queued because its node stopped answering goes
+        back there only after the node passed a health check or answered a request (its breaker
+        closing through a trial is such an answer). A node nobody here probes (no ``health``, or
+        another gateway leads the checks) is given the time in which a probe or a breaker would
+        have judged it: ``breaker.open_sec``, or ``health.interval_sec × (fall + 1)``.
+        """
+        lost_at = t.avoid.get(node)
+        if lost_at is None or lost_at == -math.inf:
+            return False
+        ns = self.nodes.get(node)
+        if ns is None or ns.alive_at > lost_at:
+            return False
+        hc = ns.cfg.health
+        if hc is not None and self.checks_here():
+            return True
+        wait = ns.cfg.breaker.open_sec if hc is None else hc.interval_sec * (hc.fall + 1)
+        return now < lost_at + wait
+
     def choose_node(self, rq: RouteQueue, t: Ticket, now: float,
                     blocked: frozenset[str] = frozenset()) -> str | None:
         """Where ``t`` goes now, or None; ``blocked`` nodes are held for a head that was passed over."""
         model = t.model
         if t.pinned_node is not None:
             ok = (t.pinned_node not in blocked and self.can_take(rq, t.pinned_node, now, t.cost)
-                  and self.serves(t.pinned_node, model))
+                  and self.serves(t.pinned_node, model) and not self.barred(t, t.pinned_node, now))
             return t.pinned_node if ok else None
         best: str | None = None
         for group in (rq.cfg.nodes, rq.cfg.standby):
@@ -415,9 +439,11 @@ class Scheduler:
             if any(n not in t.avoid and n in self.nodes and self.nodes[n].available(now)
                    and self.could_hold(self.nodes[n], t.cost) and self.serves(n, model) for n in group):
                 return None
-        # Every other node is gone: retrying where it failed beats failing outright.
+        # Every other node is gone: retrying where it failed beats failing outright, once that
+        # node is known to be back.
         return self._least_loaded([n for n in rq.all_nodes if n in t.avoid and n not in blocked
-                                   and self.serves(n, model)], rq, now, t.cost, model)
+                                   and self.serves(n, model) and not self.barred(t, n, now)],
+                                  rq, now, t.cost, model)
 
     def _least_loaded(self, names: list[str], rq: RouteQueue, now: float, cost: float = 0.0,
                       model: str | None = None) -> str | None:
@@ -543,12 +569,14 @@ class Scheduler:
         t.state = DONE
         return True
 
-    def requeue(self, lease: Lease, now: float, avoid_node: bool = True) -> Ticket:
-        """Put a leased request back at the head of its queue (its node failed before any byte)."""
+    def requeue(self, lease: Lease, now: float, avoid_node: bool = True, lost: bool = False) -> Ticket:
+        """Put a leased request back at the head of its queue (its node failed before any byte).
+
+        ``lost``: the node stopped answering, and is barred for this request until seen alive."""
         t = lease.ticket
         self.release(lease, now, service_time=None)
         if avoid_node:
-            t.avoid = t.avoid | {lease.node}
+            avoided(t, lease.node, now, lost)
         t.requeues += 1
         rq = self.routes[t.route]
         self._enqueue(rq, t, now, front=True)
@@ -763,6 +791,11 @@ class Scheduler:
                 changes.append((rq.name, rq.mode, mode))
                 rq.mode = mode
         return changes
+
+
+def avoided(t: Ticket, node: str, now: float, lost: bool) -> None:
+    """Note that ``node`` failed ``t`` (at ``now`` if it was lost, else as merely avoided)."""
+    t.avoid[node] = now if lost else -math.inf
 
 
 def ramped_capacity(ns: NodeState, now: float) -> float:

@@ -80,6 +80,7 @@ class Runtime:
         self.node_sync: NodeSync | None = None
         #: whether this gateway runs the active health checks (cluster mode: the leader's job)
         self.checks_here: Callable[[], bool] = lambda: True
+        self.scheduler.checks_here = lambda: self.checks_here()  # replaced by the cluster's leader
         self.limiter = RateLimiter()
         self.budgets = Budgets(cfg.server.state_dir)
         self.keys = KeyStore(cfg)

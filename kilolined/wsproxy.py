@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 from collections.abc import Mapping
 
 import aiohttp
@@ -17,7 +18,9 @@ import orjson
 from aiohttp import WSCloseCode, WSMsgType, web
 
 from kilolined.errors import error_body
-from kilolined.proxy import SERVER, STRIP_REQUEST, UpstreamFailed
+from kilolined.proxy import SERVER, STRIP_REQUEST, UpstreamFailed, node_lost
+
+log = logging.getLogger("kilolined")
 
 CONNECT_SEC = 10.0
 MAX_MSG = 64 * 1024 * 1024  # node → client frames (image previews)
@@ -84,9 +87,12 @@ async def connect_node_ws(session: aiohttp.ClientSession, url: str, headers: Map
     except TimeoutError:
         raise UpstreamFailed("websocket handshake timed out", timeout=True)
     except aiohttp.WSServerHandshakeError as e:
-        raise UpstreamFailed(f"node refused the websocket (HTTP {e.status})")
+        raise UpstreamFailed(f"node refused the websocket (HTTP {e.status})", answered=True)
+    except aiohttp.ClientConnectorError:
+        raise node_lost("connection refused")
     except (aiohttp.ClientError, OSError) as e:
-        raise UpstreamFailed(f"websocket connect failed ({type(e).__name__})")
+        log.info("node websocket %s", type(e).__name__)
+        raise node_lost("websocket connection failed")
 
 
 async def proxy_websocket(request: web.Request, session: aiohttp.ClientSession, url: str,

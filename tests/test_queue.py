@@ -446,6 +446,42 @@ def test_requeue_to_the_same_node_when_it_is_the_only_one() -> None:
     assert t2.state == WAITING
 
 
+def test_a_lost_node_gets_the_request_back_only_once_seen_alive() -> None:
+    """HAProxy's redispatch rule: re-queued because its node was lost, a request waits for that
+    node's next passing health check (or any success there) instead of being sent at once."""
+    from kilolined.config import HealthConfig
+    s = make({"r": rcfg(["a"], max_concurrency=2)}, [node("a", health=HealthConfig())])
+    t1 = admit(s, "r", "k", now=0)
+    s.requeue(t1.lease, 1, lost=True)  # type: ignore[arg-type]
+    for now in (1, 5, 100):
+        s.dispatch(now)
+        assert t1.state == WAITING and s.barred(t1, "a", now)
+    s.nodes["a"].record_check(True, 101, 1.0, None)
+    s.dispatch(101)
+    assert t1.state == LEASED and t1.lease.node == "a"  # type: ignore[union-attr]
+    t2 = admit(s, "r", "k", now=102)  # another request is never held back by t1's loss
+    assert t2.state == LEASED
+
+
+def test_a_lost_node_nobody_probes_is_tried_again_after_the_breaker_period() -> None:
+    s = make({"r": rcfg(["a"], max_concurrency=1)}, [node("a")])
+    open_sec = s.nodes["a"].cfg.breaker.open_sec
+    t1 = admit(s, "r", "k", now=0)
+    s.requeue(t1.lease, 1, lost=True)  # type: ignore[arg-type]
+    s.dispatch(1 + open_sec - 0.01)
+    assert t1.state == WAITING
+    s.dispatch(1 + open_sec)
+    assert t1.state == LEASED
+
+
+def test_a_node_that_answered_is_only_avoided_never_barred() -> None:
+    s = make({"r": rcfg(["a"], max_concurrency=1)}, [node("a")])
+    t1 = admit(s, "r", "k", now=0)
+    s.requeue(t1.lease, 1)  # type: ignore[arg-type]  # e.g. a 503: the node is alive
+    s.dispatch(1)
+    assert t1.state == LEASED and not s.barred(t1, "a", 1)
+
+
 def test_requeue_in_fair_queue_serves_the_requeued_key_next() -> None:
     s = make({"r": rcfg(["a"], max_concurrency=1, strategy="fifo_fair_lease")}, [node("a")])
     a1 = admit(s, "r", "A")

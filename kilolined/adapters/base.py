@@ -81,7 +81,8 @@ class HttpAttempt:
             up.release()
             log.error("✗ [%s] refused the gateway's credentials (HTTP %d): check nodes.%s.headers; "
                       "counted as a node failure, the client gets 502", lease.node, up.status, lease.node)
-            raise UpstreamFailed(f"HTTP {up.status} from node (the gateway's credentials for it were refused)")
+            raise UpstreamFailed(f"HTTP {up.status} from node (the gateway's credentials for it were refused)",
+                                 answered=True)
         if up.status in RETRY_STATUSES:
             raise UpstreamFailed(f"HTTP {up.status} from node", response=up)
         if up.status >= 500:

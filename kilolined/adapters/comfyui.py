@@ -33,7 +33,7 @@ from kilolined.adapters.comfy_node import NodeAPI, NodeError, find_entry, node_a
 from kilolined.adapters.comfy_progress import Progress
 from kilolined.lease import LeaseScope
 from kilolined.outcome import Cancelled, Failure, Result
-from kilolined.proxy import RETRY_STATUSES, Exchange, UpstreamFailed
+from kilolined.proxy import RETRY_STATUSES, Exchange, UpstreamFailed, node_lost
 from kilolined.queue import Lease, Rejected
 from kilolined.runtime import Runtime
 from kilolined.wsproxy import connect_node_ws
@@ -375,7 +375,9 @@ class ComfyUIAdapter(Adapter):
                     raise Failure("upstream_error", f"{NODE_LOST} (after its first output)", 502) from None
                 scope.done_with_node()  # nothing left there to stop
                 await sub.ws.close()
-                raise UpstreamFailed(NODE_LOST) from None
+                # A node that answered without the prompt restarted and is back; one that does
+                # not answer is lost, and gets the prompt again only once seen alive.
+                raise UpstreamFailed(NODE_LOST, answered=isinstance(e, PromptLost)) from None
             return Finished(sub, entry)
 
         return attempt
@@ -413,7 +415,7 @@ class ComfyUIAdapter(Adapter):
                 node.url + ex.tail, data=payload, headers=headers, allow_redirects=False,
                 timeout=aiohttp.ClientTimeout(total=timeout, sock_connect=min(timeout, CONNECT_SEC)))
         except aiohttp.ClientConnectorError:
-            raise UpstreamFailed("connection refused (spot interrupted?)")
+            raise node_lost("connection refused")
         except asyncio.CancelledError:
             await _shielded(rt, stop_prompt(node, None, client_id))  # it may have been queued already
             raise
@@ -421,7 +423,8 @@ class ComfyUIAdapter(Adapter):
             await _shielded(rt, stop_prompt(node, None, client_id))  # never run it twice after a re-queue
             if isinstance(e, TimeoutError):
                 raise UpstreamFailed(f"no response within {timeout:g}s", timeout=True)
-            raise UpstreamFailed(f"upstream error ({type(e).__name__})")
+            log.info("[%s] submitting: %s", lease.node, type(e).__name__)
+            raise node_lost("connection failed")
         if up.status in RETRY_STATUSES:
             raise UpstreamFailed(f"HTTP {up.status} from node", response=up)
         try:
@@ -433,7 +436,8 @@ class ComfyUIAdapter(Adapter):
         except (aiohttp.ClientError, OSError, TimeoutError) as e:
             up.release()
             await _shielded(rt, stop_prompt(node, None, client_id))
-            raise UpstreamFailed(f"connection lost reading the answer ({type(e).__name__})")
+            log.info("[%s] reading the answer: %s", lease.node, type(e).__name__)
+            raise node_lost("connection dropped before its answer was read")
         up.release()
         if up.status >= 500:
             rt.node_failure(lease.node, f"HTTP {up.status} from node", lease.trial)

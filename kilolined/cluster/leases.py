@@ -35,7 +35,7 @@ from kilolined.cluster.leader import Leadership
 from kilolined.cluster.split import alive, share
 from kilolined.cluster.view import ClusterView, Peer
 from kilolined.config import ClusterConfig, Config, NodeConfig, RouteConfig, split_listen
-from kilolined.queue import FAILED, LEASED, WAITING, Lease, Rejected, Scheduler, Ticket, ramped_capacity
+from kilolined.queue import FAILED, LEASED, WAITING, Lease, Rejected, Scheduler, Ticket, avoided, ramped_capacity
 
 log = logging.getLogger("kilolined")
 WAITED_SEC = 1.0  # a ticket waiting this long has its grant re-read by the heartbeat (lost wake-up)
@@ -74,6 +74,7 @@ class ClusterLeases:
         self._deadlines: list[tuple[float, int, Ticket]] = []
         self._local: set[Ticket] = set()  # tickets the scheduler holds alone (Redis down)
         self._orphans: set[str] = set()  # lease ids released while Redis was down
+        self._barred: dict[Ticket, str] = {}  # waiting tickets a lost node may not take yet -> their "only"
         self._full: dict[str, RouteConfig | NodeConfig] = {}  # configs cut to a share, by route/node
         self._tasks: set[asyncio.Task[Any]] = set()
         # A bounded pool that makes a burst wait for a connection instead of opening thousands.
@@ -215,18 +216,18 @@ class ClusterLeases:
             self._spawn(self._remote("CANCEL", tid))
         return True
 
-    def requeue(self, lease: Lease, now: float, avoid_node: bool = True) -> Ticket:
+    def requeue(self, lease: Lease, now: float, avoid_node: bool = True, lost: bool = False) -> Ticket:
         lid = self._lid.pop(lease, None)
         if lid is None or not self.view.redis_up:
             if lid is not None:
                 self._orphans.add(lid)
                 self._untrack(lease.ticket)
                 self._local.add(lease.ticket)
-            return self.sched.requeue(lease, now, avoid_node)
+            return self.sched.requeue(lease, now, avoid_node, lost)
         t = lease.ticket
         self.sched.release(lease, now, service_time=None)
         if avoid_node:
-            t.avoid = t.avoid | {lease.node}
+            avoided(t, lease.node, now, lost)
         t.requeues += 1
         t.state = WAITING
         t.lease = None
@@ -420,6 +421,8 @@ class ClusterLeases:
                 log.exception("cluster: heartbeat")
 
     async def _beat(self) -> None:
+        if self._barred:
+            await self._unbar()
         now = self.clock()
         stale = [tid for tid, t in self._tickets.items() if t.state == WAITING and now - t.enqueued_at > WAITED_SEC]
         views = {r: self._view(r) for r, rq in self.sched.routes.items() if not rq.retired}
@@ -606,13 +609,30 @@ class ClusterLeases:
                              if (ns := self.sched.nodes.get(n)) is not None and ns.models.is_warm(t.model))
 
     def _only(self, t: Ticket) -> str:
-        """The nodes of its route that serve the ticket's model, as the scripts read it: ",a,b,"
-        ("" when it names none, or when every node may take it)."""
-        if t.model is None:
+        """The nodes of its route that may take the ticket, as the scripts read it: ",a,b,"
+        ("" when every node may): those that serve its model, less those that lost it and have
+        not been seen alive since (Scheduler.barred; _unbar lifts that as they come back)."""
+        if t.model is None and not t.avoid:
             return ""
+        now = self.clock()
         nodes = self.sched.routes[t.route].all_nodes
-        able = [n for n in nodes if self.sched.serves(n, t.model)]
+        able = [n for n in nodes if self.sched.serves(n, t.model) and not self.sched.barred(t, n, now)]
+        if len(able) < len(nodes) and any(n in t.avoid for n in nodes if n not in able):
+            self._barred[t] = "," + "".join(n + "," for n in able)
         return "" if len(able) == len(nodes) else "," + "".join(n + "," for n in able)
+
+    async def _unbar(self) -> None:
+        """A node that lost a waiting ticket is alive again: let the scripts grant it there."""
+        for t, sent in list(self._barred.items()):
+            tid = self._tid.get(t)
+            if t.state != WAITING or tid is None:
+                del self._barred[t]
+                continue
+            del self._barred[t]  # _only notes it again while a node is still barred
+            only = self._only(t)
+            if only != sent:
+                assert self._redis is not None
+                await self._redis.hset(f"{self.prefix}t:{tid}", "only", only)
 
     def _view_json(self, route: str) -> str:
         return orjson.dumps(self._view(route)).decode()

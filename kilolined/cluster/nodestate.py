@@ -82,6 +82,8 @@ def apply(ns: NodeState, fields: dict[str, Any], now: float) -> list[str]:
         if up != ns.healthy:
             ns.healthy = up
             ns.check_fails = ns.check_oks = 0
+            if up:
+                ns.alive_at = now  # the leader's checks passed: as one passing here
             events.append("node_up" if up else "node_down")
     if "breaker" in fields:
         events += _apply_breaker(ns, fields, now)
