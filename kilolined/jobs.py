@@ -261,6 +261,11 @@ class JobSink(ModeSink):
     def rerouted(self, from_node: str, to_node: str, reason: str) -> None:
         self.job.emit("rerouted", {"from_node": from_node, "to_node": to_node, "reason": reason})
 
+    def requeued(self) -> None:
+        # Waiting again: status, queue_status and heartbeats say so until the next dispatch.
+        self.job.status = "queued"
+        self.job.last_position = None
+
     def progress(self, step: int | float, total: int | float) -> None:
         pct = max(0, min(100, int(step * 100 // total)))
         self.job.emit("step_progress", {"step": step, "total": total, "pct": pct})

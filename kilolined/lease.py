@@ -45,6 +45,9 @@ class Listener:
     def rerouted(self, from_node: str, to_node: str, reason: str) -> None:
         pass
 
+    def requeued(self) -> None:
+        """Back in the queue after its node failed: waiting again until the next ``dispatched``."""
+
     async def tick(self, queued: bool) -> None:
         pass
 
@@ -260,6 +263,7 @@ class LeaseScope:
         self._deadline = None
         self._arm(None)
         rt.leases.requeue(lease, rt.clock(), lost=lost)
+        self.listener.requeued()
         rt.metrics.failovers.labels(rt.route_label(lease.route)).inc()
         rt.wake()
 
