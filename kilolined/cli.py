@@ -65,6 +65,11 @@ def cmd_run(args: argparse.Namespace) -> int:
         cfg = cfg.model_copy(update={"server": cfg.server.model_copy(update={"listen": args.listen})})
     try:
         return run_async(serve(cfg, version, path, log_json=args.log_format == "json"))
+    except ConfigError as e:  # found only at start: e.g. Redis refused the cluster's credentials
+        print(f"kilolined: cannot start with {path}:", file=sys.stderr)
+        for line in e.errors:
+            print(f"  {line}", file=sys.stderr)
+        return 1
     except OSError as e:
         print(f"kilolined: cannot listen on {cfg.server.listen}: {e.strerror or e}", file=sys.stderr)
         return 1
@@ -82,9 +87,13 @@ def cmd_check(args: argparse.Namespace) -> int:
         return 1
     print(f"ok: {len(cfg.routes)} routes, {len(cfg.nodes)} nodes, {len(cfg.keys)} keys in {path}")
     if cfg.cluster is not None:
-        # No payload on disk: say so when the shared Redis persists (a warning, exit status unchanged).
-        for line in asyncio.run(redis_persistence_warnings(cfg.cluster.redis_url)):
+        # No payload on disk: say so when the shared Redis persists (a warning, exit status
+        # unchanged). A Redis that refuses this gateway's credentials is an error.
+        lines = asyncio.run(redis_persistence_warnings(cfg.cluster.redis_url))
+        for line in lines:
             print(line)
+        if any(line.startswith("error:") for line in lines):
+            return 1
     if not args.probe:
         return 0
     probes = asyncio.run(probe_all(cfg))

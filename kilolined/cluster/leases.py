@@ -32,9 +32,10 @@ from redis.exceptions import RedisError
 
 from kilolined.cluster import scripts
 from kilolined.cluster.leader import Leadership
+from kilolined.cluster.persistence import access_error, shown
 from kilolined.cluster.split import alive, share
 from kilolined.cluster.view import ClusterView, Peer
-from kilolined.config import ClusterConfig, Config, NodeConfig, RouteConfig, split_listen
+from kilolined.config import ClusterConfig, Config, ConfigError, NodeConfig, RouteConfig, split_listen
 from kilolined.queue import FAILED, LEASED, WAITING, Lease, Rejected, Scheduler, Ticket, avoided, ramped_capacity
 
 log = logging.getLogger("kilolined")
@@ -105,6 +106,10 @@ class ClusterLeases:
             await self._beat()
             self.view.redis_up = True
         except (RedisError, OSError) as e:
+            why = access_error(e)
+            if why is not None:  # not an outage that passes: going on alone would take every slot
+                await self.redis.aclose()
+                raise ConfigError([f"cluster.redis_url: Redis at {shown(self.cfg.redis_url)}: {why}"]) from None
             log.warning("⚠ cluster: Redis unreachable at start (%s): going on alone with a safe share", e)
             self._degrade(alert=False)
         self._spawn(self._beat_loop())

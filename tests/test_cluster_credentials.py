@@ -1,0 +1,77 @@
+"""A Redis that refuses the cluster's credentials is a configuration error, not an outage.
+
+Going on alone with a "safe share" after a WRONGPASS would give every gateway the whole N and the
+whole budget (no peer was ever seen to share with): three gateways ran 12 on a node of 4. So
+`check` exits 1 and `run` refuses to start, naming the cause and never the password.
+"""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import yaml
+from cluster_harness import cluster_config, free_port
+
+ROOT = Path(__file__).resolve().parent.parent
+PASSWORD = "the-right-one-0123456789"
+
+
+@pytest.fixture
+def locked_redis(tmp_path: Path) -> Iterator[int]:
+    """A redis-server that wants a password (``requirepass``)."""
+    if subprocess.run(["which", "redis-server"], capture_output=True).returncode != 0:
+        pytest.skip("redis-server is not installed")
+    port = free_port()
+    proc = subprocess.Popen(["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+                             "--appendonly", "no", "--requirepass", PASSWORD, "--dir", str(tmp_path)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 10
+    while True:
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=0.2) as s:
+                s.sendall(b"PING\r\n")
+                if s.recv(64).startswith(b"-NOAUTH"):
+                    break
+        except OSError:
+            pass
+        assert time.monotonic() < deadline, "redis-server did not start"
+        time.sleep(0.05)
+    yield port
+    proc.kill()
+    proc.wait()
+
+
+def kilolined(cmd: str, tmp_path: Path, url: str, timeout: float = 30) -> subprocess.CompletedProcess[str]:
+    path = tmp_path / f"{cmd}.yaml"
+    path.write_text(yaml.safe_dump(cluster_config(url, "http://127.0.0.1:9", free_port(), "gw0")))
+    return subprocess.run([sys.executable, "-m", "kilolined", cmd, "-c", str(path)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.mark.parametrize("password", ["wrong-password", None])  # WRONGPASS, and NOAUTH
+def test_check_and_run_refuse_credentials_redis_refuses(locked_redis: int, tmp_path: Path,
+                                                        password: str | None) -> None:
+    url = f"redis://{':' + password + '@' if password else ''}127.0.0.1:{locked_redis}/0"
+    out = kilolined("check", tmp_path, url)
+    assert out.returncode == 1, out.stdout + out.stderr
+    errors = [line for line in out.stdout.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "cluster.redis_url" in errors[0] and "refused" in errors[0], out.stdout
+    assert "Traceback" not in out.stderr
+    run = kilolined("run", tmp_path, url)  # exits by itself: it never starts serving
+    assert run.returncode == 1, run.stdout + run.stderr
+    assert "cluster.redis_url" in run.stderr and "refused" in run.stderr, run.stderr
+    assert "Traceback" not in run.stderr
+    for text in (out.stdout, run.stderr):
+        assert "wrong-password" not in text and PASSWORD not in text
+
+
+def test_check_passes_with_the_right_password(locked_redis: int, tmp_path: Path) -> None:
+    out = kilolined("check", tmp_path, f"redis://:{PASSWORD}@127.0.0.1:{locked_redis}/0")
+    assert out.returncode == 0 and out.stdout.startswith("ok:"), out.stdout + out.stderr
+    assert "error:" not in out.stdout and "warning:" not in out.stdout
