@@ -10,7 +10,9 @@ polls would put the p95 of 2-second renders at 2 ms.
 from __future__ import annotations
 
 from collections import Counter, deque
+from collections.abc import Iterable
 from typing import Any
+from urllib.parse import urlsplit
 
 
 def percentile(values: list[float], q: float) -> float | None:
@@ -19,6 +21,12 @@ def percentile(values: list[float], q: float) -> float | None:
     s = sorted(values)
     i = min(len(s) - 1, max(0, round(q * (len(s) - 1))))
     return round(s[i], 3)
+
+
+def machines(urls: Iterable[str]) -> int:
+    """How many rented machines the nodes run on: one per URL host. Two servers on one machine
+    (ComfyUI on :8188, TTS on :5002) are two nodes but one card, and are billed once."""
+    return len({(urlsplit(u).hostname or u).lower() for u in urls})
 
 
 class RouteStats:
