@@ -433,7 +433,10 @@ def log_access(gw: Gateway, call: Call) -> None:
     rt = gw.rt
     duration = time.monotonic() - call.started
     if call.route != "-" and call.mode == "sync":
-        rt.stats.record(call.route, str(call.status), call.queue_wait if call.node != "-" else None, duration)
+        # GPU work is a request that was admitted (a ticket) and leased to a node; an unqueued path
+        # names a node too, but holds no ticket.
+        ran = call.ticket is not None and call.node != "-"
+        rt.stats.record(call.route, str(call.status), call.queue_wait if ran else None, duration, ran=ran)
     if not rt.cfg.server.access_log:
         return
     rec = {

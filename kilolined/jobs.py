@@ -469,7 +469,7 @@ class Jobs:
         if job.started_mono is not None:
             job.duration = round(self.rt.clock() - job.started_mono, 3)
         self.finished[job.id] = job
-        self.rt.stats.record(job.route_label, status, job.queue_wait, job.duration)
+        self.rt.stats.record(job.route_label, status, job.queue_wait, job.duration, ran=job.started_mono is not None)
 
     def _finish_completed(self, job: Job, res: Result) -> None:
         job.result = res

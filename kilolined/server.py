@@ -236,7 +236,7 @@ async def serve(cfg: Config, version: str, config_path: str | None, log_json: bo
     # middle-generation ones (default 10): a 10,000-client burst then costs 1 full pass instead
     # of 8 (0.9 s of stop-the-world), and steady traffic spends half as long in the collector.
     # The "25 % growth" rule still bounds what cyclic garbage can pile up between full passes.
-    # Measured in docs/BENCHMARKS.md §9.3.
+    # Measured in docs/BENCHMARKS.md §2.
     gc.set_threshold(2000, 10, 100)
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, on_term)

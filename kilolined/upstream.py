@@ -2,7 +2,7 @@
 parsed by httptools (llhttp, Node.js's parser, in C).
 
 Why not aiohttp's client here: against a zero-delay node the gateway spent ~27 % of its CPU in
-``ClientSession.request`` alone (docs/BENCHMARKS.md §7) — timeouts objects, tracing hooks,
+``ClientSession.request`` alone (docs/BENCHMARKS.md §1, "Where the CPU goes") — timeouts objects, tracing hooks,
 cookie and redirect machinery, a StreamReader per response — for an exchange that is one write
 and one parse. This client does exactly what a reverse proxy needs: send the request in one
 write, hand back the status and headers, then the body as it arrives, with back-pressure, and

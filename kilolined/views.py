@@ -11,6 +11,7 @@ from typing import Any
 from kilolined.nodes import NodeState
 from kilolined.queue import RouteQueue, Scheduler
 from kilolined.runtime import Runtime
+from kilolined.stats import machines
 
 
 def route_snapshot(sched: Scheduler, rq: RouteQueue, now: float) -> dict[str, Any]:
@@ -85,7 +86,8 @@ def state(rt: Runtime) -> dict[str, Any]:
         "uptime_sec": round(now - rt.started_at, 1),
         # Beyond the documented fields, for the dashboard: rolling outcome counts and percentiles, and cost.
         "stats": rt.stats.snapshot(),
-        "cost": rt.cfg.cost.model_dump(),
+        # machines: what the hourly price is paid for (nodes sharing a URL host are one machine).
+        "cost": {**rt.cfg.cost.model_dump(), "machines": machines(n.url for n in rt.cfg.nodes.values())},
         **({"cluster": rt.cluster.state(rt.version)} if rt.cluster is not None else {}),
     }
 

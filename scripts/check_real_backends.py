@@ -15,7 +15,7 @@ random-weight GGUF and `--api-key`.
     .venv/bin/pip install openai
     .venv/bin/python scripts/check_real_backends.py --comfy-url http://127.0.0.1:8188 \\
         --llama-url http://127.0.0.1:8080 --llama-key kl-node-key \\
-        [--comfy-dir /work/real/comfyui --comfy-python /work/real/comfy-venv/bin/python] \\
+        [--comfy-dir $REAL_DIR/comfyui --comfy-python $REAL_DIR/comfy-venv/bin/python] \\
         [--only comfy|openai] [--observe observations.txt] [--markdown table.md]
 
 --comfy-dir/--comfy-python let the "node killed mid-job" check start (and SIGKILL) a second

@@ -9,7 +9,7 @@
 #   scripts/real_backends_setup.sh comfy | llama                            # one of them
 #
 # Knobs (environment):
-#   REAL_DIR      where everything goes                       (default /work/real)
+#   REAL_DIR      where everything goes    (default ${XDG_CACHE_HOME:-$HOME/.cache}/kiloline-real)
 #   COMFY_GIT     a git directory (a clone, bare or not) holding ComfyUI's history; needed only
 #                 while $REAL_DIR/comfyui does not exist yet
 #   COMFY_COMMIT  the commit to export                        (default 30860264 = "ComfyUI v0.19.3")
@@ -20,7 +20,7 @@
 #   JOBS          cmake --build -j                             (default 1: the build runs niced)
 set -euo pipefail
 
-REAL_DIR=${REAL_DIR:-/work/real}
+REAL_DIR=${REAL_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/kiloline-real}
 COMFY_COMMIT=${COMFY_COMMIT:-30860264}
 TORCH_SPEC=${TORCH_SPEC:-torch==2.14.1 torchvision==0.29.1}
 COMFY_PORT=${COMFY_PORT:-8188}
