@@ -16,7 +16,6 @@ from typing import Annotated, Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-ROUTE_KINDS = ("generic", "comfyui", "openai")
 NOTIFY_EVENTS = (
     "node_down",
     "node_up",
@@ -292,10 +291,6 @@ class MatchConfig(_Model):
     @classmethod
     def _upper(cls, v: list[str] | None) -> list[str] | None:
         return None if v is None else [m.upper() for m in v]
-
-    @property
-    def needs_body(self) -> bool:
-        return self.min_units is not None or self.max_units is not None or self.model is not None
 
 
 class RouteConfig(_Model):

@@ -7,8 +7,6 @@ import math
 import orjson
 from aiohttp import web
 
-from kilolined.queue import Rejected
-
 REASONS = {
     400: "bad_request",
     401: "unauthorized",
@@ -52,7 +50,3 @@ def error_response(status: int, type_: str, message: str, *, request_id: str | N
         content_type="application/json",
         headers=h,
     )
-
-
-def rejected_response(r: Rejected, **kw: object) -> web.Response:
-    return error_response(r.status, r.type, r.message, retry_after=r.retry_after, **kw)  # type: ignore[arg-type]

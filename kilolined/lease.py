@@ -18,7 +18,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable, Coroutine
-from typing import Any, Protocol, TypeVar
+from typing import Any, TypeVar
 
 from kilolined.outcome import Failure
 from kilolined.proxy import UpstreamFailed
@@ -53,15 +53,6 @@ class Listener:
 
 
 ENDED = Listener()  # an exited scope's listener (no state: __slots__ is empty)
-
-
-class Attempt(Protocol[T]):  # type: ignore[misc]
-    """Sends the request to the lease's node and returns its answer (headers), or raises
-    UpstreamFailed. It bounds itself by request_timeout_sec: a node silent before any byte is
-    a re-queue; the scope's deadline (request_timeout_sec plus a grace while the attempt runs)
-    is only the safety net."""
-
-    async def __call__(self, lease: Lease) -> T: ...
 
 
 class LeaseScope:

@@ -326,10 +326,6 @@ class Scheduler:
         self.checks_here: Callable[[], bool] = lambda: True
 
     # -- capacity --------------------------------------------------------------------------
-    def route_slots(self, rq: RouteQueue, node: str, now: float) -> int:
-        ns = self.nodes[node]
-        return ns.effective(rq.cfg.max_concurrency, now)
-
     def can_take(self, rq: RouteQueue, node: str, now: float, cost: float = 0.0) -> bool:
         ns = self.nodes.get(node)
         if ns is None or not ns.available(now):

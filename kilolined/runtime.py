@@ -302,9 +302,6 @@ class Runtime:
             p = self.pools[node] = NodePool(self.scheduler.nodes[node].cfg.url)
         return p
 
-    def node_cfg(self, node: str) -> NodeConfig:
-        return self.scheduler.nodes[node].cfg
-
     # --- queue --------------------------------------------------------------------------
     def wake(self) -> None:
         """Something may have freed capacity or changed node state: hand out slots."""
