@@ -12,8 +12,10 @@ read a configured route's settings are skipped for it (``unless_adhoc``).
 
 from __future__ import annotations
 
+import fnmatch
+import ipaddress
 import re
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 from typing import TYPE_CHECKING, Protocol
 
 from aiohttp import web
@@ -29,7 +31,9 @@ from kilolined.runtime import Runtime
 if TYPE_CHECKING:
     from kilolined.context import Gateway
 
-_TARGET = re.compile(r"https?://[A-Za-z0-9.\-\[\]]+(:[0-9]{1,5})?")
+# scheme://host[:port]: a name or IPv4 address, or an IPv6 literal in brackets (RFC 3986 §3.2.2)
+_TARGET = re.compile(r"(https?)://(?:([A-Za-z0-9.\-]+)|\[([0-9A-Fa-f:.]+)\])(?::([0-9]{1,5}))?")
+_V6_GLOB = re.compile(r"\[[^\]]*:[^\]]*\]")  # a bracket group with a ":" in an adhoc_targets glob
 #: request storage: (target, slots) of an ad-hoc request, for its admission stage
 _WANT: web.RequestKey[tuple[str, int]] = web.RequestKey("adhoc_target", tuple)
 
@@ -41,12 +45,33 @@ class HasRuntime(Protocol):
 
 
 def parse_target(raw: str) -> str | None:
-    """The ``scheme://host:port`` of an ``X-Target-Host`` value, or None if malformed."""
-    target = raw.strip().rstrip("/")
-    m = _TARGET.fullmatch(target)
-    if m is None or (m.group(1) is not None and not 0 < int(m.group(1)[1:]) < 65536):
+    """The canonical ``scheme://host[:port]`` of an ``X-Target-Host`` value, or None if malformed.
+
+    An IPv6 literal is written in its compressed form (``[0:0::1]`` → ``[::1]``), so that a glob
+    naming an address matches however the client spells it; zone ids (``%eth0``) are refused."""
+    m = _TARGET.fullmatch(raw.strip().rstrip("/"))
+    if m is None:
         return None
-    return target
+    scheme, name, v6, port = m.groups()
+    if port is not None and not 0 < int(port) < 65536:
+        return None
+    if v6 is not None:
+        try:
+            host = f"[{ipaddress.IPv6Address(v6).compressed}]"
+        except ValueError:
+            return None
+    else:
+        host = name
+    return f"{scheme}://{host}" + (f":{port}" if port is not None else "")
+
+
+def target_allowed(patterns: Iterable[str], target: str) -> bool:
+    """A key's ``adhoc_targets`` glob matches the target.
+
+    In a glob ``[...]`` is a character class, so ``http://[::1]:*`` would never match the IPv6
+    literal it plainly names (and would let ``http://1:80`` through). A bracket group holding a
+    ``:`` is an IPv6 literal, never a class: in such a pattern brackets are matched as written."""
+    return any(fnmatch.fnmatchcase(target, p.replace("[", "[[]") if _V6_GLOB.search(p) else p) for p in patterns)
 
 
 def parse_slots(raw: str | None) -> int | None:
@@ -84,7 +109,7 @@ def resolve_target(gw: HasRuntime, call: Call) -> web.StreamResponse | None:
         call.route_name, call.pinned_node = owners[0]
         call.kind = rt.cfg.routes[call.route_name].kind
         call.adapter = adapter_for(call.kind)
-    elif principal.may_target(target):
+    elif target_allowed(principal.cfg.adhoc_targets, target):
         slots = parse_slots(request.headers.get("X-Concurrency-Slot"))
         if slots is None:
             return call.error(400, "bad_request", f"X-Concurrency-Slot must be an integer 1–{ADHOC_MAX_SLOTS}")
