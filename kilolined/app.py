@@ -380,8 +380,11 @@ async def admit(gw: Gateway, call: Call) -> web.StreamResponse | None:
 
 PIPELINE: Sequence[Stage] = (check_open, resolve_path, authenticate, choose_mode, pass_unqueued, choose_route,
                              check_limits, read_exchange, name_model, price, admit)
-PROXY_PIPELINE: Sequence[Stage] = (check_open, targets.resolve_target, authenticate, choose_mode, check_limits,
-                                   read_exchange, price, admit)
+# An ad-hoc target's route is made at admission only (targets.py): the stages before it that read
+# a configured route's settings are skipped for it.
+PROXY_PIPELINE: Sequence[Stage] = (check_open, targets.resolve_target, targets.unless_adhoc(authenticate), choose_mode,
+                                   check_limits, read_exchange, targets.unless_adhoc(price),
+                                   targets.adhoc_admission(admit))
 
 
 def handler(stages: Sequence[Stage], route: str = "-") -> Callable[[web.Request], Awaitable[web.StreamResponse]]:

@@ -14,9 +14,61 @@ a new server on a new dup resumes.
 from __future__ import annotations
 
 import asyncio
+import resource
 import socket
 import ssl
 from collections.abc import Callable
+from dataclasses import dataclass
+
+# File descriptors kept for everything but client connections: sockets to the nodes (one per
+# request in flight, plus idle keep-alive ones), health checks, Redis, webhooks and notifiers,
+# the listening sockets, log and state files. A quarter of a small limit.
+FD_RESERVE = 512
+
+
+@dataclass(frozen=True, slots=True)
+class FdPlan:
+    """What the open-files limit (RLIMIT_NOFILE) allows: the soft limit to run with and the
+    client connections that fit in it beside the reserve."""
+
+    old_soft: int
+    soft: int
+    hard: int
+    max_connections: int  # server.max_connections, or fewer when the hard limit is too low
+    wanted: int  # server.max_connections as configured
+
+    @property
+    def raised(self) -> bool:
+        return self.soft > self.old_soft
+
+    @property
+    def clamped(self) -> bool:
+        return self.max_connections < self.wanted
+
+
+def fd_plan(wanted: int, soft: int, hard: int) -> FdPlan:
+    """Pure: the soft limit rises toward the hard one as far as ``wanted`` connections and the
+    reserve need (HAProxy raises its ``ulimit-n`` for ``maxconn`` the same way); what still does
+    not fit is taken off the connections, never off the reserve."""
+    need = wanted + FD_RESERVE
+    new_soft = soft
+    if need > soft:
+        new_soft = need if hard == resource.RLIM_INFINITY or hard >= need else hard
+    usable = new_soft - min(FD_RESERVE, new_soft // 4)
+    return FdPlan(soft, new_soft, hard, max(1, min(wanted, usable)), wanted)
+
+
+def raise_fd_limit(wanted: int) -> FdPlan:
+    """Apply ``fd_plan`` to this process; a refused raise (a container's seccomp, say) plans again
+    with the limit as it is."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    plan = fd_plan(wanted, soft, hard)
+    if plan.raised:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (plan.soft, hard))
+        except (ValueError, OSError):
+            plan = fd_plan(wanted, soft, soft)
+    return plan
 
 
 class ConnectionGate:

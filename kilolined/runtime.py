@@ -16,11 +16,12 @@ from typing import Any
 
 import aiohttp
 
+from kilolined.adhoc import AdhocTargets, is_adhoc
 from kilolined.auth import KeyStore
 from kilolined.cluster.limits import SharedLimits
 from kilolined.cluster.nodes import NodeSync
 from kilolined.cluster.view import ClusterView
-from kilolined.config import Config, ConfigError, NodeConfig, RouteConfig
+from kilolined.config import Config, ConfigError, NodeConfig
 from kilolined.deadlines import Deadlines
 from kilolined.feed import Feed
 from kilolined.health import health_loop, refresh_models
@@ -105,6 +106,8 @@ class Runtime:
         #: what an adapter keeps across requests, by kind (ComfyUI: monitor sockets, prompt owners);
         #: made on first use, its tasks are spawned here and end at stop
         self.adapter_state: dict[str, object] = {}
+        #: /v1/proxy's ad-hoc targets: their routes and nodes, bounded and dropped when idle (adhoc.py)
+        self.adhoc = AdhocTargets(self.scheduler, self._forget_node)
         self._apply_state(cfg)
 
     # --- config -------------------------------------------------------------------------
@@ -196,12 +199,18 @@ class Runtime:
         for name, ns in list(sched.nodes.items()):
             if ns.retired and not sched.node_inflight.get(name):
                 del sched.nodes[name]
-                s = self.sessions.pop(name, None)
-                if s is not None:
-                    self.spawn(s.close())
-                p = self.pools.pop(name, None)
-                if p is not None:
-                    p.close_idle()
+                self._forget_node(name)
+        self.adhoc.sweep(now)
+
+    def _forget_node(self, name: str) -> None:
+        """Free what is held for a node that is gone from the scheduler: its session and pool."""
+        s = self.sessions.pop(name, None)
+        if s is not None:
+            self.spawn(s.close())
+        p = self.pools.pop(name, None)
+        if p is not None:
+            p.close_idle()
+        self._models_asked.pop(name, None)
 
     def _ask_models(self) -> None:
         """Ask each multi-model node without a health check for its models once: at start, and
@@ -386,19 +395,4 @@ class Runtime:
 
     @staticmethod
     def route_label(route: str) -> str:
-        return "adhoc" if route.startswith("adhoc:") else route
-
-    # --- ad-hoc targets (docs/API.md#v1proxy) -----------------------------------------------------
-    def adhoc_route(self, target: str, slots: int) -> str:
-        name = f"adhoc:{target}"
-        sched = self.scheduler
-        if name not in sched.nodes:
-            sched.nodes[name] = NodeState(name, NodeConfig(url=target))
-        rq = sched.routes.get(name)
-        rcfg = RouteConfig(path="/v1/proxy", nodes=[name], max_concurrency=slots,
-                           queue_timeout_sec=120, max_queue_depth=100)
-        if rq is None:
-            sched.routes[name] = RouteQueue(name, rcfg)
-        elif rq.cfg.max_concurrency != slots:
-            rq.configure(rcfg, self.clock())
-        return name
+        return "adhoc" if is_adhoc(route) else route

@@ -24,7 +24,7 @@ from kilolined.config import Config, split_listen
 from kilolined.connection import EdgeHandler
 from kilolined.context import Gateway
 from kilolined.jobs import Jobs
-from kilolined.listener import ConnectionGate, Listener, listen_sockets
+from kilolined.listener import ConnectionGate, FdPlan, Listener, listen_sockets, raise_fd_limit
 from kilolined.notify import Notifier
 from kilolined.queue import Rejected
 from kilolined.reload import reload_from_file, watch_config
@@ -48,6 +48,7 @@ class Server:
             Component("notify", lambda c: notifier.configure(c.notify)),
             Component("webhooks", lambda c: webhooks.configure(**_webhook_settings(c))),
             Component("jobs", lambda c: self.gateway.jobs.configure(c.jobs)),
+            Component("fd-limit", lambda c: self._plan_fds(c.server.max_connections)),
         ]
         #: cluster mode (docs/CLUSTER.md): the leases live in Redis, shared with the other gateways
         self.cluster: ClusterLeases | None = None
@@ -78,6 +79,21 @@ class Server:
         self._stop_watch = asyncio.Event()
         self._bg: list[asyncio.Task[None]] = []
         self.port: int | None = None
+        #: client connections the open-files limit allows (server.max_connections or fewer)
+        self.fd_cap = cfg.server.max_connections
+
+    def _plan_fds(self, max_connections: int) -> None:
+        """Raise the open-files limit for ``server.max_connections`` (at start and on a reload), or
+        accept fewer connections: past the limit accept() fails and not even /healthz is served."""
+        plan: FdPlan = raise_fd_limit(max_connections)
+        self.fd_cap = plan.max_connections
+        if plan.raised:
+            log.info("raised the open-files limit (RLIMIT_NOFILE) from %d to %d for server.max_connections %d",
+                     plan.old_soft, plan.soft, max_connections)
+        if plan.clamped:
+            log.warning("⚠ server.max_connections %d does not fit the open-files limit (RLIMIT_NOFILE, hard %d): "
+                        "at most %d client connections are accepted (raise LimitNOFILE= or ulimit -n)",
+                        max_connections, plan.hard, plan.max_connections)
 
     def _one_voice(self, rt: Runtime, notifier: Notifier, cluster: ClusterLeases, prefix: str, ttl: float) -> None:
         """Cluster mode: the leader alone runs the health checks and sends the alerts; every
@@ -119,8 +135,9 @@ class Server:
         if rt.cfg.server.tls:
             ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
             ctx.load_cert_chain(rt.cfg.server.tls.cert, rt.cfg.server.tls.key)
-        self.gate = ConnectionGate(lambda: self.rt.cfg.server.max_connections, self._pause_accepting,
-                                   self._resume_accepting)
+        self._plan_fds(rt.cfg.server.max_connections)
+        self.gate = ConnectionGate(lambda: min(self.rt.cfg.server.max_connections, self.fd_cap),
+                                   self._pause_accepting, self._resume_accepting)
         self.listeners = [Listener(s, self._new_connection, ctx, BACKLOG) for s in listen_sockets(host, port, BACKLOG)]
         for listener in self.listeners:
             await listener.start()
