@@ -21,7 +21,7 @@ from kilolined.auth import KeyStore
 from kilolined.cluster.limits import SharedLimits
 from kilolined.cluster.nodes import NodeSync
 from kilolined.cluster.view import ClusterView
-from kilolined.config import Config, ConfigError, NodeConfig
+from kilolined.config import Config, ConfigError
 from kilolined.deadlines import Deadlines
 from kilolined.feed import Feed
 from kilolined.health import health_loop, refresh_models
