@@ -58,6 +58,7 @@ class Server:
             self.cluster = ClusterLeases(rt.scheduler, cfg.cluster, gateway_id(cfg), clock=rt.clock,
                                          version=lambda: rt.version, alert=rt.notify)
             rt.leases, rt.settle = self.cluster, self.cluster.settle
+            rt.components.append(Component("cluster", self.cluster.commit, self.cluster.prepare))
             rt.cluster = self.cluster.view
             c = self.cluster
             rt.shared_limits = SharedLimits(c.redis, cfg.cluster.key_prefix, rt.limiter, rt.budgets, inst=c.inst,

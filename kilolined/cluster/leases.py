@@ -476,6 +476,20 @@ class ClusterLeases:
         now = self.clock()
         others = self.alive_peers()
         me = self.view.gateway_id
+        self._cut(others)
+        # The requests waiting in Redis wait here now, in their order.
+        for t in sorted((t for t in self._tickets.values() if t.state == WAITING), key=lambda x: x.seq):
+            self._untrack(t)
+            self._adopt(t)
+        if alert and self.leadership.redis_lost():
+            self._notify("cluster_degraded", f"⚠ cluster: Redis unreachable — {me} goes on alone with "
+                         f"a 1/{len(others) + 1} share of every slot")
+        self.sched.dispatch(now)
+
+    def _cut(self, others: list[str]) -> None:
+        """Cut every route's and node's slot counts to this gateway's share (Redis is down),
+        keeping the full configs in ``_full`` for when it is back."""
+        me = self.view.gateway_id
         for name, rq in self.sched.routes.items():
             self._full.setdefault("r:" + name, rq.cfg)
             rq.cfg = rq.cfg.model_copy(update={"max_concurrency": share(rq.cfg.max_concurrency, me, others)})
@@ -488,14 +502,23 @@ class ClusterLeases:
             if upd:
                 self._full.setdefault("n:" + name, ns.cfg)
                 ns.cfg = ns.cfg.model_copy(update=upd)
-        # The requests waiting in Redis wait here now, in their order.
-        for t in sorted((t for t in self._tickets.values() if t.state == WAITING), key=lambda x: x.seq):
-            self._untrack(t)
-            self._adopt(t)
-        if alert and self.leadership.redis_lost():
-            self._notify("cluster_degraded", f"⚠ cluster: Redis unreachable — {me} goes on alone with "
-                         f"a 1/{len(others) + 1} share of every slot")
-        self.sched.dispatch(now)
+
+    # --- reload (a runtime.Component) -------------------------------------------------------
+    def prepare(self, cfg: Config) -> list[str]:
+        """A changed ``cluster:`` section is refused: Redis, the gateway id and the TTL are bound
+        at start (a restart applies them); saying nothing would leave the file and the gateway apart."""
+        if cfg.cluster != self.cfg:
+            return ["the cluster section changed: it needs a restart (nothing in this file was applied)"]
+        return []
+
+    def commit(self, cfg: Config) -> None:
+        """A reload applied new route and node configs, whole. While Redis is down this
+        gateway's share is cut from those, and they are what holds once Redis is back."""
+        if self.view.redis_up:
+            return
+        self._full.clear()
+        self._cut(self.alive_peers())
+        self.sched.dispatch(self.clock())
 
     def _adopt(self, t: Ticket) -> None:
         """The scheduler takes over a waiting ticket it did not make (Redis is down)."""
