@@ -28,7 +28,7 @@ from kilolined.auth import presented_key
 from kilolined.call import Call
 from kilolined.config import RateConfig, RouteConfig
 from kilolined.context import GW, RT, Gateway
-from kilolined.costs import UnitError, request_cost, request_units
+from kilolined.costs import CostTooLarge, UnitError, request_cost, request_units
 from kilolined.limits import Verdict, seconds_to_midnight
 from kilolined.models_list import is_models_list, models_union
 from kilolined.proxy import SERVER, Exchange, client_ip, request_id
@@ -212,6 +212,8 @@ async def _choose_route(gw: Gateway, call: Call) -> web.StreamResponse | None:
             if holds(rcfg.match, ex.method, headers, model, units):
                 chosen = name
                 break
+        except CostTooLarge as e:
+            return call.error(422, "exceeds_capacity", str(e))
         except UnitError as e:
             return call.error(400, "bad_request", str(e))
     if chosen is None:
@@ -346,6 +348,8 @@ def price(gw: Gateway, call: Call) -> web.StreamResponse | None:
         return None
     try:
         call.cost = request_cost(rcfg.cost, rcfg.kind, ex.method, ex.tail, ex.body, call.request.headers)
+    except CostTooLarge as e:
+        return call.error(422, "exceeds_capacity", str(e))
     except UnitError as e:
         return call.error(400, "bad_request", str(e))
     return None

@@ -186,6 +186,8 @@ class Job:
     store: JobStore = LOCAL
     #: read from another gateway's store (cluster mode): a snapshot, not this process's job
     remote: bool = False
+    #: bytes of jobs.max_results_mb this job's result holds while it is still being read
+    reading: int = 0
 
     def emit(self, event: str, data: dict[str, Any]) -> None:
         # Keep the rendered frame: built once for every subscriber and every replay, and
@@ -228,12 +230,15 @@ class Job:
 class JobSink(ModeSink):
     """The sse/async client modes: the request's moves become job events, its answer the result."""
 
-    __slots__ = ("ex", "failure", "job", "lost", "res", "rt")
+    __slots__ = ("ex", "failure", "job", "lost", "memory", "res", "rt")
     reports_progress = True
     gone = "cancelled"
 
-    def __init__(self, rt: Runtime, job: Job, ex: Exchange | None = None, lost: tuple[str, str] | None = None):
+    def __init__(self, rt: Runtime, job: Job, ex: Exchange | None = None, lost: tuple[str, str] | None = None,
+                 memory: ResultMemory | None = None):
         self.rt, self.job, self.ex = rt, job, ex
+        #: what results may hold (jobs.max_results_mb); the result is reserved in it as it arrives
+        self.memory = memory
         self.res: Result | None = None
         self.failure: Failure | None = None
         #: (from node, reason) of a job carried on from a lost gateway: said at its next dispatch
@@ -272,16 +277,27 @@ class JobSink(ModeSink):
 
     async def deliver(self, scope: LeaseScope, up: Upstream, obs: Observer | None,
                       capture: bytearray | None = None) -> None:
-        """Read the whole answer into memory: it is the job's result."""
-        limit = int(self.rt.cfg.jobs.max_results_mb * 1024 * 1024)
+        """Read the whole answer into memory: it is the job's result, reserved against
+        jobs.max_results_mb as its bytes arrive (the reservation ends with the job)."""
+        memory = self.memory or ResultMemory.alone(self.rt.cfg.jobs.max_results_mb)
+        job = self.job
+        memory.release(job)  # an earlier attempt's bytes are gone
         ok = False
         try:
             # The usage chunk the gateway asked for on the client's behalf is not part of its result.
             strip = UsageStripper() if self.ex is not None and gateway_added_usage(self.ex) else None
-            body = await _read_result(up, limit, obs, strip)
+            declared = _content_length(up)
+            if declared is not None and not memory.hold(job, declared):
+                raise ResultTooLarge(memory.refusal(declared))
+            body = await _read_result(up, lambda size: memory.hold(job, size), obs, strip)
             ok = up.status < 500
             scope.ok = ok
+        except ResultTooLarge as e:
+            # The gateway's memory cap, not the node's fault: no breaker, the job fails.
+            memory.release(job)
+            raise Failure("upstream_error", str(e), 502) from None
         except (aiohttp.ClientError, TimeoutError, UpstreamFailed) as e:
+            memory.release(job)
             # Bytes had arrived from the node: this attempt cannot be replayed, the job fails.
             reason = e.reason if isinstance(e, UpstreamFailed) else "connection lost mid-response"
             lease = scope.lease
@@ -304,17 +320,105 @@ class JobSink(ModeSink):
         self.failure = f
 
 
-async def _read_result(up: Upstream, limit: int, obs: Observer | None, strip: UsageStripper | None) -> bytes:
+class ResultTooLarge(Exception):
+    """A job's result does not fit in what jobs.max_results_mb has left."""
+
+
+def _content_length(up: Upstream) -> int | None:
+    raw = up.headers.get("Content-Length", "")
+    return int(raw) if raw.isascii() and raw.isdigit() else None
+
+
+async def _read_result(up: Upstream, hold: Callable[[int], bool], obs: Observer | None,
+                       strip: UsageStripper | None) -> bytes:
+    """The answer's bytes; ``hold(size)`` reserves room for ``size`` bytes before they are kept
+    (ResultTooLarge when it cannot)."""
     buf = bytearray()
     async for chunk in up.content.iter_any():
         if obs is not None:
             obs.feed(chunk)
-        buf += strip.feed(chunk) if strip is not None else chunk
-        if len(buf) > limit:
-            raise UpstreamFailed("result larger than jobs.max_results_mb")
+        kept = strip.feed(chunk) if strip is not None else chunk
+        if not hold(len(buf) + len(kept)):
+            raise ResultTooLarge("result larger than what jobs.max_results_mb has left")
+        buf += kept
     if strip is not None:
-        buf += strip.flush()
+        rest = strip.flush()
+        if not hold(len(buf) + len(rest)):
+            raise ResultTooLarge("result larger than what jobs.max_results_mb has left")
+        buf += rest
     return bytes(buf)
+
+
+class ResultMemory:
+    """The bytes of job results in memory, against ``jobs.max_results_mb``: finished results
+    (``held``, oldest first in ``results``) plus those still being read (``reading``, each job's
+    share in ``Job.reading``). ``held + reading`` never exceeds the cap: a read that needs room
+    drops the oldest finished results first, and fails when in-flight reads alone fill it.
+    Pure bookkeeping: no I/O, no clock."""
+
+    __slots__ = ("cap", "held", "reading", "results")
+
+    def __init__(self, cap_mb: float) -> None:
+        self.cap = int(cap_mb * 1024 * 1024)
+        self.held = 0
+        self.reading = 0
+        self.results: OrderedDict[str, Job] = OrderedDict()  # jobs holding a result, oldest first
+
+    @classmethod
+    def alone(cls, cap_mb: float) -> ResultMemory:
+        """A sink outside a job store: only its own result counts."""
+        return cls(cap_mb)
+
+    @property
+    def accounted(self) -> int:
+        return self.held + self.reading
+
+    def configure(self, cap_mb: float) -> None:
+        """A reload: the new cap holds for finished results at once (``trim``), and for reads
+        from their next bytes."""
+        self.cap = int(cap_mb * 1024 * 1024)
+        self.trim()
+
+    def hold(self, job: Job, size: int) -> bool:
+        """Reserve room for ``job``'s result to be ``size`` bytes; False when it cannot fit."""
+        need = size - job.reading
+        if need <= 0:
+            return True
+        while self.held + self.reading + need > self.cap and self.results:
+            self.drop(next(iter(self.results.values())))
+        if self.held + self.reading + need > self.cap:
+            return False
+        job.reading += need
+        self.reading += need
+        return True
+
+    def refusal(self, size: int) -> str:
+        other = self.reading
+        return (f"result of {size} bytes larger than what jobs.max_results_mb has left "
+                f"({max(0, self.cap - other)} of {self.cap} bytes; {other} held by results still being read)")
+
+    def release(self, job: Job) -> None:
+        """``job``'s read is over (finished, failed, cancelled, retried): its reservation ends."""
+        self.reading -= job.reading
+        job.reading = 0
+
+    def keep(self, job: Job, res: Result) -> None:
+        """``job`` finished with ``res``: its reservation becomes a held result (never larger: the
+        bytes were reserved as they came)."""
+        self.release(job)
+        job.result = res
+        self.held += len(res.body)
+        self.results[job.id] = job
+        self.trim()
+
+    def trim(self) -> None:
+        while self.held + self.reading > self.cap and self.results:
+            self.drop(next(iter(self.results.values())))
+
+    def drop(self, job: Job) -> None:
+        if self.results.pop(job.id, None) is not None and job.result is not None:
+            self.held -= len(job.result.body)
+            job.result = None
 
 
 class Jobs:
@@ -327,14 +431,29 @@ class Jobs:
         self.jobs: dict[str, Job] = {}
         self.active: set[Job] = set()  # not yet terminal: what the ticker looks at
         self.finished: OrderedDict[str, Job] = OrderedDict()  # finish order, for the TTL
-        self.results: OrderedDict[str, Job] = OrderedDict()  # jobs holding a result, for the memory cap
-        self.result_bytes = 0
+        #: results held and being read, within max_results_mb
+        self.memory = ResultMemory(cfg.max_results_mb)
         self._ticker: asyncio.Task[None] | None = None
         self._route_view: dict[str, tuple[int, float | None]] = {}  # per tick: live slots, mean service
 
     def configure(self, cfg: JobsConfig) -> None:
         self.cfg = cfg
+        self.memory.configure(cfg.max_results_mb)
         self._evict()
+
+    @property
+    def results(self) -> OrderedDict[str, Job]:
+        return self.memory.results
+
+    @property
+    def result_bytes(self) -> int:
+        """Bytes of finished results held."""
+        return self.memory.held
+
+    @property
+    def reading_bytes(self) -> int:
+        """Bytes reserved by results still being read."""
+        return self.memory.reading
 
     def start(self) -> None:
         self._ticker = asyncio.create_task(self._tick_loop(), name="kiloline-jobs")
@@ -424,7 +543,7 @@ class Jobs:
 
     async def _run(self, job: Job, ex: Exchange, adapter: Adapter, lost: tuple[str, str] | None = None) -> None:
         """Run the job to its end; whatever happens, it ends terminal (events, webhook)."""
-        sink = JobSink(self.rt, job, ex, lost)
+        sink = JobSink(self.rt, job, ex, lost, self.memory)
         try:
             await run(self.rt, job.ticket, ex, adapter, sink, job.key, job.route_label)
         except (Cancelled, asyncio.CancelledError):
@@ -463,6 +582,7 @@ class Jobs:
             job.emit("failed", {"status": "cancelled", "error": job.error, "http_status": None})
 
     def _finish(self, job: Job, status: str) -> None:
+        self.memory.release(job)  # every ending: a result not kept gives its reservation back
         self.active.discard(job)
         job.status = status
         job.finished_at = time.time()
@@ -472,10 +592,8 @@ class Jobs:
         self.rt.stats.record(job.route_label, status, job.queue_wait, job.duration, ran=job.started_mono is not None)
 
     def _finish_completed(self, job: Job, res: Result) -> None:
-        job.result = res
         job.http_status = res.http_status
-        self.result_bytes += len(res.body)
-        self.results[job.id] = job
+        self.memory.keep(job, res)
         self._finish(job, "completed")
         inline = res.result
         if inline is None and len(res.body) <= INLINE_RESULT_MAX and "json" in res.content_type:
@@ -493,9 +611,7 @@ class Jobs:
         job.http_status = http_status
         job.error = {"type": type_, "message": message}
         if body is not None:
-            job.result = Result(http_status or 502, content_type or "application/json", body)
-            self.result_bytes += len(body)
-            self.results[job.id] = job
+            self.memory.keep(job, Result(http_status or 502, content_type or "application/json", body))
         self._finish(job, "failed")
         job.emit("failed", {"status": "failed", "error": job.error, "http_status": http_status})
         self._webhook(job, "job.failed", None)
@@ -521,15 +637,8 @@ class Jobs:
                 break
             self.finished.popitem(last=False)
             self.jobs.pop(jid, None)
-            self._drop_result(job)
-        cap = self.cfg.max_results_mb * 1024 * 1024
-        while self.result_bytes > cap and self.results:
-            self._drop_result(next(iter(self.results.values())))
-
-    def _drop_result(self, job: Job) -> None:
-        if self.results.pop(job.id, None) is not None and job.result is not None:
-            self.result_bytes -= len(job.result.body)
-            job.result = None
+            self.memory.drop(job)
+        self.memory.trim()
 
     async def cancel_any(self, job: Job) -> Job:
         """DELETE: cancel it here, or have the gateway that runs it cancel it; the job afterwards."""

@@ -94,6 +94,11 @@ class RateLimiter:
             del self.buckets[k]
 
 
+def _spent(amount: float) -> float:
+    """An amount added to a budget: finite and ≥ 0 (anything else adds nothing)."""
+    return amount if math.isfinite(amount) and amount > 0 else 0
+
+
 def utc_day(wall: float) -> str:
     return dt.datetime.fromtimestamp(wall, dt.UTC).strftime("%Y-%m-%d")
 
@@ -183,9 +188,11 @@ class Budgets:
         u = self.used.get(key)
         if u is None:
             u = self.used[key] = dict.fromkeys(self.FIELDS, 0.0)
-        u["requests"] += requests
-        u["tokens"] += tokens
-        u["gpu_seconds"] += gpu_seconds
+        # Usage only ever spends: a negative or non-finite amount (a node's odd usage report, a
+        # clock step) must never refill a budget.
+        u["requests"] += _spent(requests)
+        u["tokens"] += _spent(tokens)
+        u["gpu_seconds"] += _spent(gpu_seconds)
         self.dirty = True
 
     def reserve_tokens(self, key: str, budget: BudgetConfig | None, tokens: int, wall: float) -> int | None:

@@ -22,6 +22,7 @@ from typing import Any
 import orjson
 
 from kilolined.adapters.base import Adapter, HttpAttempt, Sink, Tee
+from kilolined.costs import choices, prompt_tokens
 from kilolined.lease import LeaseScope
 from kilolined.limits import seconds_to_midnight
 from kilolined.outcome import Failure
@@ -68,24 +69,26 @@ def gateway_added_usage(ex: Exchange) -> bool:
 
 
 def estimate_tokens(data: dict[str, Any]) -> int:
-    """A request's tokens before it runs: the characters of all text content (string `content`,
-    the `text` of content parts, `prompt`) ÷ 4, rounded up once, plus max_tokens when given."""
-    chars = 0
-    messages = data.get("messages")
-    for m in messages if isinstance(messages, list) else ():
-        content = m.get("content") if isinstance(m, dict) else None
-        if isinstance(content, str):
-            chars += len(content)
-        elif isinstance(content, list):
-            chars += sum(len(p["text"]) for p in content if isinstance(p, dict) and isinstance(p.get("text"), str))
-    prompt = data.get("prompt")
-    if isinstance(prompt, str):
-        chars += len(prompt)
-    elif isinstance(prompt, list):
-        chars += sum(len(p) for p in prompt if isinstance(p, str))
+    """A request's tokens before it runs: the prompt's (costs.prompt_tokens: text, tools, token
+    ids) plus, when max_tokens is given, that many for each completion it asks for (``n``)."""
     limit = data.get("max_completion_tokens", data.get("max_tokens"))
     extra = limit if isinstance(limit, int) and not isinstance(limit, bool) and limit > 0 else 0
-    return math.ceil(chars / 4) + extra
+    return prompt_tokens(data) + extra * choices(data, strict=False)
+
+
+#: The most tokens one answer's usage may count (a node claiming more is clamped to it): far
+#: beyond any context window, small enough that a counter stays exact.
+MAX_USAGE_TOKENS = 100_000_000
+
+
+def usage_count(v: Any) -> int | None:
+    """A token count a node reported, as a sane integer in [0, MAX_USAGE_TOKENS]; None when it is
+    not a number. A negative count would refill a token budget and run the counter backwards."""
+    if isinstance(v, bool) or not isinstance(v, int | float):
+        return None
+    if isinstance(v, float) and not math.isfinite(v):
+        return None if math.isnan(v) else MAX_USAGE_TOKENS if v > 0 else 0
+    return max(0, min(MAX_USAGE_TOKENS, math.ceil(v)))
 
 
 class UsageStripper:
@@ -189,16 +192,18 @@ class StreamParser(Observer):
                 pass
 
     def tokens(self) -> int:
+        """The answer's tokens: usage, else llama.cpp timings, else content chunks; never negative
+        and never more than MAX_USAGE_TOKENS, whatever the node claims."""
         if self.usage:
-            total = self.usage.get("total_tokens")
-            if isinstance(total, int):
+            total = usage_count(self.usage.get("total_tokens"))
+            if total is not None:
                 return total
-            parts = [self.usage.get("prompt_tokens"), self.usage.get("completion_tokens")]
-            return sum(p for p in parts if isinstance(p, int))
+            parts = [usage_count(self.usage.get(k)) for k in ("prompt_tokens", "completion_tokens")]
+            return min(MAX_USAGE_TOKENS, sum(p for p in parts if p is not None))
         if self.timings:
             # llama.cpp: prompt_n counts only the tokens not served from its cache.
-            parts = [self.timings.get(k) for k in ("cache_n", "prompt_n", "predicted_n")]
-            return sum(p for p in parts if isinstance(p, int) and p > 0)
+            parts = [usage_count(self.timings.get(k)) for k in ("cache_n", "prompt_n", "predicted_n")]
+            return min(MAX_USAGE_TOKENS, sum(p for p in parts if p is not None))
         return self.chunks
 
 
