@@ -67,6 +67,11 @@ class Runtime:
         self.version = version
         self.loaded_at = time.time()
         self.last_error: list[str] | None = None
+        #: the config watcher's view (docs/CONFIG.md "Hot reload"): the Unix time it last saw the
+        #: file change, and whether that change still waits to be applied or refused. A pending
+        #: change far older than the quiet period is a reload that is stuck.
+        self.file_changed_at: float | None = None
+        self.reload_pending = False
         self.scheduler = Scheduler()
         #: where leases live (docs/ARCHITECTURE.md): this gateway's scheduler unless a shared store replaces it
         self.leases: LeaseStore = self.scheduler
@@ -168,6 +173,7 @@ class Runtime:
         self.version = version
         self.loaded_at = time.time()
         self.last_error = None
+        self.reload_pending = False
         for c in self.components:
             c.commit(cfg)
         if self.started:
@@ -180,11 +186,26 @@ class Runtime:
 
     def reload_failed(self, errors: list[str]) -> None:
         self.last_error = errors
+        self.reload_pending = False
         self.metrics.reloads.labels("error").inc()
         for e in errors:
             log.error("✗ [reload] %s", e)
         self.feed.publish("reload", ok=False, errors=errors)
         self.notify("reload_failed", "✗ config reload failed: " + "; ".join(errors[:5]), node=None)
+
+    def config_changed(self) -> None:
+        """The watcher saw the file change; it is pending until applied, refused or found unchanged."""
+        self.file_changed_at = time.time()
+        self.reload_pending = True
+
+    def config_settled(self) -> None:
+        """The watcher found nothing new to apply in the change it saw."""
+        self.reload_pending = False
+
+    def config_state(self) -> dict[str, Any]:
+        """``config`` of /admin/state (docs/API.md)."""
+        return {"version": self.version, "loaded_at": self.loaded_at, "last_error": self.last_error,
+                "file_changed_at": self.file_changed_at, "pending": self.reload_pending}
 
     def _gc(self, now: float) -> None:
         """Forget retired routes and nodes once nothing waits on or runs through them."""
