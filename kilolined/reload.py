@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 from watchfiles import awatch
 
 from kilolined import systemd
-from kilolined.config import ConfigError, load_config
+from kilolined.config import Config, ConfigError, load_config
 
 if TYPE_CHECKING:
     from kilolined.runtime import Runtime
@@ -39,7 +39,7 @@ async def reload_from_file(rt: Runtime, reason: str) -> list[str]:
     systemd.reloading()
     try:
         try:
-            cfg, version = await asyncio.to_thread(load_config, rt.config_path)
+            cfg, version = await asyncio.to_thread(_load, rt.config_path)
             if version == rt.version and rt.last_error is None:
                 return []
             warnings = rt.apply(cfg, version)  # a component may refuse it: ConfigError, nothing changed
@@ -52,6 +52,19 @@ async def reload_from_file(rt: Runtime, reason: str) -> list[str]:
         return []
     finally:
         systemd.ready(rt)
+
+
+def _load(path: str) -> tuple[Config, str]:
+    """load_config, where any failure is a refused reload: a file the loader chokes on must not
+    answer 500 or kill the SIGHUP task. load_config reports every known failure itself; anything
+    else is a bug, logged with its traceback, and still a config error to the operator."""
+    try:
+        return load_config(path)
+    except ConfigError:
+        raise
+    except Exception as e:
+        log.exception("✗ [reload] loading %s failed", path)
+        raise ConfigError([f"{path}: cannot load: {type(e).__name__}: {e}"]) from None
 
 
 def watched_paths(config_path: str) -> tuple[set[str], set[str]]:
