@@ -8,15 +8,12 @@ import hashlib
 import logging
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from watchfiles import awatch
 
 from kilolined import systemd
 from kilolined.config import Config, ConfigError, load_config
-
-if TYPE_CHECKING:
-    from kilolined.runtime import Runtime
+from kilolined.runtime import Runtime, describe_changes
 
 log = logging.getLogger("kilolined")
 
@@ -48,7 +45,7 @@ async def reload_from_file(rt: Runtime, reason: str) -> list[str]:
             return e.errors
         for w in warnings:
             log.warning("⚠ [reload] %s", w)
-        log.info("✓ [reload] config %s applied (%s)", version[:12], reason)
+        log.info("✓ [reload] config %s applied (%s): %s", version[:12], reason, describe_changes(rt.last_changes))
         return []
     finally:
         systemd.ready(rt)
