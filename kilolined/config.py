@@ -7,6 +7,7 @@ one silently, which drops a whole route), and aliases may not expand past MAX_AL
 
 from __future__ import annotations
 
+import codecs
 import hashlib
 import os
 import re
@@ -606,6 +607,41 @@ def _yaml_error(e: yaml.YAMLError, source: str | None) -> str:
     return f"(yaml) {where}: {problem}"
 
 
+# What YAML allows in a stream (YAML 1.1 §5.1, PyYAML's Reader): tab, newlines and printable text.
+_NOT_YAML_TEXT = re.compile("[^\x09\x0A\x0D\x20-\x7E\x85\xA0-\uD7FF\uE000-\uFFFD\U00010000-\U0010FFFF]")
+
+
+def _line_col(text: str, index: int) -> tuple[int, int]:
+    """1-based line and column of ``text[index]``."""
+    line_start = text.rfind("\n", 0, index) + 1
+    return text.count("\n", 0, index) + 1, index - line_start + 1
+
+
+def config_text(data: bytes, source: str | None = None) -> str:
+    """The file's bytes as text, or a ConfigError that says where they are not text.
+
+    UTF-8 (a leading BOM is dropped), or UTF-16 with a BOM, as YAML itself reads; and only the
+    characters YAML allows. A NUL or a byte that is not UTF-8 is a config error like any other,
+    at its line: an editor, a truncated copy or a binary file saved over the config makes them.
+    """
+    utf16 = data.startswith((codecs.BOM_UTF16_LE, codecs.BOM_UTF16_BE))
+    encoding = "utf-16" if utf16 else "utf-8-sig"
+    try:
+        text = data.decode(encoding)
+    except UnicodeDecodeError as e:
+        before = data[:e.start].decode(encoding, errors="replace")
+        line, col = _line_col(before + "?", len(before))
+        name = "UTF-16" if utf16 else "UTF-8"
+        raise ConfigError([_located(source, line, "(encoding)", f"byte 0x{data[e.start]:02x} at column {col} is "
+                                    f"not {name}: the file must be {name} text")]) from None
+    bad = _NOT_YAML_TEXT.search(text)
+    if bad is not None:
+        line, col = _line_col(text, bad.start())
+        what = "NUL byte" if bad.group() == "\0" else f"control character U+{ord(bad.group()):04X}"
+        raise ConfigError([_located(source, line, "(encoding)", f"{what} at column {col}: the file must be text")])
+    return text
+
+
 def parse_config(text: str | bytes, env: dict[str, str] | None = None, source: str | None = None) -> Config:
     """Parse and validate YAML text; raise ConfigError with every problem found.
 
@@ -614,7 +650,20 @@ def parse_config(text: str | bytes, env: dict[str, str] | None = None, source: s
     daemon calls it from a thread (kilolined/reload.py).
     """
     env = dict(os.environ) if env is None else env
-    loader = yaml.SafeLoader(text)
+    if isinstance(text, bytes):
+        text = config_text(text, source)
+    try:
+        return _parse_text(text, env, source)
+    except RecursionError:  # nesting deeper than the parser's recursion (thousands of [[[…)
+        where = f"{source}: " if source is not None else ""
+        raise ConfigError([f"{where}(yaml): nested too deeply"]) from None
+
+
+def _parse_text(text: str, env: dict[str, str], source: str | None) -> Config:
+    try:
+        loader = yaml.SafeLoader(text)  # a character YAML refuses may stop it here already
+    except yaml.YAMLError as e:
+        raise ConfigError([_yaml_error(e, source)]) from None
     try:
         root = loader.get_single_node()
         if root is None:
@@ -669,11 +718,14 @@ def _located(source: str | None, line: int, path: str, message: str) -> str:
 
 def load_config(path: str | Path, env: dict[str, str] | None = None) -> tuple[Config, str]:
     """Read and validate the file; returns the config and its version (sha256 of the bytes).
-    Errors name the file and line: ``path:line: dotted.path: message``."""
+
+    Every failure is a ConfigError (the reload, SIGHUP, the watcher and ``check`` report it and
+    keep going): ``path:line: dotted.path: message``, or ``path: …`` where no line applies (the
+    file cannot be read: missing, a permission, a directory)."""
     try:
         data = Path(path).read_bytes()
     except OSError as e:
-        raise ConfigError([f"{path}: cannot read: {e.strerror or e}"])
+        raise ConfigError([f"{path}: cannot read: {e.strerror or e}"]) from None
     return parse_config(data, env, source=str(path)), hashlib.sha256(data).hexdigest()
 
 

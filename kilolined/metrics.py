@@ -37,6 +37,8 @@ class LiveState(Protocol):
     scheduler: Scheduler
     last_error: list[str] | None
     loaded_at: float
+    file_changed_at: float | None
+    reload_pending: bool
 
     def clock(self) -> float: ...
 
@@ -96,7 +98,16 @@ class _LiveGauges(Collector):
         at = GaugeMetricFamily("kiloline_config_last_reload_success_timestamp_seconds",
                                "Unix time the running config was loaded")
         at.add_metric([], rt.loaded_at)
-        yield from (depth, infl, slots, up, br, cap, used, swaps, ok, at)
+        # A change the watcher saw but has not applied: 1 for longer than a second or so is a
+        # reload that is stuck (docs/CONFIG.md "Hot reload").
+        pending = GaugeMetricFamily("kiloline_config_reload_pending",
+                                    "1 while a change of the config file seen by the watcher is not yet applied")
+        pending.add_metric([], 1 if rt.reload_pending else 0)
+        changed = GaugeMetricFamily("kiloline_config_file_changed_timestamp_seconds",
+                                    "Unix time the watcher last saw the config file change (absent: not since start)")
+        if rt.file_changed_at is not None:
+            changed.add_metric([], rt.file_changed_at)
+        yield from (depth, infl, slots, up, br, cap, used, swaps, ok, at, pending, changed)
 
 
 class CounterChild:

@@ -8,23 +8,21 @@ import hashlib
 import logging
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from watchfiles import awatch
 
 from kilolined import systemd
-from kilolined.config import ConfigError, load_config
-
-if TYPE_CHECKING:
-    from kilolined.runtime import Runtime
+from kilolined.config import Config, ConfigError, load_config
+from kilolined.runtime import Runtime, describe_changes
 
 log = logging.getLogger("kilolined")
 
 # A file is applied once it has been quiet this long: an editor or a script writing it in
 # place, in pieces, leaves it valid-but-partial for a moment (docs/CONFIG.md, "Hot reload").
 STABLE_SEC = 0.3
-TICK_MS = 100  # while a change waits out its quiet period, the watcher looks at the file this often
-IDLE_TICK_MS = 5000  # and this often while nothing happens (a write that an event missed)
+TICK_MS = 100  # the longest the watcher groups the file's events before it passes them on
+IDLE_TICK_MS = 5000  # while nothing happens, a stat this often (a write that an event missed)
+STUCK_WARN_SEC = 10  # a file that has not been quiet this long is logged (something keeps writing it)
 
 
 async def reload_from_file(rt: Runtime, reason: str) -> list[str]:
@@ -38,7 +36,7 @@ async def reload_from_file(rt: Runtime, reason: str) -> list[str]:
     systemd.reloading()
     try:
         try:
-            cfg, version = await asyncio.to_thread(load_config, rt.config_path)
+            cfg, version = await asyncio.to_thread(_load, rt.config_path)
             if version == rt.version and rt.last_error is None:
                 return []
             warnings = rt.apply(cfg, version)  # a component may refuse it: ConfigError, nothing changed
@@ -47,10 +45,23 @@ async def reload_from_file(rt: Runtime, reason: str) -> list[str]:
             return e.errors
         for w in warnings:
             log.warning("⚠ [reload] %s", w)
-        log.info("✓ [reload] config %s applied (%s)", version[:12], reason)
+        log.info("✓ [reload] config %s applied (%s): %s", version[:12], reason, describe_changes(rt.last_changes))
         return []
     finally:
         systemd.ready(rt)
+
+
+def _load(path: str) -> tuple[Config, str]:
+    """load_config, where any failure is a refused reload: a file the loader chokes on must not
+    answer 500 or kill the SIGHUP task. load_config reports every known failure itself; anything
+    else is a bug, logged with its traceback, and still a config error to the operator."""
+    try:
+        return load_config(path)
+    except ConfigError:
+        raise
+    except Exception as e:
+        log.exception("✗ [reload] loading %s failed", path)
+        raise ConfigError([f"{path}: cannot load: {type(e).__name__}: {e}"]) from None
 
 
 def watched_paths(config_path: str) -> tuple[set[str], set[str]]:
@@ -89,58 +100,118 @@ def _signature(path: Path) -> tuple[int, int, int] | None:
 async def watch_config(rt: Runtime, stop: asyncio.Event) -> None:
     """Reload when the config file's bytes change and have then stayed the same STABLE_SEC.
 
-    Every relevant event, and every quiet tick whose stat differs from the last one (a write that
-    landed before the watch was set up, or that an event missed), restarts the quiet period. When
-    it has passed: has the sha256 of the bytes changed since the last good or last refused version?
+    Two tasks: one turns the file's filesystem events into pokes, the other keeps the quiet-period
+    clock. The clock is a plain deadline on the event loop, never an event: in a busy directory (a
+    log or an editor's swap file written beside the config) the watcher sees events all the time,
+    and a clock that needed a pause between them would never reach its deadline.
     """
     assert rt.config_path is not None
     # watchfiles logs "N changes detected" at INFO for every batch: not the daemon's business.
     logging.getLogger("watchfiles").setLevel(logging.WARNING)
-    target = Path(rt.config_path)
-    dirs, relevant = watched_paths(rt.config_path)
-    refused: str | None = None
-    loop = asyncio.get_running_loop()
-    seen: tuple[int, int, int] | None = None
-    changed_at: float | None = loop.time()  # look once at start: a write may have landed already
+    poke = asyncio.Event()
+    halt = asyncio.Event()  # ends the event watch (its thread checks it every step)
+    events = asyncio.create_task(_watch_events(rt.config_path, poke, halt), name="kiloline-config-events")
+    try:
+        await _quiet_clock(rt, Path(rt.config_path), poke, stop)
+    finally:
+        halt.set()
+        events.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await events
+
+
+async def _watch_events(config_path: str, poke: asyncio.Event, halt: asyncio.Event) -> None:
+    """Set ``poke`` on every event that concerns the config (not on its neighbours' events)."""
+    relevant: set[str] = set()
 
     def concerns_config(_change: object, path: str) -> bool:
         return os.path.abspath(path) in relevant
 
-    while not stop.is_set():
-        # Two speeds: quick ticks only while a change waits out its quiet period. Ticking at
-        # 100 ms all the time would wake a thread ten times a second on an idle gateway.
-        quick = changed_at is not None
+    while not halt.is_set():
         # Each start watches what the path resolves to now: a ConfigMap swap removes the
         # directory the previous watch was on.
-        dirs, now_relevant = watched_paths(rt.config_path)
-        relevant = now_relevant | relevant
-        # aclosing: a watch left by break closes its inotify handle now, not when collected.
+        dirs, relevant = watched_paths(config_path)  # entries of earlier targets are not watched any more
+        if not dirs:  # the config's directory itself is gone: the clock's stat sees it come back
+            await asyncio.sleep(IDLE_TICK_MS / 1000)
+            continue
+        # yield_on_timeout: an idle gateway looks at where the symlinks lead every IDLE_TICK_MS.
         watch = awatch(*dirs, watch_filter=concerns_config, recursive=False, debounce=TICK_MS, step=20,
-                       stop_event=stop, yield_on_timeout=True, rust_timeout=TICK_MS if quick else IDLE_TICK_MS)
-        async with contextlib.aclosing(watch):
-            async for changes in watch:
-                now = loop.time()
-                sig = _signature(target)
-                if changes or sig != seen:
-                    seen = sig
-                    changed_at = now
-                    relevant = watched_paths(rt.config_path)[1] | relevant  # a swapped symlink adds entries
-                    if not quick:
-                        break  # on to quick ticks (the stat check on the next tick sees what the gap missed)
-                    continue
-                if changed_at is None or now - changed_at < STABLE_SEC:
-                    continue
-                changed_at = None
-                try:
-                    digest = hashlib.sha256(target.read_bytes()).hexdigest()
-                except OSError:
-                    break  # mid-swap, or removed: keep the running config
-                if digest == refused or (digest == rt.version and rt.last_error is None):
-                    break  # nothing new (a file put back to the running version still clears last_error)
-                try:
-                    errors = await reload_from_file(rt, reason="file changed")
-                except Exception:
-                    log.exception("reload")
-                    break
-                refused = digest if errors else None
-                break  # back to idle ticks
+                       stop_event=halt, yield_on_timeout=True, rust_timeout=IDLE_TICK_MS)
+        try:
+            # aclosing: a watch left by break closes its inotify handle now, not when collected.
+            async with contextlib.aclosing(watch):
+                async for changes in watch:
+                    if changes:
+                        poke.set()
+                    new_dirs, new_relevant = watched_paths(config_path)
+                    relevant |= new_relevant  # a swapped symlink adds entries
+                    if new_dirs != dirs:
+                        break  # the path leads elsewhere now: watch there
+        except OSError as e:  # a directory removed between the look and the watch: look again
+            log.debug("config watch: %s", e)
+            await asyncio.sleep(TICK_MS / 1000)
+
+
+async def _poked(poke: asyncio.Event, timeout: float) -> bool:
+    """Whether ``poke`` was set within ``timeout`` seconds (and clear it)."""
+    with contextlib.suppress(TimeoutError):
+        async with asyncio.timeout(max(0.0, timeout)):
+            await poke.wait()
+    was = poke.is_set()
+    poke.clear()
+    return was
+
+
+async def _quiet_clock(rt: Runtime, target: Path, poke: asyncio.Event, stop: asyncio.Event) -> None:
+    """Apply the file once it has been quiet STABLE_SEC: every poke, and every look whose stat
+    differs from the last one (a write that landed before the watch was set up, or that an event
+    missed), restarts the quiet period. Idle, it wakes every IDLE_TICK_MS for one stat."""
+    loop = asyncio.get_running_loop()
+    seen = _signature(target)
+    quiet_since: float | None = loop.time()  # look once at start: a write may have landed already
+    changing_since: float | None = None  # the first change not yet settled
+    refused: str | None = None
+    while not stop.is_set():
+        wait = IDLE_TICK_MS / 1000 if quiet_since is None else quiet_since + STABLE_SEC - loop.time()
+        poked = await _poked(poke, wait)
+        sig = _signature(target)
+        now = loop.time()
+        if poked or sig != seen:
+            seen = sig
+            quiet_since = now
+            rt.config_changed()
+            if changing_since is None:
+                changing_since = now
+            elif now - changing_since > STUCK_WARN_SEC:
+                log.warning("⚠ [reload] %s has kept changing for %.0f s: it is applied once it is quiet for %g s",
+                            rt.config_path, now - changing_since, STABLE_SEC)
+                changing_since = now  # once per STUCK_WARN_SEC, not on every write
+            continue
+        if quiet_since is None or now - quiet_since < STABLE_SEC:
+            continue
+        quiet_since = changing_since = None
+        refused = await _settle(rt, target, refused)
+
+
+def _fingerprint(target: Path) -> str:
+    """sha256 of the bytes, or the reason they cannot be read (so one failure is reported once)."""
+    try:
+        return hashlib.sha256(target.read_bytes()).hexdigest()
+    except OSError as e:
+        return f"unreadable: {e.errno}"
+
+
+async def _settle(rt: Runtime, target: Path, refused: str | None) -> str | None:
+    """The file has been quiet: reload it unless its bytes are the running or the last refused
+    version. Returns what is refused now (None: nothing)."""
+    seen = _fingerprint(target)
+    if seen == refused or (seen == rt.version and rt.last_error is None):
+        rt.config_settled()  # nothing new (a file put back to the running version still clears last_error)
+        return refused
+    try:
+        errors = await reload_from_file(rt, reason="file changed")
+    except Exception:
+        log.exception("reload")
+        rt.config_settled()
+        return refused
+    return seen if errors else None

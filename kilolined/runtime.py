@@ -58,6 +58,41 @@ def _no_alert(event: str, text: str, node: str | None) -> None:
     pass
 
 
+NAMED_SECTIONS = ("routes", "nodes", "keys")
+
+
+def config_changes(old: Config, new: Config) -> dict[str, Any]:
+    """What a reload changes: for routes, nodes and keys the names added, removed and changed;
+    and which other top-level sections changed. Names only: a key by its id, never its hash."""
+    out: dict[str, Any] = {}
+    for section in NAMED_SECTIONS:
+        before, after = getattr(old, section), getattr(new, section)
+        out[section] = {
+            "added": [n for n in after if n not in before],
+            "removed": [n for n in before if n not in after],
+            # model_dump, not ==: a value written out that equals its default is no change
+            "changed": [n for n in after if n in before and before[n].model_dump() != after[n].model_dump()],
+        }
+    dump_old, dump_new = old.model_dump(exclude=set(NAMED_SECTIONS)), new.model_dump(exclude=set(NAMED_SECTIONS))
+    out["sections"] = [f for f in dump_new if dump_old.get(f) != dump_new[f]]
+    return out
+
+
+def describe_changes(changes: dict[str, Any] | None) -> str:
+    """``routes +tts ~comfy; nodes -gpu2; keys +carol; ~notify`` (+ added, - removed, ~ changed)."""
+    if changes is None:
+        return "no setting changed"
+    parts = []
+    for section in NAMED_SECTIONS:
+        c = changes[section]
+        marks = [f"+{n}" for n in c["added"]] + [f"-{n}" for n in c["removed"]] + [f"~{n}" for n in c["changed"]]
+        if marks:
+            parts.append(f"{section} {' '.join(marks)}")
+    if changes["sections"]:
+        parts.append(" ".join(f"~{s}" for s in changes["sections"]))
+    return "; ".join(parts) or "no setting changed (comments or layout only)"
+
+
 class Runtime:
     def __init__(self, cfg: Config, version: str, *, clock: Callable[[], float] = time.monotonic,
                  config_path: str | None = None):
@@ -68,6 +103,13 @@ class Runtime:
         self.version = version
         self.loaded_at = time.time()
         self.last_error: list[str] | None = None
+        #: the config watcher's view (docs/CONFIG.md "Hot reload"): the Unix time it last saw the
+        #: file change, and whether that change still waits to be applied or refused. A pending
+        #: change far older than the quiet period is a reload that is stuck.
+        self.file_changed_at: float | None = None
+        self.reload_pending = False
+        #: what the last reload applied changed (config_changes); None until a reload
+        self.last_changes: dict[str, Any] | None = None
         self.scheduler = Scheduler()
         #: where leases live (docs/ARCHITECTURE.md): this gateway's scheduler unless a shared store replaces it
         self.leases: LeaseStore = self.scheduler
@@ -168,10 +210,12 @@ class Runtime:
             warnings.append("server.listen/tls changed: needs a restart; the rest is applied")
         if old.admin.digest() != cfg.admin.digest():
             self.admin_sessions.clear()  # dashboard sessions were granted by the old admin key
+        self.last_changes = config_changes(old, cfg)
         self._apply_state(cfg)
         self.version = version
         self.loaded_at = time.time()
         self.last_error = None
+        self.reload_pending = False
         for c in self.components:
             c.commit(cfg)
         if self.started:
@@ -179,16 +223,32 @@ class Runtime:
             self._ask_models()
             self.wake()
         self.metrics.reloads.labels("ok").inc()
-        self.feed.publish("reload", version=version, ok=True)
+        self.feed.publish("reload", version=version, ok=True, changes=describe_changes(self.last_changes))
         return warnings
 
     def reload_failed(self, errors: list[str]) -> None:
         self.last_error = errors
+        self.reload_pending = False
         self.metrics.reloads.labels("error").inc()
         for e in errors:
             log.error("✗ [reload] %s", e)
         self.feed.publish("reload", ok=False, errors=errors)
         self.notify("reload_failed", "✗ config reload failed: " + "; ".join(errors[:5]), node=None)
+
+    def config_changed(self) -> None:
+        """The watcher saw the file change; it is pending until applied, refused or found unchanged."""
+        self.file_changed_at = time.time()
+        self.reload_pending = True
+
+    def config_settled(self) -> None:
+        """The watcher found nothing new to apply in the change it saw."""
+        self.reload_pending = False
+
+    def config_state(self) -> dict[str, Any]:
+        """``config`` of /admin/state (docs/API.md)."""
+        return {"version": self.version, "loaded_at": self.loaded_at, "last_error": self.last_error,
+                "file_changed_at": self.file_changed_at, "pending": self.reload_pending,
+                "changes": self.last_changes}
 
     def _gc(self, now: float) -> None:
         """Forget retired routes and nodes once nothing waits on or runs through them."""

@@ -80,7 +80,7 @@ def state(rt: Runtime) -> dict[str, Any]:
                     "models": ns.models.listed(ns.cfg), "warm": list(ns.models.warm or ()),
                     "warm_models": ns.cfg.warm_models}
     return {
-        "config": {"version": rt.version, "loaded_at": rt.loaded_at, "last_error": rt.last_error},
+        "config": rt.config_state(),
         "routes": routes,
         "nodes": nodes,
         "uptime_sec": round(now - rt.started_at, 1),
