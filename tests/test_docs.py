@@ -3,7 +3,10 @@ links between the docs land on a heading, and nothing cites a document outside t
 
 from __future__ import annotations
 
+import os
 import re
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Annotated, Any, get_args, get_origin
@@ -122,3 +125,40 @@ def test_nothing_cites_documents_outside_the_repo() -> None:
             for p in files for n, line in enumerate(p.read_text().splitlines(), 1)
             if any(o in line for o in OUTSIDE)]
     assert not hits, "\n".join(hits)
+
+
+# --- `kilolined check` as docs/CONFIG.md shows it --------------------------------------------------
+
+EXAMPLE_ENV = {"KILOLINE_ADMIN_KEY": "kl_docs_admin_key_0000000000", "ALICE_KEY": "kl_docs_alice_key_0000000000",
+               "BOB_KEY": "kl_docs_bob_key_00000000000000"}
+
+
+def check_transcript() -> list[tuple[str, list[str]]]:
+    """The ``$ kilolined check -c FILE`` sessions under "Checking a file": (FILE, printed lines)."""
+    text = (DOCS / "CONFIG.md").read_text()
+    section = text.split("### Checking a file", 1)[1]
+    block = section.split("```", 2)[1]
+    sessions: list[tuple[str, list[str]]] = []
+    for line in block.strip().splitlines():
+        m = re.fullmatch(r"\$ kilolined check -c (\S+)", line)
+        if m:
+            sessions.append((m.group(1), []))
+        else:
+            sessions[-1][1].append(line)
+    return sessions
+
+
+def run_check(path: Path) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, **EXAMPLE_ENV}
+    env.pop("KILOLINE_CONFIG", None)
+    return subprocess.run([sys.executable, "-m", "kilolined", "check", "-c", str(path)], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=60)
+
+
+def test_config_md_shows_what_check_prints_for_a_valid_file(tmp_path: Path) -> None:
+    shown_path, shown = check_transcript()[0]
+    copy = tmp_path / "kiloline.yaml"
+    copy.write_bytes((ROOT / "etc" / "kiloline.yaml").read_bytes())
+    r = run_check(copy)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert r.stdout.replace(str(copy), shown_path).splitlines() == shown
