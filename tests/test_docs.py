@@ -162,3 +162,19 @@ def test_config_md_shows_what_check_prints_for_a_valid_file(tmp_path: Path) -> N
     r = run_check(copy)
     assert r.returncode == 0, r.stdout + r.stderr
     assert r.stdout.replace(str(copy), shown_path).splitlines() == shown
+
+
+def test_config_md_shows_what_check_prints_for_a_broken_file(tmp_path: Path) -> None:
+    """The broken file of the transcript is the example with the two mistakes its lines name;
+    check prints both, a schema error and a cross-reference, in one run."""
+    shown_path, shown = check_transcript()[1]
+    text = (ROOT / "etc" / "kiloline.yaml").read_text()
+    for good, bad in (("    max_concurrency: 1 ", "    max_concurrency: 0 "),
+                      ("nodes: [vast-8410-tts]", "nodes: [vast-841]")):
+        assert text.count(good) == 1, good
+        text = text.replace(good, bad)
+    broken = tmp_path / "broken.yaml"
+    broken.write_text(text)
+    r = run_check(broken)
+    assert r.returncode == 1
+    assert r.stdout.replace(str(broken), shown_path).splitlines() == shown
