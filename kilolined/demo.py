@@ -269,15 +269,14 @@ async def run_demo(once: bool, port: int = 8080, out: object = None) -> int:
             say(st.dim("   slots count requests; capacity counts what they hold: small images fill the room "
                        "a large one leaves, and no mix overflows the card"))
         say()
-        if once:
-            # The gateway stops as this returns: a dashboard URL or keys printed now would be dead.
-            say(st.dim("--once: the gateway stops here; run `kilolined demo` to keep it up and "
-                       "watch the same bursts on its dashboard."))
-            return 0 if s.get("200") == BURST and cost_ok else 1
         say(st.bold("Dashboard: ") + f"{gw}/dashboard")
         say(st.bold("Admin key: ") + admin_key)
         say(st.bold("API key:   ") + key + st.dim(f"   (try: curl -H 'Authorization: Bearer {key}' "
                                                    f"-X POST {gw}/images/generate)"))
+        if once:
+            say(st.dim("--once: the gateway stops here; run `kilolined demo` to keep it up and "
+                       "watch the same bursts on its dashboard."))
+            return 0 if s.get("200") == BURST and cost_ok else 1
         say(st.dim("Running; Ctrl-C to stop."))
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()

@@ -36,3 +36,13 @@ def test_demo_on_a_taken_port_picks_another_and_closes_everything(demo_on_a_take
     # One gateway only: a second, half-started one would log its own health checks of gpu-a too.
     assert proc.stderr.count("kilolined listening on") == 1, proc.stderr
 
+
+def test_demo_once_prints_the_url_and_the_keys(demo_on_a_taken_port) -> None:
+    _, proc = demo_on_a_taken_port
+    m = re.search(r"port \d+ is taken: the gateway listens on (\d+) instead", proc.stdout)
+    assert m, proc.stdout
+    url = f"http://127.0.0.1:{m.group(1)}"
+    assert f"Dashboard: {url}/dashboard" in proc.stdout
+    assert re.search(r"^Admin key: kl_[A-Za-z0-9_-]{32}$", proc.stdout, re.M), proc.stdout
+    assert re.search(r"^API key:   kl_[A-Za-z0-9_-]{32} ", proc.stdout, re.M), proc.stdout
+    assert "--once: the gateway stops here" in proc.stdout
