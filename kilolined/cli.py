@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import sys
 
 import orjson
@@ -12,11 +13,11 @@ import orjson
 from kilolined import __version__, fakegpu
 from kilolined.auth import digest, new_key
 from kilolined.cluster.persistence import warnings as redis_persistence_warnings
-from kilolined.config import ConfigError, default_config_path, load_config
+from kilolined.config import ConfigError, ServerConfig, default_config_path, load_config
 from kilolined.demo import run_demo
 from kilolined.probe import probe_all
 from kilolined.server import serve
-from kilolined.status import run_status
+from kilolined.status import config_url, run_status, url_for_listen
 
 
 class _JsonFormatter(logging.Formatter):
@@ -127,7 +128,19 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    return run_async(run_status(args.url, args.admin_key))
+    url = args.url
+    if url is None:
+        # The daemon's own server.listen, read from the file `run` would use; a file named by
+        # -c or $KILOLINE_CONFIG must be readable, a default one may be absent.
+        path = default_config_path(args.config)
+        try:
+            url = config_url(path, required=bool(args.config or os.environ.get("KILOLINE_CONFIG")))
+        except ConfigError as e:
+            for line in e.errors:
+                print(f"kilolined status: {line} (or give --url)", file=sys.stderr)
+            return 1
+        url = url or url_for_listen(ServerConfig().listen, tls=False)
+    return run_async(run_status(url, args.admin_key))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -191,7 +204,10 @@ def build_parser() -> argparse.ArgumentParser:
     d.set_defaults(fn=cmd_demo)
 
     s = sub.add_parser("status", parents=[common], help="print routes and nodes from /admin/state")
-    s.add_argument("--url", default="http://127.0.0.1:8080")
+    s.add_argument("-c", "--config", help="read the daemon's address from this config's server.listen "
+                                          "(default: the file `run` would use)")
+    s.add_argument("--url", default=None, help="the daemon's URL (default: from the config's server.listen, "
+                                               "else http://127.0.0.1:8080)")
     s.add_argument("--admin-key", default=None, help="admin key (default: $KILOLINE_ADMIN_KEY)")
     s.set_defaults(fn=cmd_status)
     return p

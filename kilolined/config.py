@@ -12,7 +12,7 @@ import hashlib
 import os
 import re
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, TypeVar
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -86,6 +86,9 @@ class ConfigError(Exception):
 class _Model(BaseModel):
     # Unknown keys are almost always typos (max_concurency), so they are errors.
     model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+_M = TypeVar("_M", bound=_Model)
 
 
 class TLSConfig(_Model):
@@ -427,37 +430,89 @@ class Config(_Model):
 
     def cross_check(self) -> list[str]:
         """References between sections, which pydantic cannot see field by field."""
-        errs: list[str] = []
-        paths: dict[str, str] = {}
-        for name, r in self.routes.items():
-            for field in ("nodes", "standby"):
-                for i, n in enumerate(getattr(r, field)):
-                    if n not in self.nodes:
-                        errs.append(f"routes.{name}.{field}.{i}: unknown node {n!r}")
-            both = set(r.nodes) & set(r.standby)
-            if both:
-                errs.append(f"routes.{name}.standby: {sorted(both)} also listed in nodes")
-            if r.path in paths:
-                errs.extend(_shared_path(name, r, paths[r.path], self.routes))
-            elif r.path.startswith("/v1/jobs") or r.path.startswith("/admin") or r.path == "/v1/proxy":
-                errs.append(f"routes.{name}.path: {r.path!r} is reserved by the gateway")
-            else:
-                paths[r.path] = name
-            m = r.match
-            if m is not None and (m.min_units is not None or m.max_units is not None) and \
-                    (r.cost is None or r.cost.unit is None):
-                errs.append(f"routes.{name}.match: min_units/max_units need a cost.unit on the route")
-        for name, k in self.keys.items():
-            for i, rn in enumerate(k.routes):
-                if rn != "*" and rn not in self.routes:
-                    errs.append(f"keys.{name}.routes.{i}: unknown route {rn!r}")
-        digests: dict[str, str] = {}
-        for name, k in self.keys.items():
-            d = k.digest()
-            if d in digests:
-                errs.append(f"keys.{name}: same key as keys.{digests[d]}")
-            digests[d or ""] = name
-        return errs
+        refs = {name: {f: getattr(r, f) for f in ROUTE_NODE_FIELDS} for name, r in self.routes.items()}
+        return [*reference_errors(set(self.nodes), refs, set(self.routes), {n: k.routes for n, k in self.keys.items()}),
+                *route_rules(self.routes), *key_rules(self.keys)]
+
+
+ROUTE_NODE_FIELDS = ("nodes", "standby")
+
+
+def reference_errors(nodes: set[str], route_nodes: dict[str, dict[str, list[str]]], routes: set[str],
+                     key_routes: dict[str, list[str]]) -> list[str]:
+    """Names one section uses that another must define: a route's nodes, a key's routes."""
+    errs: list[str] = []
+    for name, fields in route_nodes.items():
+        for field, names in fields.items():
+            errs.extend(f"routes.{name}.{field}.{i}: unknown node {n!r}" for i, n in enumerate(names)
+                        if n not in nodes)
+    for name, names in key_routes.items():
+        errs.extend(f"keys.{name}.routes.{i}: unknown route {rn!r}" for i, rn in enumerate(names)
+                    if rn != "*" and rn not in routes)
+    return errs
+
+
+def route_rules(routes: dict[str, RouteConfig]) -> list[str]:
+    """Rules between routes: standby overlap, shared and reserved paths, match needing a cost unit."""
+    errs: list[str] = []
+    paths: dict[str, str] = {}
+    for name, r in routes.items():
+        both = set(r.nodes) & set(r.standby)
+        if both:
+            errs.append(f"routes.{name}.standby: {sorted(both)} also listed in nodes")
+        if r.path in paths:
+            errs.extend(_shared_path(name, r, paths[r.path], routes))
+        elif r.path.startswith("/v1/jobs") or r.path.startswith("/admin") or r.path == "/v1/proxy":
+            errs.append(f"routes.{name}.path: {r.path!r} is reserved by the gateway")
+        else:
+            paths[r.path] = name
+        m = r.match
+        if m is not None and (m.min_units is not None or m.max_units is not None) and \
+                (r.cost is None or r.cost.unit is None):
+            errs.append(f"routes.{name}.match: min_units/max_units need a cost.unit on the route")
+    return errs
+
+
+def key_rules(keys: dict[str, KeyConfig]) -> list[str]:
+    errs: list[str] = []
+    digests: dict[str, str] = {}
+    for name, k in keys.items():
+        d = k.digest()
+        if d in digests:
+            errs.append(f"keys.{name}: same key as keys.{digests[d]}")
+        digests[d or ""] = name
+    return errs
+
+
+def _valid_entries(section: Any, model: type[_M]) -> dict[str, _M]:
+    """The entries of a raw ``name: mapping`` section that pass the schema on their own."""
+    out: dict[str, _M] = {}
+    for name, v in section.items() if isinstance(section, dict) else ():
+        try:
+            out[str(name)] = model.model_validate(v)
+        except ValidationError:
+            pass  # its own errors are already reported
+    return out
+
+
+def _str_list(v: Any) -> list[str]:
+    return [x for x in v if isinstance(x, str)] if isinstance(v, list) else []
+
+
+def raw_cross_check(raw: dict[str, Any]) -> list[str]:
+    """The rules of ``Config.cross_check`` on a tree that failed the schema, so that one run of
+    ``check`` shows every problem: references are read from the raw lists (a route whose other
+    fields are wrong still names its nodes), the other rules run on the entries that are valid."""
+    def section(key: str) -> dict[str, Any]:
+        v = raw.get(key)
+        return {str(k): x for k, x in v.items()} if isinstance(v, dict) else {}
+
+    nodes, routes, keys = section("nodes"), section("routes"), section("keys")
+    route_nodes = {n: {f: _str_list(r.get(f)) for f in ROUTE_NODE_FIELDS} for n, r in routes.items()
+                   if isinstance(r, dict)}
+    key_routes = {n: _str_list(k.get("routes")) for n, k in keys.items() if isinstance(k, dict)}
+    return [*reference_errors(set(nodes), route_nodes, set(routes), key_routes),
+            *route_rules(_valid_entries(routes, RouteConfig)), *key_rules(_valid_entries(keys, KeyConfig))]
 
 
 def _shared_path(name: str, r: RouteConfig, first: str, routes: dict[str, RouteConfig]) -> list[str]:
@@ -700,7 +755,8 @@ def _parse_text(text: str, env: dict[str, str], source: str | None) -> Config:
                 msg = "unknown key"
             problems.append(f"{_loc(err['loc'])}: {msg}")
         cfg = None
-    if cfg is not None:
+        problems.extend(raw_cross_check(raw))
+    else:
         problems.extend(cfg.cross_check())
     if problems:
         located = []

@@ -17,6 +17,7 @@ import os
 import secrets
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import aiohttp
@@ -151,6 +152,28 @@ async def mixed_scene(http: aiohttp.ClientSession, gw: str, hdr: dict[str, str],
     return list(res), time.monotonic() - t0, dict(gpu.stats)
 
 
+async def start_gateway(config_for: Callable[[int], str], port: int) -> Server:
+    """The gateway on ``port``, else (taken, or not allowed) on any free port."""
+    try:
+        return await started(config_for(port))
+    except OSError:
+        if port == 0:
+            raise
+    return await started(config_for(0))
+
+
+async def started(text: str) -> Server:
+    """A started gateway. A start that fails is shut down: it has already opened its health
+    checker's and notifier's sessions, which would otherwise stay open (and keep checking)."""
+    server = Server(parse_config(text, env={}), hashlib.sha256(text.encode()).hexdigest(), None)
+    try:
+        await server.start()
+    except BaseException:
+        await server.shutdown()
+        raise
+    return server
+
+
 async def run_demo(once: bool, port: int = 8080, out: object = None) -> int:
     stream = out or sys.stdout
     st = Style(hasattr(stream, "isatty") and stream.isatty() and not os.environ.get("NO_COLOR"))
@@ -183,14 +206,10 @@ async def run_demo(once: bool, port: int = 8080, out: object = None) -> int:
                 f"{gpu_a.crash_sec:g}s")
             await asyncio.sleep(gpu_a.crash_sec + 0.3)
             # 2. through the gateway
-            cfg_text = gateway_config(gpu_a.url, gpu_b.url, admin_key, key, port, gpu_c.url)
-            try:
-                server = Server(parse_config(cfg_text, env={}), hashlib.sha256(cfg_text.encode()).hexdigest(), None)
-                await server.start()
-            except OSError:
-                cfg_any_port = gateway_config(gpu_a.url, gpu_b.url, admin_key, key, 0, gpu_c.url)
-                server = Server(parse_config(cfg_any_port, env={}), "demo", None)
-                await server.start()
+            server = await start_gateway(
+                lambda p: gateway_config(gpu_a.url, gpu_b.url, admin_key, key, p, gpu_c.url), port)
+            if port and server.port != port:
+                say(st.yellow(f"   port {port} is taken: the gateway listens on {server.port} instead"))
             gw = f"http://127.0.0.1:{server.port}"
             hdr = {"Authorization": f"Bearer {key}"}
             await asyncio.sleep(0.8)  # first health checks
@@ -250,15 +269,14 @@ async def run_demo(once: bool, port: int = 8080, out: object = None) -> int:
             say(st.dim("   slots count requests; capacity counts what they hold: small images fill the room "
                        "a large one leaves, and no mix overflows the card"))
         say()
-        if once:
-            # The gateway stops as this returns: a dashboard URL or keys printed now would be dead.
-            say(st.dim("--once: the gateway stops here; run `kilolined demo` to keep it up and "
-                       "watch the same bursts on its dashboard."))
-            return 0 if s.get("200") == BURST and cost_ok else 1
         say(st.bold("Dashboard: ") + f"{gw}/dashboard")
         say(st.bold("Admin key: ") + admin_key)
         say(st.bold("API key:   ") + key + st.dim(f"   (try: curl -H 'Authorization: Bearer {key}' "
                                                    f"-X POST {gw}/images/generate)"))
+        if once:
+            say(st.dim("--once: the gateway stops here; run `kilolined demo` to keep it up and "
+                       "watch the same bursts on its dashboard."))
+            return 0 if s.get("200") == BURST and cost_ok else 1
         say(st.dim("Running; Ctrl-C to stop."))
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()

@@ -5,9 +5,13 @@ from __future__ import annotations
 import math
 import os
 import sys
+from pathlib import Path
 from typing import Any
 
 import aiohttp
+import yaml
+
+from kilolined.config import ConfigError, ServerConfig, expand_env, split_listen
 
 
 def table(headers: list[str], rows: list[list[str]]) -> str:
@@ -54,6 +58,59 @@ def render(state: dict[str, Any]) -> str:
         table(["NODE", "LABEL", "HEALTH", "BREAKER", "DRAINED", "INFLIGHT", "SLOW START", "CHECK", "LAST ERROR"],
               nodes),
     ])
+
+
+def url_for_listen(listen: str, tls: bool) -> str:
+    """Where a local client reaches a daemon listening on ``listen``: a wildcard address is
+    asked on loopback (as `nginx -s` talks to its own master, not to the world)."""
+    host, port = split_listen(listen)
+    if host in ("0.0.0.0", ""):
+        host = "127.0.0.1"
+    elif host == "::":
+        host = "::1"
+    if ":" in host:
+        host = f"[{host}]"
+    return f"{'https' if tls else 'http'}://{host}:{port}"
+
+
+def listen_of(text: str, env: dict[str, str]) -> tuple[str, bool]:
+    """``server.listen`` (its ${VAR} expanded, the default when absent) and whether TLS is on.
+    Only these are read: `status` needs no key material from the environment."""
+    try:
+        raw = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        raise ConfigError([f"(yaml): {getattr(e, 'problem', None) or e}"])
+    server = raw.get("server") if isinstance(raw, dict) else None
+    server = server if isinstance(server, dict) else {}
+    errors: list[str] = []
+    listen = expand_env(server.get("listen", ServerConfig().listen), env, "server.listen", errors)
+    if not isinstance(listen, str):
+        errors.append("server.listen: expected host:port")
+    if errors:
+        raise ConfigError(errors)
+    try:
+        split_listen(listen)
+    except ValueError as e:
+        raise ConfigError([f"server.listen: {e}"])
+    return listen, bool(server.get("tls"))
+
+
+def config_url(path: str, required: bool) -> str | None:
+    """The daemon's URL from the config at ``path``; None when the file is absent and was not
+    asked for by name (the built-in default then applies)."""
+    try:
+        text = Path(path).read_bytes().decode("utf-8", "replace")
+    except FileNotFoundError:
+        if not required:
+            return None
+        raise ConfigError([f"{path}: cannot read: no such file"])
+    except OSError as e:
+        raise ConfigError([f"{path}: cannot read: {e.strerror or e}"])
+    try:
+        listen, tls = listen_of(text, dict(os.environ))
+    except ConfigError as e:
+        raise ConfigError([f"{path}: {line}" for line in e.errors])
+    return url_for_listen(listen, tls)
 
 
 async def run_status(url: str, admin_key: str | None) -> int:

@@ -181,6 +181,8 @@ class Card:
             "vram_used_gb": round(self.vram_used_gb, 3),
             "peak_vram_gb": round(self._peak_vram, 3),
             "capacity_mode": self.capacity_mode,
+            # Every kind reports swaps, so one stats reader fits all; only an openai card with --models swaps.
+            "swaps": 0,
             **self.backend.extra_stats(),
         }
 

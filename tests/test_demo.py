@@ -1,0 +1,48 @@
+"""`kilolined demo --once` as a user runs it, with its preferred port already taken."""
+
+from __future__ import annotations
+
+import os
+import re
+import socket
+import subprocess
+import sys
+from collections.abc import Iterator
+
+import pytest
+
+
+@pytest.fixture(scope="module")
+def demo_on_a_taken_port() -> Iterator[tuple[int, subprocess.CompletedProcess[str]]]:
+    """One run (it takes half a minute) with another listener on the port it asks for."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        env = {**os.environ, "NO_COLOR": "1"}
+        # ResourceWarning is ignored by default: shown, an unclosed session or connector would print.
+        proc = subprocess.run([sys.executable, "-W", "always::ResourceWarning", "-m", "kilolined", "demo", "--once",
+                               "--port", str(port)], capture_output=True, text=True, timeout=300, env=env)
+    yield port, proc
+
+
+def test_demo_on_a_taken_port_picks_another_and_closes_everything(demo_on_a_taken_port) -> None:
+    port, proc = demo_on_a_taken_port
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for leak in ("Unclosed", "ResourceWarning", "Traceback"):
+        assert leak not in proc.stderr, proc.stderr[-3000:]
+    m = re.search(r"port (\d+) is taken: the gateway listens on (\d+) instead", proc.stdout)
+    assert m and int(m.group(1)) == port and int(m.group(2)) != port, proc.stdout
+    # One gateway only: a second, half-started one would log its own health checks of gpu-a too.
+    assert proc.stderr.count("kilolined listening on") == 1, proc.stderr
+
+
+def test_demo_once_prints_the_url_and_the_keys(demo_on_a_taken_port) -> None:
+    _, proc = demo_on_a_taken_port
+    m = re.search(r"port \d+ is taken: the gateway listens on (\d+) instead", proc.stdout)
+    assert m, proc.stdout
+    url = f"http://127.0.0.1:{m.group(1)}"
+    assert f"Dashboard: {url}/dashboard" in proc.stdout
+    assert re.search(r"^Admin key: kl_[A-Za-z0-9_-]{32}$", proc.stdout, re.M), proc.stdout
+    assert re.search(r"^API key:   kl_[A-Za-z0-9_-]{32} ", proc.stdout, re.M), proc.stdout
+    assert "--once: the gateway stops here" in proc.stdout
