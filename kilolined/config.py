@@ -143,6 +143,20 @@ def split_listen(listen: str) -> tuple[str, int]:
     return host or "0.0.0.0", port
 
 
+MIN_KEY_CHARS = 16  # a clear-text key shorter than this is refused (`kilolined keygen` makes 35)
+# Keys anyone would try first: the words of examples and tutorials. Their sha256 is refused
+# wherever a key or its hash is given, so no copy of an example (an older etc/kiloline.yaml had
+# sha256("foo") and sha256("bar")) authenticates a guessable key.
+WELL_KNOWN_KEYS = (
+    "foo", "bar", "baz", "qux", "test", "testing", "secret", "password", "passw0rd", "admin", "root",
+    "changeme", "change-me", "key", "apikey", "api-key", "api_key", "token", "demo", "example", "default",
+    "kiloline", "letmein", "hello", "1234", "12345", "123456", "12345678", "alice", "bob", "ci", "x",
+    "sk-1234", "sk-xxx",
+)
+WEAK_DIGESTS = frozenset(hashlib.sha256(w.encode()).hexdigest() for w in WELL_KNOWN_KEYS)
+_KEYGEN_HINT = "make one with `kilolined keygen`"
+
+
 class _Secret(_Model):
     """Either the sha256 of a key or the key itself (usually from ${ENV})."""
 
@@ -154,7 +168,19 @@ class _Secret(_Model):
     def _hex(cls, v: str | None) -> str | None:
         if v is not None and not re.fullmatch(r"[0-9a-fA-F]{64}", v):
             raise ValueError("must be 64 hex characters (sha256 of the key)")
+        if v is not None and v.lower() in WEAK_DIGESTS:
+            raise ValueError(f"is the sha256 of a well-known word (anyone can guess the key): {_KEYGEN_HINT}")
         return v.lower() if v else v
+
+    @field_validator("key")
+    @classmethod
+    def _strong(cls, v: str | None) -> str | None:
+        # An empty value is no key at all (admin: every admin endpoint then answers 401).
+        if v and len(v) < MIN_KEY_CHARS:
+            raise ValueError(f"shorter than {MIN_KEY_CHARS} characters (anyone can guess it): {_KEYGEN_HINT}")
+        if v and hashlib.sha256(v.encode()).hexdigest() in WEAK_DIGESTS:
+            raise ValueError(f"is a well-known word (anyone can guess it): {_KEYGEN_HINT}")
+        return v
 
     def digest(self) -> str | None:
         if self.key_sha256:
@@ -746,6 +772,9 @@ def _parse_text(text: str, env: dict[str, str], source: str | None) -> Config:
         raise ConfigError([_located(source, 1, "(root)", "expected a mapping at the top level")])
     problems: list[str] = []
     raw = expand_env(raw, env, "", problems)
+    # A value whose variable is not set is reported once, as that: what the schema would say
+    # of the ${VAR} text left in its place (too short for a key, not a URL) would mislead.
+    unset = {line.partition(": ")[0] for line in problems}
     try:
         cfg = Config.model_validate(raw)
     except ValidationError as e:
@@ -753,7 +782,8 @@ def _parse_text(text: str, env: dict[str, str], source: str | None) -> Config:
             msg = err["msg"].removeprefix("Value error, ")
             if err["type"] == "extra_forbidden":
                 msg = "unknown key"
-            problems.append(f"{_loc(err['loc'])}: {msg}")
+            if _loc(err["loc"]) not in unset:
+                problems.append(f"{_loc(err['loc'])}: {msg}")
         cfg = None
         problems.extend(raw_cross_check(raw))
     else:

@@ -7,7 +7,8 @@
 #
 # What it does: python3-venv from apt if missing, the static group `kiloline`, a venv in
 # /opt/kiloline/venv with this package, /etc/kiloline/kiloline.yaml from the example (only if
-# absent), a generated admin key in /etc/kiloline/kiloline.env (only if absent), the unit rendered
+# absent), a generated admin key and client keys (every ${NAME_KEY} the config needs) in
+# /etc/kiloline/kiloline.env (each only if absent), the unit rendered
 # from systemd/kilolined.service with the paths below, then enable + restart, and a non-zero exit
 # with the journal's tail if the unit does not reach `active`.
 #
@@ -125,10 +126,29 @@ if [[ ! -f $ETC/kiloline.yaml ]]; then
   install -m 0640 -g "$GROUP" "$SRC/etc/kiloline.yaml" "$ETC/kiloline.yaml"
   echo "wrote $ETC/kiloline.yaml from the example: edit nodes, routes and keys"
 fi
+# Keys are never shipped: the admin key, and every key the config reads from a variable without
+# a default (`key: ${ALICE_KEY}` in the example), get a random value in the env file once. So the
+# service never starts with a key someone could guess, and a re-run keeps the keys it made.
+wanted=()
 if [[ ! -f $ETC/kiloline.env ]]; then
-  admin=$("$PREFIX/venv/bin/python" -c 'import secrets; print("kl_" + secrets.token_urlsafe(24))')
-  (umask 077; printf 'KILOLINE_ADMIN_KEY=%s\n' "$admin" > "$ETC/kiloline.env")
-  echo "admin key (also in $ETC/kiloline.env): $admin"
+  (umask 077; : > "$ETC/kiloline.env")
+  wanted+=(KILOLINE_ADMIN_KEY)
+fi
+while read -r var; do wanted+=("$var"); done \
+  < <(grep -o '\${[A-Za-z_][A-Za-z0-9_]*_KEY}' "$ETC/kiloline.yaml" | sed 's/^\${//; s/}$//' | sort -u)
+made=()
+for var in "${wanted[@]}"; do
+  grep -q "^$var=" "$ETC/kiloline.env" && continue
+  value=$("$PREFIX/venv/bin/python" -c 'import secrets; print("kl_" + secrets.token_urlsafe(24))')
+  printf '%s=%s\n' "$var" "$value" >> "$ETC/kiloline.env"
+  if [[ $var == KILOLINE_ADMIN_KEY ]]; then
+    echo "admin key (also in $ETC/kiloline.env): $value"
+  else
+    made+=("$var")
+  fi
+done
+if (( ${#made[@]} )); then
+  echo "generated into $ETC/kiloline.env (hand them to your clients): ${made[*]}"
 fi
 # Every run, not only the first: an upgrade from an older install (root:root 0750, which the
 # dynamic user could not read) and a file copied in with root's umask are fixed here.

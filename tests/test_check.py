@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import hashlib
 import os
 import subprocess
 import sys
 from pathlib import Path
+
+from conftest import auth, base_config
+
+from kilolined.reload import reload_from_file
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -70,3 +75,101 @@ def test_rules_between_valid_routes_hold_while_another_section_is_wrong(tmp_path
     assert lines[0].startswith(f"{f}:1: server.listen: ")
     assert lines[1].startswith(f"{f}:5: routes.b.path: '/gen' already used by route 'a'"), lines
     assert len(lines) == 2
+
+
+# --- guessable keys (docs/CONFIG.md#guessable-keys) ----------------------------------------------
+
+EXAMPLE = ROOT / "etc" / "kiloline.yaml"
+KEY_ENV = {"KILOLINE_ADMIN_KEY": "kl_check_admin_0000000", "ALICE_KEY": "kl_check_alice_0000000",
+           "BOB_KEY": "kl_check_bob_000000000"}
+
+
+def line_of(path: Path, text: str) -> int:
+    return next(i for i, t in enumerate(path.read_text().splitlines(), 1) if text in t)
+
+
+def test_the_example_with_its_keys_set_passes() -> None:
+    r = check(EXAMPLE, KEY_ENV)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert r.stdout.splitlines()[-1] == f"ok: 3 routes, 4 nodes, 2 keys in {EXAMPLE}"
+
+
+def test_the_example_without_its_keys_fails_naming_each(tmp_path: Path) -> None:
+    r = check(EXAMPLE)
+    assert r.returncode == 1
+    assert r.stdout.splitlines() == [
+        f"{EXAMPLE}:{line_of(EXAMPLE, '${KILOLINE_ADMIN_KEY}')}: admin.key: "
+        "environment variable KILOLINE_ADMIN_KEY is not set",
+        f"{EXAMPLE}:{line_of(EXAMPLE, '${ALICE_KEY}')}: keys.alice.key: environment variable ALICE_KEY is not set",
+        f"{EXAMPLE}:{line_of(EXAMPLE, '${BOB_KEY}')}: keys.bob.key: environment variable BOB_KEY is not set",
+    ]
+
+
+def test_the_hashes_an_older_example_shipped_are_refused(tmp_path: Path) -> None:
+    """sha256("foo") and sha256("bar"): what the example gave alice and bob before, on every route."""
+    old = tmp_path / "old.yaml"
+    text = EXAMPLE.read_text()
+    for name, word in (("ALICE", "foo"), ("BOB", "bar")):
+        text = text.replace(f"key: ${{{name}_KEY}}", f'key_sha256: "{hashlib.sha256(word.encode()).hexdigest()}"')
+    old.write_text(text)
+    r = check(old, KEY_ENV)
+    assert r.returncode == 1
+    alice, bob = line_of(old, "2c26b46b68ffc68ff99b"), line_of(old, "fcde2b2edba56bf40860")
+    assert r.stdout.splitlines() == [
+        f"{old}:{alice}: keys.alice.key_sha256: is the sha256 of a well-known word (anyone can guess the key): "
+        "make one with `kilolined keygen`",
+        f"{old}:{bob}: keys.bob.key_sha256: is the sha256 of a well-known word (anyone can guess the key): "
+        "make one with `kilolined keygen`",
+    ]
+
+
+def test_short_and_well_known_clear_keys_are_refused(tmp_path: Path) -> None:
+    f = tmp_path / "short.yaml"
+    f.write_text("admin: {key: '${ADMIN}'}\n"
+                 "keys:\n"
+                 "  a: {key: '${SHORT}'}\n"
+                 "  b: {key: 'fifteen-chars-x'}\n"
+                 "  c: {key: 'sixteen-chars-ok'}\n"
+                 "  d: {key_sha256: '" + hashlib.sha256(b"changeme").hexdigest().upper() + "'}\n"
+                 "nodes: {gpu: {url: 'http://127.0.0.1:1'}}\n"
+                 "routes: {gen: {path: /gen, nodes: [gpu]}}\n")
+    r = check(f, {"ADMIN": "letmein", "SHORT": "foo"})
+    assert r.returncode == 1
+    short = "shorter than 16 characters (anyone can guess it): make one with `kilolined keygen`"
+    assert r.stdout.splitlines() == [
+        f"{f}:1: admin.key: {short}",
+        f"{f}:3: keys.a.key: {short}",
+        f"{f}:4: keys.b.key: {short}",
+        f"{f}:6: keys.d.key_sha256: is the sha256 of a well-known word (anyone can guess the key): "
+        "make one with `kilolined keygen`",
+    ]
+    # The key itself is never printed.
+    assert "letmein" not in r.stdout and "fifteen-chars-x" not in r.stdout
+
+
+def test_run_refuses_a_guessable_key(tmp_path: Path) -> None:
+    f = tmp_path / "run.yaml"
+    f.write_text("server: {listen: '127.0.0.1:0'}\n"
+                 "keys: {alice: {key_sha256: '" + hashlib.sha256(b"foo").hexdigest() + "'}}\n"
+                 "nodes: {gpu: {url: 'http://127.0.0.1:1'}}\n"
+                 "routes: {gen: {path: /gen, nodes: [gpu]}}\n")
+    r = subprocess.run([sys.executable, "-m", "kilolined", "run", "-c", str(f)], cwd=ROOT, capture_output=True,
+                       text=True, timeout=60, env={k: v for k, v in os.environ.items() if k != "KILOLINE_CONFIG"})
+    assert r.returncode == 1
+    assert f"{f}:2: keys.alice.key_sha256: is the sha256 of a well-known word" in r.stderr
+
+
+async def test_a_reload_to_a_guessable_key_changes_nothing(fakegpus, gateway, http) -> None:
+    gpu = await fakegpus()
+    cfg = base_config({"a": gpu.url})
+    gw = await gateway(cfg)
+    before = gw.rt.version
+    cfg["keys"]["alice"] = {"key_sha256": hashlib.sha256(b"foo").hexdigest()}
+    gw.write_config(cfg)
+    errors = await reload_from_file(gw.rt, reason="test")
+    assert len(errors) == 1 and "keys.alice.key_sha256: is the sha256 of a well-known word" in errors[0]
+    assert gw.rt.version == before
+    async with http.post(gw.url + "/gen/generate", json={}, headers={"Authorization": "Bearer foo"}) as r:
+        assert r.status == 401
+    async with http.post(gw.url + "/gen/generate", json={}, headers=auth("alice")) as r:
+        assert r.status == 200

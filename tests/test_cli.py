@@ -19,7 +19,8 @@ import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 PY = sys.executable
-ENV = {**os.environ, "KILOLINE_ADMIN_KEY": "kl_cli_admin_dummy", "BOB_KEY": "kl_cli_bob_dummy"}
+ENV = {**os.environ, "KILOLINE_ADMIN_KEY": "kl_cli_admin_dummy", "ALICE_KEY": "kl_cli_alice_dummy",
+       "BOB_KEY": "kl_cli_bob_dummy"}
 ENV.pop("KILOLINE_CONFIG", None)
 DOTTED = re.compile(r"^\S+:\d+: [^\s:]+(?: [^:]+)?: .+$")  # file:line: dotted.path: message
 

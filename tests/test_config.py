@@ -14,7 +14,7 @@ from kilolined.config import ConfigError, load_config, parse_config, split_liste
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "etc" / "kiloline.yaml"
-ENV = {"KILOLINE_ADMIN_KEY": "kl_dummy_admin", "BOB_KEY": "kl_dummy_bob"}
+ENV = {"KILOLINE_ADMIN_KEY": "kl_dummy_admin_0000", "ALICE_KEY": "kl_dummy_alice_0000", "BOB_KEY": "kl_dummy_bob_00000"}
 DOTTED = re.compile(r"^[^\s:]+(?: [^:]+)?: .+$")
 
 
@@ -48,9 +48,9 @@ def test_example_config_is_valid() -> None:
     cfg, version = load_config(EXAMPLE, env=ENV)
     assert version == hashlib.sha256(EXAMPLE.read_bytes()).hexdigest()
     assert len(cfg.routes) == 3 and len(cfg.nodes) == 4 and len(cfg.keys) == 2
-    assert cfg.admin.digest() == hashlib.sha256(b"kl_dummy_admin").hexdigest()
+    assert cfg.admin.digest() == hashlib.sha256(b"kl_dummy_admin_0000").hexdigest()
     if yaml.safe_load(EXAMPLE.read_text())["keys"]["bob"].get("key") == "${BOB_KEY}":
-        assert cfg.keys["bob"].digest() == hashlib.sha256(b"kl_dummy_bob").hexdigest()
+        assert cfg.keys["bob"].digest() == hashlib.sha256(b"kl_dummy_bob_00000").hexdigest()
     assert re.fullmatch(r"[0-9a-f]{64}", cfg.keys["bob"].digest() or "")
     # ${VAR:-default} fallbacks in the example
     assert cfg.server.state_dir == "/var/lib/kiloline"
@@ -102,7 +102,7 @@ def test_defaults() -> None:
 
 
 def test_key_defaults_no_budget_no_rate() -> None:
-    cfg = parse_config(dump(minimal(keys={"k": {"key": "secret"}})), env={})
+    cfg = parse_config(dump(minimal(keys={"k": {"key": "kl_secret_0000000000"}})), env={})
     k = cfg.keys["k"]
     assert k.routes == ["*"] and k.rate is None and k.budget is None and k.priority == 0
     assert k.adhoc_targets == []
@@ -133,8 +133,8 @@ def test_node_url_trailing_slash_and_route_path_normalised() -> None:
 
 def test_env_var_expanded() -> None:
     text = dump(minimal(keys={"k": {"key": "${MY_KEY}"}}))
-    cfg = parse_config(text, env={"MY_KEY": "hello"})
-    assert cfg.keys["k"].key == "hello"
+    cfg = parse_config(text, env={"MY_KEY": "kl_hello_00000000000"})
+    assert cfg.keys["k"].key == "kl_hello_00000000000"
 
 
 def test_missing_env_var_names_the_variable_and_path() -> None:

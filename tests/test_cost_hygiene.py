@@ -18,7 +18,7 @@ import pytest
 from aiohttp import web
 from conftest import ADMIN, auth, base_config
 from fakes import _FakeServer
-from hypothesis import given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kilolined.adapters.openai import MAX_USAGE_TOKENS, StreamParser, estimate_tokens, usage_count
@@ -190,7 +190,7 @@ def finite_or_refused(f: Any) -> float | None:
     return float(v)
 
 
-@settings(max_examples=300)
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])  # a loaded CI box
 @given(graph=graphs, base=st.floats(0, 1e300), per=st.floats(0, 1e300))
 def test_comfy_costs_are_finite_or_refused(graph: dict[str, Any], base: float, per: float) -> None:
     mp = finite_or_refused(lambda: workflow_megapixels(graph))
@@ -205,7 +205,7 @@ texts = st.one_of(st.text(max_size=20), st.lists(st.one_of(st.text(max_size=5), 
                                                   max_size=4), numbers, st.none())
 
 
-@settings(max_examples=300)
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])  # a loaded CI box
 @given(doc=st.fixed_dictionaries({}, optional={"prompt": st.one_of(texts, st.lists(st.lists(numbers, max_size=3),
                                                                                    max_size=3)),
                                                "messages": st.lists(st.fixed_dictionaries({"content": texts}),

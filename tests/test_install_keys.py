@@ -1,0 +1,64 @@
+"""scripts/install.sh never leaves a service that accepts a guessable key: the example's keys are
+generated into kiloline.env, and an older config with the example's well-known hashes stops it.
+
+Runs install.sh for real with --no-start into a temporary root (tests/test_install.py's fixture);
+needs root, skipped otherwise.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import subprocess
+
+import pytest
+from test_install import INSTALL, Install, installed, read_env_file
+
+pytestmark = [
+    pytest.mark.skipif(not hasattr(os, "geteuid") or os.geteuid() != 0, reason="install.sh needs root"),
+    pytest.mark.skipif(shutil.which("groupadd") is None, reason="groupadd (passwd) not installed"),
+]
+__all__ = ["installed"]  # the module-scoped fixture, used here by name
+
+
+def test_every_key_the_example_needs_is_generated(installed: Install) -> None:
+    env = read_env_file(installed.etc / "kiloline.env")
+    keys = [env["KILOLINE_ADMIN_KEY"], env["ALICE_KEY"], env["BOB_KEY"]]
+    assert all(k.startswith("kl_") and len(k) == 35 for k in keys), env.keys()
+    assert len(set(keys)) == 3
+    # The service's config passes check with exactly that environment (install.sh ran it too).
+    r = subprocess.run([str(installed.prefix / "venv" / "bin" / "kilolined"), "check", "-c",
+                        str(installed.etc / "kiloline.yaml")], env={"PATH": os.environ["PATH"], **env},
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and r.stdout.startswith("ok: 3 routes, 4 nodes, 2 keys"), r.stdout + r.stderr
+
+
+def test_a_rerun_keeps_the_keys_and_adds_one_a_new_key_needs(installed: Install) -> None:
+    before = read_env_file(installed.etc / "kiloline.env")
+    path = installed.etc / "kiloline.yaml"
+    text = path.read_text()
+    path.write_text(text.replace("  bob:\n", "  carol:\n    key: ${CAROL_KEY}\n  bob:\n", 1))
+    try:
+        p = installed.run("--no-start")
+        after = read_env_file(installed.etc / "kiloline.env")
+        assert {k: after[k] for k in before} == before
+        assert after["CAROL_KEY"].startswith("kl_") and "CAROL_KEY" in p.stdout
+        assert after["CAROL_KEY"] not in p.stdout + p.stderr  # client keys stay in the file
+    finally:
+        path.write_text(text)
+
+
+def test_an_older_config_with_the_examples_hashes_stops_the_install(installed: Install) -> None:
+    path = installed.etc / "kiloline.yaml"
+    text = path.read_text()
+    foo = hashlib.sha256(b"foo").hexdigest()
+    path.write_text(text.replace("key: ${ALICE_KEY}", f'key_sha256: "{foo}"', 1))
+    try:
+        p = subprocess.run(["bash", str(INSTALL), "--no-start"], env=installed.env(), capture_output=True,
+                           text=True, timeout=600)
+        assert p.returncode != 0
+        assert "keys.alice.key_sha256: is the sha256 of a well-known word" in p.stdout + p.stderr
+        assert f"fix {installed.etc}/kiloline.yaml" in p.stderr
+    finally:
+        path.write_text(text)
