@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import fnmatch
 import hashlib
 import hmac
 import secrets
@@ -20,9 +19,6 @@ class Principal:
 
     def may_use(self, route: str) -> bool:
         return "*" in self.cfg.routes or route in self.cfg.routes
-
-    def may_target(self, target: str) -> bool:
-        return any(fnmatch.fnmatchcase(target, pat) for pat in self.cfg.adhoc_targets)
 
 
 def presented_key(request: web.BaseRequest) -> str | None:

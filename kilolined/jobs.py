@@ -279,7 +279,7 @@ class JobSink(ModeSink):
                       capture: bytearray | None = None) -> None:
         """Read the whole answer into memory: it is the job's result, reserved against
         jobs.max_results_mb as its bytes arrive (the reservation ends with the job)."""
-        memory = self.memory or ResultMemory.alone(self.rt.cfg.jobs.max_results_mb)
+        memory = self.memory or ResultMemory(self.rt.cfg.jobs.max_results_mb)  # outside a store: its own result only
         job = self.job
         memory.release(job)  # an earlier attempt's bytes are gone
         ok = False
@@ -364,11 +364,6 @@ class ResultMemory:
         self.reading = 0
         self.results: OrderedDict[str, Job] = OrderedDict()  # jobs holding a result, oldest first
 
-    @classmethod
-    def alone(cls, cap_mb: float) -> ResultMemory:
-        """A sink outside a job store: only its own result counts."""
-        return cls(cap_mb)
-
     @property
     def accounted(self) -> int:
         return self.held + self.reading
@@ -440,10 +435,6 @@ class Jobs:
         self.cfg = cfg
         self.memory.configure(cfg.max_results_mb)
         self._evict()
-
-    @property
-    def results(self) -> OrderedDict[str, Job]:
-        return self.memory.results
 
     @property
     def result_bytes(self) -> int:

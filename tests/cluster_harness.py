@@ -11,7 +11,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -52,7 +52,7 @@ class RedisServer:
             try:
                 with socket.create_connection(("127.0.0.1", self.port), timeout=0.2) as s:
                     s.sendall(b"PING\r\n")
-                    if s.recv(16).startswith(b"+PONG"):
+                    if s.recv(16).startswith((b"+PONG", b"-NOAUTH")):  # up (with requirepass: asks for it)
                         return
             except OSError:
                 pass
@@ -66,6 +66,14 @@ class RedisServer:
 
     def client(self) -> aioredis.Redis:
         return aioredis.from_url(self.url, decode_responses=True)
+
+
+async def until(pred: Callable[[], Awaitable[bool]], what: str, timeout: float = 20) -> None:
+    """Poll an async condition until it holds; fail with ``what`` after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while not await pred():
+        assert time.monotonic() < deadline, what
+        await asyncio.sleep(0.05)
 
 
 @pytest.fixture

@@ -7,16 +7,15 @@ whole budget (no peer was ever seen to share with): three gateways ran 12 on a n
 
 from __future__ import annotations
 
-import socket
+import shutil
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import yaml
-from cluster_harness import cluster_config, free_port
+from cluster_harness import RedisServer, cluster_config, free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 PASSWORD = "the-right-one-0123456789"
@@ -25,26 +24,12 @@ PASSWORD = "the-right-one-0123456789"
 @pytest.fixture
 def locked_redis(tmp_path: Path) -> Iterator[int]:
     """A redis-server that wants a password (``requirepass``)."""
-    if subprocess.run(["which", "redis-server"], capture_output=True).returncode != 0:
+    if shutil.which("redis-server") is None:
         pytest.skip("redis-server is not installed")
-    port = free_port()
-    proc = subprocess.Popen(["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "",
-                             "--appendonly", "no", "--requirepass", PASSWORD, "--dir", str(tmp_path)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + 10
-    while True:
-        try:
-            with socket.create_connection(("127.0.0.1", port), timeout=0.2) as s:
-                s.sendall(b"PING\r\n")
-                if s.recv(64).startswith(b"-NOAUTH"):
-                    break
-        except OSError:
-            pass
-        assert time.monotonic() < deadline, "redis-server did not start"
-        time.sleep(0.05)
-    yield port
-    proc.kill()
-    proc.wait()
+    r = RedisServer(tmp_path, persistence=("--save", "", "--appendonly", "no", "--requirepass", PASSWORD))
+    r.start()
+    yield r.port
+    r.kill()
 
 
 def kilolined(cmd: str, tmp_path: Path, url: str, timeout: float = 30) -> subprocess.CompletedProcess[str]:

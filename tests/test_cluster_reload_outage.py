@@ -7,7 +7,6 @@ the outage) are what the gateway and the Lua views grant from once Redis returns
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -15,7 +14,7 @@ from typing import Any
 import aiohttp
 import pytest
 import yaml
-from cluster_harness import GatewayProc, RedisServer, gateways, make_gateways, redis_server, start_all
+from cluster_harness import GatewayProc, RedisServer, gateways, make_gateways, redis_server, start_all, until
 from conftest import ADMIN, auth
 
 from kilolined.fakegpu import FakeGPU
@@ -29,13 +28,6 @@ async def gpu() -> AsyncIterator[FakeGPU]:
     await g.start()
     yield g
     await g.stop()
-
-
-async def until(pred: Any, what: str, timeout: float = 20) -> None:
-    deadline = time.monotonic() + timeout
-    while not await pred():
-        assert time.monotonic() < deadline, what
-        await asyncio.sleep(0.05)
 
 
 async def reload(s: aiohttp.ClientSession, gw: GatewayProc, cfg: dict[str, Any]) -> tuple[int, dict[str, Any]]:

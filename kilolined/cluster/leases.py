@@ -240,8 +240,11 @@ class ClusterLeases:
         heapq.heappush(self._deadlines, (t.deadline, t.seq, t))
         tid = self._tid[t]
         avoid = "," + "".join(n + "," for n in sorted(t.avoid))
+        only = self._only(t)
+        if self._any_barred(t):
+            self._barred[t] = only  # _unbar lifts it at a heartbeat once the node is seen alive
         self._spawn(self._remote("REQUEUE", lid, tid, t.route, self._order_key(t, front=True), t.pinned_node or "",
-                                 avoid, t.key, repr(t.cost), self._only(t), self._warm(t)))
+                                 avoid, t.key, repr(t.cost), only, self._warm(t)))
         return t
 
     def release(self, lease: Lease, now: float, service_time: float | None) -> None:
@@ -645,9 +648,11 @@ class ClusterLeases:
         now = self.clock()
         nodes = self.sched.routes[t.route].all_nodes
         able = [n for n in nodes if self.sched.serves(n, t.model) and not self.sched.barred(t, n, now)]
-        if len(able) < len(nodes) and any(n in t.avoid for n in nodes if n not in able):
-            self._barred[t] = "," + "".join(n + "," for n in able)
         return "" if len(able) == len(nodes) else "," + "".join(n + "," for n in able)
+
+    def _any_barred(self, t: Ticket) -> bool:
+        now = self.clock()
+        return any(self.sched.barred(t, n, now) for n in t.avoid)
 
     async def _unbar(self) -> None:
         """A node that lost a waiting ticket is alive again: let the scripts grant it there."""
@@ -656,11 +661,14 @@ class ClusterLeases:
             if t.state != WAITING or tid is None:
                 del self._barred[t]
                 continue
-            del self._barred[t]  # _only notes it again while a node is still barred
             only = self._only(t)
             if only != sent:
                 assert self._redis is not None
                 await self._redis.hset(f"{self.prefix}t:{tid}", "only", only)
+            if self._any_barred(t):
+                self._barred[t] = only
+            else:
+                del self._barred[t]
 
     def _view_json(self, route: str) -> str:
         return orjson.dumps(self._view(route)).decode()
