@@ -49,7 +49,10 @@ def _denied() -> web.Response:
 
 
 async def healthz(request: web.Request) -> web.Response:
-    return _json({"status": "ok"})
+    # Alive either way (200); "degraded": a cluster gateway that has not reached Redis since it
+    # started, whose requests wait for it (docs/CLUSTER.md).
+    cluster = _rt(request).cluster
+    return _json({"status": "degraded" if cluster is not None and not cluster.reached else "ok"})
 
 
 async def readyz(request: web.Request) -> web.Response:

@@ -23,7 +23,7 @@ import logging
 import math
 import os
 import socket
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Sequence
 from typing import Any
 
 import orjson
@@ -75,7 +75,12 @@ class ClusterLeases:
         self._deadlines: list[tuple[float, int, Ticket]] = []
         self._local: set[Ticket] = set()  # tickets the scheduler holds alone (Redis down)
         self._orphans: set[str] = set()  # lease ids released while Redis was down
+        self._epoch = ""  # the Redis epoch whose counts hold our leases ("": none yet; scripts.REGISTER)
+        self._peers_at_loss: list[str] = []  # the gateways alive when Redis was lost: the fence waits for them
         self._barred: dict[Ticket, str] = {}  # waiting tickets a lost node may not take yet -> their "only"
+        self._entries = itertools.count()  # _track's ids
+        self._strays: set[str] = set()  # lease ids Redis counts for us that no request holds (one beat ago)
+        self._restoring = False  # _restore is registering what we hold: nothing is dispatched alone meanwhile
         self._full: dict[str, RouteConfig | NodeConfig] = {}  # configs cut to a share, by route/node
         self._tasks: set[asyncio.Task[Any]] = set()
         # A bounded pool that makes a burst wait for a connection instead of opening thousands.
@@ -103,6 +108,7 @@ class ClusterLeases:
         for name in ("ADMIT", "RELEASE", "REQUEUE", "CANCEL", "BEAT", "REGISTER", "POSITIONS"):
             self._scripts[name] = self._redis.register_script(getattr(scripts, name))
         try:
+            await self._register([])
             await self._beat()
             self.view.redis_up = True
         except (RedisError, OSError) as e:
@@ -110,7 +116,7 @@ class ClusterLeases:
             if why is not None:  # not an outage that passes: going on alone would take every slot
                 await self.redis.aclose()
                 raise ConfigError([f"cluster.redis_url: Redis at {shown(self.cfg.redis_url)}: {why}"]) from None
-            log.warning("⚠ cluster: Redis unreachable at start (%s): going on alone with a safe share", e)
+            log.warning("⚠ cluster: Redis unreachable at start (%s): queuing until it answers", e)
             self._degrade(alert=False)
         self._spawn(self._beat_loop())
         self._spawn(self._expire_loop())
@@ -138,7 +144,26 @@ class ClusterLeases:
 
     async def _call(self, name: str, *args: str | int) -> Any:
         assert self._redis is not None
-        return await self._scripts[name](args=[self.prefix, self.inst, *args])
+        # KEYS[1]: the epoch we know; a script refuses to decide for a gateway of another one.
+        return await self._scripts[name](keys=[self._epoch], args=[self.prefix, self.inst, *args])
+
+    async def _register(self, held: list[Ticket], old: Sequence[str] = ()) -> list[str]:
+        """Count ``held`` (leased tickets) in Redis, dropping ``old`` lease ids in the same step;
+        adopts Redis' epoch (a new one, behind the fence, when it came back empty). Returns the
+        new lease ids in the order of ``held``."""
+        args: list[str | int] = [int(self.cfg.lease_ttl_sec * 1000), self.view.gateway_id,
+                                 "," + "".join(p + "," for p in self._peers_at_loss), len(old), *old]
+        for t in held:
+            assert t.lease is not None
+            args += [self._track(t), t.route, t.lease.node, self._order_key(t), repr(t.cost)]
+        res = await self._call("REGISTER", *args)
+        epoch = _s(res[0])
+        if self._epoch and epoch != self._epoch:
+            log.warning("⚠ cluster: Redis came back empty: leases are granted again once every gateway "
+                        "has registered its own (at most %gs)", self.cfg.lease_ttl_sec)
+        self._epoch = epoch
+        self.view.reached = True
+        return [_s(x) for x in res[1:]]
 
     # --- the LeaseStore calls ---------------------------------------------------------------
     def admit(self, route: str, key: str, priority: int, now: float, *, pinned_node: str | None = None,
@@ -178,6 +203,10 @@ class ClusterLeases:
         except (RedisError, OSError) as e:
             self._untrack(t)
             self._lost(e)
+            if t in self._local or t.state != WAITING:
+                return t  # the loss of Redis adopted it already (_degrade)
+            if self.view.redis_up:
+                return await self.settle(t)  # Redis came back while this call failed: ask again
             self._adopt(t)
             return t
         verdict = _s(res[0])
@@ -263,7 +292,7 @@ class ClusterLeases:
 
     def dispatch(self, now: float) -> list[Lease]:
         # With Redis, the script that frees a slot hands it on; alone, the scheduler does.
-        return [] if self.view.redis_up else self.sched.dispatch(now)
+        return [] if self.view.redis_up or self._restoring else self.sched.dispatch(now)
 
     def fail_all_waiting(self, err: Callable[[], Rejected]) -> list[Ticket]:
         """Shutdown: every ticket of this gateway still waiting in Redis is answered."""
@@ -435,9 +464,12 @@ class ClusterLeases:
         stale = [tid for tid, t in self._tickets.items() if t.state == WAITING and now - t.enqueued_at > WAITED_SEC]
         views = {r: self._view(r) for r, rq in self.sched.routes.items() if not rq.retired}
         ttl_ms = int(self.cfg.lease_ttl_sec * 1000)
-        grants, lost, peers = await self._call("BEAT", ttl_ms, self.view.gateway_id, self.version(),
+        grants, lost, peers, reaped, held = await self._call("BEAT", ttl_ms, self.view.gateway_id, self.version(),
                                                orjson.dumps(views).decode(), *stale)
+        if int(reaped) and self._lid:
+            self._revoke_all()
         self._grants(grants)
+        self._release_strays({_s(x) for x in held})
         for tid in lost:
             t = self._tickets.get(_s(tid))
             if t is not None and t.state == WAITING:
@@ -450,6 +482,27 @@ class ClusterLeases:
         self.view.peers = out
         for p in out:
             self._seen[p.id] = max(self._seen.get(p.id, -math.inf), now - p.last_seen_sec)
+
+    def _release_strays(self, held_here: set[str]) -> None:
+        """Leases Redis counts for us that no request here holds: granted to a ticket whose grant
+        never arrived (a pub/sub message lost while the connection was down, an ADMIT that ran
+        after its call had timed out). Given back when a second heartbeat still finds them, so a
+        grant on its way is not mistaken for one."""
+        known = set(self._lid.values())
+        strays = held_here - known
+        for lid in strays & self._strays:
+            self._spawn(self._remote("RELEASE", lid))
+        self._strays = strays - self._strays
+
+    def _revoke_all(self) -> None:
+        """This gateway was reaped while it could not beat (frozen past the TTL): the slots of its
+        leases have been granted again, so the requests on them stop now (scope.revoke)."""
+        log.error("✗ cluster: this gateway was cut off past lease_ttl_sec: its %d running requests stop",
+                  len(self._lid))
+        for lease in list(self._lid):
+            del self._lid[lease]
+            if lease.revoke is not None:
+                lease.revoke()
 
     async def _readmit(self, t: Ticket) -> None:
         """A ticket Redis no longer knows (it came back empty): queued again, at the back."""
@@ -464,6 +517,7 @@ class ClusterLeases:
         if not self.view.redis_up:
             return
         log.error("✗ cluster: Redis lost (%s): going on alone with a safe share of every slot", e)
+        self._peers_at_loss = self.alive_peers()
         self._degrade(alert=True)
 
     def alive_peers(self) -> list[str]:
@@ -493,15 +547,18 @@ class ClusterLeases:
         """Cut every route's and node's slot counts to this gateway's share (Redis is down),
         keeping the full configs in ``_full`` for when it is back."""
         me = self.view.gateway_id
+        # A gateway that never reached Redis knows no peer: a share of "all of it" would be a guess
+        # that adds a whole N to whatever the others run. It queues until Redis answers.
+        part = 1 if self.view.reached else 0
         for name, rq in self.sched.routes.items():
             self._full.setdefault("r:" + name, rq.cfg)
-            rq.cfg = rq.cfg.model_copy(update={"max_concurrency": share(rq.cfg.max_concurrency, me, others)})
+            rq.cfg = rq.cfg.model_copy(update={"max_concurrency": part * share(rq.cfg.max_concurrency, me, others)})
         for name, ns in self.sched.nodes.items():
             upd: dict[str, Any] = {}
             if ns.cfg.max_concurrency is not None:
-                upd["max_concurrency"] = share(ns.cfg.max_concurrency, me, others)
+                upd["max_concurrency"] = part * share(ns.cfg.max_concurrency, me, others)
             if ns.cfg.capacity is not None:
-                upd["capacity"] = ns.cfg.capacity / (len(others) + 1)  # a capacity is split evenly
+                upd["capacity"] = part * ns.cfg.capacity / (len(others) + 1)  # a capacity is split evenly
             if upd:
                 self._full.setdefault("n:" + name, ns.cfg)
                 ns.cfg = ns.cfg.model_copy(update=upd)
@@ -525,6 +582,8 @@ class ClusterLeases:
 
     def _adopt(self, t: Ticket) -> None:
         """The scheduler takes over a waiting ticket it did not make (Redis is down)."""
+        if t in self._local:
+            return
         deadline = t.deadline
         self.sched._enqueue(self.sched.routes[t.route], t, self.clock(), front=False)
         t.deadline = deadline  # the wait already spent counts
@@ -534,23 +593,11 @@ class ClusterLeases:
     async def _restore(self) -> None:
         """Redis answers again: give back what was released meanwhile, register what is held and
         what waits, then the full slot counts apply again."""
-        await self._beat()
-        for lid in list(self._orphans):
-            await self._call("RELEASE", lid)
-            self._orphans.discard(lid)
-        for lease, lid in list(self._lid.items()):
-            await self._call("RELEASE", lid)  # the TTL may have reaped it already; registered fresh below
-            del self._lid[lease]
-            self._local.add(lease.ticket)
-        held = [t for t in self._local if t.state == LEASED and t.lease is not None and not t.lease.released]
-        args: list[str] = []
-        for t in held:
-            assert t.lease is not None
-            args += [self._track(t), t.route, t.lease.node, self._order_key(t), repr(t.cost)]
-        lids = await self._call("REGISTER", *args) if args else []
-        for t, lid in zip(held, lids, strict=True):
-            assert t.lease is not None
-            self._lid[t.lease] = _s(lid)
+        self._restoring = True  # a lease started alone from here on would not be in the count
+        try:
+            held = await self._register_held()
+        finally:
+            self._restoring = False
         for full_key, cfg in self._full.items():
             kind, name = full_key.split(":", 1)
             if kind == "r" and name in self.sched.routes:
@@ -561,13 +608,34 @@ class ClusterLeases:
         self.view.redis_up = True
         waiting = sorted((t for t in self._local if t.state == WAITING), key=lambda x: x.seq)
         self._local.clear()
-        log.info("✓ cluster: Redis is back: %d leases and %d waiting requests registered", len(held), len(waiting))
+        log.info("✓ cluster: Redis is back: %d leases and %d waiting requests registered", held, len(waiting))
         for t in waiting:
             self.sched.cancel(t)
             t.state = WAITING
             self._spawn(self._readmit(t))
         self.leadership.redis_back()  # the first leader elected now says cluster_restored
         await self._beat()
+
+    async def _register_held(self) -> int:
+        """What Redis may still count for us (the orphans released meanwhile, the leases held when
+        it went) goes, and what we hold now is counted, in one step: no grant between the two.
+        Returns how many leases are held."""
+        old = [*self._orphans, *self._lid.values()]
+        for lease in list(self._lid):
+            self._local.add(lease.ticket)
+        self._lid.clear()
+        held = [t for t in self._local if t.state == LEASED and t.lease is not None and not t.lease.released]
+        leases = [t.lease for t in held]
+        lids = await self._register(held, old)
+        self._orphans.difference_update(old)
+        for lease, lid in zip(leases, lids, strict=True):
+            assert lease is not None
+            if lease.released:  # it ended while Redis counted it: give it back there too
+                self._untrack(lease.ticket)
+                self._spawn(self._remote("RELEASE", lid))
+            else:
+                self._lid[lease] = lid
+        return len(held)
 
     async def _expire_loop(self) -> None:
         while True:
@@ -590,7 +658,9 @@ class ClusterLeases:
         self.alert(event, text, None)
 
     def _track(self, t: Ticket) -> str:
-        tid = f"{self.inst}:{t.seq}"
+        # A new id for every time a ticket enters Redis: a copy an earlier attempt left there (an
+        # ADMIT that ran after its call had timed out) can never be taken for this one.
+        tid = f"{self.inst}:{t.seq}.{next(self._entries)}"
         self._tickets[tid] = t
         self._tid[t] = tid
         return tid

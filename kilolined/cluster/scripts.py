@@ -46,11 +46,43 @@ from __future__ import annotations
 COMMON = r"""
 local P = ARGV[1]
 local ME = ARGV[2]
+local KNOWN = KEYS[1]  -- the epoch the calling gateway knows (nil: a script that does not check it)
 local grants = {}
 
 local function now_ms()
   local t = redis.call('TIME')
   return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+end
+
+-- The caller's view of the leases is from another epoch (Redis came back empty since): it must
+-- register what it holds again (REGISTER) before it decides anything here.
+local function stale()
+  return KNOWN ~= nil and redis.call('GET', P..'epoch') ~= KNOWN
+end
+
+-- The fence: no slot is granted while it stands, because leases still running are not counted
+-- here yet (Redis came back empty, or answers again after a stall). It falls when every gateway
+-- it waits for has registered (fence:want within fence:have), or at its time, one lease TTL.
+local function fenced()
+  local f = tonumber(redis.call('GET', P..'fence') or '0') or 0
+  if f == 0 then return false end
+  local lift = now_ms() >= f
+  if not lift and redis.call('SCARD', P..'fence:want') > 0 then
+    lift = #redis.call('SDIFF', P..'fence:want', P..'fence:have') == 0
+  end
+  if lift then redis.call('DEL', P..'fence', P..'fence:want', P..'fence:have') end
+  return not lift
+end
+
+local function fence(until_ms, want)
+  redis.call('SET', P..'fence', until_ms)
+  redis.call('DEL', P..'fence:want', P..'fence:have')
+  for _, id in ipairs(want) do redis.call('SADD', P..'fence:want', id) end
+end
+
+-- A gateway whose leases are all counted here (it registered them, or never lost Redis).
+local function counted(gid)
+  if redis.call('EXISTS', P..'fence') == 1 then redis.call('SADD', P..'fence:have', gid) end
 end
 
 local EPS = 1e-9
@@ -89,7 +121,22 @@ local function unqueue(tid)
 end
 
 local function reap()
-  local dead = redis.call('ZRANGEBYSCORE', P..'gw', '-inf', now_ms())
+  local now = now_ms()
+  local last = tonumber(redis.call('GET', P..'last') or '0') or 0
+  local ttl = tonumber(redis.call('GET', P..'ttl') or '0') or 0
+  redis.call('SET', P..'last', now)
+  if last > 0 and ttl > 0 and now - last > ttl / 2 then
+    -- Nobody could call Redis for a while (every gateway beats every ttl/3): it was stalled
+    -- (SIGSTOP, swap, a slow disk). The gateways could not renew meanwhile, so none is reaped for
+    -- it (their expiries move by the gap), and those that went on alone must register first.
+    local ids = {}
+    for _, inst in ipairs(redis.call('ZRANGE', P..'gw', 0, -1)) do
+      redis.call('ZINCRBY', P..'gw', now - last, inst)
+      ids[#ids + 1] = redis.call('HGET', P..'gi:'..inst, 'id') or inst
+    end
+    if #ids > 0 then fence(now + ttl, ids) end
+  end
+  local dead = redis.call('ZRANGEBYSCORE', P..'gw', '-inf', now)
   for _, inst in ipairs(dead) do
     for _, lid in ipairs(redis.call('SMEMBERS', P..'gl:'..inst)) do drop_lease(lid) end
     for _, tid in ipairs(redis.call('SMEMBERS', P..'gt:'..inst)) do
@@ -400,6 +447,7 @@ local function drop_oldest(route)
 end
 
 local function dispatch_all()
+  if fenced() then return end
   for _, route in ipairs(redis.call('SMEMBERS', P..'routes')) do dispatch_route(route) end
 end
 """
@@ -414,6 +462,7 @@ local route, key, tid, pin, ck = ARGV[3], ARGV[4], ARGV[5], ARGV[6], ARGV[10]
 local cost = tonumber(ARGV[12]) or 0
 local only = ARGV[13] or ''
 local warm = ARGV[15] or ''
+if stale() then return redis.error_reply('EPOCH Redis came back empty: register again') end
 reap()
 redis.call('SET', P..'v:'..route, ARGV[7])
 redis.call('SADD', P..'routes', route)
@@ -422,7 +471,7 @@ local per_key = tonumber(ARGV[9])
 if per_key >= 0 and count(P..'nk:'..route, ck) >= per_key then
   return {'per_key', count(P..'nk:'..route, ck)}
 end
-if waiting == 0 then
+if waiting == 0 and not fenced() then
   local node = choose(route, cjson.decode(ARGV[7]), pin, ',', cost, nil, only, warm)
   if node then
     redis.call('HSET', P..'t:'..tid, 'route', route, 'key', key, 'ck', ck, 'gw', ME, 'pin', pin, 'avoid', ',',
@@ -448,6 +497,7 @@ return out
 
 #: ARGV: P, ME, lid -> {grants...}
 RELEASE = COMMON + r"""
+if stale() then return redis.error_reply('EPOCH Redis came back empty: register again') end
 reap()
 drop_lease(ARGV[3])
 dispatch_all()
@@ -456,6 +506,7 @@ return grants
 
 #: ARGV: P, ME, lid, tid, route, key (its queue), pin, avoid, client key, cost, only, warm -> {grants...}
 REQUEUE = COMMON + r"""
+if stale() then return redis.error_reply('EPOCH Redis came back empty: register again') end
 reap()
 drop_lease(ARGV[3])
 redis.call('DEL', P..'t:'..ARGV[4])
@@ -467,6 +518,7 @@ return grants
 
 #: ARGV: P, ME, tid -> {'cancelled'|'released'|'gone', grants...}
 CANCEL = COMMON + r"""
+if stale() then return redis.error_reply('EPOCH Redis came back empty: register again') end
 local tid = ARGV[3]
 local st = redis.call('HMGET', P..'t:'..tid, 'state', 'lease')
 local out
@@ -486,10 +538,16 @@ return out
 
 #: ARGV: P, ME, ttl_ms, gateway_id, config_version, views (JSON {route: view}), tid...
 #: (tickets this gateway has waited on a while: their grants are re-read, a lost wake-up replaced)
-#: -> {{grants...}, {lost tids...}, {inst, id, version, age_ms, ...}}
+#: -> {{grants...}, {lost tids...}, {inst, id, version, age_ms, ...}, reaped (1|0), {lids it holds here}}
 BEAT = COMMON + r"""
+if stale() then return redis.error_reply('EPOCH Redis came back empty: register again') end
+redis.call('SET', P..'ttl', ARGV[3])
 local now = now_ms()
+-- Gone from the live gateways: another gateway's script reaped this one (it was frozen past the
+-- TTL), and the slots of its leases may have been granted again.
+local reaped = redis.call('ZSCORE', P..'gw', ME) == false
 redis.call('ZADD', P..'gw', now + tonumber(ARGV[3]), ME)
+counted(ARGV[4])
 redis.call('HSET', P..'gi:'..ME, 'id', ARGV[4], 'version', ARGV[5], 'seen', now)
 reap()
 for route, view in pairs(cjson.decode(ARGV[6])) do
@@ -516,28 +574,48 @@ for _, inst in ipairs(redis.call('ZRANGE', P..'gw', 0, -1)) do
   peers[#peers + 1] = g[2] or ''
   peers[#peers + 1] = tostring(now - (tonumber(g[3] or now) or now))
 end
-return {grants, lost, peers}
+return {grants, lost, peers, reaped and 1 or 0, redis.call('SMEMBERS', P..'gl:'..ME)}
 """
 
-#: ARGV: P, ME, then (tid, route, node, key, cost) per lease held -> {lid...} in the same order
-#: (after Redis came back: the leases a gateway holds count again, cluster-wide)
+#: ARGV: P, ME, ttl_ms, gateway id, peers (",a,b,": the gateways it saw alive before it lost Redis),
+#: n, n lease ids it held before (dropped: they may still count here), then (tid, route, node, key,
+#: cost) per lease held now -> {epoch, lid...} in the same order.
+#: A gateway's first call, and its first after it lost Redis: its leases count again, cluster-wide,
+#: in one step (released and registered at once: no grant between the two). On a Redis with no
+#: epoch (it came back empty, or the cluster's first start) a new epoch begins behind a fence.
 REGISTER = COMMON + r"""
-local out = {}
-for i = 3, #ARGV, 5 do
+local ttl, gid, peers = tonumber(ARGV[3]), ARGV[4], ARGV[5]
+local now = now_ms()
+local e = redis.call('GET', P..'epoch')
+if not e then
+  e = tostring(now)..'/'..ME
+  redis.call('SET', P..'epoch', e)
+  fence(now + ttl, {})
+end
+redis.call('SET', P..'ttl', ttl)
+if redis.call('EXISTS', P..'fence') == 1 then
+  redis.call('SADD', P..'fence:want', gid)
+  for id in string.gmatch(peers, '[^,]+') do redis.call('SADD', P..'fence:want', id) end
+end
+reap()
+-- Its waiting tickets are queued again by the gateway itself (at the back, as after a loss):
+-- the copies Redis may still hold would be served twice.
+for _, tid in ipairs(redis.call('SMEMBERS', P..'gt:'..ME)) do unqueue(tid) end
+local n = tonumber(ARGV[6])
+for i = 7, 6 + n do drop_lease(ARGV[i]) end
+redis.call('ZADD', P..'gw', now + ttl, ME)
+redis.call('HSET', P..'gi:'..ME, 'id', gid, 'seen', now)
+local out = {e}
+for i = 7 + n, #ARGV, 5 do
   local tid, route, node, key = ARGV[i], ARGV[i + 1], ARGV[i + 2], ARGV[i + 3]
   local cost = tonumber(ARGV[i + 4]) or 0
   redis.call('HSET', P..'t:'..tid, 'route', route, 'key', key, 'gw', ME, 'pin', '', 'avoid', ',',
              'state', 'w')
   redis.call('SADD', P..'routes', route)
-  local lid = tostring(redis.call('INCR', P..'seq'))
-  redis.call('HSET', P..'l:'..lid, 'route', route, 'node', node, 'gw', ME, 'tid', tid, 'cost', cost)
-  redis.call('HINCRBY', P..'in:'..route, node, 1)
-  redis.call('HINCRBY', P..'nin', node, 1)
-  if cost > 0 then redis.call('HINCRBYFLOAT', P..'ncost', node, cost) end
-  redis.call('SADD', P..'gl:'..ME, lid)
-  redis.call('HSET', P..'t:'..tid, 'state', 'l', 'lease', lid, 'node', node)
-  out[#out + 1] = lid
+  out[#out + 1] = grant(route, tid, ME, node, cost)
 end
+grants = {}  -- grant() noted them as this gateway's new grants; they are leases it already runs
+counted(gid)
 return out
 """
 

@@ -24,6 +24,7 @@ class ClusterView:
     gateway_id: str
     leader: str | None = None
     redis_up: bool = False
+    reached: bool = False  # Redis answered this process once (until then it takes no slot: /healthz "degraded")
     peers: list[Peer] = field(default_factory=list)  # the *other* gateways, as of the last heartbeat
 
     def state(self, config_version: str) -> dict[str, Any]:

@@ -1,0 +1,123 @@
+"""Exactly N when Redis restarts empty or stalls mid-burst (docs/CLUSTER.md, "What happens when").
+
+Gateways on a real redis-server in front of a node that counts what it runs at once. Redis is
+killed (-9, no persistence: it comes back empty) and started again mid-burst, or frozen (SIGSTOP)
+past the lease TTL; the node must never run more than N, before, during or after, and every
+request must be served.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import signal
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import aiohttp
+import pytest
+from cluster_harness import GatewayProc, RedisServer, gateways, make_gateways, redis_server, start_all, until
+from conftest import auth
+
+from kilolined.fakegpu import FakeGPU
+
+__all__ = ["gateways", "redis_server"]  # fixtures
+
+N = 3
+TTL = 2.0
+
+
+@pytest.fixture
+async def gpu() -> AsyncIterator[FakeGPU]:
+    # Plenty of VRAM: the card never crashes; it counts the most jobs it ran at once.
+    g = FakeGPU("generic", vram_gb=1000, job_vram_gb=1, steps=2, step_ms=100, crash_sec=0.4)
+    await g.start()
+    yield g
+    await g.stop()
+
+
+async def post(s: aiohttp.ClientSession, gw: GatewayProc, who: str) -> int:
+    async with s.post(gw.url + "/gen/generate", json={}, headers=auth(who)) as r:
+        body = await r.read()
+        assert r.status == 200, (gw.url, r.status, body[:300])
+        return r.status
+
+
+async def all_up(gws: list[GatewayProc]) -> bool:
+    return all(st["cluster"]["redis"] == "up" for st in await asyncio.gather(*(g.state() for g in gws)))
+
+
+async def burst_through(gws: list[GatewayProc], n: int, fault: asyncio.Future[None]) -> list[int]:
+    """``n`` requests over the gateways while ``fault`` happens; their statuses."""
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as s:
+        reqs = [asyncio.ensure_future(post(s, gws[i % len(gws)], ("alice", "bob", "carol")[i % 3]))
+                for i in range(n)]
+        await fault
+        return list(await asyncio.wait_for(asyncio.gather(*reqs), 120))
+
+
+@pytest.mark.parametrize("n_gateways", [2, 3])
+async def test_redis_restarted_empty_mid_burst_never_runs_more_than_n(
+        redis_server: RedisServer, gateways: list[GatewayProc], gpu: FakeGPU, tmp_path: Path,
+        n_gateways: int) -> None:
+    gateways += make_gateways(n_gateways, tmp_path, redis_server.url, gpu.url, ttl=TTL, max_concurrency=N)
+    await start_all(gateways)
+
+    async def restarts() -> None:
+        for round_ in range(3):  # three restarts in one burst, each at a different moment
+            served = gpu.stats["served"]
+            while gpu.stats["served"] < served + 6 + 3 * round_:
+                await asyncio.sleep(0.01)
+            redis_server.kill()
+            redis_server.start()  # empty: no persistence
+            await until(lambda: all_up(gateways), "a gateway never came back to Redis", timeout=30)
+
+    statuses = await burst_through(gateways, 150, asyncio.ensure_future(restarts()))
+    assert statuses == [200] * 150
+    assert gpu.stats["max_concurrent"] <= N, gpu.stats
+
+
+async def test_redis_frozen_past_the_ttl_never_runs_more_than_n(
+        redis_server: RedisServer, gateways: list[GatewayProc], gpu: FakeGPU, tmp_path: Path) -> None:
+    gateways += make_gateways(3, tmp_path, redis_server.url, gpu.url, ttl=TTL, max_concurrency=N)
+    await start_all(gateways)
+
+    async def freeze() -> None:
+        while gpu.stats["served"] < 8:
+            await asyncio.sleep(0.01)
+        assert redis_server.proc is not None
+        os.kill(redis_server.proc.pid, signal.SIGSTOP)
+        await asyncio.sleep(1.5 * TTL)  # every gateway's heartbeat has expired by Redis' clock
+        os.kill(redis_server.proc.pid, signal.SIGCONT)
+        await until(lambda: all_up(gateways), "a gateway never came back to Redis", timeout=30)
+
+    statuses = await burst_through(gateways, 120, asyncio.ensure_future(freeze()))
+    assert statuses == [200] * 120
+    assert gpu.stats["max_concurrent"] <= N, gpu.stats
+
+
+async def test_a_gateway_that_never_reached_redis_takes_no_slot(
+        gateways: list[GatewayProc], gpu: FakeGPU, tmp_path: Path) -> None:
+    """Alone it knows no peer: taking "all of N" would add a whole N to what the others run. It
+    queues (``/healthz`` says degraded) until Redis answers, then serves."""
+    if shutil.which("redis-server") is None:
+        pytest.skip("redis-server is not installed")
+    redis = RedisServer(tmp_path)  # not started yet
+    gateways += make_gateways(1, tmp_path, redis.url, gpu.url, ttl=TTL, max_concurrency=N)
+    gw = gateways[0]
+    gw.start()
+    await gw.ready()
+    try:
+        async with aiohttp.ClientSession() as s:
+            async with s.get(gw.url + "/healthz") as r:
+                assert (await r.json())["status"] == "degraded"
+            reqs = [asyncio.ensure_future(post(s, gw, "alice")) for _ in range(4)]
+            await asyncio.sleep(1.5 * TTL)
+            assert gpu.stats["served"] == 0 and not any(r.done() for r in reqs)
+            redis.start()
+            assert await asyncio.wait_for(asyncio.gather(*reqs), 30) == [200] * 4
+            async with s.get(gw.url + "/healthz") as r:
+                assert (await r.json())["status"] == "ok"
+    finally:
+        redis.kill()
