@@ -219,3 +219,17 @@ async def test_the_lease_that_arrives_as_its_client_leaves_is_given_back() -> No
     with pytest.raises(asyncio.CancelledError):
         await task
     assert inflight(rt) == 0
+
+
+async def test_the_state_table_refuses_a_move_it_does_not_list() -> None:
+    rt = runtime(slots=1)
+    scope = LeaseScope(rt, rt.admit("r", "k", 0), Quiet(), None)
+    assert scope.state == S_WAITING
+    for bad in (S_HELD, S_DETACHED, S_EXPIRED):  # a scope without a lease holds nothing
+        with pytest.raises(AssertionError):
+            scope._to(bad)
+    scope._to(S_RELEASED)
+    with pytest.raises(AssertionError):  # released is the end: nothing is given back twice
+        scope._to(S_RELEASED)
+    assert not TRANSITIONS[S_RELEASED]
+    await rt.stop()
