@@ -29,11 +29,11 @@ from kilolined.adapters.openai import UsageStripper, gateway_added_usage
 from kilolined.auth import Principal, presented_key
 from kilolined.call import Call
 from kilolined.config import JobsConfig
-from kilolined.lease import LeaseScope
+from kilolined.lease import LeaseScope, Sink
 from kilolined.outcome import Cancelled, Failure, Result
-from kilolined.proxy import SERVER, Exchange, Observer, Upstream, UpstreamFailed
+from kilolined.proxy import SERVER, Exchange, Observer, Upstream, UpstreamFailed, mid_response
 from kilolined.queue import WAITING, Lease, Ticket
-from kilolined.runner import ModeSink, run
+from kilolined.runner import run
 from kilolined.runtime import Runtime
 from kilolined.webhooks import WebhookDeliverer, check_callback_url
 
@@ -227,26 +227,23 @@ class Job:
         }
 
 
-class JobSink(ModeSink):
+class JobSink(Sink):
     """The sse/async client modes: the request's moves become job events, its answer the result."""
 
-    __slots__ = ("ex", "failure", "job", "lost", "memory", "res", "rt")
+    __slots__ = ("ex", "failure", "job", "lost", "memory", "mode", "res", "rt")
     reports_progress = True
     gone = "cancelled"
 
     def __init__(self, rt: Runtime, job: Job, ex: Exchange | None = None, lost: tuple[str, str] | None = None,
                  memory: ResultMemory | None = None):
         self.rt, self.job, self.ex = rt, job, ex
+        self.mode = job.mode
         #: what results may hold (jobs.max_results_mb); the result is reserved in it as it arrives
         self.memory = memory
         self.res: Result | None = None
         self.failure: Failure | None = None
         #: (from node, reason) of a job carried on from a lost gateway: said at its next dispatch
         self.lost = lost
-
-    @property
-    def mode(self) -> str:  # type: ignore[override]
-        return self.job.mode
 
     def dispatched(self, lease: Lease, queue_wait: float) -> None:
         job, rt = self.job, self.rt
@@ -290,20 +287,19 @@ class JobSink(ModeSink):
             if declared is not None and not memory.hold(job, declared):
                 raise ResultTooLarge(memory.refusal(declared))
             body = await _read_result(up, lambda size: memory.hold(job, size), obs, strip)
+            scope.size = len(body)
             ok = up.status < 500
             scope.ok = ok
         except ResultTooLarge as e:
             # The gateway's memory cap, not the node's fault: no breaker, the job fails.
             memory.release(job)
-            raise Failure("upstream_error", str(e), 502) from None
+            raise Failure.upstream(str(e), False) from None
         except (aiohttp.ClientError, TimeoutError, UpstreamFailed) as e:
             memory.release(job)
             # Bytes had arrived from the node: this attempt cannot be replayed, the job fails.
-            reason = e.reason if isinstance(e, UpstreamFailed) else "connection lost mid-response"
-            lease = scope.lease
-            if lease is not None:
-                self.rt.node_failure(lease.node, reason, lease.trial)
-            raise Failure("upstream_error", reason, 502) from None
+            reason = mid_response(e)
+            scope.node_failed(reason, mid_body=True)
+            raise Failure.mid_response(job.node or "-", reason) from None
         finally:
             up.release()
             if obs is not None:
@@ -315,6 +311,10 @@ class JobSink(ModeSink):
 
     def result(self, res: Result) -> None:
         self.res = res
+
+    def file_url(self, index: int) -> str:
+        job = self.job
+        return f"{job.base_url}/v1/jobs/{job.id}/files/{index}?token={job.access_token}"
 
     async def fail(self, f: Failure) -> None:
         self.failure = f

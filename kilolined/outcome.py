@@ -29,6 +29,13 @@ class Failure(Exception):
         return cls("upstream_error", reason, 502)
 
     @classmethod
+    def mid_response(cls, node: str, reason: str) -> Failure:
+        """The node failed after its answer had begun (bytes read, or sent on to the client): no
+        re-queue is possible. ``reason`` names what happened ("node lost (connection dropped
+        mid-response)"), never an exception class or an address."""
+        return cls("upstream_error", f"node {node} failed: {reason}", 502)
+
+    @classmethod
     def rejected(cls, r: Rejected) -> Failure:
         return cls(r.type, r.message, r.status, retry_after=r.retry_after)
 

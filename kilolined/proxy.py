@@ -71,10 +71,24 @@ class UpstreamFailed(Exception):
         self.answered = answered or response is not None
 
 
-def node_lost(what: str) -> UpstreamFailed:
+def lost(what: str) -> str:
     """The node stopped answering: the words a client and an alert see name that, never an
     exception class (the class goes to the log, where the operator can use it)."""
-    return UpstreamFailed(f"node lost ({what})")
+    return f"node lost ({what})"
+
+
+def mid_response(e: BaseException) -> str:
+    """What happened when a node failed after its answer began (read timeout, dropped socket)."""
+    if isinstance(e, UpstreamFailed):
+        return e.reason
+    if isinstance(e, TimeoutError):
+        return "timed out mid-response"
+    return lost("connection dropped mid-response")
+
+
+def node_lost(what: str) -> UpstreamFailed:
+    """A node lost before any byte of its answer: the scope re-queues the request."""
+    return UpstreamFailed(lost(what))
 
 
 @functools.lru_cache(maxsize=1024)

@@ -12,41 +12,14 @@ from __future__ import annotations
 from aiohttp import web
 
 from kilolined.adapters.base import Adapter
-from kilolined.lease import LeaseScope, Listener
-from kilolined.outcome import Failure, Result
-from kilolined.proxy import Exchange, Observer, Upstream
+from kilolined.lease import LeaseScope, Sink
+from kilolined.outcome import Failure
+from kilolined.proxy import Exchange
 from kilolined.queue import Ticket
 from kilolined.runtime import Runtime
 
 
-class ModeSink(Listener):
-    """The sink interface of the runner: a Listener that takes answers and failures."""
-
-    __slots__ = ()
-    mode = "sync"
-    reports_progress = False
-    outcome = "ok"
-    gone = "client_gone"  # how a cancelled run counts: the client left (sync) or the job was cancelled
-    response: web.StreamResponse | None = None
-
-    async def begin(self, scope: LeaseScope) -> None:
-        pass
-
-    async def deliver(self, scope: LeaseScope, up: Upstream, obs: Observer | None,
-                      capture: bytearray | None = None) -> None:
-        raise NotImplementedError
-
-    def result(self, res: Result) -> None:
-        raise NotImplementedError
-
-    def progress(self, step: int | float, total: int | float) -> None:
-        pass
-
-    async def fail(self, f: Failure) -> web.StreamResponse | None:
-        raise NotImplementedError
-
-
-async def run(rt: Runtime, ticket: Ticket, ex: Exchange, adapter: Adapter, sink: ModeSink, key: str | None,
+async def run(rt: Runtime, ticket: Ticket, ex: Exchange, adapter: Adapter, sink: Sink, key: str | None,
               label: str) -> web.StreamResponse | None:
     """Run one admitted request to its end; returns the sink's response (sync modes)."""
     outcome: str | None = "ok"
@@ -55,7 +28,7 @@ async def run(rt: Runtime, ticket: Ticket, ex: Exchange, adapter: Adapter, sink:
         try:
             if sink.tick_sec is not None:
                 await sink.begin(scope)  # a stream that must queue says so at once
-            await adapter.serve(rt, scope, ex, sink)  # type: ignore[arg-type]
+            await adapter.serve(rt, scope, ex, sink)
         except BaseException as e:
             if not scope.exit_now(e):
                 await scope.exit(type(e), e)

@@ -1,8 +1,8 @@
 """Where a request's answer goes: the sync client modes (API docs: docs/API.md "Client modes").
 
-A sink hears the request's moves (it is the lease scope's Listener), takes the node's answer
-(``deliver``), a computed result (``result``, ComfyUI jobs) or the failure (``fail``), and owns
-how each looks to its client. The job sink lives with the jobs (``jobs.py``).
+Each is a ``lease.Sink``: it hears the request's moves, takes the node's answer (``deliver``), a
+computed result (``result``) or the failure (``fail``), and owns how each looks to its client.
+The job sink lives with the jobs (``jobs.py``).
 
 - ``SyncSink``: the node's answer streams back to the held client connection.
 - ``StreamSink``: OpenAI ``"stream": true``. Its 200 goes out only once the request has to wait
@@ -19,15 +19,14 @@ from multidict import CIMultiDict
 
 from kilolined.adapters.openai import UsageStripper, gateway_added_usage
 from kilolined.call import Call
-from kilolined.lease import LeaseScope
+from kilolined.lease import LeaseScope, Sink
 from kilolined.outcome import Failure, Result
-from kilolined.proxy import SERVER, Observer, Upstream, cut_client, response_headers, stream_back
+from kilolined.proxy import SERVER, Observer, Upstream, cut_client, mid_response, response_headers, stream_back
 from kilolined.queue import WAITING, Lease
-from kilolined.runner import ModeSink
 from kilolined.runtime import Runtime
 
 
-class SyncSink(ModeSink):
+class SyncSink(Sink):
     __slots__ = ("call", "label", "outcome", "response", "rt", "scope")
     mode = "sync"
     reports_progress = False
@@ -47,9 +46,6 @@ class SyncSink(ModeSink):
             self.rt.metrics.queue_wait.labels(self.label).observe(queue_wait)
         call.node = lease.node
         call.swap = lease.swap  # the access log's swap= (docs/CONFIG.md#multi-model-nodes)
-
-    def progress(self, step: int | float, total: int | float) -> None:
-        pass
 
     # --- answers ------------------------------------------------------------------------------
     def headers_for(self, scope: LeaseScope, up: Upstream) -> CIMultiDict[str]:
@@ -74,6 +70,7 @@ class SyncSink(ModeSink):
         try:
             self.response, call.bytes_out = await stream_back(call.request, up, self.headers_for(scope, up), obs,
                                                               capture, scope)
+            scope.size = call.bytes_out
             ok = up.status < 500
             scope.ok = ok
             self.outcome = "ok" if ok else "upstream_error"
@@ -84,10 +81,7 @@ class SyncSink(ModeSink):
             raise
         except (aiohttp.ClientError, TimeoutError) as e:
             # The node failed mid-body: no retry is possible once bytes went out; cut the client.
-            reason = "timed out mid-response" if isinstance(e, TimeoutError) else "connection lost mid-response"
-            node = call.node
-            self.rt.node_failure(node, reason, scope.lease.trial if scope.lease else False)
-            raise Failure("upstream_error", f"node {node} failed: {reason}", 502) from None
+            raise _mid_response(scope, call.node, e) from None
         finally:
             up.release()
             if obs is not None:
@@ -114,18 +108,16 @@ class SyncSink(ModeSink):
 class StreamSink(SyncSink):
     """``"stream": true`` on an openai route (docs/API.md "OpenAI streams")."""
 
-    __slots__ = ("stream", "strip")
+    __slots__ = ("stream", "strip", "tick_sec")
 
     def __init__(self, rt: Runtime, call: Call):
         super().__init__(rt, call)
+        self.tick_sec = rt.cfg.server.heartbeat_sec
         self.stream: web.StreamResponse | None = None
         # The usage chunk the gateway asked for on the client's behalf is not the client's.
         ex = call.exchange
         self.strip = UsageStripper() if ex is not None and gateway_added_usage(ex) else None
 
-    @property
-    def tick_sec(self) -> float:  # type: ignore[override]
-        return self.rt.cfg.server.heartbeat_sec
 
     @property
     def started(self) -> bool:
@@ -152,7 +144,7 @@ class StreamSink(SyncSink):
             call.status = 200
         return self.stream
 
-    async def tick(self, queued: bool, scope: LeaseScope | None = None) -> None:  # type: ignore[override]
+    async def tick(self, queued: bool, scope: LeaseScope | None = None) -> None:
         resp = await self._open()
         if queued:
             rt, call = self.rt, self.call
@@ -204,15 +196,15 @@ class StreamSink(SyncSink):
                     await _write(scope, resp, rest)
                     call.bytes_out += len(rest)
                 ok = True
+            scope.size = call.bytes_out
             scope.ok = ok
             if not ok:
                 self.outcome = "upstream_error"
         except ConnectionResetError:
             self.outcome = "client_gone"
             raise
-        except (aiohttp.ClientError, TimeoutError):
-            self.rt.node_failure(call.node, "connection lost mid-stream", scope.lease.trial if scope.lease else False)
-            raise Failure("upstream_error", "the node failed mid-stream", 502) from None
+        except (aiohttp.ClientError, TimeoutError) as e:
+            raise _mid_response(scope, call.node, e) from None
         finally:
             up.release()
             if obs is not None:
@@ -229,6 +221,13 @@ class StreamSink(SyncSink):
         except (ConnectionError, RuntimeError):
             pass
         return self.stream
+
+
+def _mid_response(scope: LeaseScope, node: str, e: BaseException) -> Failure:
+    """The node failed after its answer began: the verdict, and the failure the client gets."""
+    reason = mid_response(e)
+    scope.node_failed(reason, mid_body=True)
+    return Failure.mid_response(node, reason)
 
 
 async def _write(scope: LeaseScope, resp: web.StreamResponse, data: bytes) -> None:

@@ -124,3 +124,18 @@ def test_lease_release_lives_in_one_module() -> None:
             if needle in text:
                 callers.append(f"{path.name}: {needle}")
     assert callers == []
+
+
+def test_node_verdicts_live_in_one_module() -> None:
+    """Only the lease scope (node_ok / node_failed) feeds a node's health and breaker: the one
+    hook where a node's answer is judged."""
+    callers = []
+    for path in PKG.rglob("*.py"):
+        if path.name == "lease.py":
+            continue
+        for lineno, line in enumerate(path.read_text().splitlines(), 1):
+            code = line.split("#", 1)[0]
+            for needle in (".node_success(", ".node_failure("):
+                if needle in code:
+                    callers.append(f"{path.relative_to(PKG)}:{lineno}: {line.strip()}")
+    assert callers == []

@@ -3,7 +3,8 @@
 The property test drives many requests through LeaseScope with attempts that succeed, fail as a
 node does, hang past the deadline, raise a bug, or are cancelled — at every await point — and
 checks the invariants the product stands on: every slot comes back, no request is lost or run
-twice, never more in flight than the slots.
+twice, never more in flight than the slots, and every move of a scope's state is one its
+transition table allows, ending released exactly once.
 """
 
 from __future__ import annotations
@@ -17,10 +18,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kilolined.config import parse_config
-from kilolined.lease import LeaseScope, Listener
+from kilolined.lease import S_DETACHED, S_EXPIRED, S_HELD, S_RELEASED, S_WAITING, TRANSITIONS, LeaseScope, Sink
 from kilolined.outcome import Failure
 from kilolined.proxy import UpstreamFailed
-from kilolined.queue import Lease
+from kilolined.queue import Lease, Ticket
 from kilolined.runtime import Runtime
 
 
@@ -41,7 +42,36 @@ def inflight(rt: Runtime) -> int:
     return sum(rt.scheduler.node_inflight.values())
 
 
-class Peak(Listener):
+class Quiet(Sink):
+    __slots__ = ()
+
+
+class Traced(LeaseScope):
+    """A scope that writes down each move of its state (the table's assert checks it too)."""
+
+    __slots__ = ("moves",)
+
+    def __init__(self, rt: Runtime, ticket: Ticket, sink: Sink, key: str | None, moves: list[tuple[str, str]]):
+        super().__init__(rt, ticket, sink, key)
+        self.moves = moves
+
+    def _to(self, new: str) -> None:
+        self.moves.append((self.state, new))
+        super()._to(new)
+
+
+def check_moves(moves: list[tuple[str, str]]) -> None:
+    """One scope's moves: a path through the table from waiting, released once, at the end."""
+    assert moves, "the scope never left waiting"
+    state = S_WAITING
+    for old, new in moves:
+        assert old == state, moves
+        assert new in TRANSITIONS[old], (old, new, moves)
+        state = new
+    assert state == S_RELEASED and [n for _, n in moves].count(S_RELEASED) == 1, moves
+
+
+class Peak(Sink):
     __slots__ = ("rt", "seen")
 
     def __init__(self, rt: Runtime, seen: list[int]):
@@ -58,7 +88,8 @@ BEHAVIOURS = ("ok", "node_fails", "node_fails_then_ok", "hang", "bug", "cancel_i
               "hold_ok", "hold_hang")
 
 
-async def one(rt: Runtime, behaviour: str, ran: list[int], i: int, seen: list[int]) -> str:
+async def one(rt: Runtime, behaviour: str, ran: list[int], i: int, seen: list[int],
+              moves: list[tuple[str, str]]) -> str:
     ticket = rt.admit("r", "k", 0)
     calls = 0
 
@@ -78,7 +109,7 @@ async def one(rt: Runtime, behaviour: str, ran: list[int], i: int, seen: list[in
         return "answer"
 
     try:
-        async with LeaseScope(rt, ticket, Peak(rt, seen), "k") as scope:
+        async with Traced(rt, ticket, Peak(rt, seen), "k", moves=moves) as scope:
             await scope.acquire(attempt)
             await asyncio.sleep(0)
             if behaviour == "cancel_after":
@@ -102,8 +133,9 @@ def test_every_slot_comes_back_whatever_the_attempts_do(behaviours: list[str], s
         rt = runtime(slots=slots)
         ran: list[int] = []
         seen: list[int] = []
-        results = await asyncio.wait_for(asyncio.gather(*(one(rt, b, ran, i, seen) for i, b in enumerate(behaviours))),
-                                         timeout=30)
+        moves: list[list[tuple[str, str]]] = [[] for _ in behaviours]
+        results = await asyncio.wait_for(asyncio.gather(*(one(rt, b, ran, i, seen, moves[i])
+                                                          for i, b in enumerate(behaviours))), timeout=30)
         # Holds run in the runtime's tasks: wait for them (bounded by the 0.2 s deadline).
         for _ in range(200):
             if inflight(rt) == 0:
@@ -113,9 +145,14 @@ def test_every_slot_comes_back_whatever_the_attempts_do(behaviours: list[str], s
         assert not rt.scheduler.routes["r"].waiting
         assert max(seen, default=0) <= slots  # never more than the slots on one node
         assert len(ran) == len(set(ran))  # nobody's work ran twice
-        for b, res in zip(behaviours, results, strict=True):
+        for b, res, m in zip(behaviours, results, moves, strict=True):
             expect = EXPECT[b]
             assert res == expect, (b, res)
+            check_moves(m)
+            if b == "hang":
+                assert (S_EXPIRED, S_RELEASED) in m, m
+            if b.startswith("hold"):
+                assert (S_HELD, S_DETACHED) in m, m
         await rt.stop()
 
     asyncio.run(scenario())
@@ -129,7 +166,7 @@ async def test_a_deadline_while_writing_to_the_client_is_not_a_node_failure() ->
         return "up"
 
     with pytest.raises(Failure) as info:
-        async with LeaseScope(rt, ticket, Listener(), None) as scope:
+        async with LeaseScope(rt, ticket, Quiet(), None) as scope:
             await scope.acquire(attempt)
             scope.writing = True  # a client that does not read
             await asyncio.sleep(5)
@@ -151,7 +188,7 @@ async def test_a_deadline_runs_the_abort_cleanup_before_the_slot_is_freed() -> N
         freed_before_cleanup.append(inflight(rt) == 0)
 
     with pytest.raises(Failure):
-        async with LeaseScope(rt, ticket, Listener(), None) as scope:
+        async with LeaseScope(rt, ticket, Quiet(), None) as scope:
             await scope.acquire(attempt)
             scope.on_abort(interrupt)
             await asyncio.sleep(5)
@@ -170,7 +207,7 @@ async def test_the_lease_that_arrives_as_its_client_leaves_is_given_back() -> No
         return "up"
 
     async def waiter() -> None:
-        async with LeaseScope(rt, second, Listener(), None) as scope:
+        async with LeaseScope(rt, second, Quiet(), None) as scope:
             await scope.acquire(attempt)
 
     task = asyncio.ensure_future(waiter())
@@ -182,3 +219,17 @@ async def test_the_lease_that_arrives_as_its_client_leaves_is_given_back() -> No
     with pytest.raises(asyncio.CancelledError):
         await task
     assert inflight(rt) == 0
+
+
+async def test_the_state_table_refuses_a_move_it_does_not_list() -> None:
+    rt = runtime(slots=1)
+    scope = LeaseScope(rt, rt.admit("r", "k", 0), Quiet(), None)
+    assert scope.state == S_WAITING
+    for bad in (S_HELD, S_DETACHED, S_EXPIRED):  # a scope without a lease holds nothing
+        with pytest.raises(AssertionError):
+            scope._to(bad)
+    scope._to(S_RELEASED)
+    with pytest.raises(AssertionError):  # released is the end: nothing is given back twice
+        scope._to(S_RELEASED)
+    assert not TRANSITIONS[S_RELEASED]
+    await rt.stop()

@@ -9,29 +9,16 @@ itself: it asks the lease scope for a lease (``scope.acquire``) and hands the an
 from __future__ import annotations
 
 import logging
-from typing import Protocol
 
 from aiohttp import web
 
-from kilolined.lease import LeaseScope
-from kilolined.proxy import RETRY_STATUSES, Exchange, Observer, Upstream, UpstreamFailed, open_upstream
+from kilolined.lease import LeaseScope, Sink
+from kilolined.proxy import RETRY_STATUSES, Exchange, Observer, UpstreamFailed, open_upstream
 from kilolined.queue import Lease
 from kilolined.runtime import Runtime
 from kilolined.upstream import UpstreamResponse
 
 log = logging.getLogger("kilolined")
-
-
-class Sink(Protocol):
-    """What an adapter may hand a client mode (sinks.py, jobs.py)."""
-
-    mode: str
-    reports_progress: bool
-
-    async def deliver(self, scope: LeaseScope, up: Upstream, obs: Observer | None,
-                      capture: bytearray | None = None) -> None: ...
-
-    def progress(self, step: int | float, total: int | float) -> None: ...
 
 
 class Adapter:
@@ -53,7 +40,7 @@ class Adapter:
 
     async def serve(self, rt: Runtime, scope: LeaseScope, ex: Exchange, sink: Sink) -> None:
         """The request's whole life on a node, inside its lease scope."""
-        up = await scope.acquire(HttpAttempt(rt, ex))
+        up = await scope.acquire(HttpAttempt(scope, ex))
         await sink.deliver(scope, up, self.observer(rt, ex, scope, sink))
 
 
@@ -64,13 +51,13 @@ class HttpAttempt:
     closure's function object and cells cost ~4× as much.
     """
 
-    __slots__ = ("ex", "rt")
+    __slots__ = ("ex", "rt", "scope")
     #: statuses that mean the node refused the *gateway's* credentials (a node failure, not the
     #: client's): none for a generic node, whose 401 may well be meant for the client
     credential_statuses: frozenset[int] = frozenset()
 
-    def __init__(self, rt: Runtime, ex: Exchange):
-        self.rt, self.ex = rt, ex
+    def __init__(self, scope: LeaseScope, ex: Exchange):
+        self.scope, self.rt, self.ex = scope, scope.rt, ex
 
     async def __call__(self, lease: Lease) -> UpstreamResponse:
         rt = self.rt
@@ -86,9 +73,9 @@ class HttpAttempt:
         if up.status in RETRY_STATUSES:
             raise UpstreamFailed(f"HTTP {up.status} from node", response=up)
         if up.status >= 500:
-            rt.node_failure(lease.node, f"HTTP {up.status} from node", lease.trial)
+            self.scope.node_failed(f"HTTP {up.status} from node")
         else:
-            rt.node_success(lease.node, lease.trial)
+            self.scope.node_ok()
         return up
 
 

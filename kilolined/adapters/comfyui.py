@@ -26,14 +26,14 @@ import aiohttp
 import orjson
 from aiohttp import web
 
-from kilolined.adapters.base import Adapter, HttpAttempt, Sink
+from kilolined.adapters.base import Adapter, HttpAttempt
 from kilolined.adapters.comfy_control import comfy_state, control
 from kilolined.adapters.comfy_monitor import NodeMonitor
 from kilolined.adapters.comfy_node import NodeAPI, NodeError, find_entry, node_api, on_queue, stop_prompt
 from kilolined.adapters.comfy_progress import Progress
-from kilolined.lease import LeaseScope
+from kilolined.lease import LeaseScope, Sink
 from kilolined.outcome import Cancelled, Failure, Result
-from kilolined.proxy import RETRY_STATUSES, Exchange, UpstreamFailed, node_lost
+from kilolined.proxy import RETRY_STATUSES, Exchange, Upstream, UpstreamFailed, node_lost
 from kilolined.queue import Lease, Rejected
 from kilolined.runtime import Runtime
 from kilolined.wsproxy import connect_node_ws
@@ -59,7 +59,7 @@ def is_prompt(ex: Exchange) -> bool:
     return ex.method == "POST" and ex.tail.split("?", 1)[0] in PROMPT_PATHS
 
 
-async def _read_body(up: aiohttp.ClientResponse, limit: int) -> tuple[bytes, bool]:
+async def _read_body(up: Upstream, limit: int) -> tuple[bytes, bool]:
     """The whole body up to ``limit`` bytes; the flag says it was cut short."""
     buf = bytearray()
     async for chunk in up.content.iter_any():
@@ -200,7 +200,8 @@ def _check_status(entry: dict[str, Any]) -> None:
                   "application/json")
 
 
-def annotate_files(entry: dict[str, Any], node: str, job: Any) -> tuple[dict[str, Any], list[tuple[str, str]]]:
+def annotate_files(entry: dict[str, Any], node: str,
+                   file_url: Callable[[int], str]) -> tuple[dict[str, Any], list[tuple[str, str]]]:
     """Give every output file dict (images, gifs, audio…) a gateway URL; list (node, /view query)."""
     files: list[tuple[str, str]] = []
     outputs = entry.get("outputs")
@@ -221,8 +222,7 @@ def annotate_files(entry: dict[str, Any], node: str, job: Any) -> tuple[dict[str
                 if isinstance(item, dict) and isinstance(item.get("filename"), str):
                     query = urlencode({"filename": item["filename"], "subfolder": item.get("subfolder") or "",
                                        "type": item.get("type") or "output"})
-                    item = {**item, "url": f"{job.base_url}/v1/jobs/{job.id}/files/{len(files)}"
-                                                  f"?token={job.access_token}"}
+                    item = {**item, "url": file_url(len(files))}
                     files.append((node, query))
                 new_items.append(item)
             new_out[k] = new_items
@@ -296,10 +296,10 @@ class ComfyUIAdapter(Adapter):
         scope.done_with_node()
         await done.sub.ws.close()
         _check_status(done.entry)
-        result, files = annotate_files(done.entry, lease.node, sink.job)  # type: ignore[attr-defined]
+        result, files = annotate_files(done.entry, lease.node, sink.file_url)
         scope.ok = True
         # /result serves the same view as output_ready.result: the URLs are how clients get files.
-        sink.result(Result(200, "application/json", orjson.dumps(result), result=result, files=files))  # type: ignore[attr-defined]
+        sink.result(Result(200, "application/json", orjson.dumps(result), result=result, files=files))
 
     async def _stop(self, sub: Submitted, sink: Sink) -> None:
         try:
@@ -312,7 +312,7 @@ class ComfyUIAdapter(Adapter):
 
     async def _serve_sync(self, rt: Runtime, scope: LeaseScope, ex: Exchange, sink: Sink) -> None:
         """Pass the POST through as generic; the slot stays until the prompt is done on the node."""
-        up = await scope.acquire(HttpAttempt(rt, ex))
+        up = await scope.acquire(HttpAttempt(scope, ex))
         capture = bytearray()
         status = up.status
         await sink.deliver(scope, up, None, capture)
@@ -371,8 +371,8 @@ class ComfyUIAdapter(Adapter):
             except (NodeError, PromptLost) as e:
                 log.warning("[%s] %s: %s", lease.node, NODE_LOST, e.reason)
                 if sub.output_seen:
-                    rt.node_failure(lease.node, e.reason, lease.trial)
-                    raise Failure("upstream_error", f"{NODE_LOST} (after its first output)", 502) from None
+                    scope.node_failed(e.reason, mid_body=True)
+                    raise Failure.mid_response(lease.node, f"{NODE_LOST} (after its first output)") from None
                 scope.done_with_node()  # nothing left there to stop
                 await sub.ws.close()
                 # A node that answered without the prompt restarted and is back; one that does
@@ -394,15 +394,17 @@ class ComfyUIAdapter(Adapter):
                                    connect_sec=min(CONNECT_SEC, timeout), heartbeat=15, max_msg_size=WS_MAX_MSG,
                                    close_sec=1.0)
         try:
-            prompt_id, number = await self._post(rt, lease, ex, body, node, client_id, deadline - loop.time())
+            prompt_id, number = await self._post(scope, ex, body, node, client_id, deadline - loop.time())
         except BaseException:
             await ws.close()
             raise
         return Submitted(node, ws, client_id, prompt_id, number, deadline, timeout)
 
-    async def _post(self, rt: Runtime, lease: Lease, ex: Exchange, body: dict[str, Any], node: NodeAPI,
+    async def _post(self, scope: LeaseScope, ex: Exchange, body: dict[str, Any], node: NodeAPI,
                     client_id: str, timeout: float) -> tuple[str, float | None]:
         """Submit with our client_id; returns (prompt id, queue number), or raises UpstreamFailed / Failure."""
+        rt, lease = scope.rt, scope.lease
+        assert lease is not None
         ncfg = rt.scheduler.nodes[lease.node].cfg
         headers = ex.upstream_headers(ncfg.headers, ncfg.url)
         for h in ("Content-Type", "Content-Encoding", "Accept-Encoding"):
@@ -440,9 +442,9 @@ class ComfyUIAdapter(Adapter):
             raise node_lost("connection dropped before its answer was read")
         up.release()
         if up.status >= 500:
-            rt.node_failure(lease.node, f"HTTP {up.status} from node", lease.trial)
+            scope.node_failed(f"HTTP {up.status} from node")
         else:
-            rt.node_success(lease.node, lease.trial)
+            scope.node_ok()
         if up.status != 200:
             # Validation errors (node_errors) reach the client unchanged.
             raise Failure("upstream_error", _error_message(answer, up.status), up.status, answer,
@@ -451,7 +453,7 @@ class ComfyUIAdapter(Adapter):
         prompt_id = data.get("prompt_id") if data else None
         if not isinstance(prompt_id, str) or not prompt_id:
             await _shielded(rt, stop_prompt(node, None, client_id))
-            raise Failure("upstream_error", "node accepted the prompt without a prompt_id", 502)
+            raise Failure.upstream("node accepted the prompt without a prompt_id", False)
         return prompt_id, _prompt_number(data)
 
     async def _watch(self, sink: Sink, sub: Submitted, progress: Progress | None, draining: bool = False) -> None:

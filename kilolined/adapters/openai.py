@@ -21,9 +21,9 @@ from typing import Any
 
 import orjson
 
-from kilolined.adapters.base import Adapter, HttpAttempt, Sink, Tee
+from kilolined.adapters.base import Adapter, HttpAttempt, Tee
 from kilolined.costs import choices, prompt_tokens
-from kilolined.lease import LeaseScope
+from kilolined.lease import LeaseScope, Sink
 from kilolined.limits import seconds_to_midnight
 from kilolined.outcome import Failure
 from kilolined.proxy import Exchange, Observer
@@ -262,7 +262,7 @@ class OpenAIAdapter(Adapter):
 
     async def serve(self, rt: Runtime, scope: LeaseScope, ex: Exchange, sink: Sink) -> None:
         data = request_json(ex) if is_completion(ex) else None
-        attempt = OpenAIAttempt(rt, ex, scope.key, estimate_tokens(data) if data is not None else 0)
+        attempt = OpenAIAttempt(scope, ex, estimate_tokens(data) if data is not None else 0)
         try:
             up = await scope.acquire(attempt)
             await sink.deliver(scope, up, self.observer(rt, ex, scope, sink))
@@ -305,9 +305,9 @@ class OpenAIAttempt(HttpAttempt):
     __slots__ = ("estimate", "key", "reserved")
     credential_statuses = CREDENTIAL_STATUSES
 
-    def __init__(self, rt: Runtime, ex: Exchange, key: str | None, estimate: int):
-        super().__init__(rt, ex)
-        self.key, self.estimate = key, estimate
+    def __init__(self, scope: LeaseScope, ex: Exchange, estimate: int):
+        super().__init__(scope, ex)
+        self.key, self.estimate = scope.key, estimate
         self.reserved: int | None = None
 
     async def _reserve(self) -> None:
