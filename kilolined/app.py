@@ -229,8 +229,11 @@ def check_limits(gw: Gateway, call: Call) -> Awaitable[web.StreamResponse | None
     """Token bucket per (subject, route), then the key's daily request budget, taken at once by
     the limit store. Plain: only a store that waits (Redis, in cluster mode) makes it await."""
     rt = gw.rt
-    rate = _rate_of(rt, call)
     principal = call.principal
+    # The key's own rate, else the route's (an ad-hoc target has none).
+    rate = principal.cfg.rate if principal is not None else None
+    if rate is None and not call.route_name.startswith("adhoc:"):
+        rate = rt.scheduler.routes[call.route_name].cfg.rate
     wall = time.time()
     if principal is None:
         taken = rt.limits.take(call.subject, call.route, rate, None, None, wall)
@@ -254,15 +257,13 @@ def _limits_verdict(rt: Runtime, call: Call, rate: RateConfig | None, wall: floa
         refused = _rate_verdict(rt, call, rate, verdict)
         if refused is not None:
             return refused
-    if call.principal is not None:
-        return _budget_verdict(rt, call, wall, spent)
+    if call.principal is None:
+        return None
+    if spent:
+        rt.metrics.rejections.labels(call.route, "budget_exhausted").inc()
+        return call.error(429, "budget_exhausted", f"daily budget {spent} exhausted", seconds_to_midnight(wall))
+    call.budget_taken = True
     return None
-
-
-def _rate_of(rt: Runtime, call: Call) -> RateConfig | None:
-    principal = call.principal
-    route_rate = None if call.route_name.startswith("adhoc:") else rt.scheduler.routes[call.route_name].cfg.rate
-    return (principal.cfg.rate if principal and principal.cfg.rate else None) or route_rate
 
 
 def _rate_verdict(rt: Runtime, call: Call, rate: RateConfig, v: Verdict) -> web.StreamResponse | None:
@@ -272,14 +273,6 @@ def _rate_verdict(rt: Runtime, call: Call, rate: RateConfig, v: Verdict) -> web.
         return None
     rt.metrics.rejections.labels(call.route, "rate_limited").inc()
     return call.error(429, "rate_limited", f"rate limit of {rate.per_minute:g}/min exceeded", v.retry_after)
-
-
-def _budget_verdict(rt: Runtime, call: Call, wall: float, spent: str | None) -> web.StreamResponse | None:
-    if spent:
-        rt.metrics.rejections.labels(call.route, "budget_exhausted").inc()
-        return call.error(429, "budget_exhausted", f"daily budget {spent} exhausted", seconds_to_midnight(wall))
-    call.budget_taken = True
-    return None
 
 
 def read_exchange(gw: Gateway, call: Call) -> Awaitable[web.StreamResponse | None] | web.StreamResponse | None:
