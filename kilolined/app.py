@@ -29,7 +29,7 @@ from kilolined.call import Call
 from kilolined.config import RateConfig, RouteConfig
 from kilolined.context import GW, RT, Gateway
 from kilolined.costs import CostTooLarge, UnitError, request_cost, request_units
-from kilolined.limits import Verdict, seconds_to_midnight
+from kilolined.limits import Taken, Verdict, seconds_to_midnight
 from kilolined.models_list import is_models_list, models_union
 from kilolined.proxy import SERVER, Exchange, client_ip, request_id
 from kilolined.queue import Rejected
@@ -226,44 +226,44 @@ async def _choose_route(gw: Gateway, call: Call) -> web.StreamResponse | None:
 
 
 def check_limits(gw: Gateway, call: Call) -> Awaitable[web.StreamResponse | None] | web.StreamResponse | None:
-    """Token bucket per (subject, route), then the key's daily request budget, taken at once.
-    Plain: in cluster mode Redis decides, and only then is there anything to wait for."""
+    """Token bucket per (subject, route), then the key's daily request budget, taken at once by
+    the limit store. Plain: only a store that waits (Redis, in cluster mode) makes it await."""
     rt = gw.rt
-    if rt.shared_limits is not None:
-        return _check_shared_limits(gw, call)
-    rate = _rate_of(rt, call)
-    if rate is not None:
-        refused = _rate_verdict(rt, call, rate, rt.limiter.check(call.subject, call.route, rate, rt.clock()))
+    principal = call.principal
+    # The key's own rate, else the route's (an ad-hoc target has none).
+    rate = principal.cfg.rate if principal is not None else None
+    if rate is None and not call.route_name.startswith("adhoc:"):
+        rate = rt.scheduler.routes[call.route_name].cfg.rate
+    wall = time.time()
+    if principal is None:
+        taken = rt.limits.take(call.subject, call.route, rate, None, None, wall)
+    else:
+        taken = rt.limits.take(call.subject, call.route, rate, principal.key_id, principal.cfg.budget, wall)
+    if isinstance(taken, tuple):
+        return _limits_verdict(rt, call, rate, wall, taken)
+    return _await_limits(rt, call, rate, wall, taken)
+
+
+async def _await_limits(rt: Runtime, call: Call, rate: RateConfig | None, wall: float,
+                        taken: Awaitable[Taken]) -> web.StreamResponse | None:
+    return _limits_verdict(rt, call, rate, wall, await taken)
+
+
+def _limits_verdict(rt: Runtime, call: Call, rate: RateConfig | None, wall: float,
+                    taken: Taken) -> web.StreamResponse | None:
+    verdict, spent = taken
+    if verdict is not None:
+        assert rate is not None  # a verdict is of the request's rate
+        refused = _rate_verdict(rt, call, rate, verdict)
         if refused is not None:
             return refused
-    principal = call.principal
-    if principal is not None:
-        wall = time.time()
-        return _budget_verdict(rt, call, wall, rt.budgets.take_request(principal.key_id, principal.cfg.budget, wall))
+    if call.principal is None:
+        return None
+    if spent:
+        rt.metrics.rejections.labels(call.route, "budget_exhausted").inc()
+        return call.error(429, "budget_exhausted", f"daily budget {spent} exhausted", seconds_to_midnight(wall))
+    call.budget_taken = True
     return None
-
-
-async def _check_shared_limits(gw: Gateway, call: Call) -> web.StreamResponse | None:
-    """check_limits in cluster mode: one bucket and one budget for every gateway."""
-    rt = gw.rt
-    shared = rt.shared_limits
-    assert shared is not None
-    rate = _rate_of(rt, call)
-    if rate is not None:
-        refused = _rate_verdict(rt, call, rate, await shared.check(call.subject, call.route, rate, rt.clock()))
-        if refused is not None:
-            return refused
-    principal = call.principal
-    if principal is not None:
-        wall = time.time()
-        return _budget_verdict(rt, call, wall, await shared.take_request(principal.key_id, principal.cfg.budget, wall))
-    return None
-
-
-def _rate_of(rt: Runtime, call: Call) -> RateConfig | None:
-    principal = call.principal
-    route_rate = None if call.route_name.startswith("adhoc:") else rt.scheduler.routes[call.route_name].cfg.rate
-    return (principal.cfg.rate if principal and principal.cfg.rate else None) or route_rate
 
 
 def _rate_verdict(rt: Runtime, call: Call, rate: RateConfig, v: Verdict) -> web.StreamResponse | None:
@@ -273,14 +273,6 @@ def _rate_verdict(rt: Runtime, call: Call, rate: RateConfig, v: Verdict) -> web.
         return None
     rt.metrics.rejections.labels(call.route, "rate_limited").inc()
     return call.error(429, "rate_limited", f"rate limit of {rate.per_minute:g}/min exceeded", v.retry_after)
-
-
-def _budget_verdict(rt: Runtime, call: Call, wall: float, spent: str | None) -> web.StreamResponse | None:
-    if spent:
-        rt.metrics.rejections.labels(call.route, "budget_exhausted").inc()
-        return call.error(429, "budget_exhausted", f"daily budget {spent} exhausted", seconds_to_midnight(wall))
-    call.budget_taken = True
-    return None
 
 
 def read_exchange(gw: Gateway, call: Call) -> Awaitable[web.StreamResponse | None] | web.StreamResponse | None:
@@ -429,7 +421,7 @@ def handler(stages: Sequence[Stage], route: str = "-") -> Callable[[web.Request]
             return answer
         finally:
             if call.budget_taken and call.principal is not None:
-                (gw.rt.shared_limits or gw.rt.budgets).give_back_request(call.principal.key_id, time.time())
+                gw.rt.limits.give_back_request(call.principal.key_id, time.time())
             log_access(gw, call)
 
     return handle

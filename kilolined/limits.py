@@ -2,6 +2,10 @@
 
 Budgets are the only state that touches disk, and only as counters (never payloads): a small
 JSON file under ``server.state_dir`` written atomically, so a restart does not reset a day.
+
+``LimitStore`` is where a request's limits are decided and its usage charged: ``LocalLimits``
+(this gateway's buckets and counters, the default and the fast path) or the Redis store shared
+by every gateway of a cluster (kilolined/cluster/limits.py). Callers never ask which one it is.
 """
 
 from __future__ import annotations
@@ -10,8 +14,10 @@ import datetime as dt
 import math
 import os
 import tempfile
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 import orjson
 
@@ -94,7 +100,7 @@ class RateLimiter:
             del self.buckets[k]
 
 
-def _spent(amount: float) -> float:
+def spent_amount(amount: float) -> float:
     """An amount added to a budget: finite and ≥ 0 (anything else adds nothing)."""
     return amount if math.isfinite(amount) and amount > 0 else 0
 
@@ -190,9 +196,9 @@ class Budgets:
             u = self.used[key] = dict.fromkeys(self.FIELDS, 0.0)
         # Usage only ever spends: a negative or non-finite amount (a node's odd usage report, a
         # clock step) must never refill a budget.
-        u["requests"] += _spent(requests)
-        u["tokens"] += _spent(tokens)
-        u["gpu_seconds"] += _spent(gpu_seconds)
+        u["requests"] += spent_amount(requests)
+        u["tokens"] += spent_amount(tokens)
+        u["gpu_seconds"] += spent_amount(gpu_seconds)
         self.dirty = True
 
     def reserve_tokens(self, key: str, budget: BudgetConfig | None, tokens: int, wall: float) -> int | None:
@@ -239,3 +245,68 @@ class Budgets:
             except OSError:
                 pass
             raise
+
+
+#: What ``LimitStore.take`` decided: the bucket's verdict (None: no rate applies) and the name of
+#: the spent budget (None: the request was counted, or no key was given, or the bucket refused).
+Taken = tuple[Verdict | None, str | None]
+
+
+class LimitStore(Protocol):
+    """Where a request's rate token and budget are taken and its usage is charged."""
+
+    def take(self, subject: str, route: str, rate: RateConfig | None, key: str | None,
+             budget: BudgetConfig | None, wall: float) -> Taken | Awaitable[Taken]:
+        """The rate token of (subject, route), then, only if the bucket let it pass and a key is
+        given, the key's daily request budget checked and counted in the same step. A store that
+        decides without waiting answers plainly (the request's hot path stays synchronous); one
+        that must ask another process returns an awaitable."""
+        ...
+
+    def give_back_request(self, key: str, wall: float) -> None:
+        """A request counted by ``take`` was refused later (bad body, full queue)."""
+        ...
+
+    async def reserve_tokens(self, key: str, budget: BudgetConfig | None, tokens: int, wall: float) -> int | None:
+        """At dispatch: hold ``tokens`` of the key's token budget (see Budgets.reserve_tokens)."""
+        ...
+
+    def release_tokens(self, key: str, tokens: int) -> None:
+        """The request's reservation is over (its usage arrived, or it ended without any)."""
+        ...
+
+    def add(self, key: str, wall: float, *, tokens: int = 0, gpu_seconds: float = 0.0) -> None:
+        """What a request spent."""
+        ...
+
+
+class LocalLimits:
+    """This gateway's own buckets and counters decide: every call is plain and in memory."""
+
+    def __init__(self, limiter: RateLimiter, budgets: Budgets, clock: Callable[[], float]):
+        self.limiter = limiter
+        self.budgets = budgets
+        self.clock = clock  # the buckets' clock (monotonic); budgets go by the wall clock
+
+    def take(self, subject: str, route: str, rate: RateConfig | None, key: str | None,
+             budget: BudgetConfig | None, wall: float) -> Taken:
+        verdict = None
+        if rate is not None:
+            verdict = self.limiter.check(subject, route, rate, self.clock())
+            if not verdict.ok:
+                return verdict, None
+        if key is None:
+            return verdict, None
+        return verdict, self.budgets.take_request(key, budget, wall)
+
+    def give_back_request(self, key: str, wall: float) -> None:
+        self.budgets.give_back_request(key, wall)
+
+    async def reserve_tokens(self, key: str, budget: BudgetConfig | None, tokens: int, wall: float) -> int | None:
+        return self.budgets.reserve_tokens(key, budget, tokens, wall)
+
+    def release_tokens(self, key: str, tokens: int) -> None:
+        self.budgets.release_tokens(key, tokens)
+
+    def add(self, key: str, wall: float, *, tokens: int = 0, gpu_seconds: float = 0.0) -> None:
+        self.budgets.add(key, wall, tokens=tokens, gpu_seconds=gpu_seconds)

@@ -14,12 +14,8 @@ from aiohttp import web
 
 from kilolined import systemd
 from kilolined.app import build_app
-from kilolined.cluster.jobs import ClusterJobs
-from kilolined.cluster.leader import LeaderLease
-from kilolined.cluster.leases import ClusterLeases, gateway_id
-from kilolined.cluster.limits import SharedLimits
-from kilolined.cluster.nodes import NodeSync
-from kilolined.cluster.view import ClusterGauges
+from kilolined.cluster.build import Cluster
+from kilolined.cluster.build import build as build_cluster
 from kilolined.config import Config, split_listen
 from kilolined.connection import EdgeHandler
 from kilolined.context import Gateway
@@ -50,27 +46,8 @@ class Server:
             Component("jobs", lambda c: self.gateway.jobs.configure(c.jobs)),
             Component("fd-limit", lambda c: self._plan_fds(c.server.max_connections)),
         ]
-        #: cluster mode (docs/CLUSTER.md): the leases live in Redis, shared with the other gateways
-        self.cluster: ClusterLeases | None = None
-        self.leader: LeaderLease | None = None
-        self.cluster_jobs: ClusterJobs | None = None
-        if cfg.cluster is not None:
-            self.cluster = ClusterLeases(rt.scheduler, cfg.cluster, gateway_id(cfg), clock=rt.clock,
-                                         version=lambda: rt.version, alert=rt.notify)
-            rt.leases, rt.settle = self.cluster, self.cluster.settle
-            rt.components.append(Component("cluster", self.cluster.commit, self.cluster.prepare))
-            rt.cluster = self.cluster.view
-            c = self.cluster
-            rt.shared_limits = SharedLimits(c.redis, cfg.cluster.key_prefix, rt.limiter, rt.budgets, inst=c.inst,
-                                            gateway_id=c.view.gateway_id, peers=c.alive_peers,
-                                            redis_up=lambda: c.view.redis_up)
-            alive_sec = 3 * cfg.cluster.lease_ttl_sec  # a peer seen within this counts as alive
-            rt.metrics.registry.register(ClusterGauges(self.cluster.view, lambda: alive_sec))
-            self._one_voice(rt, notifier, self.cluster, cfg.cluster.key_prefix, cfg.cluster.lease_ttl_sec)
-            # Jobs anywhere: every job mirrored into Redis, served by any gateway, carried on by one.
-            self.cluster_jobs = ClusterJobs(rt, self.cluster)
-            self.cluster_jobs.attach(self.gateway.jobs)
-            self.gateway.jobs.store = self.cluster_jobs
+        #: cluster mode (docs/CLUSTER.md): leases, limits, jobs and node state shared through Redis
+        self.cluster: Cluster | None = build_cluster(rt, self.gateway.jobs) if cfg.cluster is not None else None
         self.app = build_app(self.gateway)
         self.runner: web.AppRunner | None = None
         self.listeners: list[Listener] = []
@@ -96,21 +73,6 @@ class Server:
                         "at most %d client connections are accepted (raise LimitNOFILE= or ulimit -n)",
                         max_connections, plan.hard, plan.max_connections)
 
-    def _one_voice(self, rt: Runtime, notifier: Notifier, cluster: ClusterLeases, prefix: str, ttl: float) -> None:
-        """Cluster mode: the leader alone runs the health checks and sends the alerts; every
-        gateway shares node state (docs/CLUSTER.md "One voice")."""
-        assert rt.cfg.cluster is not None
-        view = cluster.view
-        leader = self.leader = LeaderLease(cluster.redis, rt.cfg.cluster, cluster.inst, view, cluster.leadership,
-                                           clock=rt.clock, alert=rt.notify,
-                                           on_restored=lambda: rt.node_sync.republish() if rt.node_sync else None)
-        rt.alert = lambda event, text, node: notifier.emit(event, text, node=node) if leader.speaks(event) else None
-        rt.checks_here = leader.checks
-        rt.node_sync = NodeSync(
-            cluster.redis, prefix, cluster.inst, lambda: rt.scheduler.nodes, clock=rt.clock,
-            redis_up=lambda: view.redis_up, leader=lambda: leader.state.is_leader(rt.clock()),
-            on_applied=lambda ns, events: rt.node_events(ns, events) if events else rt.wake(), sweep_sec=ttl / 3)
-
     async def start(self) -> None:
         rt = self.rt
         await self.gateway.notifier.start()
@@ -118,14 +80,6 @@ class Server:
         await rt.start()
         if self.cluster is not None:
             await self.cluster.start()
-        if self.leader is not None and rt.node_sync is not None:
-            await self.leader.start()
-            await rt.node_sync.start()
-        if self.cluster_jobs is not None:
-            await self.cluster_jobs.start()
-        if rt.shared_limits is not None and rt.cfg.cluster is not None:
-            rt.shared_limits.start(lambda: [k for k, c in self.rt.cfg.keys.items() if c.budget is not None],
-                                   rt.cfg.cluster.lease_ttl_sec / 3)
         # handler_cancellation: a client that goes away while queued must leave the queue at once.
         # shutdown_timeout is short: shutdown() waits out the grace for in-flight leases itself,
         # and aiohttp would otherwise wait it again, twice, per stuck connection.
@@ -207,16 +161,8 @@ class Server:
         if self.runner is not None:
             with contextlib.suppress(Exception):
                 await self.runner.cleanup()
-        if rt.shared_limits is not None:
-            await rt.shared_limits.stop()  # the last usage to Redis before it is closed
-        if rt.node_sync is not None:
-            await rt.node_sync.stop()
-        if self.leader is not None:
-            await self.leader.stop()  # hands the voice on at once
-        if self.cluster_jobs is not None:
-            await self.cluster_jobs.stop()  # the last events and endings reach Redis first
         if self.cluster is not None:
-            await self.cluster.stop()
+            await self.cluster.stop()  # limits, node sync, leader, jobs, then leases
         await rt.stop()
         await self.gateway.jobs.close()
         await self.gateway.webhooks.close()

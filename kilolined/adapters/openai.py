@@ -223,7 +223,7 @@ class UsageObserver(StreamParser):
         if tokens:
             self.rt.metrics.tokens.labels(self.route, self.key or "-").inc(tokens)
             if self.key is not None:
-                (self.rt.shared_limits or self.rt.budgets).add(self.key, time.time(), tokens=tokens)
+                self.rt.limits.add(self.key, time.time(), tokens=tokens)
 
     def _dispatched_wall(self) -> float:
         # dispatched is on the runtime clock; convert to time.monotonic's frame.
@@ -316,9 +316,7 @@ class OpenAIAttempt(HttpAttempt):
         kcfg = self.rt.cfg.keys.get(self.key)
         budget = kcfg.budget if kcfg else None
         wall = time.time()
-        shared = self.rt.shared_limits  # cluster mode: the cluster's spent and reserved tokens
-        got = (await shared.reserve_tokens(self.key, budget, self.estimate, wall) if shared is not None
-               else self.rt.budgets.reserve_tokens(self.key, budget, self.estimate, wall))
+        got = await self.rt.limits.reserve_tokens(self.key, budget, self.estimate, wall)
         if got is None:
             raise Failure("budget_exhausted", f"daily budget tokens_per_day cannot hold this request "
                           f"(about {self.estimate} tokens)", 429, retry_after=seconds_to_midnight(wall))
@@ -326,7 +324,7 @@ class OpenAIAttempt(HttpAttempt):
 
     def unreserve(self) -> None:
         if self.reserved and self.key is not None:
-            (self.rt.shared_limits or self.rt.budgets).release_tokens(self.key, self.reserved)
+            self.rt.limits.release_tokens(self.key, self.reserved)
         self.reserved = None
 
     async def __call__(self, lease: Lease) -> UpstreamResponse:

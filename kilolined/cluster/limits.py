@@ -8,6 +8,8 @@ reserved. What a request spent (its tokens, its GPU seconds) and the end of its 
 Redis in order, one batch at a time, from one writer: usage and unreservation of one request land
 in the same script, so a budget never looks emptier than it is between the two.
 
+``SharedLimits`` is the cluster's ``limits.LimitStore``: the Runtime's ``limits`` in cluster mode.
+
 While Redis is unreachable this gateway's own limiter and counters decide, each limit cut to
 this gateway's share (kilolined/cluster/split.py) of what the cluster had left when Redis last
 answered; what was spent meanwhile is written to Redis once it answers again.
@@ -29,7 +31,7 @@ from redis.exceptions import RedisError
 from kilolined.cluster import scripts
 from kilolined.cluster.split import share
 from kilolined.config import BudgetConfig, RateConfig
-from kilolined.limits import Budgets, RateLimiter, Verdict, utc_day
+from kilolined.limits import Budgets, RateLimiter, Taken, Verdict, spent_amount, utc_day
 
 log = logging.getLogger("kilolined")
 RETRY_SEC = 1.0  # a batch Redis refused is sent again after this
@@ -75,10 +77,12 @@ def split_rate(rate: RateConfig, me: str, others: list[str]) -> RateConfig:
 
 class SharedLimits:
     def __init__(self, redis: aioredis.Redis, prefix: str, limiter: RateLimiter, budgets: Budgets, *,
-                 inst: str, gateway_id: str, peers: Callable[[], list[str]], redis_up: Callable[[], bool]):
+                 inst: str, gateway_id: str, peers: Callable[[], list[str]], redis_up: Callable[[], bool],
+                 clock: Callable[[], float]):
         self.prefix = prefix
         self.limiter = limiter
         self.budgets = budgets  # this gateway's own counters: its views, and the decision without Redis
+        self.clock = clock  # the buckets' clock while Redis is down (monotonic)
         self.inst = inst
         self.gateway_id = gateway_id
         self.peers = peers  # the other gateways seen alive lately (the split)
@@ -95,6 +99,19 @@ class SharedLimits:
         self._wake = asyncio.Event()
         self._writer: asyncio.Task[None] | None = None
         self._refresher: asyncio.Task[None] | None = None
+
+    # --- the request: its rate token, then its request budget --------------------------------
+    async def take(self, subject: str, route: str, rate: RateConfig | None, key: str | None,
+                   budget: BudgetConfig | None, wall: float) -> Taken:
+        """As LocalLimits.take, with one bucket and one budget for every gateway."""
+        verdict = None
+        if rate is not None:
+            verdict = await self.check(subject, route, rate, self.clock())
+            if not verdict.ok:
+                return verdict, None
+        if key is None:
+            return verdict, None
+        return verdict, await self.take_request(key, budget, wall)
 
     # --- rate limits ------------------------------------------------------------------------
     async def check(self, subject: str, route: str, rate: RateConfig, now: float) -> Verdict:
@@ -188,7 +205,11 @@ class SharedLimits:
     def add(self, key: str, wall: float, *, tokens: int = 0, gpu_seconds: float = 0.0) -> None:
         """What a request spent: counted here at once, in Redis by the writer."""
         self.budgets.add(key, wall, tokens=tokens, gpu_seconds=gpu_seconds)
-        self._queue(key, wall, tokens=tokens, gpu=gpu_seconds)
+        # As on this gateway's counters: usage only spends. A negative amount would refill the
+        # cluster's budget, and a NaN would make Redis refuse every batch after it.
+        tokens, gpu_seconds = int(spent_amount(tokens)), spent_amount(gpu_seconds)
+        if tokens or gpu_seconds:
+            self._queue(key, wall, tokens=tokens, gpu=gpu_seconds)
 
     # --- the writer ---------------------------------------------------------------------------
     def _queue(self, key: str, wall: float | None, *, requests: int = 0, tokens: int = 0, gpu: float = 0.0,

@@ -1,0 +1,89 @@
+"""Cluster mode's parts, built in one place (docs/CLUSTER.md).
+
+``build`` makes the Redis stores (leases, limits, jobs), the leader election (one voice) and the
+shared node state for a Runtime, plugs them into the Runtime's seams, and hands them back as one
+``Cluster`` whose ``start`` and ``stop`` keep the order the parts depend on.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from kilolined.cluster.jobs import ClusterJobs
+from kilolined.cluster.leader import LeaderLease
+from kilolined.cluster.leases import ClusterLeases, gateway_id
+from kilolined.cluster.limits import SharedLimits
+from kilolined.cluster.nodes import NodeSync
+from kilolined.cluster.view import ClusterGauges
+from kilolined.jobs import Jobs
+from kilolined.queue import Rejected, Ticket
+from kilolined.runtime import Component, Runtime
+
+
+@dataclass
+class Cluster:
+    """What the server starts and stops in cluster mode; the Runtime already uses each part."""
+
+    leases: ClusterLeases
+    limits: SharedLimits
+    leader: LeaderLease
+    node_sync: NodeSync
+    jobs: ClusterJobs
+    budget_keys: Callable[[], list[str]]  # the keys with a budget, whose usage ``limits`` re-reads
+    refresh_sec: float
+
+    async def start(self) -> None:
+        await self.leases.start()
+        await self.leader.start()
+        await self.node_sync.start()
+        await self.jobs.start()
+        self.limits.start(self.budget_keys, self.refresh_sec)
+
+    def fail_all_waiting(self, err: Callable[[], Rejected]) -> list[Ticket]:
+        return self.leases.fail_all_waiting(err)
+
+    async def stop(self) -> None:
+        await self.limits.stop()  # the last usage to Redis before it is closed
+        await self.node_sync.stop()
+        await self.leader.stop()  # hands the voice on at once
+        await self.jobs.stop()  # the last events and endings reach Redis first
+        await self.leases.stop()
+
+
+def build(rt: Runtime, jobs: Jobs) -> Cluster:
+    """The cluster parts for ``rt`` (whose config has a ``cluster:`` section), already in use by
+    it: its lease store, limit store, job store, alerts (the leader's alone) and node sync."""
+    cfg = rt.cfg.cluster
+    assert cfg is not None
+    leases = ClusterLeases(rt.scheduler, cfg, gateway_id(rt.cfg), clock=rt.clock,
+                           version=lambda: rt.version, alert=rt.notify)
+    view = leases.view
+    limits = SharedLimits(leases.redis, cfg.key_prefix, rt.limiter, rt.budgets, inst=leases.inst,
+                          gateway_id=view.gateway_id, peers=leases.alive_peers,
+                          redis_up=lambda: view.redis_up, clock=rt.clock)
+    leader = LeaderLease(leases.redis, cfg, leases.inst, view, leases.leadership, clock=rt.clock, alert=rt.notify,
+                         on_restored=lambda: rt.node_sync.republish() if rt.node_sync else None)
+    node_sync = NodeSync(
+        leases.redis, cfg.key_prefix, leases.inst, lambda: rt.scheduler.nodes, clock=rt.clock,
+        redis_up=lambda: view.redis_up, leader=lambda: leader.state.is_leader(rt.clock()),
+        on_applied=lambda ns, events: rt.node_events(ns, events) if events else rt.wake(),
+        sweep_sec=cfg.lease_ttl_sec / 3)
+    # Jobs anywhere: every job mirrored into Redis, served by any gateway, carried on by one.
+    cluster_jobs = ClusterJobs(rt, leases)
+    cluster_jobs.attach(jobs)
+    jobs.store = cluster_jobs
+
+    # The Runtime's seams: each one now reaches the part shared with the other gateways.
+    rt.leases, rt.settle, rt.cluster, rt.limits = leases, leases.settle, view, limits
+    rt.components.append(Component("cluster", leases.commit, leases.prepare))
+    alive_sec = 3 * cfg.lease_ttl_sec  # a peer seen within this counts as alive
+    rt.metrics.registry.register(ClusterGauges(view, lambda: alive_sec))
+    # One voice (docs/CLUSTER.md): the leader alone runs the health checks and sends the alerts.
+    alert = rt.alert
+    rt.alert = lambda event, text, node: alert(event, text, node) if leader.speaks(event) else None
+    rt.checks_here = leader.checks
+    rt.node_sync = node_sync
+    return Cluster(leases, limits, leader, node_sync, cluster_jobs,
+                   budget_keys=lambda: [k for k, c in rt.cfg.keys.items() if c.budget is not None],
+                   refresh_sec=cfg.lease_ttl_sec / 3)
