@@ -623,7 +623,7 @@ def _alias_growth(root: yaml.Node) -> int:
     return expanded(root) - len(size)
 
 
-def _key_text(n: yaml.Node) -> str:
+def _key_text(n: yaml.ScalarNode | yaml.SequenceNode | yaml.MappingNode) -> str:
     return str(n.value) if isinstance(n, yaml.ScalarNode) else f"<{n.id}>"
 
 
@@ -775,6 +775,7 @@ def _parse_text(text: str, env: dict[str, str], source: str | None) -> Config:
     # A value whose variable is not set is reported once, as that: what the schema would say
     # of the ${VAR} text left in its place (too short for a key, not a URL) would mislead.
     unset = {line.partition(": ")[0] for line in problems}
+    cfg: Config | None = None
     try:
         cfg = Config.model_validate(raw)
     except ValidationError as e:
@@ -784,7 +785,6 @@ def _parse_text(text: str, env: dict[str, str], source: str | None) -> Config:
                 msg = "unknown key"
             if _loc(err["loc"]) not in unset:
                 problems.append(f"{_loc(err['loc'])}: {msg}")
-        cfg = None
         problems.extend(raw_cross_check(raw))
     else:
         problems.extend(cfg.cross_check())

@@ -55,7 +55,7 @@ async def run(rt: Runtime, ticket: Ticket, ex: Exchange, adapter: Adapter, sink:
         try:
             if sink.tick_sec is not None:
                 await sink.begin(scope)  # a stream that must queue says so at once
-            await adapter.serve(rt, scope, ex, sink)  # type: ignore[arg-type]
+            await adapter.serve(rt, scope, ex, sink)
         except BaseException as e:
             if not scope.exit_now(e):
                 await scope.exit(type(e), e)

@@ -152,7 +152,7 @@ class StreamSink(SyncSink):
             call.status = 200
         return self.stream
 
-    async def tick(self, queued: bool, scope: LeaseScope | None = None) -> None:  # type: ignore[override]
+    async def tick(self, queued: bool, scope: LeaseScope | None = None) -> None:
         resp = await self._open()
         if queued:
             rt, call = self.rt, self.call
