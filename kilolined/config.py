@@ -12,12 +12,12 @@ import hashlib
 import os
 import re
 from pathlib import Path
-from typing import Annotated, Any, Literal, TypeVar
+from typing import Annotated, Any, Literal, TypeVar, get_args
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-NOTIFY_EVENTS = (
+NotifyEvent = Literal[
     "node_down",
     "node_up",
     "breaker_open",
@@ -29,7 +29,8 @@ NOTIFY_EVENTS = (
     "reload_failed",
     "cluster_degraded",  # cluster mode only (docs/CLUSTER.md)
     "cluster_restored",
-)
+]
+NOTIFY_EVENTS: tuple[NotifyEvent, ...] = get_args(NotifyEvent)
 
 # Paths that are list/status/static endpoints per kind: forwarded without a slot (docs/API.md#route-kinds).
 DEFAULT_UNQUEUED: dict[str, list[str]] = {
@@ -387,7 +388,7 @@ class NotifyConfig(_Model):
     telegram: TelegramConfig | None = None
     discord: DiscordConfig | None = None
     webhook: WebhookTargetConfig | None = None
-    events: list[Literal[NOTIFY_EVENTS]] = list(NOTIFY_EVENTS)  # type: ignore[valid-type]
+    events: list[NotifyEvent] = list(NOTIFY_EVENTS)
     min_interval_sec: Sec = 60
     group_sec: Sec = 2
 

@@ -165,8 +165,9 @@ class Listener:
                     self._server = await asyncio.get_running_loop().create_server(
                         self._factory, sock=self.sock.dup(), ssl=self._ssl, backlog=self._backlog)
                 else:
-                    self._server.close()  # type: ignore[union-attr]
-                    self._server = None
+                    server, self._server = self._server, None
+                    if server is not None:  # always: the loop's condition
+                        server.close()
         finally:
             self._task = None
 
