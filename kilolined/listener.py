@@ -165,9 +165,9 @@ class Listener:
                     self._server = await asyncio.get_running_loop().create_server(
                         self._factory, sock=self.sock.dup(), ssl=self._ssl, backlog=self._backlog)
                 else:
-                    server, self._server = self._server, None
-                    if server is not None:  # always: the loop's condition
-                        server.close()
+                    if self._server is not None:  # always: the loop's condition
+                        self._server.close()
+                    self._server = None
         finally:
             self._task = None
 
