@@ -401,7 +401,7 @@ def handler(stages: Sequence[Stage], route: str = "-") -> Callable[[web.Request]
                 if resp is None:
                     continue
                 if not isinstance(resp, web.StreamResponse):
-                    resp = await resp  # type: ignore[misc]
+                    resp = await resp
                     if resp is None:
                         continue
                 if resp.prepared:

@@ -7,6 +7,8 @@ import asyncio
 import logging
 import os
 import sys
+from collections.abc import Coroutine
+from typing import Any
 
 import orjson
 
@@ -43,13 +45,13 @@ def setup_logging(fmt: str, level: str = "INFO") -> None:
     logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
 
 
-def run_async(coro: object) -> int:
+def run_async(coro: Coroutine[Any, Any, int]) -> int:
     try:
         import uvloop
 
-        return uvloop.run(coro)  # type: ignore[arg-type]
+        return uvloop.run(coro)
     except ImportError:
-        return asyncio.run(coro)  # type: ignore[arg-type]
+        return asyncio.run(coro)
 
 
 def cmd_run(args: argparse.Namespace) -> int:

@@ -12,12 +12,12 @@ import hashlib
 import os
 import re
 from pathlib import Path
-from typing import Annotated, Any, Literal, TypeVar
+from typing import Annotated, Any, Literal, TypeVar, get_args
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-NOTIFY_EVENTS = (
+NotifyEvent = Literal[
     "node_down",
     "node_up",
     "breaker_open",
@@ -29,7 +29,8 @@ NOTIFY_EVENTS = (
     "reload_failed",
     "cluster_degraded",  # cluster mode only (docs/CLUSTER.md)
     "cluster_restored",
-)
+]
+NOTIFY_EVENTS: tuple[NotifyEvent, ...] = get_args(NotifyEvent)
 
 # Paths that are list/status/static endpoints per kind: forwarded without a slot (docs/API.md#route-kinds).
 DEFAULT_UNQUEUED: dict[str, list[str]] = {
@@ -387,7 +388,7 @@ class NotifyConfig(_Model):
     telegram: TelegramConfig | None = None
     discord: DiscordConfig | None = None
     webhook: WebhookTargetConfig | None = None
-    events: list[Literal[NOTIFY_EVENTS]] = list(NOTIFY_EVENTS)  # type: ignore[valid-type]
+    events: list[NotifyEvent] = list(NOTIFY_EVENTS)
     min_interval_sec: Sec = 60
     group_sec: Sec = 2
 
@@ -623,7 +624,7 @@ def _alias_growth(root: yaml.Node) -> int:
     return expanded(root) - len(size)
 
 
-def _key_text(n: yaml.Node) -> str:
+def _key_text(n: yaml.ScalarNode | yaml.SequenceNode | yaml.MappingNode) -> str:
     return str(n.value) if isinstance(n, yaml.ScalarNode) else f"<{n.id}>"
 
 
@@ -775,6 +776,7 @@ def _parse_text(text: str, env: dict[str, str], source: str | None) -> Config:
     # A value whose variable is not set is reported once, as that: what the schema would say
     # of the ${VAR} text left in its place (too short for a key, not a URL) would mislead.
     unset = {line.partition(": ")[0] for line in problems}
+    cfg: Config | None = None
     try:
         cfg = Config.model_validate(raw)
     except ValidationError as e:
@@ -784,7 +786,6 @@ def _parse_text(text: str, env: dict[str, str], source: str | None) -> Config:
                 msg = "unknown key"
             if _loc(err["loc"]) not in unset:
                 problems.append(f"{_loc(err['loc'])}: {msg}")
-        cfg = None
         problems.extend(raw_cross_check(raw))
     else:
         problems.extend(cfg.cross_check())

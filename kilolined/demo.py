@@ -19,6 +19,7 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TextIO
 
 import aiohttp
 
@@ -174,12 +175,12 @@ async def started(text: str) -> Server:
     return server
 
 
-async def run_demo(once: bool, port: int = 8080, out: object = None) -> int:
+async def run_demo(once: bool, port: int = 8080, out: TextIO | None = None) -> int:
     stream = out or sys.stdout
     st = Style(hasattr(stream, "isatty") and stream.isatty() and not os.environ.get("NO_COLOR"))
 
     def say(s: str = "") -> None:
-        print(s, file=stream, flush=True)  # type: ignore[call-overload]
+        print(s, file=stream, flush=True)
 
     gpu_a = FakeGPU("generic", vram_gb=24, job_vram_gb=10, steps=STEPS, step_ms=STEP_MS, crash_sec=2)
     gpu_b = FakeGPU("generic", vram_gb=24, job_vram_gb=10, steps=STEPS, step_ms=STEP_MS, crash_sec=2)

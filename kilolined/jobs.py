@@ -65,7 +65,7 @@ class JobStore(Protocol):
         """What was handed over so far is stored (another gateway can read it)."""
         ...
 
-    def send_once(self, job: Job, send: Callable[[], None]) -> None:
+    def send_once(self, job: Job, send: Callable[[], object]) -> None:
         """Call ``send`` (the job's webhook) unless another gateway already did."""
         ...
 
@@ -96,7 +96,7 @@ class LocalStore:
     async def synced(self) -> None:
         pass
 
-    def send_once(self, job: Job, send: Callable[[], None]) -> None:
+    def send_once(self, job: Job, send: Callable[[], object]) -> None:
         send()
 
     async def load(self, job_id: str) -> Job | None:
@@ -766,10 +766,9 @@ class Jobs:
                 yield backlog
             if job.status in TERMINAL:
                 return
-            while (batch := await sub.batch()) is not None:
-                batch = [ev for ev in batch if ev[0] > after]
-                if batch:
-                    yield batch
+            while (live := await sub.batch()) is not None:
+                if fresh := [ev for ev in live if ev[0] > after]:
+                    yield fresh
         finally:
             job.subscribers.discard(sub)
 

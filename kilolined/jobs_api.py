@@ -64,8 +64,9 @@ async def result(request: web.Request) -> web.Response:
     if job is None:
         return _not_found(request)
     if job.status not in TERMINAL:
+        est = _view(request, job).get("est_wait_sec")  # seconds, or None when nothing is known
         return error_response(425, "not_ready", f"job is {job.status}", request_id=request_id(request),
-                              retry_after=max(1.0, _view(request, job).get("est_wait_sec") or 1.0))  # type: ignore[arg-type]
+                              retry_after=max(1.0, est if isinstance(est, int | float) else 1.0))
     if job.result is None:
         return error_response(404, "not_found", "no result (failed, cancelled, or expired)",
                               request_id=request_id(request))

@@ -169,8 +169,8 @@ class LeaseScope:
     no deadline fired, nothing to clean up on the node — costs no coroutine.
     """
 
-    __slots__ = ("_aborts", "_armed", "_deadline", "_due", "_hold", "_rerouted", "_task", "dispatched_at", "key",
-                 "lease", "listener", "ok", "rt", "size", "started", "state", "ticket", "writing")
+    __slots__ = ("_aborts", "_armed", "_deadline", "_due", "_hold", "_rerouted", "_revoked", "_task", "dispatched_at",
+                 "key", "lease", "listener", "ok", "rt", "size", "started", "state", "ticket", "writing")
 
     def __init__(self, rt: Runtime, ticket: Ticket, listener: Sink, key: str | None):
         self.rt, self.ticket, self.listener, self.key = rt, ticket, listener, key
@@ -193,6 +193,7 @@ class LeaseScope:
         self._rerouted: tuple[str, str] | None = None  # (from node, reason) until the next dispatch
         self._task: asyncio.Task[Any] | None = asyncio.current_task()  # the task the deadline cancels
         self._hold: Hold | None = None
+        self._revoked: str | None = None  # why the lease was taken back (revoke), else None
 
     def _to(self, new: str) -> None:
         assert new in TRANSITIONS[self.state], f"lease scope: {self.state} → {new}"
@@ -245,6 +246,16 @@ class LeaseScope:
             return
         if state not in (S_ATTEMPTING, S_HELD, S_DETACHED):
             return
+        self._cancel_holder()
+
+    def revoke(self, why: str) -> None:
+        """The lease is no longer ours (the cluster reaped it while this gateway could not renew
+        it, and its slot went to another request): stop now, as the deadline would, with ``why``."""
+        if self.state in (S_ATTEMPTING, S_HELD, S_DETACHED):
+            self._revoked = why
+            self._cancel_holder()
+
+    def _cancel_holder(self) -> None:
         task = self._hold.task if self._hold is not None else self._task
         if task is not None and not task.done():
             self._to(S_EXPIRED)
@@ -345,6 +356,7 @@ class LeaseScope:
             return
         self._to(S_ATTEMPTING)
         self.lease = lease
+        lease.revoke = self.revoke
         rt = self.rt
         now = rt.clock()
         self.dispatched_at = now
@@ -464,6 +476,8 @@ class LeaseScope:
             task = self._task
             if task is not None and task.cancelling() > 1:
                 raise asyncio.CancelledError  # cancelled from outside as well (the client left)
+            if self._revoked is not None:
+                raise Failure.upstream(f"node {self._node()}: {self._revoked}", False) from None
             raise Failure.upstream(f"node {self._node()} did not finish within {self.timeout:g}s", True) from None
 
     def _node(self) -> str:
@@ -513,7 +527,7 @@ class LeaseScope:
         rt.stats.gpu_seconds += held
         rt.metrics.upstream.labels(rt.route_label(lease.route), lease.node).observe(held)
         if self.key is not None:
-            (rt.shared_limits or rt.budgets).add(self.key, time.time(), gpu_seconds=held)
+            rt.limits.add(self.key, time.time(), gpu_seconds=held)
         # A freed slot changes no node state, hence no route mode: dispatching is all there is to
         # do (node events and the pump call wake() for the rest).
         rt.leases.dispatch(now)

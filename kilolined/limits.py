@@ -91,7 +91,9 @@ class RateLimiter:
 
     def _prune(self, now: float) -> None:
         # Full buckets carry no information: dropping them is invisible to clients.
-        for k in [k for k, b in self.buckets.items() if (b._refill(now), b.tokens)[1] >= b.rate.capacity]:
+        for b in self.buckets.values():
+            b._refill(now)
+        for k in [k for k, b in self.buckets.items() if b.tokens >= b.rate.capacity]:
             del self.buckets[k]
 
     def forget_except(self, keep: set[str]) -> None:

@@ -165,7 +165,8 @@ class Listener:
                     self._server = await asyncio.get_running_loop().create_server(
                         self._factory, sock=self.sock.dup(), ssl=self._ssl, backlog=self._backlog)
                 else:
-                    self._server.close()  # type: ignore[union-attr]
+                    if self._server is not None:  # always: the loop's condition
+                        self._server.close()
                     self._server = None
         finally:
             self._task = None

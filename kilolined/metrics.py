@@ -168,15 +168,17 @@ class Recorded:
 
     def total(self) -> float:
         """The sum over every label set (a counter's)."""
-        return sum(c.value for c in self._children.values())
+        # A child is a CounterChild here (a counter's); the dict holds both kinds.
+        counted: float = sum(c.value for c in self._children.values())
+        return counted
 
     def family(self) -> Metric:
         names = list(self.labelnames)
         if self.kind == "counter":
-            fam: Metric = CounterMetricFamily(self.name, self.doc, labels=names)
+            counter = CounterMetricFamily(self.name, self.doc, labels=names)
             for values, c in self._children.items():
-                fam.add_metric(list(values), c.value, created=c.created if self._created else None)
-            return fam
+                counter.add_metric(list(values), c.value, created=c.created if self._created else None)
+            return counter
         fam = HistogramMetricFamily(self.name, self.doc, labels=names)
         for values, h in self._children.items():
             cumulative, running = [], 0

@@ -268,7 +268,8 @@ class _Telegram(_Channel):
             if resp.status == 200 and (data is None or data.get("ok") is not False):
                 return _Outcome(True)
             data = data or {}
-            params = data.get("parameters") if isinstance(data.get("parameters"), dict) else {}
+            given = data.get("parameters")
+            params = given if isinstance(given, dict) else {}
             desc = str(data.get("description") or resp.reason or "")[:200]
             detail = f"HTTP {resp.status} {desc}".strip()
             if resp.status == 429:

@@ -83,7 +83,7 @@ class Lease:
     swap: bool | None = None  # the node had to load the model (None: the node has no model state)
     # Stops the request on this lease at once (its LeaseScope sets it): the cluster store calls it
     # when the lease was lost while this gateway could not reach Redis (docs/CLUSTER.md).
-    revoke: Callable[[], None] | None = None
+    revoke: Callable[[str], None] | None = None
 
 
 # --- strategies: the order in which waiting tickets get slots ---------------------------------

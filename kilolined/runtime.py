@@ -451,12 +451,6 @@ class Runtime:
             self.feed.publish(ev, route=route, text=text, mode=new)
             self.notify(ev, text, node=route)
 
-    @property
-    def shared_limits(self) -> LimitStore:
-        """The old name of ``limits``, read by lease.py until its rewrite (issue 22) lands: any
-        store (always true), so ``(rt.shared_limits or rt.budgets)`` is ``rt.limits``."""
-        return self.limits
-
     def notify(self, event: str, text: str, node: str | None) -> None:
         self.alert(event, text, node)
 

@@ -25,7 +25,7 @@ from kilolined.notify import Notifier
 from kilolined.queue import Rejected
 from kilolined.reload import reload_from_file, watch_config
 from kilolined.runtime import Component, Runtime
-from kilolined.webhooks import WebhookDeliverer
+from kilolined.webhooks import WebhookDeliverer, WebhookSettings
 
 log = logging.getLogger("kilolined")
 BACKLOG = 4096  # connections over server.max_connections wait here (the kernel caps it at somaxconn)
@@ -169,7 +169,7 @@ class Server:
         await self.gateway.notifier.close()
 
 
-def _webhook_settings(cfg: Config) -> dict[str, object]:
+def _webhook_settings(cfg: Config) -> WebhookSettings:
     j = cfg.jobs
     return {"secret": j.webhook_secret, "backoff_sec": list(j.webhook_backoff_sec),
             "timeout_sec": j.webhook_timeout_sec, "allow_private": j.webhook_allow_private}

@@ -23,6 +23,7 @@ import base64
 import ssl
 from collections import deque
 from collections.abc import AsyncIterator, Iterable, Mapping
+from typing import cast
 
 import aiohttp
 import httptools
@@ -340,7 +341,7 @@ class _Conn(asyncio.Protocol):
         self.idle_since = 0.0
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = transport  # type: ignore[assignment]
+        self.transport = cast(asyncio.Transport, transport)
 
     def data_received(self, data: bytes) -> None:
         r = self.resp

@@ -21,7 +21,7 @@ import secrets
 import socket
 import time
 from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, TypedDict
 from urllib.parse import urlsplit
 
 import aiohttp
@@ -271,6 +271,15 @@ class DeliveryAttempt(NamedTuple):
     error: str | None  # why the request failed, None when an HTTP answer came back
     next_wait: float | None  # seconds until the next attempt; None: no further attempt
     at: float  # wall-clock time of the attempt's end
+
+
+class WebhookSettings(TypedDict):
+    """The keyword arguments of ``WebhookDeliverer`` and its ``configure`` that come from the config."""
+
+    secret: str | None
+    backoff_sec: Sequence[float]
+    timeout_sec: float
+    allow_private: bool
 
 
 class WebhookDeliverer:

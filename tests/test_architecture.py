@@ -1,15 +1,41 @@
-"""The package's import graph has layers: no cycle, no function-level import of its own modules.
+"""The package's import graph has layers: no import goes up, no cycle, no function-level import of
+its own modules.
 
 A cycle held open by imports inside functions is how a hub (a Runtime every module reaches
-into) hides; this test keeps it from coming back. docs/ARCHITECTURE.md draws the layers.
+into) hides; this test keeps it from coming back. docs/ARCHITECTURE.md draws the layers; LAYERS
+below is its table, and a test keeps the two the same.
 """
 
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 PKG = Path(__file__).resolve().parent.parent / "kilolined"
+DOC = PKG.parent / "docs" / "ARCHITECTURE.md"
+
+# The layer table of docs/ARCHITECTURE.md ("Layers"), top to bottom: a module imports only its own
+# layer and the ones below. Names are paths under kilolined/ without ".py"; "x/" is the package
+# kilolined/x/ except its modules that another row names; "__init__" is kilolined/__init__.py.
+LAYERS: dict[str, tuple[str, ...]] = {
+    "entry": ("__main__", "cli", "demo", "status"),
+    "HTTP": ("server", "app", "edge", "connection", "listener", "admin", "jobs_api", "targets", "unqueued",
+             "context", "models_list", "web/", "cluster/build"),
+    "modes": ("jobs", "sinks", "runner", "call", "cluster/jobs"),
+    "kinds": ("adapters/",),
+    "lease": ("lease",),
+    "live state": ("runtime", "health", "views", "history", "adhoc", "reload", "systemd"),
+    "cluster": ("cluster/",),
+    "wire": ("upstream", "proxy", "wsproxy", "deadlines"),
+    "side": ("notify", "webhooks", "metrics", "feed", "stats", "probe"),
+    "fake GPU": ("fakegpu/",),
+    "core (pure)": ("__init__", "queue", "leasestore", "nodes", "models", "limits", "auth", "config", "errors",
+                    "outcome", "paths", "costs", "routing"),
+}
+
+# Imports that go up the table and stay, each with the reason it cannot go (importer, imported).
+UPWARD_ALLOWED: dict[tuple[str, str], str] = {}
 
 
 def _modules() -> dict[str, Path]:
@@ -29,10 +55,10 @@ def _target(mods: dict[str, Path], base: str, name: str | None) -> str | None:
     return base if base in mods else None
 
 
-def _imports(mods: dict[str, Path], name: str, tree: ast.Module) -> tuple[set[str], list[str]]:
-    """(modules imported at module level, incl. TYPE_CHECKING blocks; function-level imports)."""
+def _imports(mods: dict[str, Path], name: str, tree: ast.Module) -> tuple[set[str], list[tuple[int, str]]]:
+    """(modules imported at module level, incl. TYPE_CHECKING blocks; function-level imports: (line, module))."""
     top: set[str] = set()
-    nested: list[str] = []
+    nested: list[tuple[int, str]] = []
     pkg = name if mods[name].name == "__init__.py" else name.rsplit(".", 1)[0]
 
     def targets(node: ast.Import | ast.ImportFrom) -> list[str]:
@@ -52,7 +78,7 @@ def _imports(mods: dict[str, Path], name: str, tree: ast.Module) -> tuple[set[st
             if isinstance(child, ast.Import | ast.ImportFrom):
                 ts = targets(child)
                 if in_func:
-                    nested.extend(f"{name}:{child.lineno} imports {t}" for t in ts)
+                    nested.extend((child.lineno, t) for t in ts)
                 else:
                     top.update(ts)
             visit(child, in_func or isinstance(child, ast.FunctionDef | ast.AsyncFunctionDef))
@@ -62,15 +88,76 @@ def _imports(mods: dict[str, Path], name: str, tree: ast.Module) -> tuple[set[st
     return top, nested
 
 
-def _graph() -> tuple[dict[str, set[str]], list[str]]:
+def _graph() -> tuple[dict[str, set[str]], dict[str, set[str]]]:
+    """(module-level imports per module; every import per module, function-level ones included)."""
     mods = _modules()
     graph: dict[str, set[str]] = {}
-    nested: list[str] = []
+    every: dict[str, set[str]] = {}
     for name, path in mods.items():
         top, inner = _imports(mods, name, ast.parse(path.read_text()))
         graph[name] = top
-        nested.extend(inner)
-    return graph, nested
+        every[name] = top | {t for _, t in inner if t != name}
+    return graph, every
+
+
+def _nested() -> list[str]:
+    mods = _modules()
+    found = []
+    for name, path in mods.items():
+        _, inner = _imports(mods, name, ast.parse(path.read_text()))
+        found.extend(f"{name}:{line} imports {t}" for line, t in inner)
+    return found
+
+
+def _module_of(entry: str) -> str:
+    """A table entry as a dotted module name (a package entry: the package)."""
+    parts = [p for p in entry.split("/") if p]
+    return "kilolined" if parts == ["__init__"] else ".".join(["kilolined", *parts])
+
+
+def _layer_of(layers: dict[str, tuple[str, ...]]) -> dict[str, tuple[int, str]]:
+    """Entry module -> (rank, layer): rank 0 is the top layer."""
+    return {_module_of(e): (rank, layer) for rank, (layer, entries) in enumerate(layers.items()) for e in entries}
+
+
+def _rank(table: dict[str, tuple[int, str]], packages: set[str], module: str) -> tuple[int, str] | None:
+    """The row of a module: its own entry, else the nearest package entry that holds it."""
+    if module in table:
+        return table[module]
+    parts = module.split(".")
+    for n in range(len(parts) - 1, 0, -1):
+        pkg = ".".join(parts[:n])
+        if pkg in packages:
+            return table[pkg]
+    return None
+
+
+def _upward(layers: dict[str, tuple[str, ...]], every: dict[str, set[str]]) -> dict[tuple[str, str], str]:
+    """Every import from a module to one in a higher layer: (importer, imported) -> the two layers."""
+    table = _layer_of(layers)
+    packages = {_module_of(e) for entries in layers.values() for e in entries if e.endswith("/")}
+    found = {}
+    for importer, targets in every.items():
+        low = _rank(table, packages, importer)
+        for target in targets:
+            high = _rank(table, packages, target)
+            if low is not None and high is not None and high[0] < low[0]:
+                found[(importer, target)] = f"{low[1]} imports {high[1]}"
+    return found
+
+
+def _doc_layers() -> dict[str, tuple[str, ...]]:
+    """The layer table of docs/ARCHITECTURE.md: layer -> the modules column's `names`."""
+    text = DOC.read_text()
+    section = text[text.index("\n## Layers"):]
+    section = section[: section.index("\n## ", 1)]
+    rows: dict[str, tuple[str, ...]] = {}
+    for line in section.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) < 3 or cells[0] in ("layer", "") or set(cells[0]) <= {"-", " "}:
+            continue
+        rows[cells[0]] = tuple(re.findall(r"`([^`]+)`", cells[1]))
+    return rows
 
 
 def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
@@ -107,8 +194,37 @@ def test_the_package_has_no_import_cycle() -> None:
 
 
 def test_no_function_level_imports_of_the_package() -> None:
-    _, nested = _graph()
-    assert nested == []
+    assert _nested() == []
+
+
+def test_the_layer_table_is_the_docs_table() -> None:
+    assert _doc_layers() == LAYERS
+
+
+def test_every_module_has_a_layer_and_every_entry_a_module() -> None:
+    mods = _modules()
+    table = _layer_of(LAYERS)
+    packages = {_module_of(e) for entries in LAYERS.values() for e in entries if e.endswith("/")}
+    assert sorted(m for m in mods if _rank(table, packages, m) is None) == []
+    assert sorted(m for m in table if m not in mods) == []
+    entries = [e for es in LAYERS.values() for e in es]
+    assert sorted({e for e in entries if entries.count(e) > 1}) == [], "a module is in one layer"
+
+
+def test_the_checker_sees_an_upward_import() -> None:
+    layers = {"top": ("a", "p/"), "low": ("b", "p/low")}
+    every = {"kilolined.b": {"kilolined.a"}, "kilolined.p.low": {"kilolined.p.x"}, "kilolined.a": {"kilolined.b"},
+             "kilolined.p.x": {"kilolined.p.low"}}
+    assert _upward(layers, every) == {("kilolined.b", "kilolined.a"): "low imports top",
+                                      ("kilolined.p.low", "kilolined.p.x"): "low imports top"}
+
+
+def test_no_import_goes_up_the_layers() -> None:
+    """Every import counts: module level, under TYPE_CHECKING, inside a function."""
+    _, every = _graph()
+    up = _upward(LAYERS, every)
+    assert {edge: why for edge, why in up.items() if edge not in UPWARD_ALLOWED} == {}
+    assert sorted(set(UPWARD_ALLOWED) - set(up)) == [], "an allowed exception that no longer goes up"
 
 
 def test_lease_release_lives_in_one_module() -> None:

@@ -121,3 +121,43 @@ async def test_a_gateway_that_never_reached_redis_takes_no_slot(
                 assert (await r.json())["status"] == "ok"
     finally:
         redis.kill()
+
+
+async def test_a_gateway_frozen_past_the_ttl_stops_its_lost_leases_when_it_wakes(
+        redis_server: RedisServer, gateways: list[GatewayProc], tmp_path: Path) -> None:
+    """Frozen (SIGSTOP) past lease_ttl_sec, a gateway is reaped and its slots go to the others.
+    When it wakes it must not run work on leases it no longer holds: those requests stop at once,
+    with an error that says so, instead of running to their end beside the new holders."""
+    slow = FakeGPU("generic", vram_gb=1000, job_vram_gb=1, steps=200, step_ms=100, crash_sec=0.4)  # 20 s each
+    await slow.start()
+    try:
+        gateways += make_gateways(2, tmp_path, redis_server.url, slow.url, ttl=TTL, max_concurrency=2)
+        await start_all(gateways)
+        frozen, other = gateways
+        async with aiohttp.ClientSession() as s:
+
+            async def one(gw: GatewayProc) -> tuple[int, bytes, float]:
+                async with s.post(gw.url + "/gen/generate", json={}, headers=auth("alice")) as r:
+                    return r.status, await r.read(), asyncio.get_running_loop().time()
+
+            mine = [asyncio.ensure_future(one(frozen)) for _ in range(2)]
+            await until(lambda: _running(slow, 2), "the frozen gateway's requests never ran")
+            assert frozen.proc is not None
+            os.kill(frozen.proc.pid, signal.SIGSTOP)
+            await asyncio.sleep(3 * TTL)  # reaped: its two slots are the other gateway's now
+            theirs = [asyncio.ensure_future(one(other)) for _ in range(2)]
+            await until(lambda: _running(slow, 4), "the other gateway never got the reaped slots")
+            os.kill(frozen.proc.pid, signal.SIGCONT)
+            woke = asyncio.get_running_loop().time()
+            results = await asyncio.wait_for(asyncio.gather(*mine), 15)
+            for status, body, ended in results:
+                assert status == 502 and b"lease lost" in body, (status, body)
+                assert ended - woke < 5 * TTL  # stopped, not run to its 20 s end
+            for t in theirs:
+                t.cancel()
+    finally:
+        await slow.stop()
+
+
+async def _running(gpu: FakeGPU, n: int) -> bool:
+    return bool(gpu.stats["running"] >= n)

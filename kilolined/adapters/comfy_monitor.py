@@ -137,7 +137,8 @@ class Monitors:
         if mon is None or not mon.running or not mon.alive():
             mon = self.by_node[name] = make()
             mon.task = self._spawn(mon.run())
-            mon.task.add_done_callback(lambda _t, m=mon: self._gone(m))
+            made = mon
+            mon.task.add_done_callback(lambda _t: self._gone(made))
         return mon
 
     def _gone(self, mon: NodeMonitor) -> None:

@@ -168,12 +168,14 @@ def _clean(data: dict[str, Any]) -> dict[str, Any]:
 
 def _clean_entry(entry: dict[str, Any]) -> dict[str, Any]:
     status = entry.get("status")
-    messages = status.get("messages") if isinstance(status, dict) else None
+    if not isinstance(status, dict):
+        return entry
+    messages = status.get("messages")
     if not isinstance(messages, list):
         return entry
     clean = [[m[0], _clean(m[1])] if isinstance(m, list) and len(m) == 2 and isinstance(m[1], dict) else m
              for m in messages]
-    return {**entry, "status": {**status, "messages": clean}}  # type: ignore[dict-item]
+    return {**entry, "status": {**status, "messages": clean}}
 
 
 def _execution_failed(data: dict[str, Any]) -> Failure:

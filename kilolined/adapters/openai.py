@@ -124,7 +124,7 @@ class UsageStripper:
         return rest
 
 
-def _usage_only(payload: bytes) -> bool:
+def _usage_only(payload: bytes | bytearray) -> bool:
     if b'"usage"' not in payload:
         return False
     try:

@@ -54,6 +54,9 @@ CREDENTIALS = frozenset(("authorization", "x-api-key", "proxy-authorization", "c
 FOLLOW_BLOCK_MS = 1000  # a remote follower re-checks that its job still exists this often
 CANCEL_WAIT_SEC = 5.0
 ENDING = ("output_ready", "failed")
+# What XREAD answers to a client without decode_responses (both of ours): [[stream, [(id, fields)]]].
+# redis-py's own annotation is the union of every protocol and decoding mode.
+XRead = list[tuple[bytes, list[tuple[bytes, dict[bytes, bytes]]]]]
 
 
 @dataclass(frozen=True, slots=True)
@@ -263,7 +266,7 @@ class ClusterJobs:
             pipe.evalsha(self._scripts[name].sha, 0, *args)
         return list(await pipe.execute(raise_on_error=False))
 
-    def send_once(self, job: Job, send: Callable[[], None]) -> None:
+    def send_once(self, job: Job, send: Callable[[], object]) -> None:
         if self._closed:
             return  # a job cut by this gateway's shutdown: the gateway that carries it on sends it
         if not self.up:
@@ -271,7 +274,7 @@ class ClusterJobs:
             return
         self._spawn(self._send_once(job, send))
 
-    async def _send_once(self, job: Job, send: Callable[[], None]) -> None:
+    async def _send_once(self, job: Job, send: Callable[[], object]) -> None:
         try:
             await self.synced()
             first = await self.redis.set(f"{self.prefix}jw:{job.id}", self.inst, nx=True,
@@ -288,8 +291,8 @@ class ClusterJobs:
         if not self.up:
             return None
         try:
-            st, cancel, status, ctype, body, files = await self.redis.hmget(
-                f"{self.prefix}j:{job_id}", "st", "cancel", "r_status", "r_ctype", "r_body", "r_files")
+            st, cancel, status, ctype, body, files = cast("list[bytes | None]", await self.redis.hmget(
+                f"{self.prefix}j:{job_id}", "st", "cancel", "r_status", "r_ctype", "r_body", "r_files"))
         except (RedisError, OSError):
             return None
         if st is None:
@@ -308,7 +311,7 @@ class ClusterJobs:
         block: int | None = None  # the first read is the replay: it does not wait
         while True:
             try:
-                got = await self._follow.xread({key: f"0-{last}"}, block=block)
+                got = cast("XRead | None", await self._follow.xread({key: f"0-{last}"}, block=block))
             except (RedisError, OSError):
                 return
             block = FOLLOW_BLOCK_MS

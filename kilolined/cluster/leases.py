@@ -502,7 +502,7 @@ class ClusterLeases:
         for lease in list(self._lid):
             del self._lid[lease]
             if lease.revoke is not None:
-                lease.revoke()
+                lease.revoke("lease lost: this gateway was cut off from the cluster past lease_ttl_sec")
 
     async def _readmit(self, t: Ticket) -> None:
         """A ticket Redis no longer knows (it came back empty): queued again, at the back."""
@@ -624,18 +624,16 @@ class ClusterLeases:
         for lease in list(self._lid):
             self._local.add(lease.ticket)
         self._lid.clear()
-        held = [t for t in self._local if t.state == LEASED and t.lease is not None and not t.lease.released]
-        leases = [t.lease for t in held]
-        lids = await self._register(held, old)
+        leases = [t.lease for t in self._local if t.state == LEASED and t.lease is not None and not t.lease.released]
+        lids = await self._register([lease.ticket for lease in leases], old)
         self._orphans.difference_update(old)
         for lease, lid in zip(leases, lids, strict=True):
-            assert lease is not None
             if lease.released:  # it ended while Redis counted it: give it back there too
                 self._untrack(lease.ticket)
                 self._spawn(self._remote("RELEASE", lid))
             else:
                 self._lid[lease] = lid
-        return len(held)
+        return len(leases)
 
     async def _expire_loop(self) -> None:
         while True:

@@ -61,8 +61,8 @@ async def warnings(url: str, timeout: float = TIMEOUT_SEC) -> list[str]:
     r = aioredis.from_url(url, socket_timeout=timeout, socket_connect_timeout=timeout, decode_responses=True)
     try:
         await r.ping()
-        save = (await r.config_get("save")).get("save", "")
-        aof = (await r.config_get("appendonly")).get("appendonly", "")
+        save = (await r.config_get("save")).get("save") or ""
+        aof = (await r.config_get("appendonly")).get("appendonly") or ""
     except (RedisError, OSError) as e:
         why = access_error(e)
         if why is not None:

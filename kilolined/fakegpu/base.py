@@ -7,7 +7,7 @@ import json
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeGuard
 
 from aiohttp import web
 
@@ -62,7 +62,7 @@ class Knobs:
         return problems
 
 
-def is_int(value: Any) -> bool:
+def is_int(value: Any) -> TypeGuard[int]:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
@@ -70,7 +70,7 @@ def is_status(value: Any) -> bool:
     return is_int(value) and 100 <= value <= 599
 
 
-def is_number(value: Any) -> bool:
+def is_number(value: Any) -> TypeGuard[float]:
     return (is_int(value) or isinstance(value, float)) and math.isfinite(value)
 
 

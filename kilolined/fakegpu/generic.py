@@ -63,7 +63,7 @@ class GenericBackend(Backend):
     ) -> tuple[web.StreamResponse, bool]:
         gpu = self.gpu
         if job.failed:  # OOM at admission: nothing was streamed yet, so a plain 500
-            resp = self.error_response(500, gpu.oom_message())
+            resp: web.StreamResponse = self.error_response(500, gpu.oom_message())
             return resp, await gpu.respond(request, resp)
         resp = web.StreamResponse(headers=sse_headers())
         try:

@@ -219,7 +219,7 @@ class OpenAIBackend(Backend):
     async def _stream(self, request: web.Request, job: Job, call: _Call) -> tuple[web.StreamResponse, bool]:
         gpu = self.gpu
         if job.failed:  # OOM before the first token: a plain 500, as vLLM does
-            resp = openai_error(500, gpu.oom_message())
+            resp: web.StreamResponse = openai_error(500, gpu.oom_message())
             return resp, await gpu.respond(request, resp)
         resp = web.StreamResponse(headers=sse_headers())
 
