@@ -514,7 +514,7 @@ class Scheduler:
         if not rq.waiting:
             node = self.choose_node(rq, t, now)
             if node is not None:
-                self._lease(rq, t, node, now)
+                self.grant(rq, t, node, now)
                 return t
         if len(rq.waiting) >= cfg.max_queue_depth:
             if cfg.drop_policy == "drop_oldest" and rq.waiting:
@@ -533,11 +533,11 @@ class Scheduler:
                     f"queue of route {route} is full ({cfg.max_queue_depth} waiting)",
                     self.retry_after(rq, now),
                 )
-        self._enqueue(rq, t, now, front=False)
+        self.enqueue(rq, t, now, front=False)
         self.dispatch(now)
         return t
 
-    def _enqueue(self, rq: RouteQueue, t: Ticket, now: float, front: bool) -> None:
+    def enqueue(self, rq: RouteQueue, t: Ticket, now: float, front: bool) -> None:
         t.state = WAITING
         t.lease = None
         t.deadline = now + rq.cfg.queue_timeout_sec
@@ -578,7 +578,7 @@ class Scheduler:
             avoided(t, lease.node, now, lost)
         t.requeues += 1
         rq = self.routes[t.route]
-        self._enqueue(rq, t, now, front=True)
+        self.enqueue(rq, t, now, front=True)
         return t
 
     def expire(self, now: float) -> list[Ticket]:
@@ -616,7 +616,9 @@ class Scheduler:
         return out
 
     # -- leases ----------------------------------------------------------------------------
-    def _lease(self, rq: RouteQueue, t: Ticket, node: str, now: float) -> Lease:
+    def grant(self, rq: RouteQueue, t: Ticket, node: str, now: float) -> Lease:
+        """Lease ``node`` to ``t``: the one Python writer of the in-flight, capacity and swap counts
+        (the cluster store calls it for a grant Redis made; its Lua twin is scripts.grant)."""
         ns = self.nodes[node]
         trial = ns.on_dispatch(now)
         swap = ns.models.dispatch(ns.cfg, t.model) if ns.cfg.models is not None else None
@@ -658,7 +660,7 @@ class Scheduler:
                 rq.by_key[t.key] -= 1
                 if rq.by_key[t.key] <= 0:
                     del rq.by_key[t.key]
-                made.append(self._lease(rq, t, node, now))
+                made.append(self.grant(rq, t, node, now))
                 t.wake()
                 progress = True
                 break

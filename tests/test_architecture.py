@@ -255,3 +255,17 @@ def test_node_verdicts_live_in_one_module() -> None:
                 if needle in code:
                     callers.append(f"{path.relative_to(PKG)}:{lineno}: {line.strip()}")
     assert callers == []
+
+
+def test_slot_counters_have_one_python_writer() -> None:
+    """In-flight, capacity and swap counts are written by Scheduler.grant / release only (the
+    cluster store calls grant for a grant Redis made; its Lua twin is scripts.grant)."""
+    writers = []
+    pattern = re.compile(r"\.(inflight|node_inflight|capacity_used|swaps)(\[[^\]]*\])?\s*([+-]=|=(?!=))")
+    for path in PKG.rglob("*.py"):
+        if path.name == "queue.py" or "fakegpu" in path.parts:
+            continue
+        for lineno, line in enumerate(path.read_text().splitlines(), 1):
+            if pattern.search(line.split("#", 1)[0]):
+                writers.append(f"{path.relative_to(PKG)}:{lineno}: {line.strip()}")
+    assert writers == []

@@ -343,19 +343,7 @@ class ClusterLeases:
             # Nobody here wants it any more (the client left in the same moment): give it back.
             self._spawn(self._remote("RELEASE", lid))
             return
-        now = self.clock()
-        # As Scheduler._lease: the node's warm set follows what this gateway sends it, and a swap counts.
-        swap = ns.models.dispatch(ns.cfg, t.model) if ns.cfg.models is not None else None
-        if swap:
-            self.sched.swaps[node] += 1
-        lease = Lease(t, t.route, node, now, ns.on_dispatch(now), cost=t.cost, swap=swap)
-        rq.inflight[node] += 1
-        self.sched.node_inflight[node] += 1
-        if t.cost:  # mirrored for the views; Scheduler.release takes it off again
-            rq.capacity_used += t.cost
-            self.sched.capacity_used[node] = self.sched.capacity_used.get(node, 0.0) + t.cost
-        t.state = LEASED
-        t.lease = lease
+        lease = self.sched.grant(rq, t, node, self.clock())
         self._lid[lease] = lid
         t.wake()
 
@@ -585,7 +573,7 @@ class ClusterLeases:
         if t in self._local:
             return
         deadline = t.deadline
-        self.sched._enqueue(self.sched.routes[t.route], t, self.clock(), front=False)
+        self.sched.enqueue(self.sched.routes[t.route], t, self.clock(), front=False)
         t.deadline = deadline  # the wait already spent counts
         self._local.add(t)
         self.sched.dispatch(self.clock())
