@@ -79,6 +79,8 @@ class ClusterLeases:
         self._peers_at_loss: list[str] = []  # the gateways alive when Redis was lost: the fence waits for them
         self._barred: dict[Ticket, str] = {}  # waiting tickets a lost node may not take yet -> their "only"
         self._entries = itertools.count()  # _track's ids
+        self._alone_from = 0.0  # while Redis is down: when this gateway's share starts (_degrade)
+        self._part = 0  # 1 while the share applies, 0 while nothing starts alone
         self._strays: set[str] = set()  # lease ids Redis counts for us that no request holds (one beat ago)
         self._restoring = False  # _restore is registering what we hold: nothing is dispatched alone meanwhile
         self._full: dict[str, RouteConfig | NodeConfig] = {}  # configs cut to a share, by route/node
@@ -433,6 +435,9 @@ class ClusterLeases:
             await asyncio.sleep(self.cfg.lease_ttl_sec / 3)
             try:
                 if not self.view.redis_up:
+                    if not self._part and self.view.reached and self.clock() >= self._alone_from:
+                        self._cut(self.alive_peers())  # the first TTL of the outage is over: the share applies
+                        self.sched.dispatch(self.clock())
                     assert self._redis is not None
                     # Pooled connections from before the loss would each fail once: start afresh.
                     await self._redis.connection_pool.disconnect()
@@ -521,6 +526,10 @@ class ClusterLeases:
         now = self.clock()
         others = self.alive_peers()
         me = self.view.gateway_id
+        # For one lease TTL nothing new starts here: by then every gateway has noticed the loss, and
+        # a Redis that only blinked (restarted, stalled) is back first, so a blink never runs the
+        # leases one gateway holds beside another's fresh share.
+        self._alone_from = now + self.cfg.lease_ttl_sec
         self._cut(others)
         # The requests waiting in Redis wait here now, in their order.
         for t in sorted((t for t in self._tickets.values() if t.state == WAITING), key=lambda x: x.seq):
@@ -532,24 +541,29 @@ class ClusterLeases:
         self.sched.dispatch(now)
 
     def _cut(self, others: list[str]) -> None:
-        """Cut every route's and node's slot counts to this gateway's share (Redis is down),
-        keeping the full configs in ``_full`` for when it is back."""
+        """Cut every route's and node's slot counts to this gateway's share (Redis is down), from
+        the full configs, which ``_full`` keeps for when it is back."""
         me = self.view.gateway_id
         # A gateway that never reached Redis knows no peer: a share of "all of it" would be a guess
-        # that adds a whole N to whatever the others run. It queues until Redis answers.
-        part = 1 if self.view.reached else 0
+        # that adds a whole N to whatever the others run. It queues until Redis answers. Nor does
+        # anything start during the first TTL of an outage (_degrade).
+        part = 1 if self.view.reached and self.clock() >= self._alone_from else 0
+        self._part = part
         for name, rq in self.sched.routes.items():
-            self._full.setdefault("r:" + name, rq.cfg)
-            rq.cfg = rq.cfg.model_copy(update={"max_concurrency": part * share(rq.cfg.max_concurrency, me, others)})
+            full_r = self._full.setdefault("r:" + name, rq.cfg)
+            assert isinstance(full_r, RouteConfig)
+            rq.cfg = full_r.model_copy(update={"max_concurrency": part * share(full_r.max_concurrency, me, others)})
         for name, ns in self.sched.nodes.items():
+            full_n = self._full.get("n:" + name, ns.cfg)
+            assert isinstance(full_n, NodeConfig)
             upd: dict[str, Any] = {}
-            if ns.cfg.max_concurrency is not None:
-                upd["max_concurrency"] = part * share(ns.cfg.max_concurrency, me, others)
-            if ns.cfg.capacity is not None:
-                upd["capacity"] = part * ns.cfg.capacity / (len(others) + 1)  # a capacity is split evenly
+            if full_n.max_concurrency is not None:
+                upd["max_concurrency"] = part * share(full_n.max_concurrency, me, others)
+            if full_n.capacity is not None:
+                upd["capacity"] = part * full_n.capacity / (len(others) + 1)  # a capacity is split evenly
             if upd:
-                self._full.setdefault("n:" + name, ns.cfg)
-                ns.cfg = ns.cfg.model_copy(update=upd)
+                self._full["n:" + name] = full_n
+                ns.cfg = full_n.model_copy(update=upd)
 
     # --- reload (a runtime.Component) -------------------------------------------------------
     def prepare(self, cfg: Config) -> list[str]:
@@ -612,16 +626,26 @@ class ClusterLeases:
         for lease in list(self._lid):
             self._local.add(lease.ticket)
         self._lid.clear()
-        leases = [t.lease for t in self._local if t.state == LEASED and t.lease is not None and not t.lease.released]
-        lids = await self._register([lease.ticket for lease in leases], old)
-        self._orphans.difference_update(old)
-        for lease, lid in zip(leases, lids, strict=True):
-            if lease.released:  # it ended while Redis counted it: give it back there too
-                self._untrack(lease.ticket)
-                self._spawn(self._remote("RELEASE", lid))
-            else:
-                self._lid[lease] = lid
-        return len(leases)
+        counted: set[Lease] = set()
+        first = True
+        while True:
+            # A request admitted while REGISTER was on its way may have been leased here alone:
+            # it is counted by a second round, before this gateway says it is counted (BEAT).
+            leases = [t.lease for t in self._local if t.state == LEASED and t.lease is not None
+                      and not t.lease.released and t.lease not in counted]
+            if not leases and not first:
+                return len(counted)
+            first = False
+            lids = await self._register([lease.ticket for lease in leases], old)
+            self._orphans.difference_update(old)
+            old = []
+            for lease, lid in zip(leases, lids, strict=True):
+                counted.add(lease)
+                if lease.released:  # it ended while Redis counted it: give it back there too
+                    self._untrack(lease.ticket)
+                    self._spawn(self._remote("RELEASE", lid))
+                else:
+                    self._lid[lease] = lid
 
     async def _expire_loop(self) -> None:
         while True:

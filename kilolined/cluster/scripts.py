@@ -615,8 +615,7 @@ for i = 7 + n, #ARGV, 5 do
   out[#out + 1] = grant(route, tid, ME, node, cost)
 end
 grants = {}  -- grant() noted them as this gateway's new grants; they are leases it already runs
-counted(gid)
-return out
+return out  -- its next BEAT says it is counted (a second REGISTER may follow: leases made meanwhile)
 """
 
 #: ARGV: P, bucket key, tokens per ms, capacity -> {1|0, tokens left (string)}
