@@ -114,3 +114,17 @@ def test_every_slot_comes_back_with_redis_lost_and_restored(redis_server: RedisS
             assert inflight(rt) == 0
 
     asyncio.run(scenario())
+
+
+async def test_stop_ends_a_loop_whose_cancel_a_redis_command_swallowed(redis_server: RedisServer) -> None:
+    """A loop of the store cancelled while redis-py sends a command (Python 3.11: its wait_for
+    returns the command's answer and drops the cancel) goes on: stop must still end it."""
+    async with cluster_runtime(redis_server, 1) as (_rt, leases):
+        async def beats() -> None:  # the shape of the store's loops: Redis calls, round and round
+            while True:
+                await leases.redis.ping()
+
+        leases._spawn(beats())
+        await asyncio.sleep(0)  # it is in the middle of a send now
+        await asyncio.wait_for(leases.stop(), 10)
+        assert not leases._tasks
