@@ -64,6 +64,19 @@ class RedisServer:
             self.proc.kill()
             self.proc.wait()
 
+    @property
+    def running(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def freeze(self) -> None:
+        """SIGSTOP: Redis keeps its sockets and its data but answers nothing (a stall)."""
+        assert self.proc is not None
+        os.kill(self.proc.pid, signal.SIGSTOP)
+
+    def thaw(self) -> None:
+        assert self.proc is not None
+        os.kill(self.proc.pid, signal.SIGCONT)
+
     def client(self) -> aioredis.Redis:
         return aioredis.from_url(self.url, decode_responses=True)
 

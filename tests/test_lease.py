@@ -1,4 +1,5 @@
 """The lease scope (kilolined/lease.py) on its own: no sockets, fake attempts, a real Runtime.
+(tests/test_lease_cluster.py runs the same property on the Redis lease store.)
 
 The property test drives many requests through LeaseScope with attempts that succeed, fail as a
 node does, hang past the deadline, raise a bug, or are cancelled — at every await point — and
@@ -11,6 +12,10 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import time
+from collections.abc import Coroutine
+from dataclasses import dataclass, field
+from typing import Any
 
 import pytest
 import yaml
@@ -21,12 +26,12 @@ from kilolined.config import parse_config
 from kilolined.lease import S_DETACHED, S_EXPIRED, S_HELD, S_RELEASED, S_WAITING, TRANSITIONS, LeaseScope, Sink
 from kilolined.outcome import Failure
 from kilolined.proxy import UpstreamFailed
-from kilolined.queue import Lease, Ticket
+from kilolined.queue import Lease, Rejected, Ticket
 from kilolined.runtime import Runtime
 
 
-def runtime(slots: int = 2, retries: int = 1, timeout: float = 0.2) -> Runtime:
-    cfg = {
+def config(slots: int = 2, retries: int = 1, timeout: float = 0.2) -> dict[str, Any]:
+    return {
         "keys": {"k": {"key_sha256": hashlib.sha256(b"k").hexdigest()}},
         # Breakers that never open: the pump (which half-opens them) does not run here, and the
         # breaker has tests of its own; this is about the scope.
@@ -35,7 +40,10 @@ def runtime(slots: int = 2, retries: int = 1, timeout: float = 0.2) -> Runtime:
                          "retry_on_failover": retries, "request_timeout_sec": timeout, "queue_timeout_sec": 30,
                          "max_queue_depth": 1000}},
     }
-    return Runtime(parse_config(yaml.safe_dump(cfg)), "test")
+
+
+def runtime(slots: int = 2, retries: int = 1, timeout: float = 0.2) -> Runtime:
+    return Runtime(parse_config(yaml.safe_dump(config(slots, retries, timeout))), "test")
 
 
 def inflight(rt: Runtime) -> int:
@@ -72,13 +80,20 @@ def check_moves(moves: list[tuple[str, str]]) -> None:
 
 
 class Peak(Sink):
-    __slots__ = ("rt", "seen")
+    """Writes down, at each dispatch, how many run on the lease's node: the leases given out there
+    and not yet given back (counted here, apart from the store's own counters), or the
+    scheduler's count if higher."""
 
-    def __init__(self, rt: Runtime, seen: list[int]):
-        self.rt, self.seen = rt, seen
+    __slots__ = ("live", "rt", "seen")
+
+    def __init__(self, rt: Runtime, seen: list[int], live: dict[str, list[Lease]]):
+        self.rt, self.seen, self.live = rt, seen, live
 
     def dispatched(self, lease: Lease, queue_wait: float) -> None:
-        self.seen.append(self.rt.scheduler.routes["r"].inflight[lease.node])
+        on_node = self.live.setdefault(lease.node, [])
+        on_node[:] = [held for held in on_node if not held.released]
+        on_node.append(lease)
+        self.seen.append(max(len(on_node), self.rt.scheduler.routes["r"].inflight[lease.node]))
 
 
 EXPECT = {"ok": "ok", "node_fails": "upstream_error", "node_fails_then_ok": "ok", "hang": "upstream_timeout",
@@ -88,9 +103,22 @@ BEHAVIOURS = ("ok", "node_fails", "node_fails_then_ok", "hang", "bug", "cancel_i
               "hold_ok", "hold_hang")
 
 
-async def one(rt: Runtime, behaviour: str, ran: list[int], i: int, seen: list[int],
-              moves: list[tuple[str, str]]) -> str:
+@dataclass
+class Run:
+    """What one run of the property saw."""
+
+    ran: list[int] = field(default_factory=list)  # the requests whose work reached the node, by index
+    seen: list[int] = field(default_factory=list)  # how many ran on the node, at each dispatch
+    live: dict[str, list[Lease]] = field(default_factory=dict)  # leases given out, by node (Peak)
+
+
+async def one(rt: Runtime, behaviour: str, run: Run, i: int, moves: list[tuple[str, str]]) -> str:
     ticket = rt.admit("r", "k", 0)
+    if rt.settle is not None:  # a shared store (cluster mode) decides there, as app.admit does
+        try:
+            ticket = await rt.settle(ticket)
+        except Rejected as r:
+            return r.type
     calls = 0
 
     async def attempt(lease: Lease) -> str:
@@ -105,11 +133,11 @@ async def one(rt: Runtime, behaviour: str, ran: list[int], i: int, seen: list[in
             raise RuntimeError("a bug")
         if behaviour == "cancel_in_attempt":
             raise asyncio.CancelledError
-        ran.append(i)
+        run.ran.append(i)
         return "answer"
 
     try:
-        async with Traced(rt, ticket, Peak(rt, seen), "k", moves=moves) as scope:
+        async with Traced(rt, ticket, Peak(rt, run.seen, run.live), "k", moves=moves) as scope:
             await scope.acquire(attempt)
             await asyncio.sleep(0)
             if behaviour == "cancel_after":
@@ -126,33 +154,40 @@ async def one(rt: Runtime, behaviour: str, ran: list[int], i: int, seen: list[in
         return "bug"
 
 
+async def every_slot_comes_back(rt: Runtime, behaviours: list[str], slots: int,
+                                meanwhile: Coroutine[Any, Any, None] | None = None, within: float = 30) -> None:
+    """The property, on whatever lease store ``rt`` is wired to: ``behaviours`` run at once (and
+    ``meanwhile`` beside them, e.g. faults of the store); every request ends as its behaviour says,
+    every slot comes back, never more than ``slots`` run on a node, no work runs twice, and every
+    scope moves through the transition table."""
+    run = Run()
+    moves: list[list[tuple[str, str]]] = [[] for _ in behaviours]
+    requests = asyncio.gather(*(one(rt, b, run, i, moves[i]) for i, b in enumerate(behaviours)))
+    results, _ = await asyncio.wait_for(asyncio.gather(requests, meanwhile or asyncio.sleep(0)), timeout=within)
+    # Holds run in the runtime's tasks: wait for them (bounded by the 0.2 s deadline).
+    deadline = time.monotonic() + 10
+    while inflight(rt) and time.monotonic() < deadline:
+        await asyncio.sleep(0.01)
+    assert inflight(rt) == 0, (behaviours, results)
+    assert not rt.scheduler.routes["r"].waiting
+    assert max(run.seen, default=0) <= slots, run.seen  # never more than the slots on one node
+    assert len(run.ran) == len(set(run.ran)), run.ran  # nobody's work ran twice
+    for b, res, m in zip(behaviours, results, moves, strict=True):
+        expect = EXPECT[b]
+        assert res == expect, (b, res, behaviours, results)
+        check_moves(m)
+        if b == "hang":
+            assert (S_EXPIRED, S_RELEASED) in m, m
+        if b.startswith("hold"):
+            assert (S_HELD, S_DETACHED) in m, m
+
+
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.lists(st.sampled_from(BEHAVIOURS), min_size=1, max_size=12), st.integers(1, 3))
 def test_every_slot_comes_back_whatever_the_attempts_do(behaviours: list[str], slots: int) -> None:
     async def scenario() -> None:
         rt = runtime(slots=slots)
-        ran: list[int] = []
-        seen: list[int] = []
-        moves: list[list[tuple[str, str]]] = [[] for _ in behaviours]
-        results = await asyncio.wait_for(asyncio.gather(*(one(rt, b, ran, i, seen, moves[i])
-                                                          for i, b in enumerate(behaviours))), timeout=30)
-        # Holds run in the runtime's tasks: wait for them (bounded by the 0.2 s deadline).
-        for _ in range(200):
-            if inflight(rt) == 0:
-                break
-            await asyncio.sleep(0.01)
-        assert inflight(rt) == 0, (behaviours, results)
-        assert not rt.scheduler.routes["r"].waiting
-        assert max(seen, default=0) <= slots  # never more than the slots on one node
-        assert len(ran) == len(set(ran))  # nobody's work ran twice
-        for b, res, m in zip(behaviours, results, moves, strict=True):
-            expect = EXPECT[b]
-            assert res == expect, (b, res)
-            check_moves(m)
-            if b == "hang":
-                assert (S_EXPIRED, S_RELEASED) in m, m
-            if b.startswith("hold"):
-                assert (S_HELD, S_DETACHED) in m, m
+        await every_slot_comes_back(rt, behaviours, slots)
         await rt.stop()
 
     asyncio.run(scenario())

@@ -126,9 +126,14 @@ class ClusterLeases:
         self._spawn(self._positions_loop())
 
     async def stop(self) -> None:
-        for t in list(self._tasks):
-            t.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        # One cancel is not always enough: on Python 3.11 redis-py's wait_for around a command
+        # that completes in the same step swallows it, and the loop goes on. Cancel until all end.
+        tasks = list(self._tasks)
+        while pending := [t for t in tasks if not t.done()]:
+            for t in pending:
+                t.cancel()
+            await asyncio.wait(pending, timeout=0.1)
+        await asyncio.gather(*tasks, return_exceptions=True)
         if self._redis is not None:
             if self.view.redis_up:
                 try:
