@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Annotated, Any, Literal, TypeVar, get_args
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator, model_validator
 
 NotifyEvent = Literal[
     "node_down",
@@ -29,6 +29,10 @@ NotifyEvent = Literal[
     "reload_failed",
     "cluster_degraded",  # cluster mode only (docs/CLUSTER.md)
     "cluster_restored",
+    "fleet_node_lost",  # fleet pools only (docs/FLEET.md)
+    "fleet_node_rented",
+    "fleet_node_ready",
+    "fleet_rent_failed",
 ]
 NOTIFY_EVENTS: tuple[NotifyEvent, ...] = get_args(NotifyEvent)
 
@@ -327,7 +331,7 @@ class MatchConfig(_Model):
 class RouteConfig(_Model):
     path: str
     kind: Literal["generic", "comfyui", "openai"] = "generic"
-    nodes: Annotated[list[str], Field(min_length=1)]
+    nodes: list[str] = []  # empty only when a fleet pool joins the route (cross_check)
     standby: list[str] = []
     max_concurrency: Annotated[int, Field(ge=1)] = 1
     max_queue_depth: Annotated[int, Field(ge=0)] = 100
@@ -444,6 +448,71 @@ class ClusterConfig(_Model):
     key_prefix: Annotated[str, Field(min_length=1)] = "kiloline:"
 
 
+class FleetProviderConfig(_Model):
+    """A GPU rental account (docs/FLEET.md). The key is a SecretStr: never in logs, state or dumps."""
+
+    kind: Literal["vastai", "runpod"]
+    api_key: SecretStr
+    api_base: str | None = None  # the provider's own URL by default; tests point it at the fake
+
+    @field_validator("api_base")
+    @classmethod
+    def _base(cls, v: str | None) -> str | None:
+        if v is not None and not re.fullmatch(r"https?://[^/\s?#]+(/[^\s?#]*)?", v):
+            raise ValueError("must be http(s)://host[:port][/path]")
+        return v.rstrip("/") if v else v
+
+
+class FleetOfferConfig(_Model):
+    gpu_name: Annotated[str, Field(min_length=1)]
+    num_gpus: Annotated[int, Field(ge=1)] = 1
+    max_dph: Annotated[float, Field(gt=0)]
+    min_reliability: Annotated[float, Field(ge=0, le=1)] = 0.0
+    interruptible: bool = True
+
+
+class FleetTemplateConfig(_Model):
+    image: Annotated[str, Field(min_length=1)]
+    disk_gb: Annotated[int, Field(ge=1)] = 20
+    env: dict[str, str] = {}
+    port: Annotated[int, Field(ge=1, le=65535)]
+
+
+class FleetNodeConfig(_Model):
+    """``nodes.<n>`` without ``url`` (the instance's address); ``{id}`` in label is the instance id."""
+
+    label: str | None = None
+    headers: dict[str, str] = {}
+    max_concurrency: Annotated[int, Field(ge=1)] | None = None
+    capacity: Annotated[float, Field(gt=0)] | None = None
+    health: HealthConfig = HealthConfig()  # a pool node always has one: it is how a reclaim is seen
+    breaker: BreakerConfig = BreakerConfig()
+    models: list[str] | str | None = None
+    warm_models: Annotated[int, Field(ge=1)] = 1
+
+    def node(self, url: str, instance_id: str) -> NodeConfig:
+        label = self.label.replace("{id}", instance_id) if self.label else None
+        return NodeConfig(url=url, **{**self.model_dump(exclude={"label"}), "label": label})
+
+
+class FleetPoolConfig(_Model):
+    provider: str
+    size: Annotated[int, Field(ge=0)]
+    offer: FleetOfferConfig
+    template: FleetTemplateConfig
+    node: FleetNodeConfig = FleetNodeConfig()
+    routes: Annotated[list[str], Field(min_length=1)]
+    boot_timeout_sec: PosSec = 900
+    #: the first wait after a failed rent (docs/FLEET.md: 60 s doubling to 1 h); lower in tests
+    backoff_base_sec: PosSec = 60
+
+
+class FleetConfig(_Model):
+    providers: dict[str, FleetProviderConfig] = {}
+    pools: dict[str, FleetPoolConfig] = {}
+    max_spend_per_hour: Annotated[float, Field(ge=0)]
+
+
 class Config(_Model):
     server: ServerConfig = ServerConfig()
     admin: AdminConfig = AdminConfig()
@@ -454,12 +523,17 @@ class Config(_Model):
     jobs: JobsConfig = JobsConfig()
     cost: CostConfig = CostConfig()
     cluster: ClusterConfig | None = None
+    fleet: FleetConfig | None = None
 
     def cross_check(self) -> list[str]:
         """References between sections, which pydantic cannot see field by field."""
         refs = {name: {f: getattr(r, f) for f in ROUTE_NODE_FIELDS} for name, r in self.routes.items()}
+        pools = {n: {"provider": p.provider, "routes": list(p.routes)} for n, p in
+                 (self.fleet.pools.items() if self.fleet else ())}
+        providers = set(self.fleet.providers) if self.fleet else set()
         return [*reference_errors(set(self.nodes), refs, set(self.routes), {n: k.routes for n, k in self.keys.items()}),
-                *route_rules(self.routes), *key_rules(self.keys)]
+                *route_rules(self.routes), *key_rules(self.keys),
+                *fleet_rules(pools, providers, set(self.nodes), {n: r.nodes for n, r in self.routes.items()})]
 
 
 ROUTE_NODE_FIELDS = ("nodes", "standby")
@@ -476,6 +550,27 @@ def reference_errors(nodes: set[str], route_nodes: dict[str, dict[str, list[str]
     for name, names in key_routes.items():
         errs.extend(f"keys.{name}.routes.{i}: unknown route {rn!r}" for i, rn in enumerate(names)
                     if rn != "*" and rn not in routes)
+    return errs
+
+
+def fleet_rules(pools: dict[str, dict[str, Any]], providers: set[str], nodes: set[str],
+                route_nodes: dict[str, list[str]]) -> list[str]:
+    """A pool names a known provider and known routes; its nodes' names (``<pool>-<id>``) cannot
+    be taken by a static node; a route lists a node unless a pool joins it."""
+    errs: list[str] = []
+    joined: set[str] = set()
+    for name, p in pools.items():
+        prov = p.get("provider")
+        if isinstance(prov, str) and prov not in providers:
+            errs.append(f"fleet.pools.{name}.provider: unknown provider {prov!r}")
+        for i, rn in enumerate(_str_list(p.get("routes"))):
+            joined.add(rn)
+            if rn not in route_nodes:
+                errs.append(f"fleet.pools.{name}.routes.{i}: unknown route {rn!r}")
+        errs.extend(f"nodes.{n}: the name is a node of fleet pool {name!r} (<pool>-<instance id>)"
+                    for n in sorted(nodes) if n.startswith(name + "-"))
+    errs.extend(f"routes.{rn}.nodes: must list at least one node (or be joined by a fleet pool)"
+                for rn, ns in route_nodes.items() if not ns and rn not in joined)
     return errs
 
 
@@ -522,6 +617,10 @@ def _valid_entries(section: Any, model: type[_M]) -> dict[str, _M]:
     return out
 
 
+def _mapping(v: Any) -> dict[Any, Any]:
+    return v if isinstance(v, dict) else {}
+
+
 def _str_list(v: Any) -> list[str]:
     return [x for x in v if isinstance(x, str)] if isinstance(v, list) else []
 
@@ -538,8 +637,13 @@ def raw_cross_check(raw: dict[str, Any]) -> list[str]:
     route_nodes = {n: {f: _str_list(r.get(f)) for f in ROUTE_NODE_FIELDS} for n, r in routes.items()
                    if isinstance(r, dict)}
     key_routes = {n: _str_list(k.get("routes")) for n, k in keys.items() if isinstance(k, dict)}
+    fleet = _mapping(raw.get("fleet"))
+    raw_pools, raw_providers = _mapping(fleet.get("pools")), _mapping(fleet.get("providers"))
+    pools = {str(n): p for n, p in raw_pools.items() if isinstance(p, dict)}
     return [*reference_errors(set(nodes), route_nodes, set(routes), key_routes),
-            *route_rules(_valid_entries(routes, RouteConfig)), *key_rules(_valid_entries(keys, KeyConfig))]
+            *route_rules(_valid_entries(routes, RouteConfig)), *key_rules(_valid_entries(keys, KeyConfig)),
+            *fleet_rules(pools, {str(p) for p in raw_providers}, set(nodes),
+                         {n: f["nodes"] for n, f in route_nodes.items()})]
 
 
 def _shared_path(name: str, r: RouteConfig, first: str, routes: dict[str, RouteConfig]) -> list[str]:

@@ -39,6 +39,7 @@ class LiveState(Protocol):
     loaded_at: float
     file_changed_at: float | None
     reload_pending: bool
+    fleet_view: Callable[[], dict[str, Any]] | None
 
     def clock(self) -> float: ...
 
@@ -108,6 +109,28 @@ class _LiveGauges(Collector):
         if rt.file_changed_at is not None:
             changed.add_metric([], rt.file_changed_at)
         yield from (depth, infl, slots, up, br, cap, used, swaps, ok, at, pending, changed)
+        if rt.fleet_view is not None:
+            yield from _fleet_gauges(rt.fleet_view())
+
+
+def _fleet_gauges(view: dict[str, Any]) -> Iterable[GaugeMetricFamily]:
+    """docs/FLEET.md: what the rented pools cost and hold (names and numbers only, never a key)."""
+    spend = GaugeMetricFamily("kiloline_fleet_spend_per_hour", "Sum of the rented instances' $/hour")
+    spend.add_metric([], view["spend_per_hour"])
+    cap = GaugeMetricFamily("kiloline_fleet_max_spend_per_hour", "fleet.max_spend_per_hour")
+    cap.add_metric([], view["max_spend_per_hour"])
+    inst = GaugeMetricFamily("kiloline_fleet_instances", "Rented instances per pool and phase",
+                             labels=["pool", "phase"])
+    size = GaugeMetricFamily("kiloline_fleet_pool_size", "A pool's configured size", labels=["pool"])
+    price = GaugeMetricFamily("kiloline_fleet_node_price_per_hour", "A rented node's $/hour",
+                              labels=["node", "provider", "instance_id"])
+    for name, p in view["pools"].items():
+        size.add_metric([name], p["size"])
+        for phase in ("booting", "serving"):
+            inst.add_metric([name, phase], p[phase])
+    for i in view["instances"]:
+        price.add_metric([i["node"], i["provider"], i["instance_id"]], i["price_per_hour"])
+    yield from (spend, cap, inst, size, price)
 
 
 class CounterChild:
@@ -218,8 +241,9 @@ class Metrics:
         for result in ("ok", "error"):
             self.reloads.labels(result)
         self.tokens = Recorded("counter", "kiloline_tokens", "LLM tokens by route and key", ["route", "key"])
+        self.fleet_events = Recorded("counter", "kiloline_fleet_events", "Fleet events (docs/FLEET.md)", ["event"])
         r.register(_RecordedCollector([self.requests, self.queue_wait, self.upstream, self.ttft, self.rejections,
-                                       self.failovers, self.reloads, self.tokens]))
+                                       self.failovers, self.reloads, self.tokens, self.fleet_events]))
         r.register(_LiveGauges(rt))
         # The daemon's own process (CPU, memory, fds, start time), Python and its collector.
         ProcessCollector(registry=r)

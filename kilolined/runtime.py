@@ -20,7 +20,7 @@ from kilolined.adhoc import AdhocTargets, is_adhoc
 from kilolined.auth import KeyStore
 from kilolined.cluster.nodes import NodeSync
 from kilolined.cluster.view import ClusterView
-from kilolined.config import Config, ConfigError
+from kilolined.config import Config, ConfigError, NodeConfig, RouteConfig
 from kilolined.deadlines import Deadlines
 from kilolined.feed import Feed
 from kilolined.health import health_loop, refresh_models
@@ -51,6 +51,18 @@ class Component:
     name: str
     commit: Callable[[Config], None]
     prepare: Callable[[Config], list[str]] = lambda _cfg: []
+
+
+@dataclass(frozen=True)
+class PoolNode:
+    """A node the fleet rented (docs/FLEET.md): an ordinary node, plus where it comes from."""
+
+    pool: str
+    cfg: NodeConfig
+    routes: tuple[str, ...]
+    provider: str
+    instance_id: str
+    price_per_hour: float
 
 
 def _no_alert(event: str, text: str, node: str | None) -> None:
@@ -151,6 +163,10 @@ class Runtime:
         self.adapter_state: dict[str, object] = {}
         #: /v1/proxy's ad-hoc targets: their routes and nodes, bounded and dropped when idle (adhoc.py)
         self.adhoc = AdhocTargets(self.scheduler, self._forget_node)
+        #: the fleet's healthy rented nodes (kilolined/fleet/loop.py), added to the config's own
+        self.pool_nodes: dict[str, PoolNode] = {}
+        #: the fleet's ``fleet`` of /admin/state and metrics; None while no fleet runs
+        self.fleet_view: Callable[[], dict[str, Any]] | None = None
         self._apply_state(cfg)
 
     # --- config -------------------------------------------------------------------------
@@ -159,7 +175,8 @@ class Runtime:
         now = self.clock()
         sched = self.scheduler
         old_nodes = sched.nodes
-        for name, ncfg in cfg.nodes.items():
+        all_nodes = {**cfg.nodes, **{n: p.cfg for n, p in self.pool_nodes.items()}}
+        for name, ncfg in all_nodes.items():
             ns = old_nodes.get(name)
             if ns is not None and not ns.retired and ns.cfg.url == ncfg.url:
                 ns.cfg = ncfg
@@ -172,9 +189,10 @@ class Runtime:
                     old_pool.close_idle()  # in-flight exchanges finish on their own sockets
                 sched.nodes[name] = NodeState(name, ncfg)
         for name, ns in list(old_nodes.items()):
-            if name not in cfg.nodes and not name.startswith("adhoc:"):
+            if name not in all_nodes and not name.startswith("adhoc:"):
                 ns.retired = True
         for name, rcfg in cfg.routes.items():
+            rcfg = self._with_pool_nodes(name, rcfg)
             rq = sched.routes.get(name)
             if rq is None or rq.retired:
                 if rq is not None and (rq.waiting or rq.inflight):
@@ -196,6 +214,23 @@ class Runtime:
         self.limiter.forget_except(set(cfg.keys))
         self.cfg = cfg
         self._gc(now)
+
+    def _with_pool_nodes(self, route: str, rcfg: RouteConfig) -> RouteConfig:
+        joined = [n for n, p in self.pool_nodes.items() if route in p.routes and n not in rcfg.nodes]
+        return rcfg.model_copy(update={"nodes": [*rcfg.nodes, *joined]}) if joined else rcfg
+
+    def set_pool_node(self, name: str, node: PoolNode | None) -> None:
+        """Add a healthy rented node to its routes, or (None) take it out: it gets no new work and
+        what runs on it ends as on any lost node (re-queued, §3.4). Static nodes are not touched."""
+        if node is None:
+            if self.pool_nodes.pop(name, None) is None:
+                return
+        else:
+            self.pool_nodes[name] = node
+        self._apply_state(self.cfg)
+        if self.started:
+            self._sync_health_loops()
+            self.wake()
 
     def apply(self, cfg: Config, version: str) -> list[str]:
         """Apply a validated config live (docs/CONFIG.md "Hot reload"); returns warnings.

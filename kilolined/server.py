@@ -19,6 +19,7 @@ from kilolined.cluster.build import build as build_cluster
 from kilolined.config import Config, split_listen
 from kilolined.connection import EdgeHandler
 from kilolined.context import Gateway
+from kilolined.fleet.loop import Fleet
 from kilolined.jobs import Jobs
 from kilolined.listener import ConnectionGate, FdPlan, Listener, listen_sockets, raise_fd_limit
 from kilolined.notify import Notifier
@@ -40,8 +41,11 @@ class Server:
         webhooks = WebhookDeliverer(**_webhook_settings(cfg))
         self.gateway = Gateway(rt, Jobs(rt, cfg.jobs, webhooks), webhooks, notifier)
         rt.alert = lambda event, text, node: notifier.emit(event, text, node=node)
+        #: rented spot GPUs kept at their pools' sizes (docs/FLEET.md); idle without ``fleet:``
+        self.fleet = Fleet(rt)
         rt.components = [
             Component("notify", lambda c: notifier.configure(c.notify)),
+            Component("fleet", self.fleet.configure),
             Component("webhooks", lambda c: webhooks.configure(**_webhook_settings(c))),
             Component("jobs", lambda c: self.gateway.jobs.configure(c.jobs)),
             Component("fd-limit", lambda c: self._plan_fds(c.server.max_connections)),
@@ -80,6 +84,7 @@ class Server:
         await rt.start()
         if self.cluster is not None:
             await self.cluster.start()
+        self.fleet.start()
         # handler_cancellation: a client that goes away while queued must leave the queue at once.
         # shutdown_timeout is short: shutdown() waits out the grace for in-flight leases itself,
         # and aiohttp would otherwise wait it again, twice, per stuck connection.
@@ -161,6 +166,7 @@ class Server:
         if self.runner is not None:
             with contextlib.suppress(Exception):
                 await self.runner.cleanup()
+        await self.fleet.close()  # rented instances keep running: a restart finds them again by label
         if self.cluster is not None:
             await self.cluster.stop()  # limits, node sync, leader, jobs, then leases
         await rt.stop()

@@ -79,6 +79,10 @@ def state(rt: Runtime) -> dict[str, Any]:
                     # Multi-model nodes (docs/CONFIG.md#multi-model-nodes): models null = it declares none.
                     "models": ns.models.listed(ns.cfg), "warm": list(ns.models.warm or ()),
                     "warm_models": ns.cfg.warm_models}
+        pn = rt.pool_nodes.get(n)
+        if pn is not None:  # a rented node (docs/FLEET.md)
+            nodes[n].update(pool=pn.pool, provider=pn.provider, instance_id=pn.instance_id,
+                            price_per_hour=pn.price_per_hour)
     return {
         "config": rt.config_state(),
         "routes": routes,
@@ -89,6 +93,7 @@ def state(rt: Runtime) -> dict[str, Any]:
         # machines: what the hourly price is paid for (nodes sharing a URL host are one machine).
         "cost": {**rt.cfg.cost.model_dump(), "machines": machines(n.url for n in rt.cfg.nodes.values())},
         **({"cluster": rt.cluster.state(rt.version)} if rt.cluster is not None else {}),
+        **({"fleet": rt.fleet_view()} if rt.fleet_view is not None else {}),
     }
 
 

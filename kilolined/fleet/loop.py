@@ -1,0 +1,366 @@
+"""The fleet's I/O: ask the providers, probe new instances, apply ``decide``'s actions to the
+Runtime and the providers, and tell the operator (docs/FLEET.md).
+
+One task per gateway, ticking about once per health interval. In cluster mode only the gateway
+that runs the health checks (the leader) rents and destroys. Before a provider's pools may rent,
+its instances labelled ``kiloline:<pool>`` are listed and taken back: a restarted gateway finds
+what it rented, so it never rents twice and never leaves one paying.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import aiohttp
+
+from kilolined.config import Config, FleetConfig, FleetPoolConfig, FleetProviderConfig
+from kilolined.fleet.decide import (
+    AskStatus,
+    Destroy,
+    PoolRuntime,
+    PoolSpec,
+    Ready,
+    Rent,
+    RentRefused,
+    Tracked,
+    choose_offer,
+    decide,
+    remember_lost,
+    rent_failed,
+    rent_ok,
+    spend,
+)
+from kilolined.fleet.provider import GONE, RUNNING, Instance, Provider, ProviderError, label_of, pool_of
+from kilolined.fleet.runpod import RunPod
+from kilolined.fleet.vastai import VastAI
+from kilolined.runtime import PoolNode, Runtime
+
+log = logging.getLogger("kilolined")
+MIN_TICK_SEC = 0.1
+MAX_TICK_SEC = 5.0
+RECONCILE_SEC = 60.0  # how often the providers' lists are compared with what the gateway tracks
+
+
+def make_provider(cfg: FleetProviderConfig) -> Provider:
+    key = cfg.api_key.get_secret_value()
+    return VastAI(key, cfg.api_base) if cfg.kind == "vastai" else RunPod(key, cfg.api_base)
+
+
+def node_name(pool: str, instance_id: str) -> str:
+    return f"{pool}-{instance_id}"
+
+
+class Fleet:
+    def __init__(self, rt: Runtime, make: Callable[[FleetProviderConfig], Provider] = make_provider):
+        self.rt = rt
+        self._make = make
+        self.cfg: FleetConfig | None = None
+        self.providers: dict[str, Provider] = {}
+        self._provider_cfgs: dict[str, FleetProviderConfig] = {}
+        self.listed: set[str] = set()  # providers whose own instances were listed since start
+        self.instances: dict[str, Tracked] = {}
+        self.doomed: dict[str, Tracked] = {}  # destroy asked, not yet confirmed (still paid)
+        self.pools: dict[str, PoolRuntime] = {}
+        self._last_reconcile = -RECONCILE_SEC
+        self._task: asyncio.Task[None] | None = None
+        self._probe: aiohttp.ClientSession | None = None
+        self._wake = asyncio.Event()
+        rt.fleet_view = self.view
+        self.configure(rt.cfg)
+
+    # --- config -------------------------------------------------------------------------
+    def configure(self, cfg: Config) -> None:
+        """Take a new config (a reload): pools may change size or go; a gone pool's instances are
+        destroyed by the next tick (only those labelled with it). A provider whose settings change
+        gets a new client; the old one is kept while instances still need it."""
+        self.cfg = cfg.fleet
+        want = dict(cfg.fleet.providers) if cfg.fleet else {}
+        for name, pcfg in want.items():
+            if self._provider_cfgs.get(name) != pcfg:
+                old = self.providers.get(name)
+                if old is not None:
+                    self.rt.spawn(old.close())
+                self.providers[name] = self._make(pcfg)
+                self._provider_cfgs[name] = pcfg
+                self.listed.discard(name)
+        for name in set(cfg.fleet.pools if cfg.fleet else ()) - set(self.pools):
+            self.pools[name] = PoolRuntime()
+        self._wake.set()
+
+    def _pool(self, name: str) -> FleetPoolConfig | None:
+        return self.cfg.pools.get(name) if self.cfg else None
+
+    def _specs(self) -> dict[str, PoolSpec]:
+        if self.cfg is None:
+            return {}
+        return {n: PoolSpec(p.size, p.boot_timeout_sec, p.offer.max_dph) for n, p in self.cfg.pools.items()
+                if p.provider in self.listed}
+
+    def tick_sec(self) -> float:
+        if self.cfg is None or not self.cfg.pools:
+            return MAX_TICK_SEC
+        return max(MIN_TICK_SEC, min(MAX_TICK_SEC, *(p.node.health.interval_sec for p in self.cfg.pools.values())))
+
+    # --- lifecycle ----------------------------------------------------------------------
+    def start(self) -> None:
+        self._task = self.rt.spawn(self._run())
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        for p in self.providers.values():
+            await p.close()
+        if self._probe is not None:
+            await self._probe.close()
+
+    async def _run(self) -> None:
+        while True:
+            try:
+                if self.rt.checks_here():  # cluster mode: the leader's job
+                    await self.tick()
+            except Exception:  # the loop must outlive any one bad answer
+                log.exception("✗ [fleet] tick")
+            self._wake.clear()
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(self.tick_sec()):
+                    await self._wake.wait()
+
+    # --- one round ----------------------------------------------------------------------
+    async def tick(self) -> None:
+        now = self.rt.clock()
+        await self._list_providers(now)
+        await self._retry_doomed()
+        await self._observe()
+        actions = decide(self._specs(), self.pools, self._managed(), self._cap(), now, spend(self.doomed))
+        if any(isinstance(a, AskStatus) for a in actions):
+            await asyncio.gather(*(self._ask(a.id) for a in actions if isinstance(a, AskStatus)))
+            actions = decide(self._specs(), self.pools, self._managed(), self._cap(), now, spend(self.doomed))
+        for a in actions:
+            if isinstance(a, Destroy):
+                await self._destroy(a)
+        for a in actions:
+            if isinstance(a, Ready):
+                self._ready(self.instances[a.id])
+            elif isinstance(a, RentRefused):
+                self._failed(a.pool, a.reason, now)
+            elif isinstance(a, Rent) and not self.doomed:  # a destroy not confirmed: its price is still paid
+                self.pools.setdefault(a.pool, PoolRuntime()).renting = True
+                self.rt.spawn(self._rent(a))
+
+    def _cap(self) -> float:
+        return self.cfg.max_spend_per_hour if self.cfg else 0.0
+
+    def _managed(self) -> dict[str, Tracked]:
+        """Instances whose provider is listed (one not yet listed is neither rented for nor destroyed)."""
+        return {k: t for k, t in self.instances.items() if t.provider in self.listed}
+
+    async def _list_providers(self, now: float) -> None:
+        """List each provider's own instances: at start (before any rent) and every RECONCILE_SEC
+        (an instance a create made although its answer was lost is found and taken or destroyed)."""
+        due = now - self._last_reconcile >= RECONCILE_SEC
+        if any(ps.renting for ps in self.pools.values()):
+            due = False  # a create in flight would look like an orphan
+        for name, prov in self.providers.items():
+            if name in self.listed and not due:
+                continue
+            try:
+                found = await prov.list_own(self._port_for(name))
+            except ProviderError as e:
+                log.warning("⚠ [fleet] %s: cannot list instances: %s", name, e)
+                continue
+            self._take_back(name, found, now)
+            self.listed.add(name)
+        if due:
+            self._last_reconcile = now
+
+    def _port_for(self, provider: str) -> int:
+        ports = {p.template.port for p in (self.cfg.pools.values() if self.cfg else ()) if p.provider == provider}
+        return min(ports) if ports else 0
+
+    def _take_back(self, provider: str, found: list[Instance], now: float) -> None:
+        known = {(t.provider, t.instance_id) for t in [*self.instances.values(), *self.doomed.values()]}
+        for inst in found:
+            pool = pool_of(inst.label)
+            if pool is None or (provider, inst.id) in known:
+                continue
+            key = f"{provider}/{inst.id}"
+            # A pool no longer configured is destroyed by the next decision (pool_removed);
+            # one past its size loses the surplus.
+            self.instances[key] = Tracked(key, pool, inst.price, inst.machine, now, provider=provider,
+                                          instance_id=inst.id, url=inst.url,
+                                          provider_running=False if inst.status == GONE else None)
+            log.info("[fleet] %s: found instance %s of pool %s again (%s)", provider, inst.id, pool, inst.status)
+
+    async def _observe(self) -> None:
+        """Booting instances: their address and status, then a health probe. Serving ones: the
+        node's own health (a pool node's health loop is the gateway's ordinary one)."""
+        booting = [t for t in self._managed().values() if t.phase == "booting" and t.provider_running is not False]
+        await asyncio.gather(*(self._boot_step(t) for t in booting))
+        for t in self._managed().values():
+            if t.phase != "serving":
+                continue
+            ns = self.rt.scheduler.nodes.get(node_name(t.pool, t.instance_id))
+            t.healthy = ns is not None and ns.healthy
+            if t.healthy or t.provider_running:
+                t.provider_running = None  # asked afresh while it stays down: a reclaim may come later
+
+    async def _boot_step(self, t: Tracked) -> None:
+        pcfg = self._pool(t.pool)
+        prov = self.providers.get(t.provider)
+        if pcfg is None or prov is None:
+            return
+        try:
+            inst = await prov.status(t.instance_id, pcfg.template.port)
+        except ProviderError as e:
+            log.debug("[fleet] status of %s: %s", t.id, e)
+            return
+        if inst is None or inst.status == GONE:
+            t.provider_running = False
+            return
+        t.url = inst.url or t.url
+        if inst.price:
+            t.price = inst.price
+        if inst.status == RUNNING and t.url:
+            t.healthy = await self._probe_health(t.url, pcfg)
+
+    async def _probe_health(self, url: str, pcfg: FleetPoolConfig) -> bool:
+        h = pcfg.node.health
+        if self._probe is None or self._probe.closed:
+            self._probe = aiohttp.ClientSession()
+        try:
+            async with self._probe.get(url + h.path, headers=pcfg.node.headers,
+                                       timeout=aiohttp.ClientTimeout(total=h.timeout_sec)) as r:
+                return r.status in h.expect_status
+        except (aiohttp.ClientError, TimeoutError):
+            return False
+
+    async def _ask(self, key: str) -> None:
+        t = self.instances.get(key)
+        prov = self.providers.get(t.provider) if t else None
+        pcfg = self._pool(t.pool) if t else None
+        if t is None or prov is None:
+            return
+        try:
+            inst = await prov.status(t.instance_id, pcfg.template.port if pcfg else 0)
+        except ProviderError as e:
+            log.warning("⚠ [fleet] %s is down; its provider cannot say why: %s", t.id, e)
+            return  # asked again next tick: no replacement without the provider's word
+        t.provider_running = inst is not None and inst.status != GONE
+
+    # --- actions ------------------------------------------------------------------------
+    async def _destroy(self, a: Destroy) -> None:
+        t = self.instances.pop(a.id, None)
+        if t is None:
+            return
+        name = node_name(t.pool, t.instance_id)
+        self.rt.set_pool_node(name, None)  # no new work; what ran there is re-queued as from any lost node
+        now = self.rt.clock()
+        ps = self.pools.setdefault(t.pool, PoolRuntime())
+        if a.reason == "reclaimed":
+            remember_lost(ps, t.machine)
+            self._event("fleet_node_lost", f"✗ {name} reclaimed by {t.provider} (health down, provider says not "
+                        f"running): destroying it and renting a replacement", name)
+        elif a.reason == "boot_timeout":
+            pcfg = self._pool(t.pool)
+            self._failed(t.pool, f"{name} not healthy within boot_timeout_sec "
+                         f"{pcfg.boot_timeout_sec if pcfg else '?'}", now)
+        else:
+            log.info("[fleet] destroying %s (%s)", name, "pool removed" if a.reason == "pool_removed" else "over size")
+        self.doomed[a.id] = t
+        await self._destroy_now(t)
+
+    async def _destroy_now(self, t: Tracked) -> None:
+        prov = self.providers.get(t.provider)
+        if prov is None:
+            log.warning("⚠ [fleet] %s: provider %s is no longer configured; destroy it by hand", t.id, t.provider)
+            self.doomed.pop(t.id, None)
+            return
+        try:
+            await prov.destroy(t.instance_id)
+        except ProviderError as e:
+            log.warning("⚠ [fleet] destroy %s failed (%s): retried", t.id, e)
+            return
+        self.doomed.pop(t.id, None)
+
+    async def _retry_doomed(self) -> None:
+        for t in list(self.doomed.values()):
+            await self._destroy_now(t)
+
+    def _ready(self, t: Tracked) -> None:
+        pcfg = self._pool(t.pool)
+        if pcfg is None or t.url is None:
+            return
+        name = node_name(t.pool, t.instance_id)
+        node = PoolNode(pool=t.pool, cfg=pcfg.node.node(t.url, t.instance_id), routes=tuple(pcfg.routes),
+                        provider=t.provider, instance_id=t.instance_id, price_per_hour=t.price)
+        self.rt.set_pool_node(name, node)
+        t.phase = "serving"
+        rent_ok(self.pools.setdefault(t.pool, PoolRuntime()))
+        self._event("fleet_node_ready", f"✓ {name} serving on {', '.join(pcfg.routes)} "
+                    f"({t.provider}, ${t.price:.3f}/h)", name)
+
+    async def _rent(self, a: Rent) -> None:
+        ps = self.pools.setdefault(a.pool, PoolRuntime())
+        try:
+            pcfg = self._pool(a.pool)
+            prov = self.providers.get(pcfg.provider) if pcfg else None
+            if pcfg is None or prov is None:
+                return
+            try:
+                offers = await prov.search(pcfg.offer, a.exclude, a.max_price)
+                offer = choose_offer(offers, pcfg.offer, a.exclude, a.max_price)
+                if offer is None:
+                    raise ProviderError("no_offer", f"no offer fits (≤ ${a.max_price:.3f}/h, "
+                                        f"{len(offers)} offered)")
+                iid = await prov.create(offer, pcfg.offer, pcfg.template, label_of(a.pool))
+            except ProviderError as e:
+                self._failed(a.pool, f"{e.kind}: {e}", self.rt.clock(), e.retry_after)
+                return
+            key = f"{pcfg.provider}/{iid}"
+            self.instances[key] = Tracked(key, a.pool, offer.price, offer.machine, self.rt.clock(),
+                                          provider=pcfg.provider, instance_id=iid)
+            self._event("fleet_node_rented", f"⏳ {node_name(a.pool, iid)} rented from {pcfg.provider} "
+                        f"(offer {offer.id}, ${offer.price:.3f}/h): booting", node_name(a.pool, iid))
+        finally:
+            ps.renting = False
+            self._wake.set()
+
+    def _failed(self, pool: str, why: str, now: float, retry_after: float | None = None) -> None:
+        pcfg = self._pool(pool)
+        ps = self.pools.setdefault(pool, PoolRuntime())
+        delay = rent_failed(ps, pcfg.backoff_base_sec if pcfg else 60.0, now, retry_after)
+        self._event("fleet_rent_failed", f"✗ pool {pool}: rent failed ({why}); next try in {delay:g}s", pool)
+
+    def _event(self, event: str, text: str, node: str) -> None:
+        log.warning("%s", text) if event in ("fleet_node_lost", "fleet_rent_failed") else log.info("%s", text)
+        self.rt.feed.publish(event, node=node, text=text)
+        self.rt.metrics.fleet_events.labels(event).inc()
+        self.rt.notify(event, text, node=node)
+
+    # --- views --------------------------------------------------------------------------
+    def view(self) -> dict[str, Any]:
+        """``fleet`` of /admin/state (docs/API.md): pools, instances and spend. No key, ever."""
+        now = self.rt.clock()
+        pools: dict[str, Any] = {}
+        for name, p in (self.cfg.pools.items() if self.cfg else ()):
+            ps = self.pools.get(name) or PoolRuntime()
+            mine = [t for t in self.instances.values() if t.pool == name]
+            pools[name] = {
+                "provider": p.provider, "size": p.size, "routes": list(p.routes),
+                "serving": sum(1 for t in mine if t.phase == "serving"),
+                "booting": sum(1 for t in mine if t.phase == "booting"),
+                "renting": ps.renting, "failures": ps.failures,
+                "retry_in_sec": round(max(0.0, ps.retry_at - now), 1) if ps.failures else None,
+            }
+        instances = [{"node": node_name(t.pool, t.instance_id), "pool": t.pool, "provider": t.provider,
+                      "instance_id": t.instance_id, "phase": t.phase, "price_per_hour": t.price}
+                     for t in self.instances.values()]
+        return {"pools": pools, "instances": instances,
+                "spend_per_hour": round(spend(self.instances) + spend(self.doomed), 4),
+                "max_spend_per_hour": self._cap(), "destroying": len(self.doomed)}
