@@ -142,6 +142,8 @@ class Runtime:
         self.keys = KeyStore(cfg)
         self.router = Router({})
         self.feed = Feed()
+        #: the fleet's ``fleet`` of /admin/state and metrics; None while no fleet runs
+        self.fleet_view: Callable[[], dict[str, Any]] | None = None
         self.metrics = Metrics(lambda: self)
         self.stats = Stats()
         self.sessions: dict[str, aiohttp.ClientSession] = {}
@@ -165,8 +167,6 @@ class Runtime:
         self.adhoc = AdhocTargets(self.scheduler, self._forget_node)
         #: the fleet's healthy rented nodes (kilolined/fleet/loop.py), added to the config's own
         self.pool_nodes: dict[str, PoolNode] = {}
-        #: the fleet's ``fleet`` of /admin/state and metrics; None while no fleet runs
-        self.fleet_view: Callable[[], dict[str, Any]] | None = None
         self._apply_state(cfg)
 
     # --- config -------------------------------------------------------------------------

@@ -149,7 +149,7 @@ def test_a_reclaim_is_answered_by_exactly_one_rent(extra: int) -> None:
     acts = decide(pools, state, inst, 2.0, 3.0)
     assert acts[0] == Destroy("a", "p", "reclaimed")
     rents = [a for a in acts if isinstance(a, Rent)]
-    assert len(rents) == 1 and rents[0].max_price == 0.5
+    assert rents == [Rent("p", 0.5, frozenset({"m-a"}))]  # never back on the machine just lost
     del inst["a"]
     remember_lost(state["p"], "m-a")
     state["p"].renting = True

@@ -114,12 +114,15 @@ def decide(pools: dict[str, PoolSpec], state: dict[str, PoolRuntime], instances:
     ``held``: $/hour of instances being destroyed, paid until the provider confirms."""
     actions: list[Action] = []
     gone: set[str] = set()
+    lost_now: dict[str, set[str]] = {}  # machines reclaimed this round, per pool
     for t in instances.values():
         act = _instance_action(t, pools.get(t.pool), now)
         if act is not None:
             actions.append(act)
             if isinstance(act, Destroy):
                 gone.add(t.id)
+                if act.reason == "reclaimed" and t.machine is not None:
+                    lost_now.setdefault(t.pool, set()).add(t.machine)
     live = {i: t for i, t in instances.items() if i not in gone}
     for name, spec in pools.items():
         mine = [t for t in live.values() if t.pool == name]
@@ -139,7 +142,8 @@ def decide(pools: dict[str, PoolSpec], state: dict[str, PoolRuntime], instances:
         if room <= 0:
             actions.append(RentRefused(name, f"max_spend_per_hour {cap:g} reached ({paid:g} $/h live)"))
             continue
-        actions.append(Rent(name, min(spec.max_dph, room), frozenset(ps.lost_machines)))
+        exclude = frozenset(ps.lost_machines) | lost_now.get(name, set())
+        actions.append(Rent(name, min(spec.max_dph, room), exclude))
         break  # the next pool decides on the spend this rent adds
     return actions
 

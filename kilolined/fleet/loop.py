@@ -169,15 +169,33 @@ class Fleet:
         for name, prov in self.providers.items():
             if name in self.listed and not due:
                 continue
+            if name not in self.listed and not self._may_list(name, now):
+                continue
             try:
                 found = await prov.list_own(self._port_for(name))
             except ProviderError as e:
                 log.warning("⚠ [fleet] %s: cannot list instances: %s", name, e)
+                if name not in self.listed:
+                    self._unlisted(name, f"cannot list {name}'s instances: {e.kind}: {e}", now, e.retry_after)
                 continue
             self._take_back(name, found, now)
             self.listed.add(name)
         if due:
             self._last_reconcile = now
+
+    def _may_list(self, provider: str, now: float) -> bool:
+        """An unlisted provider is asked again once its pools' backoff has passed."""
+        waits = [self.pools.get(n, PoolRuntime()).retry_at for n, p in (self.cfg.pools.items() if self.cfg else ())
+                 if p.provider == provider]
+        return not waits or now >= min(waits)
+
+    def _unlisted(self, provider: str, why: str, now: float, retry_after: float | None) -> None:
+        """A provider not yet listed cannot rent (it might hold our instances): its pools wait,
+        backed off and alerted like a failed rent."""
+        for name, p in (self.cfg.pools.items() if self.cfg else ()):
+            ps = self.pools.setdefault(name, PoolRuntime())
+            if p.provider == provider and p.size > 0 and now >= ps.retry_at:
+                self._failed(name, why, now, retry_after)
 
     def _port_for(self, provider: str) -> int:
         ports = {p.template.port for p in (self.cfg.pools.values() if self.cfg else ()) if p.provider == provider}

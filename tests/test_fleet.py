@@ -1,0 +1,216 @@
+"""The self-healing fleet end to end (docs/FLEET.md): the real daemon over loopback against the
+fake Vast.ai market (``kilolined fakegpu --provider vastai``, in process), whose instances are
+fakegpu cards it starts itself and can reclaim on demand.
+
+Each test is one row of docs/FLEET.md's failure table.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import aiohttp
+import pytest
+from conftest import ADMIN, auth, base_config, wait_until
+
+from kilolined.config import FleetOfferConfig, FleetTemplateConfig
+from kilolined.fakegpu.provider import FakeProvider
+from kilolined.fakegpu.provider_vastai import VastWire
+from kilolined.fleet.vastai import VastAI
+from kilolined.reload import reload_from_file
+
+API_KEY = "vast-SECRET-key-0123456789abcdef"
+HEALTH = {"path": "/health", "interval_sec": 0.2, "timeout_sec": 0.5, "fall": 2, "rise": 1}
+WAIT = 30  # generous: a loaded 2-core box
+
+
+@pytest.fixture
+async def market() -> AsyncIterator[Callable[..., Awaitable[FakeProvider]]]:
+    made: list[FakeProvider] = []
+
+    async def make(boot_sec: float = 0.3) -> FakeProvider:
+        fp = FakeProvider(VastWire(), api_key=API_KEY, boot_sec=boot_sec,
+                          card_options={"steps": 4, "step_ms": 25})
+        await fp.start()
+        made.append(fp)
+        return fp
+
+    yield make
+    for fp in made:
+        await fp.stop()
+
+
+def pool(size: int = 2, route: str = "pool", max_dph: float = 0.5) -> dict[str, Any]:
+    return {"provider": "vast", "size": size, "routes": [route], "boot_timeout_sec": 20, "backoff_base_sec": 0.2,
+            "offer": {"gpu_name": "RTX 4090", "num_gpus": 1, "max_dph": max_dph, "min_reliability": 0.97,
+                      "interruptible": True},
+            "template": {"image": "fake/generic", "disk_gb": 10, "env": {"FAKEGPU_KIND": "generic"}, "port": 8080},
+            "node": {"health": HEALTH, "max_concurrency": 2, "label": "Vast {id}"}}
+
+
+def fleet_config(static_url: str, fp: FakeProvider, pools: dict[str, Any], cap: float = 2.0) -> dict[str, Any]:
+    cfg = base_config({"static": static_url})
+    cfg["nodes"]["static"]["health"] = HEALTH
+    for name in {r for p in pools.values() for r in p["routes"]}:
+        cfg["routes"][name] = {"path": f"/{name}", "nodes": [], "max_concurrency": 2, "queue_timeout_sec": 60,
+                               "request_timeout_sec": 30, "retry_on_failover": 3}
+    cfg["fleet"] = {"providers": {"vast": {"kind": "vastai", "api_key": API_KEY, "api_base": fp.url}},
+                    "pools": pools, "max_spend_per_hour": cap}
+    return cfg
+
+
+def live(fp: FakeProvider, label: str | None = None) -> list[Any]:
+    return [i for i in fp.live() if label is None or i.label == label]
+
+
+def serving(gw: Any, pool_name: str = "p") -> list[str]:
+    """Pool nodes in the scheduler that are up (joined their routes)."""
+    return [n for n, p in gw.rt.pool_nodes.items() if p.pool == pool_name and gw.rt.scheduler.nodes[n].healthy]
+
+
+def events(gw: Any, event: str) -> float:
+    return float(gw.rt.metrics.fleet_events.labels(event).value)
+
+
+class Load:
+    """Steady requests on a route from a few clients; every answer is kept."""
+
+    def __init__(self, http: aiohttp.ClientSession, url: str, clients: int = 3):
+        self.statuses: list[int] = []
+        self._stop = asyncio.Event()
+        self._tasks = [asyncio.ensure_future(self._client(http, url)) for _ in range(clients)]
+
+    async def _client(self, http: aiohttp.ClientSession, url: str) -> None:
+        while not self._stop.is_set():
+            async with http.post(url, json={}, headers=auth()) as r:
+                await r.read()
+                self.statuses.append(r.status)
+
+    async def stop(self) -> list[int]:
+        self._stop.set()
+        await asyncio.gather(*self._tasks)
+        return self.statuses
+
+
+async def test_reclaimed_node_is_replaced_and_no_request_is_lost(fakegpus: Any, gateway: Any, market: Any,
+                                                                  http: aiohttp.ClientSession) -> None:
+    fp = await market()
+    static = await fakegpus()
+    gw = await gateway(fleet_config(static.url, fp, {"p": pool()}))
+    await wait_until(lambda: len(serving(gw)) == 2, timeout=WAIT)
+    load = Load(http, gw.url + "/pool/generate")
+    await wait_until(lambda: len(load.statuses) >= 6, timeout=WAIT)
+    victim = live(fp)[0]
+    async with http.post(f"{fp.url}/_fake/reclaim/{victim.id}") as r:
+        assert r.status == 200
+    lost_name = f"p-{victim.id}"
+    await wait_until(lambda: events(gw, "fleet_node_lost") == 1, timeout=WAIT)
+    await wait_until(lambda: len(serving(gw)) == 2 and lost_name not in gw.rt.pool_nodes, timeout=WAIT)
+    served_before = len(load.statuses)
+    await wait_until(lambda: len(load.statuses) >= served_before + 6, timeout=WAIT)
+    statuses = await load.stop()
+    assert set(statuses) == {200}, statuses  # nothing lost: the reclaimed node's work was re-queued
+    assert len(fp.instances) == 3 and len(live(fp)) == 2  # one replacement, and the lost one destroyed
+    assert fp.instances[victim.id].status == "destroyed"
+    new = [i for i in live(fp) if i.id not in {victim.id}]
+    assert all(i.offer.machine_id != victim.offer.machine_id for i in new)  # not the machine just lost
+    assert fp.spend_per_hour() <= 2.0
+    assert (events(gw, "fleet_node_rented"), events(gw, "fleet_node_ready")) == (3, 3)
+    async with http.get(gw.url + "/admin/state", headers=ADMIN) as r:
+        state = await r.json()
+    name = next(n for n in gw.rt.pool_nodes)
+    node = state["nodes"][name]
+    assert node["provider"] == "vast" and node["pool"] == "p" and node["price_per_hour"] > 0
+    assert name == f"p-{node['instance_id']}" and node["label"] == f"Vast {node['instance_id']}"
+    assert state["fleet"]["pools"]["p"]["serving"] == 2 and state["fleet"]["spend_per_hour"] <= 2.0
+    assert "static" in state["nodes"] and state["routes"]["gen"]["nodes"] == ["static"]
+
+
+async def test_gateway_restarted_mid_rent_rents_no_second_instance(fakegpus: Any, gateway: Any, market: Any) -> None:
+    fp = await market(boot_sec=2.0)  # the restart lands while the instances boot
+    static = await fakegpus()
+    cfg = fleet_config(static.url, fp, {"p": pool()})
+    first = await gateway(copy.deepcopy(cfg))
+    await wait_until(lambda: len(fp.instances) == 2, timeout=WAIT)
+    assert all(i.status == "loading" for i in fp.instances.values())
+    await first.server.shutdown()
+    second = await gateway(copy.deepcopy(cfg))
+    await wait_until(lambda: len(serving(second)) == 2, timeout=WAIT)
+    assert len(fp.instances) == 2, "the restarted gateway rented again"
+    assert {f"p-{i}" for i in fp.instances} == set(second.rt.pool_nodes)
+    assert events(second, "fleet_node_rented") == 0
+
+
+async def test_provider_down_backs_off_alerts_and_static_nodes_serve(fakegpus: Any, gateway: Any, market: Any,
+                                                                     http: aiohttp.ClientSession,
+                                                                     caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.DEBUG)
+    fp = await market()
+    static = await fakegpus()
+    gw = await gateway(fleet_config(static.url, fp, {"p": pool(size=1)}))
+    await wait_until(lambda: len(serving(gw)) == 1, timeout=WAIT)
+    async with http.post(f"{fp.url}/_fake/fail", json={"status": 503, "count": None, "op": "search"}) as r:
+        assert r.status == 200
+    async with http.post(f"{fp.url}/_fake/reclaim/{live(fp)[0].id}") as r:
+        assert r.status == 200
+    await wait_until(lambda: events(gw, "fleet_rent_failed") >= 3, timeout=WAIT)
+    view = gw.rt.fleet_view()
+    assert view["pools"]["p"]["failures"] >= 3 and view["pools"]["p"]["serving"] == 0
+    for _ in range(3):  # the static route is not touched by the pool's trouble
+        async with http.post(gw.url + "/gen/generate", json={}, headers=auth()) as r:
+            assert r.status == 200
+    assert gw.rt.scheduler.nodes["static"].healthy
+    async with http.delete(f"{fp.url}/_fake/fail") as r:
+        assert r.status == 200
+    await wait_until(lambda: len(serving(gw)) == 1, timeout=WAIT)
+    assert gw.rt.fleet_view()["pools"]["p"]["failures"] == 0
+    # The key is in no log line, state or metric.
+    async with http.get(gw.url + "/admin/state", headers=ADMIN) as r:
+        assert API_KEY not in await r.text()
+    async with http.get(gw.url + "/metrics", headers=ADMIN) as r:
+        text = await r.text()
+        assert "kiloline_fleet_spend_per_hour" in text and API_KEY not in text
+    assert API_KEY not in caplog.text and "reclaimed by vast" in caplog.text
+    assert API_KEY not in repr(gw.rt.cfg) and API_KEY not in str(gw.rt.cfg.model_dump())
+
+
+async def test_spend_cap_is_never_passed(fakegpus: Any, gateway: Any, market: Any) -> None:
+    fp = await market()
+    static = await fakegpus()
+    # Bids on the fitting 4090s are 0.25-0.28 $/h: after the first (0.25) a cap of 0.5 leaves 0.25,
+    # under every other offer.
+    gw = await gateway(fleet_config(static.url, fp, {"p": pool(size=3)}, cap=0.5))
+    await wait_until(lambda: events(gw, "fleet_rent_failed") >= 2, timeout=WAIT)
+    assert fp.spend_per_hour() <= 0.5
+    assert gw.rt.fleet_view()["spend_per_hour"] <= 0.5
+    assert len(live(fp)) < 3
+
+
+async def test_reload_resizes_and_a_removed_pool_destroys_only_its_own(fakegpus: Any, gateway: Any, market: Any) -> None:
+    fp = await market()
+    static = await fakegpus()
+    cfg = fleet_config(static.url, fp, {"p": pool(size=1), "q": pool(size=1, route="other")})
+    gw = await gateway(copy.deepcopy(cfg))
+    await wait_until(lambda: len(serving(gw, "p")) == 1 and len(serving(gw, "q")) == 1, timeout=WAIT)
+    # An instance the gateway did not rent, on the same account.
+    vast = VastAI(API_KEY, fp.url)
+    try:
+        offer_cfg = FleetOfferConfig(gpu_name="RTX 3090", max_dph=1.0)
+        offers = await vast.search(offer_cfg, frozenset(), 1.0)
+        foreign = await vast.create(offers[0], offer_cfg, FleetTemplateConfig(image="x", port=8080), "mine")
+    finally:
+        await vast.close()
+    q_ids = {i.id for i in live(fp, "kiloline:q")}
+    del cfg["fleet"]["pools"]["q"]
+    del cfg["routes"]["other"]
+    cfg["fleet"]["pools"]["p"]["size"] = 2
+    gw.write_config(cfg)
+    assert await reload_from_file(gw.rt, "test") == []
+    await wait_until(lambda: len(serving(gw, "p")) == 2 and not live(fp, "kiloline:q"), timeout=WAIT)
+    assert all(fp.instances[i].status == "destroyed" for i in q_ids)
+    assert fp.instances[foreign].status != "destroyed"  # not the gateway's: never touched
+    assert gw.rt.scheduler.nodes["static"].healthy and not gw.rt.scheduler.nodes["static"].retired
