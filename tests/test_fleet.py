@@ -190,7 +190,8 @@ async def test_spend_cap_is_never_passed(fakegpus: Any, gateway: Any, market: An
     assert len(live(fp)) < 3
 
 
-async def test_reload_resizes_and_a_removed_pool_destroys_only_its_own(fakegpus: Any, gateway: Any, market: Any) -> None:
+async def test_reload_resizes_and_a_removed_pool_destroys_only_its_own(fakegpus: Any, gateway: Any,
+                                                                        market: Any) -> None:
     fp = await market()
     static = await fakegpus()
     cfg = fleet_config(static.url, fp, {"p": pool(size=1), "q": pool(size=1, route="other")})

@@ -1,4 +1,4 @@
-"""Self-healing fleet (SPEC §15, docs/FLEET.md): pools of rented spot GPUs kept at their size.
+"""Self-healing fleet (docs/FLEET.md): pools of rented spot GPUs kept at their size.
 
 ``decide`` is the pure policy (what to rent, destroy, add) with time passed in; ``provider``
 the small interface every GPU market is spoken through; ``vastai`` and ``runpod`` its two wire

@@ -1,7 +1,7 @@
 """The fleet's policy as pure logic: given the pools, the instances known and the time, what to
 rent, destroy and add. No I/O, no clock of its own (``now`` is passed in).
 
-The rules (SPEC §15, docs/FLEET.md):
+The rules (docs/FLEET.md):
 - a serving node whose health is down is *reclaimed* only once the provider also says it is not
   running (a node that only lost the network is left alone); a reclaimed node is destroyed;
 - a pool short of its size rents one instance at a time, so a loss is answered by exactly one

@@ -1,0 +1,100 @@
+"""The gateway's provider clients (kilolined/fleet/vastai.py) against the fake market over
+loopback: the same fake the official ``vastai`` client is checked against, so the two agree on
+the wire. Failures are sorted into kinds, a 429's Retry-After is handed up, and the key never
+appears in an error.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import aiohttp
+import pytest
+from conftest import wait_until
+
+from kilolined.config import FleetOfferConfig, FleetTemplateConfig
+from kilolined.fakegpu.provider import FakeProvider
+from kilolined.fakegpu.provider_vastai import VastWire
+from kilolined.fleet.provider import GONE, RUNNING, ProviderError
+from kilolined.fleet.vastai import VastAI
+
+KEY = "vast-test-key-abcdef0123456789"
+OFFER = FleetOfferConfig(gpu_name="RTX 4090", max_dph=0.5, min_reliability=0.97)
+TEMPLATE = FleetTemplateConfig(image="fake/generic", port=8080, env={"FAKEGPU_KIND": "generic"})
+
+
+@pytest.fixture
+async def fake() -> AsyncIterator[FakeProvider]:
+    fp = FakeProvider(VastWire(), api_key=KEY, boot_sec=0.2, card_options={"steps": 2, "step_ms": 10})
+    await fp.start()
+    yield fp
+    await fp.stop()
+
+
+async def inject(fake: FakeProvider, plan: dict[str, object]) -> None:
+    async with aiohttp.ClientSession() as s, s.post(f"{fake.url}/_fake/fail", json=plan) as r:
+        assert r.status == 200
+
+
+async def test_vast_client_rents_finds_and_destroys(fake: FakeProvider) -> None:
+    vast = VastAI(KEY, fake.url)
+    try:
+        offers = await vast.search(OFFER, frozenset({"501"}), 0.5)
+        assert offers and all(o.machine != "501" and o.price <= 0.5 and o.reliability >= 0.97 for o in offers)
+        iid = await vast.create(offers[0], OFFER, TEMPLATE, "kiloline:p")
+        assert fake.instances[iid].label == "kiloline:p" and fake.instances[iid].interruptible
+
+        async def running() -> bool:
+            inst = await vast.status(iid, 8080)
+            return inst is not None and inst.status == RUNNING and inst.url is not None
+        await wait_until(running, timeout=20)
+        inst = await vast.status(iid, 8080)
+        assert inst is not None and inst.url is not None
+        async with aiohttp.ClientSession() as s, s.get(inst.url + "/health") as r:
+            assert r.status == 200  # the mapped port reaches the instance's card
+        assert [i.id for i in await vast.list_own(8080)] == [iid]
+        async with aiohttp.ClientSession() as s, s.post(f"{fake.url}/_fake/reclaim/{iid}") as r:
+            assert r.status == 200
+        after = await vast.status(iid, 8080)
+        assert after is not None and after.status == GONE
+        await vast.destroy(iid)
+        assert await vast.status(iid, 8080) is None
+        await vast.destroy(iid)  # destroying what is gone is what was asked: no error
+    finally:
+        await vast.close()
+
+
+async def test_vast_client_reports_retry_after(fake: FakeProvider) -> None:
+    vast = VastAI(KEY, fake.url)
+    try:
+        await inject(fake, {"status": 429, "retry_after": 2.5, "op": "search"})
+        with pytest.raises(ProviderError) as e:
+            await vast.search(OFFER, frozenset(), 0.5)
+        assert e.value.kind == "rate_limited" and e.value.retry_after == 2.5
+        await inject(fake, {"status": 403, "op": "create"})
+        offers = await vast.search(OFFER, frozenset(), 0.5)
+        with pytest.raises(ProviderError) as e:
+            await vast.create(offers[0], OFFER, TEMPLATE, "kiloline:p")
+        assert e.value.kind == "client"
+    finally:
+        await vast.close()
+
+
+async def test_a_wrong_key_is_refused_and_never_echoed(fake: FakeProvider) -> None:
+    wrong = "vast-WRONG-key-that-must-not-leak"
+    vast = VastAI(wrong, fake.url)
+    try:
+        with pytest.raises(ProviderError) as e:
+            await vast.list_own(8080)
+        assert e.value.kind == "client" and "401" in str(e.value) and wrong not in str(e.value)
+        assert wrong not in repr(vast.__dict__)
+    finally:
+        await vast.close()
+    down = VastAI(KEY, "http://127.0.0.1:9")  # nothing listens: the API is unreachable
+    try:
+        with pytest.raises(ProviderError) as e:
+            await asyncio.wait_for(down.list_own(8080), 30)
+        assert e.value.kind == "network" and KEY not in str(e.value)
+    finally:
+        await down.close()
