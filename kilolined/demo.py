@@ -25,6 +25,8 @@ import aiohttp
 
 from kilolined.config import parse_config
 from kilolined.fakegpu import FakeGPU
+from kilolined.fakegpu.provider import FakeProvider
+from kilolined.fakegpu.provider_vastai import VastWire
 from kilolined.server import Server
 
 BURST = 10
@@ -269,6 +271,7 @@ async def run_demo(once: bool, port: int = 8080, out: TextIO | None = None) -> i
                     await asyncio.sleep(gpu_c.crash_sec + 1.2)  # the card comes back, its breaker closes
             say(st.dim("   slots count requests; capacity counts what they hold: small images fill the room "
                        "a large one leaves, and no mix overflows the card"))
+            fleet_ok = await fleet_scene(http, say, st)
         say()
         say(st.bold("Dashboard: ") + f"{gw}/dashboard")
         say(st.bold("Admin key: ") + admin_key)
@@ -277,7 +280,7 @@ async def run_demo(once: bool, port: int = 8080, out: TextIO | None = None) -> i
         if once:
             say(st.dim("--once: the gateway stops here; run `kilolined demo` to keep it up and "
                        "watch the same bursts on its dashboard."))
-            return 0 if s.get("200") == BURST and cost_ok else 1
+            return 0 if s.get("200") == BURST and cost_ok and fleet_ok else 1
         say(st.dim("Running; Ctrl-C to stop."))
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
@@ -299,3 +302,88 @@ async def run_demo(once: bool, port: int = 8080, out: TextIO | None = None) -> i
 def _failovers(server: object) -> float:
     assert isinstance(server, Server)
     return server.rt.metrics.failovers.total()
+
+
+# --- 5. the self-healing fleet (docs/FLEET.md) ----------------------------------------------------
+
+FLEET_BOOT_SEC = 0.5
+
+
+def fleet_config(market: str, admin_key: str, key: str) -> str:
+    """A gateway of its own: one spot pool of 2 on the fake Vast.ai market, serving /spot."""
+    health = "{path: /health, interval_sec: 0.2, timeout_sec: 0.5, fall: 2, rise: 1}"
+    return f"""
+server: {{listen: "127.0.0.1:0", shutdown_grace_sec: 3, access_log: false}}
+admin: {{key_sha256: "{hashlib.sha256(admin_key.encode()).hexdigest()}"}}
+keys:
+  demo: {{key_sha256: "{hashlib.sha256(key.encode()).hexdigest()}", routes: ["*"]}}
+nodes:
+  unused: {{url: "http://127.0.0.1:9"}}
+routes:
+  idle: {{path: /idle, nodes: [unused]}}
+  spot: {{path: /spot, nodes: [], max_concurrency: 2, queue_timeout_sec: 60, retry_on_failover: 3}}
+fleet:
+  providers: {{vast: {{kind: vastai, api_key: "demo-key", api_base: "{market}"}}}}
+  pools:
+    spot-4090:
+      provider: vast
+      size: 2
+      offer: {{gpu_name: "RTX 4090", max_dph: 0.45, min_reliability: 0.97}}
+      template: {{image: "fake/generic", env: {{FAKEGPU_KIND: generic}}, port: 8080}}
+      node: {{health: {health}, label: "Vast {{id}}"}}
+      routes: [spot]
+      backoff_base_sec: 1
+  max_spend_per_hour: 1.00
+"""
+
+
+async def fleet_scene(http: aiohttp.ClientSession, say: Callable[[str], None], st: Style) -> bool:
+    """A pool of 2 rented spot GPUs; one is reclaimed mid-burst; a replacement is rented and
+    serves, and nothing is lost. True when all of that held."""
+    say("")
+    say(st.bold("5) Self-healing fleet: a pool of 2 rented spot GPUs, one reclaimed mid-burst"))
+    market = FakeProvider(VastWire(), api_key="demo-key", boot_sec=FLEET_BOOT_SEC,
+                          card_options={"steps": STEPS, "step_ms": STEP_MS})
+    await market.start()
+    admin_key, key = "kl_" + secrets.token_urlsafe(24), "kl_" + secrets.token_urlsafe(24)
+    server: Server | None = None
+    try:
+        server = await started(fleet_config(market.url, admin_key, key))
+        rt = server.rt
+        if not await _until(lambda: len(rt.pool_nodes) == 2, 30):
+            say(st.red("   the pool never filled"))
+            return False
+        say(f"   rented {', '.join(sorted(rt.pool_nodes))} at "
+            f"${sum(p.price_per_hour for p in rt.pool_nodes.values()):.2f}/h (cap $1.00/h)")
+        gw, hdr = f"http://127.0.0.1:{server.port}", {"Authorization": f"Bearer {key}"}
+        burst = [asyncio.create_task(fire(http, gw + "/spot/generate", hdr, i)) for i in range(BURST)]
+        await asyncio.sleep(STEPS * STEP_MS / 1000 * 1.5)
+        victim = market.live()[0]
+        await market.reclaim(victim)
+        say(f"   {st.yellow(f'⚡ spot-4090-{victim.id} reclaimed by the host')} with "
+            f"{sum(1 for t in burst if not t.done())} requests unfinished")
+        res = await asyncio.gather(*burst)
+        healed = await _until(lambda: len(rt.pool_nodes) == 2 and f"spot-4090-{victim.id}" not in rt.pool_nodes, 30)
+        s = summary(res)
+        new = sorted(set(rt.pool_nodes) - {f"spot-4090-{i.id}" for i in market.instances.values()
+                                            if i.status == "destroyed"})
+        say(f"   {bar(res, st)}")
+        ok = s.get("200") == BURST and healed and len(market.live()) == 2
+        verdict = (st.green(f"nothing lost: {s.get('200', 0)}/{BURST} served") if s.get("200") == BURST
+                   else st.red(f"lost some: {s}"))
+        say(f"   {verdict}; serving now: {', '.join(new)}; instances rented in all: {len(market.instances)}, "
+            f"live: {len(market.live())}, spend ${market.spend_per_hour():.2f}/h")
+        return ok
+    finally:
+        if server is not None:
+            await server.shutdown()
+        await market.stop()
+
+
+async def _until(pred: Callable[[], bool], timeout: float) -> bool:
+    end = time.monotonic() + timeout
+    while not pred():
+        if time.monotonic() > end:
+            return False
+        await asyncio.sleep(0.05)
+    return True

@@ -333,6 +333,12 @@ class Fleet:
             try:
                 offers = await prov.search(pcfg.offer, a.exclude, a.max_price)
                 offer = choose_offer(offers, pcfg.offer, a.exclude, a.max_price)
+                if offer is None and len(a.exclude) > 1:
+                    # Every fitting machine was lost recently: avoid only the one lost last,
+                    # rather than leave the pool short until an old loss is forgotten.
+                    last = frozenset(ps.lost_machines[-1:])
+                    offers = await prov.search(pcfg.offer, last, a.max_price)
+                    offer = choose_offer(offers, pcfg.offer, last, a.max_price)
                 if offer is None:
                     raise ProviderError("no_offer", f"no offer fits (≤ ${a.max_price:.3f}/h, "
                                         f"{len(offers)} offered)")
