@@ -18,6 +18,7 @@ from kilolined.cluster.persistence import warnings as redis_persistence_warnings
 from kilolined.config import ConfigError, ServerConfig, default_config_path, load_config
 from kilolined.demo import run_demo
 from kilolined.fakegpu.provider import Wire, run_provider
+from kilolined.fakegpu.provider_runpod import RunPodWire
 from kilolined.fakegpu.provider_vastai import VastWire
 from kilolined.probe import probe_all
 from kilolined.server import serve
@@ -134,7 +135,7 @@ def cmd_fakegpu(args: argparse.Namespace) -> int:
 
 def run_fake_provider(args: argparse.Namespace) -> int:
     """`fakegpu --provider`: the fake market; the card flags apply to every instance's card."""
-    wire: Wire = VastWire()
+    wire: Wire = VastWire() if args.provider == "vastai" else RunPodWire()
     card_options = {"vram_gb": args.vram_gb, "job_vram_gb": args.job_vram_gb, "steps": args.steps,
                     "step_ms": args.step_ms, "crash_sec": args.crash_sec, "ctx_size": args.ctx_size,
                     "progress_min_sec": args.progress_min_ms / 1000, "capacity_mode": args.capacity_mode}
@@ -201,7 +202,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"default 8188; with --provider: the API's port, default {FAKE_PROVIDER_PORT}")
     f.add_argument("--kind", choices=("generic", "comfyui", "openai"), default="generic",
                    help="with --provider: the kind of an instance whose image names none (docs/BACKENDS.md)")
-    f.add_argument("--provider", choices=("vastai",), default=None,
+    f.add_argument("--provider", choices=("vastai", "runpod"), default=None,
                    help="serve a fake Vast.ai or RunPod API whose instances are simulated cards")
     f.add_argument("--boot-sec", type=float, default=5.0,
                    help="with --provider: seconds from create until the instance's card answers")

@@ -7,9 +7,9 @@ this loop.
 from __future__ import annotations
 
 import asyncio
+import importlib
 import json
 import os
-import re
 import subprocess
 import sys
 import time
@@ -21,13 +21,12 @@ import aiohttp
 import pytest
 import requests
 from conftest import wait_until
-from vastai.sdk import VastAI
+from fakeprovider_util import CARD, answers, fail, fake_state, reclaim, start_cli_provider
 
 from kilolined.fakegpu.provider import FakeProvider
 from kilolined.fakegpu.provider_vastai import VastWire
 
 KEY = "vast-test-key"
-CARD = {"steps": 2, "step_ms": 5, "crash_sec": 0.2}
 
 
 @pytest.fixture
@@ -38,31 +37,15 @@ async def vast() -> AsyncIterator[FakeProvider]:
     await market.stop()
 
 
-def client(market: FakeProvider, key: str = KEY, retry: int = 3) -> VastAI:
-    return VastAI(api_key=key, server_url=market.url, retry=retry)
+def client(market: FakeProvider | str, key: str = KEY, retry: int = 3) -> Any:
+    """The official SDK pointed at the fake by its base-URL setting. Imported on first use: it
+    takes seconds, which every xdist worker would pay at collection."""
+    vastai_sdk = importlib.import_module("vastai.sdk")
+    url = market if isinstance(market, str) else market.url
+    return vastai_sdk.VastAI(api_key=key, server_url=url, retry=retry)
 
 
-async def answers(url: str) -> bool:
-    """Whether anything listens at `url` (a card that is down refuses the connection)."""
-    try:
-        async with aiohttp.ClientSession() as s, s.get(url, timeout=aiohttp.ClientTimeout(total=2)) as r:
-            return r.status < 500
-    except (TimeoutError, aiohttp.ClientError):
-        return False
-
-
-async def fake_state(market: FakeProvider) -> dict[str, Any]:
-    async with aiohttp.ClientSession() as s, s.get(f"{market.url}/_fake/instances") as r:
-        assert r.status == 200
-        return dict(await r.json())
-
-
-async def fail(market: FakeProvider, plan: dict[str, Any]) -> None:
-    async with aiohttp.ClientSession() as s, s.post(f"{market.url}/_fake/fail", json=plan) as r:
-        assert r.status == 200
-
-
-async def running_row(vai: VastAI, iid: int) -> dict[str, Any]:
+async def running_row(vai: Any, iid: int) -> dict[str, Any]:
     row: dict[str, Any] = {}
 
     async def up() -> bool:
@@ -139,8 +122,7 @@ async def test_reclaim_exits_the_instance_and_silences_its_card(vast: FakeProvid
     assert row["is_bid"] is True and row["dph_total"] == 0.3
     node = f"http://127.0.0.1:{row['ports']['8188/tcp'][0]['HostPort']}/system_stats"
     assert await answers(node)
-    async with aiohttp.ClientSession() as s, s.post(f"{vast.url}/_fake/reclaim/{iid}") as r:
-        assert r.status == 200 and (await r.json())["status"] == "exited"
+    assert (await reclaim(vast, iid))["status"] == "exited"
     gone = await asyncio.to_thread(vai.show_instance, iid)
     assert gone["actual_status"] == "exited" and gone["ports"] == {}
     assert not await answers(node)
@@ -155,15 +137,15 @@ async def test_reclaim_exits_the_instance_and_silences_its_card(vast: FakeProvid
 
 
 async def test_reclaim_during_boot_never_serves(vast: FakeProvider) -> None:
-    vast.boot_sec = 0.3
+    vast.boot_sec = 30  # the reclaim comes long before
     vai = client(vast)
     iid = (await asyncio.to_thread(vai.create_instance, 1003, image="comfyui"))["new_contract"]
-    async with aiohttp.ClientSession() as s, s.post(f"{vast.url}/_fake/reclaim/{iid}") as r:
-        assert r.status == 200
-    await asyncio.sleep(0.6)  # past the boot time: the boot must have been called off
+    await reclaim(vast, iid)
+    # The reclaim called the boot off and waited for it: no card will ever start.
+    boot = vast.instances[str(iid)].boot
+    assert boot is not None and boot.cancelled() and vast.instances[str(iid)].card is None
     row = await asyncio.to_thread(vai.show_instance, iid)
     assert row["actual_status"] == "exited" and row["ports"] == {}
-    assert vast.instances[str(iid)].card is None
 
 
 async def test_the_client_waits_out_retry_after_and_gets_the_429_when_it_persists(vast: FakeProvider) -> None:
@@ -224,16 +206,9 @@ def test_the_vastai_cli_works_against_kilolined_fakegpu_provider(tmp_path: Path)
     own, and the `vastai` CLI pointed at it with --url."""
     offers = tmp_path / "offers.json"
     offers.write_text(json.dumps([{"id": 11, "machine_id": 110, "gpu_name": "RTX 4090", "dph_total": 0.35}]))
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "kilolined", "fakegpu", "--provider", "vastai", "--port", "0", "--boot-sec", "0.2",
-         "--api-key", KEY, "--offers", str(offers), "--steps", "2", "--step-ms", "5"],
-        stderr=subprocess.PIPE, text=True)
+    proc, url = start_cli_provider("vastai", "--boot-sec", "0.2", "--api-key", KEY, "--offers", str(offers),
+                                   "--steps", "2", "--step-ms", "5")
     try:
-        assert proc.stderr is not None
-        line = proc.stderr.readline()
-        found = re.search(r"fakegpu provider vastai listening on (http://\S+)", line)
-        assert found, line
-        url = found.group(1)
         vastai = [str(Path(sys.executable).parent / "vastai"), "--url", url, "--api-key", KEY, "--raw"]
         env = {**os.environ, "NO_COLOR": "1", "VASTAI_NO_UPDATE_CHECK": "1", "XDG_CONFIG_HOME": str(tmp_path)}
         out = subprocess.run([*vastai, "search", "offers", "gpu_name=RTX_4090"], capture_output=True, text=True,
@@ -245,7 +220,7 @@ def test_the_vastai_cli_works_against_kilolined_fakegpu_provider(tmp_path: Path)
                              capture_output=True, text=True, env=env, timeout=60)
         assert out.returncode == 0, out.stderr
         iid = json.loads(out.stdout)["new_contract"]
-        vai = VastAI(api_key=KEY, server_url=url)
+        vai = client(url)
         deadline = time.monotonic() + 15
         row = vai.show_instance(iid)
         while row["actual_status"] != "running" and time.monotonic() < deadline:
