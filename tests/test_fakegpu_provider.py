@@ -10,9 +10,7 @@ import asyncio
 import importlib
 import json
 import os
-import subprocess
 import sys
-import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -21,7 +19,7 @@ import aiohttp
 import pytest
 import requests
 from conftest import wait_until
-from fakeprovider_util import CARD, answers, fail, fake_state, reclaim, start_cli_provider
+from fakeprovider_util import CARD, answers, fail, fake_state, reclaim
 
 from kilolined.fakegpu.provider import FakeProvider
 from kilolined.fakegpu.provider_vastai import VastWire
@@ -201,36 +199,30 @@ async def test_a_market_with_no_fitting_offer_rents_nothing(vast: FakeProvider) 
     assert [o["id"] for o in await asyncio.to_thread(vai.search_offers, "gpu_name=RTX_4090")] == [7]
 
 
-def test_the_vastai_cli_works_against_kilolined_fakegpu_provider(tmp_path: Path) -> None:
-    """The two command lines end to end: `kilolined fakegpu --provider vastai` in a process of its
-    own, and the `vastai` CLI pointed at it with --url."""
-    offers = tmp_path / "offers.json"
-    offers.write_text(json.dumps([{"id": 11, "machine_id": 110, "gpu_name": "RTX 4090", "dph_total": 0.35}]))
-    proc, url = start_cli_provider("vastai", "--boot-sec", "0.2", "--api-key", KEY, "--offers", str(offers),
-                                   "--steps", "2", "--step-ms", "5")
-    try:
-        vastai = [str(Path(sys.executable).parent / "vastai"), "--url", url, "--api-key", KEY, "--raw"]
-        env = {**os.environ, "NO_COLOR": "1", "VASTAI_NO_UPDATE_CHECK": "1", "XDG_CONFIG_HOME": str(tmp_path)}
-        out = subprocess.run([*vastai, "search", "offers", "gpu_name=RTX_4090"], capture_output=True, text=True,
-                             env=env, timeout=60)
-        assert out.returncode == 0, out.stderr
-        assert [(o["id"], o["dph_total"]) for o in json.loads(out.stdout)] == [(11, 0.35)]
-        out = subprocess.run([*vastai, "create", "instance", "11", "--image", "ghcr.io/ai-dock/comfyui:latest",
-                              "--env", "-p 8188:8188", "--label", "kiloline:comfy"],
-                             capture_output=True, text=True, env=env, timeout=60)
-        assert out.returncode == 0, out.stderr
-        iid = json.loads(out.stdout)["new_contract"]
-        vai = client(url)
-        deadline = time.monotonic() + 15
-        row = vai.show_instance(iid)
-        while row["actual_status"] != "running" and time.monotonic() < deadline:
-            time.sleep(0.05)
-            row = vai.show_instance(iid)
-        assert row["actual_status"] == "running" and row["label"] == "kiloline:comfy"
-        health = requests.get(f"http://127.0.0.1:{row['ports']['8188/tcp'][0]['HostPort']}/system_stats", timeout=5)
-        assert health.status_code == 200
-        assert vai.destroy_instance(iid)["success"] is True
-        assert vai.show_instance(iid) is None
-    finally:
-        proc.terminate()
-        proc.wait(timeout=10)
+async def vastai_cli(tmp_path: Path, *args: str, url: str | None = None) -> Any:
+    """The `vastai` command line, --raw: its JSON answer. Pointed at the fake by `--url` when
+    `url` is given, else by the VAST_URL the caller put in `args`' environment."""
+    env = {**os.environ, "NO_COLOR": "1", "VASTAI_NO_UPDATE_CHECK": "1", "XDG_CONFIG_HOME": str(tmp_path)}
+    argv = [str(Path(sys.executable).parent / "vastai")]
+    if url is not None:
+        argv += ["--url", url]
+    else:
+        env["VAST_URL"] = args[0]
+        args = args[1:]
+    proc = await asyncio.create_subprocess_exec(*argv, "--api-key", KEY, "--raw", *args, env=env,
+                                                stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+    out, err = await asyncio.wait_for(proc.communicate(), timeout=120)
+    assert proc.returncode == 0, err.decode()
+    return json.loads(out)
+
+
+async def test_the_vastai_cli_searches_and_creates(vast: FakeProvider, tmp_path: Path) -> None:
+    """The command line, pointed at the fake by --url, then by VAST_URL."""
+    offers = await vastai_cli(tmp_path, "search", "offers", "gpu_name=RTX_3090 dph_total<0.23", url=vast.url)
+    assert [(o["id"], o["machine_id"], o["dph_total"]) for o in offers] == [(1005, 505, 0.22)]
+    created = await vastai_cli(tmp_path, vast.url, "create", "instance", "1005", "--image",
+                               "ghcr.io/ai-dock/comfyui:latest", "--env", "-p 8188:8188", "--label", "kiloline:comfy")
+    iid = created["new_contract"]
+    row = await running_row(client(vast), iid)
+    assert row["label"] == "kiloline:comfy" and row["machine_id"] == 505
+    assert await answers(f"http://127.0.0.1:{row['ports']['8188/tcp'][0]['HostPort']}/system_stats")

@@ -7,6 +7,7 @@ create_pod, get_pod, get_pods, terminate_pod) and, for what the SDK has no call 
 from __future__ import annotations
 
 import importlib
+import json
 import logging
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -212,15 +213,19 @@ def test_parse_reads_inline_arguments_variables_and_block_strings() -> None:
 
 def test_the_runpod_client_works_against_kilolined_fakegpu_provider(tmp_path: Path,
                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
-    """`kilolined fakegpu --provider runpod` in a process of its own, the client pointed at it."""
-    proc, url = start_cli_provider("runpod", "--boot-sec", "0.2", "--api-key", KEY, "--steps", "2",
-                                   "--step-ms", "5")
+    """`kilolined fakegpu --provider runpod --offers FILE` in a process of its own, the client
+    pointed at it."""
+    offers = tmp_path / "offers.json"
+    offers.write_text(json.dumps([{"id": 1, "machine_id": 10, "gpu_name": "RTX 3090", "dph_total": 0.31,
+                                   "gpu_type_id": "NVIDIA GeForce RTX 3090"}]))
+    proc, url = start_cli_provider("runpod", "--boot-sec", "0.2", "--api-key", KEY, "--offers", str(offers),
+                                   "--steps", "2", "--step-ms", "5")
     try:
         rp = import_runpod()
         monkeypatch.setenv("RUNPOD_API_BASE_URL", url)
         monkeypatch.setattr(rp, "api_key", KEY)
         pod = rp.create_pod("kiloline:x", "some/generic-server", "NVIDIA GeForce RTX 3090", ports="8080/http")
-        assert rp.get_pod(pod["id"])["costPerHr"] == 0.22
+        assert rp.get_pod(pod["id"])["costPerHr"] == 0.31 and pod["machineId"] == "10"
         rp.terminate_pod(pod["id"])
         assert rp.get_pods() == []
     finally:

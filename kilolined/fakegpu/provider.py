@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
 import json
 import logging
 import signal
@@ -331,7 +332,7 @@ class FakeProvider:
             return True
         header = request.headers.get("Authorization", "")
         given = header[7:] if header.startswith("Bearer ") else request.query.get("api_key", "")
-        return given == self.api_key
+        return hmac.compare_digest(given.encode(), self.api_key.encode())
 
     def failure_response(self, op: str) -> web.Response | None:
         plan = self.take_failure(op)
