@@ -17,9 +17,14 @@ from kilolined.auth import digest, new_key
 from kilolined.cluster.persistence import warnings as redis_persistence_warnings
 from kilolined.config import ConfigError, ServerConfig, default_config_path, load_config
 from kilolined.demo import run_demo
+from kilolined.fakegpu.provider import Wire, run_provider
+from kilolined.fakegpu.provider_runpod import RunPodWire
+from kilolined.fakegpu.provider_vastai import VastWire
 from kilolined.probe import probe_all
 from kilolined.server import serve
 from kilolined.status import config_url, run_status, url_for_listen
+
+FAKE_PROVIDER_PORT = 8790
 
 
 class _JsonFormatter(logging.Formatter):
@@ -118,11 +123,25 @@ def cmd_keygen(args: argparse.Namespace) -> int:
 
 
 def cmd_fakegpu(args: argparse.Namespace) -> int:
-    return fakegpu.run(args.kind, args.host, args.port, args.vram_gb, args.job_vram_gb, args.steps, args.step_ms,
+    if args.provider:
+        return run_fake_provider(args)
+    port = 8188 if args.port is None else args.port
+    return fakegpu.run(args.kind, args.host, port, args.vram_gb, args.job_vram_gb, args.steps, args.step_ms,
                        args.crash_sec, api_key=args.api_key, ctx_size=args.ctx_size,
                        progress_min_sec=args.progress_min_ms / 1000, capacity_mode=args.capacity_mode,
                        models=[m.strip() for m in args.models.split(",") if m.strip()] if args.models else None,
                        swap_ms=args.swap_ms, warm_models=args.warm_models)
+
+
+def run_fake_provider(args: argparse.Namespace) -> int:
+    """`fakegpu --provider`: the fake market; the card flags apply to every instance's card."""
+    wire: Wire = VastWire() if args.provider == "vastai" else RunPodWire()
+    card_options = {"vram_gb": args.vram_gb, "job_vram_gb": args.job_vram_gb, "steps": args.steps,
+                    "step_ms": args.step_ms, "crash_sec": args.crash_sec, "ctx_size": args.ctx_size,
+                    "progress_min_sec": args.progress_min_ms / 1000, "capacity_mode": args.capacity_mode}
+    return run_provider(wire, host=args.host, port=FAKE_PROVIDER_PORT if args.port is None else args.port,
+                        offers_path=args.offers, api_key=args.api_key, boot_sec=args.boot_sec,
+                        default_kind=args.kind, card_options=card_options)
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
@@ -179,8 +198,16 @@ def build_parser() -> argparse.ArgumentParser:
 
     f = sub.add_parser("fakegpu", parents=[common], help="run a simulated GPU inference server")
     f.add_argument("--host", default="127.0.0.1")
-    f.add_argument("--port", type=int, default=8188)
-    f.add_argument("--kind", choices=("generic", "comfyui", "openai"), default="generic")
+    f.add_argument("--port", type=int, default=None,
+                   help=f"default 8188; with --provider: the API's port, default {FAKE_PROVIDER_PORT}")
+    f.add_argument("--kind", choices=("generic", "comfyui", "openai"), default="generic",
+                   help="with --provider: the kind of an instance whose image names none (docs/BACKENDS.md)")
+    f.add_argument("--provider", choices=("vastai", "runpod"), default=None,
+                   help="serve a fake Vast.ai or RunPod API whose instances are simulated cards")
+    f.add_argument("--boot-sec", type=float, default=5.0,
+                   help="with --provider: seconds from create until the instance's card answers")
+    f.add_argument("--offers", default=None,
+                   help="with --provider: a JSON file listing the offers (default: a built-in market)")
     f.add_argument("--vram-gb", type=float, default=24)
     f.add_argument("--job-vram-gb", type=float, default=10)
     f.add_argument("--capacity-mode", choices=("fixed", "request"), default="fixed",
@@ -188,7 +215,8 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("--steps", type=int, default=25)
     f.add_argument("--step-ms", type=float, default=200)
     f.add_argument("--crash-sec", type=float, default=5)
-    f.add_argument("--api-key", help="openai: the key the node requires, as llama-server --api-key")
+    f.add_argument("--api-key", help="openai: the key the node requires, as llama-server --api-key; "
+                                     "with --provider: the key the provider API requires")
     f.add_argument("--ctx-size", type=int, default=4096, help="openai: context window in tokens (llama-server -c)")
     f.add_argument("--models", help="openai: comma-separated model ids it serves and swaps between "
                                     "(like llama-swap; default: one model, fake-llm)")
