@@ -167,6 +167,8 @@ class Runtime:
         self.adhoc = AdhocTargets(self.scheduler, self._forget_node)
         #: the fleet's healthy rented nodes (kilolined/fleet/loop.py), added to the config's own
         self.pool_nodes: dict[str, PoolNode] = {}
+        #: called with (node, event) on every node event (the fleet wakes on a pool node's node_down)
+        self.node_watchers: list[Callable[[str, str], None]] = []
         self._apply_state(cfg)
 
     # --- config -------------------------------------------------------------------------
@@ -452,6 +454,8 @@ class Runtime:
             log.warning("%s", text) if ev in ("node_down", "breaker_open") else log.info("%s", text)
             self.feed.publish(ev, node=ns.name, label=ns.label, text=text)
             self.notify(ev, text, node=ns.name)
+            for watch in self.node_watchers:
+                watch(ns.name, ev)
         self.wake()
 
     def _node_text(self, ns: NodeState, ev: str) -> str:

@@ -19,6 +19,7 @@ from conftest import ADMIN, auth, base_config, wait_until
 
 from kilolined.config import FleetOfferConfig, FleetTemplateConfig
 from kilolined.fakegpu.provider import FakeProvider
+from kilolined.fakegpu.provider_runpod import RunPodWire
 from kilolined.fakegpu.provider_vastai import VastWire
 from kilolined.fleet.vastai import VastAI
 from kilolined.reload import reload_from_file
@@ -32,8 +33,8 @@ WAIT = 30  # generous: a loaded 2-core box
 async def market() -> AsyncIterator[Callable[..., Awaitable[FakeProvider]]]:
     made: list[FakeProvider] = []
 
-    async def make(boot_sec: float = 0.3) -> FakeProvider:
-        fp = FakeProvider(VastWire(), api_key=API_KEY, boot_sec=boot_sec,
+    async def make(boot_sec: float = 0.3, runpod: bool = False) -> FakeProvider:
+        fp = FakeProvider(RunPodWire() if runpod else VastWire(), api_key=API_KEY, boot_sec=boot_sec,
                           card_options={"steps": 4, "step_ms": 25})
         await fp.start()
         made.append(fp)
@@ -215,3 +216,21 @@ async def test_reload_resizes_and_a_removed_pool_destroys_only_its_own(fakegpus:
     assert all(fp.instances[i].status == "destroyed" for i in q_ids)
     assert fp.instances[foreign].status != "destroyed"  # not the gateway's: never touched
     assert gw.rt.scheduler.nodes["static"].healthy and not gw.rt.scheduler.nodes["static"].retired
+
+
+async def test_runpod_pool_replaces_a_reclaimed_pod(fakegpus: Any, gateway: Any, market: Any,
+                                                    http: aiohttp.ClientSession) -> None:
+    fp = await market(runpod=True)
+    static = await fakegpus()
+    cfg = fleet_config(static.url, fp, {"p": pool(size=1)})
+    cfg["fleet"]["providers"]["vast"]["kind"] = "runpod"  # the provider entry's name stays "vast"
+    gw = await gateway(cfg)
+    await wait_until(lambda: len(serving(gw)) == 1, timeout=WAIT)
+    first = live(fp)[0]
+    async with http.post(f"{fp.url}/_fake/reclaim/{first.id}") as r:
+        assert r.status == 200
+    await wait_until(lambda: len(serving(gw)) == 1 and f"p-{first.id}" not in gw.rt.pool_nodes, timeout=WAIT)
+    async with http.post(gw.url + "/pool/generate", json={}, headers=auth()) as r:
+        assert r.status == 200 and r.headers["X-KiloLine-Node"] == next(iter(gw.rt.pool_nodes))
+    assert len(fp.instances) == 2 and fp.instances[first.id].status == "destroyed"
+    assert events(gw, "fleet_node_lost") == 1

@@ -15,8 +15,10 @@ from conftest import wait_until
 
 from kilolined.config import FleetOfferConfig, FleetTemplateConfig
 from kilolined.fakegpu.provider import FakeProvider
+from kilolined.fakegpu.provider_runpod import RunPodWire
 from kilolined.fakegpu.provider_vastai import VastWire
 from kilolined.fleet.provider import GONE, RUNNING, ProviderError
+from kilolined.fleet.runpod import RunPod
 from kilolined.fleet.vastai import VastAI
 
 KEY = "vast-test-key-abcdef0123456789"
@@ -98,3 +100,32 @@ async def test_a_wrong_key_is_refused_and_never_echoed(fake: FakeProvider) -> No
         assert e.value.kind == "network" and KEY not in str(e.value)
     finally:
         await down.close()
+
+
+async def test_runpod_client_rents_finds_and_destroys() -> None:
+    fake = FakeProvider(RunPodWire(), api_key=KEY, boot_sec=0.2, card_options={"steps": 2, "step_ms": 10})
+    await fake.start()
+    pod = RunPod(KEY, fake.url)
+    try:
+        offers = await pod.search(OFFER, frozenset(), 0.5)
+        assert offers and all(o.price <= 0.5 for o in offers)
+        pid = await pod.create(offers[0], OFFER, TEMPLATE, "kiloline:p")
+        assert fake.instances[pid].label == "kiloline:p" and fake.instances[pid].interruptible
+
+        async def running() -> bool:
+            inst = await pod.status(pid, 8080)
+            return inst is not None and inst.status == RUNNING and inst.url is not None
+        await wait_until(running, timeout=20)
+        assert [i.id for i in await pod.list_own(8080)] == [pid]
+        await fake.reclaim(fake.instances[pid])
+        after = await pod.status(pid, 8080)
+        assert after is not None and after.status == GONE
+        await pod.destroy(pid)
+        assert await pod.status(pid, 8080) is None
+        await inject(fake, {"status": 429, "retry_after": 3, "op": "search"})
+        with pytest.raises(ProviderError) as e:
+            await pod.search(OFFER, frozenset(), 0.5)
+        assert e.value.kind == "rate_limited" and e.value.retry_after == 3
+    finally:
+        await pod.close()
+        await fake.stop()

@@ -42,6 +42,10 @@ from kilolined.runtime import PoolNode, Runtime
 log = logging.getLogger("kilolined")
 MIN_TICK_SEC = 0.1
 MAX_TICK_SEC = 5.0
+#: while an instance boots, its health is probed this often (a fraction of the tick, so that a
+#: replacement joins its routes soon after it answers); the provider is still asked once a tick
+BOOT_PROBES_PER_TICK = 5
+MIN_PROBE_SEC = 0.05
 RECONCILE_SEC = 60.0  # how often the providers' lists are compared with what the gateway tracks
 
 
@@ -69,7 +73,9 @@ class Fleet:
         self._task: asyncio.Task[None] | None = None
         self._probe: aiohttp.ClientSession | None = None
         self._wake = asyncio.Event()
+        self._last_status = -MAX_TICK_SEC  # when the booting instances' provider status was last asked
         rt.fleet_view = self.view
+        rt.node_watchers.append(self._node_event)
         self.configure(rt.cfg)
 
     # --- config -------------------------------------------------------------------------
@@ -119,6 +125,17 @@ class Fleet:
         if self._probe is not None:
             await self._probe.close()
 
+    def _node_event(self, node: str, event: str) -> None:
+        """A pool node just went down: decide now, not at the next tick."""
+        if event == "node_down" and node in self.rt.pool_nodes:
+            self._wake.set()
+
+    def _wait_sec(self) -> float:
+        tick = self.tick_sec()
+        if any(t.phase == "booting" for t in self.instances.values()):
+            return max(MIN_PROBE_SEC, tick / BOOT_PROBES_PER_TICK)
+        return tick
+
     async def _run(self) -> None:
         while True:
             try:
@@ -128,7 +145,7 @@ class Fleet:
                 log.exception("✗ [fleet] tick")
             self._wake.clear()
             with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(self.tick_sec()):
+                async with asyncio.timeout(self._wait_sec()):
                     await self._wake.wait()
 
     # --- one round ----------------------------------------------------------------------
@@ -219,7 +236,11 @@ class Fleet:
         """Booting instances: their address and status, then a health probe. Serving ones: the
         node's own health (a pool node's health loop is the gateway's ordinary one)."""
         booting = [t for t in self._managed().values() if t.phase == "booting" and t.provider_running is not False]
-        await asyncio.gather(*(self._boot_step(t) for t in booting))
+        now = self.rt.clock()
+        ask = now - self._last_status >= self.tick_sec()
+        if ask:
+            self._last_status = now
+        await asyncio.gather(*(self._boot_step(t, ask or t.url is None) for t in booting))
         for t in self._managed().values():
             if t.phase != "serving":
                 continue
@@ -228,23 +249,28 @@ class Fleet:
             if t.healthy or t.provider_running:
                 t.provider_running = None  # asked afresh while it stays down: a reclaim may come later
 
-    async def _boot_step(self, t: Tracked) -> None:
+    async def _boot_step(self, t: Tracked, ask: bool) -> None:
+        """Ask the provider (once a tick, or until the address is known), then probe the health
+        path once the instance runs; between ticks only the probe runs."""
         pcfg = self._pool(t.pool)
         prov = self.providers.get(t.provider)
         if pcfg is None or prov is None:
             return
-        try:
-            inst = await prov.status(t.instance_id, pcfg.template.port)
-        except ProviderError as e:
-            log.debug("[fleet] status of %s: %s", t.id, e)
-            return
-        if inst is None or inst.status == GONE:
-            t.provider_running = False
-            return
-        t.url = inst.url or t.url
-        if inst.price:
-            t.price = inst.price
-        if inst.status == RUNNING and t.url:
+        if ask:
+            try:
+                inst = await prov.status(t.instance_id, pcfg.template.port)
+            except ProviderError as e:
+                log.debug("[fleet] status of %s: %s", t.id, e)
+                return
+            if inst is None or inst.status == GONE:
+                t.provider_running = False
+                return
+            if inst.status != RUNNING:
+                return
+            t.url = inst.url or t.url
+            if inst.price:
+                t.price = inst.price
+        if t.url:
             t.healthy = await self._probe_health(t.url, pcfg)
 
     async def _probe_health(self, url: str, pcfg: FleetPoolConfig) -> bool:
