@@ -190,6 +190,7 @@ async def run_demo(once: bool, port: int = 8080, out: TextIO | None = None) -> i
     await gpu_a.start()
     await gpu_b.start()
     await gpu_c.start()
+    market = await fleet_market()
     admin_key = "kl_" + secrets.token_urlsafe(24)
     key = "kl_" + secrets.token_urlsafe(24)
     server: Server | None = None
@@ -210,7 +211,8 @@ async def run_demo(once: bool, port: int = 8080, out: TextIO | None = None) -> i
             await asyncio.sleep(gpu_a.crash_sec + 0.3)
             # 2. through the gateway
             server = await start_gateway(
-                lambda p: gateway_config(gpu_a.url, gpu_b.url, admin_key, key, p, gpu_c.url), port)
+                lambda p: with_fleet(gateway_config(gpu_a.url, gpu_b.url, admin_key, key, p, gpu_c.url),
+                                     market.url), port)
             if port and server.port != port:
                 say(st.yellow(f"   port {port} is taken: the gateway listens on {server.port} instead"))
             gw = f"http://127.0.0.1:{server.port}"
@@ -271,7 +273,7 @@ async def run_demo(once: bool, port: int = 8080, out: TextIO | None = None) -> i
                     await asyncio.sleep(gpu_c.crash_sec + 1.2)  # the card comes back, its breaker closes
             say(st.dim("   slots count requests; capacity counts what they hold: small images fill the room "
                        "a large one leaves, and no mix overflows the card"))
-            fleet_ok = await fleet_scene(http, say, st)
+            fleet_ok = await fleet_scene(http, say, st, server, market, gw, hdr)
         say()
         say(st.bold("Dashboard: ") + f"{gw}/dashboard")
         say(st.bold("Admin key: ") + admin_key)
@@ -297,6 +299,7 @@ async def run_demo(once: bool, port: int = 8080, out: TextIO | None = None) -> i
         await gpu_a.stop()
         await gpu_b.stop()
         await gpu_c.stop()
+        await market.stop()
 
 
 def _failovers(server: object) -> float:
@@ -307,25 +310,29 @@ def _failovers(server: object) -> float:
 # --- 5. the self-healing fleet (docs/FLEET.md) ----------------------------------------------------
 
 FLEET_BOOT_SEC = 0.5
+FLEET_API_KEY = "demo-vast-key"
+FLEET_POOL = "spot-4090"
 
 
-def fleet_config(market: str, admin_key: str, key: str) -> str:
-    """A gateway of its own: one spot pool of 2 on the fake Vast.ai market, serving /spot."""
+async def fleet_market() -> FakeProvider:
+    """The fake Vast.ai market the demo's pool rents from (instances boot in FLEET_BOOT_SEC)."""
+    market = FakeProvider(VastWire(), api_key=FLEET_API_KEY, boot_sec=FLEET_BOOT_SEC,
+                          card_options={"steps": STEPS, "step_ms": STEP_MS})
+    await market.start()
+    return market
+
+
+def with_fleet(config: str, market: str) -> str:
+    """The demo's config plus a route /spot served by a pool of 2 rented spot GPUs."""
     health = "{path: /health, interval_sec: 0.2, timeout_sec: 0.5, fall: 2, rise: 1}"
-    return f"""
-server: {{listen: "127.0.0.1:0", shutdown_grace_sec: 3, access_log: false}}
-admin: {{key_sha256: "{hashlib.sha256(admin_key.encode()).hexdigest()}"}}
-keys:
-  demo: {{key_sha256: "{hashlib.sha256(key.encode()).hexdigest()}", routes: ["*"]}}
-nodes:
-  unused: {{url: "http://127.0.0.1:9"}}
-routes:
-  idle: {{path: /idle, nodes: [unused]}}
-  spot: {{path: /spot, nodes: [], max_concurrency: 2, queue_timeout_sec: 60, retry_on_failover: 3}}
+    route = ("  spot: {path: /spot, nodes: [], max_concurrency: 2, queue_timeout_sec: 60, "
+             "retry_on_failover: 3}\n")
+    head, sep, tail = config.partition("\ncost:")
+    return head + "\n" + route.rstrip("\n") + sep + tail + f"""
 fleet:
-  providers: {{vast: {{kind: vastai, api_key: "demo-key", api_base: "{market}"}}}}
+  providers: {{vast: {{kind: vastai, api_key: "{FLEET_API_KEY}", api_base: "{market}"}}}}
   pools:
-    spot-4090:
+    {FLEET_POOL}:
       provider: vast
       size: 2
       offer: {{gpu_name: "RTX 4090", max_dph: 0.45, min_reliability: 0.97}}
@@ -337,47 +344,35 @@ fleet:
 """
 
 
-async def fleet_scene(http: aiohttp.ClientSession, say: Callable[[str], None], st: Style) -> bool:
+async def fleet_scene(http: aiohttp.ClientSession, say: Callable[[str], None], st: Style, server: Server,
+                      market: FakeProvider, gw: str, hdr: dict[str, str]) -> bool:
     """A pool of 2 rented spot GPUs; one is reclaimed mid-burst; a replacement is rented and
     serves, and nothing is lost. True when all of that held."""
     say("")
     say(st.bold("5) Self-healing fleet: a pool of 2 rented spot GPUs, one reclaimed mid-burst"))
-    market = FakeProvider(VastWire(), api_key="demo-key", boot_sec=FLEET_BOOT_SEC,
-                          card_options={"steps": STEPS, "step_ms": STEP_MS})
-    await market.start()
-    admin_key, key = "kl_" + secrets.token_urlsafe(24), "kl_" + secrets.token_urlsafe(24)
-    server: Server | None = None
-    try:
-        server = await started(fleet_config(market.url, admin_key, key))
-        rt = server.rt
-        if not await _until(lambda: len(rt.pool_nodes) == 2, 30):
-            say(st.red("   the pool never filled"))
-            return False
-        say(f"   rented {', '.join(sorted(rt.pool_nodes))} at "
-            f"${sum(p.price_per_hour for p in rt.pool_nodes.values()):.2f}/h (cap $1.00/h)")
-        gw, hdr = f"http://127.0.0.1:{server.port}", {"Authorization": f"Bearer {key}"}
-        burst = [asyncio.create_task(fire(http, gw + "/spot/generate", hdr, i)) for i in range(BURST)]
-        await asyncio.sleep(STEPS * STEP_MS / 1000 * 1.5)
-        victim = market.live()[0]
-        await market.reclaim(victim)
-        say(f"   {st.yellow(f'⚡ spot-4090-{victim.id} reclaimed by the host')} with "
-            f"{sum(1 for t in burst if not t.done())} requests unfinished")
-        res = await asyncio.gather(*burst)
-        healed = await _until(lambda: len(rt.pool_nodes) == 2 and f"spot-4090-{victim.id}" not in rt.pool_nodes, 30)
-        s = summary(res)
-        new = sorted(set(rt.pool_nodes) - {f"spot-4090-{i.id}" for i in market.instances.values()
-                                            if i.status == "destroyed"})
-        say(f"   {bar(res, st)}")
-        ok = s.get("200") == BURST and healed and len(market.live()) == 2
-        verdict = (st.green(f"nothing lost: {s.get('200', 0)}/{BURST} served") if s.get("200") == BURST
-                   else st.red(f"lost some: {s}"))
-        say(f"   {verdict}; serving now: {', '.join(new)}; instances rented in all: {len(market.instances)}, "
-            f"live: {len(market.live())}, spend ${market.spend_per_hour():.2f}/h")
-        return ok
-    finally:
-        if server is not None:
-            await server.shutdown()
-        await market.stop()
+    rt = server.rt
+    if not await _until(lambda: len(rt.pool_nodes) == 2, 30):
+        say(st.red("   the pool never filled"))
+        return False
+    say(f"   rented {', '.join(sorted(rt.pool_nodes))} at "
+        f"${sum(p.price_per_hour for p in rt.pool_nodes.values()):.2f}/h (cap $1.00/h)")
+    burst = [asyncio.create_task(fire(http, gw + "/spot/generate", hdr, i)) for i in range(BURST)]
+    await asyncio.sleep(STEPS * STEP_MS / 1000 * 1.5)
+    victim = market.live()[0]
+    lost = f"{FLEET_POOL}-{victim.id}"
+    await market.reclaim(victim)
+    say(f"   {st.yellow(f'⚡ {lost} reclaimed by the host')} with "
+        f"{sum(1 for t in burst if not t.done())} requests unfinished")
+    res = await asyncio.gather(*burst)
+    healed = await _until(lambda: len(rt.pool_nodes) == 2 and lost not in rt.pool_nodes, 30)
+    s = summary(res)
+    say(f"   {bar(res, st)}")
+    ok = s.get("200") == BURST and healed and len(market.live()) == 2
+    verdict = (st.green(f"nothing lost: {s.get('200', 0)}/{BURST} served") if s.get("200") == BURST
+               else st.red(f"lost some: {s}"))
+    say(f"   {verdict}; serving now: {', '.join(sorted(rt.pool_nodes))}; instances rented in all: "
+        f"{len(market.instances)}, live: {len(market.live())}, spend ${market.spend_per_hour():.2f}/h")
+    return ok
 
 
 async def _until(pred: Callable[[], bool], timeout: float) -> bool:
