@@ -134,6 +134,9 @@ class Runtime:
         #: whether this gateway runs the active health checks (cluster mode: the leader's job)
         self.checks_here: Callable[[], bool] = lambda: True
         self.scheduler.checks_here = lambda: self.checks_here()  # replaced by the cluster's leader
+        #: whether this gateway rents and destroys fleet instances (cluster mode: the leader alone,
+        #: and nobody while Redis is down, so two gateways never rent for one loss)
+        self.rents_here: Callable[[], bool] = lambda: True
         self.limiter = RateLimiter()
         self.budgets = Budgets(cfg.server.state_dir)  # this gateway's own counters (saved to disk)
         #: where limits are decided and usage charged: these buckets and counters, or (cluster

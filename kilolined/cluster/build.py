@@ -83,6 +83,7 @@ def build(rt: Runtime, jobs: Jobs) -> Cluster:
     alert = rt.alert
     rt.alert = lambda event, text, node: alert(event, text, node) if leader.speaks(event) else None
     rt.checks_here = leader.checks
+    rt.rents_here = lambda: leader.state.is_leader(rt.clock())  # docs/FLEET.md: only the leader rents
     rt.node_sync = node_sync
     return Cluster(leases, limits, leader, node_sync, cluster_jobs,
                    budget_keys=lambda: [k for k, c in rt.cfg.keys.items() if c.budget is not None],

@@ -139,14 +139,50 @@ class Fleet:
     async def _run(self) -> None:
         while True:
             try:
-                if self.rt.checks_here():  # cluster mode: the leader's job
+                if self.rt.rents_here():  # cluster mode: the leader's job
                     await self.tick()
+                else:
+                    await self.follow()
             except Exception:  # the loop must outlive any one bad answer
                 log.exception("✗ [fleet] tick")
             self._wake.clear()
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(self._wait_sec()):
                     await self._wake.wait()
+
+    # --- a gateway that does not rent (cluster mode, not the leader) ---------------------
+    async def follow(self) -> None:
+        """Route to what the leader rented: each provider's labelled instances that run and
+        answer their health path join their pool's routes here too; gone ones leave. Nothing is
+        rented, destroyed or alerted (the leader's voice)."""
+        self.instances.clear()  # the leader's record; a gateway that becomes leader lists afresh
+        self.listed.clear()
+        now = self.rt.clock()
+        if now - self._last_status < self.tick_sec():
+            return
+        self._last_status = now
+        seen: set[str] = set()
+        for pname, prov in self.providers.items():
+            try:
+                found = await prov.list_own(self._port_for(pname))
+            except ProviderError as e:
+                log.debug("[fleet] %s: cannot list instances: %s", pname, e)
+                seen |= {n for n, p in self.rt.pool_nodes.items() if p.provider == pname}  # keep what we have
+                continue
+            for inst in found:
+                pool = pool_of(inst.label)
+                pcfg = self._pool(pool) if pool else None
+                if pool is None or pcfg is None or pcfg.provider != pname or inst.status != RUNNING or not inst.url:
+                    continue
+                name = node_name(pool, inst.id)
+                if name in self.rt.pool_nodes or await self._probe_health(inst.url, pcfg):
+                    seen.add(name)
+                if name in seen and name not in self.rt.pool_nodes:
+                    self.rt.set_pool_node(name, PoolNode(pool=pool, cfg=pcfg.node.node(inst.url, inst.id),
+                                                         routes=tuple(pcfg.routes), provider=pname,
+                                                         instance_id=inst.id, price_per_hour=inst.price))
+        for name in [n for n in self.rt.pool_nodes if n not in seen]:
+            self.rt.set_pool_node(name, None)
 
     # --- one round ----------------------------------------------------------------------
     async def tick(self) -> None:
