@@ -134,8 +134,26 @@ async def test_reclaim_exits_the_instance_and_silences_its_card(vast: FakeProvid
         assert r.status == 404
 
 
+async def test_a_partition_silences_the_card_but_the_provider_still_says_running(vast: FakeProvider) -> None:
+    vai = client(vast)
+    iid = (await asyncio.to_thread(vai.create_instance, 1005, image="comfyui"))["new_contract"]
+    row = await running_row(vai, iid)
+    node = f"http://127.0.0.1:{row['ports']['8188/tcp'][0]['HostPort']}/system_stats"
+    async with aiohttp.ClientSession() as s, s.post(f"{vast.url}/_fake/partition/{iid}") as r:
+        assert r.status == 200 and (await r.json())["partitioned"] is True
+    assert not await answers(node)
+    still = await asyncio.to_thread(vai.show_instance, iid)
+    assert still["actual_status"] == "running" and still["ports"] == row["ports"]
+    async with aiohttp.ClientSession() as s, s.post(f"{vast.url}/_fake/heal/{iid}") as r:
+        assert r.status == 200
+    assert await answers(node)
+    async with aiohttp.ClientSession() as s, s.post(f"{vast.url}/_fake/heal/{iid}") as r:
+        assert r.status == 409  # not partitioned
+
+
 async def test_reclaim_during_boot_never_serves(vast: FakeProvider) -> None:
-    vast.boot_sec = 30  # the reclaim comes long before
+    async with aiohttp.ClientSession() as s, s.post(f"{vast.url}/_fake/control", json={"boot_sec": 30}) as r:
+        assert r.status == 200 and (await r.json()) == {"boot_sec": 30}  # the reclaim comes long before
     vai = client(vast)
     iid = (await asyncio.to_thread(vai.create_instance, 1003, image="comfyui"))["new_contract"]
     await reclaim(vast, iid)
