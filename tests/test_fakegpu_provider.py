@@ -61,6 +61,13 @@ async def test_sdk_searches_creates_shows_and_destroys(vast: FakeProvider) -> No
     # The filter as the client parses it (strings for numbers, "_" for spaces) picks the fitting offers.
     assert [(o["id"], o["dph_total"]) for o in offers] == [(1001, 0.40), (1002, 0.42)]
     assert {o["machine_id"] for o in offers} == {501, 502} and all(o["reliability2"] > 0.97 for o in offers)
+    # The same through PUT /api/v0/search/asks/ (the client's search_offers_new), and spot prices with type bid.
+    new = await asyncio.to_thread(vai.search_offers_new, "gpu_name=RTX_4090 num_gpus=1 dph_total<=0.43 "
+                                  "reliability>0.97", order="dph_total")
+    assert [o["id"] for o in new] == [1001, 1002]
+    spot = await asyncio.to_thread(vai.search_offers_new, "gpu_name=RTX_4090 machine_id!=504", type="bid",
+                                   order="dph_total")
+    assert [(o["id"], o["dph_total"]) for o in spot] == [(1001, 0.25), (1002, 0.26), (1003, 0.28)]
     created = await asyncio.to_thread(vai.create_instance, 1001, image="ghcr.io/ai-dock/comfyui:latest",
                                       env="-p 8188:8188 -e PORT=8188", label="kiloline:comfy")
     assert created["success"] is True
