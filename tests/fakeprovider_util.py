@@ -45,12 +45,14 @@ def start_cli_provider(provider: str, *args: str) -> tuple[subprocess.Popen[str]
     proc = subprocess.Popen([sys.executable, "-m", "kilolined", "fakegpu", "--provider", provider, "--port", "0",
                              *args], stderr=subprocess.PIPE, text=True)
     assert proc.stderr is not None
-    line = proc.stderr.readline()
     prefix = f"fakegpu provider {provider} listening on "
-    if not line.startswith(prefix):
-        proc.kill()
-        raise AssertionError(f"unexpected first line: {line!r}")
-    return proc, line[len(prefix):].strip()
+    seen = []
+    for line in proc.stderr:  # until its "listening" line; a warning may come first
+        if line.startswith(prefix):
+            return proc, line[len(prefix):].strip()
+        seen.append(line)
+    proc.kill()
+    raise AssertionError(f"it exited without listening: {''.join(seen)!r}")
 
 
 async def in_thread(fn: Any, *args: Any, **kwargs: Any) -> Any:

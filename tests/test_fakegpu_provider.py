@@ -61,6 +61,13 @@ async def test_sdk_searches_creates_shows_and_destroys(vast: FakeProvider) -> No
     # The filter as the client parses it (strings for numbers, "_" for spaces) picks the fitting offers.
     assert [(o["id"], o["dph_total"]) for o in offers] == [(1001, 0.40), (1002, 0.42)]
     assert {o["machine_id"] for o in offers} == {501, 502} and all(o["reliability2"] > 0.97 for o in offers)
+    # The same through PUT /api/v0/search/asks/ (the client's search_offers_new), and spot prices with type bid.
+    new = await asyncio.to_thread(vai.search_offers_new, "gpu_name=RTX_4090 num_gpus=1 dph_total<=0.43 "
+                                  "reliability>0.97", order="dph_total")
+    assert [o["id"] for o in new] == [1001, 1002]
+    spot = await asyncio.to_thread(vai.search_offers_new, "gpu_name=RTX_4090 machine_id!=504", type="bid",
+                                   order="dph_total")
+    assert [(o["id"], o["dph_total"]) for o in spot] == [(1001, 0.25), (1002, 0.26), (1003, 0.28)]
     created = await asyncio.to_thread(vai.create_instance, 1001, image="ghcr.io/ai-dock/comfyui:latest",
                                       env="-p 8188:8188 -e PORT=8188", label="kiloline:comfy")
     assert created["success"] is True
@@ -134,8 +141,26 @@ async def test_reclaim_exits_the_instance_and_silences_its_card(vast: FakeProvid
         assert r.status == 404
 
 
+async def test_a_partition_silences_the_card_but_the_provider_still_says_running(vast: FakeProvider) -> None:
+    vai = client(vast)
+    iid = (await asyncio.to_thread(vai.create_instance, 1005, image="comfyui"))["new_contract"]
+    row = await running_row(vai, iid)
+    node = f"http://127.0.0.1:{row['ports']['8188/tcp'][0]['HostPort']}/system_stats"
+    async with aiohttp.ClientSession() as s, s.post(f"{vast.url}/_fake/partition/{iid}") as r:
+        assert r.status == 200 and (await r.json())["partitioned"] is True
+    assert not await answers(node)
+    still = await asyncio.to_thread(vai.show_instance, iid)
+    assert still["actual_status"] == "running" and still["ports"] == row["ports"]
+    async with aiohttp.ClientSession() as s, s.post(f"{vast.url}/_fake/heal/{iid}") as r:
+        assert r.status == 200
+    assert await answers(node)
+    async with aiohttp.ClientSession() as s, s.post(f"{vast.url}/_fake/heal/{iid}") as r:
+        assert r.status == 409  # not partitioned
+
+
 async def test_reclaim_during_boot_never_serves(vast: FakeProvider) -> None:
-    vast.boot_sec = 30  # the reclaim comes long before
+    async with aiohttp.ClientSession() as s, s.post(f"{vast.url}/_fake/control", json={"boot_sec": 30}) as r:
+        assert r.status == 200 and (await r.json()) == {"boot_sec": 30}  # the reclaim comes long before
     vai = client(vast)
     iid = (await asyncio.to_thread(vai.create_instance, 1003, image="comfyui"))["new_contract"]
     await reclaim(vast, iid)

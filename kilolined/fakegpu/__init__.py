@@ -3,6 +3,8 @@
 `FakeGPU(kind, ...)` is the card of `card.py` with the API of one kind: `generic.py`,
 `comfy.py` (ComfyUI 0.19 as measured on loopback) or `openai.py` (a `/v1`-only server with
 llama.cpp's errors). This module only picks the kind; the kinds import the card, never this.
+`provider.py` (with `provider_vastai.py`, `provider_runpod.py`) is a fake GPU market whose
+instances are such cards (`kilolined fakegpu --provider`); it imports this module, never the reverse.
 """
 
 from __future__ import annotations

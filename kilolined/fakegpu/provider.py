@@ -154,6 +154,7 @@ class Instance:
     ended_at: float | None = None
     card: FakeGPU | None = None
     boot: asyncio.Task[None] | None = None
+    partitioned: bool = False  # the card is cut off (POST /_fake/partition/{id}) while still running
 
     @property
     def host_port(self) -> int | None:
@@ -164,7 +165,8 @@ class Instance:
         return {
             "id": self.id, "offer_id": self.offer.id, "machine_id": self.offer.machine_id,
             "gpu_name": self.offer.gpu_name, "label": self.label, "image": self.image, "kind": self.kind,
-            "status": self.status, "price_per_hour": self.price, "interruptible": self.interruptible,
+            "status": self.status, "partitioned": self.partitioned, "price_per_hour": self.price,
+            "interruptible": self.interruptible,
             "port": self.host_port, "url": self.card.url if self.host_port is not None and self.card else None,
             "created_at": self.created_at, "ready_at": self.ready_at, "ended_at": self.ended_at,
         }
@@ -276,13 +278,13 @@ class FakeProvider:
         inst = Instance(self.wire.instance_id(len(self.instances) + 1), offer, image, label, dict(env), ports,
                         round(price, 6), interruptible, kind)
         self.instances[inst.id] = inst
-        inst.boot = asyncio.get_running_loop().create_task(self._boot(inst), name=f"fake-boot-{inst.id}")
+        inst.boot = asyncio.get_running_loop().create_task(self._boot(inst, self.boot_sec), name=f"fake-boot-{inst.id}")
         log.info("fake %s: instance %s on machine %d (%s, %s), %.4f/h", self.wire.name, inst.id,
                  offer.machine_id, offer.gpu_name, kind, inst.price)
         return inst
 
-    async def _boot(self, inst: Instance) -> None:
-        await asyncio.sleep(self.boot_sec)
+    async def _boot(self, inst: Instance, boot_sec: float) -> None:
+        await asyncio.sleep(boot_sec)
         options = dict(self.card_options)
         if inst.env.get("FAKEGPU_API_KEY"):
             options["api_key"] = inst.env["FAKEGPU_API_KEY"]
@@ -347,6 +349,9 @@ class FakeProvider:
         app = web.Application(client_max_size=1024**2)
         app.router.add_get("/_fake/instances", self._h_instances)
         app.router.add_post("/_fake/reclaim/{id}", self._h_reclaim)
+        app.router.add_post("/_fake/partition/{id}", self._h_partition)
+        app.router.add_post("/_fake/heal/{id}", self._h_heal)
+        app.router.add_post("/_fake/control", self._h_control)
         app.router.add_post("/_fake/fail", self._h_fail)
         app.router.add_delete("/_fake/fail", self._h_fail_clear)
         app.router.add_get("/_fake/offers", self._h_offers)
@@ -393,6 +398,38 @@ class FakeProvider:
             return web.json_response({"error": f"instance {inst.id} is destroyed"}, status=409)
         await self.reclaim(inst)
         return web.json_response(inst.view())
+
+    async def _h_partition(self, request: web.Request) -> web.Response:
+        """The network to a running card is cut: it stops answering, yet the provider still says
+        running (a node that only lost the network, which the fleet must not replace)."""
+        inst = self._find(request)
+        if inst is None or inst.status != "running" or inst.card is None:
+            return web.json_response({"error": f"no running instance {request.match_info['id']}"}, status=409)
+        await inst.card.kill()
+        inst.partitioned = True
+        return web.json_response(inst.view())
+
+    async def _h_heal(self, request: web.Request) -> web.Response:
+        inst = self._find(request)
+        if inst is None or not inst.partitioned or inst.card is None or inst.status != "running":
+            return web.json_response({"error": f"no partitioned instance {request.match_info['id']}"}, status=409)
+        await inst.card.revive()
+        inst.partitioned = False
+        return web.json_response(inst.view())
+
+    async def _h_control(self, request: web.Request) -> web.Response:
+        """`{"boot_sec": n}`: the boot time of the instances created from now on."""
+        try:
+            data = await read_json(request)
+        except ValueError:
+            data = None
+        if not isinstance(data, dict) or set(data) - {"boot_sec"}:
+            return web.json_response({"error": "body must be {\"boot_sec\": number >= 0}"}, status=400)
+        if "boot_sec" in data:
+            if not (is_number(data["boot_sec"]) and data["boot_sec"] >= 0):
+                return web.json_response({"error": "boot_sec: must be a number >= 0"}, status=400)
+            self.boot_sec = float(data["boot_sec"])
+        return web.json_response({"boot_sec": self.boot_sec})
 
     async def _h_fail(self, request: web.Request) -> web.Response:
         try:
