@@ -174,11 +174,17 @@ class Fleet:
                 pcfg = self._pool(pool) if pool else None
                 if pool is None or pcfg is None or pcfg.provider != pname or inst.status != RUNNING or not inst.url:
                     continue
+                if pcfg.template.port != self._port_for(pname):  # the list mapped another pool's port
+                    with contextlib.suppress(ProviderError):
+                        inst = await prov.status(inst.id, pcfg.template.port) or inst
+                url = inst.url
+                if not url:
+                    continue
                 name = node_name(pool, inst.id)
-                if name in self.rt.pool_nodes or await self._probe_health(inst.url, pcfg):
+                if name in self.rt.pool_nodes or await self._probe_health(url, pcfg):
                     seen.add(name)
                 if name in seen and name not in self.rt.pool_nodes:
-                    self.rt.set_pool_node(name, PoolNode(pool=pool, cfg=pcfg.node.node(inst.url, inst.id),
+                    self.rt.set_pool_node(name, PoolNode(pool=pool, cfg=pcfg.node.node(url, inst.id),
                                                          routes=tuple(pcfg.routes), provider=pname,
                                                          instance_id=inst.id, price_per_hour=inst.price))
         for name in [n for n in self.rt.pool_nodes if n not in seen]:
@@ -264,7 +270,7 @@ class Fleet:
             # A pool no longer configured is destroyed by the next decision (pool_removed);
             # one past its size loses the surplus.
             self.instances[key] = Tracked(key, pool, inst.price, inst.machine, now, provider=provider,
-                                          instance_id=inst.id, url=inst.url,
+                                          instance_id=inst.id,  # its address: from status, by its own port
                                           provider_running=False if inst.status == GONE else None)
             log.info("[fleet] %s: found instance %s of pool %s again (%s)", provider, inst.id, pool, inst.status)
 
