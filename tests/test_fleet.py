@@ -16,6 +16,7 @@ from typing import Any
 import aiohttp
 import pytest
 from conftest import ADMIN, auth, base_config, wait_until
+from fakes import FakeTelegram
 
 from kilolined.config import FleetOfferConfig, FleetTemplateConfig
 from kilolined.fakegpu.provider import FakeProvider
@@ -152,7 +153,11 @@ async def test_provider_down_backs_off_alerts_and_static_nodes_serve(fakegpus: A
     caplog.set_level(logging.DEBUG)
     fp = await market()
     static = await fakegpus()
-    gw = await gateway(fleet_config(static.url, fp, {"p": pool(size=1)}))
+    tg = await FakeTelegram().start()
+    cfg = fleet_config(static.url, fp, {"p": pool(size=1)})
+    cfg["notify"] = {"telegram": {"bot_token": "T", "chat_id": "1", "api_base": tg.url}, "group_sec": 0.1,
+                     "min_interval_sec": 0}
+    gw = await gateway(cfg)
     await wait_until(lambda: len(serving(gw)) == 1, timeout=WAIT)
     async with http.post(f"{fp.url}/_fake/fail", json={"status": 503, "count": None, "op": "search"}) as r:
         assert r.status == 200
@@ -161,6 +166,10 @@ async def test_provider_down_backs_off_alerts_and_static_nodes_serve(fakegpus: A
     await wait_until(lambda: events(gw, "fleet_rent_failed") >= 3, timeout=WAIT)
     view = gw.rt.fleet_view()
     assert view["pools"]["p"]["failures"] >= 3 and view["pools"]["p"]["serving"] == 0
+    # The operator is told, on a real channel: the loss, then the failed rents.
+    await wait_until(lambda: any("rent failed" in m["text"] for m in tg.messages), timeout=WAIT)
+    assert any("reclaimed by vast" in m["text"] for m in tg.messages)
+    assert all(API_KEY not in m["text"] for m in tg.messages)
     for _ in range(3):  # the static route is not touched by the pool's trouble
         async with http.post(gw.url + "/gen/generate", json={}, headers=auth()) as r:
             assert r.status == 200
@@ -177,6 +186,7 @@ async def test_provider_down_backs_off_alerts_and_static_nodes_serve(fakegpus: A
         assert "kiloline_fleet_spend_per_hour" in text and API_KEY not in text
     assert API_KEY not in caplog.text and "reclaimed by vast" in caplog.text
     assert API_KEY not in repr(gw.rt.cfg) and API_KEY not in str(gw.rt.cfg.model_dump())
+    await tg.stop()
 
 
 async def test_spend_cap_is_never_passed(fakegpus: Any, gateway: Any, market: Any) -> None:
