@@ -73,6 +73,7 @@ class Fleet:
         self._task: asyncio.Task[None] | None = None
         self._probe: aiohttp.ClientSession | None = None
         self._wake = asyncio.Event()
+        self._closing = False  # set at shutdown: a rent still running opens no new session
         self._last_status = -MAX_TICK_SEC  # when the booting instances' provider status was last asked
         rt.fleet_view = self.view
         rt.node_watchers.append(self._node_event)
@@ -116,6 +117,7 @@ class Fleet:
         self._task = self.rt.spawn(self._run())
 
     async def close(self) -> None:
+        self._closing = True
         if self._task is not None:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -317,6 +319,8 @@ class Fleet:
 
     async def _probe_health(self, url: str, pcfg: FleetPoolConfig) -> bool:
         h = pcfg.node.health
+        if self._closing:
+            return False
         if self._probe is None or self._probe.closed:
             self._probe = aiohttp.ClientSession()
         try:

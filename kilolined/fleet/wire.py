@@ -25,11 +25,13 @@ class ProviderHTTP:
         self._secrets = [v.split(" ", 1)[-1] for v in headers.values() if v]
         self._timeout = aiohttp.ClientTimeout(total=timeout_sec)
         self._session: aiohttp.ClientSession | None = None
+        self._closed = False  # a call after close (a rent still running at shutdown) opens nothing
 
     def __repr__(self) -> str:
         return f"ProviderHTTP({self.base!r})"
 
     async def close(self) -> None:
+        self._closed = True
         if self._session is not None:
             await self._session.close()
             self._session = None
@@ -41,6 +43,8 @@ class ProviderHTTP:
 
     async def call(self, method: str, path: str, body: Any = None, *, query: dict[str, str] | None = None) -> Any:
         what = f"{method} {path}"
+        if self._closed:
+            raise ProviderError("network", f"{what}: the gateway is stopping")
         try:
             async with self._sess().request(method, self.base + path, json=body, params=query) as r:
                 text = await r.text()
