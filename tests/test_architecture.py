@@ -25,13 +25,13 @@ LAYERS: dict[str, tuple[str, ...]] = {
     "modes": ("jobs", "sinks", "runner", "call", "cluster/jobs"),
     "kinds": ("adapters/",),
     "lease": ("lease",),
-    "live state": ("runtime", "health", "views", "history", "adhoc", "reload", "systemd"),
+    "live state": ("runtime", "speedwatch", "health", "views", "history", "adhoc", "reload", "systemd"),
     "cluster": ("cluster/",),
     "wire": ("upstream", "proxy", "wsproxy", "deadlines"),
     "side": ("notify", "webhooks", "metrics", "feed", "stats", "probe"),
     "fake GPU": ("fakegpu/",),
     "core (pure)": ("__init__", "queue", "leasestore", "nodes", "models", "limits", "auth", "config", "errors",
-                    "outcome", "paths", "costs", "routing"),
+                    "outcome", "paths", "costs", "routing", "speed"),
 }
 
 # Imports that go up the table and stay, each with the reason it cannot go (importer, imported).
