@@ -30,6 +30,7 @@ drifts down on a healthy one, so an hour of noise raises no alarm (tests/test_sp
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from statistics import median
 
@@ -56,8 +57,8 @@ class Sample:
     value: float  # ms per unit
 
 
-def llm_samples(elapsed_s: float, first_s: float | None, usage: dict[str, object] | None,
-                timings: dict[str, object] | None) -> list[Sample]:
+def llm_samples(elapsed_s: float, first_s: float | None, usage: Mapping[str, object] | None,
+                timings: Mapping[str, object] | None) -> list[Sample]:
     """The speed of one LLM answer: llama.cpp's own ``timings`` when it sent them, else the
     gateway's timing (time to first token for the prompt, the rest for the generated tokens)
     divided by the ``usage`` counts. Nothing when no count is known (a generic sample is taken)."""
@@ -352,6 +353,14 @@ class SpeedBook:
             if s.level is not None:
                 acc.setdefault((n, r, u), []).append(s.level)
         return [(n, r, u, sum(v) / len(v)) for (n, r, u), v in acc.items()]
+
+
+def ejectable(route_nodes: int, ejected: int, others_serving: int) -> int:
+    """How many more of a route's nodes may be ejected now: never more than max(1, 10 %) of
+    them at once, and never the last one that can take work (``others_serving`` == 0)."""
+    if others_serving <= 0:
+        return 0
+    return max(0, max(1, math.floor(route_nodes * 0.1)) - ejected)
 
 
 def _above(value: float, mid: float, ratio: float, gap: float) -> bool:

@@ -18,7 +18,7 @@ from typing import Protocol
 from kilolined.cluster.nodes import NodeSync
 from kilolined.nodes import NodeState
 from kilolined.queue import Scheduler
-from kilolined.speed import HARD, MS_REQUEST, MS_UNIT, SLOW, Sample, SpeedBook, Verdict
+from kilolined.speed import HARD, MS_REQUEST, MS_UNIT, SLOW, Sample, SpeedBook, Verdict, ejectable
 
 log = logging.getLogger("kilolined")
 
@@ -70,9 +70,7 @@ class SpeedWatch:
         names = [n for n in self._route_nodes(route) if n in sched.nodes and not sched.nodes[n].retired]
         out = sum(1 for n in names if self.book.node(n).ejected)
         others = [n for n in names if n != node and sched.nodes[n].serving(now) and not sched.nodes[n].slowed]
-        if not others:
-            return 0
-        return max(1, math.floor(len(names) * 0.1)) - out
+        return ejectable(len(names), out, len(others))
 
     # --- acting ---------------------------------------------------------------------------
     def _act(self, ns: NodeState, v: Verdict, now: float) -> None:
