@@ -131,6 +131,8 @@ class Runtime:
         self.keys = KeyStore(cfg)
         self.router = Router({})
         self.feed = Feed()
+        #: how fast each node serves, against its peers (speed.py, speedwatch.py)
+        self.speed = SpeedWatch(self)
         self.metrics = Metrics(lambda: self)
         self.stats = Stats()
         self.sessions: dict[str, aiohttp.ClientSession] = {}
@@ -152,8 +154,6 @@ class Runtime:
         self.adapter_state: dict[str, object] = {}
         #: /v1/proxy's ad-hoc targets: their routes and nodes, bounded and dropped when idle (adhoc.py)
         self.adhoc = AdhocTargets(self.scheduler, self._forget_node)
-        #: how fast each node serves, against its peers (speed.py, speedwatch.py)
-        self.speed = SpeedWatch(self)
         self._apply_state(cfg)
 
     # --- config -------------------------------------------------------------------------

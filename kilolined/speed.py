@@ -107,6 +107,7 @@ class Series:
     streak: int = 0  # consecutive slow evaluations
     evidence: float = 0.0  # the CUSUM of log(sample / peers' median) - log(ratio), floored at 0
     hard_streak: int = 0  # consecutive evaluations at HARD × the peers
+    fine_streak: int = 0  # consecutive evaluations back within ratio (recovery)
     peers: float | None = None  # the peers' median at the last evaluation
     # drift: the hour being filled (index, sum of log values, count) and the completed hours' levels
     hour: int = -1
@@ -211,8 +212,12 @@ class SpeedBook:
         hard = slow and _above(s.level, mid, HARD, cfg.min_gap_ms)
         s.hard_streak = s.hard_streak + 1 if hard else 0
         cause = (route, model, sample.unit)
+        # Back within ratio, with no evidence left of being slower: held for `evaluations` too,
+        # so that a node on one slot, served faster for being less loaded, does not flap.
+        fine = s.level <= cfg.ratio * mid and s.evidence == 0
+        s.fine_streak = s.fine_streak + 1 if fine else 0
         if st.state == SLOW and st.cause == cause:
-            if s.level <= cfg.ratio * mid:
+            if s.fine_streak >= cfg.evaluations:
                 return self._recover(node, st, sample.unit, s.level, mid)
             if s.hard_streak >= cfg.evaluations and not st.hard:
                 return self._eject(node, st, "hard", cause, s, mid)

@@ -82,7 +82,9 @@ class SpeedWatch:
             text = self.slow_text(ns, v)
             rt.node_events(ns, ["node_slow"], {"node_slow": text})
             if v.action == "hard":
-                rt.node_events(ns, ns.trip(now))
+                ns.last_error = "slow"
+                rt.node_events(ns, ns.trip(now), {"breaker_open": (
+                    f"⚡ {_who(ns)} breaker OPEN for being slow, retry in {ns.open_period:g}s")})
         elif v.action == "recovered":
             ns.slowed = False
             rt.node_events(ns, ["node_recovered"], {"node_recovered": (
@@ -122,7 +124,8 @@ class SpeedWatch:
         self.book.eject_period(node, now, ns.breaker_cfg.open_sec, ns.breaker_cfg.max_open_sec)
         ns.last_error = reason
         self.rt.node_events(ns, ["node_slow"], {"node_slow": f"🐢 {_who(ns)} stalled: {reason} — breaker open"})
-        self.rt.node_events(ns, ns.trip(now))
+        self.rt.node_events(ns, ns.trip(now), {"breaker_open": (
+            f"⚡ {_who(ns)} breaker OPEN after a stall, retry in {ns.open_period:g}s")})
 
     # --- views ------------------------------------------------------------------------------
     def view(self, node: str) -> dict[str, object] | None:
