@@ -229,6 +229,7 @@ class Card:
             self._runner = None
             await runner.cleanup()
             raise
+        self._born = time.monotonic()  # --slowdown-after-sec counts from when it listens
 
     async def stop(self) -> None:
         """Close for good."""
