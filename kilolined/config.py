@@ -248,7 +248,7 @@ class BreakerConfig(_Model):
 
 
 class SlowConfig(_Model):
-    """How a node's speed is judged against its peers and its own past (SPEC §14)."""
+    """How a node's speed is judged against its peers and its own past (docs/CONFIG.md "Slow nodes")."""
 
     ratio: Annotated[float, Field(gt=1)] = 1.5  # slower than its peers' median by this factor
     min_gap_ms: Annotated[float, Field(ge=0)] = 5  # and by at least this much per unit
@@ -275,7 +275,7 @@ class NodeConfig(_Model):
     capacity: Annotated[float, Field(gt=0)] | None = None  # units held at once (say GB of VRAM)
     health: HealthConfig | None = None
     breaker: BreakerConfig = BreakerConfig()
-    #: speed watch (SPEC §14): on by default; None when ``slow: off``
+    #: speed watch (docs/CONFIG.md "Slow nodes"): on by default; None when ``slow: off``
     slow: SlowConfig | None = SlowConfig()
     #: the models it serves (a list, or "discover": its GET /v1/models); None = whatever it is asked
     models: list[str] | str | None = None

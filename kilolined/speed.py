@@ -1,4 +1,4 @@
-"""Node speed as pure logic: size-normalised samples, peak-EWMA, peers and drift (SPEC §14).
+"""Node speed as pure logic: size-normalised samples, peak-EWMA, peers and drift (docs/CONFIG.md "Slow nodes").
 
 No I/O and no clock of its own: every call takes ``now`` (monotonic seconds), so tests drive an
 hour or 36 hours of traffic in a moment. The runtime feeds one ``Sample`` per finished request

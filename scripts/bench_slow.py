@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Slow-node watch (SPEC §14): three simulated GPUs under a steady load, one turning 3× slower
+"""Slow-node watch (docs/CONFIG.md "Slow nodes"): three simulated GPUs under a steady load, one turning 3× slower
 mid-run, with the detector on, with ``slow: off``, and with no fault at all.
 
 Each node is `kilolined fakegpu` in its own process (a request costs `--steps` × `--step-ms`);

@@ -114,7 +114,7 @@ class Card:
         if not (is_number(slowdown) and slowdown > 0 and is_number(slowdown_after_sec) and slowdown_after_sec >= 0
                 and is_number(drift_pct_per_hour) and drift_pct_per_hour >= 0):
             raise ValueError("slowdown must be > 0, slowdown_after_sec and drift_pct_per_hour >= 0")
-        # A card going slow, for the slow-node watch (SPEC §14): every step costs ``slowdown`` ×
+        # A card going slow, for the slow-node watch (docs/CONFIG.md "Slow nodes"): every step costs ``slowdown`` ×
         # once ``slowdown_after_sec`` have passed, and a little more each hour with a drift.
         self.slowdown = float(slowdown)
         self.slowdown_after_sec = float(slowdown_after_sec)
