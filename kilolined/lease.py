@@ -31,6 +31,7 @@ from kilolined.proxy import Observer, Upstream, UpstreamFailed
 from kilolined.queue import LEASED, WAITING, Lease, Rejected, Ticket
 from kilolined.runtime import Runtime
 from kilolined.speed import Sample
+from kilolined.upstream import STALLED
 
 log = logging.getLogger("kilolined")
 T = TypeVar("T")
@@ -233,6 +234,8 @@ class LeaseScope:
         if mid_body:
             self.ok = False
         self.rt.node_failure(lease.node, reason, lease.trial)
+        if reason.startswith(STALLED):
+            self.rt.speed.stall(lease.node, reason)  # out at once, not after consecutive failures
 
     # --- entering ---------------------------------------------------------------------------
     async def __aenter__(self) -> LeaseScope:

@@ -338,6 +338,9 @@ class SpeedBook:
         st = self.nodes.get(node)
         mine = [(k, s) for k, s in self.series.items() if k[0] == node and s.level is not None]
         if not mine:
+            if st is not None and st.state == STALLED:
+                return {"unit": None, "ewma": None, "peers_median": None, "state": STALLED, "route": None,
+                        "model": None}
             return None
         if st is not None and st.cause is not None:
             pick = [(k, s) for k, s in mine if k[1:] == st.cause] or mine
