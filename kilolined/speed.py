@@ -168,6 +168,8 @@ class SpeedBook:
 
     def __init__(self) -> None:
         self.series: dict[Key, Series] = {}
+        #: (route, model, unit) -> node -> its series: the peers of a sample, without a scan
+        self.groups: dict[tuple[str, str, str], dict[str, Series]] = {}
         self.nodes: dict[str, NodeSpeed] = {}
 
     def node(self, name: str) -> NodeSpeed:
@@ -180,6 +182,11 @@ class SpeedBook:
         self.nodes.pop(node, None)
         for k in [k for k in self.series if k[0] == node]:
             del self.series[k]
+            group = self.groups.get(k[1:])
+            if group is not None:
+                group.pop(node, None)
+                if not group:
+                    del self.groups[k[1:]]
 
     # --- judging ------------------------------------------------------------------------
     def record(self, node: str, route: str, model: str, sample: Sample, now: float, cfg: SlowConfig,
@@ -191,6 +198,7 @@ class SpeedBook:
         s = self.series.get(key)
         if s is None:
             s = self.series[key] = Series()
+            self.groups.setdefault((route, model, sample.unit), {})[node] = s
         s.add(sample.value, cfg.samples)
         self._hourly(s, sample.value, now)
         peers = self._peer_levels(key, cfg.samples)
@@ -234,9 +242,8 @@ class SpeedBook:
 
     def _peer_levels(self, key: Key, samples: int) -> list[float]:
         node, route, model, unit = key
-        return [s.level for (n, r, m, u), s in self.series.items()
-                if n != node and r == route and m == model and u == unit and s.level is not None
-                and s.warm(samples)]
+        return [s.level for n, s in self.groups.get((route, model, unit), {}).items()
+                if n != node and s.level is not None and s.warm(samples)]
 
     def _eject(self, node: str, st: NodeSpeed, how: str, cause: tuple[str, str, str], s: Series,
                mid: float) -> Verdict:

@@ -187,3 +187,14 @@ def test_no_more_than_a_tenth_of_a_route_and_never_the_last() -> None:
     assert ejectable(3, 1, 1) == 0
     assert ejectable(20, 1, 18) == 1 and ejectable(20, 2, 17) == 0
     assert ejectable(5, 0, 0) == 0
+
+
+def test_a_forgotten_node_is_no_ones_peer() -> None:
+    fleet = Fleet(["a", "b", "c"])
+    for k in range(30):
+        for n in fleet.names:
+            fleet.feed(n, 20.0, float(k))
+    fleet.book.forget("c")
+    assert all(k[0] != "c" for k in fleet.book.series)
+    assert set(fleet.book.groups[("chat", "m", MS_TOKEN)]) == {"a", "b"}
+    assert fleet.book.view("c") is None and fleet.book.view("a")["peers_median"] == 20.0  # type: ignore[index]
