@@ -120,3 +120,19 @@ async def test_slow_off_by_reload_lifts_the_eject_and_slow_on_brings_it_back(fak
         stop.set()
         await asyncio.gather(*workers)
     assert {s for s, _ in seen} == {200}
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_an_llm_answer_is_measured_per_generated_token(fakegpus, gateway, http, stream) -> None:
+    fake = await fakegpus("openai", step_ms=20)  # one step per token
+    cfg = base_config({"o": fake.url}, kind="openai", path="/v1", max_concurrency=1)
+    gw = await gateway(cfg)
+    body = {"model": "fake-llm", "messages": [{"role": "user", "content": "hello there"}], "max_tokens": 6,
+            "stream": stream}
+    async with http.post(gw.url + "/v1/chat/completions", json=body, headers=auth()) as r:
+        assert r.status == 200
+        await r.read()
+    await wait_until(lambda: gw.rt.speed.view("o") is not None, timeout=10)
+    speed = (await state(http, gw.url))["nodes"]["o"]["speed"]
+    assert speed["unit"] == "ms/token" and speed["state"] == "ok" and speed["peers_median"] is None
+    assert 15 <= speed["ewma"] < 1000  # ~20 ms a token, plus what a busy box adds
