@@ -136,3 +136,29 @@ async def test_an_llm_answer_is_measured_per_generated_token(fakegpus, gateway, 
     speed = (await state(http, gw.url))["nodes"]["o"]["speed"]
     assert speed["unit"] == "ms/token" and speed["state"] == "ok" and speed["peers_median"] is None
     assert 15 <= speed["ewma"] < 1000  # ~20 ms a token, plus what a busy box adds
+
+
+async def test_far_slower_opens_the_breaker_then_a_trial_brings_it_back(fakegpus, gateway, http, tg, dc) -> None:
+    a, b = await fakegpus(), await fakegpus()
+    c = await fakegpus(slowdown=6)
+    cfg = base_config({"a": a.url, "b": b.url, "c": c.url}, max_concurrency=2)
+    cfg["routes"]["gen"].update(nodes=["a", "b", "c"], standby=[])
+    for n in ("a", "b", "c"):
+        cfg["nodes"][n].update(slow=SLOW, breaker={**BREAKER, "open_sec": 1, "max_open_sec": 4})
+    cfg["notify"] = {"telegram": {"bot_token": "T", "chat_id": "1", "api_base": tg.url},
+                     "discord": {"webhook_url": dc.webhook_url}, "group_sec": 0.1, "min_interval_sec": 0}
+    gw = await gateway(cfg)
+    stop, seen = asyncio.Event(), []
+    workers = [asyncio.create_task(load(http, gw.url, stop, seen)) for _ in range(6)]
+    try:
+        await wait_until(lambda: any("breaker OPEN for being slow" in m["text"] for m in tg.messages), timeout=60)
+        assert any("c slow:" in m["text"] and "breaker is open" in m["text"] for m in tg.messages)
+        c.slowdown = 1.0  # the neighbour left: back to speed
+        await wait_until(lambda: any("c back to speed" in m["text"] for m in tg.messages), timeout=60)
+        ns = gw.rt.scheduler.nodes["c"]
+        assert not ns.slowed and ns.breaker == "closed"
+        assert (await state(http, gw.url))["nodes"]["c"]["speed"]["state"] == "ok"
+    finally:
+        stop.set()
+        await asyncio.gather(*workers)
+    assert {s for s, _ in seen} == {200}
