@@ -130,7 +130,8 @@ def cmd_fakegpu(args: argparse.Namespace) -> int:
                        args.crash_sec, api_key=args.api_key, ctx_size=args.ctx_size,
                        progress_min_sec=args.progress_min_ms / 1000, capacity_mode=args.capacity_mode,
                        models=[m.strip() for m in args.models.split(",") if m.strip()] if args.models else None,
-                       swap_ms=args.swap_ms, warm_models=args.warm_models)
+                       swap_ms=args.swap_ms, warm_models=args.warm_models, slowdown=args.slowdown,
+                       slowdown_after_sec=args.slowdown_after_sec, drift_pct_per_hour=args.drift_pct_per_hour)
 
 
 def run_fake_provider(args: argparse.Namespace) -> int:
@@ -226,6 +227,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="openai with --models: models kept loaded at once (the first is warm at start)")
     f.add_argument("--progress-min-ms", type=float, default=100,
                    help="comfyui: drop progress updates closer than this (ComfyUI's ProgressBar; 0 sends all)")
+    f.add_argument("--slowdown", type=float, default=1.0,
+                   help="every step takes this many times longer (after --slowdown-after-sec): a GPU going slow")
+    f.add_argument("--slowdown-after-sec", type=float, default=0.0, help="when --slowdown begins, from start")
+    f.add_argument("--drift-pct-per-hour", type=float, default=0.0,
+                   help="steps take this much longer for each hour the card has run (a slow drift)")
     f.set_defaults(fn=cmd_fakegpu)
 
     d = sub.add_parser("demo", parents=[common], help="the traffic-smoothing demo on loopback")

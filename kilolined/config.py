@@ -33,6 +33,9 @@ NotifyEvent = Literal[
     "fleet_node_rented",
     "fleet_node_ready",
     "fleet_rent_failed",
+    "node_slow",  # slow nodes (docs/CONFIG.md "nodes.<n>.slow")
+    "node_recovered",
+    "node_drifting",
 ]
 NOTIFY_EVENTS: tuple[NotifyEvent, ...] = get_args(NotifyEvent)
 
@@ -248,6 +251,26 @@ class BreakerConfig(_Model):
     slow_start_sec: Sec = 30
 
 
+class SlowConfig(_Model):
+    """How a node's speed is judged against its peers and its own past (docs/CONFIG.md "Slow nodes")."""
+
+    ratio: Annotated[float, Field(gt=1)] = 1.5  # slower than its peers' median by this factor
+    min_gap_ms: Annotated[float, Field(ge=0)] = 5  # and by at least this much per unit
+    samples: Annotated[int, Field(ge=1, le=10000)] = 20  # the EWMA's span, in requests
+    evaluations: Annotated[int, Field(ge=1, le=1000)] = 3  # consecutive slow evaluations before acting
+    stall_sec: PosSec = 30  # a stream with no byte for this long is a stall
+    drift: Annotated[float, Field(gt=1)] = 1.3  # alone on its route: this much worse than its best hour
+
+
+def _slow_off(v: Any) -> Any:
+    """``slow: off`` (YAML reads it as false) disables; ``slow: on`` / an empty key takes the defaults."""
+    if v is False or v == "off":
+        return None
+    if v is None or v is True or v == "on":
+        return {}
+    return v
+
+
 class NodeConfig(_Model):
     url: str
     label: str | None = None
@@ -256,9 +279,16 @@ class NodeConfig(_Model):
     capacity: Annotated[float, Field(gt=0)] | None = None  # units held at once (say GB of VRAM)
     health: HealthConfig | None = None
     breaker: BreakerConfig = BreakerConfig()
+    #: speed watch (docs/CONFIG.md "Slow nodes"): on by default; None when ``slow: off``
+    slow: SlowConfig | None = SlowConfig()
     #: the models it serves (a list, or "discover": its GET /v1/models); None = whatever it is asked
     models: list[str] | str | None = None
     warm_models: Annotated[int, Field(ge=1)] = 1  # models it keeps loaded at once (OLLAMA_MAX_LOADED_MODELS)
+
+    @field_validator("slow", mode="before")
+    @classmethod
+    def _slow(cls, v: Any) -> Any:
+        return _slow_off(v)
 
     @field_validator("models")
     @classmethod

@@ -30,6 +30,8 @@ from kilolined.outcome import Failure, Result
 from kilolined.proxy import Observer, Upstream, UpstreamFailed
 from kilolined.queue import LEASED, WAITING, Lease, Rejected, Ticket
 from kilolined.runtime import Runtime
+from kilolined.speed import Sample
+from kilolined.upstream import STALLED
 
 log = logging.getLogger("kilolined")
 T = TypeVar("T")
@@ -170,7 +172,7 @@ class LeaseScope:
     """
 
     __slots__ = ("_aborts", "_armed", "_deadline", "_due", "_hold", "_rerouted", "_revoked", "_task", "dispatched_at",
-                 "key", "lease", "listener", "ok", "rt", "size", "started", "state", "ticket", "writing")
+                 "key", "lease", "listener", "ok", "rt", "samples", "size", "started", "state", "ticket", "writing")
 
     def __init__(self, rt: Runtime, ticket: Ticket, listener: Sink, key: str | None):
         self.rt, self.ticket, self.listener, self.key = rt, ticket, listener, key
@@ -182,6 +184,9 @@ class LeaseScope:
         self.dispatched_at = 0.0
         #: bytes of the node's answer passed on so far (the sinks count them)
         self.size = 0
+        #: the answer's speed as its adapter read it (LLM: ms per token from llama.cpp's timings
+        #: or usage, speed.llm_samples); None: measured per cost unit or per request at release
+        self.samples: list[Sample] | None = None
         #: set while a sink writes to the client: a deadline that fires then is the client's fault
         self.writing = False
         #: set once a response head went to the client (a failure after it cuts the connection)
@@ -229,6 +234,8 @@ class LeaseScope:
         if mid_body:
             self.ok = False
         self.rt.node_failure(lease.node, reason, lease.trial)
+        if reason.startswith(STALLED):
+            self.rt.speed.stall(lease.node, reason)  # out at once, not after consecutive failures
 
     # --- entering ---------------------------------------------------------------------------
     async def __aenter__(self) -> LeaseScope:
@@ -524,6 +531,10 @@ class LeaseScope:
         now = rt.clock()
         held = now - lease.started_at
         rt.leases.release(lease, now, service_time=held if ok else None)
+        if ok:
+            # The answer ended well: how fast the node served it, against its peers (speed.py).
+            t = self.ticket
+            rt.speed.measured(lease.node, lease.route, t.model, held, t.cost, self.samples)
         rt.stats.gpu_seconds += held
         rt.metrics.upstream.labels(rt.route_label(lease.route), lease.node).observe(held)
         if self.key is not None:

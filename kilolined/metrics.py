@@ -29,12 +29,25 @@ from prometheus_client.utils import floatToGoString
 from kilolined import __version__
 from kilolined.nodes import BREAKER_GAUGE
 from kilolined.queue import Scheduler
+from kilolined.speed import SpeedBook
+
+
+class SpeedView(Protocol):
+    """What the gauges read of the speed watch (kilolined/speedwatch.py)."""
+
+    book: SpeedBook
+
+    def is_slow(self, node: str) -> bool: ...
 
 
 class LiveState(Protocol):
     """What the scrape-time gauges read (the Runtime has it)."""
 
     scheduler: Scheduler
+
+    @property
+    def speed(self) -> SpeedView: ...
+
     last_error: list[str] | None
     loaded_at: float
     file_changed_at: float | None
@@ -68,6 +81,14 @@ class _LiveGauges(Collector):
         cap = GaugeMetricFamily("kiloline_capacity", "A node's configured capacity (nodes that have one)",
                                 labels=["node"])
         used = GaugeMetricFamily("kiloline_capacity_used", "The costs of a node's leases in flight", labels=["node"])
+        # Slow nodes (docs/CONFIG.md "nodes.<n>.slow"): each series' level, and whether it is out.
+        speed = GaugeMetricFamily("kiloline_node_speed", "A node's peak-EWMA speed per route, in ms per unit",
+                                  labels=["node", "route", "unit"])
+        slow = GaugeMetricFamily("kiloline_node_slow", "1 while the node is ejected or held for being slow",
+                                 labels=["node"])
+        for node, route, unit, level in rt.speed.book.levels():
+            if node in sched.nodes and not node.startswith("adhoc:"):
+                speed.add_metric([node, route, unit], level)
         # Counted by the scheduler as it leases (queue.py): read here, so the lease path bumps nothing.
         swaps = CounterMetricFamily("kiloline_model_swaps", "Dispatches that made a multi-model node load a model",
                                     labels=["node"])
@@ -85,6 +106,7 @@ class _LiveGauges(Collector):
             if ns.name.startswith("adhoc:"):
                 continue
             up.add_metric([n], 1 if ns.healthy else 0)
+            slow.add_metric([n], 1 if ns.slowed or rt.speed.is_slow(n) else 0)
             br.add_metric([n], BREAKER_GAUGE[ns.breaker_state(now)])
             if ns.cfg.capacity is not None:
                 cap.add_metric([n], ns.cfg.capacity)
@@ -108,7 +130,7 @@ class _LiveGauges(Collector):
                                     "Unix time the watcher last saw the config file change (absent: not since start)")
         if rt.file_changed_at is not None:
             changed.add_metric([], rt.file_changed_at)
-        yield from (depth, infl, slots, up, br, cap, used, swaps, ok, at, pending, changed)
+        yield from (depth, infl, slots, up, br, cap, used, swaps, speed, slow, ok, at, pending, changed)
         if rt.fleet_view is not None:
             yield from _fleet_gauges(rt.fleet_view())
 

@@ -36,6 +36,8 @@ class NodeState:
     trial_in_flight: bool = False
     # slow start: set when the node recovers (not at gateway start, as in HAProxy)
     recovered_at: float | None = None
+    #: soft-ejected for being slow (speed.py): one slot, ranked last in node choice
+    slowed: bool = False
     retired: bool = False  # removed by a reload: gets no new work, in-flight finishes
     latencies: list[float] = field(default_factory=list)
     # The last time it was seen alive: a health check passed or a request succeeded. A request
@@ -83,7 +85,10 @@ class NodeState:
         return not (self.retired or self.drained or not self.healthy) and self.breaker_state(now) == CLOSED
 
     def effective(self, configured: int, now: float) -> int:
-        """Slow start: 1 → configured linearly over slow_start_sec after a recovery."""
+        """Slow start: 1 → configured linearly over slow_start_sec after a recovery; 1 while
+        soft-ejected for being slow."""
+        if self.slowed:
+            return min(configured, 1)
         ss = self.breaker_cfg.slow_start_sec
         if self.recovered_at is None or ss <= 0 or configured <= 1:
             return configured
@@ -135,6 +140,12 @@ class NodeState:
         if self.failures >= self.breaker_cfg.consecutive_failures:
             return self._trip(now)
         return []
+
+    def trip(self, now: float) -> list[str]:
+        """Open the breaker now (a hard eject for slowness or a stall, speed.py); [] when it is
+        open already."""
+        self.tick(now)
+        return [] if self.breaker == OPEN else self._trip(now)
 
     def _trip(self, now: float) -> list[str]:
         cfg = self.breaker_cfg

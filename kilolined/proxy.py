@@ -19,7 +19,7 @@ import aiohttp
 from aiohttp import web
 from multidict import CIMultiDict
 
-from kilolined.upstream import ConnectFailed, NodePool, UpstreamResponse
+from kilolined.upstream import ConnectFailed, NodePool, Stalled, UpstreamResponse
 
 HOP_BY_HOP = frozenset(
     h.lower()
@@ -81,6 +81,8 @@ def mid_response(e: BaseException) -> str:
     """What happened when a node failed after its answer began (read timeout, dropped socket)."""
     if isinstance(e, UpstreamFailed):
         return e.reason
+    if isinstance(e, Stalled):
+        return str(e)
     if isinstance(e, TimeoutError):
         return "timed out mid-response"
     return lost("connection dropped mid-response")

@@ -31,6 +31,7 @@ from kilolined.nodes import NodeState
 WAITING, LEASED, DONE, FAILED = "waiting", "leased", "done", "failed"
 EPS = 1e-9  # costs are sums of floats: compare with a little slack
 COLD = 1 << 40  # node choice: a node where the model is not warm ranks after every node where it is
+SLOWED = 1 << 42  # node choice: a node soft-ejected for being slow ranks after every other
 
 
 class Rejected(Exception):
@@ -454,6 +455,8 @@ class Scheduler:
                 load = self.node_inflight[n]
                 if model is not None and not self.nodes[n].models.is_warm(model):
                     load += COLD
+                if self.nodes[n].slowed:
+                    load += SLOWED
                 if best is None or load < best_load:
                     best, best_load = n, load
         return best

@@ -30,6 +30,7 @@ from kilolined.metrics import Metrics
 from kilolined.nodes import NodeState
 from kilolined.queue import RouteQueue, Scheduler, Ticket
 from kilolined.routing import Router
+from kilolined.speedwatch import SpeedWatch
 from kilolined.stats import Stats
 from kilolined.upstream import NodePool
 
@@ -147,6 +148,8 @@ class Runtime:
         self.feed = Feed()
         #: the fleet's ``fleet`` of /admin/state and metrics; None while no fleet runs
         self.fleet_view: Callable[[], dict[str, Any]] | None = None
+        #: how fast each node serves, against its peers (speed.py, speedwatch.py)
+        self.speed = SpeedWatch(self)
         self.metrics = Metrics(lambda: self)
         self.stats = Stats()
         self.sessions: dict[str, aiohttp.ClientSession] = {}
@@ -196,6 +199,9 @@ class Runtime:
         for name, ns in list(old_nodes.items()):
             if name not in all_nodes and not name.startswith("adhoc:"):
                 ns.retired = True
+            elif ns.cfg.slow is None and ns.slowed:
+                ns.slowed = False  # `slow: off`: whatever the watch had decided is lifted
+                self.speed.forget(name)
         for name, rcfg in cfg.routes.items():
             rcfg = self._with_pool_nodes(name, rcfg)
             rq = sched.routes.get(name)
@@ -312,6 +318,7 @@ class Runtime:
         if p is not None:
             p.close_idle()
         self._models_asked.pop(name, None)
+        self.speed.forget(name)
 
     def _ask_models(self) -> None:
         """Ask each multi-model node without a health check for its models once: at start, and
@@ -369,6 +376,7 @@ class Runtime:
                 now = self.clock()
                 for t in self.scheduler.expire(now):
                     self.metrics.rejections.labels(self.route_label(t.route), "queue_timeout").inc()
+                self.speed.tick(now)
                 self.wake()
                 self._gc(now)
                 if now - last_save > 5:
@@ -447,14 +455,15 @@ class Runtime:
             self.node_sync.failed(ns)
         self.node_events(ns, events)
 
-    def node_events(self, ns: NodeState, events: list[str]) -> None:
+    def node_events(self, ns: NodeState, events: list[str], texts: dict[str, str] | None = None) -> None:
+        """Publish and alert ``events`` of ``ns`` (``texts``: the speed watch's own words)."""
         if not events:
             return
         if self.node_sync is not None:
             self.node_sync.changed(ns)  # the other gateways apply the same transition
         for ev in events:
-            text = self._node_text(ns, ev)
-            log.warning("%s", text) if ev in ("node_down", "breaker_open") else log.info("%s", text)
+            text = texts[ev] if texts and ev in texts else self._node_text(ns, ev)
+            log.warning("%s", text) if ev in ("node_down", "breaker_open", "node_slow") else log.info("%s", text)
             self.feed.publish(ev, node=ns.name, label=ns.label, text=text)
             self.notify(ev, text, node=ns.name)
             for watch in self.node_watchers:

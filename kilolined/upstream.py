@@ -52,6 +52,14 @@ class HeadTooLarge(aiohttp.ServerDisconnectedError):
     wherever a node that hung up before answering is."""
 
 
+class Stalled(TimeoutError):
+    """No byte from the node for ``idle_sec`` while its answer streamed (a stall: the slow-node
+    watch ejects the node, docs/CONFIG.md "Slow nodes")."""
+
+
+STALLED = "stalled"  # how a stall's reason begins (proxy.mid_response, lease.LeaseScope.node_failed)
+
+
 class UpstreamResponse:
     """One exchange on one pooled connection; the subset of ``aiohttp.ClientResponse`` we use.
 
@@ -78,6 +86,7 @@ class UpstreamResponse:
         "_until_close",
         "_waiter",
         "content_length",
+        "idle_sec",
         "raw_headers",
         "reason",
         "status",
@@ -107,6 +116,8 @@ class UpstreamResponse:
         self._head_bytes = 0  # head bytes so far, 1xx interim answers included
         self._chunked = False
         self._bucket: int | None = conn.pool.deadlines.add(self, deadline)  # its deadline bucket
+        #: set by the attempt on a streamed answer: the longest silence between two pieces
+        self.idle_sec: float | None = None
 
     # --- what callers read -------------------------------------------------------------
     @property
@@ -182,7 +193,13 @@ class UpstreamResponse:
                 return b""
             self._waiter = self._loop.create_future()
             try:
-                await self._waiter
+                if self.idle_sec is None:
+                    await self._waiter
+                else:
+                    try:
+                        await asyncio.wait_for(asyncio.shield(self._waiter), self.idle_sec)
+                    except TimeoutError:
+                        raise Stalled(f"{STALLED}: no byte from the node for {self.idle_sec:g}s") from None
             finally:
                 self._waiter = None
 

@@ -78,7 +78,9 @@ def state(rt: Runtime) -> dict[str, Any]:
                     "capacity": ns.cfg.capacity, "capacity_used": round(sched.capacity_used.get(n, 0.0), 3),
                     # Multi-model nodes (docs/CONFIG.md#multi-model-nodes): models null = it declares none.
                     "models": ns.models.listed(ns.cfg), "warm": list(ns.models.warm or ()),
-                    "warm_models": ns.cfg.warm_models}
+                    "warm_models": ns.cfg.warm_models,
+                    # Slow nodes (docs/CONFIG.md "nodes.<n>.slow"): null before a measured answer.
+                    "speed": rt.speed.view(n), "slowed": ns.slowed}
         pn = rt.pool_nodes.get(n)
         if pn is not None:  # a rented node (docs/FLEET.md)
             nodes[n].update(pool=pn.pool, provider=pn.provider, instance_id=pn.instance_id,

@@ -26,13 +26,13 @@ LAYERS: dict[str, tuple[str, ...]] = {
     "kinds": ("adapters/",),
     "lease": ("lease",),
     "fleet": ("fleet/loop",),
-    "live state": ("runtime", "health", "views", "history", "adhoc", "reload", "systemd"),
+    "live state": ("runtime", "speedwatch", "health", "views", "history", "adhoc", "reload", "systemd"),
     "cluster": ("cluster/",),
     "wire": ("upstream", "proxy", "wsproxy", "deadlines", "fleet/vastai", "fleet/runpod", "fleet/wire"),
     "side": ("notify", "webhooks", "metrics", "feed", "stats", "probe"),
     "fake GPU": ("fakegpu/",),
     "core (pure)": ("__init__", "queue", "leasestore", "nodes", "models", "limits", "auth", "config", "errors",
-                    "outcome", "paths", "costs", "routing", "fleet/"),
+                    "outcome", "paths", "costs", "routing", "speed", "fleet/"),
 }
 
 # Imports that go up the table and stay, each with the reason it cannot go (importer, imported).

@@ -29,6 +29,7 @@ from kilolined.outcome import Failure
 from kilolined.proxy import Exchange, Observer
 from kilolined.queue import Lease, Rejected
 from kilolined.runtime import Runtime
+from kilolined.speed import llm_samples
 from kilolined.upstream import UpstreamResponse
 
 log = logging.getLogger("kilolined")
@@ -188,6 +189,8 @@ class StreamParser(Observer):
                 body = orjson.loads(bytes(self.buf))
                 if isinstance(body, dict) and isinstance(body.get("usage"), dict):
                     self.usage = body["usage"]
+                if isinstance(body, dict) and isinstance(body.get("timings"), dict):
+                    self.timings = body["timings"]
             except orjson.JSONDecodeError:
                 pass
 
@@ -210,13 +213,20 @@ class StreamParser(Observer):
 class UsageObserver(StreamParser):
     """Feeds token budgets, kiloline_tokens_total and kiloline_ttft_seconds."""
 
-    def __init__(self, rt: Runtime, route: str, key: str | None, dispatched: float):
+    def __init__(self, rt: Runtime, route: str, key: str | None, dispatched: float,
+                 scope: LeaseScope | None = None):
         super().__init__()
         self.rt, self.route, self.key = rt, route, key
         self.dispatched = dispatched
+        self.scope = scope  # told the answer's speed (speed.py) when it ends
 
     def done(self, ok: bool) -> None:
         super().done(ok)
+        if ok and self.scope is not None:
+            elapsed = self.rt.clock() - self.dispatched
+            # a JSON answer's first byte is its last: only a stream tells the time to first token
+            first = max(0.0, self.first_at - self._dispatched_wall()) if self.stream and self.first_at else None
+            self.scope.samples = llm_samples(elapsed, first, self.usage, self.timings) or None
         tokens = self.tokens()
         if self.first_at is not None:
             self.rt.metrics.ttft.labels(self.route).observe(max(0.0, self.first_at - self._dispatched_wall()))
@@ -273,7 +283,7 @@ class OpenAIAdapter(Adapter):
     def observer(self, rt: Runtime, ex: Exchange, scope: LeaseScope, sink: Sink) -> Observer | None:
         if not is_completion(ex):
             return None
-        usage = UsageObserver(rt, rt.route_label(scope.route), scope.key, scope.dispatched_at)
+        usage = UsageObserver(rt, rt.route_label(scope.route), scope.key, scope.dispatched_at, scope)
         return Tee(usage, self._progress(ex, sink)) if sink.reports_progress else usage
 
     @staticmethod

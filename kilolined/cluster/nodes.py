@@ -12,7 +12,7 @@ seen on any gateways together.
 
 Keys under the prefix P:
   P node:<name>  hash  gen, healthy, error, breaker, open_until_at (Redis ms), open_period,
-                       ramp_at (Redis ms, -1 none), drained, fails
+                       ramp_at (Redis ms, -1 none), drained, slowed, fails
 Channel ``P nodes``: each change as JSON {node, from, gen?, fields…}. A lost message is made up
 by the sweep every ``lease_ttl_sec / 3``, which reads every node's hash and applies the newer ones.
 While Redis is unreachable nothing is published: each gateway goes on with its own view.
@@ -91,6 +91,7 @@ for i = 2, #ARGV do
       r.ramp_ago_ms = a < 0 and -1 or now - a
     end
     if m.drained then r.drained = tonumber(m.drained) end
+    if m.slowed then r.slowed = tonumber(m.slowed) end
     if m.fails then r.fails = tonumber(m.fails) end
     out[ARGV[i]] = r
   end

@@ -10,6 +10,8 @@ Fields come in groups that change apart, so two gateways changing different thin
   health   healthy (0/1), error, ramp_ago_ms
   breaker  breaker ("closed"|"open"), open_left_ms, open_period, error, ramp_ago_ms
   drain    drained (0/1)
+  slow     slowed (0/1): soft-ejected for being slow (kilolined/speed.py; the gateway whose
+           requests showed it decides, the others follow)
 and ``fails``, the failures seen in a row on every gateway (kilolined/cluster/nodes.py counts them).
 """
 
@@ -23,6 +25,7 @@ GROUPS: dict[str, tuple[str, ...]] = {
     "health": ("healthy", "error", "ramp_ago_ms"),
     "breaker": ("breaker", "open_left_ms", "open_period", "error", "ramp_ago_ms"),
     "drain": ("drained",),
+    "slow": ("slowed",),
 }
 
 
@@ -35,12 +38,13 @@ class Snapshot(NamedTuple):
     open_until: float
     open_period: float
     drained: bool
+    slowed: bool = False
 
 
 def snapshot(ns: NodeState) -> Snapshot:
     closed = ns.breaker == CLOSED
     return Snapshot(ns.healthy, closed, 0.0 if closed else ns.open_until, 0.0 if closed else ns.open_period,
-                    ns.drained)
+                    ns.drained, ns.slowed)
 
 
 def changed_groups(old: Snapshot | None, new: Snapshot) -> list[str]:
@@ -53,6 +57,8 @@ def changed_groups(old: Snapshot | None, new: Snapshot) -> list[str]:
         out.append("breaker")
     if old.drained != new.drained:
         out.append("drain")
+    if old.slowed != new.slowed:
+        out.append("slow")
     return out
 
 
@@ -67,6 +73,7 @@ def export(ns: NodeState, now: float, groups: list[str]) -> dict[str, Any]:
         "open_left_ms": 0 if closed else int(max(0.0, ns.open_until - now) * 1000),
         "open_period": ns.open_period,
         "drained": int(ns.drained),
+        "slowed": int(ns.slowed),
     }
     return {f: every[f] for g in groups for f in GROUPS[g]}
 
@@ -92,6 +99,8 @@ def apply(ns: NodeState, fields: dict[str, Any], now: float) -> list[str]:
         ns.recovered_at = None if ago < 0 else now - ago / 1000
     if "drained" in fields:
         ns.drained = bool(int(fields["drained"]))
+    if "slowed" in fields:
+        ns.slowed = bool(int(fields["slowed"]))  # no event: the deciding gateway alerted
     if "fails" in fields and ns.breaker == CLOSED:
         ns.failures = int(fields["fails"])
     return events

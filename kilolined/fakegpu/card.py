@@ -95,6 +95,9 @@ class Card:
         models: list[str] | None = None,
         swap_ms: float = 0.0,
         warm_models: int = 1,
+        slowdown: float = 1.0,
+        slowdown_after_sec: float = 0.0,
+        drift_pct_per_hour: float = 0.0,
     ) -> None:
         if not (is_number(vram_gb) and vram_gb > 0 and is_number(job_vram_gb) and job_vram_gb >= 0):
             raise ValueError("vram_gb must be > 0 and job_vram_gb >= 0")
@@ -108,6 +111,15 @@ class Card:
             raise ValueError("capacity_mode must be fixed or request")
         if not (is_number(swap_ms) and swap_ms >= 0 and is_int(warm_models) and warm_models >= 1):
             raise ValueError("swap_ms must be a number >= 0 and warm_models an int >= 1")
+        if not (is_number(slowdown) and slowdown > 0 and is_number(slowdown_after_sec) and slowdown_after_sec >= 0
+                and is_number(drift_pct_per_hour) and drift_pct_per_hour >= 0):
+            raise ValueError("slowdown must be > 0, slowdown_after_sec and drift_pct_per_hour >= 0")
+        # A card going slow, for the slow-node watch (docs/CONFIG.md "Slow nodes"): every step costs ``slowdown`` ×
+        # once ``slowdown_after_sec`` have passed, and a little more each hour with a drift.
+        self.slowdown = float(slowdown)
+        self.slowdown_after_sec = float(slowdown_after_sec)
+        self.drift_pct_per_hour = float(drift_pct_per_hour)
+        self._born = time.monotonic()
         self.kind = kind
         self.capacity_mode = capacity_mode
         self.models = list(models) if models else None  # openai: the model ids it lists (default: one)
@@ -217,6 +229,7 @@ class Card:
             self._runner = None
             await runner.cleanup()
             raise
+        self._born = time.monotonic()  # --slowdown-after-sec counts from when it listens
 
     async def stop(self) -> None:
         """Close for good."""
@@ -273,10 +286,17 @@ class Card:
         self._peak_vram = max(self._peak_vram, self.vram_used_gb)
         return job
 
+    def pace(self) -> float:
+        """How much longer a step takes now than ``step_ms`` (1: as configured)."""
+        age = time.monotonic() - self._born
+        f = self.slowdown if age >= self.slowdown_after_sec else 1.0
+        return f * (1 + self.drift_pct_per_hour / 100 * age / 3600)
+
     async def work(self, job: Job, seconds: float) -> bool:
         """Spend one step on the GPU; False when the job was stopped meanwhile."""
         if job.stop.is_set():
             return False
+        seconds *= self.pace()
         try:
             async with asyncio.timeout(seconds):
                 await job.stop.wait()
