@@ -27,7 +27,7 @@ LAYERS: dict[str, tuple[str, ...]] = {
     "lease": ("lease",),
     "live state": ("runtime", "health", "views", "history", "adhoc", "reload", "systemd"),
     "cluster": ("cluster/",),
-    "wire": ("upstream", "proxy", "wsproxy", "deadlines"),
+    "wire": ("upstream", "proxy", "wsproxy", "deadlines", "tasks"),
     "side": ("notify", "webhooks", "metrics", "feed", "stats", "probe"),
     "fake GPU": ("fakegpu/",),
     "core (pure)": ("__init__", "queue", "leasestore", "nodes", "models", "limits", "auth", "config", "errors",
