@@ -21,6 +21,7 @@ import aiohttp
 import pytest
 from cluster_harness import GatewayProc, RedisServer, gateways, make_gateways, redis_server, start_all, until
 from conftest import auth
+from fakes import FakeWebhookReceiver
 from test_comfyui import graph as comfy_graph
 
 from kilolined.cluster.doubt import busy_of
@@ -180,3 +181,71 @@ async def _alone(gw: GatewayProc) -> bool:
 async def _ready(gws: list[GatewayProc]) -> bool:
     states = await asyncio.gather(*(g.state() for g in gws))
     return all(st["cluster"]["redis"] == "up" and len(st["cluster"]["peers"]) == len(gws) - 1 for st in states)
+
+
+async def test_a_job_carried_on_from_a_frozen_gateway_runs_to_completion_once(
+        redis_server: RedisServer, gateways: list[GatewayProc], tmp_path: Path) -> None:
+    """A ComfyUI async job runs on A; A is frozen past the TTL and B carries the job on. B's copy
+    waits while A's prompt holds the node (its slot is in doubt); when A wakes it interrupts its
+    prompt, the node shows the slot free, B's copy runs: the node never ran both at once, the
+    prompt ran to completion once, and the webhook went out once."""
+    gpu = FakeGPU("comfyui", vram_gb=1000, job_vram_gb=1, steps=40, step_ms=300, crash_sec=0.4)  # 12 s a prompt
+    await gpu.start()
+    try:
+        async with FakeWebhookReceiver() as receiver:
+            gateways += make_gateways(2, tmp_path, redis_server.url, gpu.url, ttl=TTL, kind="comfyui",
+                                      max_concurrency=1, retry_on_failover=1, request_timeout_sec=600)
+            for g in gateways:
+                g.cfg["jobs"] = {"webhook_allow_private": True, "webhook_backoff_sec": [0.2, 0.2]}
+            await start_all(gateways)
+            a, b = gateways
+            assert a.proc is not None
+            async with aiohttp.ClientSession() as s:
+                prompt = comfy_graph(40)
+                prompt["3"]["inputs"]["seed"] = next(SEEDS)
+                headers = {**auth(), "X-KiloLine-Mode": "async", "X-KiloLine-Callback": receiver.url()}
+                async with s.post(a.url + "/gen/prompt", json={"prompt": prompt}, headers=headers) as r:
+                    assert r.status == 202, await r.text()
+                    jid = (await r.json())["job_id"]
+                await until(lambda: _running(gpu, 1), "A's prompt never ran")
+                os.kill(a.proc.pid, signal.SIGSTOP)
+                try:
+                    await until(lambda: _alone(b), "A was never reaped", timeout=30)
+                    await until(lambda: _owned_by(redis_server, jid, "gw1#"), "B never carried the job on", 30)
+                finally:
+                    os.kill(a.proc.pid, signal.SIGCONT)
+                try:
+                    await until(lambda: _job_is(s, b, jid, {"completed"}), "the carried job never completed", 90)
+                except AssertionError:
+                    async with s.get(f"{b.url}/v1/jobs/{jid}", headers=auth()) as r:
+                        raise AssertionError(await r.text()) from None
+                await until(lambda: _hooks(receiver, jid, 1), "no webhook", timeout=30)
+                await until(lambda: _idle(gpu), "the node never went idle", 30)
+            assert gpu.stats["max_concurrent"] <= 1, gpu.stats  # never both copies at once
+            assert gpu.stats["interrupts"] >= 1, gpu.stats  # A stopped its copy when it woke
+            assert gpu.stats["served"] == 1, gpu.stats  # to completion once
+            hooks = _deliveries(receiver, jid)
+            assert len(hooks) == 1 and hooks[0]["json"]["status"] == "completed", hooks  # the job's own ending
+    finally:
+        await gpu.stop()
+
+
+async def _job_is(s: aiohttp.ClientSession, gw: GatewayProc, jid: str, want: set[str]) -> bool:
+    async with s.get(f"{gw.url}/v1/jobs/{jid}", headers=auth()) as r:
+        return r.status == 200 and (await r.json())["status"] in want
+
+
+async def _owned_by(redis_server: RedisServer, jid: str, inst: str) -> bool:
+    r = redis_server.client()
+    try:
+        return str(await r.hget(f"{PREFIX}j:{jid}", "owner") or "").startswith(inst)
+    finally:
+        await r.aclose()
+
+
+def _deliveries(receiver: FakeWebhookReceiver, jid: str) -> list[Any]:
+    return [d for d in receiver.deliveries if (d["json"] or {}).get("job_id") == jid]
+
+
+async def _hooks(receiver: FakeWebhookReceiver, jid: str, n: int) -> bool:
+    return len(_deliveries(receiver, jid)) >= n
