@@ -47,6 +47,7 @@ from kilolined.outcome import Result
 from kilolined.proxy import Exchange
 from kilolined.queue import Rejected, Ticket
 from kilolined.runtime import Runtime
+from kilolined.tasks import cancel_all
 
 log = logging.getLogger("kilolined.jobs")
 #: never kept in Redis: whoever adopts a job runs it as the key it was admitted for, not by the secret
@@ -143,9 +144,7 @@ class ClusterJobs:
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self.synced(), timeout=2)
         self._closed = True
-        for t in list(self._tasks):
-            t.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await cancel_all(self._tasks)
         await self._follow.aclose()
 
     def _spawn(self, coro: Any) -> None:
