@@ -328,9 +328,8 @@ class ClusterLeases:
     # --- slots in doubt (kilolined/cluster/doubt.py) ------------------------------------------
     async def in_doubt(self) -> tuple[int, list[str]]:
         """(the lease id counter now, the nodes with leases in doubt); those past their deadline
-        are freed first and their slots handed on."""
-        out, grants = await self._call("DOUBTS")
-        self._grants(grants)
+        are freed first."""
+        out = await self._call("DOUBTS")
         return int(out[0]), [_s(out[i]) for i in range(1, len(out), 2)]
 
     async def free_doubt(self, node: str, busy: int, upto: int) -> int:

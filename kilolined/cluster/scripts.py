@@ -771,9 +771,9 @@ end
 return out
 """
 
-#: ARGV: P, ME -> {{lease id counter now, node, leases in doubt, ...}, {grants...}} (the nodes
-#: with leases in doubt, for the leader's node check; those past their deadline are freed first,
-#: by reap, and their slots handed on)
+#: ARGV: P, ME -> {lease id counter now, node, leases in doubt, ...}: the nodes with leases in
+#: doubt, for the leader's node check (those past their deadline are freed first, by reap; the
+#: next heartbeat's dispatch hands their slots on)
 DOUBTS = COMMON + r"""
 if stale() then return redis.error_reply('EPOCH Redis came back empty: register again') end
 reap()
@@ -782,8 +782,7 @@ for _, node in ipairs(redis.call('SMEMBERS', P..'dn')) do
   out[#out + 1] = node
   out[#out + 1] = redis.call('ZCARD', P..'d:'..node)
 end
-dispatch_all()
-return {out, grants}
+return out
 """
 
 #: ARGV: P, ME, node, busy (what the node itself says it runs or holds queued), upto (the lease
