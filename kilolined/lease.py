@@ -28,7 +28,7 @@ from aiohttp import web
 
 from kilolined.outcome import Failure, Result
 from kilolined.proxy import Observer, Upstream, UpstreamFailed
-from kilolined.queue import LEASED, WAITING, Lease, Rejected, Ticket
+from kilolined.queue import LEASED, WAITING, Lease, Rejected, Target, Ticket
 from kilolined.runtime import Runtime
 from kilolined.speed import Sample
 from kilolined.upstream import STALLED
@@ -171,8 +171,9 @@ class LeaseScope:
     no deadline fired, nothing to clean up on the node — costs no coroutine.
     """
 
-    __slots__ = ("_aborts", "_armed", "_deadline", "_due", "_hold", "_rerouted", "_revoked", "_task", "dispatched_at",
-                 "key", "lease", "listener", "ok", "rt", "samples", "size", "started", "state", "ticket", "writing")
+    __slots__ = ("_aborts", "_armed", "_deadline", "_due", "_hold", "_rerouted", "_revoked", "_target", "_task",
+                 "dispatched_at", "key", "lease", "listener", "ok", "rt", "samples", "size", "started", "state",
+                 "ticket", "writing")
 
     def __init__(self, rt: Runtime, ticket: Ticket, listener: Sink, key: str | None):
         self.rt, self.ticket, self.listener, self.key = rt, ticket, listener, key
@@ -199,6 +200,7 @@ class LeaseScope:
         self._task: asyncio.Task[Any] | None = asyncio.current_task()  # the task the deadline cancels
         self._hold: Hold | None = None
         self._revoked: str | None = None  # why the lease was taken back (revoke), else None
+        self._target: Target | None = None  # the last lease's, as of its grant (kept past its release)
 
     def _to(self, new: str) -> None:
         assert new in TRANSITIONS[self.state], f"lease scope: {self.state} → {new}"
@@ -210,6 +212,8 @@ class LeaseScope:
 
     @property
     def timeout(self) -> float:
+        if self._target is not None:
+            return self._target.request_timeout_sec  # as of the grant: a reload does not move it
         return self.rt.scheduler.routes[self.ticket.route].cfg.request_timeout_sec
 
     @property
@@ -285,7 +289,7 @@ class LeaseScope:
         the node did answer (502/503/504) — returns that answer, which passes through. Raises
         Failure for a queue refusal (timeout, shutdown, dropped) too.
         """
-        rt, ticket = self.rt, self.ticket
+        ticket = self.ticket
         lease = await self._wait()
         while True:
             try:
@@ -308,7 +312,7 @@ class LeaseScope:
             self.node_failed(failure.reason)
             if self.state != S_ATTEMPTING:  # expired meanwhile: the exit turns this into the timeout
                 raise Failure.upstream(f"node {lease.node} did not answer in time", True)
-            if ticket.requeues >= rt.scheduler.routes[lease.route].cfg.retry_on_failover:
+            if ticket.requeues >= lease.target.route.retry_on_failover:
                 self._to(S_HELD)
                 if failure.response is not None:
                     self.ok = False
@@ -363,6 +367,7 @@ class LeaseScope:
             return
         self._to(S_ATTEMPTING)
         self.lease = lease
+        self._target = lease.target
         lease.revoke = self.revoke
         rt = self.rt
         now = rt.clock()

@@ -25,7 +25,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from kilolined.config import RouteConfig
+from kilolined.config import NodeConfig, RouteConfig
 from kilolined.nodes import NodeState
 
 WAITING, LEASED, DONE, FAILED = "waiting", "leased", "done", "failed"
@@ -72,6 +72,27 @@ class Ticket:
             self.on_wake(self)
 
 
+@dataclass(frozen=True, slots=True)
+class Target:
+    """Where a lease's request goes, resolved once at grant time: the route's and the node's
+    config as they were then. A reload mid-request changes neither (docs/ARCHITECTURE.md)."""
+
+    route: RouteConfig
+    node: NodeConfig
+
+    @property
+    def url(self) -> str:
+        return self.node.url
+
+    @property
+    def headers(self) -> dict[str, str]:
+        return self.node.headers
+
+    @property
+    def request_timeout_sec(self) -> float:
+        return self.route.request_timeout_sec
+
+
 @dataclass(eq=False, slots=True)
 class Lease:
     ticket: Ticket
@@ -79,6 +100,7 @@ class Lease:
     node: str
     started_at: float
     trial: bool
+    target: Target
     released: bool = False
     cost: float = 0.0
     swap: bool | None = None  # the node had to load the model (None: the node has no model state)
@@ -627,7 +649,7 @@ class Scheduler:
         swap = ns.models.dispatch(ns.cfg, t.model) if ns.cfg.models is not None else None
         if swap:
             self.swaps[node] += 1
-        lease = Lease(t, rq.name, node, now, trial, cost=t.cost, swap=swap)
+        lease = Lease(t, rq.name, node, now, trial, Target(rq.cfg, ns.cfg), cost=t.cost, swap=swap)
         rq.inflight[node] += 1
         self.node_inflight[node] += 1
         if t.cost:

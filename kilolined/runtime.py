@@ -32,6 +32,7 @@ from kilolined.queue import RouteQueue, Scheduler, Ticket
 from kilolined.routing import Router
 from kilolined.speedwatch import SpeedWatch
 from kilolined.stats import Stats
+from kilolined.tasks import cancel_all
 from kilolined.upstream import NodePool
 
 log = logging.getLogger("kilolined")
@@ -341,14 +342,9 @@ class Runtime:
 
     async def stop(self) -> None:
         self.started = False
-        if self._pump:
-            self._pump.cancel()
-        for t in list(self._health_tasks.values()):
-            t.cancel()
+        # Cancelled until they end (kilolined/tasks.py: one cancel can be swallowed).
+        await cancel_all([*([self._pump] if self._pump else []), *self._health_tasks.values(), *self._tasks])
         self._health_tasks.clear()
-        for t in list(self._tasks):
-            t.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
         for s in [*self.sessions.values(), *self._retired_sessions]:
             await s.close()
         self.sessions.clear()

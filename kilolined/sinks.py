@@ -49,10 +49,10 @@ class SyncSink(Sink):
 
     # --- answers ------------------------------------------------------------------------------
     def headers_for(self, scope: LeaseScope, up: Upstream) -> CIMultiDict[str]:
-        rt, call = self.rt, self.call
+        call = self.call
         lease_node = call.node
-        node_url = rt.scheduler.nodes[lease_node].cfg.url
-        rcfg = rt.scheduler.routes[scope.route].cfg
+        assert scope.lease is not None
+        node_url, rcfg = scope.lease.target.url, scope.lease.target.route
         # A node's redirect comes back through the route: under its path only if the path was cut off.
         headers = response_headers(up, node_url, rcfg.path if rcfg.strips_path else "/")
         headers.update(call.headers)

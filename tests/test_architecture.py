@@ -28,7 +28,7 @@ LAYERS: dict[str, tuple[str, ...]] = {
     "fleet": ("fleet/loop",),
     "live state": ("runtime", "speedwatch", "health", "views", "history", "adhoc", "reload", "systemd"),
     "cluster": ("cluster/",),
-    "wire": ("upstream", "proxy", "wsproxy", "deadlines", "fleet/vastai", "fleet/runpod", "fleet/wire"),
+    "wire": ("upstream", "proxy", "wsproxy", "deadlines", "tasks", "fleet/vastai", "fleet/runpod", "fleet/wire"),
     "side": ("notify", "webhooks", "metrics", "feed", "stats", "probe"),
     "fake GPU": ("fakegpu/",),
     "core (pure)": ("__init__", "queue", "leasestore", "nodes", "models", "limits", "auth", "config", "errors",

@@ -329,8 +329,9 @@ async def test_a_paused_gateway_that_comes_back_sends_no_second_webhook(
         redis_server: RedisServer, gateways: list[GatewayProc], gpu: FakeGPU, receiver: FakeWebhookReceiver,
         tmp_path: Path) -> None:
     # SIGSTOP, not kill: A's heartbeat lapses, B carries the job on and finishes it; then A wakes
-    # up, finishes its own run too — and the webhook still goes out once.
-    gateways += make_gateways(2, tmp_path, redis_server.url, gpu.url, retry_on_failover=1)
+    # up, its own run is stopped (lease lost) — and the webhook still goes out once. A generic
+    # node cannot show its slot free: the carried job waits for A's request_timeout_sec.
+    gateways += make_gateways(2, tmp_path, redis_server.url, gpu.url, retry_on_failover=1, request_timeout_sec=6)
     for g in gateways:
         g.cfg["jobs"] = {"webhook_allow_private": True, "webhook_backoff_sec": [0.2, 0.2]}
     await start_all(gateways)

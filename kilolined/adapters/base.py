@@ -61,9 +61,8 @@ class HttpAttempt:
 
     async def __call__(self, lease: Lease) -> UpstreamResponse:
         rt = self.rt
-        ns = rt.scheduler.nodes[lease.node]
-        rcfg = rt.scheduler.routes[lease.route].cfg
-        up = await open_upstream(rt.pool(lease.node), self.ex, ns.cfg.url, ns.cfg.headers, rcfg.request_timeout_sec)
+        target = lease.target
+        up = await open_upstream(rt.pool(lease.node), self.ex, target.url, target.headers, target.request_timeout_sec)
         if up.status in self.credential_statuses:
             up.release()
             log.error("✗ [%s] refused the gateway's credentials (HTTP %d): check nodes.%s.headers; "

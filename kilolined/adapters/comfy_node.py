@@ -13,6 +13,7 @@ from typing import Any
 import aiohttp
 import orjson
 
+from kilolined.queue import Lease
 from kilolined.runtime import Runtime
 
 log = logging.getLogger("kilolined")
@@ -65,6 +66,11 @@ class NodeAPI:
 def node_api(rt: Runtime, node: str, request_id: str) -> NodeAPI:
     ncfg = rt.scheduler.nodes[node].cfg
     return NodeAPI(rt.session(node), ncfg.url, {"X-Request-Id": request_id, **ncfg.headers})
+
+
+def lease_api(rt: Runtime, lease: Lease, request_id: str) -> NodeAPI:
+    """The node of a lease as its grant resolved it (queue.Target)."""
+    return NodeAPI(rt.session(lease.node), lease.target.url, {"X-Request-Id": request_id, **lease.target.headers})
 
 
 def queue_ids(items: Any, prompt_id: str | None, client_id: str | None) -> list[str]:

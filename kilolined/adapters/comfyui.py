@@ -29,7 +29,7 @@ from aiohttp import web
 from kilolined.adapters.base import Adapter, HttpAttempt
 from kilolined.adapters.comfy_control import comfy_state, control
 from kilolined.adapters.comfy_monitor import NodeMonitor
-from kilolined.adapters.comfy_node import NodeAPI, NodeError, find_entry, node_api, on_queue, stop_prompt
+from kilolined.adapters.comfy_node import NodeAPI, NodeError, find_entry, lease_api, on_queue, stop_prompt
 from kilolined.adapters.comfy_progress import Progress
 from kilolined.lease import LeaseScope, Sink
 from kilolined.outcome import Cancelled, Failure, Result
@@ -326,7 +326,7 @@ class ComfyUIAdapter(Adapter):
         assert lease is not None
         state = comfy_state(rt)
         state.owners(lease.route).add(prompt_id, scope.ticket.key, lease.node)
-        node = node_api(rt, lease.node, ex.request_id)
+        node = lease_api(rt, lease, ex.request_id)
         monitor, number = state.monitor(lease.node), _prompt_number(data)
         # Past request_timeout_sec the prompt is interrupted before the slot is freed.
         scope.on_abort(lambda: self._stop_sync(node, monitor, prompt_id, number))
@@ -389,7 +389,7 @@ class ComfyUIAdapter(Adapter):
         loop = asyncio.get_running_loop()
         timeout = scope.timeout
         deadline = scope.deadline or loop.time() + timeout
-        node = node_api(rt, lease.node, ex.request_id)
+        node = lease_api(rt, lease, ex.request_id)
         client_id = uuid.uuid4().hex
         # The socket first: events for the prompt start as soon as it is queued.
         ws = await connect_node_ws(node.session, f"{node.url}/ws?clientId={client_id}", node.headers,
@@ -407,8 +407,7 @@ class ComfyUIAdapter(Adapter):
         """Submit with our client_id; returns (prompt id, queue number), or raises UpstreamFailed / Failure."""
         rt, lease = scope.rt, scope.lease
         assert lease is not None
-        ncfg = rt.scheduler.nodes[lease.node].cfg
-        headers = ex.upstream_headers(ncfg.headers, ncfg.url)
+        headers = ex.upstream_headers(lease.target.headers, lease.target.url)
         for h in ("Content-Type", "Content-Encoding", "Accept-Encoding"):
             headers.popall(h, None)  # we send fresh JSON and must read the answer ourselves
         headers["Content-Type"] = "application/json"

@@ -9,7 +9,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
+import aiohttp
+import orjson
+
+from kilolined.cluster.doubt import DoubtCheck
 from kilolined.cluster.jobs import ClusterJobs
 from kilolined.cluster.leader import LeaderLease
 from kilolined.cluster.leases import ClusterLeases, gateway_id
@@ -19,6 +24,8 @@ from kilolined.cluster.view import ClusterGauges
 from kilolined.jobs import Jobs
 from kilolined.queue import Rejected, Ticket
 from kilolined.runtime import Component, Runtime
+
+CHECK_SEC = 5.0  # one node check of slots in doubt
 
 
 @dataclass
@@ -30,6 +37,7 @@ class Cluster:
     leader: LeaderLease
     node_sync: NodeSync
     jobs: ClusterJobs
+    doubt: DoubtCheck
     budget_keys: Callable[[], list[str]]  # the keys with a budget, whose usage ``limits`` re-reads
     refresh_sec: float
 
@@ -39,11 +47,13 @@ class Cluster:
         await self.node_sync.start()
         await self.jobs.start()
         self.limits.start(self.budget_keys, self.refresh_sec)
+        self.doubt.start()
 
     def fail_all_waiting(self, err: Callable[[], Rejected]) -> list[Ticket]:
         return self.leases.fail_all_waiting(err)
 
     async def stop(self) -> None:
+        await self.doubt.stop()
         await self.limits.stop()  # the last usage to Redis before it is closed
         await self.node_sync.stop()
         await self.leader.stop()  # hands the voice on at once
@@ -85,6 +95,27 @@ def build(rt: Runtime, jobs: Jobs) -> Cluster:
     rt.checks_here = leader.checks
     rt.rents_here = lambda: leader.state.is_leader(rt.clock())  # docs/FLEET.md: only the leader rents
     rt.node_sync = node_sync
-    return Cluster(leases, limits, leader, node_sync, cluster_jobs,
+    # Reaped slots in doubt: the leader asks their nodes whether they are free.
+    doubt = DoubtCheck(leases, kind_of=lambda node: node_kind(rt, node),
+                       fetch=lambda node, path: node_json(rt, node, path),
+                       leader=lambda: leader.state.is_leader(rt.clock()), every_sec=cfg.lease_ttl_sec / 3)
+    return Cluster(leases, limits, leader, node_sync, cluster_jobs, doubt,
                    budget_keys=lambda: [k for k, c in rt.cfg.keys.items() if c.budget is not None],
                    refresh_sec=cfg.lease_ttl_sec / 3)
+
+
+def node_kind(rt: Runtime, node: str) -> str | None:
+    """The kind of the first route that sends to ``node`` (None: no route does)."""
+    for r in rt.cfg.routes.values():
+        if node in r.nodes or node in r.standby:
+            return r.kind
+    return None
+
+
+async def node_json(rt: Runtime, node: str, path: str) -> Any:
+    """GET ``path`` on the node (its own headers, e.g. llama.cpp's --api-key), as JSON."""
+    ns = rt.scheduler.nodes[node]
+    async with rt.session(node).get(ns.cfg.url.rstrip("/") + path, headers=ns.cfg.headers,
+                                    timeout=aiohttp.ClientTimeout(total=CHECK_SEC)) as r:
+        r.raise_for_status()
+        return orjson.loads(await r.read())

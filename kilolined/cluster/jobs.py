@@ -40,13 +40,14 @@ from redis.exceptions import NoScriptError, RedisError
 
 from kilolined.adapters.registry import adapter_for
 from kilolined.call import Call
-from kilolined.cluster.jobscripts import CLAIM, EVENT, FINISH, FLAG, RESYNC, SAVE
+from kilolined.cluster.jobscripts import CLAIM, EVENT, FINISH, FLAG, RESYNC, SAVE, WEBHOOK
 from kilolined.cluster.leases import ClusterLeases
 from kilolined.jobs import TERMINAL, Event, Job, Jobs
 from kilolined.outcome import Result
 from kilolined.proxy import Exchange
 from kilolined.queue import Rejected, Ticket
 from kilolined.runtime import Runtime
+from kilolined.tasks import cancel_all
 
 log = logging.getLogger("kilolined.jobs")
 #: never kept in Redis: whoever adopts a job runs it as the key it was admitted for, not by the secret
@@ -117,7 +118,7 @@ class ClusterJobs:
         self._mine: dict[str, tuple[Job, bytes, bytes]] = {}
         self._scripts: dict[str, Any] = {name: self.redis.register_script(src) for name, src in
                                          (("SAVE", SAVE), ("EVENT", EVENT), ("FLAG", FLAG), ("FINISH", FINISH),
-                                          ("CLAIM", CLAIM), ("RESYNC", RESYNC))}
+                                          ("CLAIM", CLAIM), ("RESYNC", RESYNC), ("WEBHOOK", WEBHOOK))}
         # Blocking reads of remote followers get their own connections: they must never hold the
         # bounded pool the admissions use.
         self._follow = aioredis.Redis.from_url(leases.cfg.redis_url, socket_timeout=FOLLOW_BLOCK_MS / 1000 + 2,
@@ -143,9 +144,7 @@ class ClusterJobs:
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self.synced(), timeout=2)
         self._closed = True
-        for t in list(self._tasks):
-            t.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await cancel_all(self._tasks)
         await self._follow.aclose()
 
     def _spawn(self, coro: Any) -> None:
@@ -277,8 +276,10 @@ class ClusterJobs:
     async def _send_once(self, job: Job, send: Callable[[], object]) -> None:
         try:
             await self.synced()
-            first = await self.redis.set(f"{self.prefix}jw:{job.id}", self.inst, nx=True,
-                                         ex=max(1, int(self.rt.cfg.jobs.result_ttl_sec)))
+            # Only the job's owner sends it: a gateway that woke from a freeze to find its job
+            # carried on elsewhere ended its own copy, and that ending is not the job's.
+            first = bool(await self._scripts["WEBHOOK"](args=[self.prefix, self.inst, job.id,
+                                                              max(1, int(self.rt.cfg.jobs.result_ttl_sec))]))
         except (RedisError, OSError):
             first = True  # better twice (same webhook-id: receivers dedupe) than never
         if first:

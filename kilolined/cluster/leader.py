@@ -25,6 +25,7 @@ from redis.exceptions import RedisError
 
 from kilolined.cluster.view import ClusterView
 from kilolined.config import ClusterConfig
+from kilolined.tasks import cancel_until_done
 
 log = logging.getLogger("kilolined")
 
@@ -143,10 +144,7 @@ class LeaderLease:
         self._task = asyncio.get_running_loop().create_task(self._loop(), name="kiloline-leader")
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+        await cancel_until_done(self._task)
         if self.state.is_leader(self.clock()):
             with contextlib.suppress(RedisError, OSError):
                 await self._resign(keys=[self.key], args=[self.token])

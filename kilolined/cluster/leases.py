@@ -37,6 +37,7 @@ from kilolined.cluster.split import alive, share
 from kilolined.cluster.view import ClusterView, Peer
 from kilolined.config import ClusterConfig, Config, ConfigError, NodeConfig, RouteConfig, split_listen
 from kilolined.queue import FAILED, LEASED, WAITING, Lease, Rejected, Scheduler, Ticket, avoided, ramped_capacity
+from kilolined.tasks import cancel_all
 
 log = logging.getLogger("kilolined")
 WAITED_SEC = 1.0  # a ticket waiting this long has its grant re-read by the heartbeat (lost wake-up)
@@ -107,7 +108,7 @@ class ClusterLeases:
     # --- lifecycle ------------------------------------------------------------------------
     async def start(self) -> None:
         assert self._redis is not None
-        for name in ("ADMIT", "RELEASE", "REQUEUE", "CANCEL", "BEAT", "REGISTER", "POSITIONS"):
+        for name in ("ADMIT", "RELEASE", "REQUEUE", "CANCEL", "BEAT", "REGISTER", "POSITIONS", "DOUBTS", "DOUBT"):
             self._scripts[name] = self._redis.register_script(getattr(scripts, name))
         try:
             await self._register([])
@@ -126,14 +127,7 @@ class ClusterLeases:
         self._spawn(self._positions_loop())
 
     async def stop(self) -> None:
-        # One cancel is not always enough: on Python 3.11 redis-py's wait_for around a command
-        # that completes in the same step swallows it, and the loop goes on. Cancel until all end.
-        tasks = list(self._tasks)
-        while pending := [t for t in tasks if not t.done()]:
-            for t in pending:
-                t.cancel()
-            await asyncio.wait(pending, timeout=0.1)
-        await asyncio.gather(*tasks, return_exceptions=True)
+        await cancel_all(self._tasks)
         if self._redis is not None:
             if self.view.redis_up:
                 try:
@@ -330,6 +324,20 @@ class ClusterLeases:
     def tid_of(self, t: Ticket) -> str | None:
         """The Redis id of a ticket of this gateway (None: not in Redis)."""
         return self._tid.get(t)
+
+    # --- slots in doubt (kilolined/cluster/doubt.py) ------------------------------------------
+    async def in_doubt(self) -> tuple[int, list[str]]:
+        """(the lease id counter now, the nodes with leases in doubt); those past their deadline
+        are freed first."""
+        out = await self._call("DOUBTS")
+        return int(out[0]), [_s(out[i]) for i in range(1, len(out), 2)]
+
+    async def free_doubt(self, node: str, busy: int, upto: int) -> int:
+        """The node says it runs ``busy``: the leases in doubt beyond what the live leases granted
+        by ``upto`` account for are freed. Returns how many."""
+        freed, grants = await self._call("DOUBT", node, busy, upto)
+        self._grants(grants)
+        return int(freed)
 
     # --- grants ---------------------------------------------------------------------------
     def _grants(self, items: list[Any]) -> None:
@@ -714,7 +722,8 @@ class ClusterLeases:
         return {"p": [entry(n) for n in rq.cfg.nodes if n in self.sched.nodes],
                 "s": [entry(n) for n in rq.cfg.standby if n in self.sched.nodes],
                 "o": rq.cfg.strategy, "a": max(1, int(rq.cfg.queue_timeout_sec * 250)),
-                "c": self.sched.costed(rq), "b": rq.cfg.max_bypass}
+                "c": self.sched.costed(rq), "b": rq.cfg.max_bypass,
+                "t": int(rq.cfg.request_timeout_sec * 1000)}
 
     def _warm(self, t: Ticket) -> str:
         """The nodes where, as this gateway knows, the ticket's model is warm: ",a," ("" when it

@@ -32,6 +32,7 @@ from kilolined.cluster import scripts
 from kilolined.cluster.split import share
 from kilolined.config import BudgetConfig, RateConfig
 from kilolined.limits import Budgets, RateLimiter, Taken, Verdict, spent_amount, utc_day
+from kilolined.tasks import cancel_until_done
 
 log = logging.getLogger("kilolined")
 RETRY_SEC = 1.0  # a batch Redis refused is sent again after this
@@ -264,13 +265,8 @@ class SharedLimits:
 
     async def stop(self) -> None:
         """Shutdown: what is still pending goes to Redis (once, bounded), then the writer ends."""
-        if self._refresher is not None:
-            self._refresher.cancel()
-            await asyncio.gather(self._refresher, return_exceptions=True)
-        if self._writer is not None:
-            self._writer.cancel()
-            await asyncio.gather(self._writer, return_exceptions=True)
-            self._writer = None
+        await cancel_until_done(self._refresher, self._writer)
+        self._writer = None
         if self._pending:
             try:
                 async with asyncio.timeout(2.0):

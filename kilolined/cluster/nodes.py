@@ -31,6 +31,7 @@ from redis.exceptions import RedisError
 
 from kilolined.cluster.nodestate import Snapshot, apply, changed_groups, export, snapshot
 from kilolined.nodes import CLOSED, NodeState
+from kilolined.tasks import cancel_all
 
 log = logging.getLogger("kilolined")
 
@@ -131,9 +132,7 @@ class NodeSync:
         self._spawn(self._sweep_loop())
 
     async def stop(self) -> None:
-        for t in list(self._tasks):
-            t.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await cancel_all(self._tasks)
 
     # --- this gateway's changes ---------------------------------------------------------------
     def changed(self, ns: NodeState) -> None:

@@ -26,11 +26,15 @@ Keys, all under the prefix P (a single Redis primary; Redis Cluster sharding is 
   P nk:<route>    hash   client key -> waiting tickets
   P v:<route>     string the route's view (JSON): {"p": [[node, slots, cap, capacity now, capacity]],
                          "s": [...], "o": strategy, "a": priority aging step (ms), "c": costs can
-                         hold tickets back (backfill), "b": max_bypass}; -1: no such limit
+                         hold tickets back (backfill), "b": max_bypass, "t": request_timeout_sec
+                         (ms)}; -1: no such limit
   P in:<route>    hash   node -> leases of the route
   P nin           hash   node -> leases on the node (every route)
   P ncost         hash   node -> the costs of its leases (every route)
-  P l:<lid>       hash   route, node, gw, tid, cost
+  P l:<lid>       hash   route, node, gw, tid, cost, at (its grant, ms), d (1: in doubt)
+  P d:<node>      zset   the node's leases in doubt (reaped; their request may still run there)
+                         -> when request_timeout_sec would have ended it (ms)
+  P dn            set    nodes with leases in doubt
   P routes        set    routes seen
   P seq           string lease id counter
   P b:<subj>|<r>  hash   a token bucket: tokens, ts
@@ -89,8 +93,12 @@ local EPS = 1e-9
 local SCAN = 256  -- backfill looks this far down the order for a ticket that fits
 
 local function drop_lease(lid)
-  local l = redis.call('HMGET', P..'l:'..lid, 'route', 'node', 'gw', 'tid', 'cost')
+  local l = redis.call('HMGET', P..'l:'..lid, 'route', 'node', 'gw', 'tid', 'cost', 'd')
   if not l[1] then return false end
+  if l[6] then  -- in doubt (a reaped lease): its slot is free now
+    redis.call('ZREM', P..'d:'..l[2], lid)
+    if redis.call('EXISTS', P..'d:'..l[2]) == 0 then redis.call('SREM', P..'dn', l[2]) end
+  end
   redis.call('HINCRBY', P..'in:'..l[1], l[2], -1)
   local cost = tonumber(l[5] or '0') or 0
   if redis.call('HINCRBY', P..'nin', l[2], -1) <= 0 then
@@ -120,8 +128,31 @@ local function unqueue(tid)
   return true
 end
 
+-- A reaped lease's request may still run on its node (its gateway is frozen, not dead): the
+-- lease is kept, counted as before, *in doubt* until the node shows the slot free (DOUBT) or the
+-- route's request_timeout_sec since its grant has passed (reap). Its ticket goes: a job is
+-- carried on elsewhere (cluster/jobs.py CLAIM), and waits for a slot like any other.
+local function doubt(lid, now)
+  local l = redis.call('HMGET', P..'l:'..lid, 'route', 'node', 'tid', 'at')
+  if not l[1] then return end
+  local v = redis.call('GET', P..'v:'..l[1])
+  local tmo = (v and cjson.decode(v).t) or 600000
+  redis.call('HSET', P..'l:'..lid, 'd', 1, 'gw', '')
+  redis.call('ZADD', P..'d:'..l[2], (tonumber(l[4] or '') or now) + tmo, lid)
+  redis.call('SADD', P..'dn', l[2])
+  if redis.call('HGET', P..'t:'..l[3], 'lease') == lid then redis.call('DEL', P..'t:'..l[3]) end
+end
+
+local function undoubt_due(now)
+  for _, node in ipairs(redis.call('SMEMBERS', P..'dn')) do
+    for _, lid in ipairs(redis.call('ZRANGEBYSCORE', P..'d:'..node, '-inf', now)) do drop_lease(lid) end
+    if redis.call('EXISTS', P..'d:'..node) == 0 then redis.call('SREM', P..'dn', node) end
+  end
+end
+
 local function reap()
   local now = now_ms()
+  undoubt_due(now)
   local last = tonumber(redis.call('GET', P..'last') or '0') or 0
   local ttl = tonumber(redis.call('GET', P..'ttl') or '0') or 0
   redis.call('SET', P..'last', now)
@@ -138,7 +169,7 @@ local function reap()
   end
   local dead = redis.call('ZRANGEBYSCORE', P..'gw', '-inf', now)
   for _, inst in ipairs(dead) do
-    for _, lid in ipairs(redis.call('SMEMBERS', P..'gl:'..inst)) do drop_lease(lid) end
+    for _, lid in ipairs(redis.call('SMEMBERS', P..'gl:'..inst)) do doubt(lid, now) end
     for _, tid in ipairs(redis.call('SMEMBERS', P..'gt:'..inst)) do
       -- A waiting job keeps its place: the gateway that carries it on takes it over (cluster/jobs.py).
       local job = redis.call('HGET', P..'t:'..tid, 'job')
@@ -250,7 +281,7 @@ end
 
 local function grant(route, tid, gw, node, cost)
   local lid = tostring(redis.call('INCR', P..'seq'))
-  redis.call('HSET', P..'l:'..lid, 'route', route, 'node', node, 'gw', gw, 'tid', tid, 'cost', cost)
+  redis.call('HSET', P..'l:'..lid, 'route', route, 'node', node, 'gw', gw, 'tid', tid, 'cost', cost, 'at', now_ms())
   redis.call('HINCRBY', P..'in:'..route, node, 1)
   redis.call('HINCRBY', P..'nin', node, 1)
   if cost > 0 then redis.call('HINCRBYFLOAT', P..'ncost', node, cost) end
@@ -738,4 +769,42 @@ for i = 3, #ARGV do
   out[#out + 1] = {tonumber(redis.call('GET', P..'n:'..route) or '0'), by_key, ranks}
 end
 return out
+"""
+
+#: ARGV: P, ME -> {lease id counter now, node, leases in doubt, ...}: the nodes with leases in
+#: doubt, for the leader's node check (those past their deadline are freed first, by reap; the
+#: next heartbeat's dispatch hands their slots on)
+DOUBTS = COMMON + r"""
+if stale() then return redis.error_reply('EPOCH Redis came back empty: register again') end
+reap()
+local out = {tonumber(redis.call('GET', P..'seq') or '0') or 0}
+for _, node in ipairs(redis.call('SMEMBERS', P..'dn')) do
+  out[#out + 1] = node
+  out[#out + 1] = redis.call('ZCARD', P..'d:'..node)
+end
+return out
+"""
+
+#: ARGV: P, ME, node, busy (what the node itself says it runs or holds queued), upto (the lease
+#: id counter read a check earlier) -> {freed, {grants...}}
+#: The node runs ``busy``; the live leases on it granted by ``upto`` (long enough ago to have
+#: reached the node) account for that many; the leases in doubt beyond the rest do not run
+#: there: their slots are free (the earliest deadlines first).
+DOUBT = COMMON + r"""
+if stale() then return redis.error_reply('EPOCH Redis came back empty: register again') end
+reap()
+local node, busy, upto = ARGV[3], tonumber(ARGV[4]), tonumber(ARGV[5])
+local live = 0
+for _, inst in ipairs(redis.call('ZRANGE', P..'gw', 0, -1)) do
+  for _, lid in ipairs(redis.call('SMEMBERS', P..'gl:'..inst)) do
+    if (tonumber(lid) or 0) <= upto and redis.call('HGET', P..'l:'..lid, 'node') == node then live = live + 1 end
+  end
+end
+local held = redis.call('ZRANGE', P..'d:'..node, 0, -1)
+local freed = 0
+for i = 1, #held - math.max(0, busy - live) do
+  if drop_lease(held[i]) then freed = freed + 1 end
+end
+dispatch_all()
+return {freed, grants}
 """

@@ -100,6 +100,7 @@ class OpenAIBackend(Backend):
     def add_routes(self, app: web.Application) -> None:
         app.router.add_post("/v1/chat/completions", self.chat)
         app.router.add_get("/running", self.running)
+        app.router.add_get("/slots", self.slots)
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/v1/models/{model_id:.+}", self.model)
         app.router.add_get("/health", self.health)
@@ -117,6 +118,16 @@ class OpenAIBackend(Backend):
         entries = [{"model": m, "state": st, "cmd": "", "proxy": "", "ttl": 0, "name": "", "description": ""}
                    for m, st in sorted(states.items())]
         return web.json_response({"running": entries})
+
+    async def slots(self, request: web.Request) -> web.Response:
+        """llama.cpp's `GET /slots` (behind its --api-key, as there): one entry per slot (`-np`,
+        here `parallel`; as many as run when it is 0), `is_processing` on those that run a task."""
+        running = self.gpu.stats["running"]
+        n = max(self.gpu.parallel, running, 1)
+        return web.json_response([
+            {"id": i, "id_task": i if i < running else -1, "n_ctx": self.gpu.ctx_size, "speculative": False,
+             "is_processing": i < running}
+            for i in range(n)])
 
     async def load(self, model: str) -> bool:
         """Make `model` warm; returns whether that was a swap (it took `swap_ms`)."""
