@@ -75,8 +75,9 @@ class HttpAttempt:
             self.scope.node_failed(f"HTTP {up.status} from node")
         else:
             self.scope.node_ok()
-            if ns.cfg.slow is not None and "text/event-stream" in up.headers.get("Content-Type", ""):
-                up.idle_sec = ns.cfg.slow.stall_sec  # a stream silent this long is a stall
+            slow = target.node.slow
+            if slow is not None and "text/event-stream" in up.headers.get("Content-Type", ""):
+                up.idle_sec = slow.stall_sec  # a stream silent this long is a stall
         return up
 
 
