@@ -1,4 +1,4 @@
-"""Prefix and session affinity (docs/CONFIG.md#affinity, SPEC §13): which node already holds a
+"""Prefix and session affinity (docs/CONFIG.md#affinity): which node already holds a
 request's prompt.
 
 Pure: no I/O, no clock. The gateway cannot see a node's KV cache, so it keeps its own guess: the

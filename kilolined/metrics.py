@@ -229,7 +229,7 @@ class Metrics:
         for result in ("ok", "error"):
             self.reloads.labels(result)
         self.tokens = Recorded("counter", "kiloline_tokens", "LLM tokens by route and key", ["route", "key"])
-        # What the nodes report of the prompt (llama.cpp timings, OpenAI cached_tokens): SPEC §13.
+        # What the nodes report of the prompt (llama.cpp timings, OpenAI cached_tokens) (docs/CONFIG.md#affinity).
         self.prompt_tokens = Recorded("counter", "kiloline_prompt_tokens",
                                       "Prompt tokens the nodes reported, cached (reused) or not",
                                       ["route", "node", "cached"])

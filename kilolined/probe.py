@@ -108,7 +108,7 @@ async def props_slots(session: aiohttp.ClientSession, nc: NodeConfig) -> object:
 
 
 async def slot_warnings(cfg: Config) -> list[str]:
-    """``check --probe``'s slot check, for every node of an openai route (SPEC §13)."""
+    """``check --probe``'s slot check, for every node of an openai route (docs/BACKENDS.md)."""
     names = [n for n in cfg.nodes if gateway_slots(cfg, n)]
     async with aiohttp.ClientSession() as session:
         slots = await asyncio.gather(*(props_slots(session, cfg.nodes[n]) for n in names))

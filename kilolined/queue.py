@@ -468,7 +468,7 @@ class Scheduler:
                     best, best_load = n, load
         return best
 
-    # -- affinity (SPEC §13) -----------------------------------------------------------------
+    # -- affinity (docs/CONFIG.md#affinity) --------------------------------------------------------
     def _affine(self, names: list[str], rq: RouteQueue, t: Ticket, a: Affinity, now: float) -> str | None:
         """Among ``names`` that can take ``t`` now, the one affinity prefers; the cold-model rule
         ranks first, as in ``_least_loaded``. Busy nodes are never waited for."""
@@ -717,7 +717,7 @@ class Scheduler:
         swap = ns.models.dispatch(ns.cfg, t.model) if ns.cfg.models is not None else None
         if swap:
             self.swaps[node] += 1
-            self.forget(node)  # loading another model threw the node's KV cache away (SPEC §13)
+            self.forget(node)  # loading another model threw the node's KV cache away (docs/CONFIG.md#affinity)
         if t.affinity is not None:
             self._affine_dispatch(rq, t, node)
         lease = Lease(t, rq.name, node, now, trial, cost=t.cost, swap=swap)

@@ -417,7 +417,7 @@ class Runtime:
             text = self._node_text(ns, ev)
             if ev in ("node_down", "breaker_open"):
                 log.warning("%s", text)
-                self.scheduler.forget(ns.name)  # what it held is gone, or cannot be trusted (SPEC §13)
+                self.scheduler.forget(ns.name)  # what it held is gone, or cannot be trusted (docs/CONFIG.md#affinity)
             else:
                 log.info("%s", text)
             self.feed.publish(ev, node=ns.name, label=ns.label, text=text)

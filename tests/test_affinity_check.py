@@ -37,7 +37,8 @@ def test_bad_affinity_keys_are_named_with_their_line(tmp_path: Path) -> None:
     lines = r.stdout.splitlines()
     assert len(lines) == 2, lines
     assert lines[0].startswith(f"{f}:7: routes.gen.affinity: Input should be 'off', 'prefix' or 'session'"), lines
-    assert lines[1].startswith(f"{f}:8: routes.gen.affinity_block_bytes: Input should be greater than or equal to"), lines
+    want = f"{f}:8: routes.gen.affinity_block_bytes: Input should be greater than or equal to"
+    assert lines[1].startswith(want), lines
 
 
 def test_affinity_defaults_off_and_a_bare_yaml_off_is_off() -> None:
