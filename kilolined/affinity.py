@@ -148,14 +148,43 @@ def bounded(loads: Sequence[int]) -> int:
     return max(1, math.ceil(SESSION_LOAD_BOUND * (sum(loads) + 1) / max(1, len(loads)) - 1e-9))
 
 
+#: a node's reported start time must move by more than this to be a restart (uptime is read with latency)
+RESTART_SLACK_SEC = 2.0
+_UPTIME_KEYS = ("uptime", "uptime_sec", "uptime_seconds")
+_START_KEYS = ("start_time", "started_at")
+
+
+def reported_start(doc: object, wall: float) -> float | None:
+    """When a node's process started, from its health answer (``uptime``/``uptime_sec``/
+    ``uptime_seconds`` seconds, or ``start_time``/``started_at`` unix seconds); None if it says neither."""
+    if not isinstance(doc, dict):
+        return None
+    for k in _UPTIME_KEYS:
+        v = doc.get(k)
+        if isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v) and v >= 0:
+            return wall - v
+    for k in _START_KEYS:
+        v = doc.get(k)
+        if isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v):
+            return float(v)
+    return None
+
+
+def restarted(known: float | None, seen: float) -> bool:
+    """The start time moved: the process is a new one (its KV and prompt caches are empty)."""
+    return known is None or abs(seen - known) > RESTART_SLACK_SEC
+
+
 class PrefixIndex:
     """One node's keys, least recently dispatched first, at most ``limit``."""
 
-    __slots__ = ("_keys", "limit")
+    __slots__ = ("_keys", "limit", "started")
 
-    def __init__(self, limit: int = DEFAULT_INDEX_KEYS):
+    def __init__(self, limit: int = DEFAULT_INDEX_KEYS, started: float | None = None):
         self._keys: OrderedDict[bytes, None] = OrderedDict()
         self.limit = limit
+        #: the node's reported start time when these keys were recorded: another one empties it
+        self.started = started
 
     def __len__(self) -> int:
         return len(self._keys)

@@ -513,8 +513,18 @@ class Scheduler:
     def _cold(self, node: str, model: str | None) -> bool:
         return model is not None and not self.nodes[node].models.is_warm(model)
 
-    def _match(self, node: str, a: Affinity) -> int:
+    def _index(self, node: str) -> PrefixIndex | None:
+        """The node's index, emptied first if the node's process restarted since it was filled."""
         idx = self.indexes.get(node)
+        ns = self.nodes.get(node)
+        if idx is not None and ns is not None and idx.started != ns.started:
+            if idx.started is not None:  # not merely the first start time heard of
+                idx.clear()
+            idx.started = ns.started
+        return idx
+
+    def _match(self, node: str, a: Affinity) -> int:
+        idx = self._index(node)
         return 0 if idx is None else idx.match(a.keys)
 
     def _affine_dispatch(self, rq: RouteQueue, t: Ticket, node: str) -> None:
@@ -531,9 +541,9 @@ class Scheduler:
         assert a.outcome is not None
         self.affinity_decisions[(rq.name, a.outcome)] += 1
         if a.mode == aff.PREFIX:
-            idx = self.indexes.get(node)
+            idx = self._index(node)
             if idx is None:
-                idx = self.indexes[node] = PrefixIndex()
+                idx = self.indexes[node] = PrefixIndex(started=self.nodes[node].started)
             idx.record(a.keys)
 
     def forget(self, node: str) -> None:
@@ -547,7 +557,7 @@ class Scheduler:
             idx.drop(a.keys)
 
     def index_keys(self, node: str) -> int:
-        idx = self.indexes.get(node)
+        idx = self._index(node)
         return 0 if idx is None else len(idx)
 
     # -- admission -------------------------------------------------------------------------

@@ -112,6 +112,16 @@ def test_the_session_bound_always_leaves_a_node(loads: list[int]) -> None:
     assert cap <= 1.25 * (sum(loads) + 1) / len(loads) + 1
 
 
+def test_a_restart_is_a_start_time_that_moved() -> None:
+    assert aff.reported_start({"status": "ok", "uptime": 30.0}, 1000.0) == 970.0
+    assert aff.reported_start({"uptime_sec": 5}, 100.0) == 95.0
+    assert aff.reported_start({"start_time": 1234.5}, 9999.0) == 1234.5
+    for doc in ({"status": "ok"}, [], {"uptime": -1}, {"uptime": True}, {"uptime": float("nan")}, {"uptime": "9"}):
+        assert aff.reported_start(doc, 1000.0) is None
+    assert aff.restarted(None, 5.0) and aff.restarted(100.0, 500.0)
+    assert not aff.restarted(100.0, 101.0)  # latency in the uptime is no restart
+
+
 # --- the decision inside the scheduler ----------------------------------------------------------------
 
 

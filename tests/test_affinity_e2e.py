@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import re
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
@@ -25,6 +26,7 @@ class Llama:
         self.held: set[str] = set()
         self.docs: list[str] = []  # the document of every completion it served, in order
         self.healthy = True
+        self.started = 1_000_000.0  # the unix time its process started, told on /health as uptime
         self.runner: web.AppRunner | None = None
         self.url = ""
 
@@ -39,7 +41,8 @@ class Llama:
         self.url = f"http://127.0.0.1:{self.runner.addresses[0][1]}"
 
     async def health(self, _r: web.Request) -> web.Response:
-        return web.Response(status=200 if self.healthy else 503)
+        return web.json_response({"status": "ok", "uptime": time.time() - self.started},
+                                 status=200 if self.healthy else 503)
 
     async def chat(self, r: web.Request) -> web.StreamResponse:
         body = orjson.loads(await r.read())
@@ -185,6 +188,25 @@ async def test_a_node_that_goes_down_forgets_its_index(
     servers[holder].healthy = False
     await wait_until(lambda: gw.rt.scheduler.index_keys(f"n{holder}") == 0)
     assert not gw.rt.scheduler.nodes[f"n{holder}"].healthy
+
+
+async def test_a_node_whose_process_restarted_forgets_its_index(
+        llamas: Any, gateway: Any, http: aiohttp.ClientSession) -> None:
+    servers = await llamas(2)
+    cfg = config(servers)
+    for n in cfg["nodes"].values():
+        n["health"] = {"path": "/health", "interval_sec": 0.1, "timeout_sec": 1}
+    gw = await gateway(cfg)
+    sched = gw.rt.scheduler
+    await wait_until(lambda: all(ns.started is not None for ns in sched.nodes.values()))
+    await ask(http, gw.url, chat(1, "q?"))
+    holder = next(i for i, s in enumerate(servers) if s.docs)
+    assert sched.index_keys(f"n{holder}") > 0
+    await ask(http, gw.url, chat(1, "q2?"))
+    assert sched.index_keys(f"n{holder}") > 0  # the same process: its uptime keeps growing
+    servers[holder].started = time.time()  # restarted between two checks: never seen down
+    await wait_until(lambda: sched.index_keys(f"n{holder}") == 0)
+    assert sched.nodes[f"n{holder}"].healthy
 
 
 async def test_session_affinity_sticks_by_header_or_user(
