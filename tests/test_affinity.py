@@ -5,10 +5,12 @@ from __future__ import annotations
 from collections import Counter
 from typing import Any
 
+import orjson
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kilolined import affinity as aff
+from kilolined.adapters.openai import StreamParser
 from kilolined.affinity import MAX_INDEXED_BYTES, Affinity, PrefixIndex, canonical, chain, prefix_affinity, seed
 from kilolined.config import NodeConfig, RouteConfig
 from kilolined.nodes import NodeState
@@ -304,3 +306,35 @@ def test_affinity_off_on_reload_is_plain_least_loaded() -> None:
     t = ask(s, doc(1, "again"))
     assert node_of(t) != home  # least-loaded: the affine node holds one request already
     assert isinstance(t.affinity, Affinity) and t.affinity.outcome is None
+
+
+# --- what a node says it reused -------------------------------------------------------------------
+
+
+def _parsed(*chunks: bytes) -> StreamParser:
+    p = StreamParser()
+    for c in chunks:
+        p.feed(c)
+    p.done(True)
+    return p
+
+
+def test_reuse_is_read_from_timings_else_usage_on_json_and_streams() -> None:
+    body = orjson.dumps({"choices": [], "timings": {"cache_n": 90, "prompt_n": 10},
+                         "usage": {"prompt_tokens": 100, "prompt_tokens_details": {"cached_tokens": 80}}})
+    assert _parsed(body[:20], body[20:]).prompt_split() == (90, 10)  # llama.cpp's own count first
+    vllm = orjson.dumps({"usage": {"prompt_tokens": 100, "prompt_tokens_details": {"cached_tokens": 64}}})
+    assert _parsed(vllm).prompt_split() == (64, 36)
+    last = b'data: {"choices":[],"usage":{"prompt_tokens":7,"prompt_tokens_details":{"cached_tokens":3}}}\n\n'
+    assert _parsed(b'data: {"choices":[{"delta":{"content":"x"}}]}\n\n', last, b"data: [DONE]\n\n").prompt_split() \
+        == (3, 4)
+    assert _parsed(orjson.dumps({"usage": {"prompt_tokens": 5}})).prompt_split() is None  # it did not say
+
+
+def test_absurd_reuse_counts_are_clamped() -> None:
+    hostile = orjson.dumps({"usage": {"prompt_tokens": 10, "prompt_tokens_details": {"cached_tokens": 10**12}}})
+    assert _parsed(hostile).prompt_split() == (10, 0)
+    neg = orjson.dumps({"timings": {"cache_n": -50, "prompt_n": 3}})
+    assert _parsed(neg).prompt_split() == (0, 3)
+    junk = orjson.dumps({"timings": {"cache_n": "all", "prompt_n": 3}})
+    assert _parsed(junk).prompt_split() is None
