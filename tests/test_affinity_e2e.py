@@ -26,6 +26,7 @@ class Llama:
         self.held: set[str] = set()
         self.docs: list[str] = []  # the document of every completion it served, in order
         self.healthy = True
+        self.failing = False  # answers 500 to completions
         self.started = 1_000_000.0  # the unix time its process started, told on /health as uptime
         self.runner: web.AppRunner | None = None
         self.url = ""
@@ -46,6 +47,8 @@ class Llama:
 
     async def chat(self, r: web.Request) -> web.StreamResponse:
         body = orjson.loads(await r.read())
+        if self.failing:
+            return web.json_response({"error": {"message": "boom"}}, status=500)
         doc = body["messages"][0]["content"]
         self.docs.append(doc)
         cache_n = DOC_TOKENS if doc in self.held else 0
@@ -188,6 +191,23 @@ async def test_a_node_that_goes_down_forgets_its_index(
     servers[holder].healthy = False
     await wait_until(lambda: gw.rt.scheduler.index_keys(f"n{holder}") == 0)
     assert not gw.rt.scheduler.nodes[f"n{holder}"].healthy
+
+
+async def test_a_node_whose_breaker_opens_forgets_its_index(
+        llamas: Any, gateway: Any, http: aiohttp.ClientSession) -> None:
+    servers = await llamas(2)
+    cfg = config(servers)
+    for n in cfg["nodes"].values():
+        n["breaker"] = {"consecutive_failures": 1, "open_sec": 60}
+    gw = await gateway(cfg)
+    await ask(http, gw.url, chat(1, "q?"))
+    holder = next(i for i, s in enumerate(servers) if s.docs)
+    assert gw.rt.scheduler.index_keys(f"n{holder}") > 0
+    servers[holder].failing = True
+    async with http.post(gw.url + "/v1/chat/completions", json=chat(1, "again?"), headers=auth()) as r:
+        assert r.status == 500  # the node's own answer, passed on; and a failure for its breaker
+    assert gw.rt.scheduler.nodes[f"n{holder}"].breaker == "open"
+    assert gw.rt.scheduler.index_keys(f"n{holder}") == 0
 
 
 async def test_a_node_whose_process_restarted_forgets_its_index(
