@@ -20,7 +20,7 @@ from kilolined.demo import run_demo
 from kilolined.fakegpu.provider import Wire, run_provider
 from kilolined.fakegpu.provider_runpod import RunPodWire
 from kilolined.fakegpu.provider_vastai import VastWire
-from kilolined.probe import probe_all
+from kilolined.probe import probe_all, slot_warnings
 from kilolined.server import serve
 from kilolined.status import config_url, run_status, url_for_listen
 
@@ -107,6 +107,8 @@ def cmd_check(args: argparse.Namespace) -> int:
     probes = asyncio.run(probe_all(cfg))
     for p in probes:
         print(p.line())
+    for line in asyncio.run(slot_warnings(cfg)):  # a warning: the exit status stays
+        print(line)
     return 1 if any(not p.reachable for p in probes) else 0
 
 

@@ -14,6 +14,7 @@ from collections.abc import Callable
 import aiohttp
 import orjson
 
+from kilolined.affinity import reported_start, restarted
 from kilolined.config import DISCOVER
 from kilolined.models import WARM_PATHS, model_ids, running_models
 from kilolined.nodes import NodeState
@@ -32,9 +33,10 @@ async def probe(session: aiohttp.ClientSession, ns: NodeState) -> tuple[bool, fl
             timeout=aiohttp.ClientTimeout(total=hc.timeout_sec),
             allow_redirects=False,
         ) as r:
-            await r.read()
+            raw = await r.read()
             ms = (time.perf_counter() - t0) * 1000
             if r.status in hc.expect_status:
+                _note_start(ns, raw)
                 return True, ms, None
             return False, ms, f"health check {r.status}"
     except TimeoutError:
@@ -43,6 +45,19 @@ async def probe(session: aiohttp.ClientSession, ns: NodeState) -> tuple[bool, fl
         return False, None, "connection refused (spot interrupted?)"
     except (aiohttp.ClientError, OSError) as e:
         return False, None, f"health check failed: {type(e).__name__}"
+
+
+def _note_start(ns: NodeState, raw: bytes) -> None:
+    """A health answer that tells the process's uptime or start time: a new start means a
+    restarted process, whose caches are empty (the scheduler then empties its prefix index)."""
+    if not raw.startswith(b"{") or len(raw) > 64 * 1024:
+        return
+    try:
+        seen = reported_start(orjson.loads(raw), time.time())
+    except orjson.JSONDecodeError:
+        return
+    if seen is not None and restarted(ns.started, seen):
+        ns.started = seen
 
 
 async def health_loop(session: Callable[[str], aiohttp.ClientSession], ns: NodeState, clock: Callable[[], float],

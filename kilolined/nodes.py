@@ -44,6 +44,8 @@ class NodeState:
     # the node lost goes back to it only after this moves (queue.Scheduler.barred).
     alive_at: float = -math.inf
     models: ModelState = field(default_factory=ModelState)  # what it serves and holds loaded
+    #: when its process started, as its health answer tells (affinity.reported_start); None: it does not
+    started: float | None = None
 
     @property
     def label(self) -> str:
