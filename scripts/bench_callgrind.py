@@ -7,7 +7,12 @@ same count). The gateway runs under ``valgrind --tool=callgrind`` in front of ng
 a client sends N1, then N2 requests (keep-alive, 8 at a time); the difference of the two totals,
 divided by N2 − N1, is the cost of one request with start-up and shutdown cancelled out.
 
-    python scripts/bench_callgrind.py [--n1 300 --n2 1300] [--python .venv/bin/python]
+``--floors all`` measures, the same way and against the same nginx, the floors of
+``bench_floors.py`` (aiohttp answering itself, aiohttp's low-level server, a minimal aiohttp proxy
+on our upstream client, bare uvloop + httptools) and prints the gateway's ratio to each.
+``KL_BENCH_KEEP=1`` keeps the callgrind files, for ``callgrind_annotate --inclusive=yes``.
+
+    python scripts/bench_callgrind.py [--n1 300 --n2 1300] [--python .venv/bin/python] [--floors all]
 """
 
 from __future__ import annotations
@@ -24,28 +29,52 @@ from pathlib import Path
 
 import benchlib as bl
 
+FLOORS = ("aiohttp-app", "aiohttp-server", "aiohttp-proxy", "uvloop-proxy")  # scripts/bench_floors.py
 
-def run_one(python: str, wd: Path, procs: bl.Procs, node_port: int, n: int) -> int:
+
+def server_cmd(what: str, python: str, wd: Path, port: int, node_port: int, n: int) -> list[str]:
+    """The command line of the server measured: the gateway, or one of the floors."""
+    if what == "kilolined":
+        cfg = bl.gateway_config(port, {"gpu": f"http://127.0.0.1:{node_port}"})
+        path = wd / f"gw-{n}.yaml"
+        bl.write_yaml(path, cfg)
+        return [python, str(Path(python).parent / "kilolined"), "--log-format", "text", "run", "-c", str(path)]
+    floors = str(Path(__file__).resolve().parent / "bench_floors.py")
+    return [python, floors, what, "--port", str(port), "--upstream", f"http://127.0.0.1:{node_port}"]
+
+
+def run_one(what: str, python: str, wd: Path, node_port: int, n: int) -> int:
+    """Total instructions of one run of ``what`` serving 50 warm-up requests, then ``n``."""
     port = bl.free_port()
-    cfg = bl.gateway_config(port, {"gpu": f"http://127.0.0.1:{node_port}"})
-    path = wd / f"gw-{n}.yaml"
-    bl.write_yaml(path, cfg)
-    out = wd / f"callgrind-{n}.out"
-    kilolined = str(Path(python).parent / "kilolined")
+    out = wd / f"callgrind-{what}-{n}.out"
     cmd = ["valgrind", "--tool=callgrind", f"--callgrind-out-file={out}", "--dump-instr=no",
-           python, kilolined, "--log-format", "text", "run", "-c", str(path)]
-    with open(wd / f"gw-{n}.log", "wb") as log:
+           *server_cmd(what, python, wd, port, node_port, n)]
+    log_path = wd / f"{what}-{n}.log"
+    with open(log_path, "wb") as log:
         p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=log)
-    bl.wait_port(port, timeout=300, proc=p)
-    asyncio.run(bl.post_keepalive(f"http://127.0.0.1:{port}/gen/generate", 50))  # warm-up, the same in both runs
-    asyncio.run(bl.post_keepalive(f"http://127.0.0.1:{port}/gen/generate", n))
-    p.send_signal(signal.SIGINT)
-    p.wait(timeout=300)
-    text = (wd / f"gw-{n}.log").read_text(errors="replace")
+    try:
+        bl.wait_port(port, timeout=1800, proc=p)  # minutes on a loaded box
+        asyncio.run(bl.post_keepalive(f"http://127.0.0.1:{port}/gen/generate", 50))  # warm-up, the same in both runs
+        asyncio.run(bl.post_keepalive(f"http://127.0.0.1:{port}/gen/generate", n))
+        p.send_signal(signal.SIGINT)
+        p.wait(timeout=300)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    text = log_path.read_text(errors="replace")
     m = re.search(r"Collected : (\d+)", text)
     if m is None:
         raise RuntimeError(text[-2000:])
     return int(m.group(1))
+
+
+def per_request(what: str, python: str, wd: Path, node_port: int, n1: int, n2: int) -> float:
+    a = run_one(what, python, wd, node_port, n1)
+    b = run_one(what, python, wd, node_port, n2)
+    per = (b - a) / (n2 - n1)
+    print(f"{what}: {per:,.0f} instructions per request ({a:,} at {n1}, {b:,} at {n2})", flush=True)
+    return per
 
 
 def main() -> int:
@@ -53,16 +82,26 @@ def main() -> int:
     ap.add_argument("--n1", type=int, default=300)
     ap.add_argument("--n2", type=int, default=1300)
     ap.add_argument("--python", default=sys.executable, help="the venv whose kilolined is measured")
+    ap.add_argument("--floors", default="",
+                    help=f"comma-separated floors to measure beside the gateway ({', '.join(FLOORS)}; 'all')")
+    ap.add_argument("--no-gateway", action="store_true", help="measure the floors only")
     args = ap.parse_args()
+    floors = list(FLOORS) if args.floors == "all" else [f for f in args.floors.split(",") if f]
+    for f in floors:
+        if f not in FLOORS:
+            ap.error(f"unknown floor {f!r}")
     with bl.workdir("callgrind") as wd, bl.Procs(wd) as procs:
         node_port = bl.free_port()
         bl.start_nginx_origin(procs, node_port)
         t0 = time.monotonic()
-        a = run_one(args.python, wd, procs, node_port, args.n1)
-        b = run_one(args.python, wd, procs, node_port, args.n2)
-        per = (b - a) / (args.n2 - args.n1)
-        print(f"{os.path.realpath(args.python)}: {per:,.0f} instructions per request "
-              f"({a:,} at {args.n1}, {b:,} at {args.n2}; {time.monotonic() - t0:.0f} s)")
+        gw = None if args.no_gateway else per_request("kilolined", args.python, wd, node_port, args.n1, args.n2)
+        if gw is not None:
+            print(f"{os.path.realpath(args.python)}: {gw:,.0f} instructions per request")
+        got = {f: per_request(f, args.python, wd, node_port, args.n1, args.n2) for f in floors}
+        if got:
+            rows = [(f, f"{v:,.0f}", f"{gw / v:.2f}x" if gw else "-") for f, v in got.items()]
+            bl.print_table(("floor", "instructions/request", "kilolined ÷ floor"), rows)
+        print(f"({time.monotonic() - t0:.0f} s)")
     return 0
 
 
