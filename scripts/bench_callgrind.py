@@ -69,7 +69,45 @@ def run_one(what: str, python: str, wd: Path, node_port: int, n: int) -> int:
     return int(m.group(1))
 
 
-def per_request(what: str, python: str, wd: Path, node_port: int, n1: int, n2: int) -> float:
+def run_zeroed(what: str, python: str, wd: Path, node_port: int, n: int) -> float:
+    """One run: after the warm-up the counters are zeroed (``callgrind_control -z``), ``n``
+    requests are served, then dumped: instructions per request of exactly those ``n``, and a
+    profile of nothing else (half the wall time of two runs; start-up under valgrind takes
+    minutes on a loaded box)."""
+    port = bl.free_port()
+    out = wd / f"callgrind-{what}-z{n}.out"
+    cmd = ["valgrind", "--tool=callgrind", f"--callgrind-out-file={out}", "--dump-instr=no",
+           *server_cmd(what, python, wd, port, node_port, n)]
+    log_path = wd / f"{what}-z{n}.log"
+    with open(log_path, "wb") as log:
+        p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=log)
+    try:
+        bl.wait_port(port, timeout=1800, proc=p)
+        asyncio.run(bl.post_keepalive(f"http://127.0.0.1:{port}/gen/generate", 50))
+        subprocess.run(["callgrind_control", "-z", str(p.pid)], check=True, capture_output=True, timeout=600)
+        asyncio.run(bl.post_keepalive(f"http://127.0.0.1:{port}/gen/generate", n))
+        subprocess.run(["callgrind_control", "-d", str(p.pid)], check=True, capture_output=True, timeout=600)
+        p.send_signal(signal.SIGINT)
+        p.wait(timeout=600)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    dumps = sorted(wd.glob(f"{out.name}.*"))
+    if not dumps:
+        raise RuntimeError(log_path.read_text(errors="replace")[-2000:])
+    m = re.search(r"^(?:totals|summary): (\d+)", dumps[0].read_text(errors="replace"), re.M)
+    if m is None:
+        raise RuntimeError(f"no totals in {dumps[0]}")
+    per = int(m.group(1)) / n
+    print(f"{what}: {per:,.0f} instructions per request (zeroed after warm-up, {n} requests; {dumps[0]})",
+          flush=True)
+    return per
+
+
+def per_request(what: str, python: str, wd: Path, node_port: int, n1: int, n2: int, zeroed: bool = False) -> float:
+    if zeroed:
+        return run_zeroed(what, python, wd, node_port, n2 - n1)
     a = run_one(what, python, wd, node_port, n1)
     b = run_one(what, python, wd, node_port, n2)
     per = (b - a) / (n2 - n1)
@@ -85,6 +123,8 @@ def main() -> int:
     ap.add_argument("--floors", default="",
                     help=f"comma-separated floors to measure beside the gateway ({', '.join(FLOORS)}; 'all')")
     ap.add_argument("--no-gateway", action="store_true", help="measure the floors only")
+    ap.add_argument("--zeroed", action="store_true",
+                    help="one run per server, counters zeroed after the warm-up, N2-N1 requests counted")
     args = ap.parse_args()
     floors = list(FLOORS) if args.floors == "all" else [f for f in args.floors.split(",") if f]
     for f in floors:
@@ -94,10 +134,11 @@ def main() -> int:
         node_port = bl.free_port()
         bl.start_nginx_origin(procs, node_port)
         t0 = time.monotonic()
-        gw = None if args.no_gateway else per_request("kilolined", args.python, wd, node_port, args.n1, args.n2)
+        gw = None if args.no_gateway else per_request("kilolined", args.python, wd, node_port, args.n1, args.n2,
+                                                          args.zeroed)
         if gw is not None:
             print(f"{os.path.realpath(args.python)}: {gw:,.0f} instructions per request")
-        got = {f: per_request(f, args.python, wd, node_port, args.n1, args.n2) for f in floors}
+        got = {f: per_request(f, args.python, wd, node_port, args.n1, args.n2, args.zeroed) for f in floors}
         if got:
             rows = [(f, f"{v:,.0f}", f"{gw / v:.2f}x" if gw else "-") for f, v in got.items()]
             bl.print_table(("floor", "instructions/request", "kilolined ÷ floor"), rows)
