@@ -69,30 +69,11 @@ def run_one(what: str, python: str, wd: Path, node_port: int, n: int) -> int:
     return int(m.group(1))
 
 
-def _totals(path: Path) -> int:
-    m = re.search(r"^(?:totals|summary): (\d+)", path.read_text(errors="replace"), re.M)
-    if m is None:
-        raise RuntimeError(f"no totals in {path}")
-    return int(m.group(1))
-
-
-def _control(flag: str, pid: int) -> float:
-    """``callgrind_control`` on the server; returns the wall time once it has been obeyed."""
-    subprocess.run(["callgrind_control", flag, str(pid)], check=True, capture_output=True, timeout=600)
-    return time.monotonic()
-
-
-def run_zeroed(what: str, python: str, wd: Path, node_port: int, n: int, idle: float = 0.0) -> float:
+def run_zeroed(what: str, python: str, wd: Path, node_port: int, n: int) -> float:
     """One run: after the warm-up the counters are zeroed (``callgrind_control -z``), ``n``
     requests are served, then dumped: instructions per request of exactly those ``n``, and a
     profile of nothing else (half the wall time of two runs; start-up under valgrind takes
-    minutes on a loaded box).
-
-    ``idle`` > 0: first ``idle`` seconds without requests are counted and dumped too, and their
-    rate (instructions per wall second: the timers of the health checks, the config watcher, the
-    pump) is taken off the requests' count for the wall time they took. Under valgrind on a busy
-    box a request takes 100× its native wall time, and the work that runs per second then shows
-    up per request; the rest is what a request itself costs."""
+    minutes on a loaded box)."""
     port = bl.free_port()
     out = wd / f"callgrind-{what}-z{n}.out"
     cmd = ["valgrind", "--tool=callgrind", f"--callgrind-out-file={out}", "--dump-instr=no",
@@ -103,37 +84,30 @@ def run_zeroed(what: str, python: str, wd: Path, node_port: int, n: int, idle: f
     try:
         bl.wait_port(port, timeout=1800, proc=p)
         asyncio.run(bl.post_keepalive(f"http://127.0.0.1:{port}/gen/generate", 50))
-        t0 = _control("-z", p.pid)
-        if idle > 0:
-            time.sleep(idle)
-            t0, idle_wall = _control("-d", p.pid), time.monotonic() - t0
+        subprocess.run(["callgrind_control", "-z", str(p.pid)], check=True, capture_output=True, timeout=600)
         asyncio.run(bl.post_keepalive(f"http://127.0.0.1:{port}/gen/generate", n))
-        busy_wall = _control("-d", p.pid) - t0
+        subprocess.run(["callgrind_control", "-d", str(p.pid)], check=True, capture_output=True, timeout=600)
         p.send_signal(signal.SIGINT)
         p.wait(timeout=600)
     finally:
         if p.poll() is None:
             p.kill()
             p.wait()
-    dumps = sorted(wd.glob(f"{out.name}.*"), key=lambda f: int(f.suffix[1:]))
-    if len(dumps) < (2 if idle > 0 else 1):
+    dumps = sorted(wd.glob(f"{out.name}.*"))
+    if not dumps:
         raise RuntimeError(log_path.read_text(errors="replace")[-2000:])
-    total = _totals(dumps[-1])
-    per = total / n
-    if idle > 0:
-        rate = _totals(dumps[0]) / idle_wall
-        per = (total - rate * busy_wall) / n
-        print(f"{what}: idle {rate:,.0f} instructions per second; {total / n:,.0f} per request counted "
-              f"over {busy_wall:.0f} s, {rate * busy_wall / n:,.0f} of them the idle rate", flush=True)
-    print(f"{what}: {per:,.0f} instructions per request (zeroed after warm-up, {n} requests; {dumps[-1]})",
+    m = re.search(r"^(?:totals|summary): (\d+)", dumps[0].read_text(errors="replace"), re.M)
+    if m is None:
+        raise RuntimeError(f"no totals in {dumps[0]}")
+    per = int(m.group(1)) / n
+    print(f"{what}: {per:,.0f} instructions per request (zeroed after warm-up, {n} requests; {dumps[0]})",
           flush=True)
     return per
 
 
-def per_request(what: str, python: str, wd: Path, node_port: int, n1: int, n2: int, zeroed: bool = False,
-                idle: float = 0.0) -> float:
+def per_request(what: str, python: str, wd: Path, node_port: int, n1: int, n2: int, zeroed: bool = False) -> float:
     if zeroed:
-        return run_zeroed(what, python, wd, node_port, n2 - n1, idle)
+        return run_zeroed(what, python, wd, node_port, n2 - n1)
     a = run_one(what, python, wd, node_port, n1)
     b = run_one(what, python, wd, node_port, n2)
     per = (b - a) / (n2 - n1)
@@ -151,8 +125,6 @@ def main() -> int:
     ap.add_argument("--no-gateway", action="store_true", help="measure the floors only")
     ap.add_argument("--zeroed", action="store_true",
                     help="one run per server, counters zeroed after the warm-up, N2-N1 requests counted")
-    ap.add_argument("--idle", type=float, default=0.0,
-                    help="with --zeroed: count this many idle seconds first and take their rate off")
     args = ap.parse_args()
     floors = list(FLOORS) if args.floors == "all" else [f for f in args.floors.split(",") if f]
     for f in floors:
@@ -163,11 +135,10 @@ def main() -> int:
         bl.start_nginx_origin(procs, node_port)
         t0 = time.monotonic()
         gw = None if args.no_gateway else per_request("kilolined", args.python, wd, node_port, args.n1, args.n2,
-                                                          args.zeroed, args.idle)
+                                                          args.zeroed)
         if gw is not None:
             print(f"{os.path.realpath(args.python)}: {gw:,.0f} instructions per request")
-        got = {f: per_request(f, args.python, wd, node_port, args.n1, args.n2, args.zeroed, args.idle)
-               for f in floors}
+        got = {f: per_request(f, args.python, wd, node_port, args.n1, args.n2, args.zeroed) for f in floors}
         if got:
             rows = [(f, f"{v:,.0f}", f"{gw / v:.2f}x" if gw else "-") for f, v in got.items()]
             bl.print_table(("floor", "instructions/request", "kilolined ÷ floor"), rows)
