@@ -262,7 +262,8 @@ async def stream_back(
         flag.started = True
     await resp.prepare(request)
     sent = 0
-    async for chunk in up.content.iter_any():
+    content = up.content
+    while chunk := await content.readany():  # no async-generator layer per chunk
         _seen(chunk, obs, capture)
         if flag is None:
             await resp.write(chunk)

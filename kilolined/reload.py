@@ -108,7 +108,7 @@ async def watch_config(rt: Runtime, stop: asyncio.Event) -> None:
     assert rt.config_path is not None
     # watchfiles logs "N changes detected" at INFO for every batch: not the daemon's business.
     logging.getLogger("watchfiles").setLevel(logging.WARNING)
-    poke = asyncio.Event()
+    poke = Poke()
     halt = asyncio.Event()  # ends the event watch (its thread checks it every step)
     events = asyncio.create_task(_watch_events(rt.config_path, poke, halt), name="kiloline-config-events")
     try:
@@ -120,7 +120,7 @@ async def watch_config(rt: Runtime, stop: asyncio.Event) -> None:
             await events
 
 
-async def _watch_events(config_path: str, poke: asyncio.Event, halt: asyncio.Event) -> None:
+async def _watch_events(config_path: str, poke: Poke, halt: asyncio.Event) -> None:
     """Set ``poke`` on every event that concerns the config (not on its neighbours' events)."""
     relevant: set[str] = set()
 
@@ -152,17 +152,43 @@ async def _watch_events(config_path: str, poke: asyncio.Event, halt: asyncio.Eve
             await asyncio.sleep(TICK_MS / 1000)
 
 
-async def _poked(poke: asyncio.Event, timeout: float) -> bool:
-    """Whether ``poke`` was set within ``timeout`` seconds (and clear it)."""
-    with contextlib.suppress(TimeoutError):
-        async with asyncio.timeout(max(0.0, timeout)):
-            await poke.wait()
-    was = poke.is_set()
-    poke.clear()
-    return was
+class Poke:
+    """The watcher's "something happened" flag, waited on with a deadline by the quiet clock.
+
+    A timer wakes an idle wait, not ``asyncio.timeout``: that one throws a cancellation into the
+    waiting coroutine at every idle tick (two exceptions and their tracebacks each time)."""
+
+    __slots__ = ("flag", "waiter")
+
+    def __init__(self) -> None:
+        self.flag = False
+        self.waiter: asyncio.Future[None] | None = None
+
+    def set(self) -> None:
+        self.flag = True
+        _wake(self.waiter)
+
+    async def wait(self, timeout: float) -> bool:
+        """Whether it was set within ``timeout`` seconds (and clear it)."""
+        if not self.flag:
+            loop = asyncio.get_running_loop()
+            waiter = self.waiter = loop.create_future()
+            timer = loop.call_later(max(0.0, timeout), _wake, waiter)
+            try:
+                await waiter
+            finally:
+                timer.cancel()
+                self.waiter = None
+        was, self.flag = self.flag, False
+        return was
 
 
-async def _quiet_clock(rt: Runtime, target: Path, poke: asyncio.Event, stop: asyncio.Event) -> None:
+def _wake(waiter: asyncio.Future[None] | None) -> None:
+    if waiter is not None and not waiter.done():
+        waiter.set_result(None)
+
+
+async def _quiet_clock(rt: Runtime, target: Path, poke: Poke, stop: asyncio.Event) -> None:
     """Apply the file once it has been quiet STABLE_SEC: every poke, and every look whose stat
     differs from the last one (a write that landed before the watch was set up, or that an event
     missed), restarts the quiet period. Idle, it wakes every IDLE_TICK_MS for one stat."""
@@ -173,7 +199,7 @@ async def _quiet_clock(rt: Runtime, target: Path, poke: asyncio.Event, stop: asy
     refused: str | None = None
     while not stop.is_set():
         wait = IDLE_TICK_MS / 1000 if quiet_since is None else quiet_since + STABLE_SEC - loop.time()
-        poked = await _poked(poke, wait)
+        poked = await poke.wait(wait)
         sig = _signature(target)
         now = loop.time()
         if poked or sig != seen:

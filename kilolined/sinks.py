@@ -185,12 +185,18 @@ class StreamSink(SyncSink):
                     self.outcome = "ok" if ok else "upstream_error"
             else:
                 strip = self.strip
-                async for chunk in up.content.iter_any():
+                content = up.content
+                while chunk := await content.readany():
                     if obs is not None:
                         obs.feed(chunk)
                     out = strip.feed(chunk) if strip is not None else chunk
                     if out:
-                        await _write(scope, resp, out)
+                        # _write's flag inline: one coroutine less per relayed chunk
+                        scope.writing = True
+                        try:
+                            await resp.write(out)
+                        finally:
+                            scope.writing = False
                         call.bytes_out += len(out)
                 if strip is not None and (rest := strip.flush()):
                     await _write(scope, resp, rest)

@@ -203,6 +203,10 @@ class UpstreamResponse:
             finally:
                 self._waiter = None
 
+    # aiohttp's ``resp.content.readany()`` spelling: the next piece of body, b"" at its end. A
+    # relay loop on it has no async-generator layer per chunk (iter_any's).
+    readany = _next
+
     def _wake(self) -> None:
         w = self._waiter
         if w is not None and not w.done():

@@ -173,32 +173,41 @@ class StreamParser(Observer):
             if self.first_at is None:
                 self.first_at = time.monotonic()
             return
-        self.buf += chunk
-        *lines, rest = self.buf.split(b"\n")
-        self.buf = bytearray(rest)
+        # The bytes are split once; a payload is parsed as it stands (JSON allows the blanks
+        # around it). Only a line split across two reads is buffered.
+        if self.buf:
+            self.buf += chunk
+            chunk = bytes(self.buf)
+            self.buf.clear()
+        lines = chunk.split(b"\n")
+        rest = lines.pop()
+        if rest:
+            self.buf += rest
         for line in lines:
-            line = line.strip()
             if not line.startswith(b"data:"):
-                continue
-            payload = line[5:].strip()
-            if payload == b"[DONE]":
-                continue
-            try:
-                ev = orjson.loads(payload)
-            except orjson.JSONDecodeError:
-                continue
-            if not isinstance(ev, dict):
-                continue
-            if isinstance(ev.get("usage"), dict):
-                self.usage = ev["usage"]
-            if isinstance(ev.get("timings"), dict):
-                self.timings = ev["timings"]
-            if _has_content(ev):
-                if self.first_at is None:
-                    self.first_at = time.monotonic()
-                self.chunks += 1
-                if self.on_chunk is not None:
-                    self.on_chunk(self.chunks)
+                line = line.strip()  # a blank, a comment, another field, or an indented line
+                if not line.startswith(b"data:"):
+                    continue
+            self._event(line[5:])
+
+    def _event(self, payload: bytes) -> None:
+        """One ``data:`` payload (JSON allows the blanks around it; ``[DONE]`` is not JSON)."""
+        try:
+            ev = orjson.loads(payload)
+        except orjson.JSONDecodeError:
+            return
+        if not isinstance(ev, dict):
+            return
+        if isinstance(ev.get("usage"), dict):
+            self.usage = ev["usage"]
+        if isinstance(ev.get("timings"), dict):
+            self.timings = ev["timings"]
+        if _has_content(ev):
+            if self.first_at is None:
+                self.first_at = time.monotonic()
+            self.chunks += 1
+            if self.on_chunk is not None:
+                self.on_chunk(self.chunks)
 
     def done(self, ok: bool) -> None:
         if not self.stream and self.buf:

@@ -1,0 +1,183 @@
+#!/usr/bin/env python3
+"""LLM token streams: the proxy's CPU per relayed SSE chunk, the gateway beside nginx.
+
+A node written for the bench (``--serve-node``, a bare asyncio protocol: cheap, so the proxies
+are what is measured) answers ``POST /v1/chat/completions`` with ``"stream": true`` as vLLM does:
+one ``data: {chat.completion.chunk}`` event per token, a gap of ``--gap-ms`` between writes, a
+usage chunk when ``stream_options.include_usage`` asks, then ``data: [DONE]``. N clients stream at
+once through the gateway (an ``openai`` route) and then through nginx (``proxy_buffering off``),
+in the same run; each proxy's CPU (utime+stime from /proc) over its phase ÷ chunks relayed.
+
+    .venv/bin/python scripts/bench_tokens.py [--streams 200] [--chunks 200] [--gap-ms 5] [--rounds 1]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import statistics
+import sys
+import time
+
+import aiohttp
+import benchlib as bl
+import orjson
+
+# --------------------------------------------------------------------------- the node
+
+
+def chunk_event(i: int) -> bytes:
+    ev = {"id": "chatcmpl-bench", "object": "chat.completion.chunk", "created": 1700000000, "model": "bench",
+          "choices": [{"index": 0, "delta": {"content": f"tok{i} "}, "finish_reason": None}]}
+    return b"data: " + orjson.dumps(ev) + b"\n\n"
+
+
+USAGE = {"id": "chatcmpl-bench", "object": "chat.completion.chunk", "created": 1700000000, "model": "bench",
+         "choices": [], "usage": {"prompt_tokens": 10, "completion_tokens": 0, "total_tokens": 0}}
+
+
+class NodeConn(asyncio.Protocol):
+    """One keep-alive connection of the bench node; requests are read whole (head + Content-Length)."""
+
+    def __init__(self, chunks: int, gap: float):
+        self.chunks, self.gap = chunks, gap
+        self.buf = b""
+        self.transport: asyncio.Transport | None = None
+        self.busy = False
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+
+    def data_received(self, data: bytes) -> None:
+        self.buf += data
+        self._next()
+
+    def _next(self) -> None:
+        if self.busy:
+            return
+        head_end = self.buf.find(b"\r\n\r\n")
+        if head_end < 0:
+            return
+        head = self.buf[:head_end].lower()
+        length = 0
+        for line in head.split(b"\r\n"):
+            if line.startswith(b"content-length:"):
+                length = int(line.split(b":", 1)[1])
+        if len(self.buf) < head_end + 4 + length:
+            return
+        body = self.buf[head_end + 4:head_end + 4 + length]
+        self.buf = self.buf[head_end + 4 + length:]
+        self.busy = True
+        task = asyncio.get_running_loop().create_task(self._stream(body))
+        task.add_done_callback(lambda _: None)
+
+    async def _stream(self, body: bytes) -> None:
+        tr = self.transport
+        assert tr is not None
+        usage = b'"include_usage":true' in body.replace(b" ", b"")
+        tr.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nCache-Control: no-cache\r\n"
+                 b"Transfer-Encoding: chunked\r\n\r\n")
+        for i in range(self.chunks):
+            await asyncio.sleep(self.gap)
+            if tr.is_closing():
+                return
+            self._write_chunk(chunk_event(i))
+        if usage:
+            u = dict(USAGE, usage={"prompt_tokens": 10, "completion_tokens": self.chunks,
+                                   "total_tokens": 10 + self.chunks})
+            self._write_chunk(b"data: " + orjson.dumps(u) + b"\n\n")
+        self._write_chunk(b"data: [DONE]\n\n")
+        tr.write(b"0\r\n\r\n")
+        self.busy = False
+        self._next()
+
+    def _write_chunk(self, data: bytes) -> None:
+        assert self.transport is not None
+        self.transport.write(b"%x\r\n%s\r\n" % (len(data), data))
+
+
+async def serve_node(port: int, chunks: int, gap: float) -> None:
+    loop = asyncio.get_running_loop()
+    server = await loop.create_server(lambda: NodeConn(chunks, gap), "127.0.0.1", port, backlog=4096)
+    async with server:
+        await server.serve_forever()
+
+
+# --------------------------------------------------------------------------- the clients
+
+
+async def one_stream(session: aiohttp.ClientSession, url: str) -> int:
+    body = {"model": "bench", "stream": True, "messages": [{"role": "user", "content": "hi"}]}
+    events = 0
+    async with session.post(url, json=body, headers=bl.API_HDR) as r:
+        assert r.status == 200, (r.status, await r.text())
+        buf = b""
+        async for data in r.content.iter_any():
+            buf += data
+            *lines, buf = buf.split(b"\n")
+            events += sum(1 for line in lines if line.startswith(b"data: {"))
+    return events
+
+
+async def load(url: str, streams: int) -> int:
+    conn = aiohttp.TCPConnector(limit=streams + 8)
+    timeout = aiohttp.ClientTimeout(total=600)
+    async with aiohttp.ClientSession(connector=conn, timeout=timeout) as s:
+        got = await asyncio.gather(*(one_stream(s, url) for _ in range(streams)))
+    return sum(got)
+
+
+def measure(pid: int, url: str, streams: int, chunks: int) -> tuple[float, float]:
+    """µs of the proxy's CPU per chunk relayed, and the phase's wall seconds."""
+    c0, t0 = bl.cpu_seconds(pid), time.monotonic()
+    events = asyncio.run(load(url, streams))
+    c1, t1 = bl.cpu_seconds(pid), time.monotonic()
+    want = streams * chunks
+    if events < want:
+        raise RuntimeError(f"{url}: {events} content events relayed, {want} sent")
+    return (c1 - c0) / want * 1e6, t1 - t0
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--streams", type=int, default=200)
+    ap.add_argument("--chunks", type=int, default=200)
+    ap.add_argument("--gap-ms", type=float, default=5.0)
+    ap.add_argument("--rounds", type=int, default=1)
+    ap.add_argument("--serve-node", type=int, metavar="PORT", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.serve_node:
+        asyncio.run(serve_node(args.serve_node, args.chunks, args.gap_ms / 1000))
+        return 0
+    bl.raise_nofile()
+    bl.install_sigterm_exit()
+    bl.print_machine()
+    with bl.workdir("tokens") as wd, bl.Procs(wd) as procs:
+        node_port, gw_port, ngx_port = bl.free_port(), bl.free_port(), bl.free_port()
+        node = procs.start([bl.PYTHON, __file__, "--serve-node", str(node_port), "--chunks", str(args.chunks),
+                            "--gap-ms", str(args.gap_ms)], "node", cpu=1)
+        bl.wait_port(node_port, proc=node)
+        routes = {"llm": {"path": "/v1", "kind": "openai", "nodes": ["gpu"], "max_concurrency": 4096,
+                          "max_queue_depth": 100000, "queue_timeout_sec": 600, "request_timeout_sec": 600}}
+        gw, _ = bl.start_gateway(procs, bl.gateway_config(gw_port, {"gpu": f"http://127.0.0.1:{node_port}"}, routes),
+                              cpu=0)
+        ngx = bl.start_nginx(procs, ngx_port, node_port, cpu=0, buffering=False)
+        targets = {"kilolined": (bl.main_pid(gw), gw_port), "nginx": (bl.main_pid(ngx), ngx_port)}
+        results: dict[str, list[float]] = {k: [] for k in targets}
+        for _pid, port in targets.values():  # warm-up: connections, imports, caches
+            asyncio.run(load(f"http://127.0.0.1:{port}/v1/chat/completions", 4))
+        for r in range(args.rounds):
+            order = list(targets) if r % 2 == 0 else list(reversed(targets))
+            for name in order:
+                pid, port = targets[name]
+                us, wall = measure(pid, f"http://127.0.0.1:{port}/v1/chat/completions", args.streams, args.chunks)
+                results[name].append(us)
+                print(f"round {r + 1} {name}: {us:.2f} µs CPU per chunk ({wall:.1f} s)", flush=True)
+        gw_us, ngx_us = (statistics.median(results[k]) for k in ("kilolined", "nginx"))
+        bl.print_table(("proxy", "CPU µs per chunk", "÷ nginx"),
+                       [("kilolined", f"{gw_us:.2f}", f"{gw_us / ngx_us:.2f}"), ("nginx", f"{ngx_us:.2f}", "1.00")])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
