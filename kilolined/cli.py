@@ -122,7 +122,8 @@ def cmd_fakegpu(args: argparse.Namespace) -> int:
                        args.crash_sec, api_key=args.api_key, ctx_size=args.ctx_size,
                        progress_min_sec=args.progress_min_ms / 1000, capacity_mode=args.capacity_mode,
                        models=[m.strip() for m in args.models.split(",") if m.strip()] if args.models else None,
-                       swap_ms=args.swap_ms, warm_models=args.warm_models)
+                       swap_ms=args.swap_ms, warm_models=args.warm_models,
+                       prefill_ms_per_1k=args.prefill_ms_per_1k, prompt_cache_tokens=args.prompt_cache_tokens)
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
@@ -198,6 +199,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="openai with --models: models kept loaded at once (the first is warm at start)")
     f.add_argument("--progress-min-ms", type=float, default=100,
                    help="comfyui: drop progress updates closer than this (ComfyUI's ProgressBar; 0 sends all)")
+    f.add_argument("--prefill-ms-per-1k", type=float, default=0,
+                   help="openai: GPU time per 1000 prompt tokens not in its prompt cache, before the first token")
+    f.add_argument("--prompt-cache-tokens", type=int, default=32768,
+                   help="openai: tokens its prompt cache holds at most (like llama-server --cache-ram; 0: none)")
     f.set_defaults(fn=cmd_fakegpu)
 
     d = sub.add_parser("demo", parents=[common], help="the traffic-smoothing demo on loopback")

@@ -95,6 +95,8 @@ class Card:
         models: list[str] | None = None,
         swap_ms: float = 0.0,
         warm_models: int = 1,
+        prefill_ms_per_1k: float = 0.0,
+        prompt_cache_tokens: int = 32768,
     ) -> None:
         if not (is_number(vram_gb) and vram_gb > 0 and is_number(job_vram_gb) and job_vram_gb >= 0):
             raise ValueError("vram_gb must be > 0 and job_vram_gb >= 0")
@@ -108,6 +110,9 @@ class Card:
             raise ValueError("capacity_mode must be fixed or request")
         if not (is_number(swap_ms) and swap_ms >= 0 and is_int(warm_models) and warm_models >= 1):
             raise ValueError("swap_ms must be a number >= 0 and warm_models an int >= 1")
+        if not (is_number(prefill_ms_per_1k) and prefill_ms_per_1k >= 0
+                and is_int(prompt_cache_tokens) and prompt_cache_tokens >= 0):
+            raise ValueError("prefill_ms_per_1k must be a number >= 0 and prompt_cache_tokens an int >= 0")
         self.kind = kind
         self.capacity_mode = capacity_mode
         self.models = list(models) if models else None  # openai: the model ids it lists (default: one)
@@ -125,6 +130,8 @@ class Card:
         self.api_key = api_key or None  # openai: the key the node requires (llama.cpp --api-key)
         self.ctx_size = ctx_size  # openai: context window in tokens (llama.cpp -c)
         self.progress_min_sec = float(progress_min_sec)  # comfyui: ProgressBar throttle
+        self.prefill_ms_per_1k = float(prefill_ms_per_1k)  # openai: GPU time per 1000 uncached prompt tokens
+        self.prompt_cache_tokens = prompt_cache_tokens  # openai: prompt cache bound, in tokens (0: none)
         self.knobs = Knobs()
         self.started_at = int(time.time())
         self._running: set[Job] = set()
