@@ -22,7 +22,7 @@ import orjson
 from aiohttp import web
 
 from kilolined import admin, edge, jobs_api, targets
-from kilolined.adapters.openai import wants_stream
+from kilolined.adapters.openai import affinity_of, wants_stream
 from kilolined.adapters.registry import adapter_for
 from kilolined.auth import presented_key
 from kilolined.call import Call
@@ -358,9 +358,12 @@ async def admit(gw: Gateway, call: Call) -> web.StreamResponse | None:
     if refused:
         return call.error(400, "bad_request", f"callback URL refused: {refused}")
     priority = principal.cfg.priority if principal else 0
+    rcfg = rt.scheduler.routes[call.route_name].cfg
+    # The prefix keys are computed here, once: every dispatch attempt reads them off the ticket.
+    affinity = affinity_of(ex, call.route_name, rcfg) if rcfg.affinity != "off" else None
     try:
         ticket = rt.admit(call.route_name, call.subject, priority, pinned_node=call.pinned_node,
-                          cost=call.cost or 0.0, model=call.model)
+                          cost=call.cost or 0.0, model=call.model, affinity=affinity)
         if rt.settle is not None:  # cluster mode: Redis decides (kilolined/cluster/leases.py)
             ticket = await rt.settle(ticket)
     except Rejected as r:
@@ -456,13 +459,22 @@ def log_access(gw: Gateway, call: Call) -> None:
         rec["cost"] = round(call.cost, 3)
     if call.swap is not None:
         rec["swap"] = call.swap
+    t = call.ticket
+    a = t.affinity if t is not None else None
+    if a is not None and a.outcome is not None:
+        rec["affinity"] = a.outcome
+    if t is not None and t.cached is not None:
+        rec["cached"] = t.cached
     if gw.log_json:
         access_log.info(orjson.dumps(rec).decode())
     else:
         access_log.info(
             "%(request_id)s %(key)s %(route)s %(node)s %(mode)s %(status)s wait=%(queue_wait_ms)dms "
             "dur=%(duration_ms)dms bytes=%(bytes)d" + (" cost=%(cost)g" if call.cost is not None else "")
-            + ("" if call.swap is None else " swap=true" if call.swap else " swap=false"), rec,
+            + ("" if call.swap is None else " swap=true" if call.swap else " swap=false")
+            + (" affinity=%(affinity)s" if "affinity" in rec else "")
+            + (" cached=%(cached)d" if "cached" in rec else ""),
+            rec,
         )
 
 

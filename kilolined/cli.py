@@ -17,7 +17,7 @@ from kilolined.auth import digest, new_key
 from kilolined.cluster.persistence import warnings as redis_persistence_warnings
 from kilolined.config import ConfigError, ServerConfig, default_config_path, load_config
 from kilolined.demo import run_demo
-from kilolined.probe import probe_all
+from kilolined.probe import probe_all, slot_warnings
 from kilolined.server import serve
 from kilolined.status import config_url, run_status, url_for_listen
 
@@ -102,6 +102,8 @@ def cmd_check(args: argparse.Namespace) -> int:
     probes = asyncio.run(probe_all(cfg))
     for p in probes:
         print(p.line())
+    for line in asyncio.run(slot_warnings(cfg)):  # a warning: the exit status stays
+        print(line)
     return 1 if any(not p.reachable for p in probes) else 0
 
 

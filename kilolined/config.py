@@ -348,6 +348,16 @@ class RouteConfig(_Model):
     match: MatchConfig | None = None  # several routes on one path: the first whose match holds
     #: cut ``path`` off before forwarding (nginx's proxy_pass with a URI); None = the kind's default
     strip_path: bool | None = None
+    #: send a request where its prompt's prefix (or its session) was sent before (SPEC §13)
+    affinity: Literal["off", "prefix", "session"] = "off"
+    #: the unit the prefix index counts in: bytes of canonical prompt text per key
+    affinity_block_bytes: Annotated[int, Field(ge=16, le=65536)] = 256
+
+    @field_validator("affinity", mode="before")
+    @classmethod
+    def _affinity_off(cls, v: Any) -> Any:
+        # YAML 1.1 reads a bare `off` as false: that is what the operator wrote.
+        return "off" if v is False else v
 
     @field_validator("path")
     @classmethod

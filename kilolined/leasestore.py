@@ -9,12 +9,13 @@ from __future__ import annotations
 
 from typing import Protocol
 
+from kilolined.affinity import Affinity
 from kilolined.queue import Lease, Ticket
 
 
 class LeaseStore(Protocol):
     def admit(self, route: str, key: str, priority: int, now: float, *, pinned_node: str | None = None,
-              cost: float = 0.0, model: str | None = None) -> Ticket:
+              cost: float = 0.0, model: str | None = None, affinity: Affinity | None = None) -> Ticket:
         """Queue a request of this cost, for this model (raises Rejected); it may hold a lease at once."""
         ...
 

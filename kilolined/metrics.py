@@ -70,6 +70,12 @@ class _LiveGauges(Collector):
         # Counted by the scheduler as it leases (queue.py): read here, so the lease path bumps nothing.
         swaps = CounterMetricFamily("kiloline_model_swaps", "Dispatches that made a multi-model node load a model",
                                     labels=["node"])
+        decisions = CounterMetricFamily("kiloline_affinity_decisions",
+                                        "Affinity node choices: hit, miss, or load (an affine node was passed over)",
+                                        labels=["route", "outcome"])
+        for (route, outcome), count in sched.affinity_decisions.items():
+            if route in sched.routes:
+                decisions.add_metric([route, outcome], count)
         for name, rq in sched.routes.items():
             if rq.name.startswith("adhoc:"):
                 continue
@@ -107,7 +113,7 @@ class _LiveGauges(Collector):
                                     "Unix time the watcher last saw the config file change (absent: not since start)")
         if rt.file_changed_at is not None:
             changed.add_metric([], rt.file_changed_at)
-        yield from (depth, infl, slots, up, br, cap, used, swaps, ok, at, pending, changed)
+        yield from (depth, infl, slots, up, br, cap, used, swaps, decisions, ok, at, pending, changed)
 
 
 class CounterChild:
@@ -172,6 +178,11 @@ class Recorded:
         counted: float = sum(c.value for c in self._children.values())
         return counted
 
+    def sum_where(self, label: str, value: str) -> dict[tuple[str, ...], float]:
+        """A counter's values whose ``label`` is ``value``, by their label values."""
+        i = self.labelnames.index(label)
+        return {k: c.value for k, c in self._children.items() if k[i] == value}
+
     def family(self) -> Metric:
         names = list(self.labelnames)
         if self.kind == "counter":
@@ -218,8 +229,16 @@ class Metrics:
         for result in ("ok", "error"):
             self.reloads.labels(result)
         self.tokens = Recorded("counter", "kiloline_tokens", "LLM tokens by route and key", ["route", "key"])
+        # What the nodes report of the prompt (llama.cpp timings, OpenAI cached_tokens): SPEC §13.
+        self.prompt_tokens = Recorded("counter", "kiloline_prompt_tokens",
+                                      "Prompt tokens the nodes reported, cached (reused) or not",
+                                      ["route", "node", "cached"])
+        self.mispredictions = Recorded("counter", "kiloline_affinity_mispredictions",
+                                       "Predicted prefix hits whose node reported almost nothing reused",
+                                       ["route", "node"])
         r.register(_RecordedCollector([self.requests, self.queue_wait, self.upstream, self.ttft, self.rejections,
-                                       self.failovers, self.reloads, self.tokens]))
+                                       self.failovers, self.reloads, self.tokens, self.prompt_tokens,
+                                       self.mispredictions]))
         r.register(_LiveGauges(rt))
         # The daemon's own process (CPU, memory, fds, start time), Python and its collector.
         ProcessCollector(registry=r)
@@ -227,6 +246,12 @@ class Metrics:
         GCCollector(registry=r)
         Gauge("kiloline_build_info", "The running kilolined's version (always 1)", ["version"],
               registry=r).labels(__version__).set(1)
+
+    def prompt_tokens_of(self, route: str) -> tuple[float, float]:
+        """(cached, all) prompt tokens the nodes of ``route`` reported."""
+        rows = self.prompt_tokens.sum_where("route", route)
+        cached = sum(v for k, v in rows.items() if k[2] == "true")
+        return cached, sum(rows.values())
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -10,6 +10,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import aiohttp
+import orjson
 from yarl import URL
 
 from kilolined.config import Config, NodeConfig
@@ -65,3 +66,50 @@ async def probe_all(cfg: Config) -> list[Probe]:
     """Every node at once (one slow node does not hold up the others), in config order."""
     async with aiohttp.ClientSession() as session:
         return list(await asyncio.gather(*(probe_node(session, n, nc) for n, nc in cfg.nodes.items())))
+
+
+def gateway_slots(cfg: Config, node: str) -> dict[str, int]:
+    """The slots each openai route gives ``node`` (its ``max_concurrency``), by route."""
+    return {r: rc.max_concurrency for r, rc in cfg.routes.items()
+            if rc.kind == "openai" and (node in rc.nodes or node in rc.standby)}
+
+
+def slots_warning(cfg: Config, node: str, total_slots: object) -> str | None:
+    """A warning when the gateway may send ``node`` more requests at once than the server has
+    slots (llama.cpp ``GET /props`` ``total_slots``): the rest would queue inside the server,
+    where the gateway cannot see or reorder them."""
+    if isinstance(total_slots, bool) or not isinstance(total_slots, int) or total_slots <= 0:
+        return None
+    by_route = gateway_slots(cfg, node)
+    nc = cfg.nodes[node]
+    given = sum(by_route.values())
+    if nc.max_concurrency is not None:
+        given = min(given, nc.max_concurrency)
+    if given <= total_slots:
+        return None
+    routes = ", ".join(f"{r}: {n}" for r, n in by_route.items())
+    return (f"warning: node {node}: the gateway may send it {given} requests at once ({routes}) but the server "
+            f"has {total_slots} slots (GET /props total_slots): the rest would queue inside the server, unseen; "
+            f"lower max_concurrency or start it with more slots (llama-server -np)")
+
+
+async def props_slots(session: aiohttp.ClientSession, nc: NodeConfig) -> object:
+    """llama.cpp's ``total_slots`` from ``GET /props``; None when the node answers no such thing."""
+    _, _, timeout = _target(nc)
+    try:
+        async with session.get(nc.url + "/props", headers=nc.headers, allow_redirects=False,
+                               timeout=aiohttp.ClientTimeout(total=timeout)) as r:
+            if r.status != 200:
+                return None
+            doc = orjson.loads(await r.read())
+    except (aiohttp.ClientError, OSError, TimeoutError, orjson.JSONDecodeError):
+        return None
+    return doc.get("total_slots") if isinstance(doc, dict) else None
+
+
+async def slot_warnings(cfg: Config) -> list[str]:
+    """``check --probe``'s slot check, for every node of an openai route (SPEC §13)."""
+    names = [n for n in cfg.nodes if gateway_slots(cfg, n)]
+    async with aiohttp.ClientSession() as session:
+        slots = await asyncio.gather(*(props_slots(session, cfg.nodes[n]) for n in names))
+    return [w for n, s in zip(names, slots, strict=True) if (w := slots_warning(cfg, n, s)) is not None]

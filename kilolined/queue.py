@@ -25,6 +25,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from kilolined import affinity as aff
+from kilolined.affinity import Affinity, PrefixIndex
 from kilolined.config import RouteConfig
 from kilolined.nodes import NodeState
 
@@ -65,6 +67,8 @@ class Ticket:
     model: str | None = None  # the model it asks for (OpenAI "model"); None: any node of the route
     swap_bypassed: int = 0  # requests collated ahead of it while it was the head
     swap_bypassed_at: float | None = None  # when it was first collated past
+    affinity: Affinity | None = None  # its prefix keys or session key (routes with ``affinity``)
+    cached: int | None = None  # prompt tokens its node reported reused (the access log's cached=)
 
     def wake(self) -> None:
         if self.on_wake is not None:
@@ -323,6 +327,9 @@ class Scheduler:
         self.node_inflight: Counter[str] = Counter()
         self.capacity_used: dict[str, float] = {}  # node -> the costs of its leases
         self.swaps: Counter[str] = Counter()  # node -> dispatches that made it load a model
+        self.indexes: dict[str, PrefixIndex] = {}  # node -> the prefix keys dispatched to it
+        #: (route, hit|miss|load) -> affinity decisions (kiloline_affinity_decisions_total)
+        self.affinity_decisions: Counter[tuple[str, str]] = Counter()
         self._seq = itertools.count(1)
         self._deadlines: list[tuple[float, int, Ticket]] = []
         #: whether this gateway's own health checks run (cluster mode: only the leader's do)
@@ -427,9 +434,12 @@ class Scheduler:
                   and self.serves(t.pinned_node, model) and not self.barred(t, t.pinned_node, now))
             return t.pinned_node if ok else None
         best: str | None = None
+        a = t.affinity if t.affinity is not None and t.affinity.mode == rq.cfg.affinity else None
         for group in (rq.cfg.nodes, rq.cfg.standby):
-            best = self._least_loaded([n for n in group if n not in t.avoid and n not in blocked
-                                       and (model is None or self.serves(n, model))], rq, now, t.cost, model)
+            names = [n for n in group if n not in t.avoid and n not in blocked
+                     and (model is None or self.serves(n, model))]
+            best = (self._least_loaded(names, rq, now, t.cost, model) if a is None
+                    else self._affine(names, rq, t, a, now))
             if best is not None:
                 return best
             # A standby is only for when no primary can *be used*; a primary that is merely
@@ -457,6 +467,88 @@ class Scheduler:
                 if best is None or load < best_load:
                     best, best_load = n, load
         return best
+
+    # -- affinity (SPEC §13) -----------------------------------------------------------------
+    def _affine(self, names: list[str], rq: RouteQueue, t: Ticket, a: Affinity, now: float) -> str | None:
+        """Among ``names`` that can take ``t`` now, the one affinity prefers; the cold-model rule
+        ranks first, as in ``_least_loaded``. Busy nodes are never waited for."""
+        free = [n for n in names if self.can_take(rq, n, now, t.cost)]
+        if not free:
+            return None
+        if a.mode == aff.SESSION:
+            return self._by_session(free, names, rq, t, a)
+        matches = {n: self._match(n, a) for n in names}
+        best_any = max(matches.values(), default=0)
+        if best_any == 0 or not any(matches[n] for n in free):
+            # Nowhere (free) holds it: least-loaded, ties by rendezvous of the first key, so that
+            # gateways and restarts agree where a new prefix goes.
+            first = a.keys[0]
+            node = min(free, key=lambda n: (self._cold(n, t.model), self.node_inflight[n],
+                                            tuple(-b for b in aff.weight(first, n))))
+        else:
+            # Uncached bytes × (in-flight + 1): a longer match is worth a busier node, up to a point.
+            order = {n: i for i, n in enumerate(free)}
+            node = min(free, key=lambda n: (self._cold(n, t.model),
+                                            a.uncached(matches[n]) * (self.node_inflight[n] + 1),
+                                            -matches[n], order[n]))
+        got = matches[node]
+        a.node, a.match = node, got
+        a.outcome = aff.MISS if best_any == 0 else aff.HIT if got >= best_any else aff.LOAD
+        return node
+
+    def _by_session(self, free: list[str], names: list[str], rq: RouteQueue, t: Ticket, a: Affinity) -> str | None:
+        """Consistent hashing with bounded load: the session's first node in rendezvous order
+        whose in-flight on this route stays within the bound; warm before cold."""
+        loads = [rq.inflight[n] for n in names]
+        cap = aff.bounded(loads)
+        walk = aff.rendezvous(a.keys[0], names)
+        ok = [n for n in walk if n in free and rq.inflight[n] + 1 <= cap]
+        pick = ok or [n for n in walk if n in free]
+        warm = [n for n in pick if not self._cold(n, t.model)]
+        node = (warm or pick)[0]
+        a.node, a.match = node, 1
+        a.outcome = aff.HIT if node == walk[0] else aff.LOAD
+        return node
+
+    def _cold(self, node: str, model: str | None) -> bool:
+        return model is not None and not self.nodes[node].models.is_warm(model)
+
+    def _match(self, node: str, a: Affinity) -> int:
+        idx = self.indexes.get(node)
+        return 0 if idx is None else idx.match(a.keys)
+
+    def _affine_dispatch(self, rq: RouteQueue, t: Ticket, node: str) -> None:
+        """Count the decision and record the request's keys on its node (at dispatch: a prefix
+        still being prefilled there is already a hit for the next request)."""
+        a = t.affinity
+        assert a is not None
+        if a.mode != rq.cfg.affinity:
+            a.outcome = None
+            return
+        if a.node != node:  # pinned, or taken by the fallback rather than by the choice
+            a.node, a.match = node, self._match(node, a) if a.mode == aff.PREFIX else 0
+            a.outcome = aff.HIT if a.match else aff.MISS
+        assert a.outcome is not None
+        self.affinity_decisions[(rq.name, a.outcome)] += 1
+        if a.mode == aff.PREFIX:
+            idx = self.indexes.get(node)
+            if idx is None:
+                idx = self.indexes[node] = PrefixIndex()
+            idx.record(a.keys)
+
+    def forget(self, node: str) -> None:
+        """The node lost what it held (down, breaker open, restarted, swapped models)."""
+        self.indexes.pop(node, None)
+
+    def mispredicted(self, node: str, a: Affinity) -> None:
+        """The node reported almost nothing reused where a hit was predicted: drop these keys there."""
+        idx = self.indexes.get(node)
+        if idx is not None:
+            idx.drop(a.keys)
+
+    def index_keys(self, node: str) -> int:
+        idx = self.indexes.get(node)
+        return 0 if idx is None else len(idx)
 
     # -- admission -------------------------------------------------------------------------
     def est_wait(self, rq: RouteQueue, position: int, now: float) -> float | None:
@@ -496,6 +588,7 @@ class Scheduler:
         on_wake: Callable[[Ticket], None] | None = None,
         cost: float = 0.0,
         model: str | None = None,
+        affinity: Affinity | None = None,
     ) -> Ticket:
         """Queue a request (raises Rejected); it may be leased at once by the dispatch inside."""
         rq = self.routes[route]
@@ -509,7 +602,7 @@ class Scheduler:
                 self.retry_after(rq, now),
             )
         t = Ticket(next(self._seq), route, key, priority, now, pinned_node=pinned_node, on_wake=on_wake, cost=cost,
-                   model=model)
+                   model=model, affinity=affinity)
         # A free slot and nobody ahead: straight through, even when max_queue_depth is 0.
         if not rq.waiting:
             node = self.choose_node(rq, t, now)
@@ -624,6 +717,9 @@ class Scheduler:
         swap = ns.models.dispatch(ns.cfg, t.model) if ns.cfg.models is not None else None
         if swap:
             self.swaps[node] += 1
+            self.forget(node)  # loading another model threw the node's KV cache away (SPEC §13)
+        if t.affinity is not None:
+            self._affine_dispatch(rq, t, node)
         lease = Lease(t, rq.name, node, now, trial, cost=t.cost, swap=swap)
         rq.inflight[node] += 1
         self.node_inflight[node] += 1

@@ -17,6 +17,7 @@ from typing import Any
 import aiohttp
 
 from kilolined.adhoc import AdhocTargets, is_adhoc
+from kilolined.affinity import Affinity
 from kilolined.auth import KeyStore
 from kilolined.cluster.nodes import NodeSync
 from kilolined.cluster.view import ClusterView
@@ -383,9 +384,9 @@ class Runtime:
         self.scheduler.dispatch(now)
 
     def admit(self, route: str, key: str, priority: int, *, pinned_node: str | None = None,
-              cost: float = 0.0, model: str | None = None) -> Ticket:
+              cost: float = 0.0, model: str | None = None, affinity: Affinity | None = None) -> Ticket:
         return self.leases.admit(route, key, priority, self.clock(), pinned_node=pinned_node, cost=cost,
-                                 model=model)
+                                 model=model, affinity=affinity)
 
     # --- node results -------------------------------------------------------------------
     def node_success(self, node: str, trial: bool) -> None:
@@ -414,7 +415,11 @@ class Runtime:
             self.node_sync.changed(ns)  # the other gateways apply the same transition
         for ev in events:
             text = self._node_text(ns, ev)
-            log.warning("%s", text) if ev in ("node_down", "breaker_open") else log.info("%s", text)
+            if ev in ("node_down", "breaker_open"):
+                log.warning("%s", text)
+                self.scheduler.forget(ns.name)  # what it held is gone, or cannot be trusted (SPEC §13)
+            else:
+                log.info("%s", text)
             self.feed.publish(ev, node=ns.name, label=ns.label, text=text)
             self.notify(ev, text, node=ns.name)
         self.wake()

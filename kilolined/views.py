@@ -30,6 +30,9 @@ def route_snapshot(sched: Scheduler, rq: RouteQueue, now: float) -> dict[str, An
         "nodes": list(rq.cfg.nodes),
         "standby": list(rq.cfg.standby),
         "capacity_used": round(rq.capacity_used, 3),
+        # Affinity (docs/CONFIG.md#affinity): the keys of the prefix index per node (every route's).
+        "affinity": rq.cfg.affinity,
+        "index_keys": {n: sched.index_keys(n) for n in rq.all_nodes},
     }
 
 
@@ -63,6 +66,10 @@ def state(rt: Runtime) -> dict[str, Any]:
     sched = rt.scheduler
     routes = {n: route_snapshot(sched, rq, now) for n, rq in sched.routes.items()
               if not n.startswith("adhoc:") and not rq.retired}
+    for n, r in routes.items():
+        # What its nodes reported of the prompts (the dashboard's cached share); zeros until one did.
+        cached, total = rt.metrics.prompt_tokens_of(n)
+        r["prompt_tokens"] = {"cached": int(cached), "total": int(total)}
     nodes: dict[str, Any] = {}
     for n, ns in sched.nodes.items():
         if n.startswith("adhoc:") or ns.retired:

@@ -31,7 +31,7 @@ LAYERS: dict[str, tuple[str, ...]] = {
     "side": ("notify", "webhooks", "metrics", "feed", "stats", "probe"),
     "fake GPU": ("fakegpu/",),
     "core (pure)": ("__init__", "queue", "leasestore", "nodes", "models", "limits", "auth", "config", "errors",
-                    "outcome", "paths", "costs", "routing"),
+                    "outcome", "paths", "costs", "routing", "affinity"),
 }
 
 # Imports that go up the table and stay, each with the reason it cannot go (importer, imported).

@@ -22,6 +22,8 @@ from typing import Any
 import orjson
 
 from kilolined.adapters.base import Adapter, HttpAttempt, Tee
+from kilolined.affinity import REUSED_AT_LEAST, SESSION, Affinity, prefix_affinity, session_affinity
+from kilolined.config import RouteConfig
 from kilolined.costs import choices, prompt_tokens
 from kilolined.lease import LeaseScope, Sink
 from kilolined.limits import seconds_to_midnight
@@ -66,6 +68,21 @@ def gateway_added_usage(ex: Exchange) -> bool:
     """The usage chunk of this stream is ours (asked for by ``prepare``), not the client's."""
     data = request_json(ex)
     return bool(is_completion(ex) and data and data.get("stream") is True and not _asks_usage(data))
+
+
+def affinity_of(ex: Exchange, route: str, cfg: RouteConfig) -> Affinity | None:
+    """The request's affinity on a route that has one (docs/CONFIG.md#affinity): its session (the
+    ``X-Session-Id`` header, else an OpenAI body's ``user``), or its prompt's prefix keys."""
+    openai = cfg.kind == "openai" and is_completion(ex)
+    if cfg.affinity == SESSION:
+        sid: Any = ex.request.headers.get("X-Session-Id")
+        if not sid and openai:
+            sid = (request_json(ex) or {}).get("user")
+        return session_affinity(route, sid) if isinstance(sid, str) and sid else None
+    if not openai:
+        return None
+    data = request_json(ex)
+    return prefix_affinity(route, data, cfg.affinity_block_bytes) if data is not None else None
 
 
 def estimate_tokens(data: dict[str, Any]) -> int:
@@ -188,8 +205,27 @@ class StreamParser(Observer):
                 body = orjson.loads(bytes(self.buf))
                 if isinstance(body, dict) and isinstance(body.get("usage"), dict):
                     self.usage = body["usage"]
+                if isinstance(body, dict) and isinstance(body.get("timings"), dict):
+                    self.timings = body["timings"]
             except orjson.JSONDecodeError:
                 pass
+
+    def prompt_split(self) -> tuple[int, int] | None:
+        """(prompt tokens the node reused from its cache, prompt tokens it computed); None when it
+        did not say. llama.cpp's ``timings`` (``cache_n``, ``prompt_n``) first, else the OpenAI
+        ``usage.prompt_tokens_details.cached_tokens`` of ``prompt_tokens``."""
+        t = self.timings
+        if t:
+            cached, computed = usage_count(t.get("cache_n")), usage_count(t.get("prompt_n"))
+            if cached is not None and computed is not None:
+                return cached, computed
+        u = self.usage
+        details = u.get("prompt_tokens_details") if u else None
+        if u and isinstance(details, dict):
+            cached, prompt = usage_count(details.get("cached_tokens")), usage_count(u.get("prompt_tokens"))
+            if cached is not None and prompt is not None:
+                return min(cached, prompt), max(0, prompt - cached)
+        return None
 
     def tokens(self) -> int:
         """The answer's tokens: usage, else llama.cpp timings, else content chunks; never negative
@@ -208,15 +244,19 @@ class StreamParser(Observer):
 
 
 class UsageObserver(StreamParser):
-    """Feeds token budgets, kiloline_tokens_total and kiloline_ttft_seconds."""
+    """Feeds token budgets, kiloline_tokens_total and kiloline_ttft_seconds; and what the node
+    says it reused of the prompt, kiloline_prompt_tokens_total and the prefix index's correction."""
 
-    def __init__(self, rt: Runtime, route: str, key: str | None, dispatched: float):
+    def __init__(self, rt: Runtime, route: str, key: str | None, dispatched: float, lease: Lease | None = None):
         super().__init__()
         self.rt, self.route, self.key = rt, route, key
         self.dispatched = dispatched
+        self.lease = lease
 
     def done(self, ok: bool) -> None:
         super().done(ok)
+        if self.lease is not None:
+            self._reuse(self.lease)
         tokens = self.tokens()
         if self.first_at is not None:
             self.rt.metrics.ttft.labels(self.route).observe(max(0.0, self.first_at - self._dispatched_wall()))
@@ -224,6 +264,23 @@ class UsageObserver(StreamParser):
             self.rt.metrics.tokens.labels(self.route, self.key or "-").inc(tokens)
             if self.key is not None:
                 self.rt.limits.add(self.key, time.time(), tokens=tokens)
+
+    def _reuse(self, lease: Lease) -> None:
+        split = self.prompt_split()
+        if split is None:
+            return
+        cached, computed = split
+        t = lease.ticket
+        t.cached = cached
+        m = self.rt.metrics
+        m.prompt_tokens.labels(self.route, lease.node, "true").inc(cached)
+        m.prompt_tokens.labels(self.route, lease.node, "false").inc(computed)
+        a = t.affinity
+        missed = cached < REUSED_AT_LEAST * (cached + computed)
+        if a is not None and a.node == lease.node and a.predicted_hit() and missed:
+            # The index said the node holds most of this prompt; the node says it held almost none.
+            self.rt.scheduler.mispredicted(lease.node, a)
+            m.mispredictions.labels(self.route, lease.node).inc()
 
     def _dispatched_wall(self) -> float:
         # dispatched is on the runtime clock; convert to time.monotonic's frame.
@@ -273,7 +330,7 @@ class OpenAIAdapter(Adapter):
     def observer(self, rt: Runtime, ex: Exchange, scope: LeaseScope, sink: Sink) -> Observer | None:
         if not is_completion(ex):
             return None
-        usage = UsageObserver(rt, rt.route_label(scope.route), scope.key, scope.dispatched_at)
+        usage = UsageObserver(rt, rt.route_label(scope.route), scope.key, scope.dispatched_at, scope.lease)
         return Tee(usage, self._progress(ex, sink)) if sink.reports_progress else usage
 
     @staticmethod

@@ -30,6 +30,7 @@ import orjson
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
+from kilolined.affinity import Affinity
 from kilolined.cluster import scripts
 from kilolined.cluster.leader import Leadership
 from kilolined.cluster.persistence import access_error, shown
@@ -174,16 +175,19 @@ class ClusterLeases:
 
     # --- the LeaseStore calls ---------------------------------------------------------------
     def admit(self, route: str, key: str, priority: int, now: float, *, pinned_node: str | None = None,
-              cost: float = 0.0, model: str | None = None) -> Ticket:
+              cost: float = 0.0, model: str | None = None, affinity: Affinity | None = None) -> Ticket:
         # Which nodes serve the model holds in Redis too (the ticket's "only"); warm affinity and
         # collation are per gateway (docs/CLUSTER.md).
         if not self.view.redis_up:
-            t = self.sched.admit(route, key, priority, now, pinned_node=pinned_node, cost=cost, model=model)
+            t = self.sched.admit(route, key, priority, now, pinned_node=pinned_node, cost=cost, model=model,
+                                 affinity=affinity)
             self._local.add(t)
             return t
         rq = self.sched.routes[route]
         self.sched.check_servable(rq, pinned_node, cost, model)
-        t = Ticket(next(self._seq), route, key, priority, now, pinned_node=pinned_node, cost=cost, model=model)
+        # Redis chooses the node here: affinity only records and counts what it chose (docs/CLUSTER.md).
+        t = Ticket(next(self._seq), route, key, priority, now, pinned_node=pinned_node, cost=cost, model=model,
+                   affinity=affinity)
         t.deadline = now + rq.cfg.queue_timeout_sec
         return t
 

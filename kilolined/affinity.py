@@ -1,0 +1,190 @@
+"""Prefix and session affinity (docs/CONFIG.md#affinity, SPEC §13): which node already holds a
+request's prompt.
+
+Pure: no I/O, no clock. The gateway cannot see a node's KV cache, so it keeps its own guess: the
+canonical text of each request (its model, then every chat message as ``role``, NUL, content;
+or a completion's prompt) is cut into blocks, and block i's key is a 64-bit hash of block i and
+key i-1 (the first seeded by route and model), so one key names the whole prefix up to it. Each
+node keeps a bounded LRU of the keys dispatched to it; a request's match on a node is the number
+of its leading keys found there. Recording at dispatch, not at the answer, makes a prefix that a
+node is still prefilling a hit there: the next request with it goes where it will be warm.
+
+Hashing is ``hashlib.blake2b`` (C), one call per block: a 16 KiB prompt is 64 calls.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import OrderedDict
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from hashlib import blake2b
+from typing import Any
+
+import orjson
+
+#: the most bytes of one request's canonical text that are indexed
+MAX_INDEXED_BYTES = 128 * 1024
+#: keys kept per node (8-byte keys in an ordered dict: a few MiB at most)
+DEFAULT_INDEX_KEYS = 32768
+#: a predicted hit whose node reports less than this share of the prompt reused was a misprediction
+REUSED_AT_LEAST = 0.1
+#: session affinity: a node whose in-flight would pass this many times the mean is skipped
+SESSION_LOAD_BOUND = 1.25
+PREFIX, SESSION = "prefix", "session"
+HIT, MISS, LOAD = "hit", "miss", "load"
+
+
+@dataclass(slots=True)
+class Affinity:
+    """What one request's affinity is computed from (once, at admission) and what was decided."""
+
+    mode: str  # PREFIX | SESSION
+    keys: tuple[bytes, ...]  # prefix: the chained block keys; session: one key
+    size: int = 0  # bytes of canonical text indexed (prefix)
+    block: int = 256
+    #: the last decision: the node it was taken for, the match there, the outcome (HIT/MISS/LOAD)
+    node: str | None = None
+    match: int = 0
+    outcome: str | None = None
+
+    def uncached(self, match: int) -> int:
+        """Bytes of the request that ``match`` leading keys do not cover."""
+        return max(0, self.size - match * self.block)
+
+    def predicted_hit(self) -> bool:
+        """The dispatch expected the node to hold at least half of the prompt."""
+        return self.mode == PREFIX and self.size > 0 and 2 * min(self.size, self.match * self.block) >= self.size
+
+
+def _text(content: Any, out: list[bytes]) -> None:
+    if isinstance(content, str):
+        out.append(content.encode())
+    elif isinstance(content, list):
+        # A content list: its text parts in order (an image's bytes are not the gateway's to read).
+        for part in content:
+            if isinstance(part, dict) and isinstance(part.get("text"), str):
+                out.append(part["text"].encode())
+
+
+def canonical(data: dict[str, Any]) -> bytes:
+    """The text a request's prompt is indexed by: its model, tools as their JSON, then for chat
+    every message as ``role``, NUL, content (text parts in order); for completions the prompt.
+    Cut at MAX_INDEXED_BYTES."""
+    model = data.get("model")
+    out: list[bytes] = [model.encode() if isinstance(model, str) else b"", b"\0"]
+    tools = data.get("tools")
+    if tools is not None:
+        out.append(orjson.dumps(tools))
+        out.append(b"\0")
+    messages = data.get("messages")
+    size = 0
+    if isinstance(messages, list):
+        for m in messages:
+            if not isinstance(m, dict):
+                continue
+            before = len(out)
+            role = m.get("role")
+            out.append(role.encode() if isinstance(role, str) else b"")
+            out.append(b"\0")
+            _text(m.get("content"), out)
+            out.append(b"\0")
+            size += sum(len(b) for b in out[before:])
+            if size > MAX_INDEXED_BYTES:
+                break  # the rest would be cut anyway
+    else:
+        prompt = data.get("prompt")
+        if isinstance(prompt, str):
+            out.append(prompt.encode())
+        elif prompt is not None:
+            out.append(orjson.dumps(prompt))  # token ids or a list of prompts
+    return b"".join(out)[:MAX_INDEXED_BYTES]
+
+
+def seed(route: str, model: str | None) -> bytes:
+    """The key before the first block: two routes, or two models, never share a key."""
+    return blake2b(f"{route}\0{model or ''}".encode(), digest_size=8).digest()
+
+
+def chain(text: bytes, first: bytes, block: int) -> tuple[bytes, ...]:
+    """The chained keys of ``text`` in blocks of ``block`` bytes: key i = H(block i, keyed by key i-1)."""
+    mv = memoryview(text)[:MAX_INDEXED_BYTES]
+    keys: list[bytes] = []
+    prev = first
+    for i in range(0, len(mv), block):
+        prev = blake2b(mv[i:i + block], digest_size=8, key=prev).digest()
+        keys.append(prev)
+    return tuple(keys)
+
+
+def prefix_affinity(route: str, data: dict[str, Any], block: int) -> Affinity | None:
+    """A chat or completion request's prefix keys; None when it has no text to index."""
+    text = canonical(data)
+    model = data.get("model")
+    keys = chain(text, seed(route, model if isinstance(model, str) else None), block)
+    if not keys:
+        return None
+    return Affinity(PREFIX, keys, size=len(text), block=block)
+
+
+def session_affinity(route: str, session: str) -> Affinity:
+    return Affinity(SESSION, (blake2b(f"{route}\0{session}".encode(), digest_size=8).digest(),))
+
+
+def weight(key: bytes, node: str) -> bytes:
+    """Rendezvous (highest random weight) hashing: every gateway ranks the nodes for ``key`` alike."""
+    return blake2b(node.encode(), digest_size=8, key=key).digest()
+
+
+def rendezvous(key: bytes, nodes: Iterable[str]) -> list[str]:
+    """``nodes`` in ``key``'s order of preference (the consistent-hashing walk)."""
+    return sorted(nodes, key=lambda n: weight(key, n), reverse=True)
+
+
+def bounded(loads: Sequence[int]) -> int:
+    """Bounded-load consistent hashing: a node may take one more request while its in-flight,
+    counting that request, stays within 125 % of the mean (rounded up), so that at least one
+    node always may."""
+    return max(1, math.ceil(SESSION_LOAD_BOUND * (sum(loads) + 1) / max(1, len(loads)) - 1e-9))
+
+
+class PrefixIndex:
+    """One node's keys, least recently dispatched first, at most ``limit``."""
+
+    __slots__ = ("_keys", "limit")
+
+    def __init__(self, limit: int = DEFAULT_INDEX_KEYS):
+        self._keys: OrderedDict[bytes, None] = OrderedDict()
+        self.limit = limit
+
+    def __len__(self) -> int:
+        return len(self._keys)
+
+    def match(self, keys: Sequence[bytes]) -> int:
+        """How many of ``keys``, from the first, are here."""
+        d = self._keys
+        n = 0
+        for k in keys:
+            if k not in d:
+                break
+            n += 1
+        return n
+
+    def record(self, keys: Sequence[bytes]) -> None:
+        """``keys`` were dispatched here. Recorded deepest first, so that under pressure a prefix
+        loses its tail before its head (a broken head would lose the whole match)."""
+        d = self._keys
+        for k in reversed(keys):
+            d[k] = None
+            d.move_to_end(k)
+        while len(d) > self.limit:
+            d.popitem(last=False)
+
+    def drop(self, keys: Sequence[bytes]) -> None:
+        """The node did not hold what these keys claimed."""
+        d = self._keys
+        for k in keys:
+            d.pop(k, None)
+
+    def clear(self) -> None:
+        self._keys.clear()
