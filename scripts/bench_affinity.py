@@ -20,8 +20,9 @@ tokens as the servers report it (`timings.cache_n / (cache_n + prompt_n)`), outp
 peak in-flight of each node (polled: llama.cpp `GET /slots` `is_processing`, the fake's
 `running`; and the fake's exact `max_concurrent`), requests per node.
 
-    # against llama.cpp (not CI): a llama-server binary and a GGUF (--write-model makes one)
-    /path/to/tools-venv/bin/python scripts/bench_affinity.py --write-model /work/llama/bench.gguf \\
+    # against llama.cpp (not CI): a llama-server binary (docs/BACKENDS.md builds one) and a GGUF;
+    # --write-model makes one (it needs `.venv/bin/pip install gguf numpy`, nothing else does)
+    .venv/bin/python scripts/bench_affinity.py --write-model /work/llama/bench.gguf \\
         --vocab-from /path/to/llama.cpp/models/ggml-vocab-llama-spm.gguf
     .venv/bin/python scripts/bench_affinity.py --llama-server /path/to/llama-server \\
         --model /work/llama/bench.gguf [--requests 36] [--workloads docs,sessions,hot] [--json out.json]
