@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Prefix affinity against least-loaded and round-robin (SPEC §13), on llama.cpp servers or the
+"""Prefix affinity against least-loaded and round-robin (SPEC §13 targets), on llama.cpp servers or the
 simulated GPU, in one run.
 
 Three nodes with two slots each (`llama-server -np 2 -no-kvu --cache-ram 64`: a node cannot hold
@@ -22,10 +22,10 @@ peak in-flight of each node (polled: llama.cpp `GET /slots` `is_processing`, the
 
     # against llama.cpp (not CI): a llama-server binary (docs/BACKENDS.md builds one) and a GGUF;
     # --write-model makes one (it needs `.venv/bin/pip install gguf numpy`, nothing else does)
-    .venv/bin/python scripts/bench_affinity.py --write-model /work/llama/bench.gguf \\
+    .venv/bin/python scripts/bench_affinity.py --write-model $REAL_DIR/bench.gguf \\
         --vocab-from /path/to/llama.cpp/models/ggml-vocab-llama-spm.gguf
     .venv/bin/python scripts/bench_affinity.py --llama-server /path/to/llama-server \\
-        --model /work/llama/bench.gguf [--requests 36] [--workloads docs,sessions,hot] [--json out.json]
+        --model $REAL_DIR/bench.gguf [--requests 36] [--workloads docs,sessions,hot] [--json out.json]
     # against the simulated GPU (what tests/test_affinity_bench.py runs, smaller)
     .venv/bin/python scripts/bench_affinity.py --fake [--requests 24]
 """
@@ -177,7 +177,7 @@ def gateway_config(urls: list[str], leg: str, block_bytes: int) -> dict[str, Any
 
 
 def leg_supported(leg: str) -> str | None:
-    """None, or why this gateway cannot run the leg (no `affinity` key before SPEC §13 is built)."""
+    """None, or why this gateway cannot run the leg (a gateway without the `affinity` key)."""
     try:
         parse_config(yaml.safe_dump(gateway_config(["http://127.0.0.1:1"], leg, 256)), env={})
     except ConfigError as e:
