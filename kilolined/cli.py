@@ -133,7 +133,8 @@ def cmd_fakegpu(args: argparse.Namespace) -> int:
                        progress_min_sec=args.progress_min_ms / 1000, capacity_mode=args.capacity_mode,
                        models=[m.strip() for m in args.models.split(",") if m.strip()] if args.models else None,
                        swap_ms=args.swap_ms, warm_models=args.warm_models, slowdown=args.slowdown,
-                       slowdown_after_sec=args.slowdown_after_sec, drift_pct_per_hour=args.drift_pct_per_hour)
+                       slowdown_after_sec=args.slowdown_after_sec, drift_pct_per_hour=args.drift_pct_per_hour,
+                       prefill_ms_per_1k=args.prefill_ms_per_1k, prompt_cache_tokens=args.prompt_cache_tokens)
 
 
 def run_fake_provider(args: argparse.Namespace) -> int:
@@ -234,6 +235,10 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("--slowdown-after-sec", type=float, default=0.0, help="when --slowdown begins, from start")
     f.add_argument("--drift-pct-per-hour", type=float, default=0.0,
                    help="steps take this much longer for each hour the card has run (a slow drift)")
+    f.add_argument("--prefill-ms-per-1k", type=float, default=0,
+                   help="openai: GPU time per 1000 prompt tokens not in its prompt cache, before the first token")
+    f.add_argument("--prompt-cache-tokens", type=int, default=32768,
+                   help="openai: tokens its prompt cache holds at most (like llama-server --cache-ram; 0: none)")
     f.set_defaults(fn=cmd_fakegpu)
 
     d = sub.add_parser("demo", parents=[common], help="the traffic-smoothing demo on loopback")

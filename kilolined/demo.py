@@ -6,6 +6,9 @@ concurrent requests goes first straight at one card, then through the gateway wi
 Last, a mixed burst (large and small images) on a third card whose jobs take the VRAM they
 need: fixed slots either leave half the card idle or run it out of memory; cost-aware
 admission (docs/CONFIG.md#cost-and-capacity) keeps it full and never crashes it.
+Then the same chat conversations on three LLM nodes that cache prompts as llama.cpp does, with
+`affinity: off` (least-loaded) and `affinity: prefix` (docs/CONFIG.md#affinity): time to first
+token and the share of prompt tokens the nodes report cached, side by side.
 """
 
 from __future__ import annotations
@@ -13,13 +16,16 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
+import json
 import os
+import random
 import secrets
+import statistics
 import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TextIO
+from typing import Any, TextIO
 
 import aiohttp
 
@@ -34,6 +40,12 @@ STEPS, STEP_MS = 8, 100  # 0.8 s per image
 # the mixed burst: 1 in 4 is a large image; what each takes on the 24 GB card
 MIXED_BURST, LARGE_GB, SMALL_GB, MIXED_STEPS = 24, 12.0, 3.0, 4
 SAFE_SLOTS, FAST_SLOTS, CARD_CAPACITY = 2, 6, 22  # 2 × 12 GB fit; 6 is "for throughput"
+# the conversations: 3 users with 3 chats each on 3 LLM nodes of 2 slots; a 1000-word prompt
+# costs a node 400 ms to prefill unless it holds it, and each node holds about 3 chats
+LLM_NODES, LLM_SLOTS, CHAT_USERS, CHATS_EACH, CHAT_TURNS = 3, 2, 3, 3, 4
+PREFILL_MS_PER_1K, LLM_STEP_MS, LLM_CACHE_TOKENS, CHAT_REPLY_TOKENS = 400, 10, 1500, 6
+CHAT_WORDS = ("river", "lantern", "harbor", "copper", "meadow", "signal", "orbit", "cedar", "violet", "engine",
+              "quartz", "summit", "window", "falcon", "ember", "glacier", "pepper", "tundra", "marble", "canyon")
 
 
 class Style:
@@ -100,8 +112,9 @@ def mixed_sizes(n: int) -> list[float]:
     return [LARGE_GB if i % 4 == 0 else SMALL_GB for i in range(n)]
 
 
-def gateway_config(primary: str, standby: str, admin_key: str, key: str, port: int, mixed: str = "") -> str:
-    extra_nodes = mixed_nodes(mixed) if mixed else ""
+def gateway_config(primary: str, standby: str, admin_key: str, key: str, port: int, mixed: str = "",
+                   llm: tuple[list[str], list[str]] | None = None) -> str:
+    extra_nodes = (mixed_nodes(mixed) if mixed else "") + (llm_nodes(*llm) if llm else "")
     return f"""
 server: {{listen: "127.0.0.1:{port}", heartbeat_sec: 2, shutdown_grace_sec: 3, access_log: false}}
 admin: {{key_sha256: "{hashlib.sha256(admin_key.encode()).hexdigest()}"}}
@@ -123,7 +136,7 @@ routes:
     queue_timeout_sec: 60
     expected_duration_sec: {STEPS * STEP_MS / 1000}
     retry_on_failover: 2
-{mixed_routes() if mixed else ""}
+{mixed_routes() if mixed else ""}{llm_routes() if llm else ""}
 cost: {{gpu_hourly_usd: 0.30, serverless_per_sec_usd: 0.0011}}
 """
 
@@ -142,6 +155,93 @@ def mixed_routes() -> str:
   mixed-fast: {{path: /mixed-fast, nodes: [card-slots], max_concurrency: {FAST_SLOTS}, {common}}}
   mixed-cost: {{path: /mixed, nodes: [card-cost], max_concurrency: 8, {common},
                cost: {{base: 0, per_unit: 1, unit: "json:/vram_gb"}}}}"""
+
+
+def llm_nodes(off: list[str], prefix: list[str]) -> str:
+    """Two sets of three LLM nodes, one per route, so that each starts with empty caches."""
+    lines = [f"""
+  llm-{tag}{i + 1}: {{url: "{url}", label: "LLM #{i + 1} ({label})"}}"""
+             for tag, label, urls in (("off", "affinity off", off), ("pre", "affinity prefix", prefix))
+             for i, url in enumerate(urls)]
+    return "".join(lines)
+
+
+def llm_routes() -> str:
+    common = (f"kind: openai, strip_path: true, max_concurrency: {LLM_SLOTS}, max_queue_depth: 100, "
+              "queue_timeout_sec: 60, retry_on_failover: 0")
+    nodes = {tag: ", ".join(f"llm-{tag}{i + 1}" for i in range(LLM_NODES)) for tag in ("off", "pre")}
+    return f"""
+  chat-off: {{path: /chat-off, nodes: [{nodes["off"]}], {common}}}
+  chat-prefix: {{path: /chat-prefix, nodes: [{nodes["pre"]}], affinity: prefix, {common}}}"""
+
+
+@dataclass
+class ChatTurn:
+    ttft_ms: float
+    cached: int
+    prompt: int
+    ok: bool
+
+
+def chat_words(rng: random.Random, n: int) -> str:
+    return " ".join(rng.choice(CHAT_WORDS) for _ in range(n))
+
+
+async def chat_turn(http: aiohttp.ClientSession, url: str, hdr: dict[str, str],
+                    messages: list[dict[str, str]]) -> tuple[ChatTurn, str]:
+    """One streamed turn: its time to first token, what the node reported cached, the reply."""
+    body = {"model": "fake-llm", "messages": messages, "max_tokens": CHAT_REPLY_TOKENS, "stream": True,
+            "stream_options": {"include_usage": True}}
+    t0 = time.monotonic()
+    ttft, reply = float("nan"), ""
+    timings: dict[str, Any] = {}
+    async with http.post(url, json=body, headers=hdr) as r:
+        async for line in r.content:
+            if not line.startswith(b"data: {"):
+                continue
+            event = json.loads(line[6:])
+            for choice in event.get("choices") or []:
+                piece = (choice.get("delta") or {}).get("content")
+                if piece and not reply:
+                    ttft = (time.monotonic() - t0) * 1000
+                reply += piece or ""
+            timings = event.get("timings") or timings
+        ok = r.status == 200 and bool(timings)
+    cached = int(timings.get("cache_n", 0))
+    return ChatTurn(ttft, cached, cached + int(timings.get("prompt_n", 0)), ok), reply
+
+
+async def chat_user(http: aiohttp.ClientSession, url: str, hdr: dict[str, str], user: int) -> list[ChatTurn]:
+    """One user taking turns in their chats; seeded, so both routes get the very same words and pauses."""
+    rng = random.Random(user)
+    chats = [[{"role": "user", "content": f"Chat {user}.{c}: " + chat_words(rng, 300)}] for c in range(CHATS_EACH)]
+    out: list[ChatTurn] = []
+    for turn in range(CHAT_TURNS):
+        for chat in chats:
+            await asyncio.sleep(rng.uniform(0, 0.05))  # a pause, so that users do not move in lock step
+            if turn:
+                chat.append({"role": "user", "content": chat_words(rng, 20) + "?"})
+            result, reply = await chat_turn(http, url, hdr, chat)
+            chat.append({"role": "assistant", "content": reply})
+            out.append(result)
+    return out
+
+
+async def chat_scene(http: aiohttp.ClientSession, gw: str, hdr: dict[str, str], path: str) -> list[ChatTurn]:
+    users = await asyncio.gather(*[chat_user(http, gw + path, hdr, u) for u in range(CHAT_USERS)])
+    return [t for turns in users for t in turns]
+
+
+def chat_line(turns: list[ChatTurn]) -> tuple[str, float, float]:
+    """(the line to print, TTFT p50 in ms, cached share in %)."""
+    ttfts = sorted(t.ttft_ms for t in turns if t.ok)
+    p50 = statistics.median(ttfts) if ttfts else float("nan")
+    p95 = ttfts[min(len(ttfts) - 1, int(len(ttfts) * 0.95))] if ttfts else float("nan")
+    prompt = sum(t.prompt for t in turns)
+    share = 100 * sum(t.cached for t in turns) / prompt if prompt else 0.0
+    served = sum(t.ok for t in turns)
+    return (f"TTFT p50 {p50:4.0f} ms, p95 {p95:4.0f} ms; cached share {share:3.0f} %; "
+            f"{served}/{len(turns)} served"), p50, share
 
 
 async def mixed_scene(http: aiohttp.ClientSession, gw: str, hdr: dict[str, str], gpu: FakeGPU,
@@ -187,9 +287,12 @@ async def run_demo(once: bool, port: int = 8080, out: TextIO | None = None) -> i
     gpu_a = FakeGPU("generic", vram_gb=24, job_vram_gb=10, steps=STEPS, step_ms=STEP_MS, crash_sec=2)
     gpu_b = FakeGPU("generic", vram_gb=24, job_vram_gb=10, steps=STEPS, step_ms=STEP_MS, crash_sec=2)
     gpu_c = FakeGPU("generic", vram_gb=24, capacity_mode="request", steps=MIXED_STEPS, step_ms=STEP_MS, crash_sec=2)
-    await gpu_a.start()
-    await gpu_b.start()
-    await gpu_c.start()
+    llms = {tag: [FakeGPU("openai", step_ms=LLM_STEP_MS, job_vram_gb=1, prefill_ms_per_1k=PREFILL_MS_PER_1K,
+                          prompt_cache_tokens=LLM_CACHE_TOKENS) for _ in range(LLM_NODES)] for tag in ("off", "pre")}
+    cards = [gpu_a, gpu_b, gpu_c, *llms["off"], *llms["pre"]]
+    for card in cards:
+        await card.start()
+    llm_urls = ([g.url for g in llms["off"]], [g.url for g in llms["pre"]])
     market = await fleet_market()
     admin_key = "kl_" + secrets.token_urlsafe(24)
     key = "kl_" + secrets.token_urlsafe(24)
@@ -211,7 +314,7 @@ async def run_demo(once: bool, port: int = 8080, out: TextIO | None = None) -> i
             await asyncio.sleep(gpu_a.crash_sec + 0.3)
             # 2. through the gateway
             server = await start_gateway(
-                lambda p: with_fleet(gateway_config(gpu_a.url, gpu_b.url, admin_key, key, p, gpu_c.url),
+                lambda p: with_fleet(gateway_config(gpu_a.url, gpu_b.url, admin_key, key, p, gpu_c.url, llm_urls),
                                      market.url), port)
             if port and server.port != port:
                 say(st.yellow(f"   port {port} is taken: the gateway listens on {server.port} instead"))
@@ -273,6 +376,19 @@ async def run_demo(once: bool, port: int = 8080, out: TextIO | None = None) -> i
                     await asyncio.sleep(gpu_c.crash_sec + 1.2)  # the card comes back, its breaker closes
             say(st.dim("   slots count requests; capacity counts what they hold: small images fill the room "
                        "a large one leaves, and no mix overflows the card"))
+            # 5. prefix affinity (6, the fleet, follows)
+            say()
+            say(st.bold(f"5) {CHAT_USERS} users, {CHATS_EACH} chats each, {CHAT_TURNS} turns, on {LLM_NODES} LLM "
+                        f"nodes that cache prompts (a cold prompt costs {PREFILL_MS_PER_1K} ms per 1000 tokens)"))
+            chat_ok = True
+            for label, path in (("affinity: off (least-loaded)", "/chat-off/v1/chat/completions"),
+                                ("affinity: prefix", "/chat-prefix/v1/chat/completions")):
+                turns = await chat_scene(http, gw, hdr, path)
+                line, _, _ = chat_line(turns)
+                chat_ok = chat_ok and all(t.ok for t in turns)
+                say(f"   {label:<30} {st.green(line) if all(t.ok for t in turns) else st.red(line)}")
+            say(st.dim("   with affinity each chat goes back to the node that holds its history: fewer prompts "
+                       "computed again, a shorter wait for the first token"))
             fleet_ok = await fleet_scene(http, say, st, server, market, gw, hdr)
         say()
         say(st.bold("Dashboard: ") + f"{gw}/dashboard")
@@ -282,7 +398,7 @@ async def run_demo(once: bool, port: int = 8080, out: TextIO | None = None) -> i
         if once:
             say(st.dim("--once: the gateway stops here; run `kilolined demo` to keep it up and "
                        "watch the same bursts on its dashboard."))
-            return 0 if s.get("200") == BURST and cost_ok and fleet_ok else 1
+            return 0 if s.get("200") == BURST and cost_ok and chat_ok and fleet_ok else 1
         say(st.dim("Running; Ctrl-C to stop."))
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
@@ -296,9 +412,8 @@ async def run_demo(once: bool, port: int = 8080, out: TextIO | None = None) -> i
     finally:
         if server is not None:
             await server.shutdown()
-        await gpu_a.stop()
-        await gpu_b.stop()
-        await gpu_c.stop()
+        for card in cards:
+            await card.stop()
         await market.stop()
 
 
@@ -349,7 +464,7 @@ async def fleet_scene(http: aiohttp.ClientSession, say: Callable[[str], None], s
     """A pool of 2 rented spot GPUs; one is reclaimed mid-burst; a replacement is rented and
     serves, and nothing is lost. True when all of that held."""
     say("")
-    say(st.bold("5) Self-healing fleet: a pool of 2 rented spot GPUs, one reclaimed mid-burst"))
+    say(st.bold("6) Self-healing fleet: a pool of 2 rented spot GPUs, one reclaimed mid-burst"))
     rt = server.rt
     if not await _until(lambda: len(rt.pool_nodes) == 2, 30):
         say(st.red("   the pool never filled"))

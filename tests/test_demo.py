@@ -46,3 +46,16 @@ def test_demo_once_prints_the_url_and_the_keys(demo_on_a_taken_port) -> None:
     assert re.search(r"^Admin key: kl_[A-Za-z0-9_-]{32}$", proc.stdout, re.M), proc.stdout
     assert re.search(r"^API key:   kl_[A-Za-z0-9_-]{32} ", proc.stdout, re.M), proc.stdout
     assert "--once: the gateway stops here" in proc.stdout
+
+
+def test_demo_shows_conversations_with_affinity_off_and_on(demo_on_a_taken_port) -> None:
+    """Scene 5: the same chats through `affinity: off` and `affinity: prefix`, every turn served,
+    with the TTFT and the cached share the simulated LLM nodes reported, side by side."""
+    _, proc = demo_on_a_taken_port
+    found = dict(re.findall(r"^   affinity: (off|prefix)\b.*?TTFT p50 +\d+ ms, p95 +\d+ ms; cached share +(\d+) %; "
+                            r"(?:\d+)/(?:\d+) served$", proc.stdout, re.M))
+    assert set(found) == {"off", "prefix"}, proc.stdout
+    served = re.findall(r"^   affinity: .*; (\d+)/(\d+) served$", proc.stdout, re.M)
+    assert len(served) == 2 and all(a == b != "0" for a, b in served), served
+    # A chat's later turns find their history on the node: the nodes report it cached.
+    assert int(found["prefix"]) > 0, proc.stdout

@@ -23,7 +23,8 @@ async def test_openai_completion_has_usage(make_gpu: MakeGPU, http: aiohttp.Clie
         body = await r.json()
     assert body["object"] == "chat.completion" and body["choices"][0]["message"]["role"] == "assistant"
     assert body["choices"][0]["finish_reason"] == "length"
-    assert body["usage"] == {"prompt_tokens": 4, "completion_tokens": 5, "total_tokens": 9}
+    assert body["usage"] == {"prompt_tokens": 4, "completion_tokens": 5, "total_tokens": 9,
+                             "prompt_tokens_details": {"cached_tokens": 0}}
     async with http.post(gpu.url + "/v1/chat/completions", json=CHAT) as r:
         assert (await r.json())["usage"]["completion_tokens"] == 3  # no max_tokens: `steps` tokens
     async with http.get(gpu.url + "/v1/models") as r:

@@ -98,6 +98,8 @@ class Card:
         slowdown: float = 1.0,
         slowdown_after_sec: float = 0.0,
         drift_pct_per_hour: float = 0.0,
+        prefill_ms_per_1k: float = 0.0,
+        prompt_cache_tokens: int = 32768,
     ) -> None:
         if not (is_number(vram_gb) and vram_gb > 0 and is_number(job_vram_gb) and job_vram_gb >= 0):
             raise ValueError("vram_gb must be > 0 and job_vram_gb >= 0")
@@ -120,6 +122,9 @@ class Card:
         self.slowdown_after_sec = float(slowdown_after_sec)
         self.drift_pct_per_hour = float(drift_pct_per_hour)
         self._born = time.monotonic()
+        if not (is_number(prefill_ms_per_1k) and prefill_ms_per_1k >= 0
+                and is_int(prompt_cache_tokens) and prompt_cache_tokens >= 0):
+            raise ValueError("prefill_ms_per_1k must be a number >= 0 and prompt_cache_tokens an int >= 0")
         self.kind = kind
         self.capacity_mode = capacity_mode
         self.models = list(models) if models else None  # openai: the model ids it lists (default: one)
@@ -137,6 +142,8 @@ class Card:
         self.api_key = api_key or None  # openai: the key the node requires (llama.cpp --api-key)
         self.ctx_size = ctx_size  # openai: context window in tokens (llama.cpp -c)
         self.progress_min_sec = float(progress_min_sec)  # comfyui: ProgressBar throttle
+        self.prefill_ms_per_1k = float(prefill_ms_per_1k)  # openai: GPU time per 1000 uncached prompt tokens
+        self.prompt_cache_tokens = prompt_cache_tokens  # openai: prompt cache bound, in tokens (0: none)
         self.knobs = Knobs()
         self.started_at = int(time.time())
         self._running: set[Job] = set()

@@ -13,6 +13,13 @@ With `models` it is a multi-model server as llama-swap and Ollama are: it holds 
 them loaded (the first at start), a request for another one waits `swap_ms` before its first byte
 while that model replaces the least recently used, and `GET /running` answers as llama-swap's
 does. A model it does not list is a 404, as Ollama answers.
+
+It caches prompts as llama.cpp does (`prompt_cache.py`): the part of a prompt it has not seen
+costs `prefill_ms_per_1k` of GPU time per 1000 tokens before the first token, and every answer
+reports what was reused as llama-server reports it: `usage.prompt_tokens_details.cached_tokens`
+and a `timings` object (`cache_n`, `prompt_n`, `prompt_ms`, …, `predicted_per_second`) at the top
+level of a completion, on the last chunk of a stream (the usage chunk when there is one, else the
+finish chunk). A crash empties the cache; a swapped-out model loses its entries.
 """
 
 from __future__ import annotations
@@ -28,6 +35,7 @@ from aiohttp import web
 
 from kilolined.fakegpu.base import is_int, read_json, sse_headers
 from kilolined.fakegpu.card import Backend, Card
+from kilolined.fakegpu.prompt_cache import Hit, PromptCache, message_tokens, prompt_tokens
 
 if TYPE_CHECKING:
     from kilolined.fakegpu.base import Job
@@ -73,18 +81,8 @@ def presented_key(request: web.Request) -> str | None:
     return request.headers.get("X-Api-Key")
 
 
-def count_prompt_tokens(messages: list[Any]) -> int:
-    """A word count of every text in the messages: crude, but stable and easy to predict."""
-    words = 0
-    for message in messages:
-        content = message.get("content") if isinstance(message, dict) else None
-        if isinstance(content, str):
-            words += len(content.split())
-        elif isinstance(content, list):
-            for part in content:
-                if isinstance(part, dict) and isinstance(part.get("text"), str):
-                    words += len(part["text"].split())
-    return words
+def reply_text(tokens: int) -> str:
+    return "".join(WORDS[i % len(WORDS)] for i in range(tokens))
 
 
 class OpenAIBackend(Backend):
@@ -96,6 +94,7 @@ class OpenAIBackend(Backend):
         self.swaps = 0
         self.asked: list[str] = []  # the model of each completion, in the order they came (tests read it)
         self._swap_lock = asyncio.Lock()  # one model loads at a time, as on one card
+        self.prompt_cache = PromptCache(gpu.prompt_cache_tokens)
 
     def add_routes(self, app: web.Application) -> None:
         app.router.add_post("/v1/chat/completions", self.chat)
@@ -110,7 +109,11 @@ class OpenAIBackend(Backend):
         return openai_error(status, message)
 
     def extra_stats(self) -> dict[str, Any]:
-        return {"swaps": self.swaps, "warm": list(self.warm)} if self.gpu.models else {"swaps": 0}
+        cache = {"prompt_cache_entries": len(self.prompt_cache), "prompt_cache_tokens": self.prompt_cache.tokens}
+        return {"swaps": self.swaps, "warm": list(self.warm), **cache} if self.gpu.models else {"swaps": 0, **cache}
+
+    async def on_down(self) -> None:
+        self.prompt_cache.forget()  # the KV cache lived in the process that died
 
     async def running(self, request: web.Request) -> web.Response:
         """llama-swap's `GET /running`: every process not stopped, sorted by model id."""
@@ -141,7 +144,10 @@ class OpenAIBackend(Backend):
                 await asyncio.sleep(self.gpu.swap_ms / 1000)
             finally:
                 self.loading.discard(model)
-            self.warm = [*self.warm, model][-self.gpu.warm_models:]
+            loaded = [*self.warm, model]
+            self.warm = loaded[-self.gpu.warm_models:]
+            for unloaded in loaded[:-self.gpu.warm_models]:
+                self.prompt_cache.forget(unloaded)
             self.swaps += 1
             return True
 
@@ -192,9 +198,9 @@ class OpenAIBackend(Backend):
         max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
         if max_tokens is not None and not (is_int(max_tokens) and max_tokens >= 1):
             return openai_error(400, "max_tokens must be an integer >= 1.", "max_tokens")
-        prompt_tokens = count_prompt_tokens(messages)
-        if prompt_tokens >= gpu.ctx_size:  # llama.cpp compares the prompt alone, `>=`
-            return context_exceeded(prompt_tokens, gpu.ctx_size)
+        tokens = prompt_tokens(messages)
+        if len(tokens) >= gpu.ctx_size:  # llama.cpp compares the prompt alone, `>=`
+            return context_exceeded(len(tokens), gpu.ctx_size)
         if gpu.models:
             model = body.get("model")
             if not isinstance(model, str) or model not in gpu.models:
@@ -206,26 +212,50 @@ class OpenAIBackend(Backend):
             id=f"chatcmpl-{uuid.uuid4().hex[:24]}",
             model=body["model"] if isinstance(body.get("model"), str) else MODEL_ID,
             tokens=max_tokens if max_tokens is not None else gpu.steps,
-            prompt_tokens=prompt_tokens,
+            prompt_tokens=len(tokens),
             # Hitting max_tokens is what "length" means; without it the fake stops on its own.
             finish_reason="length" if max_tokens is not None else "stop",
             include_usage=isinstance(stream_options, dict) and stream_options.get("include_usage") is True,
+            prefill_ms_per_1k=gpu.prefill_ms_per_1k,
         )
-        job = gpu.begin_job(KV_GB_PER_TOKEN * (prompt_tokens + (max_tokens if max_tokens is not None else gpu.steps)))
+        job = gpu.begin_job(KV_GB_PER_TOKEN * (len(tokens) + (max_tokens if max_tokens is not None else gpu.steps)))
+        # One model per process unless it swaps: llama-server ignores the request's `model`.
+        cache_model = call.model if gpu.models else MODEL_ID
+        hit = self.prompt_cache.lookup(cache_model, tokens)
+        call.cache_n = hit.cached
         outcome: str | None = None
         try:
+            await self._prefill(job, call)
             if body.get("stream") is True:
                 resp, delivered = await self._stream(request, job, call)
             else:
                 for _ in range(call.tokens):
                     if not await gpu.work(job, gpu.step_ms / 1000):
                         break
+                    call.generated += 1
                 resp = openai_error(500, gpu.oom_message()) if job.failed else web.json_response(call.completion())
                 delivered = await gpu.respond(request, resp)
             outcome = "ok" if delivered else None
             return resp
         finally:
             gpu.end_job(job, outcome)
+            self._keep(cache_model, call, tokens, hit)
+
+    async def _prefill(self, job: Job, call: _Call) -> None:
+        """Spend the GPU time of the prompt's uncached tokens, before the first token."""
+        seconds = call.prompt_ms / 1000
+        if seconds > 0 and not await self.gpu.work(job, seconds):
+            return
+        call.prefilled = True
+        call.gen_started = time.monotonic()
+
+    def _keep(self, model: str, call: _Call, tokens: list[str], hit: Hit) -> None:
+        """What the slot now holds goes to the cache: the prompt and the reply so far, once prefilled."""
+        if not call.prefilled:
+            self.prompt_cache.release(hit)
+            return
+        said = message_tokens("assistant", reply_text(call.generated))
+        self.prompt_cache.save(model, tokens + said, hit)
 
     async def _stream(self, request: web.Request, job: Job, call: _Call) -> tuple[web.StreamResponse, bool]:
         gpu = self.gpu
@@ -242,6 +272,7 @@ class OpenAIBackend(Backend):
             for index in range(call.tokens):
                 if not await gpu.work(job, gpu.step_ms / 1000):
                     break
+                call.generated += 1
                 await gpu.drip()
                 delta = {"content": WORDS[index % len(WORDS)]}
                 if index == 0:
@@ -252,9 +283,12 @@ class OpenAIBackend(Backend):
                 await send({"error": {"message": gpu.oom_message(), "type": "server_error", "param": None,
                                       "code": None}})
             else:
-                await send(call.chunk({}, call.finish_reason))
+                # llama.cpp puts `timings` on the last chunk only: the usage chunk when asked for.
+                timings = {"timings": call.timings()}
+                await send({**call.chunk({}, call.finish_reason), **({} if call.include_usage else timings)})
                 if call.include_usage:
-                    await send({**call.base("chat.completion.chunk"), "choices": [], "usage": call.usage()})
+                    await send({**call.base("chat.completion.chunk"), "choices": [], "usage": call.usage(),
+                                **timings})
             await resp.write(b"data: [DONE]\n\n")
             await resp.write_eof()
         except ConnectionResetError:
@@ -272,14 +306,47 @@ class _Call:
     prompt_tokens: int
     finish_reason: str
     include_usage: bool
+    prefill_ms_per_1k: float = 0.0
+    cache_n: int = 0  # prompt tokens reused from the prompt cache
+    generated: int = 0  # completion tokens made so far
+    prefilled: bool = False
+    gen_started: float = 0.0  # monotonic time the prefill ended
     created: int = field(default_factory=lambda: int(time.time()))
 
     def base(self, obj: str) -> dict[str, Any]:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
 
-    def usage(self) -> dict[str, int]:
+    @property
+    def prompt_n(self) -> int:
+        return self.prompt_tokens - self.cache_n
+
+    @property
+    def prompt_ms(self) -> float:
+        """The modelled prefill time (what the card spends on it, not wall time: it is exact)."""
+        return self.prompt_n * self.prefill_ms_per_1k / 1000
+
+    def usage(self) -> dict[str, Any]:
         return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.tokens,
-                "total_tokens": self.prompt_tokens + self.tokens}
+                "total_tokens": self.prompt_tokens + self.tokens,
+                "prompt_tokens_details": {"cached_tokens": self.cache_n}}
+
+    def timings(self) -> dict[str, float | int]:
+        """llama-server's `timings`, same names and order; decode speeds count `predicted_n - 1`
+        steps as it does (the first token comes with the prompt's last batch)."""
+        prompt_ms = round(self.prompt_ms, 3)
+        predicted_ms = round((time.monotonic() - self.gen_started) * 1000, 3) if self.generated else 0.0
+        steps = max(self.generated - 1, 0)
+        return {
+            "cache_n": self.cache_n,
+            "prompt_n": self.prompt_n,
+            "prompt_ms": prompt_ms,
+            "prompt_per_token_ms": round(prompt_ms / self.prompt_n, 6) if self.prompt_n else 0.0,
+            "prompt_per_second": round(1000 * self.prompt_n / prompt_ms, 3) if prompt_ms > 0 else 0.0,
+            "predicted_n": self.generated,
+            "predicted_ms": predicted_ms,
+            "predicted_per_token_ms": round(predicted_ms / steps, 6) if steps else 0.0,
+            "predicted_per_second": round(1000 * steps / predicted_ms, 3) if steps and predicted_ms > 0 else 0.0,
+        }
 
     def chunk(self, delta: dict[str, Any], finish_reason: str | None) -> dict[str, Any]:
         choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
@@ -289,7 +356,7 @@ class _Call:
         return out
 
     def completion(self) -> dict[str, Any]:
-        text = "".join(WORDS[i % len(WORDS)] for i in range(self.tokens))
-        choice = {"index": 0, "message": {"role": "assistant", "content": text},
+        choice = {"index": 0, "message": {"role": "assistant", "content": reply_text(self.tokens)},
                   "finish_reason": self.finish_reason, "logprobs": None}
-        return {**self.base("chat.completion"), "choices": [choice], "usage": self.usage()}
+        return {**self.base("chat.completion"), "choices": [choice], "usage": self.usage(),
+                "timings": self.timings()}
