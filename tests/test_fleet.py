@@ -244,3 +244,27 @@ async def test_runpod_pool_replaces_a_reclaimed_pod(fakegpus: Any, gateway: Any,
         assert r.status == 200 and r.headers["X-KiloLine-Node"] == next(iter(gw.rt.pool_nodes))
     assert len(fp.instances) == 2 and fp.instances[first.id].status == "destroyed"
     assert events(gw, "fleet_node_lost") == 1
+
+
+async def test_boot_timeout_destroys_backs_off_and_a_later_rent_serves(fakegpus: Any, gateway: Any, market: Any,
+                                                                       http: aiohttp.ClientSession) -> None:
+    fp = await market(boot_sec=600.0)  # the first instance never gets healthy in time
+    static = await fakegpus()
+    p = pool(size=1)
+    p["boot_timeout_sec"] = 2
+    gw = await gateway(fleet_config(static.url, fp, {"p": p}))
+    await wait_until(lambda: len(fp.instances) == 1, timeout=WAIT)
+    slow = next(iter(fp.instances))
+    await wait_until(lambda: events(gw, "fleet_rent_failed") >= 1, timeout=WAIT)
+    async with http.post(f"{fp.url}/_fake/control", json={"boot_sec": 0.2}) as r:
+        assert r.status == 200  # later instances boot fast: the pool must fill after its backoff
+    await wait_until(lambda: len(serving(gw)) == 1, timeout=WAIT)
+    assert fp.instances[slow].status == "destroyed"
+    assert f"p-{slow}" not in gw.rt.pool_nodes
+    async with http.post(gw.url + "/pool/generate", json={}, headers=auth()) as r:
+        assert r.status == 200
+    # Nothing orphaned: every instance the market still bills is a node the gateway routes to.
+    async with http.get(f"{fp.url}/_fake/instances") as r:
+        rows = (await r.json())["instances"]
+    assert {f"p-{i['id']}" for i in rows if i["status"] != "destroyed"} == set(gw.rt.pool_nodes)
+    assert events(gw, "fleet_node_ready") == 1 and gw.rt.fleet_view()["pools"]["p"]["failures"] == 0
