@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import logging
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
@@ -268,3 +269,43 @@ async def test_boot_timeout_destroys_backs_off_and_a_later_rent_serves(fakegpus:
         rows = (await r.json())["instances"]
     assert {f"p-{i['id']}" for i in rows if i["status"] != "destroyed"} == set(gw.rt.pool_nodes)
     assert events(gw, "fleet_node_ready") == 1 and gw.rt.fleet_view()["pools"]["p"]["failures"] == 0
+
+
+async def test_a_shrink_drains_the_node_before_destroying_it(fakegpus: Any, gateway: Any, market: Any,
+                                                             http: aiohttp.ClientSession) -> None:
+    fp = await market()
+    static = await fakegpus()
+    cfg = fleet_config(static.url, fp, {"p": pool(size=2)})
+    cfg["routes"]["pool"]["max_concurrency"] = 4
+    gw = await gateway(copy.deepcopy(cfg))
+    await wait_until(lambda: len(serving(gw)) == 2, timeout=WAIT)
+    done: list[tuple[str, float]] = []  # (the node that answered, when)
+
+    async def long_request() -> None:
+        body = {"steps": 30, "step_ms": 100}  # ~3 s: the shrink lands while it runs
+        async with http.post(gw.url + "/pool/generate", json=body, headers=auth()) as r:
+            await r.read()
+            assert r.status == 200
+            done.append((r.headers["X-KiloLine-Node"], time.time()))
+
+    running = [asyncio.ensure_future(long_request()) for _ in range(4)]
+    inflight = gw.rt.scheduler.node_inflight
+    await wait_until(lambda: all(inflight.get(n, 0) > 0 for n in gw.rt.pool_nodes), timeout=WAIT)
+    started_on = {n: inflight[n] for n in gw.rt.pool_nodes}
+    cfg["fleet"]["pools"]["p"]["size"] = 1
+    gw.write_config(cfg)
+    assert await reload_from_file(gw.rt, "test") == []
+    nodes = gw.rt.scheduler.nodes
+    await wait_until(lambda: gw.rt.fleet_view().get("draining") == 1 or len(gw.rt.pool_nodes) < 2, timeout=WAIT)
+    victim = next(n for n in started_on if n not in gw.rt.pool_nodes or nodes[n].drained)
+    survivor = next(n for n in started_on if n != victim)
+    async with http.post(gw.url + "/pool/generate", json={}, headers=auth()) as r:
+        assert r.status == 200 and r.headers["X-KiloLine-Node"] == survivor  # no new lease on the drained node
+    await asyncio.gather(*running)
+    # Each request finished where it started: the drained node's work was not re-queued.
+    assert {n: sum(1 for d, _ in done if d == n) for n in started_on} == started_on
+    await wait_until(lambda: victim not in gw.rt.pool_nodes and len(live(fp)) == 1, timeout=WAIT)
+    gone = fp.instances[victim.removeprefix("p-")]
+    assert gone.status == "destroyed" and gone.ended_at is not None
+    assert gone.ended_at >= max(t for d, t in done if d == victim)  # destroyed after its work ended
+    assert serving(gw) == [survivor] and events(gw, "fleet_rent_failed") == 0
