@@ -309,3 +309,41 @@ async def test_a_shrink_drains_the_node_before_destroying_it(fakegpus: Any, gate
     assert gone.status == "destroyed" and gone.ended_at is not None
     assert gone.ended_at >= max(t for d, t in done if d == victim)  # destroyed after its work ended
     assert serving(gw) == [survivor] and events(gw, "fleet_rent_failed") == 0
+
+
+async def test_network_loss_and_flapping_rent_and_destroy_nothing(fakegpus: Any, gateway: Any, market: Any,
+                                                                  http: aiohttp.ClientSession) -> None:
+    fp = await market()
+    static = await fakegpus()
+    gw = await gateway(fleet_config(static.url, fp, {"p": pool(size=1)}))
+    await wait_until(lambda: len(serving(gw)) == 1, timeout=WAIT)
+    inst = live(fp)[0]
+    name = f"p-{inst.id}"
+    tracked = gw.server.fleet.instances[f"vast/{inst.id}"]
+    for _ in range(2):  # down twice: a flapping network, the provider saying running each time
+        async with http.post(f"{fp.url}/_fake/partition/{inst.id}") as r:
+            assert r.status == 200
+        await wait_until(lambda: not gw.rt.scheduler.nodes[name].healthy, timeout=WAIT)
+        await wait_until(lambda: tracked.provider_running is True, timeout=WAIT)  # the provider was asked
+        async with http.post(f"{fp.url}/_fake/heal/{inst.id}") as r:
+            assert r.status == 200
+        await wait_until(lambda: serving(gw) == [name], timeout=WAIT)
+    assert len(fp.instances) == 1 and fp.instances[inst.id].status == "running"
+    assert (events(gw, "fleet_node_lost"), events(gw, "fleet_node_rented")) == (0, 1)
+    async with http.post(gw.url + "/pool/generate", json={}, headers=auth()) as r:
+        assert r.status == 200 and r.headers["X-KiloLine-Node"] == name
+
+
+async def test_a_429_retry_after_is_waited_out(fakegpus: Any, gateway: Any, market: Any,
+                                               http: aiohttp.ClientSession) -> None:
+    fp = await market()
+    static = await fakegpus()
+    async with http.post(f"{fp.url}/_fake/fail", json={"status": 429, "count": 1, "retry_after": 120,
+                                                       "op": "search"}) as r:
+        assert r.status == 200
+    gw = await gateway(fleet_config(static.url, fp, {"p": pool(size=1)}))
+    await wait_until(lambda: events(gw, "fleet_rent_failed") == 1, timeout=WAIT)
+    view = gw.rt.fleet_view()["pools"]["p"]
+    # backoff_base_sec is 0.2 s: only the provider's Retry-After explains a wait this long
+    assert view["failures"] == 1 and view["retry_in_sec"] > 60
+    assert not fp.instances and events(gw, "fleet_node_rented") == 0
