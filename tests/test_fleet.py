@@ -299,6 +299,8 @@ async def test_a_shrink_drains_the_node_before_destroying_it(fakegpus: Any, gate
     await wait_until(lambda: gw.rt.fleet_view().get("draining") == 1 or len(gw.rt.pool_nodes) < 2, timeout=WAIT)
     victim = next(n for n in started_on if n not in gw.rt.pool_nodes or nodes[n].drained)
     survivor = next(n for n in started_on if n != victim)
+    phases = {i["node"]: i["phase"] for i in gw.rt.fleet_view()["instances"]}
+    assert phases == {victim: "draining", survivor: "serving"}
     async with http.post(gw.url + "/pool/generate", json={}, headers=auth()) as r:
         assert r.status == 200 and r.headers["X-KiloLine-Node"] == survivor  # no new lease on the drained node
     await asyncio.gather(*running)

@@ -500,6 +500,9 @@ class Fleet:
         instances = [{"node": node_name(t.pool, t.instance_id), "pool": t.pool, "provider": t.provider,
                       "instance_id": t.instance_id, "phase": t.phase, "price_per_hour": t.price}
                      for t in self.instances.values()]
+        instances += [{"node": node_name(t.pool, t.instance_id), "pool": t.pool, "provider": t.provider,
+                       "instance_id": t.instance_id, "phase": "draining", "price_per_hour": t.price}
+                      for t, _ in self.draining.values()]
         return {"pools": pools, "instances": instances,
                 "spend_per_hour": round(spend(self.instances) + self._held(), 4),
                 "max_spend_per_hour": self._cap(), "destroying": len(self.doomed), "draining": len(self.draining)}
