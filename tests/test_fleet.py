@@ -190,7 +190,9 @@ async def test_provider_down_backs_off_alerts_and_static_nodes_serve(fakegpus: A
     await tg.stop()
 
 
-async def test_spend_cap_is_never_passed(fakegpus: Any, gateway: Any, market: Any) -> None:
+async def test_spend_cap_is_never_passed(fakegpus: Any, gateway: Any, market: Any,
+                                        caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO)
     fp = await market()
     static = await fakegpus()
     # Bids on the fitting 4090s are 0.25-0.28 $/h: after the first (0.25) a cap of 0.5 leaves 0.25,
@@ -200,6 +202,7 @@ async def test_spend_cap_is_never_passed(fakegpus: Any, gateway: Any, market: An
     assert fp.spend_per_hour() <= 0.5
     assert gw.rt.fleet_view()["spend_per_hour"] <= 0.5
     assert len(live(fp)) < 3
+    assert "what max_spend_per_hour 0.5 leaves" in caplog.text  # the alert names the cap
 
 
 async def test_reload_resizes_and_a_removed_pool_destroys_only_its_own(fakegpus: Any, gateway: Any,

@@ -455,7 +455,7 @@ class Fleet:
                     offers = await prov.search(pcfg.offer, last, a.max_price)
                     offer = choose_offer(offers, pcfg.offer, last, a.max_price)
                 if offer is None:
-                    raise ProviderError("no_offer", f"no offer fits (≤ ${a.max_price:.3f}/h, "
+                    raise ProviderError("no_offer", f"no offer fits (≤ ${a.max_price:.3f}/h{self._capped(pcfg, a)}, "
                                         f"{len(offers)} offered)")
                 iid = await prov.create(offer, pcfg.offer, pcfg.template, label_of(a.pool))
             except ProviderError as e:
@@ -469,6 +469,13 @@ class Fleet:
         finally:
             ps.renting = False
             self._wake.set()
+
+    def _capped(self, pcfg: FleetPoolConfig, a: Rent) -> str:
+        """Say so when the price limit is what max_spend_per_hour leaves, not the pool's max_dph:
+        the operator must know the cap, not the market, kept the pool short."""
+        if a.max_price >= pcfg.offer.max_dph:
+            return ""
+        return f": what max_spend_per_hour {self._cap():g} leaves"
 
     def _failed(self, pool: str, why: str, now: float, retry_after: float | None = None) -> None:
         pcfg = self._pool(pool)
