@@ -23,6 +23,7 @@ import argparse
 import asyncio
 import hashlib
 import json
+import os
 import statistics
 import sys
 import time
@@ -189,6 +190,8 @@ async def run(rounds: int, boot_sec: float, interval: float, restart: bool) -> d
         "requests": len(load.answers), "requests_lost": lost,
         "instances_created": created, "duplicate_instances": created - SIZE - rounds + max(0, watch.max_live - SIZE),
         "max_live_at_once": watch.max_live, "spend_peak_per_hour": round(watch.max_spend, 4), "cap_per_hour": CAP,
+        # the box's 1-minute load average as the run ends: timings on a shared box depend on it
+        "load_avg_1m": round(os.getloadavg()[0], 2),
     }
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import logging
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
@@ -189,7 +190,9 @@ async def test_provider_down_backs_off_alerts_and_static_nodes_serve(fakegpus: A
     await tg.stop()
 
 
-async def test_spend_cap_is_never_passed(fakegpus: Any, gateway: Any, market: Any) -> None:
+async def test_spend_cap_is_never_passed(fakegpus: Any, gateway: Any, market: Any,
+                                        caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO)
     fp = await market()
     static = await fakegpus()
     # Bids on the fitting 4090s are 0.25-0.28 $/h: after the first (0.25) a cap of 0.5 leaves 0.25,
@@ -199,6 +202,7 @@ async def test_spend_cap_is_never_passed(fakegpus: Any, gateway: Any, market: An
     assert fp.spend_per_hour() <= 0.5
     assert gw.rt.fleet_view()["spend_per_hour"] <= 0.5
     assert len(live(fp)) < 3
+    assert "what max_spend_per_hour 0.5 leaves" in caplog.text  # the alert names the cap
 
 
 async def test_reload_resizes_and_a_removed_pool_destroys_only_its_own(fakegpus: Any, gateway: Any,
@@ -244,3 +248,107 @@ async def test_runpod_pool_replaces_a_reclaimed_pod(fakegpus: Any, gateway: Any,
         assert r.status == 200 and r.headers["X-KiloLine-Node"] == next(iter(gw.rt.pool_nodes))
     assert len(fp.instances) == 2 and fp.instances[first.id].status == "destroyed"
     assert events(gw, "fleet_node_lost") == 1
+
+
+async def test_boot_timeout_destroys_backs_off_and_a_later_rent_serves(fakegpus: Any, gateway: Any, market: Any,
+                                                                       http: aiohttp.ClientSession) -> None:
+    fp = await market(boot_sec=600.0)  # the first instance never gets healthy in time
+    static = await fakegpus()
+    p = pool(size=1)
+    p["boot_timeout_sec"] = 2
+    gw = await gateway(fleet_config(static.url, fp, {"p": p}))
+    await wait_until(lambda: len(fp.instances) == 1, timeout=WAIT)
+    slow = next(iter(fp.instances))
+    await wait_until(lambda: events(gw, "fleet_rent_failed") >= 1, timeout=WAIT)
+    async with http.post(f"{fp.url}/_fake/control", json={"boot_sec": 0.2}) as r:
+        assert r.status == 200  # later instances boot fast: the pool must fill after its backoff
+    await wait_until(lambda: len(serving(gw)) == 1, timeout=WAIT)
+    assert fp.instances[slow].status == "destroyed"
+    assert f"p-{slow}" not in gw.rt.pool_nodes
+    async with http.post(gw.url + "/pool/generate", json={}, headers=auth()) as r:
+        assert r.status == 200
+    # Nothing orphaned: every instance the market still bills is a node the gateway routes to.
+    async with http.get(f"{fp.url}/_fake/instances") as r:
+        rows = (await r.json())["instances"]
+    assert {f"p-{i['id']}" for i in rows if i["status"] != "destroyed"} == set(gw.rt.pool_nodes)
+    assert events(gw, "fleet_node_ready") == 1 and gw.rt.fleet_view()["pools"]["p"]["failures"] == 0
+
+
+async def test_a_shrink_drains_the_node_before_destroying_it(fakegpus: Any, gateway: Any, market: Any,
+                                                             http: aiohttp.ClientSession) -> None:
+    fp = await market()
+    static = await fakegpus()
+    cfg = fleet_config(static.url, fp, {"p": pool(size=2)})
+    cfg["routes"]["pool"]["max_concurrency"] = 4
+    gw = await gateway(copy.deepcopy(cfg))
+    await wait_until(lambda: len(serving(gw)) == 2, timeout=WAIT)
+    done: list[tuple[str, float]] = []  # (the node that answered, when)
+
+    async def long_request() -> None:
+        body = {"steps": 30, "step_ms": 100}  # ~3 s: the shrink lands while it runs
+        async with http.post(gw.url + "/pool/generate", json=body, headers=auth()) as r:
+            await r.read()
+            assert r.status == 200
+            done.append((r.headers["X-KiloLine-Node"], time.time()))
+
+    running = [asyncio.ensure_future(long_request()) for _ in range(4)]
+    inflight = gw.rt.scheduler.node_inflight
+    await wait_until(lambda: all(inflight.get(n, 0) > 0 for n in gw.rt.pool_nodes), timeout=WAIT)
+    started_on = {n: inflight[n] for n in gw.rt.pool_nodes}
+    cfg["fleet"]["pools"]["p"]["size"] = 1
+    gw.write_config(cfg)
+    assert await reload_from_file(gw.rt, "test") == []
+    nodes = gw.rt.scheduler.nodes
+    await wait_until(lambda: gw.rt.fleet_view().get("draining") == 1 or len(gw.rt.pool_nodes) < 2, timeout=WAIT)
+    victim = next(n for n in started_on if n not in gw.rt.pool_nodes or nodes[n].drained)
+    survivor = next(n for n in started_on if n != victim)
+    phases = {i["node"]: i["phase"] for i in gw.rt.fleet_view()["instances"]}
+    assert phases == {victim: "draining", survivor: "serving"}
+    async with http.post(gw.url + "/pool/generate", json={}, headers=auth()) as r:
+        assert r.status == 200 and r.headers["X-KiloLine-Node"] == survivor  # no new lease on the drained node
+    await asyncio.gather(*running)
+    # Each request finished where it started: the drained node's work was not re-queued.
+    assert {n: sum(1 for d, _ in done if d == n) for n in started_on} == started_on
+    await wait_until(lambda: victim not in gw.rt.pool_nodes and len(live(fp)) == 1, timeout=WAIT)
+    gone = fp.instances[victim.removeprefix("p-")]
+    assert gone.status == "destroyed" and gone.ended_at is not None
+    assert gone.ended_at >= max(t for d, t in done if d == victim)  # destroyed after its work ended
+    assert serving(gw) == [survivor] and events(gw, "fleet_rent_failed") == 0
+
+
+async def test_network_loss_and_flapping_rent_and_destroy_nothing(fakegpus: Any, gateway: Any, market: Any,
+                                                                  http: aiohttp.ClientSession) -> None:
+    fp = await market()
+    static = await fakegpus()
+    gw = await gateway(fleet_config(static.url, fp, {"p": pool(size=1)}))
+    await wait_until(lambda: len(serving(gw)) == 1, timeout=WAIT)
+    inst = live(fp)[0]
+    name = f"p-{inst.id}"
+    tracked = gw.server.fleet.instances[f"vast/{inst.id}"]
+    for _ in range(2):  # down twice: a flapping network, the provider saying running each time
+        async with http.post(f"{fp.url}/_fake/partition/{inst.id}") as r:
+            assert r.status == 200
+        await wait_until(lambda: not gw.rt.scheduler.nodes[name].healthy, timeout=WAIT)
+        await wait_until(lambda: tracked.provider_running is True, timeout=WAIT)  # the provider was asked
+        async with http.post(f"{fp.url}/_fake/heal/{inst.id}") as r:
+            assert r.status == 200
+        await wait_until(lambda: serving(gw) == [name], timeout=WAIT)
+    assert len(fp.instances) == 1 and fp.instances[inst.id].status == "running"
+    assert (events(gw, "fleet_node_lost"), events(gw, "fleet_node_rented")) == (0, 1)
+    async with http.post(gw.url + "/pool/generate", json={}, headers=auth()) as r:
+        assert r.status == 200 and r.headers["X-KiloLine-Node"] == name
+
+
+async def test_a_429_retry_after_is_waited_out(fakegpus: Any, gateway: Any, market: Any,
+                                               http: aiohttp.ClientSession) -> None:
+    fp = await market()
+    static = await fakegpus()
+    async with http.post(f"{fp.url}/_fake/fail", json={"status": 429, "count": 1, "retry_after": 120,
+                                                       "op": "search"}) as r:
+        assert r.status == 200
+    gw = await gateway(fleet_config(static.url, fp, {"p": pool(size=1)}))
+    await wait_until(lambda: events(gw, "fleet_rent_failed") == 1, timeout=WAIT)
+    view = gw.rt.fleet_view()["pools"]["p"]
+    # backoff_base_sec is 0.2 s: only the provider's Retry-After explains a wait this long
+    assert view["failures"] == 1 and view["retry_in_sec"] > 60
+    assert not fp.instances and events(gw, "fleet_node_rented") == 0

@@ -68,6 +68,8 @@ class Fleet:
         self.listed: set[str] = set()  # providers whose own instances were listed since start
         self.instances: dict[str, Tracked] = {}
         self.doomed: dict[str, Tracked] = {}  # destroy asked, not yet confirmed (still paid)
+        #: serving nodes let go by a shrink: no new leases, destroyed once idle or at the deadline
+        self.draining: dict[str, tuple[Tracked, float]] = {}
         self.pools: dict[str, PoolRuntime] = {}
         self._last_reconcile = -RECONCILE_SEC
         self._task: asyncio.Task[None] | None = None
@@ -197,11 +199,12 @@ class Fleet:
         now = self.rt.clock()
         await self._list_providers(now)
         await self._retry_doomed()
+        await self._finish_drains(now)
         await self._observe()
-        actions = decide(self._specs(), self.pools, self._managed(), self._cap(), now, spend(self.doomed))
+        actions = decide(self._specs(), self.pools, self._managed(), self._cap(), now, self._held())
         if any(isinstance(a, AskStatus) for a in actions):
             await asyncio.gather(*(self._ask(a.id) for a in actions if isinstance(a, AskStatus)))
-            actions = decide(self._specs(), self.pools, self._managed(), self._cap(), now, spend(self.doomed))
+            actions = decide(self._specs(), self.pools, self._managed(), self._cap(), now, self._held())
         for a in actions:
             if isinstance(a, Destroy):
                 await self._destroy(a)
@@ -213,6 +216,10 @@ class Fleet:
             elif isinstance(a, Rent) and not self.doomed:  # a destroy not confirmed: its price is still paid
                 self.pools.setdefault(a.pool, PoolRuntime()).renting = True
                 self.rt.spawn(self._rent(a))
+
+    def _held(self) -> float:
+        """$/hour still paid for instances no longer counted in their pool: draining or destroying."""
+        return spend(self.doomed) + sum(t.price for t, _ in self.draining.values())
 
     def _cap(self) -> float:
         return self.cfg.max_spend_per_hour if self.cfg else 0.0
@@ -263,7 +270,8 @@ class Fleet:
         return min(ports) if ports else 0
 
     def _take_back(self, provider: str, found: list[Instance], now: float) -> None:
-        known = {(t.provider, t.instance_id) for t in [*self.instances.values(), *self.doomed.values()]}
+        held = [*self.instances.values(), *self.doomed.values(), *(t for t, _ in self.draining.values())]
+        known = {(t.provider, t.instance_id) for t in held}
         for inst in found:
             pool = pool_of(inst.label)
             if pool is None or (provider, inst.id) in known:
@@ -349,8 +357,10 @@ class Fleet:
         if t is None:
             return
         name = node_name(t.pool, t.instance_id)
-        self.rt.set_pool_node(name, None)  # no new work; what ran there is re-queued as from any lost node
         now = self.rt.clock()
+        if a.reason == "surplus" and self._drain(t, name, now):
+            return
+        self.rt.set_pool_node(name, None)  # no new work; what ran there is re-queued as from any lost node
         ps = self.pools.setdefault(t.pool, PoolRuntime())
         if a.reason == "reclaimed":
             remember_lost(ps, t.machine)
@@ -364,6 +374,39 @@ class Fleet:
             log.info("[fleet] destroying %s (%s)", name, "pool removed" if a.reason == "pool_removed" else "over size")
         self.doomed[a.id] = t
         await self._destroy_now(t)
+
+    def _drain(self, t: Tracked, name: str, now: float) -> bool:
+        """A serving node its pool no longer needs finishes what it runs before it is destroyed
+        (a shrink should not re-queue work): drained like a static node, it gets no new lease."""
+        ns = self.rt.scheduler.nodes.get(name)
+        if t.phase != "serving" or name not in self.rt.pool_nodes or ns is None:
+            return False
+        ns.drained = True
+        if self.rt.node_sync is not None:
+            self.rt.node_sync.changed(ns)  # cluster mode: drained on every gateway
+        self.draining[t.id] = (t, now + self._drain_timeout(t.pool))
+        log.info("[fleet] draining %s (over size): destroyed once its %d running request(s) end", name,
+                 self.rt.scheduler.node_inflight.get(name, 0))
+        self.rt.wake()
+        return True
+
+    def _drain_timeout(self, pool: str) -> float:
+        """The longest request_timeout_sec of the pool's routes: no request it runs lasts longer."""
+        pcfg = self._pool(pool)
+        routes = self.rt.cfg.routes
+        return max((routes[r].request_timeout_sec for r in (pcfg.routes if pcfg else ()) if r in routes),
+                   default=600.0)
+
+    async def _finish_drains(self, now: float) -> None:
+        for key, (t, deadline) in list(self.draining.items()):
+            name = node_name(t.pool, t.instance_id)
+            if self.rt.scheduler.node_inflight.get(name, 0) > 0 and now < deadline and name in self.rt.pool_nodes:
+                continue
+            del self.draining[key]
+            self.rt.set_pool_node(name, None)  # past the deadline, what still runs is re-queued
+            log.info("[fleet] destroying %s (drained)", name)
+            self.doomed[key] = t
+            await self._destroy_now(t)
 
     async def _destroy_now(self, t: Tracked) -> None:
         prov = self.providers.get(t.provider)
@@ -412,7 +455,7 @@ class Fleet:
                     offers = await prov.search(pcfg.offer, last, a.max_price)
                     offer = choose_offer(offers, pcfg.offer, last, a.max_price)
                 if offer is None:
-                    raise ProviderError("no_offer", f"no offer fits (≤ ${a.max_price:.3f}/h, "
+                    raise ProviderError("no_offer", f"no offer fits (≤ ${a.max_price:.3f}/h{self._capped(pcfg, a)}, "
                                         f"{len(offers)} offered)")
                 iid = await prov.create(offer, pcfg.offer, pcfg.template, label_of(a.pool))
             except ProviderError as e:
@@ -426,6 +469,13 @@ class Fleet:
         finally:
             ps.renting = False
             self._wake.set()
+
+    def _capped(self, pcfg: FleetPoolConfig, a: Rent) -> str:
+        """Say so when the price limit is what max_spend_per_hour leaves, not the pool's max_dph:
+        the operator must know the cap, not the market, kept the pool short."""
+        if a.max_price >= pcfg.offer.max_dph:
+            return ""
+        return f": what max_spend_per_hour {self._cap():g} leaves"
 
     def _failed(self, pool: str, why: str, now: float, retry_after: float | None = None) -> None:
         pcfg = self._pool(pool)
@@ -457,6 +507,9 @@ class Fleet:
         instances = [{"node": node_name(t.pool, t.instance_id), "pool": t.pool, "provider": t.provider,
                       "instance_id": t.instance_id, "phase": t.phase, "price_per_hour": t.price}
                      for t in self.instances.values()]
+        instances += [{"node": node_name(t.pool, t.instance_id), "pool": t.pool, "provider": t.provider,
+                       "instance_id": t.instance_id, "phase": "draining", "price_per_hour": t.price}
+                      for t, _ in self.draining.values()]
         return {"pools": pools, "instances": instances,
-                "spend_per_hour": round(spend(self.instances) + spend(self.doomed), 4),
-                "max_spend_per_hour": self._cap(), "destroying": len(self.doomed)}
+                "spend_per_hour": round(spend(self.instances) + self._held(), 4),
+                "max_spend_per_hour": self._cap(), "destroying": len(self.doomed), "draining": len(self.draining)}
