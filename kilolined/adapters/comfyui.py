@@ -36,6 +36,7 @@ from kilolined.outcome import Cancelled, Failure, Result
 from kilolined.proxy import RETRY_STATUSES, Exchange, Upstream, UpstreamFailed, node_lost
 from kilolined.queue import Lease, Rejected
 from kilolined.runtime import Runtime
+from kilolined.speed import MS_STEP, Sample
 from kilolined.upstream import STALLED
 from kilolined.wsproxy import connect_node_ws
 
@@ -299,7 +300,8 @@ class ComfyUIAdapter(Adapter):
         body = _json_object(ex.body)
         if body is None:
             raise Failure("bad_request", "body must be a JSON object (ComfyUI API prompt)", 400)
-        done = await scope.acquire(self._attempt(rt, ex, body, scope, sink))
+        progress = Progress(body.get("prompt"))
+        done = await scope.acquire(self._attempt(rt, ex, body, scope, sink, progress))
         if not isinstance(done, Finished):
             # Out of retries and the node said 502/503/504: its answer is the job's (failed) result.
             up = done
@@ -316,6 +318,10 @@ class ComfyUIAdapter(Adapter):
         scope.done_with_node()
         await done.sub.ws.close()
         _check_status(done.entry)
+        steps = progress.steps_ran()
+        if steps > 0:
+            # Speed per sampler step: prompts of different step counts compare (speed.py).
+            scope.samples = [Sample(MS_STEP, (rt.clock() - scope.dispatched_at) * 1000 / steps)]
         result, files = annotate_files(done.entry, lease.node, sink.file_url)
         scope.ok = True
         # /result serves the same view as output_ready.result: the URLs are how clients get files.
@@ -369,12 +375,11 @@ class ComfyUIAdapter(Adapter):
         scope.done_with_node()
 
     def _attempt(self, rt: Runtime, ex: Exchange, body: dict[str, Any], scope: LeaseScope,
-                 sink: Sink) -> Callable[[Lease], Awaitable[Finished]]:
+                 sink: Sink, progress: Progress) -> Callable[[Lease], Awaitable[Finished]]:
         """Submit and follow the prompt to its end, all inside the lease scope's retry loop: a node
         lost before any output re-queues the prompt like a node that never answered."""
-        progress = Progress(body.get("prompt"))
-
         async def attempt(lease: Lease) -> Finished:
+            progress.attempt()
             sub = await self._submit(rt, lease, ex, body, scope)
             state = comfy_state(rt)
             state.owners(lease.route).add(sub.prompt_id, scope.ticket.key, lease.node)
