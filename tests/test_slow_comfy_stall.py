@@ -57,11 +57,12 @@ async def test_a_prompt_that_stalls_is_interrupted_and_requeued(fakegpus: Any, g
 
 async def test_a_prompt_that_keeps_moving_is_no_stall(fakegpus: Any, gateway: Any,
                                                        http: aiohttp.ClientSession) -> None:
-    # 12 steps of 100 ms: the prompt runs well past stall_sec, but a frame comes every step.
+    # 25 steps of 100 ms: the prompt runs well past stall_sec, but a frame comes every step
+    # (stall_sec is 10 steps, room for a loaded box).
     fake = await fakegpus("comfyui", step_ms=100)
     cfg = base_config({"c": fake.url}, kind="comfyui", max_concurrency=1)
-    cfg["nodes"]["c"].update(slow={"stall_sec": 0.5}, breaker=BREAKER)
+    cfg["nodes"]["c"].update(slow={"stall_sec": 1.0}, breaker=BREAKER)
     gw = await gateway(cfg)
-    events = await sse_job(http, gw.url + "/gen/prompt", {"prompt": graph(12)})
+    events = await sse_job(http, gw.url + "/gen/prompt", {"prompt": graph(25)})
     assert not of(events, "rerouted") and of(events, "output_ready")[0]["http_status"] == 200
     assert gw.rt.scheduler.nodes["c"].breaker == "closed" and fake.stats["interrupts"] == 0
