@@ -7,9 +7,9 @@ stalled) and when it may be tried again live here, what that means for its slots
 ``nodes.NodeState.slowed`` and ``queue.Scheduler``.
 
 Speed is time per unit of work, so requests of different sizes compare: an LLM answer in ms per
-generated token (and ms per uncached prompt token), a ComfyUI prompt in ms per cost unit, any
-other request in ms per request. Every unit is in ms so that ``min_gap_ms`` reads the same for
-all.
+generated token (and ms per uncached prompt token), a ComfyUI prompt in ms per sampler step
+(when its progress frames gave steps) or per cost unit, any other request in ms per request.
+Every unit is in ms so that ``min_gap_ms`` reads the same for all.
 
 The level of one (node, route, model, unit) series is a peak-EWMA over ``samples`` requests: a
 sample above the level pulls it up at twice the EWMA's weight, a faster one lets it decay at the

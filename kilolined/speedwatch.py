@@ -19,6 +19,7 @@ from kilolined.cluster.nodes import NodeSync
 from kilolined.nodes import NodeState
 from kilolined.queue import Scheduler
 from kilolined.speed import HARD, MS_REQUEST, MS_UNIT, SLOW, Sample, SpeedBook, Verdict, ejectable
+from kilolined.upstream import STALLED
 
 log = logging.getLogger("kilolined")
 
@@ -123,7 +124,8 @@ class SpeedWatch:
         now = self.rt.clock()
         self.book.eject_period(node, now, ns.breaker_cfg.open_sec, ns.breaker_cfg.max_open_sec)
         ns.last_error = reason
-        self.rt.node_events(ns, ["node_slow"], {"node_slow": f"🐢 {_who(ns)} stalled: {reason} — breaker open"})
+        what = reason.removeprefix(STALLED + ": ")  # the reason says "stalled: …" for the scope's verdict
+        self.rt.node_events(ns, ["node_slow"], {"node_slow": f"🐢 {_who(ns)} stalled: {what} — breaker open"})
         self.rt.node_events(ns, ns.trip(now), {"breaker_open": (
             f"⚡ {_who(ns)} breaker OPEN after a stall, retry in {ns.open_period:g}s")})
 

@@ -203,6 +203,18 @@ class UpstreamResponse:
             finally:
                 self._waiter = None
 
+    async def ready(self) -> None:
+        """Wait for the body's first piece without taking it, at most ``idle_sec`` (Stalled):
+        a streamed answer that stalls before its first byte can still be re-queued."""
+        while not self._chunks and self._error is None and not self._eof:
+            self._waiter = self._loop.create_future()
+            try:
+                await asyncio.wait_for(asyncio.shield(self._waiter), self.idle_sec)
+            except TimeoutError:
+                raise Stalled(f"{STALLED}: no byte from the node for {self.idle_sec:g}s") from None
+            finally:
+                self._waiter = None
+
     # aiohttp's ``resp.content.readany()`` spelling: the next piece of body, b"" at its end. A
     # relay loop on it has no async-generator layer per chunk (iter_any's).
     readany = _next

@@ -16,7 +16,7 @@ from kilolined.lease import LeaseScope, Sink
 from kilolined.proxy import RETRY_STATUSES, Exchange, Observer, UpstreamFailed, open_upstream
 from kilolined.queue import Lease
 from kilolined.runtime import Runtime
-from kilolined.upstream import UpstreamResponse
+from kilolined.upstream import Stalled, UpstreamResponse
 
 log = logging.getLogger("kilolined")
 
@@ -78,6 +78,12 @@ class HttpAttempt:
             slow = target.node.slow
             if slow is not None and "text/event-stream" in up.headers.get("Content-Type", ""):
                 up.idle_sec = slow.stall_sec  # a stream silent this long is a stall
+                try:
+                    # Silent before its first byte: nothing reached the client, so re-queue it.
+                    await up.ready()
+                except Stalled as e:
+                    up.release()
+                    raise UpstreamFailed(str(e), answered=True) from None
         return up
 
 

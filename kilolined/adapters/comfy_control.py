@@ -63,6 +63,9 @@ class ComfyState:
         self.rt = rt
         self.monitors = Monitors(rt.spawn)
         self.routes: dict[str, PromptOwners] = {}
+        #: loop time of the last frame any of our prompt sockets got from each node: a prompt
+        #: waiting in the node's own queue behind another of ours is not stalled while that one moves
+        self.activity: dict[str, float] = {}
 
     def owners(self, route: str) -> PromptOwners:
         got = self.routes.get(route)

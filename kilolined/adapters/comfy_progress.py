@@ -20,13 +20,14 @@ def _num(v: Any) -> TypeGuard[float]:
 
 
 class Progress:
-    __slots__ = ("_done", "_last", "_order", "_weight")
+    __slots__ = ("_done", "_last", "_order", "_ran", "_weight")
 
     def __init__(self, graph: Any):
         self._weight: dict[str, float] = {}
         self._done: dict[str, float] = {}
         self._order: list[str] = []  # nodes in the order they started
         self._last: tuple[float, float, int] | None = None  # (step, total, pct) last reported
+        self._ran: dict[str, float] = {}  # per node, the highest step it reported in this attempt
         for nid, node in (graph.items() if isinstance(graph, dict) else ()):
             inputs = node.get("inputs") if isinstance(node, dict) else None
             steps = inputs.get("steps") if isinstance(inputs, dict) else None
@@ -57,6 +58,7 @@ class Progress:
         self.started(nid)
         self._weight[nid] = float(maximum)
         self._done[nid] = float(min(value, maximum))
+        self._ran[nid] = max(self._ran.get(nid, 0.0), float(min(value, maximum)))
 
     def state(self, nodes: Any) -> None:
         """A ``progress_state`` frame: every node of the prompt seen so far, with its state."""
@@ -80,6 +82,16 @@ class Progress:
         w = self._weight.get(nid)
         if w is not None:
             self._done[nid] = w
+
+    # --- what the node did (its speed) ---------------------------------------------------------
+    def attempt(self) -> None:
+        """A new attempt on a node: the steps another node ran do not count for this one."""
+        self._ran.clear()
+
+    def steps_ran(self) -> float:
+        """Sampler steps the node reported running in this attempt (``progress`` frames): the
+        unit of work its speed is measured in (cached nodes ran none)."""
+        return sum(self._ran.values())
 
     # --- what the job reports -------------------------------------------------------------
     def report(self) -> tuple[int | float, int | float] | None:

@@ -36,6 +36,8 @@ from kilolined.outcome import Cancelled, Failure, Result
 from kilolined.proxy import RETRY_STATUSES, Exchange, Upstream, UpstreamFailed, node_lost
 from kilolined.queue import Lease, Rejected
 from kilolined.runtime import Runtime
+from kilolined.speed import MS_STEP, Sample
+from kilolined.upstream import STALLED
 from kilolined.wsproxy import connect_node_ws
 
 log = logging.getLogger("kilolined")
@@ -75,6 +77,14 @@ def _json_object(raw: bytes) -> dict[str, Any] | None:
     except orjson.JSONDecodeError:
         return None
     return data if isinstance(data, dict) else None
+
+
+class PromptStalled(Exception):
+    """No frame from the node for ``stall_sec`` while our prompt ran on it (docs/CONFIG.md "Slow nodes")."""
+
+    def __init__(self, reason: str):
+        super().__init__(reason)
+        self.reason = reason
 
 
 class PromptLost(Exception):
@@ -243,6 +253,7 @@ class Submitted:
     number: float | None  # the queue number the POST answered: which history entry is this run's
     deadline: float  # loop time; request_timeout_sec from the attempt's start
     timeout: float
+    stall_sec: float | None = None  # the node's slow.stall_sec: this long without a frame is a stall
     output_seen: bool = False  # an output node ran: the prompt cannot be re-run elsewhere for free
 
 
@@ -250,6 +261,14 @@ class Submitted:
 class Finished:
     sub: Submitted
     entry: dict[str, Any]
+
+
+def _quiet_left(activity: dict[str, float] | None, node: str, stall: float | None, now: float) -> float | None:
+    """How much longer the node may stay silent before it is a stall (None: never; 0.001: now)."""
+    if stall is None or activity is None:
+        return None
+    # never 0: aiohttp reads a receive timeout of 0 as "no timeout"
+    return max(0.001, activity.get(node, now) + stall - now)
 
 
 def _prompt_number(data: dict[str, Any] | None) -> float | None:
@@ -281,7 +300,8 @@ class ComfyUIAdapter(Adapter):
         body = _json_object(ex.body)
         if body is None:
             raise Failure("bad_request", "body must be a JSON object (ComfyUI API prompt)", 400)
-        done = await scope.acquire(self._attempt(rt, ex, body, scope, sink))
+        progress = Progress(body.get("prompt"))
+        done = await scope.acquire(self._attempt(rt, ex, body, scope, sink, progress))
         if not isinstance(done, Finished):
             # Out of retries and the node said 502/503/504: its answer is the job's (failed) result.
             up = done
@@ -298,6 +318,10 @@ class ComfyUIAdapter(Adapter):
         scope.done_with_node()
         await done.sub.ws.close()
         _check_status(done.entry)
+        steps = progress.steps_ran()
+        if steps > 0:
+            # Speed per sampler step: prompts of different step counts compare (speed.py).
+            scope.samples = [Sample(MS_STEP, (rt.clock() - scope.dispatched_at) * 1000 / steps)]
         result, files = annotate_files(done.entry, lease.node, sink.file_url)
         scope.ok = True
         # /result serves the same view as output_ready.result: the URLs are how clients get files.
@@ -351,12 +375,11 @@ class ComfyUIAdapter(Adapter):
         scope.done_with_node()
 
     def _attempt(self, rt: Runtime, ex: Exchange, body: dict[str, Any], scope: LeaseScope,
-                 sink: Sink) -> Callable[[Lease], Awaitable[Finished]]:
+                 sink: Sink, progress: Progress) -> Callable[[Lease], Awaitable[Finished]]:
         """Submit and follow the prompt to its end, all inside the lease scope's retry loop: a node
         lost before any output re-queues the prompt like a node that never answered."""
-        progress = Progress(body.get("prompt"))
-
         async def attempt(lease: Lease) -> Finished:
+            progress.attempt()
             sub = await self._submit(rt, lease, ex, body, scope)
             state = comfy_state(rt)
             state.owners(lease.route).add(sub.prompt_id, scope.ticket.key, lease.node)
@@ -365,9 +388,11 @@ class ComfyUIAdapter(Adapter):
             scope.on_abort(lambda: self._stop(sub, sink))
             try:
                 async with asyncio.timeout_at(sub.deadline):
-                    await self._watch(sink, sub, progress)
+                    await self._watch(sink, sub, progress, activity=state.activity, node=lease.node)
                     entry = await wait_history(sub.node, sub.prompt_id, sub.number, POLL_SEC,
                                                state.monitor(lease.node), look_first=True)
+            except PromptStalled as e:
+                await self._stalled(scope, sub, sink, e.reason)
             except TimeoutError:
                 raise Failure.upstream(f"node {lease.node} did not finish within {sub.timeout:g}s", True) from None
             except (NodeError, PromptLost) as e:
@@ -383,6 +408,20 @@ class ComfyUIAdapter(Adapter):
             return Finished(sub, entry)
 
         return attempt
+
+    async def _stalled(self, scope: LeaseScope, sub: Submitted, sink: Sink, reason: str) -> None:
+        """The node stopped moving on our prompt: interrupt it, then re-queue the request (the
+        client has seen only gateway events, no byte of the answer) unless an output node already
+        ran there. The scope's failure verdict on the reason (``stalled: …``) opens the breaker."""
+        lease = scope.lease
+        assert lease is not None
+        log.warning("🐢 [%s] %s", lease.node, reason)
+        if sub.output_seen:
+            scope.node_failed(reason, mid_body=True)
+            raise Failure.mid_response(lease.node, f"{reason} (after its first output)")
+        scope.done_with_node()
+        await _shielded(scope.rt, self._stop(sub, sink))  # the GPU must be free before the slot is
+        raise UpstreamFailed(reason, answered=True)
 
     async def _submit(self, rt: Runtime, lease: Lease, ex: Exchange, body: dict[str, Any],
                       scope: LeaseScope) -> Submitted:
@@ -400,7 +439,9 @@ class ComfyUIAdapter(Adapter):
         except BaseException:
             await ws.close()
             raise
-        return Submitted(node, ws, client_id, prompt_id, number, deadline, timeout)
+        slow = lease.target.node.slow
+        return Submitted(node, ws, client_id, prompt_id, number, deadline, timeout,
+                         slow.stall_sec if slow is not None else None)
 
     async def _post(self, scope: LeaseScope, ex: Exchange, body: dict[str, Any], node: NodeAPI,
                     client_id: str, timeout: float) -> tuple[str, float | None]:
@@ -457,19 +498,35 @@ class ComfyUIAdapter(Adapter):
             raise Failure.upstream("node accepted the prompt without a prompt_id", False)
         return prompt_id, _prompt_number(data)
 
-    async def _watch(self, sink: Sink, sub: Submitted, progress: Progress | None, draining: bool = False) -> None:
+    async def _watch(self, sink: Sink, sub: Submitted, progress: Progress | None, draining: bool = False,
+                     activity: dict[str, float] | None = None, node: str = "") -> None:
         """Follow our prompt on the socket until it is finished, or until the socket drops.
 
         Raises Failure on execution_error and Cancelled on execution_interrupted (unless
-        draining after our own interrupt, where either just means "stopped").
+        draining after our own interrupt, where either just means "stopped"). With ``activity``
+        (the loop time of the node's last frame on any of our sockets) and the node's ``stall_sec``, raises
+        PromptStalled when the node sent nothing for that long.
         """
         ws, pid = sub.ws, sub.prompt_id
+        stall = sub.stall_sec if activity is not None and not draining else None
+        loop = asyncio.get_running_loop()
+        if activity is not None:
+            activity[node] = loop.time()  # submitted: the node is given stall_sec from now
         success = False
         while True:
+            wait = SUCCESS_GRACE_SEC if success else _quiet_left(activity, node, stall, loop.time())
             try:
-                msg = await ws.receive(timeout=SUCCESS_GRACE_SEC if success else None)
+                msg = await ws.receive(timeout=wait)
             except TimeoutError:
-                return  # success seen but no final `executing`: history will tell
+                if success:
+                    return  # success seen but no final `executing`: history will tell
+                left = _quiet_left(activity, node, stall, loop.time())
+                if left is not None and left <= 0.001:
+                    raise PromptStalled(f"{STALLED}: no progress from the node for {stall:g}s "
+                                        "while the prompt ran") from None
+                continue  # another of our prompts on this node moved meanwhile
+            if activity is not None:
+                activity[node] = loop.time()
             if msg.type == aiohttp.WSMsgType.BINARY:
                 continue  # previews carry no prompt id; nothing for us
             if msg.type != aiohttp.WSMsgType.TEXT:
