@@ -172,8 +172,8 @@ class LeaseScope:
     """
 
     __slots__ = ("_aborts", "_armed", "_deadline", "_due", "_hold", "_rerouted", "_revoked", "_target", "_task",
-                 "dispatched_at", "key", "lease", "listener", "ok", "rt", "samples", "size", "started", "state",
-                 "ticket", "writing")
+                 "dispatched_at", "handed_over", "key", "lease", "listener", "ok", "rt", "samples", "size",
+                 "started", "state", "ticket", "writing")
 
     def __init__(self, rt: Runtime, ticket: Ticket, listener: Sink, key: str | None):
         self.rt, self.ticket, self.listener, self.key = rt, ticket, listener, key
@@ -192,6 +192,8 @@ class LeaseScope:
         self.writing = False
         #: set once a response head went to the client (a failure after it cuts the connection)
         self.started = False
+        #: set when this scope's release handed its slot straight to a waiting request
+        self.handed_over = False
         self._aborts: list[Callable[[], Coroutine[Any, Any, Any]]] = []
         self._deadline: float | None = None  # the current lease's expiry (loop time)
         self._due: float | None = None  # when the armed expiry fires: past _deadline by the attempt's grace
@@ -546,7 +548,7 @@ class LeaseScope:
             rt.limits.add(self.key, time.time(), gpu_seconds=held)
         # A freed slot changes no node state, hence no route mode: dispatching is all there is to
         # do (node events and the pump call wake() for the rest).
-        rt.leases.dispatch(now)
+        self.handed_over = bool(rt.leases.dispatch(now))
 
 
 async def _bounded(coro: Coroutine[Any, Any, Any]) -> None:

@@ -9,6 +9,8 @@ request ended is counted once, here.
 
 from __future__ import annotations
 
+import asyncio
+
 from aiohttp import web
 
 from kilolined.adapters.base import Adapter
@@ -35,6 +37,10 @@ async def run(rt: Runtime, ticket: Ticket, ex: Exchange, adapter: Adapter, sink:
             raise
         if not scope.exit_now(None):
             await scope.exit(None, None)
+        elif scope.handed_over:
+            # The slot went to a waiting request: let it reach the node first (one loop turn), and
+            # do this request's tail (writing its answer, logs, metrics) while the node works.
+            await asyncio.sleep(0)
         outcome = sink.outcome
         return sink.response
     except Failure as f:

@@ -101,6 +101,77 @@ def serve_node(port: int, step_ms: float) -> int:
     return 0
 
 
+# --------------------------------------------------------------------------- the gap's parts
+
+# The gateway run through a wrapper (--trace-gap) that stamps, with time.monotonic() (one clock
+# for every process on the box, like the node's timeline), each step of the hand-over from one
+# job to the next: the node's answer complete at the gateway, the slot released, the next
+# waiter resumed with its lease, its request written to the node socket. Written at exit.
+GAP_WRAPPER = """
+import atexit, json, os, sys, time
+from kilolined import lease, upstream
+stamps = {"complete": [], "release": [], "resumed": [], "sent": []}
+mono = time.monotonic
+def wrap(cls, name, key):
+    orig = getattr(cls, name)
+    def f(self, *a, **k):
+        if key != "complete" or (self.status and not self._eof):
+            stamps[key].append(mono())
+        return orig(self, *a, **k)
+    setattr(cls, name, f)
+wrap(upstream.UpstreamResponse, "on_message_complete", "complete")
+wrap(lease.LeaseScope, "_release", "release")
+wrap(lease.LeaseScope, "_got", "resumed")
+wrap(upstream._Conn, "send", "sent")
+def dump():
+    with open(os.environ["KL_GAP_OUT"], "w") as fh:
+        json.dump(stamps, fh)
+atexit.register(dump)
+from kilolined.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def start_traced_gateway(procs: bl.Procs, cfg: dict[str, Any], cpu: int | None) -> Any:
+    path = procs.workdir / "gateway.yaml"
+    bl.write_yaml(path, cfg)
+    wrapper = procs.workdir / "gapwrap.py"
+    wrapper.write_text(GAP_WRAPPER)
+    env = {**os.environ, "KL_GAP_OUT": str(procs.workdir / "gapstamps.json")}
+    proc = procs.start([bl.PYTHON, str(wrapper), "--log-format", "text", "run", "-c", str(path)], "gateway",
+                       cpu=cpu, env=env)
+    bl.wait_port(int(cfg["server"]["listen"].rsplit(":", 1)[1]), proc=proc)
+    return proc
+
+
+def _next_after(src: list[float], dst: list[float]) -> list[float]:
+    """For each stamp in ``src``, ms to the first stamp in ``dst`` at or after it."""
+    import bisect
+
+    dst = sorted(dst)
+    out = []
+    for t in sorted(src):
+        i = bisect.bisect_left(dst, t)
+        if i < len(dst):
+            out.append((dst[i] - t) * 1000)
+    return out
+
+
+def gap_parts(stamps: dict[str, list[float]], timeline: list[list[float]]) -> dict[str, float | None]:
+    """p50 (ms) of each step of the hand-over: node end → answer complete at the gateway →
+    slot released → next waiter resumed → its request written → the node's handler starts."""
+    starts = [s for s, _ in timeline]
+    ends = [e for _, e in timeline]
+    parts = {
+        "node end → answer at gateway": _next_after(ends, stamps["complete"]),
+        "answer → slot released": _next_after(stamps["complete"], stamps["release"]),
+        "released → next waiter resumed": _next_after(stamps["release"], stamps["resumed"]),
+        "resumed → request written": _next_after(stamps["resumed"], stamps["sent"]),
+        "written → node handler starts": _next_after(stamps["sent"], starts),
+    }
+    return {k: bl.percentile(v, 50) if v else None for k, v in parts.items()}
+
+
 # --------------------------------------------------------------------------- measurements
 
 
@@ -139,8 +210,13 @@ async def rss_median(pid: int, n: int = 3) -> float:
     return statistics.median(samples)
 
 
+def ideal_drain_sec(n: int, step_ms: float, slots: int = 2) -> float:
+    """The drain with no gap at all: every slot busy back to back from the gate opening on."""
+    return -(-n // slots) * step_ms / 1000
+
+
 async def run_burst(target: str, url: str, n: int, proxy_pid: int, node_url: str, waiting_count: Any,
-                    timeout: float) -> dict[str, Any]:
+                    timeout: float, step_ms: float) -> dict[str, Any]:
     import aiohttp
 
     out: dict[str, Any] = {"target": target, "clients": n}
@@ -194,12 +270,15 @@ async def run_burst(target: str, url: str, n: int, proxy_pid: int, node_url: str
         await post(ctl, node_url + "/_fake/gate", {"open": True})
         _, pending = await asyncio.wait(tasks, timeout=timeout)
         out["drain_sec"] = time.monotonic() - t_open
+        out["ideal_sec"] = ideal_drain_sec(n, step_ms)
+        out["ratio_vs_ideal"] = out["drain_sec"] / out["ideal_sec"]
         out["proxy_cpu_ms_per_req"] = (bl.cpu_seconds(proxy_pid) - cpu0) * 1000 / max(1, n)
         out["unfinished"] = len(pending)
         async with ctl.get(node_url + "/_fake/stats") as r:
             out["node"] = await r.json()
         async with ctl.get(node_url + "/_fake/timeline") as r:
             timeline = await r.json()
+        out["_timeline"] = timeline
         gaps = dispatch_gaps(timeline)
         out["gap_ms"] = {"n": len(gaps), "p50": bl.percentile(gaps, 50), "p99": bl.percentile(gaps, 99),
                          "max": max(gaps) if gaps else None}
@@ -229,6 +308,8 @@ def main(argv: list[str] | None = None) -> int:
                                                              "listens (implies --gc-stats)")
     ap.add_argument("--gc-no-freeze", action="store_true", help="experiment: make the daemon's own gc.freeze() "
                                                                 "a no-op (implies --gc-stats)")
+    ap.add_argument("--trace-gap", action="store_true", help="run the gateway through a wrapper that stamps "
+                                                             "each step of the hand-over and print the parts")
     ap.add_argument("--json")
     ap.add_argument("--serve-node", type=int, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -260,9 +341,12 @@ def main(argv: list[str] | None = None) -> int:
                 routes = {"gen": {"path": "/gen", "nodes": ["gpu"], "max_concurrency": 2,
                                   "max_queue_depth": n + 100, "queue_timeout_sec": args.timeout,
                                   "request_timeout_sec": args.timeout}}
-                proc, _ = bl.start_gateway(procs, bl.gateway_config(port, {"gpu": node_url}, routes), cpu=proxy_cpu,
-                                           gc_trace=args.gc_stats, gc_freeze=args.gc_freeze,
-                                           gc_no_freeze=args.gc_no_freeze)
+                cfg = bl.gateway_config(port, {"gpu": node_url}, routes)
+                if args.trace_gap:
+                    proc = start_traced_gateway(procs, cfg, proxy_cpu)
+                else:
+                    proc, _ = bl.start_gateway(procs, cfg, cpu=proxy_cpu, gc_trace=args.gc_stats,
+                                               gc_freeze=args.gc_freeze, gc_no_freeze=args.gc_no_freeze)
                 url = f"http://127.0.0.1:{port}/gen/generate"
 
                 async def waiting_count(ctl: Any, port: int = port) -> int:
@@ -290,10 +374,14 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"unknown target {target}")
                 continue
             print(f"## {target}: bursting {n} clients …", flush=True)
-            res = bl_run(run_burst(target, url, n, proc.pid, node_url, waiting_count, args.timeout))
+            res = bl_run(run_burst(target, url, n, proc.pid, node_url, waiting_count, args.timeout, args.step_ms))
             results.append(res)
-            print(f"   {json.dumps(res)}", flush=True)
+            timeline = res.pop("_timeline", [])
             procs.stop(proc)
+            if target == "gateway" and args.trace_gap:
+                with contextlib.suppress(OSError, ValueError):
+                    res["gap_parts_p50_ms"] = gap_parts(json.loads((wd / "gapstamps.json").read_text()), timeline)
+            print(f"   {json.dumps(res)}", flush=True)
             if target == "gateway" and (args.gc_stats or args.gc_freeze or args.gc_no_freeze):
                 res["gc"] = bl.gc_stats((wd / "gateway.log").read_text(errors="replace"))
             time.sleep(1.0)
@@ -306,11 +394,15 @@ def main(argv: list[str] | None = None) -> int:
         rows.append([r["target"], n, served, ", ".join(f"{k}: {v}" for k, v in other.items()) or "none",
                      r["node"]["max_concurrent"], r["waiting"], r["rss_idle_kb"] / 1024, r["rss_waiting_kb"] / 1024,
                      r["kb_per_waiting"], r["gap_ms"]["p50"], r["gap_ms"]["p99"], r["gap_ms"]["max"], r["drain_sec"],
-                     r["proxy_cpu_ms_per_req"]])
+                     r["ratio_vs_ideal"], r["proxy_cpu_ms_per_req"]])
     table = bl.print_table(["target", "clients", "served 200", "other outcomes", "node max conc", "waiting seen",
                             "RSS idle MB", "RSS all waiting MB", "KB / waiting", "gap p50 ms", "gap p99 ms",
-                            "gap max ms", "drain s", "proxy CPU ms/req"], rows, nd=2)
+                            "gap max ms", "drain s", "× ideal", "proxy CPU ms/req"], rows, nd=2)
     gw = next((r for r in results if r["target"] == "gateway"), None)
+    if gw is not None and gw.get("gap_parts_p50_ms"):
+        print("\n## Where the gateway's dispatch gap goes (p50 of each step, ms)")
+        for k, v in gw["gap_parts_p50_ms"].items():
+            print(f"  {k:34s} {v:.3f}" if v is not None else f"  {k:34s} -")
     if gw is not None and gw.get("gc"):
         how = " (wrapper: gc.freeze() after start)" if args.gc_freeze else \
             " (wrapper: the daemon's gc.freeze() disabled)" if args.gc_no_freeze else ""
