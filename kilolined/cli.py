@@ -13,15 +13,15 @@ from typing import Any
 import orjson
 
 from kilolined import __version__, fakegpu
-from kilolined.auth import digest, new_key
 from kilolined.cluster.persistence import warnings as redis_persistence_warnings
-from kilolined.config import ConfigError, ServerConfig, default_config_path, load_config
+from kilolined.core.auth import digest, new_key
+from kilolined.core.config import ConfigError, ServerConfig, default_config_path, load_config
 from kilolined.demo import run_demo
+from kilolined.edge.server import serve
 from kilolined.fakegpu.provider import Wire, run_provider
 from kilolined.fakegpu.provider_runpod import RunPodWire
 from kilolined.fakegpu.provider_vastai import VastWire
-from kilolined.probe import probe_all, slot_warnings
-from kilolined.server import serve
+from kilolined.ops.probe import probe_all, slot_warnings
 from kilolined.status import config_url, run_status, url_for_listen
 
 FAKE_PROVIDER_PORT = 8790

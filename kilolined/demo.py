@@ -29,11 +29,11 @@ from typing import Any, TextIO
 
 import aiohttp
 
-from kilolined.config import parse_config
+from kilolined.core.config import parse_config
+from kilolined.edge.server import Server
 from kilolined.fakegpu import FakeGPU
 from kilolined.fakegpu.provider import FakeProvider
 from kilolined.fakegpu.provider_vastai import VastWire
-from kilolined.server import Server
 
 BURST = 10
 STEPS, STEP_MS = 8, 100  # 0.8 s per image

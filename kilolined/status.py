@@ -11,7 +11,7 @@ from typing import Any
 import aiohttp
 import yaml
 
-from kilolined.config import ConfigError, ServerConfig, expand_env, split_listen
+from kilolined.core.config import ConfigError, ServerConfig, expand_env, split_listen
 
 
 def table(headers: list[str], rows: list[list[str]]) -> str:

@@ -50,9 +50,9 @@ import aiohttp
 import benchlib as bl
 import yaml
 
-from kilolined.config import ConfigError, parse_config
+from kilolined.core.config import ConfigError, parse_config
+from kilolined.edge.server import Server
 from kilolined.fakegpu import FakeGPU
-from kilolined.server import Server
 
 KEY = "kl_bench_affinity_key_000000000000000"
 NODES = 3

@@ -109,7 +109,8 @@ def serve_node(port: int, step_ms: float) -> int:
 # waiter resumed with its lease, its request written to the node socket. Written at exit.
 GAP_WRAPPER = """
 import atexit, json, os, sys, time
-from kilolined import lease, upstream
+from kilolined.scheduling import lease
+from kilolined.wire import upstream
 stamps = {"complete": [], "release": [], "resumed": [], "sent": []}
 mono = time.monotonic
 def wrap(cls, name, key):

@@ -37,9 +37,9 @@ import aiohttp
 import benchlib as bl
 import yaml
 
-from kilolined.config import parse_config
+from kilolined.core.config import parse_config
+from kilolined.edge.server import Server
 from kilolined.fakegpu import FakeGPU
-from kilolined.server import Server
 
 VRAM_GB, LARGE_GB, SMALL_GB = 24.0, 12.0, 3.0
 SMALL_STEPS = 4

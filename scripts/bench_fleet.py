@@ -32,10 +32,10 @@ from typing import Any
 import aiohttp
 import yaml
 
-from kilolined.config import parse_config
+from kilolined.core.config import parse_config
+from kilolined.edge.server import Server
 from kilolined.fakegpu.provider import FakeProvider, Offer
 from kilolined.fakegpu.provider_vastai import VastWire
-from kilolined.server import Server
 
 KEY = "kl_bench_fleet_key_00000000000000000"
 API_KEY = "bench-vast-key"

@@ -7,7 +7,7 @@ route does, run (under callgrind) by ``bench_callgrind.py`` with the same client
 - ``aiohttp-app``:    aiohttp ``web.Application`` answering itself (one route, body read, JSON 200);
 - ``aiohttp-server``: aiohttp's low-level ``web.Server`` answering itself;
 - ``aiohttp-proxy``:  a minimal ``web.Application`` handler that forwards the request to the node
-  with the gateway's own upstream client (kilolined/upstream.py) and returns its answer;
+  with the gateway's own upstream client (kilolined/wire/upstream.py) and returns its answer;
 - ``uvloop-proxy``:   a bare uvloop ``asyncio.Protocol`` parsing with httptools, forwarding over one
   kept-alive node connection per client connection: no framework at all.
 
@@ -30,7 +30,7 @@ import httptools
 import uvloop
 from aiohttp import web
 
-from kilolined.upstream import NodePool
+from kilolined.wire.upstream import NodePool
 
 ANSWER = b'{"ok": true}'
 KINDS = ("aiohttp-app", "aiohttp-server", "aiohttp-proxy", "uvloop-proxy")

@@ -32,9 +32,9 @@ import aiohttp
 import benchlib as bl
 import yaml
 
-from kilolined.config import parse_config
+from kilolined.core.config import parse_config
+from kilolined.edge.server import Server
 from kilolined.fakegpu import FakeGPU
-from kilolined.server import Server
 
 KEY = "kl_bench_routes_key_0000000000000000"
 SLOTS = 4

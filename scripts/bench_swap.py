@@ -37,9 +37,9 @@ import aiohttp
 import benchlib as bl
 import yaml
 
-from kilolined.config import parse_config
+from kilolined.core.config import parse_config
+from kilolined.edge.server import Server
 from kilolined.fakegpu import FakeGPU
-from kilolined.server import Server
 
 KEY = "kl_bench_swap_key_00000000000000000000"
 MODELS = ["m1", "m2", "m3", "m4"]

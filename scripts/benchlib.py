@@ -284,7 +284,7 @@ gc.callbacks.append(cb)
 if os.environ.get("KL_GC_NO_FREEZE"):
     gc.freeze = lambda: None  # neutralise the daemon's own gc.freeze() after start, for an A/B
 if os.environ.get("KL_GC_FREEZE"):
-    import kilolined.server as srv
+    import kilolined.edge.server as srv
     _start = srv.Server.start
     async def start(self):
         await _start(self)
@@ -690,13 +690,14 @@ PROFILE_GROUPS = (
                                                       "aiohttp/web_response", "aiohttp/web_app")),
     ("aiohttp http writer (both directions)", ("aiohttp/http_writer", "aiohttp/payload")),
     ("aiohttp router", ("web_urldispatcher",)),
-    ("kiloline budgets (Budgets.add/_roll/utc_day)", ("kilolined/limits.py",)),
+    ("kiloline budgets (Budgets.add/_roll/utc_day)", ("kilolined/scheduling/limits.py",)),
     ("prometheus_client (labels/inc/observe)", ("prometheus_client/",)),
-    ("kiloline scheduler (queue.py)", ("kilolined/queue.py",)),
-    ("kiloline auth (sha256 lookup)", ("kilolined/auth.py",)),
-    ("kiloline runtime (admit/wake/release)", ("kilolined/runtime.py",)),
-    ("kiloline proxy headers (proxy.py)", ("kilolined/proxy.py",)),
-    ("kiloline nodes/stats/app glue", ("kilolined/nodes.py", "kilolined/stats.py", "kilolined/app.py",
+    ("kiloline scheduler (queue.py)", ("kilolined/scheduling/queue.py",)),
+    ("kiloline auth (sha256 lookup)", ("kilolined/core/auth.py",)),
+    ("kiloline runtime (admit/wake/release)", ("kilolined/ops/runtime.py",)),
+    ("kiloline proxy headers (proxy.py)", ("kilolined/wire/proxy.py",)),
+    ("kiloline nodes/stats/app glue", ("kilolined/scheduling/nodes.py", "kilolined/ops/stats.py",
+                                       "kilolined/edge/app.py",
                                        "kilolined/forward.py")),
     ("uuid4 request ids", ("uuid.py",)),
     ("logging", ("logging/",)),

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Check kilolined against a REAL ComfyUI and a REAL llama.cpp `llama-server`, on loopback.
 
-Starts a kilolined gateway in this process (kilolined.server.Server, port picked by the OS) with
+Starts a kilolined gateway in this process (kilolined.edge.server.Server, port picked by the OS) with
 routes of kind `comfyui` and `openai` over the given servers, drives it the way real clients do
 (sync POST /prompt, sse jobs, the `openai` SDK) and reads the servers' own state (ComfyUI's
 /queue and /history, llama.cpp's answers) to see what really reached them. Prints one table:
@@ -50,8 +50,8 @@ import openai
 import yaml
 from aiohttp import web
 
-from kilolined.config import parse_config
-from kilolined.server import Server
+from kilolined.core.config import parse_config
+from kilolined.edge.server import Server
 
 KEYS = {"alice": "kl_alice_real_check_key_0000000000000", "bob": "kl_bob_real_check_key_00000000000000000",
         "carol": "kl_carol_real_check_key_000000000000000"}

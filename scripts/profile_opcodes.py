@@ -58,7 +58,7 @@ runpy.run_path(sys.argv[0], run_name="__main__")
 
 
 def short(filename: str) -> str:
-    """kilolined/app.py, aiohttp/web_protocol.py, asyncio/tasks.py: the package-relative path."""
+    """kilolined/edge/app.py, aiohttp/web_protocol.py, asyncio/tasks.py: the package-relative path."""
     parts = Path(filename).parts
     for anchor in ("kilolined", "site-packages"):
         if anchor in parts:

@@ -13,9 +13,9 @@ import aiohttp
 import pytest
 import yaml
 
-from kilolined.config import parse_config
+from kilolined.core.config import parse_config
+from kilolined.edge.server import Server
 from kilolined.fakegpu import FakeGPU
-from kilolined.server import Server
 
 ADMIN_KEY = "kl_admin_test_key_000000000000000"
 KEYS = {"alice": "kl_alice_key_0000000000000000000000", "bob": "kl_bob_key_00000000000000000000000000",

@@ -1,4 +1,4 @@
-"""kilolined.affinity and the affinity decision in queue.Scheduler: pure logic (SPEC §13)."""
+"""kilolined.scheduling.affinity and the affinity decision in queue.Scheduler: pure logic (SPEC §13)."""
 
 from __future__ import annotations
 
@@ -9,12 +9,20 @@ import orjson
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kilolined import affinity as aff
 from kilolined.adapters.openai import StreamParser
-from kilolined.affinity import MAX_INDEXED_BYTES, Affinity, PrefixIndex, canonical, chain, prefix_affinity, seed
-from kilolined.config import NodeConfig, RouteConfig
-from kilolined.nodes import NodeState
-from kilolined.queue import LEASED, RouteQueue, Scheduler, Ticket
+from kilolined.core.config import NodeConfig, RouteConfig
+from kilolined.scheduling import affinity as aff
+from kilolined.scheduling.affinity import (
+    MAX_INDEXED_BYTES,
+    Affinity,
+    PrefixIndex,
+    canonical,
+    chain,
+    prefix_affinity,
+    seed,
+)
+from kilolined.scheduling.nodes import NodeState
+from kilolined.scheduling.queue import LEASED, RouteQueue, Scheduler, Ticket
 
 # --- the canonical text and the keys ---------------------------------------------------------------
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from aiohttp import web
 
-from kilolined.config import parse_config
+from kilolined.core.config import parse_config
 
 ROOT = Path(__file__).resolve().parents[1]
 ENV = {k: v for k, v in os.environ.items() if k not in ("KILOLINE_CONFIG", "KILOLINE_ADMIN_KEY")}

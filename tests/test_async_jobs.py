@@ -18,7 +18,7 @@ from conftest import ADMIN, auth, base_config, wait_until
 from fakes import FakeWebhookReceiver, verify_standard_webhook
 from test_sse_jobs import SSEReader, job_status, node_answer, read_all, submit_async, token_of, wait_status
 
-from kilolined.config import ConfigError, parse_config
+from kilolined.core.config import ConfigError, parse_config
 
 SECRET = "whsec_" + base64.b64encode(bytes(range(100, 132))).decode()
 OTHER_SECRET = "whsec_" + base64.b64encode(bytes(range(32))).decode()

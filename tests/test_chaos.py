@@ -17,9 +17,9 @@ from pathlib import Path
 
 import yaml
 
-from kilolined.config import parse_config
+from kilolined.core.config import parse_config
+from kilolined.edge.server import Server
 from kilolined.fakegpu import FakeGPU
-from kilolined.server import Server
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from conftest import auth, base_config
 
-from kilolined.reload import reload_from_file
+from kilolined.ops.reload import reload_from_file
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -35,9 +35,9 @@ from kilolined.cluster.nodes import NodeSync
 from kilolined.cluster.nodestate import apply, changed_groups, export, snapshot
 from kilolined.cluster.persistence import persistence
 from kilolined.cluster.view import ClusterView
-from kilolined.config import BreakerConfig, ClusterConfig, HealthConfig, NodeConfig
+from kilolined.core.config import BreakerConfig, ClusterConfig, HealthConfig, NodeConfig
 from kilolined.fakegpu import FakeGPU
-from kilolined.nodes import CLOSED, HALF_OPEN, OPEN, NodeState
+from kilolined.scheduling.nodes import CLOSED, HALF_OPEN, OPEN, NodeState
 
 __all__ = ["gateways", "redis_server"]  # fixtures
 ROOT = Path(__file__).resolve().parents[1]

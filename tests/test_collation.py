@@ -1,4 +1,4 @@
-"""Multi-model nodes as pure logic (kilolined.queue, kilolined.models): which nodes may take a
+"""Multi-model nodes as pure logic (kilolined.scheduling.queue, kilolined.scheduling.models): which nodes may take a
 model, warm affinity, collation bounded by max_swap_bypass and queue_timeout_sec / 4, what
 counts as a swap. Driven with a hand-made clock (docs/CONFIG.md#multi-model-nodes)."""
 
@@ -11,10 +11,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kilolined.config import NodeConfig, RequestCostConfig, RouteConfig
-from kilolined.models import ModelState, model_ids, running_models
-from kilolined.nodes import NodeState
-from kilolined.queue import EPS, LEASED, WAITING, Lease, Rejected, RouteQueue, Scheduler, Ticket
+from kilolined.core.config import NodeConfig, RequestCostConfig, RouteConfig
+from kilolined.scheduling.models import ModelState, model_ids, running_models
+from kilolined.scheduling.nodes import NodeState
+from kilolined.scheduling.queue import EPS, LEASED, WAITING, Lease, Rejected, RouteQueue, Scheduler, Ticket
 
 MODELS = ["a", "b", "c", "d"]
 

@@ -13,8 +13,8 @@ import pytest
 from aiohttp import web
 from conftest import auth, base_config, wait_until
 
-from kilolined import app as app_module
-from kilolined.wsproxy import proxy_websocket
+from kilolined.edge import app as app_module
+from kilolined.wire.wsproxy import proxy_websocket
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 SSE = {**auth(), "X-KiloLine-Mode": "sse"}
@@ -415,7 +415,7 @@ async def test_ws_proxy_unreachable_node_is_an_http_error(http: aiohttp.ClientSe
 
     @web.middleware
     async def as_502(request: web.Request, handler: Any) -> web.StreamResponse:
-        from kilolined.proxy import UpstreamFailed
+        from kilolined.wire.proxy import UpstreamFailed
 
         try:
             return await handler(request)

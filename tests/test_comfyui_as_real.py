@@ -18,7 +18,7 @@ from test_comfyui import read_sse
 
 from kilolined.adapters.comfy_control import PromptOwners, action_of
 from kilolined.adapters.comfy_progress import Progress
-from kilolined.reload import reload_from_file
+from kilolined.ops.reload import reload_from_file
 
 SSE = {**auth(), "X-KiloLine-Mode": "sse"}
 

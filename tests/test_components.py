@@ -7,8 +7,8 @@ import hashlib
 import pytest
 import yaml
 
-from kilolined.config import Config, parse_config
-from kilolined.runtime import Component, ConfigRefused, Runtime
+from kilolined.core.config import Config, parse_config
+from kilolined.ops.runtime import Component, ConfigRefused, Runtime
 
 
 def cfg(slots: int) -> Config:

@@ -1,4 +1,4 @@
-"""kilolined.config: the example file, defaults, ${VAR} expansion and dotted-path errors (SPEC §2)."""
+"""kilolined.core.config: the example file, defaults, ${VAR} expansion and dotted-path errors (SPEC §2)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import yaml
 
-from kilolined.config import ConfigError, load_config, parse_config, split_listen
+from kilolined.core.config import ConfigError, load_config, parse_config, split_listen
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "etc" / "kiloline.yaml"

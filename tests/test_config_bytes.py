@@ -24,7 +24,7 @@ from test_cli import kl
 from test_reload import admin_reload, admin_state, reloads_total, watcher_ready
 from test_systemd import daemon_factory
 
-from kilolined.config import ConfigError, load_config
+from kilolined.core.config import ConfigError, load_config
 
 GOOD = b"server:\n  listen: 127.0.0.1:0\nnodes: {a: {url: 'http://127.0.0.1:9'}}\nroutes: {r: {path: /r, nodes: [a]}}\n"
 

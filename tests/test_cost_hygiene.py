@@ -22,8 +22,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kilolined.adapters.openai import MAX_USAGE_TOKENS, StreamParser, estimate_tokens, usage_count
-from kilolined.config import RequestCostConfig
-from kilolined.costs import (
+from kilolined.core.config import RequestCostConfig
+from kilolined.fakegpu import FakeGPU
+from kilolined.scheduling.costs import (
     MAX_COST,
     MAX_UNITS,
     CostTooLarge,
@@ -33,7 +34,6 @@ from kilolined.costs import (
     token_estimate,
     workflow_megapixels,
 )
-from kilolined.fakegpu import FakeGPU
 
 
 def latent(w: Any, h: Any, b: Any = 1) -> dict[str, Any]:

@@ -1,4 +1,4 @@
-"""kilolined.costs: a request's cost from its body, headers and route (pure)."""
+"""kilolined.scheduling.costs: a request's cost from its body, headers and route (pure)."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kilolined.config import RequestCostConfig
-from kilolined.costs import UnitError, json_pointer, megapixels, request_cost, request_units, token_estimate
+from kilolined.core.config import RequestCostConfig
+from kilolined.scheduling.costs import UnitError, json_pointer, megapixels, request_cost, request_units, token_estimate
 
 
 def cost(unit: str | None = None, **kw: Any) -> RequestCostConfig:

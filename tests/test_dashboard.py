@@ -25,8 +25,8 @@ import pytest
 import yaml
 from conftest import ADMIN_KEY, auth, base_config, sha, wait_until
 
-from kilolined.config import parse_config
-from kilolined.server import Server
+from kilolined.core.config import parse_config
+from kilolined.edge.server import Server
 
 CHROMIUM = "/usr/bin/chromium"
 CHROMEDRIVER = "/usr/bin/chromedriver"

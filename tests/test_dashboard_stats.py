@@ -14,7 +14,7 @@ import aiohttp
 from conftest import ADMIN_KEY, auth, base_config
 from test_dashboard import ROUTE, Page, browser  # noqa: F401  (browser is a fixture)
 
-from kilolined.stats import machines
+from kilolined.ops.stats import machines
 
 RENDER_SEC = 2.0  # the fake card's 20 steps × 100 ms
 

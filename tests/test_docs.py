@@ -13,8 +13,8 @@ from typing import Annotated, Any, get_args, get_origin
 
 from pydantic import BaseModel
 
-from kilolined.config import Config, parse_config
-from kilolined.runtime import Runtime
+from kilolined.core.config import Config, parse_config
+from kilolined.ops.runtime import Runtime
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"

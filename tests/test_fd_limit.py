@@ -17,7 +17,7 @@ import pytest
 import yaml
 from conftest import base_config
 
-from kilolined.listener import FD_RESERVE, fd_plan
+from kilolined.edge.listener import FD_RESERVE, fd_plan
 
 
 def test_fd_plan_raises_toward_the_hard_limit_then_clamps() -> None:

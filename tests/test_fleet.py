@@ -19,12 +19,12 @@ import pytest
 from conftest import ADMIN, auth, base_config, wait_until
 from fakes import FakeTelegram
 
-from kilolined.config import FleetOfferConfig, FleetTemplateConfig
+from kilolined.core.config import FleetOfferConfig, FleetTemplateConfig
 from kilolined.fakegpu.provider import FakeProvider
 from kilolined.fakegpu.provider_runpod import RunPodWire
 from kilolined.fakegpu.provider_vastai import VastWire
 from kilolined.fleet.vastai import VastAI
-from kilolined.reload import reload_from_file
+from kilolined.ops.reload import reload_from_file
 
 API_KEY = "vast-SECRET-key-0123456789abcdef"
 HEALTH = {"path": "/health", "interval_sec": 0.2, "timeout_sec": 0.5, "fall": 2, "rise": 1}

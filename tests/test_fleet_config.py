@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from kilolined.config import ConfigError, parse_config
+from kilolined.core.config import ConfigError, parse_config
 
 SRC = "kiloline.yaml"
 GOOD = """\

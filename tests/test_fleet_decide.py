@@ -12,7 +12,7 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kilolined.config import FleetOfferConfig
+from kilolined.core.config import FleetOfferConfig
 from kilolined.fleet.decide import (
     MAX_BACKOFF_SEC,
     AskStatus,

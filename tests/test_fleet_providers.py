@@ -13,7 +13,7 @@ import aiohttp
 import pytest
 from conftest import wait_until
 
-from kilolined.config import FleetOfferConfig, FleetTemplateConfig
+from kilolined.core.config import FleetOfferConfig, FleetTemplateConfig
 from kilolined.fakegpu.provider import FakeProvider
 from kilolined.fakegpu.provider_runpod import RunPodWire
 from kilolined.fakegpu.provider_vastai import VastWire

@@ -17,7 +17,7 @@ import aiohttp
 import pytest
 from conftest import ADMIN, KEYS, auth, base_config, wait_until
 
-from kilolined import views
+from kilolined.ops import views
 
 # --- helpers ------------------------------------------------------------------------------------
 
@@ -865,7 +865,7 @@ async def test_write_to_a_closing_client_is_not_a_node_failure(fakegpus, gateway
     """The exact error aiohttp raises when the client's transport is closing while we write."""
     import aiohttp as _aiohttp
 
-    import kilolined.sinks as app_module
+    import kilolined.modes.sinks as app_module
 
     async def closing(*_a: Any, **_k: Any) -> Any:
         raise _aiohttp.ClientConnectionResetError("Cannot write to closing transport")

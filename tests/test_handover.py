@@ -1,4 +1,4 @@
-"""A freed slot's hand-over (kilolined/runner.py, kilolined/lease.py): the request that gets the
+"""A freed slot's hand-over (kilolined/modes/runner.py, kilolined/scheduling/lease.py): the request that gets the
 slot is started on its node before the request that freed it goes on with its own tail (writing
 its answer, access log, metrics), so the node does not idle through that tail. No sockets: the
 real Runtime, LeaseScope and runner with attempts that only write down when they ran."""
@@ -10,10 +10,10 @@ from typing import Any, cast
 
 from test_lease import Quiet, inflight, runtime
 
-from kilolined import runner
-from kilolined.lease import LeaseScope
-from kilolined.proxy import Exchange
-from kilolined.queue import Lease, Ticket
+from kilolined.modes import runner
+from kilolined.scheduling.lease import LeaseScope
+from kilolined.scheduling.queue import Lease, Ticket
+from kilolined.wire.proxy import Exchange
 
 
 class Recorder:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kilolined.history import History
+from kilolined.ops.history import History
 
 
 class Clock:

@@ -1,4 +1,4 @@
-"""The lease scope (kilolined/lease.py) on its own: no sockets, fake attempts, a real Runtime.
+"""The lease scope (kilolined/scheduling/lease.py) on its own: no sockets, fake attempts, a real Runtime.
 (tests/test_lease_cluster.py runs the same property on the Redis lease store.)
 
 The property test drives many requests through LeaseScope with attempts that succeed, fail as a
@@ -22,12 +22,21 @@ import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kilolined.config import parse_config
-from kilolined.lease import S_DETACHED, S_EXPIRED, S_HELD, S_RELEASED, S_WAITING, TRANSITIONS, LeaseScope, Sink
-from kilolined.outcome import Failure
-from kilolined.proxy import UpstreamFailed
-from kilolined.queue import Lease, Rejected, Ticket
-from kilolined.runtime import Runtime
+from kilolined.core.config import parse_config
+from kilolined.core.outcome import Failure
+from kilolined.ops.runtime import Runtime
+from kilolined.scheduling.lease import (
+    S_DETACHED,
+    S_EXPIRED,
+    S_HELD,
+    S_RELEASED,
+    S_WAITING,
+    TRANSITIONS,
+    LeaseScope,
+    Sink,
+)
+from kilolined.scheduling.queue import Lease, Rejected, Ticket
+from kilolined.wire.proxy import UpstreamFailed
 
 
 def config(slots: int = 2, retries: int = 1, timeout: float = 0.2) -> dict[str, Any]:

@@ -23,8 +23,8 @@ from hypothesis import strategies as st
 from test_lease import BEHAVIOURS, config, every_slot_comes_back, inflight
 
 from kilolined.cluster.leases import ClusterLeases
-from kilolined.config import parse_config
-from kilolined.runtime import Runtime
+from kilolined.core.config import parse_config
+from kilolined.ops.runtime import Runtime
 
 __all__ = ["redis_server"]  # fixtures
 

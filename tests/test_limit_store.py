@@ -1,4 +1,4 @@
-"""Both limit stores (kilolined/limits.py ``LimitStore``) give the same answers: this gateway's
+"""Both limit stores (kilolined/scheduling/limits.py ``LimitStore``) give the same answers: this gateway's
 own buckets and counters (``LocalLimits``), and the cluster's on a real redis-server
 (``SharedLimits``). Each scenario runs against both.
 
@@ -20,8 +20,8 @@ import redis.asyncio as aioredis
 from cluster_harness import RedisServer, redis_server, until
 
 from kilolined.cluster.limits import SharedLimits
-from kilolined.config import BudgetConfig, RateConfig
-from kilolined.limits import Budgets, LimitStore, LocalLimits, RateLimiter, Taken
+from kilolined.core.config import BudgetConfig, RateConfig
+from kilolined.scheduling.limits import Budgets, LimitStore, LocalLimits, RateLimiter, Taken
 
 __all__ = ["redis_server"]  # fixture
 PREFIX = "kl-store:"

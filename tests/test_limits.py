@@ -1,4 +1,4 @@
-"""kilolined.limits: token buckets and daily budgets, with a hand-made clock (SPEC §3.2)."""
+"""kilolined.scheduling.limits: token buckets and daily budgets, with a hand-made clock (SPEC §3.2)."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from kilolined.config import BudgetConfig, RateConfig
-from kilolined.limits import Budgets, RateLimiter, TokenBucket, seconds_to_midnight, utc_day
+from kilolined.core.config import BudgetConfig, RateConfig
+from kilolined.scheduling.limits import Budgets, RateLimiter, TokenBucket, seconds_to_midnight, utc_day
 
 
 def wall(y: int, mo: int, d: int, h: int = 0, mi: int = 0, s: float = 0) -> float:

@@ -24,7 +24,7 @@ from conftest import ADMIN, KEYS, auth, base_config, wait_until
 from openai import AsyncOpenAI
 from test_sse_jobs import SSEReader
 
-from kilolined import views
+from kilolined.ops import views
 
 WORDS = ["The", " quick", " brown", " fox", " jumps", " over", " the", " lazy", " dog", "."]
 MESSAGES = [{"role": "user", "content": "say something please"}]  # 3 prompt tokens for the fake
@@ -257,7 +257,7 @@ async def test_stream_client_gone_the_moment_its_lease_arrives_frees_the_slot(fa
     """The race: the waiter gets its lease and the node's answer while the client goes away."""
     import types
 
-    from kilolined import lease
+    from kilolined.scheduling import lease
 
     fake = await fakegpus("openai", step_ms=5)
     gw = await gateway(llm_cfg(fake))

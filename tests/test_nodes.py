@@ -1,11 +1,12 @@
-"""kilolined.nodes: breaker, health, slow start and drain as pure logic with a hand-made clock (SPEC §3.4)."""
+"""kilolined.scheduling.nodes: breaker, health, slow start and drain as pure logic with a hand-made clock
+(SPEC §3.4)."""
 
 from __future__ import annotations
 
 import pytest
 
-from kilolined.config import BreakerConfig, HealthConfig, NodeConfig
-from kilolined.nodes import CLOSED, HALF_OPEN, OPEN, NodeState
+from kilolined.core.config import BreakerConfig, HealthConfig, NodeConfig
+from kilolined.scheduling.nodes import CLOSED, HALF_OPEN, OPEN, NodeState
 
 
 def mk(health: HealthConfig | None = None, **breaker: float) -> NodeState:

@@ -1,4 +1,4 @@
-"""kilolined.notify: grouping, folding, filtering, per-channel delivery and rate limits (SPEC §8)."""
+"""kilolined.ops.notify: grouping, folding, filtering, per-channel delivery and rate limits (SPEC §8)."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ from typing import Any
 import pytest
 from fakes import FakeDiscord, FakeTelegram, FakeWebhookReceiver, verify_standard_webhook
 
-from kilolined.config import DiscordConfig, NotifyConfig, TelegramConfig, WebhookTargetConfig
-from kilolined.notify import Notifier, truncate, utf16_len
+from kilolined.core.config import DiscordConfig, NotifyConfig, TelegramConfig, WebhookTargetConfig
+from kilolined.ops.notify import Notifier, truncate, utf16_len
 
 TOKEN = "123456:ABC-secret-token"
 SECRET = "whsec_" + base64.b64encode(b"s" * 32).decode()
@@ -177,7 +177,7 @@ async def test_dead_telegram_does_not_delay_discord(
 ) -> None:
     tg.down = True
     n = await started(notifiers, make_cfg(tg, dc), retry_backoff_sec=(0.1, 0.1, 0.1))
-    with caplog.at_level(logging.DEBUG, logger="kilolined.notify"):
+    with caplog.at_level(logging.DEBUG, logger="kilolined.ops.notify"):
         n.emit("node_down", "vast-8410 down", node="vast-8410")
         await dc.wait_for(1, timeout=2)
         n.emit("node_down", "runpod-b2 down", node="runpod-b2")

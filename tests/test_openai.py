@@ -14,9 +14,9 @@ import pytest
 from conftest import ADMIN, KEYS, auth, base_config, wait_until
 from openai import AsyncOpenAI
 
-from kilolined import views
 from kilolined.adapters.openai import StreamParser, UsageStripper, estimate_tokens
-from kilolined.config import parse_config
+from kilolined.core.config import parse_config
+from kilolined.ops import views
 
 MESSAGES = [{"role": "user", "content": "say something please"}]
 

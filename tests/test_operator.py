@@ -15,7 +15,7 @@ from typing import Any
 from conftest import ADMIN, ADMIN_KEY, auth, base_config, wait_until
 from prometheus_client.parser import text_string_to_metric_families
 
-from kilolined import views
+from kilolined.ops import views
 
 FAMILIES = {
     # name (as the parser reports it): (type, label names)

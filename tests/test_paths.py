@@ -1,10 +1,10 @@
-"""kilolined.paths: the raw-path check, as a pure function (the wire-level tests are in test_hostile)."""
+"""kilolined.core.paths: the raw-path check, as a pure function (the wire-level tests are in test_hostile)."""
 
 from __future__ import annotations
 
 import pytest
 
-from kilolined.paths import path_of_target, path_problem
+from kilolined.core.paths import path_of_target, path_problem
 
 
 @pytest.mark.parametrize("raw", [

@@ -1,4 +1,4 @@
-"""kilolined.queue: the lease scheduler as pure logic, driven with a hand-made clock (SPEC §3.3, §3.4)."""
+"""kilolined.scheduling.queue: the lease scheduler as pure logic, driven with a hand-made clock (SPEC §3.3, §3.4)."""
 
 from __future__ import annotations
 
@@ -9,9 +9,20 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kilolined.config import BreakerConfig, HealthConfig, NodeConfig, RequestCostConfig, RouteConfig
-from kilolined.nodes import NodeState
-from kilolined.queue import DONE, EPS, FAILED, LEASED, WAITING, Rejected, RouteQueue, Scheduler, Ticket, ramped_capacity
+from kilolined.core.config import BreakerConfig, HealthConfig, NodeConfig, RequestCostConfig, RouteConfig
+from kilolined.scheduling.nodes import NodeState
+from kilolined.scheduling.queue import (
+    DONE,
+    EPS,
+    FAILED,
+    LEASED,
+    WAITING,
+    Rejected,
+    RouteQueue,
+    Scheduler,
+    Ticket,
+    ramped_capacity,
+)
 
 # --- helpers ------------------------------------------------------------------------------------
 
@@ -449,7 +460,7 @@ def test_requeue_to_the_same_node_when_it_is_the_only_one() -> None:
 def test_a_lost_node_gets_the_request_back_only_once_seen_alive() -> None:
     """HAProxy's redispatch rule: re-queued because its node was lost, a request waits for that
     node's next passing health check (or any success there) instead of being sent at once."""
-    from kilolined.config import HealthConfig
+    from kilolined.core.config import HealthConfig
     s = make({"r": rcfg(["a"], max_concurrency=2)}, [node("a", health=HealthConfig())])
     t1 = admit(s, "r", "k", now=0)
     s.requeue(t1.lease, 1, lost=True)  # type: ignore[arg-type]

@@ -25,9 +25,9 @@ from conftest import ADMIN, KEYS, auth, base_config, sha, wait_until
 from fakes import FakeTelegram
 from test_systemd import daemon_factory
 
-from kilolined import views
-from kilolined.config import parse_config
-from kilolined.server import Server
+from kilolined.core.config import parse_config
+from kilolined.edge.server import Server
+from kilolined.ops import views
 
 # --- helpers ------------------------------------------------------------------------------------
 
@@ -670,7 +670,7 @@ async def test_removed_node_drains_and_added_node_is_health_checked(
 
 
 def test_watched_paths_are_the_file_and_its_symlink_hops(tmp_path: Path) -> None:
-    from kilolined.reload import watched_paths
+    from kilolined.ops.reload import watched_paths
 
     f = tmp_path / "kiloline.yaml"
     f.write_text("x: 1\n")
@@ -689,7 +689,7 @@ def test_watched_paths_are_the_file_and_its_symlink_hops(tmp_path: Path) -> None
 async def test_a_log_written_next_to_the_config_is_not_a_change(fakegpus: Any, gateway: Any,
                                                                  caplog: pytest.LogCaptureFixture,
                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
-    from kilolined import reload as reload_mod
+    from kilolined.ops import reload as reload_mod
 
     g = await fakegpus()
     gw = await gateway(base_config({"a": g.url}), watch=True)
@@ -721,7 +721,7 @@ async def test_reload_parses_off_the_event_loop(fakegpus: Any, gateway: Any, htt
                                                 monkeypatch: pytest.MonkeyPatch) -> None:
     import time
 
-    from kilolined import reload as reload_mod
+    from kilolined.ops import reload as reload_mod
 
     g = await fakegpus()
     gw = await gateway(base_config({"a": g.url}))

@@ -176,7 +176,7 @@ async def test_a_file_that_never_goes_quiet_is_shown_pending(fakegpus: Any, gate
                                                              monkeypatch: pytest.MonkeyPatch) -> None:
     """Something rewriting the config itself nonstop: the change is pending (state, metric, a
     warning in the log), and is applied at its first pause."""
-    from kilolined import reload as reload_mod
+    from kilolined.ops import reload as reload_mod
 
     monkeypatch.setattr(reload_mod, "STUCK_WARN_SEC", 1.0, raising=False)
     g = await fakegpus(steps=0)

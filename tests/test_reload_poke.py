@@ -10,7 +10,7 @@ import asyncio
 
 import pytest
 
-from kilolined.reload import Poke
+from kilolined.ops.reload import Poke
 
 
 def test_a_poke_before_the_wait_is_seen_and_cleared() -> None:

@@ -1,4 +1,4 @@
-"""kilolined.routing and the config rules of routes sharing a path (pure)."""
+"""kilolined.scheduling.routing and the config rules of routes sharing a path (pure)."""
 
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ from typing import Any
 import pytest
 import yaml
 
-from kilolined.config import ConfigError, MatchConfig, RouteConfig, parse_config
-from kilolined.models_list import is_models_list, merge
-from kilolined.routing import Router, body_model, holds
+from kilolined.core.config import ConfigError, MatchConfig, RouteConfig, parse_config
+from kilolined.edge.models_list import is_models_list, merge
+from kilolined.scheduling.routing import Router, body_model, holds
 
 
 def route(path: str, **kw: Any) -> RouteConfig:

@@ -1,4 +1,4 @@
-"""Shutdown ends every background loop even when a loop swallows a cancel (kilolined/tasks.py).
+"""Shutdown ends every background loop even when a loop swallows a cancel (kilolined/wire/tasks.py).
 
 On Python 3.11, ``asyncio.wait_for`` (redis-py wraps each command in one) drops a cancel that
 arrives in the step its inner call completes, and the loop around it goes on. A stop that
@@ -20,9 +20,9 @@ import yaml
 from kilolined.cluster.leader import LeaderLease, Leadership
 from kilolined.cluster.nodes import NodeSync
 from kilolined.cluster.view import ClusterView
-from kilolined.config import ClusterConfig, parse_config
-from kilolined.runtime import Runtime
-from kilolined.tasks import cancel_all, cancel_until_done
+from kilolined.core.config import ClusterConfig, parse_config
+from kilolined.ops.runtime import Runtime
+from kilolined.wire.tasks import cancel_all, cancel_until_done
 
 STOP_BOUND_SEC = 30  # far beyond what a stop takes: reaching it means the stop hung
 

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from kilolined.cluster.nodestate import apply, changed_groups, export, snapshot
-from kilolined.config import NodeConfig
-from kilolined.nodes import NodeState
+from kilolined.core.config import NodeConfig
+from kilolined.scheduling.nodes import NodeState
 
 
 def test_slowed_is_its_own_group_and_applies_without_an_event() -> None:

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from test_check import check
 
-from kilolined.config import SlowConfig, parse_config
+from kilolined.core.config import SlowConfig, parse_config
 
 BASE = """\
 nodes:

@@ -1,4 +1,4 @@
-"""kilolined.speed: size-normalised speed, peers, drift — pure logic on an injected clock (SPEC §14)."""
+"""kilolined.scheduling.speed: size-normalised speed, peers, drift — pure logic on an injected clock (SPEC §14)."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import random
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kilolined.config import SlowConfig
-from kilolined.speed import (
+from kilolined.core.config import SlowConfig
+from kilolined.scheduling.speed import (
     MS_PROMPT_TOKEN,
     MS_TOKEN,
     OK,

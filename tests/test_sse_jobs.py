@@ -470,7 +470,7 @@ async def test_job_access_by_token_key_and_strangers(fakegpus, gateway, http) ->
 
 
 async def test_subscriber_hands_over_everything_pending_in_one_batch() -> None:
-    from kilolined.jobs import Subscriber
+    from kilolined.modes.jobs import Subscriber
 
     sub = Subscriber()
     sub.push((1, "heartbeat", b"a"))

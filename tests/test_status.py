@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from conftest import ADMIN_KEY, base_config
 
-from kilolined.config import ConfigError
+from kilolined.core.config import ConfigError
 from kilolined.status import listen_of, url_for_listen
 
 ROOT = Path(__file__).resolve().parents[1]

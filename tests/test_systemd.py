@@ -30,7 +30,7 @@ import pytest
 import yaml
 from conftest import ADMIN, base_config, wait_until
 
-from kilolined import systemd
+from kilolined.ops import systemd
 
 REPO = Path(__file__).resolve().parent.parent
 UNIT = REPO / "systemd" / "kilolined.service"

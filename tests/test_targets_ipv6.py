@@ -9,7 +9,7 @@ import socket
 import pytest
 from conftest import auth, base_config
 
-from kilolined.targets import parse_target, target_allowed
+from kilolined.edge.targets import parse_target, target_allowed
 
 
 def v6_loopback() -> bool:

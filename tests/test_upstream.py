@@ -1,4 +1,4 @@
-"""kilolined.upstream, the forwarding hot path's HTTP/1.1 client, against raw asyncio servers on
+"""kilolined.wire.upstream, the forwarding hot path's HTTP/1.1 client, against raw asyncio servers on
 loopback that write exact bytes: keep-alive and its races, chunking, close-delimited bodies,
 interim answers, malformed answers, timeouts, cancellation, back-pressure and idle pruning.
 
@@ -27,9 +27,9 @@ import pytest
 from conftest import wait_until
 from multidict import CIMultiDict
 
-from kilolined import upstream
-from kilolined.deadlines import Deadlines
-from kilolined.upstream import ConnectFailed, NodePool, UpstreamResponse
+from kilolined.wire import upstream
+from kilolined.wire.deadlines import Deadlines
+from kilolined.wire.upstream import ConnectFailed, NodePool, UpstreamResponse
 
 # --- a raw HTTP/1.1 server that says exactly what it is told ----------------------------------------
 

@@ -7,9 +7,10 @@ from typing import Any
 import yaml
 from conftest import base_config
 
-from kilolined import status, views
-from kilolined.config import parse_config
-from kilolined.runtime import Runtime
+from kilolined import status
+from kilolined.core.config import parse_config
+from kilolined.ops import views
+from kilolined.ops.runtime import Runtime
 
 
 class Clock:

@@ -1,4 +1,4 @@
-"""kilolined.webhooks: Standard Webhooks signing, delivery with retries, the SSRF guard."""
+"""kilolined.ops.webhooks: Standard Webhooks signing, delivery with retries, the SSRF guard."""
 
 from __future__ import annotations
 
@@ -15,8 +15,8 @@ import orjson
 import pytest
 from fakes import FakeWebhookReceiver, verify_standard_webhook
 
-from kilolined import webhooks
-from kilolined.webhooks import (
+from kilolined.ops import webhooks
+from kilolined.ops.webhooks import (
     WebhookDeliverer,
     check_callback_url,
     new_msg_id,
@@ -201,7 +201,7 @@ async def test_connection_refused_is_retried_and_never_raises(caplog: pytest.Log
     sock.close()  # nothing listens there now
     d = WebhookDeliverer(secret=SECRET, backoff_sec=[0.01], timeout_sec=1)
     url = f"http://127.0.0.1:{port}/hook?token=SECRET-TOKEN"
-    with caplog.at_level(logging.INFO, logger="kilolined.webhooks"):
+    with caplog.at_level(logging.INFO, logger="kilolined.ops.webhooks"):
         assert await d.deliver(url, {"n": 1}) is False
     await d.close()
     assert [a.attempt_no for a in d.attempts] == [1, 2]

@@ -12,11 +12,11 @@ import logging
 
 from aiohttp import web
 
-from kilolined.lease import LeaseScope, Sink
-from kilolined.proxy import RETRY_STATUSES, Exchange, Observer, UpstreamFailed, open_upstream
-from kilolined.queue import Lease
-from kilolined.runtime import Runtime
-from kilolined.upstream import Stalled, UpstreamResponse
+from kilolined.ops.runtime import Runtime
+from kilolined.scheduling.lease import LeaseScope, Sink
+from kilolined.scheduling.queue import Lease
+from kilolined.wire.proxy import RETRY_STATUSES, Exchange, Observer, UpstreamFailed, open_upstream
+from kilolined.wire.upstream import Stalled, UpstreamResponse
 
 log = logging.getLogger("kilolined")
 

@@ -24,8 +24,8 @@ from aiohttp import web
 
 from kilolined.adapters.comfy_monitor import Monitors, NodeMonitor
 from kilolined.adapters.comfy_node import NodeAPI, NodeError, all_ids, node_api
-from kilolined.errors import error_response
-from kilolined.runtime import Runtime
+from kilolined.core.errors import error_response
+from kilolined.ops.runtime import Runtime
 
 log = logging.getLogger("kilolined")
 

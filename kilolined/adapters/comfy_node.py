@@ -13,8 +13,8 @@ from typing import Any
 import aiohttp
 import orjson
 
-from kilolined.queue import Lease
-from kilolined.runtime import Runtime
+from kilolined.ops.runtime import Runtime
+from kilolined.scheduling.queue import Lease
 
 log = logging.getLogger("kilolined")
 

@@ -31,14 +31,14 @@ from kilolined.adapters.comfy_control import comfy_state, control
 from kilolined.adapters.comfy_monitor import NodeMonitor
 from kilolined.adapters.comfy_node import NodeAPI, NodeError, find_entry, lease_api, on_queue, stop_prompt
 from kilolined.adapters.comfy_progress import Progress
-from kilolined.lease import LeaseScope, Sink
-from kilolined.outcome import Cancelled, Failure, Result
-from kilolined.proxy import RETRY_STATUSES, Exchange, Upstream, UpstreamFailed, node_lost
-from kilolined.queue import Lease, Rejected
-from kilolined.runtime import Runtime
-from kilolined.speed import MS_STEP, Sample
-from kilolined.upstream import STALLED
-from kilolined.wsproxy import connect_node_ws
+from kilolined.core.outcome import Cancelled, Failure, Result
+from kilolined.ops.runtime import Runtime
+from kilolined.scheduling.lease import LeaseScope, Sink
+from kilolined.scheduling.queue import Lease, Rejected
+from kilolined.scheduling.speed import MS_STEP, Sample
+from kilolined.wire.proxy import RETRY_STATUSES, Exchange, Upstream, UpstreamFailed, node_lost
+from kilolined.wire.upstream import STALLED
+from kilolined.wire.wsproxy import connect_node_ws
 
 log = logging.getLogger("kilolined")
 T = TypeVar("T")

@@ -22,17 +22,17 @@ from typing import Any
 import orjson
 
 from kilolined.adapters.base import Adapter, HttpAttempt, Tee
-from kilolined.affinity import REUSED_AT_LEAST, SESSION, Affinity, prefix_affinity, session_affinity
-from kilolined.config import RouteConfig
-from kilolined.costs import choices, prompt_tokens
-from kilolined.lease import LeaseScope, Sink
-from kilolined.limits import seconds_to_midnight
-from kilolined.outcome import Failure
-from kilolined.proxy import Exchange, Observer
-from kilolined.queue import Lease, Rejected
-from kilolined.runtime import Runtime
-from kilolined.speed import llm_samples
-from kilolined.upstream import UpstreamResponse
+from kilolined.core.config import RouteConfig
+from kilolined.core.outcome import Failure
+from kilolined.ops.runtime import Runtime
+from kilolined.scheduling.affinity import REUSED_AT_LEAST, SESSION, Affinity, prefix_affinity, session_affinity
+from kilolined.scheduling.costs import choices, prompt_tokens
+from kilolined.scheduling.lease import LeaseScope, Sink
+from kilolined.scheduling.limits import seconds_to_midnight
+from kilolined.scheduling.queue import Lease, Rejected
+from kilolined.scheduling.speed import llm_samples
+from kilolined.wire.proxy import Exchange, Observer
+from kilolined.wire.upstream import UpstreamResponse
 
 log = logging.getLogger("kilolined")
 #: what a node answers when it refuses the gateway's credentials (its `headers`)

@@ -21,9 +21,9 @@ from kilolined.cluster.leases import ClusterLeases, gateway_id
 from kilolined.cluster.limits import SharedLimits
 from kilolined.cluster.nodes import NodeSync
 from kilolined.cluster.view import ClusterGauges
-from kilolined.jobs import Jobs
-from kilolined.queue import Rejected, Ticket
-from kilolined.runtime import Component, Runtime
+from kilolined.modes.jobs import Jobs
+from kilolined.ops.runtime import Component, Runtime
+from kilolined.scheduling.queue import Rejected, Ticket
 
 CHECK_SEC = 5.0  # one node check of slots in doubt
 

@@ -24,7 +24,7 @@ from typing import Any
 from redis.exceptions import RedisError
 
 from kilolined.cluster.leases import ClusterLeases
-from kilolined.tasks import cancel_until_done
+from kilolined.wire.tasks import cancel_until_done
 
 log = logging.getLogger("kilolined")
 

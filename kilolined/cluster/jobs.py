@@ -39,17 +39,17 @@ from multidict import CIMultiDict, CIMultiDictProxy
 from redis.exceptions import NoScriptError, RedisError
 
 from kilolined.adapters.registry import adapter_for
-from kilolined.call import Call
 from kilolined.cluster.jobscripts import CLAIM, EVENT, FINISH, FLAG, RESYNC, SAVE, WEBHOOK
 from kilolined.cluster.leases import ClusterLeases
-from kilolined.jobs import TERMINAL, Event, Job, Jobs
-from kilolined.outcome import Result
-from kilolined.proxy import Exchange
-from kilolined.queue import Rejected, Ticket
-from kilolined.runtime import Runtime
-from kilolined.tasks import cancel_all
+from kilolined.core.outcome import Result
+from kilolined.modes.call import Call
+from kilolined.modes.jobs import TERMINAL, Event, Job, Jobs
+from kilolined.ops.runtime import Runtime
+from kilolined.scheduling.queue import Rejected, Ticket
+from kilolined.wire.proxy import Exchange
+from kilolined.wire.tasks import cancel_all
 
-log = logging.getLogger("kilolined.jobs")
+log = logging.getLogger("kilolined.modes.jobs")
 #: never kept in Redis: whoever adopts a job runs it as the key it was admitted for, not by the secret
 CREDENTIALS = frozenset(("authorization", "x-api-key", "proxy-authorization", "cookie"))
 FOLLOW_BLOCK_MS = 1000  # a remote follower re-checks that its job still exists this often
@@ -98,7 +98,7 @@ def _s(v: Any) -> str:
 
 
 class ClusterJobs:
-    """The Redis ``JobStore`` (kilolined/jobs.py), beside the cluster lease store it shares a
+    """The Redis ``JobStore`` (kilolined/modes/jobs.py), beside the cluster lease store it shares a
     connection pool and the instance id with."""
 
     def __init__(self, rt: Runtime, leases: ClusterLeases):

@@ -24,8 +24,8 @@ import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
 from kilolined.cluster.view import ClusterView
-from kilolined.config import ClusterConfig
-from kilolined.tasks import cancel_until_done
+from kilolined.core.config import ClusterConfig
+from kilolined.wire.tasks import cancel_until_done
 
 log = logging.getLogger("kilolined")
 

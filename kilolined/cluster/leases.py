@@ -30,15 +30,25 @@ import orjson
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
-from kilolined.affinity import Affinity
 from kilolined.cluster import scripts
 from kilolined.cluster.leader import Leadership
 from kilolined.cluster.persistence import access_error, shown
 from kilolined.cluster.split import alive, share
 from kilolined.cluster.view import ClusterView, Peer
-from kilolined.config import ClusterConfig, Config, ConfigError, NodeConfig, RouteConfig, split_listen
-from kilolined.queue import FAILED, LEASED, WAITING, Lease, Rejected, Scheduler, Ticket, avoided, ramped_capacity
-from kilolined.tasks import cancel_all
+from kilolined.core.config import ClusterConfig, Config, ConfigError, NodeConfig, RouteConfig, split_listen
+from kilolined.scheduling.affinity import Affinity
+from kilolined.scheduling.queue import (
+    FAILED,
+    LEASED,
+    WAITING,
+    Lease,
+    Rejected,
+    Scheduler,
+    Ticket,
+    avoided,
+    ramped_capacity,
+)
+from kilolined.wire.tasks import cancel_all
 
 log = logging.getLogger("kilolined")
 WAITED_SEC = 1.0  # a ticket waiting this long has its grant re-read by the heartbeat (lost wake-up)

@@ -30,9 +30,9 @@ from redis.exceptions import RedisError
 
 from kilolined.cluster import scripts
 from kilolined.cluster.split import share
-from kilolined.config import BudgetConfig, RateConfig
-from kilolined.limits import Budgets, RateLimiter, Taken, Verdict, spent_amount, utc_day
-from kilolined.tasks import cancel_until_done
+from kilolined.core.config import BudgetConfig, RateConfig
+from kilolined.scheduling.limits import Budgets, RateLimiter, Taken, Verdict, spent_amount, utc_day
+from kilolined.wire.tasks import cancel_until_done
 
 log = logging.getLogger("kilolined")
 RETRY_SEC = 1.0  # a batch Redis refused is sent again after this

@@ -1,6 +1,6 @@
 """Node state shared by the gateways through Redis: health, breaker, slow start and drain.
 
-Design: each gateway keeps deciding with the pure ``NodeState`` (kilolined/nodes.py) and
+Design: each gateway keeps deciding with the pure ``NodeState`` (kilolined/scheduling/nodes.py) and
 publishes the *transitions* it makes (a node marked down by the leader's health checks, a
 breaker opened by the failures one gateway saw, a drain through one gateway's admin API); every
 gateway applies them to its own ``NodeState``. The alternative, deciding every request's
@@ -30,8 +30,8 @@ import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
 from kilolined.cluster.nodestate import Snapshot, apply, changed_groups, export, snapshot
-from kilolined.nodes import CLOSED, NodeState
-from kilolined.tasks import cancel_all
+from kilolined.scheduling.nodes import CLOSED, NodeState
+from kilolined.wire.tasks import cancel_all
 
 log = logging.getLogger("kilolined")
 

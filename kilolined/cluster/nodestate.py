@@ -10,7 +10,7 @@ Fields come in groups that change apart, so two gateways changing different thin
   health   healthy (0/1), error, ramp_ago_ms
   breaker  breaker ("closed"|"open"), open_left_ms, open_period, error, ramp_ago_ms
   drain    drained (0/1)
-  slow     slowed (0/1): soft-ejected for being slow (kilolined/speed.py; the gateway whose
+  slow     slowed (0/1): soft-ejected for being slow (kilolined/scheduling/speed.py; the gateway whose
            requests showed it decides, the others follow)
 and ``fails``, the failures seen in a row on every gateway (kilolined/cluster/nodes.py counts them).
 """
@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple
 
-from kilolined.nodes import CLOSED, OPEN, NodeState
+from kilolined.scheduling.nodes import CLOSED, OPEN, NodeState
 
 GROUPS: dict[str, tuple[str, ...]] = {
     "health": ("healthy", "error", "ramp_ago_ms"),

@@ -32,7 +32,6 @@ from urllib.parse import urlsplit
 
 from aiohttp import WSMsgType, web
 
-from kilolined.costs import megapixels
 from kilolined.fakegpu import comfy_jobs
 from kilolined.fakegpu.base import GIB, Job, is_int
 from kilolined.fakegpu.card import Backend
@@ -46,6 +45,7 @@ from kilolined.fakegpu.comfy_graph import (
     signatures,
     validate,
 )
+from kilolined.scheduling.costs import megapixels
 
 if TYPE_CHECKING:
     from collections.abc import Awaitable, Callable

@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-from kilolined.config import FleetOfferConfig
+from kilolined.core.config import FleetOfferConfig
 from kilolined.fleet.provider import Offer
 
 MAX_BACKOFF_SEC = 3600.0

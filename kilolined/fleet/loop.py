@@ -17,7 +17,7 @@ from typing import Any
 
 import aiohttp
 
-from kilolined.config import Config, FleetConfig, FleetPoolConfig, FleetProviderConfig
+from kilolined.core.config import Config, FleetConfig, FleetPoolConfig, FleetProviderConfig
 from kilolined.fleet.decide import (
     AskStatus,
     Destroy,
@@ -37,7 +37,7 @@ from kilolined.fleet.decide import (
 from kilolined.fleet.provider import GONE, RUNNING, Instance, Provider, ProviderError, label_of, pool_of
 from kilolined.fleet.runpod import RunPod
 from kilolined.fleet.vastai import VastAI
-from kilolined.runtime import PoolNode, Runtime
+from kilolined.ops.runtime import PoolNode, Runtime
 
 log = logging.getLogger("kilolined")
 MIN_TICK_SEC = 0.1

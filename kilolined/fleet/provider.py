@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal, Protocol
 
-from kilolined.config import FleetOfferConfig, FleetTemplateConfig
+from kilolined.core.config import FleetOfferConfig, FleetTemplateConfig
 
 LABEL_PREFIX = "kiloline:"  # an instance the gateway rented is labelled kiloline:<pool>
 Status = Literal["running", "booting", "gone"]

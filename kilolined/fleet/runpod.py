@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from kilolined.config import FleetOfferConfig, FleetTemplateConfig
+from kilolined.core.config import FleetOfferConfig, FleetTemplateConfig
 from kilolined.fleet.provider import BOOTING, GONE, RUNNING, ErrorKind, Instance, Offer, ProviderError, Status, pool_of
 from kilolined.fleet.wire import ProviderHTTP
 

@@ -1,0 +1,1 @@
+"""Pure foundations every layer uses: configuration model, errors, outcomes, paths, auth."""

@@ -1,0 +1,492 @@
+"""The aiohttp application and the request pipeline, written once as a list of stages.
+
+    open → route → auth → mode → unqueued → [match] → limits → body → model → cost → admit ─▶ runner (lease scope)
+
+``[match]``: on a path that several routes share, the body is read before the limits, to pick
+the route whose ``match`` holds (its limits, queue and errors are then the request's).
+
+Each stage takes the request's ``Call`` and either fills it in and returns None (go on) or
+returns the response (stop: a refusal, or an answer that needs no slot). ``/v1/proxy`` is the
+same list with another way to resolve the route (``targets.resolve_target``).
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import logging
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from urllib.parse import unquote, urlencode
+
+import orjson
+from aiohttp import web
+
+from kilolined.adapters.openai import affinity_of, wants_stream
+from kilolined.adapters.registry import adapter_for
+from kilolined.core.auth import presented_key
+from kilolined.core.config import RateConfig, RouteConfig
+from kilolined.edge import admin, jobs_api, targets
+from kilolined.edge import guard as edge
+from kilolined.edge.context import GW, RT, Gateway
+from kilolined.edge.models_list import is_models_list, models_union
+from kilolined.edge.unqueued import forward_unqueued
+from kilolined.modes.call import Call
+from kilolined.modes.runner import run
+from kilolined.modes.sinks import StreamSink, SyncSink
+from kilolined.ops.runtime import Runtime
+from kilolined.scheduling.costs import CostTooLarge, UnitError, request_cost, request_units
+from kilolined.scheduling.limits import Taken, Verdict, seconds_to_midnight
+from kilolined.scheduling.queue import Rejected
+from kilolined.scheduling.routing import body_model, describe, head_holds, holds
+from kilolined.wire.proxy import SERVER, Exchange, client_ip, request_id
+
+log = logging.getLogger("kilolined")
+access_log = logging.getLogger("kilolined.access")
+
+MODES = ("sync", "sse", "async")
+# A stage fills the Call in and returns None (go on), or returns the response (stop). Stages that
+# never wait are plain functions: a coroutine per stage would cost ~1 µs each on every request;
+# a plain stage may also hand back an awaitable for the rare request that needs one (to the
+# pipeline, a coroutine stage is just a stage that always does).
+Stage = Callable[[Gateway, Call], "Awaitable[web.StreamResponse | None] | web.StreamResponse | None"]
+
+
+def unqueued(rcfg: RouteConfig, method: str, path: str) -> bool:
+    for pat in rcfg.unqueued:
+        if " " in pat:
+            m, p = pat.split(" ", 1)
+            if m.upper() == method and fnmatch.fnmatchcase(path, p):
+                return True
+        elif fnmatch.fnmatchcase(path, pat):
+            return True
+    return False
+
+
+def mode_of(request: web.Request) -> str | None:
+    m = request.headers.get("X-KiloLine-Mode") or request.query.get("kl_mode")
+    if m is None:
+        prefer = request.headers.get("Prefer", "")
+        return "async" if "respond-async" in prefer.lower() else "sync"
+    m = m.strip().lower()
+    return m if m in MODES else None
+
+
+def tail_with_query(request: web.Request, tail: str) -> str:
+    q = request.rel_url.query
+    if "kl_mode" in q:
+        rest = [(k, v) for k, v in q.items() if k != "kl_mode"]
+        return tail + ("?" + urlencode(rest) if rest else "")
+    qs = request.rel_url.raw_query_string
+    return tail + ("?" + qs if qs else "")
+
+
+# --- the stages, in the order a request lives them ------------------------------------------------
+
+
+def check_open(gw: Gateway, call: Call) -> web.StreamResponse | None:
+    if gw.rt.shutting_down:
+        return call.error(503, "shutting_down", "the gateway is shutting down", 5)
+    return None
+
+
+def resolve_path(gw: Gateway, call: Call) -> web.StreamResponse | None:
+    """The longest route prefix; the rest of the raw path (an encoded "?" or "/" stays as sent)."""
+    rt = gw.rt
+    match = rt.router.match(call.request.rel_url.raw_path)
+    if match is None:
+        return call.error(404, "not_found", f"no route for {call.request.path}")
+    names, tail = match
+    call.route_name = names[0]
+    call.kind = rt.cfg.routes[names[0]].kind  # the same for every route of a path
+    if len(names) > 1 or rt.cfg.routes[names[0]].match is not None:
+        # Shared path: the first route whose method/header conditions hold stands in until
+        # choose_route has seen the body (same kind and auth for all: config.py checks it).
+        method, headers = call.request.method, call.request.headers
+        call.route_choices = tuple(n for n in names if head_holds(rt.cfg.routes[n].match, method, headers))
+        if not call.route_choices:
+            return no_match(gw, call)
+        call.route_name = call.route_choices[0]
+    call.route = call.route_name
+    call.tail = tail
+    rcfg = rt.cfg.routes[call.route_name]
+    call.kind = rcfg.kind
+    call.adapter = adapter_for(rcfg.kind)
+    return None
+
+
+def authenticate(gw: Gateway, call: Call) -> web.StreamResponse | None:
+    rt = gw.rt
+    request = call.request
+    rcfg = rt.scheduler.routes[call.route_name].cfg
+    if call.principal is None and rcfg.auth == "required":
+        call.principal = rt.keys.lookup(presented_key(request))
+        if call.principal is None:
+            rt.metrics.rejections.labels(call.route, "unauthorized").inc()
+            return call.error(401, "unauthorized", "missing or unknown API key")
+    # On a shared path the route is known only once its body is read: choose_route checks it then.
+    if call.principal is not None and call.pinned_node is None and not call.principal.may_use(call.route_name) \
+            and not call.route_name.startswith("adhoc:") and not call.route_choices:
+        rt.metrics.rejections.labels(call.route, "forbidden").inc()
+        return call.error(403, "forbidden", f"key {call.principal.key_id!r} may not use route {call.route!r}")
+    if call.principal is not None and call.route_choices and \
+            not any(call.principal.may_use(n) for n in call.route_choices):
+        rt.metrics.rejections.labels(call.route, "forbidden").inc()
+        return call.error(403, "forbidden", f"key {call.principal.key_id!r} may use no route of {call.request.path!r}")
+    call.client_ip = client_ip(request, rt.cfg.server.trusted_proxies)
+    call.subject = call.principal.key_id if call.principal else f"ip:{call.client_ip}"
+    call.key = call.principal.key_id if call.principal else "-"
+    return None
+
+
+def choose_mode(gw: Gateway, call: Call) -> web.StreamResponse | None:
+    mode = mode_of(call.request)
+    if mode is None:
+        return call.error(400, "bad_request", "X-KiloLine-Mode must be sync, sse or async")
+    call.mode = mode
+    raw_tail = call.tail
+    call.tail = tail_with_query(call.request, raw_tail)
+    call.unqueued_path = unquote(raw_tail)
+    return None
+
+
+def pass_unqueued(gw: Gateway, call: Call) -> Awaitable[web.StreamResponse | None] | None:
+    """Status, list and file endpoints neither take a slot nor wait behind the queue. Returns the
+    answer to await, or None (most requests: no coroutine made)."""
+    if call.adapter.has_control:
+        return _control_or_unqueued(gw, call)
+    return _unqueued_answer(gw, call)
+
+
+async def _control_or_unqueued(gw: Gateway, call: Call) -> web.StreamResponse | None:
+    # Control endpoints (ComfyUI's /interrupt, POST /queue): the adapter answers them itself.
+    ctl = await call.adapter.control(gw.rt, call.request, call.route_name, call.unqueued_path, call.subject,
+                                     call.request_id)
+    if ctl is not None:
+        return ctl
+    answer = _unqueued_answer(gw, call)
+    return None if answer is None else await answer
+
+
+def _unqueued_answer(gw: Gateway, call: Call) -> Awaitable[web.StreamResponse] | None:
+    rcfg = gw.rt.scheduler.routes[call.route_name].cfg
+    if call.route_choices and call.kind == "openai" and is_models_list(call.request.method, call.unqueued_path):
+        found = gw.rt.router.match(call.request.rel_url.raw_path)
+        return models_union(gw.rt, call, found[0] if found else call.route_choices)
+    if call.pinned_node is None and unqueued(rcfg, call.request.method, call.unqueued_path):
+        return forward_unqueued(gw.rt, call, rcfg)
+    return None
+
+
+def no_match(gw: Gateway, call: Call) -> web.Response:
+    """404 naming every route of the path and what it would have needed."""
+    found = gw.rt.router.match(call.request.rel_url.raw_path)
+    names = found[0] if found is not None else ()
+    why = "; ".join(f"{n} ({describe(m)})" for n in names if (m := gw.rt.cfg.routes[n].match) is not None)
+    return call.error(404, "not_found", f"no route for {call.request.path} matches this request: {why}")
+
+
+def choose_route(gw: Gateway, call: Call) -> Awaitable[web.StreamResponse | None] | None:
+    """Among routes sharing a path, the first whose ``match`` holds (docs/CONFIG.md#routes-that-match-the-request);
+    nothing to do (no coroutine) on a path of one route."""
+    return _choose_route(gw, call) if call.route_choices else None
+
+
+async def _choose_route(gw: Gateway, call: Call) -> web.StreamResponse | None:
+    refused = read_exchange(gw, call)
+    if refused is not None and not isinstance(refused, web.StreamResponse):
+        refused = await refused
+    if refused is not None:
+        return refused
+    rt, ex = gw.rt, call.exchange
+    assert ex is not None
+    model = call.model = body_model(ex.body)
+    headers = call.request.headers
+    chosen = None
+    for name in call.route_choices:
+        rcfg = rt.scheduler.routes[name].cfg
+
+        def units(rcfg: RouteConfig = rcfg) -> float:
+            assert rcfg.cost is not None  # config.py: min_units/max_units need a cost.unit
+            return request_units(rcfg.cost, rcfg.kind, ex.method, ex.tail, ex.body, headers)
+
+        try:
+            if holds(rcfg.match, ex.method, headers, model, units):
+                chosen = name
+                break
+        except CostTooLarge as e:
+            return call.error(422, "exceeds_capacity", str(e))
+        except UnitError as e:
+            return call.error(400, "bad_request", str(e))
+    if chosen is None:
+        return no_match(gw, call)
+    if call.principal is not None and not call.principal.may_use(chosen):
+        rt.metrics.rejections.labels(chosen, "forbidden").inc()
+        return call.error(403, "forbidden", f"key {call.principal.key_id!r} may not use route {chosen!r}")
+    call.route_name = call.route = chosen
+    return None
+
+
+def check_limits(gw: Gateway, call: Call) -> Awaitable[web.StreamResponse | None] | web.StreamResponse | None:
+    """Token bucket per (subject, route), then the key's daily request budget, taken at once by
+    the limit store. Plain: only a store that waits (Redis, in cluster mode) makes it await."""
+    rt = gw.rt
+    principal = call.principal
+    # The key's own rate, else the route's (an ad-hoc target has none).
+    rate = principal.cfg.rate if principal is not None else None
+    if rate is None and not call.route_name.startswith("adhoc:"):
+        rate = rt.scheduler.routes[call.route_name].cfg.rate
+    wall = time.time()
+    if principal is None:
+        taken = rt.limits.take(call.subject, call.route, rate, None, None, wall)
+    else:
+        taken = rt.limits.take(call.subject, call.route, rate, principal.key_id, principal.cfg.budget, wall)
+    if isinstance(taken, tuple):
+        return _limits_verdict(rt, call, rate, wall, taken)
+    return _await_limits(rt, call, rate, wall, taken)
+
+
+async def _await_limits(rt: Runtime, call: Call, rate: RateConfig | None, wall: float,
+                        taken: Awaitable[Taken]) -> web.StreamResponse | None:
+    return _limits_verdict(rt, call, rate, wall, await taken)
+
+
+def _limits_verdict(rt: Runtime, call: Call, rate: RateConfig | None, wall: float,
+                    taken: Taken) -> web.StreamResponse | None:
+    verdict, spent = taken
+    if verdict is not None:
+        assert rate is not None  # a verdict is of the request's rate
+        refused = _rate_verdict(rt, call, rate, verdict)
+        if refused is not None:
+            return refused
+    if call.principal is None:
+        return None
+    if spent:
+        rt.metrics.rejections.labels(call.route, "budget_exhausted").inc()
+        return call.error(429, "budget_exhausted", f"daily budget {spent} exhausted", seconds_to_midnight(wall))
+    call.budget_taken = True
+    return None
+
+
+def _rate_verdict(rt: Runtime, call: Call, rate: RateConfig, v: Verdict) -> web.StreamResponse | None:
+    call.headers.update({"RateLimit-Limit": str(v.limit), "RateLimit-Remaining": str(v.remaining),
+                         "RateLimit-Reset": str(v.reset_sec)})
+    if v.ok:
+        return None
+    rt.metrics.rejections.labels(call.route, "rate_limited").inc()
+    return call.error(429, "rate_limited", f"rate limit of {rate.per_minute:g}/min exceeded", v.retry_after)
+
+
+def read_exchange(gw: Gateway, call: Call) -> Awaitable[web.StreamResponse | None] | web.StreamResponse | None:
+    """The request body (kept for a re-queue) and the adapter's look at it; or the refusal.
+    Plain when the whole body is here already (small requests arrive with their head)."""
+    if call.exchange is not None:
+        return None  # already read to choose among routes sharing the path
+    request = call.request
+    limit = int(gw.rt.cfg.server.max_body_mb * 1024 * 1024)
+    content = request.content
+    if request.content_length is not None and request.content_length > limit:
+        return _too_large(call, limit)
+    if not content.is_eof():
+        return _read_exchange(call, limit)
+    body = content.read_nowait(-1)
+    if len(body) > limit:
+        return _too_large(call, limit)
+    return _exchange(call, body)
+
+
+async def _read_exchange(call: Call, limit: int) -> web.StreamResponse | None:
+    """A body still arriving: taken as it comes, refused as soon as it outgrows the limit."""
+    buf = bytearray()
+    async for chunk in call.request.content.iter_any():
+        buf += chunk
+        if len(buf) > limit:
+            return _too_large(call, limit)
+    return _exchange(call, bytes(buf))
+
+
+def _too_large(call: Call, limit: int) -> web.StreamResponse:
+    resp = call.rejected(Rejected(413, "payload_too_large", f"body over {limit // (1024 * 1024)} MB"))
+    resp.force_close()  # do not drain the rest of a body we refused (it may be gigabytes)
+    return resp
+
+
+def _exchange(call: Call, body: bytes) -> web.StreamResponse | None:
+    request = call.request
+    ex = Exchange(request, request.method, call.tail, body, call.request_id, call.client_ip)
+    try:
+        call.adapter.prepare(ex)
+    except Rejected as r:
+        return call.rejected(r)
+    call.exchange = ex
+    return None
+
+
+def name_model(gw: Gateway, call: Call) -> web.StreamResponse | None:
+    """The model an OpenAI request asks for, when its route has multi-model nodes
+    (docs/CONFIG.md#multi-model-nodes): the scheduler sends it only where it is served."""
+    if call.kind != "openai" or call.model is not None or call.exchange is None:
+        return None
+    sched = gw.rt.scheduler
+    rq = sched.routes[call.route_name]
+    if any(n in sched.nodes and sched.nodes[n].cfg.models is not None for n in rq.all_nodes):
+        call.model = body_model(call.exchange.body)
+    return None
+
+
+def price(gw: Gateway, call: Call) -> web.StreamResponse | None:
+    """The request's cost on a node's capacity (docs/CONFIG.md#cost-and-capacity), read once from its body."""
+    rcfg = gw.rt.scheduler.routes[call.route_name].cfg
+    ex = call.exchange
+    if rcfg.cost is None or ex is None:
+        return None
+    try:
+        call.cost = request_cost(rcfg.cost, rcfg.kind, ex.method, ex.tail, ex.body, call.request.headers)
+    except CostTooLarge as e:
+        return call.error(422, "exceeds_capacity", str(e))
+    except UnitError as e:
+        return call.error(400, "bad_request", str(e))
+    return None
+
+
+async def admit(gw: Gateway, call: Call) -> web.StreamResponse | None:
+    """A place in the queue, then the one runner in the request's mode."""
+    rt = gw.rt
+    ex = call.exchange
+    assert ex is not None
+    principal = call.principal
+    # A refused callback must cost nothing: no queue place, no budget.
+    callback, refused = await gw.jobs.check_callback(call, principal) if call.mode == "async" else (None, None)
+    if refused:
+        return call.error(400, "bad_request", f"callback URL refused: {refused}")
+    priority = principal.cfg.priority if principal else 0
+    rcfg = rt.scheduler.routes[call.route_name].cfg
+    # The prefix keys are computed here, once: every dispatch attempt reads them off the ticket.
+    affinity = affinity_of(ex, call.route_name, rcfg) if rcfg.affinity != "off" else None
+    try:
+        ticket = rt.admit(call.route_name, call.subject, priority, pinned_node=call.pinned_node,
+                          cost=call.cost or 0.0, model=call.model, affinity=affinity)
+        if rt.settle is not None:  # cluster mode: Redis decides (kilolined/cluster/leases.py)
+            ticket = await rt.settle(ticket)
+    except Rejected as r:
+        rt.metrics.rejections.labels(call.route, r.type).inc()
+        return call.rejected(r)
+    call.budget_taken = False  # admitted: the request counts, whatever happens next
+    call.ticket = ticket
+    if call.mode != "sync":
+        return await gw.jobs.submit(call, ticket, ex, principal, callback, call.adapter)
+    sink = StreamSink(rt, call) if call.kind == "openai" and wants_stream(ex) else SyncSink(rt, call)
+    return await run(rt, ticket, ex, call.adapter, sink, call.key_id, call.route)
+
+
+PIPELINE: Sequence[Stage] = (check_open, resolve_path, authenticate, choose_mode, pass_unqueued, choose_route,
+                             check_limits, read_exchange, name_model, price, admit)
+# An ad-hoc target's route is made at admission only (targets.py): the stages before it that read
+# a configured route's settings are skipped for it.
+PROXY_PIPELINE: Sequence[Stage] = (check_open, targets.resolve_target, targets.unless_adhoc(authenticate), choose_mode,
+                                   check_limits, read_exchange, targets.unless_adhoc(price),
+                                   targets.adhoc_admission(admit))
+
+
+def handler(stages: Sequence[Stage], route: str = "-") -> Callable[[web.Request], Awaitable[web.StreamResponse]]:
+    plan = tuple(stages)
+
+    async def handle(request: web.Request) -> web.StreamResponse:
+        # The edge (kilolined/edge/guard.py) inline rather than as edge.guard: one coroutine less per request.
+        refused = edge.refuse(request)
+        if refused is not None:
+            return refused
+        gw = request.app[GW]
+        call = Call(request, request_id(request), time.monotonic(), route=route)
+        try:
+            for stage in plan:
+                # None: go on. A coroutine stage, or a plain one with work to wait for, hands
+                # back an awaitable.
+                resp = stage(gw, call)
+                if resp is None:
+                    continue
+                if not isinstance(resp, web.StreamResponse):
+                    resp = await resp
+                    if resp is None:
+                        continue
+                if resp.prepared:
+                    # A stream set its Server header before its prepare(); one that failed after
+                    # its 200 has set the status it would have had.
+                    call.status = call.status or resp.status
+                else:
+                    resp.headers["Server"] = SERVER
+                    call.status = resp.status
+                return resp
+            raise AssertionError("the last stage always answers")
+        except Exception as exc:
+            answer = edge.error_answer(request, exc)
+            if answer is None:
+                raise
+            call.status = answer.status
+            return answer
+        finally:
+            if call.budget_taken and call.principal is not None:
+                gw.rt.limits.give_back_request(call.principal.key_id, time.time())
+            log_access(gw, call)
+
+    return handle
+
+
+def log_access(gw: Gateway, call: Call) -> None:
+    """One line per request, metadata only: never a body, a prompt or a key."""
+    rt = gw.rt
+    duration = time.monotonic() - call.started
+    if call.route != "-" and call.mode == "sync":
+        # GPU work is a request that was admitted (a ticket) and leased to a node; an unqueued path
+        # names a node too, but holds no ticket.
+        ran = call.ticket is not None and call.node != "-"
+        rt.stats.record(call.route, str(call.status), call.queue_wait if ran else None, duration, ran=ran)
+    if not rt.cfg.server.access_log:
+        return
+    rec = {
+        "ts": round(time.time(), 3),
+        "request_id": call.request_id,
+        "method": call.request.method,
+        "path": call.request.path if call.route == "-" else call.route,
+        "key": call.key,
+        "route": call.route,
+        "node": call.node,
+        "mode": call.mode,
+        "status": call.status,
+        "queue_wait_ms": int(call.queue_wait * 1000),
+        "duration_ms": int(duration * 1000),
+        "bytes": call.bytes_out,
+    }
+    if call.cost is not None:
+        rec["cost"] = round(call.cost, 3)
+    if call.swap is not None:
+        rec["swap"] = call.swap
+    t = call.ticket
+    a = t.affinity if t is not None else None
+    if a is not None and a.outcome is not None:
+        rec["affinity"] = a.outcome
+    if t is not None and t.cached is not None:
+        rec["cached"] = t.cached
+    if gw.log_json:
+        access_log.info(orjson.dumps(rec).decode())
+    else:
+        access_log.info(
+            "%(request_id)s %(key)s %(route)s %(node)s %(mode)s %(status)s wait=%(queue_wait_ms)dms "
+            "dur=%(duration_ms)dms bytes=%(bytes)d" + (" cost=%(cost)g" if call.cost is not None else "")
+            + ("" if call.swap is None else " swap=true" if call.swap else " swap=false")
+            + (" affinity=%(affinity)s" if "affinity" in rec else "")
+            + (" cached=%(cached)d" if "cached" in rec else ""),
+            rec,
+        )
+
+
+def build_app(gw: Gateway) -> web.Application:
+    app = web.Application(client_max_size=int(gw.rt.cfg.server.max_body_mb * 1024 * 1024) + 1)
+    app[GW] = gw
+    app[RT] = gw.rt
+    admin.add_routes(app)
+    jobs_api.add_routes(app)
+    proxy = handler(PROXY_PIPELINE, route="proxy")
+    app.router.add_route("*", "/v1/proxy", proxy)
+    app.router.add_route("*", "/v1/proxy/{tail:.*}", proxy)
+    app.router.add_route("*", "/{tail:.*}", handler(PIPELINE))
+    return app

@@ -1,0 +1,65 @@
+"""``GET {path}/models`` on a path that several OpenAI routes share: the union of what their nodes
+serve (docs/CONFIG.md#routes-that-match-the-request), in the OpenAI list shape.
+
+Each node is asked its own ``/models`` (the same tail the client sent) at once, without a slot,
+unless it declares its ``models`` (docs/CONFIG.md#multi-model-nodes): those are its answer;
+a node that fails or does not answer in time is left out, and the answer is 502 only when none
+answered.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+from typing import Any
+
+import aiohttp
+import orjson
+from aiohttp import web
+
+from kilolined.modes.call import Call
+from kilolined.ops.runtime import Runtime
+
+ASK_SEC = 5.0
+
+
+def is_models_list(method: str, tail: str) -> bool:
+    return method == "GET" and tail.split("?", 1)[0].rstrip("/") in ("/models", "/v1/models")
+
+
+def merge(answers: Sequence[Any]) -> list[dict[str, Any]]:
+    """The models of every answer, each id once (first seen wins), in the order seen. Pure."""
+    seen: dict[str, dict[str, Any]] = {}
+    for a in answers:
+        data = a.get("data") if isinstance(a, dict) else None
+        for m in data if isinstance(data, list) else []:
+            if isinstance(m, dict) and isinstance(m.get("id"), str) and m["id"] not in seen:
+                seen[m["id"]] = m
+    return list(seen.values())
+
+
+async def _ask(rt: Runtime, node: str, tail: str) -> Any:
+    ns = rt.scheduler.nodes[node]
+    if isinstance(ns.cfg.models, list):
+        # Declared models (docs/CONFIG.md#multi-model-nodes) are what the gateway routes by: say those.
+        return {"data": [{"id": m, "object": "model", "owned_by": node} for m in ns.cfg.models]}
+    try:
+        async with rt.session(node).get(ns.cfg.url + tail, headers=ns.cfg.headers,
+                                        timeout=aiohttp.ClientTimeout(total=ASK_SEC)) as r:
+            if r.status != 200:
+                return None
+            return orjson.loads(await r.read())
+    except (aiohttp.ClientError, TimeoutError, orjson.JSONDecodeError):
+        return None
+
+
+async def models_union(rt: Runtime, call: Call, routes: Sequence[str]) -> web.Response:
+    nodes: list[str] = []
+    for name in routes:
+        rq = rt.scheduler.routes[name]
+        nodes += [n for n in rq.all_nodes if n not in nodes and n in rt.scheduler.nodes]
+    answers = [a for a in await asyncio.gather(*(_ask(rt, n, call.tail) for n in nodes)) if a is not None]
+    if not answers:
+        return call.error(502, "upstream_error", "no node of this path answered its model list")
+    return web.json_response({"object": "list", "data": merge(answers)},
+                             headers={**call.headers, "X-Request-Id": call.request_id})

@@ -1,0 +1,1 @@
+"""Client modes: how a leased call reaches the client (sync, SSE, async job with webhook)."""

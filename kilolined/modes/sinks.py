@@ -1,0 +1,265 @@
+"""Where a request's answer goes: the sync client modes (API docs: docs/API.md "Client modes").
+
+Each is a ``lease.Sink``: it hears the request's moves, takes the node's answer (``deliver``), a
+computed result (``result``) or the failure (``fail``), and owns how each looks to its client.
+The job sink lives with the jobs (``jobs.py``).
+
+- ``SyncSink``: the node's answer streams back to the held client connection.
+- ``StreamSink``: OpenAI ``"stream": true``. Its 200 goes out only once the request has to wait
+  (queued, or the node silent for ``heartbeat_sec``), with keep-alive comments until the node's
+  first byte; before that, the node's real status and body pass through as in sync mode.
+"""
+
+from __future__ import annotations
+
+import aiohttp
+import orjson
+from aiohttp import web
+from multidict import CIMultiDict
+
+from kilolined.adapters.openai import UsageStripper, gateway_added_usage
+from kilolined.core.outcome import Failure, Result
+from kilolined.modes.call import Call
+from kilolined.ops.runtime import Runtime
+from kilolined.scheduling.lease import LeaseScope, Sink
+from kilolined.scheduling.queue import WAITING, Lease
+from kilolined.wire.proxy import SERVER, Observer, Upstream, cut_client, mid_response, response_headers, stream_back
+
+
+class SyncSink(Sink):
+    __slots__ = ("call", "label", "outcome", "response", "rt", "scope")
+    mode = "sync"
+    reports_progress = False
+
+    def __init__(self, rt: Runtime, call: Call):
+        self.rt, self.call = rt, call
+        self.label = call.route
+        self.response: web.StreamResponse | None = None
+        self.outcome = "ok"
+        self.scope: LeaseScope | None = None
+
+    # --- listener -----------------------------------------------------------------------------
+    def dispatched(self, lease: Lease, queue_wait: float) -> None:
+        call = self.call
+        if call.node == "-":
+            call.queue_wait = queue_wait
+            self.rt.metrics.queue_wait.labels(self.label).observe(queue_wait)
+        call.node = lease.node
+        call.swap = lease.swap  # the access log's swap= (docs/CONFIG.md#multi-model-nodes)
+
+    # --- answers ------------------------------------------------------------------------------
+    def headers_for(self, scope: LeaseScope, up: Upstream) -> CIMultiDict[str]:
+        call = self.call
+        lease_node = call.node
+        assert scope.lease is not None
+        node_url, rcfg = scope.lease.target.url, scope.lease.target.route
+        # A node's redirect comes back through the route: under its path only if the path was cut off.
+        headers = response_headers(up, node_url, rcfg.path if rcfg.strips_path else "/")
+        headers.update(call.headers)
+        headers["X-Request-Id"] = call.request_id
+        headers["X-KiloLine-Node"] = lease_node
+        headers["X-KiloLine-Queue-Wait-Ms"] = str(int(call.queue_wait * 1000))
+        return headers
+
+    async def deliver(self, scope: LeaseScope, up: Upstream, obs: Observer | None,
+                      capture: bytearray | None = None) -> None:
+        """Copy the node's answer to the client. The slot is freed when the body ends (the scope)."""
+        call = self.call
+        self.scope = scope
+        ok = False
+        try:
+            self.response, call.bytes_out = await stream_back(call.request, up, self.headers_for(scope, up), obs,
+                                                              capture, scope)
+            scope.size = call.bytes_out
+            ok = up.status < 500
+            scope.ok = ok
+            self.outcome = "ok" if ok else "upstream_error"
+        except ConnectionResetError:
+            # The client hung up (aiohttp's ClientConnectionResetError is also a ClientError, so
+            # this comes first): not the node's fault, no breaker count.
+            self.outcome = "client_gone"
+            raise
+        except (aiohttp.ClientError, TimeoutError) as e:
+            # The node failed mid-body: no retry is possible once bytes went out; cut the client.
+            raise _mid_response(scope, call.node, e) from None
+        finally:
+            up.release()
+            if obs is not None:
+                obs.done(ok)
+
+    def result(self, res: Result) -> None:
+        self.response = web.Response(status=res.http_status, body=res.body, content_type=res.content_type)
+
+    @property
+    def started(self) -> bool:
+        r = self.response
+        return (self.scope is not None and self.scope.started) or (r is not None and r.prepared)
+
+    async def fail(self, f: Failure) -> web.StreamResponse:
+        call = self.call
+        if self.started or call.request.transport is None:
+            # Bytes went out already: there is no honest error to write; end the connection.
+            cut_client(call.request)
+            call.status = f.http_status or 502
+            raise web.HTTPBadGateway() if f.type != "upstream_timeout" else web.HTTPGatewayTimeout()
+        return call.error(f.http_status or 502, f.type, f.message, f.retry_after)
+
+
+class StreamSink(SyncSink):
+    """``"stream": true`` on an openai route (docs/API.md "OpenAI streams")."""
+
+    __slots__ = ("stream", "strip", "tick_sec")
+
+    def __init__(self, rt: Runtime, call: Call):
+        super().__init__(rt, call)
+        self.tick_sec = rt.cfg.server.heartbeat_sec
+        self.stream: web.StreamResponse | None = None
+        # The usage chunk the gateway asked for on the client's behalf is not the client's.
+        ex = call.exchange
+        self.strip = UsageStripper() if ex is not None and gateway_added_usage(ex) else None
+
+
+    @property
+    def started(self) -> bool:
+        return self.stream is not None or super().started
+
+    async def begin(self, scope: LeaseScope) -> None:
+        """Before the wait: a request that has to queue gets its 200 and a first comment at once."""
+        self.scope = scope
+        if scope.ticket.state == WAITING:
+            await self.tick(True, scope)
+
+    async def _open(self) -> web.StreamResponse:
+        call = self.call
+        if self.stream is None:
+            headers = {**call.headers, "Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+                       "X-Accel-Buffering": "no", "X-Request-Id": call.request_id, "Server": SERVER}
+            if call.node != "-":
+                headers["X-KiloLine-Node"] = call.node
+            resp = web.StreamResponse(status=200, headers=headers)
+            if self.scope is not None:
+                self.scope.started = True
+            await resp.prepare(call.request)
+            self.stream = self.response = resp
+            call.status = 200
+        return self.stream
+
+    async def tick(self, queued: bool, scope: LeaseScope | None = None) -> None:
+        resp = await self._open()
+        if queued:
+            rt, call = self.rt, self.call
+            sched = rt.scheduler
+            now = rt.clock()
+            ticket = call.ticket
+            pos = sched.position(ticket, now) if ticket is not None else None
+            est = sched.est_wait(sched.routes[ticket.route], pos or 0, now) if ticket is not None else None
+            # JSON spelling (null, not None), as in the sse events.
+            await resp.write(b": queued position=%s est_wait_sec=%s\n\n" % (orjson.dumps(pos), orjson.dumps(est)))
+        else:
+            await resp.write(b": waiting for the node\n\n")
+
+    async def deliver(self, scope: LeaseScope, up: Upstream, obs: Observer | None,
+                      capture: bytearray | None = None) -> None:
+        is_stream = up.status == 200 and "text/event-stream" in up.headers.get("Content-Type", "")
+        if self.stream is None and not is_stream:
+            # The node answered before the request had to wait: its own status and body.
+            return await super().deliver(scope, up, obs, capture)
+        call = self.call
+        self.scope = scope
+        resp = await self._open()
+        ok = False
+        try:
+            if up.status != 200 or "text/event-stream" not in up.headers.get("Content-Type", ""):
+                body = await up.read()
+                if up.status == 200:
+                    # A node that ignored "stream": pass its JSON through as one data line.
+                    if obs is not None:
+                        obs.feed(body)
+                    await _write(scope, resp, b"data: " + body.strip() + b"\n\ndata: [DONE]\n\n")
+                    ok = True
+                else:
+                    message, type_ = node_message(body, up.status)
+                    await _write(scope, resp, error_event(type_, message, up.status))
+                    call.status = up.status  # the access log tells what the client really got
+                    ok = up.status < 500
+                    self.outcome = "ok" if ok else "upstream_error"
+            else:
+                strip = self.strip
+                content = up.content
+                while chunk := await content.readany():
+                    if obs is not None:
+                        obs.feed(chunk)
+                    out = strip.feed(chunk) if strip is not None else chunk
+                    if out:
+                        # _write's flag inline: one coroutine less per relayed chunk
+                        scope.writing = True
+                        try:
+                            await resp.write(out)
+                        finally:
+                            scope.writing = False
+                        call.bytes_out += len(out)
+                if strip is not None and (rest := strip.flush()):
+                    await _write(scope, resp, rest)
+                    call.bytes_out += len(rest)
+                ok = True
+            scope.size = call.bytes_out
+            scope.ok = ok
+            if not ok:
+                self.outcome = "upstream_error"
+        except ConnectionResetError:
+            self.outcome = "client_gone"
+            raise
+        except (aiohttp.ClientError, TimeoutError) as e:
+            raise _mid_response(scope, call.node, e) from None
+        finally:
+            up.release()
+            if obs is not None:
+                obs.done(ok)
+        await resp.write_eof()
+
+    async def fail(self, f: Failure) -> web.StreamResponse:
+        if self.stream is None:
+            return await super().fail(f)
+        self.call.status = f.http_status or 502  # the 200 went out; the log tells the truth
+        try:
+            await self.stream.write(error_event(f.type, f.message, f.http_status or 502))
+            await self.stream.write_eof()
+        except (ConnectionError, RuntimeError):
+            pass
+        return self.stream
+
+
+def _mid_response(scope: LeaseScope, node: str, e: BaseException) -> Failure:
+    """The node failed after its answer began: the verdict, and the failure the client gets."""
+    reason = mid_response(e)
+    scope.node_failed(reason, mid_body=True)
+    return Failure.mid_response(node, reason)
+
+
+async def _write(scope: LeaseScope, resp: web.StreamResponse, data: bytes) -> None:
+    scope.writing = True
+    try:
+        await resp.write(data)
+    finally:
+        scope.writing = False
+
+
+def error_event(type_: str, message: str, status: int) -> bytes:
+    # OpenAI's shape: code is a string; `status` is the HTTP status it would have had.
+    err = {"error": {"message": message, "type": type_, "code": type_, "status": status}}
+    return b"data: " + orjson.dumps(err) + b"\n\ndata: [DONE]\n\n"
+
+
+def node_message(body: bytes, status: int) -> tuple[str, str]:
+    """The node's own error message, whichever backend's shape it has."""
+    try:
+        data = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        return f"node answered HTTP {status}", "upstream_error"
+    if isinstance(data, dict):
+        err = data.get("error", data)
+        if isinstance(err, dict) and err.get("message"):
+            return str(err["message"]), str(err.get("type") or "upstream_error")
+        if isinstance(err, str):
+            return err, "upstream_error"
+    return f"node answered HTTP {status}", "upstream_error"

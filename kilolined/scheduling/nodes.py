@@ -1,0 +1,209 @@
+"""Node state as pure logic: active health × passive breaker × slow start × drain.
+
+No I/O and no clock of its own: every method takes ``now`` (monotonic seconds), so tests drive
+time by hand. Methods that change state return the notification events they caused
+(``node_down``, ``node_up``, ``breaker_open``, ``breaker_closed``) for the caller to publish.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from kilolined.core.config import BreakerConfig, HealthConfig, NodeConfig
+from kilolined.scheduling.models import ModelState
+
+CLOSED, HALF_OPEN, OPEN = "closed", "half-open", "open"
+BREAKER_GAUGE = {CLOSED: 0, HALF_OPEN: 1, OPEN: 2}
+
+
+@dataclass
+class NodeState:
+    name: str
+    cfg: NodeConfig
+    healthy: bool = True
+    drained: bool = False
+    # health counters: consecutive results of the opposite kind to the current state
+    check_fails: int = 0
+    check_oks: int = 0
+    last_check_ms: float | None = None
+    last_error: str | None = None
+    # breaker
+    breaker: str = CLOSED
+    failures: int = 0
+    open_until: float = 0.0
+    open_period: float = 0.0
+    trial_in_flight: bool = False
+    # slow start: set when the node recovers (not at gateway start, as in HAProxy)
+    recovered_at: float | None = None
+    #: soft-ejected for being slow (speed.py): one slot, ranked last in node choice
+    slowed: bool = False
+    retired: bool = False  # removed by a reload: gets no new work, in-flight finishes
+    latencies: list[float] = field(default_factory=list)
+    # The last time it was seen alive: a health check passed or a request succeeded. A request
+    # the node lost goes back to it only after this moves (queue.Scheduler.barred).
+    alive_at: float = -math.inf
+    models: ModelState = field(default_factory=ModelState)  # what it serves and holds loaded
+    #: when its process started, as its health answer tells (affinity.reported_start); None: it does not
+    started: float | None = None
+
+    @property
+    def label(self) -> str:
+        return self.cfg.label or self.name
+
+    @property
+    def health_cfg(self) -> HealthConfig | None:
+        return self.cfg.health
+
+    @property
+    def breaker_cfg(self) -> BreakerConfig:
+        return self.cfg.breaker
+
+    # --- breaker clock -----------------------------------------------------------------
+    def tick(self, now: float) -> list[str]:
+        """Advance time-driven transitions: open → half-open when the period has passed."""
+        if self.breaker == OPEN and now >= self.open_until:
+            self.breaker = HALF_OPEN
+            self.trial_in_flight = False
+        return []
+
+    def breaker_state(self, now: float) -> str:
+        self.tick(now)
+        return self.breaker
+
+    # --- can it take work ---------------------------------------------------------------
+    def available(self, now: float) -> bool:
+        """Up, breaker lets a request through, not drained (slots are the scheduler's business)."""
+        if self.retired or self.drained or not self.healthy:
+            return False
+        state = self.breaker_state(now)
+        if state == OPEN:
+            return False
+        return not (state == HALF_OPEN and self.trial_in_flight)
+
+    def serving(self, now: float) -> bool:
+        """Known good: up, breaker closed, not drained. A half-open node is only on trial, so it
+        does not count for the route's mode (no "back on primary" before the trial succeeded)."""
+        return not (self.retired or self.drained or not self.healthy) and self.breaker_state(now) == CLOSED
+
+    def effective(self, configured: int, now: float) -> int:
+        """Slow start: 1 → configured linearly over slow_start_sec after a recovery; 1 while
+        soft-ejected for being slow."""
+        if self.slowed:
+            return min(configured, 1)
+        ss = self.breaker_cfg.slow_start_sec
+        if self.recovered_at is None or ss <= 0 or configured <= 1:
+            return configured
+        frac = (now - self.recovered_at) / ss
+        if frac >= 1:
+            self.recovered_at = None
+            return configured
+        return max(1, min(configured, 1 + math.floor(frac * (configured - 1))))
+
+    def on_dispatch(self, now: float) -> bool:
+        """Called when a request is leased to this node; returns True if it is the half-open trial."""
+        if self.breaker_state(now) == HALF_OPEN:
+            self.trial_in_flight = True
+            return True
+        return False
+
+    # --- passive results ----------------------------------------------------------------
+    def record_success(self, now: float, trial: bool = False) -> list[str]:
+        self.failures = 0
+        self.alive_at = now
+        # While half-open only the one trial's result counts; stragglers from before the trip don't.
+        if self.breaker == HALF_OPEN and trial:
+            self.breaker = CLOSED
+            self.trial_in_flight = False
+            self.open_period = 0.0
+            self.recovered_at = now
+            return ["breaker_closed"]
+        return []
+
+    def record_failure(self, now: float, reason: str, trial: bool = False) -> list[str]:
+        self.last_error = reason
+        self.tick(now)
+        if self.breaker == HALF_OPEN:
+            return self._trip(now) if trial else []
+        if self.breaker == OPEN:
+            return []
+        self.failures += 1
+        if self.failures >= self.breaker_cfg.consecutive_failures:
+            return self._trip(now)
+        return []
+
+    def merge_failures(self, count: int, now: float) -> list[str]:
+        """Cluster mode: ``count`` consecutive failures seen on every gateway together; they
+        open a closed breaker as this gateway's own would."""
+        self.tick(now)
+        if self.breaker != CLOSED:
+            return []
+        self.failures = max(self.failures, count)
+        if self.failures >= self.breaker_cfg.consecutive_failures:
+            return self._trip(now)
+        return []
+
+    def trip(self, now: float) -> list[str]:
+        """Open the breaker now (a hard eject for slowness or a stall, speed.py); [] when it is
+        open already."""
+        self.tick(now)
+        return [] if self.breaker == OPEN else self._trip(now)
+
+    def _trip(self, now: float) -> list[str]:
+        cfg = self.breaker_cfg
+        was_closed = self.breaker == CLOSED
+        self.open_period = cfg.open_sec if was_closed or not self.open_period else self.open_period * 2
+        self.open_period = min(self.open_period, cfg.max_open_sec)
+        self.breaker = OPEN
+        self.open_until = now + self.open_period
+        self.trial_in_flight = False
+        self.failures = 0
+        self.recovered_at = None
+        return ["breaker_open"]
+
+    # --- active health ------------------------------------------------------------------
+    def record_check(self, ok: bool, now: float, latency_ms: float | None, error: str | None) -> list[str]:
+        hc = self.health_cfg
+        if hc is None:
+            return []
+        self.last_check_ms = latency_ms
+        if latency_ms is not None:
+            self.latencies.append(latency_ms)
+            del self.latencies[:-30]
+        events: list[str] = []
+        if ok:
+            self.check_fails = 0
+            self.alive_at = now
+            # A half-open breaker may use a health check as its one trial.
+            if self.breaker_state(now) == HALF_OPEN and not self.trial_in_flight:
+                events += self.record_success(now, trial=True)
+            if not self.healthy:
+                self.check_oks += 1
+                if self.check_oks >= hc.rise:
+                    self.healthy = True
+                    self.check_oks = 0
+                    self.recovered_at = now
+                    events.append("node_up")
+        else:
+            self.last_error = error
+            self.check_oks = 0
+            if self.breaker_state(now) == HALF_OPEN and not self.trial_in_flight:
+                events += self._trip(now)
+            if self.healthy:
+                self.check_fails += 1
+                if self.check_fails >= hc.fall:
+                    self.healthy = False
+                    self.check_fails = 0
+                    self.recovered_at = None
+                    events.append("node_down")
+        return events
+
+    def snapshot(self, now: float) -> dict[str, object]:
+        return {
+            "label": self.label,
+            "health": "up" if self.healthy else "down",
+            "breaker": self.breaker_state(now),
+            "drained": self.drained,
+            "last_check_ms": None if self.last_check_ms is None else round(self.last_check_ms, 1),
+            "last_error": self.last_error,
+        }

@@ -1,0 +1,944 @@
+"""The lease queue: who waits, in what order, and who gets which slot on which node.
+
+Pure, synchronous logic with ``now`` passed in, so that hypothesis can drive it with a fake
+clock. The async layer (``runtime.py``) attaches a waker to each ticket and calls ``dispatch``
+whenever something may have freed capacity.
+
+Cost and capacity (docs/CONFIG.md, "Cost and capacity"): a ticket may carry a cost, and a node
+with ``capacity`` takes it only while its leases' costs plus this one fit. When the head of a
+route does not fit anywhere, a later ticket that fits goes first (backfill), at most
+``max_bypass`` times per head; after that, the nodes that could hold the head wait for it.
+
+Multi-model nodes (docs/CONFIG.md#multi-model-nodes): a ticket may name its model; only nodes
+that serve it take it, one where it is warm first. When the head would make its node swap
+models, a later ticket whose model is warm there goes first (collation), at most
+``max_swap_bypass`` times per head and for at most ``queue_timeout_sec / 4`` after the first.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import math
+from collections import Counter, OrderedDict
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from kilolined.core.config import NodeConfig, RouteConfig
+from kilolined.scheduling import affinity as aff
+from kilolined.scheduling.affinity import Affinity, PrefixIndex
+from kilolined.scheduling.nodes import NodeState
+
+WAITING, LEASED, DONE, FAILED = "waiting", "leased", "done", "failed"
+EPS = 1e-9  # costs are sums of floats: compare with a little slack
+COLD = 1 << 40  # node choice: a node where the model is not warm ranks after every node where it is
+SLOWED = 1 << 42  # node choice: a node soft-ejected for being slow ranks after every other
+
+
+class Rejected(Exception):
+    """Admission refused; ``type`` and ``status`` are those of docs/API.md#errors."""
+
+    def __init__(self, status: int, type_: str, message: str, retry_after: float | None = None):
+        super().__init__(message)
+        self.status = status
+        self.type = type_
+        self.message = message
+        self.retry_after = retry_after
+
+
+@dataclass(eq=False, slots=True)
+class Ticket:
+    seq: int
+    route: str
+    key: str
+    priority: int
+    enqueued_at: float
+    pinned_node: str | None = None
+    # Nodes that failed this request -> when they were lost (-inf: they answered, so are alive).
+    avoid: dict[str, float] = field(default_factory=dict)
+    requeues: int = 0
+    state: str = WAITING
+    lease: Lease | None = None
+    error: Rejected | None = None
+    on_wake: Callable[[Ticket], None] | None = None
+    deadline: float = math.inf
+    cost: float = 0.0  # what it holds of a node's capacity while leased
+    bypassed: int = 0  # requests dispatched ahead of it while it was the head (backfill)
+    model: str | None = None  # the model it asks for (OpenAI "model"); None: any node of the route
+    swap_bypassed: int = 0  # requests collated ahead of it while it was the head
+    swap_bypassed_at: float | None = None  # when it was first collated past
+    affinity: Affinity | None = None  # its prefix keys or session key (routes with ``affinity``)
+    cached: int | None = None  # prompt tokens its node reported reused (the access log's cached=)
+
+    def wake(self) -> None:
+        if self.on_wake is not None:
+            self.on_wake(self)
+
+
+@dataclass(frozen=True, slots=True)
+class Target:
+    """Where a lease's request goes, resolved once at grant time: the route's and the node's
+    config as they were then. A reload mid-request changes neither (docs/ARCHITECTURE.md)."""
+
+    route: RouteConfig
+    node: NodeConfig
+
+    @property
+    def url(self) -> str:
+        return self.node.url
+
+    @property
+    def headers(self) -> dict[str, str]:
+        return self.node.headers
+
+    @property
+    def request_timeout_sec(self) -> float:
+        return self.route.request_timeout_sec
+
+
+@dataclass(eq=False, slots=True)
+class Lease:
+    ticket: Ticket
+    route: str
+    node: str
+    started_at: float
+    trial: bool
+    target: Target
+    released: bool = False
+    cost: float = 0.0
+    swap: bool | None = None  # the node had to load the model (None: the node has no model state)
+    # Stops the request on this lease at once (its LeaseScope sets it): the cluster store calls it
+    # when the lease was lost while this gateway could not reach Redis (docs/CLUSTER.md).
+    revoke: Callable[[str], None] | None = None
+
+
+# --- strategies: the order in which waiting tickets get slots ---------------------------------
+
+
+class FifoOrder:
+    def __init__(self) -> None:
+        self._q: OrderedDict[int, Ticket] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._q)
+
+    def push(self, t: Ticket, front: bool = False) -> None:
+        self._q[t.seq] = t
+        if front:
+            self._q.move_to_end(t.seq, last=False)
+
+    def remove(self, t: Ticket) -> bool:
+        return self._q.pop(t.seq, None) is not None
+
+    def peek(self, now: float) -> Ticket | None:
+        return next(iter(self._q.values()), None)
+
+    def pop(self, now: float) -> Ticket:
+        return self._q.popitem(last=False)[1]
+
+    def order(self, now: float) -> Iterator[Ticket]:
+        return iter(list(self._q.values()))
+
+
+class FairOrder:
+    """One FIFO per key, served round-robin across keys (``fifo_fair_lease``)."""
+
+    def __init__(self) -> None:
+        self._by_key: dict[str, OrderedDict[int, Ticket]] = {}
+        self._ring: OrderedDict[str, None] = OrderedDict()  # first = the key served next
+        self._n = 0
+
+    def __len__(self) -> int:
+        return self._n
+
+    def push(self, t: Ticket, front: bool = False) -> None:
+        q = self._by_key.setdefault(t.key, OrderedDict())
+        q[t.seq] = t
+        self._n += 1
+        if t.key not in self._ring:
+            self._ring[t.key] = None
+        if front:
+            # A re-queued request goes back to the head: its key is served next, it first.
+            q.move_to_end(t.seq, last=False)
+            self._ring.move_to_end(t.key, last=False)
+
+    def remove(self, t: Ticket) -> bool:
+        q = self._by_key.get(t.key)
+        if q is None or q.pop(t.seq, None) is None:
+            return False
+        self._n -= 1
+        if not q:
+            del self._by_key[t.key]
+            del self._ring[t.key]
+        return True
+
+    def peek(self, now: float) -> Ticket | None:
+        for k in self._ring:
+            return next(iter(self._by_key[k].values()))
+        return None
+
+    def pop(self, now: float) -> Ticket:
+        k = next(iter(self._ring))
+        q = self._by_key[k]
+        t = q.popitem(last=False)[1]
+        self._n -= 1
+        if q:
+            self._ring.move_to_end(k)
+        else:
+            del self._by_key[k]
+            del self._ring[k]
+        return t
+
+    def order(self, now: float) -> Iterator[Ticket]:
+        queues = [list(self._by_key[k].values()) for k in self._ring]
+        for i in itertools.count():
+            alive = False
+            for q in queues:
+                if i < len(q):
+                    alive = True
+                    yield q[i]
+            if not alive:
+                return
+
+
+class PriorityOrder:
+    """Higher priority first, FIFO within a level; a request gains +1 per ``age_step`` waited.
+
+    Re-queued requests (their node died under them) go before everything: they already waited
+    their turn once.
+    """
+
+    def __init__(self, age_step: float) -> None:
+        self.age_step = max(age_step, 1e-9)
+        self._levels: dict[int, OrderedDict[int, Ticket]] = {}
+        self._front: OrderedDict[int, Ticket] = OrderedDict()
+        self._n = 0
+
+    def __len__(self) -> int:
+        return self._n
+
+    def push(self, t: Ticket, front: bool = False) -> None:
+        self._n += 1
+        if front:
+            self._front[t.seq] = t
+            self._front.move_to_end(t.seq, last=False)
+            return
+        self._levels.setdefault(t.priority, OrderedDict())[t.seq] = t
+
+    def remove(self, t: Ticket) -> bool:
+        if self._front.pop(t.seq, None) is not None:
+            self._n -= 1
+            return True
+        q = self._levels.get(t.priority)
+        if q is None or q.pop(t.seq, None) is None:
+            return False
+        self._n -= 1
+        if not q:
+            del self._levels[t.priority]
+        return True
+
+    def effective(self, t: Ticket, now: float) -> float:
+        return t.priority + math.floor(max(0.0, now - t.enqueued_at) / self.age_step)
+
+    def _best(self, heads: dict[int, list[Ticket]], idx: dict[int, int], now: float) -> int | None:
+        best: tuple[float, float] | None = None
+        best_level = None
+        for level, q in heads.items():
+            i = idx[level]
+            if i < len(q):
+                t = q[i]
+                k = (self.effective(t, now), -t.enqueued_at)
+                if best is None or k > best:
+                    best, best_level = k, level
+        return best_level
+
+    def peek(self, now: float) -> Ticket | None:
+        if self._front:
+            return next(iter(self._front.values()))
+        heads = {lv: [next(iter(q.values()))] for lv, q in self._levels.items()}
+        lv = self._best(heads, dict.fromkeys(heads, 0), now)
+        return None if lv is None else heads[lv][0]
+
+    def pop(self, now: float) -> Ticket:
+        t = self.peek(now)
+        assert t is not None
+        self.remove(t)
+        return t
+
+    def order(self, now: float) -> Iterator[Ticket]:
+        yield from list(self._front.values())
+        heads = {lv: list(q.values()) for lv, q in self._levels.items()}
+        idx = dict.fromkeys(heads, 0)
+        while True:
+            lv = self._best(heads, idx, now)
+            if lv is None:
+                return
+            yield heads[lv][idx[lv]]
+            idx[lv] += 1
+
+
+def make_order(cfg: RouteConfig) -> FifoOrder | FairOrder | PriorityOrder:
+    if cfg.strategy == "fifo":
+        return FifoOrder()
+    if cfg.strategy == "priority":
+        return PriorityOrder(cfg.queue_timeout_sec / 4)
+    return FairOrder()
+
+
+# --- per-route state ---------------------------------------------------------------------------
+
+
+class RouteQueue:
+    def __init__(self, name: str, cfg: RouteConfig):
+        self.name = name
+        self.cfg = cfg
+        self.waiting = make_order(cfg)
+        self.by_key: Counter[str] = Counter()
+        self.inflight: Counter[str] = Counter()  # node -> leases of this route
+        self.capacity_used = 0.0  # the costs of this route's leases
+        self.retired = False
+        self.mode = "primary"
+        self.mean_service: float | None = cfg.expected_duration_sec
+        self.samples = 0
+
+    def configure(self, cfg: RouteConfig, now: float) -> None:
+        old = self.cfg
+        self.cfg = cfg
+        if old.strategy != cfg.strategy or old.queue_timeout_sec != cfg.queue_timeout_sec:
+            tickets = list(self.waiting.order(now))
+            self.waiting = make_order(cfg)
+            for t in tickets:
+                self.waiting.push(t)
+        if self.samples == 0:
+            self.mean_service = cfg.expected_duration_sec
+
+    @property
+    def all_nodes(self) -> list[str]:
+        return list(self.cfg.nodes) + list(self.cfg.standby)
+
+    def observe(self, seconds: float) -> None:
+        """Service-time moving average (EWMA, alpha 0.2; the first sample replaces the seed)."""
+        if self.samples == 0 or self.mean_service is None:
+            self.mean_service = seconds
+        else:
+            self.mean_service += 0.2 * (seconds - self.mean_service)
+        self.samples += 1
+
+
+# --- the scheduler -----------------------------------------------------------------------------
+
+
+class WaitingElsewhere(Protocol):
+    """The waiting requests a shared lease store holds instead of this scheduler (cluster mode):
+    their ranks and counts, for the views."""
+
+    def position(self, t: Ticket) -> int | None: ...
+    def positions(self, route: str) -> dict[int, int]: ...
+    def depth(self, route: str) -> int: ...
+    def by_key(self, route: str) -> dict[str, int]: ...
+
+
+class Scheduler:
+    """All routes' queues and all nodes' slots; the only place where leases are made."""
+
+    def __init__(self) -> None:
+        #: cluster mode: the waiting requests the cluster lease store holds (they count in the views)
+        self.elsewhere: WaitingElsewhere | None = None
+        self.routes: dict[str, RouteQueue] = {}
+        self.nodes: dict[str, NodeState] = {}
+        self.node_inflight: Counter[str] = Counter()
+        self.capacity_used: dict[str, float] = {}  # node -> the costs of its leases
+        self.swaps: Counter[str] = Counter()  # node -> dispatches that made it load a model
+        self.indexes: dict[str, PrefixIndex] = {}  # node -> the prefix keys dispatched to it
+        #: (route, hit|miss|load) -> affinity decisions (kiloline_affinity_decisions_total)
+        self.affinity_decisions: Counter[tuple[str, str]] = Counter()
+        self._seq = itertools.count(1)
+        self._deadlines: list[tuple[float, int, Ticket]] = []
+        #: whether this gateway's own health checks run (cluster mode: only the leader's do)
+        self.checks_here: Callable[[], bool] = lambda: True
+
+    # -- capacity --------------------------------------------------------------------------
+    def can_take(self, rq: RouteQueue, node: str, now: float, cost: float = 0.0) -> bool:
+        ns = self.nodes.get(node)
+        if ns is None or not ns.available(now):
+            return False
+        if rq.inflight[node] >= ns.effective(rq.cfg.max_concurrency, now):
+            return False
+        cap = ns.cfg.max_concurrency
+        if cap is not None and self.node_inflight[node] >= ns.effective(cap, now):
+            return False
+        return self.fits(ns, cost, now)
+
+    def fits(self, ns: NodeState, cost: float, now: float) -> bool:
+        """In-flight costs plus ``cost`` within the node's capacity (ramped during slow start).
+
+        While ramping, a node that holds no cost still takes one request that fits its full
+        capacity, as the slots ramp from one request up."""
+        full = ns.cfg.capacity
+        if full is None:
+            return True
+        used = self.capacity_used.get(ns.name, 0.0)
+        if used + cost <= ramped_capacity(ns, now) + EPS:
+            return True
+        return used <= EPS and cost <= full + EPS
+
+    @staticmethod
+    def could_hold(ns: NodeState | None, cost: float) -> bool:
+        """The node could ever take a request of this cost (no capacity: always)."""
+        return ns is not None and (ns.cfg.capacity is None or cost <= ns.cfg.capacity + EPS)
+
+    def max_capacity(self, rq: RouteQueue, pinned_node: str | None = None) -> float | None:
+        """The largest capacity of the route's nodes; None when one of them has none (no limit)."""
+        caps = []
+        for n in [pinned_node] if pinned_node is not None else rq.all_nodes:
+            ns = self.nodes.get(n)
+            if ns is None:
+                continue
+            if ns.cfg.capacity is None:
+                return None
+            caps.append(ns.cfg.capacity)
+        return max(caps) if caps else None
+
+    def costed(self, rq: RouteQueue) -> bool:
+        """Whether costs can hold this route's tickets back (so backfill may be needed)."""
+        return rq.cfg.cost is not None and any(
+            n in self.nodes and self.nodes[n].cfg.capacity is not None for n in rq.all_nodes)
+
+    def usable(self, rq: RouteQueue, now: float) -> list[str]:
+        """Nodes the route would send new work to right now (primaries, else standbys)."""
+        prim = [n for n in rq.cfg.nodes if n in self.nodes and self.nodes[n].available(now)]
+        if prim:
+            return prim
+        return [n for n in rq.cfg.standby if n in self.nodes and self.nodes[n].available(now)]
+
+    def live_slots(self, rq: RouteQueue, now: float) -> int:
+        total = 0
+        for n in self.usable(rq, now):
+            ns = self.nodes[n]
+            s = ns.effective(rq.cfg.max_concurrency, now)
+            if ns.cfg.max_concurrency is not None:
+                s = min(s, ns.effective(ns.cfg.max_concurrency, now))
+            total += s
+        return total
+
+    def serves(self, node: str, model: str | None) -> bool:
+        """The node may take a request for ``model`` (always, for a request naming none)."""
+        ns = self.nodes.get(node)
+        return ns is not None and (model is None or ns.models.serves(ns.cfg, model))
+
+    def barred(self, t: Ticket, node: str, now: float) -> bool:
+        """``node`` lost ``t`` and has not been seen alive since: it may not have it back.
+
+        As HAProxy's redispatch: a request re-queued because its node stopped answering goes
+        back there only after the node passed a health check or answered a request (its breaker
+        closing through a trial is such an answer). A node nobody here probes (no ``health``, or
+        another gateway leads the checks) is given the time in which a probe or a breaker would
+        have judged it: ``breaker.open_sec``, or ``health.interval_sec × (fall + 1)``.
+        """
+        lost_at = t.avoid.get(node)
+        if lost_at is None or lost_at == -math.inf:
+            return False
+        ns = self.nodes.get(node)
+        if ns is None or ns.alive_at > lost_at:
+            return False
+        hc = ns.cfg.health
+        if hc is not None and self.checks_here():
+            return True
+        wait = ns.cfg.breaker.open_sec if hc is None else hc.interval_sec * (hc.fall + 1)
+        return now < lost_at + wait
+
+    def choose_node(self, rq: RouteQueue, t: Ticket, now: float,
+                    blocked: frozenset[str] = frozenset()) -> str | None:
+        """Where ``t`` goes now, or None; ``blocked`` nodes are held for a head that was passed over."""
+        model = t.model
+        if t.pinned_node is not None:
+            ok = (t.pinned_node not in blocked and self.can_take(rq, t.pinned_node, now, t.cost)
+                  and self.serves(t.pinned_node, model) and not self.barred(t, t.pinned_node, now))
+            return t.pinned_node if ok else None
+        best: str | None = None
+        a = t.affinity if t.affinity is not None and t.affinity.mode == rq.cfg.affinity else None
+        for group in (rq.cfg.nodes, rq.cfg.standby):
+            names = [n for n in group if n not in t.avoid and n not in blocked
+                     and (model is None or self.serves(n, model))]
+            best = (self._least_loaded(names, rq, now, t.cost, model) if a is None
+                    else self._affine(names, rq, t, a, now))
+            if best is not None:
+                return best
+            # A standby is only for when no primary can *be used*; a primary that is merely
+            # full means wait for it, not spill onto the standby. One too small to ever hold
+            # this request, or that does not serve its model, cannot be used for it.
+            if any(n not in t.avoid and n in self.nodes and self.nodes[n].available(now)
+                   and self.could_hold(self.nodes[n], t.cost) and self.serves(n, model) for n in group):
+                return None
+        # Every other node is gone: retrying where it failed beats failing outright, once that
+        # node is known to be back.
+        return self._least_loaded([n for n in rq.all_nodes if n in t.avoid and n not in blocked
+                                   and self.serves(n, model) and not self.barred(t, n, now)],
+                                  rq, now, t.cost, model)
+
+    def _least_loaded(self, names: list[str], rq: RouteQueue, now: float, cost: float = 0.0,
+                      model: str | None = None) -> str | None:
+        """The free node with the fewest leases; with a model, one where it is warm first."""
+        best, best_load = None, 0
+        for n in names:
+            if self.can_take(rq, n, now, cost):
+                # A cold node counts as more loaded than any warm one (the hot path has no model).
+                load = self.node_inflight[n]
+                if model is not None and not self.nodes[n].models.is_warm(model):
+                    load += COLD
+                if self.nodes[n].slowed:
+                    load += SLOWED
+                if best is None or load < best_load:
+                    best, best_load = n, load
+        return best
+
+    # -- affinity (docs/CONFIG.md#affinity) --------------------------------------------------------
+    def _affine(self, names: list[str], rq: RouteQueue, t: Ticket, a: Affinity, now: float) -> str | None:
+        """Among ``names`` that can take ``t`` now, the one affinity prefers; the cold-model rule
+        ranks first, as in ``_least_loaded``. Busy nodes are never waited for."""
+        free = [n for n in names if self.can_take(rq, n, now, t.cost)]
+        if not free:
+            return None
+        if a.mode == aff.SESSION:
+            return self._by_session(free, names, rq, t, a)
+        matches = {n: self._match(n, a) for n in names}
+        best_any = max(matches.values(), default=0)
+        if best_any == 0 or not any(matches[n] for n in free):
+            # Nowhere (free) holds it: least-loaded, ties by rendezvous of the first key, so that
+            # gateways and restarts agree where a new prefix goes.
+            first = a.keys[0]
+            node = min(free, key=lambda n: (self._cold(n, t.model), self.node_inflight[n],
+                                            tuple(-b for b in aff.weight(first, n))))
+        else:
+            # Uncached bytes × (in-flight + 1): a longer match is worth a busier node, up to a point.
+            order = {n: i for i, n in enumerate(free)}
+            node = min(free, key=lambda n: (self._cold(n, t.model),
+                                            a.uncached(matches[n]) * (self.node_inflight[n] + 1),
+                                            -matches[n], order[n]))
+        got = matches[node]
+        a.node, a.match = node, got
+        a.outcome = aff.MISS if best_any == 0 else aff.HIT if got >= best_any else aff.LOAD
+        return node
+
+    def _by_session(self, free: list[str], names: list[str], rq: RouteQueue, t: Ticket, a: Affinity) -> str | None:
+        """Consistent hashing with bounded load: the session's first node in rendezvous order
+        whose in-flight on this route stays within the bound; warm before cold."""
+        loads = [rq.inflight[n] for n in names]
+        cap = aff.bounded(loads)
+        walk = aff.rendezvous(a.keys[0], names)
+        ok = [n for n in walk if n in free and rq.inflight[n] + 1 <= cap]
+        pick = ok or [n for n in walk if n in free]
+        warm = [n for n in pick if not self._cold(n, t.model)]
+        node = (warm or pick)[0]
+        a.node, a.match = node, 1
+        a.outcome = aff.HIT if node == walk[0] else aff.LOAD
+        return node
+
+    def _cold(self, node: str, model: str | None) -> bool:
+        return model is not None and not self.nodes[node].models.is_warm(model)
+
+    def _index(self, node: str) -> PrefixIndex | None:
+        """The node's index, emptied first if the node's process restarted since it was filled."""
+        idx = self.indexes.get(node)
+        ns = self.nodes.get(node)
+        if idx is not None and ns is not None and idx.started != ns.started:
+            if idx.started is not None:  # not merely the first start time heard of
+                idx.clear()
+            idx.started = ns.started
+        return idx
+
+    def _match(self, node: str, a: Affinity) -> int:
+        idx = self._index(node)
+        return 0 if idx is None else idx.match(a.keys)
+
+    def _affine_dispatch(self, rq: RouteQueue, t: Ticket, node: str) -> None:
+        """Count the decision and record the request's keys on its node (at dispatch: a prefix
+        still being prefilled there is already a hit for the next request)."""
+        a = t.affinity
+        assert a is not None
+        if a.mode != rq.cfg.affinity:
+            a.outcome = None
+            return
+        if a.node != node:  # pinned, or taken by the fallback rather than by the choice
+            a.node, a.match = node, self._match(node, a) if a.mode == aff.PREFIX else 0
+            a.outcome = aff.HIT if a.match else aff.MISS
+        assert a.outcome is not None
+        self.affinity_decisions[(rq.name, a.outcome)] += 1
+        if a.mode == aff.PREFIX:
+            idx = self._index(node)
+            if idx is None:
+                idx = self.indexes[node] = PrefixIndex(started=self.nodes[node].started)
+            idx.record(a.keys)
+
+    def forget(self, node: str) -> None:
+        """The node lost what it held (down, breaker open, restarted, swapped models)."""
+        self.indexes.pop(node, None)
+
+    def mispredicted(self, node: str, a: Affinity) -> None:
+        """The node reported almost nothing reused where a hit was predicted: drop these keys there."""
+        idx = self.indexes.get(node)
+        if idx is not None:
+            idx.drop(a.keys)
+
+    def index_keys(self, node: str) -> int:
+        idx = self._index(node)
+        return 0 if idx is None else len(idx)
+
+    # -- admission -------------------------------------------------------------------------
+    def est_wait(self, rq: RouteQueue, position: int, now: float) -> float | None:
+        """position × mean service time ÷ live slots (Gradio's rank_eta model); None if unknown."""
+        if rq.mean_service is None:
+            return None
+        slots = self.live_slots(rq, now)
+        if slots == 0:
+            return None
+        return round(position * rq.mean_service / slots, 2)
+
+    def retry_after(self, rq: RouteQueue, now: float) -> float:
+        est = self.est_wait(rq, len(rq.waiting) + 1, now)
+        return max(1.0, math.ceil(est)) if est is not None else 1.0
+
+    def check_servable(self, rq: RouteQueue, pinned_node: str | None, cost: float, model: str | None) -> None:
+        """Refuse at once (Rejected) a request no node of the route could ever take: one that costs
+        more than the largest capacity (422), or names a model none serves (404). Every lease store
+        asks this before it queues anything (the cluster's too)."""
+        limit = self.max_capacity(rq, pinned_node) if cost > 0 else None
+        if limit is not None and cost > limit + EPS:
+            raise Rejected(422, "exceeds_capacity",
+                           f"request costs {cost:g}, more than the largest capacity of route {rq.name}'s nodes "
+                           f"({limit:g})")
+        if model is not None and not any(self.serves(n, model) for n in
+                                         ([pinned_node] if pinned_node is not None else rq.all_nodes)):
+            raise Rejected(404, "not_found", f"no node of route {rq.name} serves model {model!r}")
+
+    def admit(
+        self,
+        route: str,
+        key: str,
+        priority: int,
+        now: float,
+        *,
+        pinned_node: str | None = None,
+        on_wake: Callable[[Ticket], None] | None = None,
+        cost: float = 0.0,
+        model: str | None = None,
+        affinity: Affinity | None = None,
+    ) -> Ticket:
+        """Queue a request (raises Rejected); it may be leased at once by the dispatch inside."""
+        rq = self.routes[route]
+        cfg = rq.cfg
+        self.check_servable(rq, pinned_node, cost, model)
+        if cfg.max_queued_per_key is not None and rq.by_key[key] >= cfg.max_queued_per_key:
+            raise Rejected(
+                429,
+                "queue_full",
+                f"key already has {rq.by_key[key]} requests waiting on route {route}",
+                self.retry_after(rq, now),
+            )
+        t = Ticket(next(self._seq), route, key, priority, now, pinned_node=pinned_node, on_wake=on_wake, cost=cost,
+                   model=model, affinity=affinity)
+        # A free slot and nobody ahead: straight through, even when max_queue_depth is 0.
+        if not rq.waiting:
+            node = self.choose_node(rq, t, now)
+            if node is not None:
+                self.grant(rq, t, node, now)
+                return t
+        if len(rq.waiting) >= cfg.max_queue_depth:
+            if cfg.drop_policy == "drop_oldest" and rq.waiting:
+                victim = min(rq.waiting.order(now), key=lambda x: (x.enqueued_at, x.seq))
+                self._fail(
+                    victim,
+                    Rejected(503, "queue_full", "dropped: queue full", self.retry_after(rq, now)),
+                )
+            else:
+                status = 503 if cfg.drop_policy == "reject_with_503" else 429
+                if cfg.drop_policy == "drop_oldest":
+                    status = 503
+                raise Rejected(
+                    status,
+                    "queue_full",
+                    f"queue of route {route} is full ({cfg.max_queue_depth} waiting)",
+                    self.retry_after(rq, now),
+                )
+        self.enqueue(rq, t, now, front=False)
+        self.dispatch(now)
+        return t
+
+    def enqueue(self, rq: RouteQueue, t: Ticket, now: float, front: bool) -> None:
+        t.state = WAITING
+        t.lease = None
+        t.deadline = now + rq.cfg.queue_timeout_sec
+        rq.waiting.push(t, front=front)
+        rq.by_key[t.key] += 1
+        heapq.heappush(self._deadlines, (t.deadline, t.seq, t))
+
+    def _unqueue(self, rq: RouteQueue, t: Ticket) -> bool:
+        if not rq.waiting.remove(t):
+            return False
+        rq.by_key[t.key] -= 1
+        if rq.by_key[t.key] <= 0:
+            del rq.by_key[t.key]
+        return True
+
+    def _fail(self, t: Ticket, err: Rejected) -> None:
+        rq = self.routes[t.route]
+        self._unqueue(rq, t)
+        t.state = FAILED
+        t.error = err
+        t.wake()
+
+    def cancel(self, t: Ticket) -> bool:
+        """Take a waiting ticket out (client gone, job cancelled); False if it is not waiting."""
+        if t.state != WAITING:
+            return False
+        self._unqueue(self.routes[t.route], t)
+        t.state = DONE
+        return True
+
+    def requeue(self, lease: Lease, now: float, avoid_node: bool = True, lost: bool = False) -> Ticket:
+        """Put a leased request back at the head of its queue (its node failed before any byte).
+
+        ``lost``: the node stopped answering, and is barred for this request until seen alive."""
+        t = lease.ticket
+        self.release(lease, now, service_time=None)
+        if avoid_node:
+            avoided(t, lease.node, now, lost)
+        t.requeues += 1
+        rq = self.routes[t.route]
+        self.enqueue(rq, t, now, front=True)
+        return t
+
+    def expire(self, now: float) -> list[Ticket]:
+        """Fail every ticket whose queue_timeout_sec has passed (503 queue_timeout)."""
+        out = []
+        held = len(self._deadlines)
+        if held > 256 and held > 2 * sum(len(rq.waiting) for rq in self.routes.values()):
+            # Entries are deleted lazily; most tickets leave the queue long before their deadline.
+            # Compact, or every ticket would be held for queue_timeout_sec after it was served.
+            self._deadlines = [e for e in self._deadlines if e[2].state == WAITING and e[2].deadline == e[0]]
+            heapq.heapify(self._deadlines)
+        while self._deadlines and self._deadlines[0][0] <= now:
+            _, _, t = heapq.heappop(self._deadlines)
+            if t.state != WAITING or t.deadline > now:
+                continue
+            rq = self.routes[t.route]
+            self._fail(
+                t,
+                Rejected(
+                    503,
+                    "queue_timeout",
+                    f"waited {rq.cfg.queue_timeout_sec:g}s in the queue of route {t.route}",
+                    self.retry_after(rq, now),
+                ),
+            )
+            out.append(t)
+        return out
+
+    def fail_all_waiting(self, err: Callable[[], Rejected]) -> list[Ticket]:
+        out = []
+        for rq in self.routes.values():
+            for t in list(rq.waiting.order(0.0)):
+                self._fail(t, err())
+                out.append(t)
+        return out
+
+    # -- leases ----------------------------------------------------------------------------
+    def grant(self, rq: RouteQueue, t: Ticket, node: str, now: float) -> Lease:
+        """Lease ``node`` to ``t``: the one Python writer of the in-flight, capacity and swap counts
+        (the cluster store calls it for a grant Redis made; its Lua twin is scripts.grant)."""
+        ns = self.nodes[node]
+        trial = ns.on_dispatch(now)
+        swap = ns.models.dispatch(ns.cfg, t.model) if ns.cfg.models is not None else None
+        if swap:
+            self.swaps[node] += 1
+            self.forget(node)  # loading another model threw the node's KV cache away (docs/CONFIG.md#affinity)
+        if t.affinity is not None:
+            self._affine_dispatch(rq, t, node)
+        lease = Lease(t, rq.name, node, now, trial, Target(rq.cfg, ns.cfg), cost=t.cost, swap=swap)
+        rq.inflight[node] += 1
+        self.node_inflight[node] += 1
+        if t.cost:
+            rq.capacity_used += t.cost
+            self.capacity_used[node] = self.capacity_used.get(node, 0.0) + t.cost
+        t.state = LEASED
+        t.lease = lease
+        return lease
+
+    def dispatch(self, now: float) -> list[Lease]:
+        """Give free slots to waiting tickets: per route in strategy order, routes by oldest head."""
+        made: list[Lease] = []
+        active = [rq for rq in self.routes.values() if rq.waiting]
+        while active:
+            progress = False
+            if len(active) > 1:
+                active.sort(key=lambda r: (r.waiting.peek(now) or _NEVER).enqueued_at)
+            for rq in active:
+                picked = self._pick(rq, now)
+                if picked is None:
+                    continue
+                t, node, head, collated = picked
+                if t is head:
+                    rq.waiting.pop(now)  # pop, not remove: a fair queue moves on to the next key
+                elif collated:
+                    rq.waiting.remove(t)
+                    head.swap_bypassed += 1
+                    if head.swap_bypassed_at is None:
+                        head.swap_bypassed_at = now
+                else:
+                    rq.waiting.remove(t)
+                    head.bypassed = min(head.bypassed + 1, rq.cfg.max_bypass)
+                rq.by_key[t.key] -= 1
+                if rq.by_key[t.key] <= 0:
+                    del rq.by_key[t.key]
+                made.append(self.grant(rq, t, node, now))
+                t.wake()
+                progress = True
+                break
+            if not progress:
+                break
+            active = [rq for rq in active if rq.waiting]
+        return made
+
+    def _pick(self, rq: RouteQueue, now: float) -> tuple[Ticket, str, Ticket, bool] | None:
+        """The ticket that goes next and its node, with the head it was picked for, and whether
+        it was collated ahead of the head.
+
+        The head if it fits somewhere — unless it would make that node swap models and a later
+        ticket is warm there (collation); else (backfill) the first later ticket in strategy order
+        that fits, on a node not held for a head already passed over ``max_bypass`` times."""
+        head = rq.waiting.peek(now)
+        if head is None:
+            return None
+        node = self.choose_node(rq, head, now)
+        if node is not None:
+            if head.model is not None and self._may_collate(rq, head, node, now):
+                t = self._warm_later(rq, head, node, now)
+                if t is not None:
+                    return t, node, head, True
+            return head, node, head, False
+        if not self.costed(rq):
+            return None
+        blocked: frozenset[str] = frozenset()
+        if head.bypassed >= rq.cfg.max_bypass:
+            blocked = frozenset(n for n in rq.all_nodes if self.could_hold(self.nodes.get(n), head.cost))
+        # The scan is for cost only: when no open node has a free slot, nothing later fits either.
+        if not any(n not in blocked and self.can_take(rq, n, now) for n in rq.all_nodes):
+            return None
+        for t in rq.waiting.order(now):
+            if t is head:
+                continue
+            node = self.choose_node(rq, t, now, blocked)
+            if node is not None:
+                return t, node, head, False
+        return None
+
+    def _may_collate(self, rq: RouteQueue, head: Ticket, node: str, now: float) -> bool:
+        """The head would make ``node`` swap models and has not been passed over enough yet."""
+        ns = self.nodes[node]
+        if not ns.models.would_swap(ns.cfg, head.model) or head.swap_bypassed >= rq.cfg.max_swap_bypass:
+            return False
+        since = head.swap_bypassed_at
+        return since is None or now - since < rq.cfg.queue_timeout_sec / 4
+
+    def _warm_later(self, rq: RouteQueue, head: Ticket, node: str, now: float) -> Ticket | None:
+        """The first later ticket in strategy order whose model is warm on ``node`` and that
+        ``node`` can take now."""
+        models = self.nodes[node].models
+        for t in rq.waiting.order(now):
+            if t is head or not models.is_warm(t.model) or node in t.avoid:
+                continue
+            if t.pinned_node not in (None, node):
+                continue
+            if self.serves(node, t.model) and self.can_take(rq, node, now, t.cost):
+                return t
+        return None
+
+    def release(self, lease: Lease, now: float, service_time: float | None) -> None:
+        """Free the slot; idempotent so that every exit path may call it."""
+        if lease.released:
+            return
+        lease.released = True
+        rq = self.routes.get(lease.route)
+        if rq is not None:
+            rq.inflight[lease.node] -= 1
+            if rq.inflight[lease.node] <= 0:
+                del rq.inflight[lease.node]
+            rq.capacity_used = rq.capacity_used - lease.cost if rq.inflight else 0.0  # 0 again: no float drift
+            if service_time is not None:
+                rq.observe(service_time)
+        self.node_inflight[lease.node] -= 1
+        if self.node_inflight[lease.node] <= 0:
+            del self.node_inflight[lease.node]
+            self.capacity_used.pop(lease.node, None)
+        elif lease.cost:
+            self.capacity_used[lease.node] -= lease.cost
+        ns = self.nodes.get(lease.node)
+        if ns is not None and lease.trial and ns.trial_in_flight:
+            # The trial ended without a verdict (e.g. cancelled): let another one run.
+            ns.trial_in_flight = False
+        t = lease.ticket
+        if t.lease is lease:
+            t.lease = None  # Ticket ↔ Lease would be a reference cycle: only the collector could free them
+        if t.state == LEASED:
+            t.state = DONE
+
+    # -- views -----------------------------------------------------------------------------
+    def position(self, t: Ticket, now: float) -> int | None:
+        if t.state != WAITING:
+            return None
+        if self.elsewhere is not None and (p := self.elsewhere.position(t)) is not None:
+            return p
+        for i, x in enumerate(self.routes[t.route].waiting.order(now), 1):
+            if x is t:
+                return i
+        return None
+
+    def positions(self, route: str, now: float) -> dict[int, int]:
+        local = {t.seq: i for i, t in enumerate(self.routes[route].waiting.order(now), 1)}
+        return local if self.elsewhere is None else {**local, **self.elsewhere.positions(route)}
+
+    def depth(self, rq: RouteQueue) -> int:
+        """Waiting requests of the route: this scheduler's and (cluster mode) the cluster's."""
+        return len(rq.waiting) + (self.elsewhere.depth(rq.name) if self.elsewhere is not None else 0)
+
+    def waiting_by_key(self, rq: RouteQueue) -> dict[str, int]:
+        if self.elsewhere is None:
+            return dict(rq.by_key)
+        return dict(rq.by_key + Counter(self.elsewhere.by_key(rq.name)))
+
+    def update_modes(self, now: float) -> list[tuple[str, str, str]]:
+        """Recompute each route's mode; returns (route, old, new) for every change."""
+        changes = []
+        for rq in self.routes.values():
+            if rq.retired:
+                continue
+            if any(n in self.nodes and self.nodes[n].serving(now) for n in rq.cfg.nodes):
+                mode = "primary"
+            elif any(n in self.nodes and self.nodes[n].serving(now) for n in rq.cfg.standby):
+                mode = "failover"
+            else:
+                mode = "down"
+            if mode != rq.mode:
+                changes.append((rq.name, rq.mode, mode))
+                rq.mode = mode
+        return changes
+
+
+def avoided(t: Ticket, node: str, now: float, lost: bool) -> None:
+    """Note that ``node`` failed ``t`` (at ``now`` if it was lost, else as merely avoided)."""
+    t.avoid[node] = now if lost else -math.inf
+
+
+def ramped_capacity(ns: NodeState, now: float) -> float:
+    """The node's capacity now: during slow start it climbs linearly from 0, as the slots do."""
+    full = ns.cfg.capacity
+    assert full is not None
+    ss = ns.breaker_cfg.slow_start_sec
+    if ns.recovered_at is None or ss <= 0:
+        return full
+    return full * min(1.0, max(0.0, (now - ns.recovered_at) / ss))
+
+
+_NEVER = Ticket(0, "", "", 0, math.inf)
+

@@ -1,0 +1,283 @@
+"""The streaming forwarder: header hygiene, one upstream exchange, bytes back to the client.
+
+A failure before any byte reached the client raises ``UpstreamFailed`` (the caller may re-queue
+the request on another node); after that, the client connection is cut, as a proxy must.
+"""
+
+from __future__ import annotations
+
+import functools
+import ipaddress
+import logging
+import os
+import re
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import aiohttp
+from aiohttp import web
+from multidict import CIMultiDict
+
+from kilolined.wire.upstream import ConnectFailed, NodePool, Stalled, UpstreamResponse
+
+HOP_BY_HOP = frozenset(
+    h.lower()
+    for h in (
+        "Connection", "Keep-Alive", "Proxy-Connection", "Proxy-Authenticate", "Proxy-Authorization", "TE",
+        "Trailer", "Transfer-Encoding", "Upgrade",
+    )
+)
+# Never forwarded to a node: credentials for the gateway and the gateway's own control headers.
+STRIP_REQUEST = HOP_BY_HOP | {
+    "host", "content-length", "authorization", "x-api-key", "x-target-host", "x-concurrency-slot",
+    "x-forwarded-for", "x-forwarded-proto", "x-forwarded-host", "x-request-id", "prefer", "expect",
+}
+STRIP_RESPONSE = HOP_BY_HOP | {"content-length", "server", "date"}
+RETRY_STATUSES = frozenset((502, 503, 504))
+SERVER = "kilolined"  # every answer's Server header: no versions (docs/SECURITY.md)
+# A node's answer: from the hot-path pool, or from aiohttp's client (ComfyUI's side calls, files).
+Upstream = UpstreamResponse | aiohttp.ClientResponse
+log = logging.getLogger("kilolined")
+CAPTURE_MAX = 1024 * 1024  # what an adapter may ask to see of a sync answer (ComfyUI's prompt id)
+_SANE_ID = re.compile(r"[A-Za-z0-9._:\-]{1,128}")
+
+
+class Observer:
+    """Sees each chunk of a response on its way to the client; must be cheap."""
+
+    __slots__ = ()
+
+    def feed(self, chunk: bytes) -> None:
+        pass
+
+    def done(self, ok: bool) -> None:
+        pass
+
+
+class UpstreamFailed(Exception):
+    """The node failed before any byte reached the client.
+
+    ``answered``: the node gave an answer (an HTTP status, a history without the prompt), so it
+    is alive; otherwise it is *lost* (refused, reset, silent), and a request re-queued from it
+    goes back to it only once it has been seen alive again (queue.Scheduler.barred)."""
+
+    def __init__(self, reason: str, *, timeout: bool = False, response: Upstream | None = None,
+                 answered: bool = False):
+        super().__init__(reason)
+        self.reason = reason
+        self.timeout = timeout
+        self.response = response  # set when the node answered 502/503/504 (passed on if out of retries)
+        self.answered = answered or response is not None
+
+
+def lost(what: str) -> str:
+    """The node stopped answering: the words a client and an alert see name that, never an
+    exception class (the class goes to the log, where the operator can use it)."""
+    return f"node lost ({what})"
+
+
+def mid_response(e: BaseException) -> str:
+    """What happened when a node failed after its answer began (read timeout, dropped socket)."""
+    if isinstance(e, UpstreamFailed):
+        return e.reason
+    if isinstance(e, Stalled):
+        return str(e)
+    if isinstance(e, TimeoutError):
+        return "timed out mid-response"
+    return lost("connection dropped mid-response")
+
+
+def node_lost(what: str) -> UpstreamFailed:
+    """A node lost before any byte of its answer: the scope re-queues the request."""
+    return UpstreamFailed(lost(what))
+
+
+@functools.lru_cache(maxsize=1024)
+def host_of(node_url: str) -> str:
+    """The Host header for a node: its URL's authority without userinfo (one split per node,
+    not per request: node URLs are few and come from the config)."""
+    return node_url.split("://", 1)[1].split("/", 1)[0].rsplit("@", 1)[-1]
+
+
+def request_id(request: web.BaseRequest) -> str:
+    rid = request.headers.get("X-Request-Id", "")
+    return rid if _SANE_ID.fullmatch(rid) else os.urandom(16).hex()  # 128 bits, 4× cheaper than uuid4
+
+
+def client_ip(request: web.BaseRequest, trusted: Iterable[str]) -> str:
+    """The peer, or — when the peer is a trusted proxy — the last untrusted X-Forwarded-For hop."""
+    peer = request.remote or "unknown"
+    nets = [ipaddress.ip_network(c, strict=False) for c in trusted]
+    if not nets:
+        return peer
+
+    def is_trusted(a: str) -> bool:
+        try:
+            ip = ipaddress.ip_address(a.strip())
+        except ValueError:
+            return False
+        return any(ip in n for n in nets)
+
+    if not is_trusted(peer):
+        return peer
+    hops = [h.strip() for h in request.headers.get("X-Forwarded-For", "").split(",") if h.strip()]
+    for h in reversed(hops):
+        if not is_trusted(h):
+            try:
+                return str(ipaddress.ip_address(h))
+            except ValueError:
+                return peer
+    return peer
+
+
+@dataclass(slots=True)
+class Exchange:
+    """One client request as the forwarder needs it (the body is kept for a re-queue)."""
+
+    request: web.Request
+    method: str
+    tail: str  # path tail on the node, with the query string
+    body: bytes
+    request_id: str
+    client_ip: str
+    drop_headers: frozenset[str] = frozenset()
+    extra_headers: dict[str, str] = field(default_factory=dict)
+    body_override: bytes | None = None
+
+    def upstream_header_pairs(self, node_headers: dict[str, str], node_url: str) -> list[tuple[str, str]]:
+        """What the node is sent: the client's end-to-end headers without credentials and our own
+        controls, then X-Forwarded-For/-Proto, X-Request-Id and Host; the node's configured
+        headers and the adapter's extra ones replace any header of the same name."""
+        req = self.request
+        src = req.headers
+        extra = self.extra_headers
+        override = {k.lower() for k in node_headers} | {k.lower() for k in extra} if node_headers or extra else ()
+        conn = src.get("Connection")
+        drop = self.drop_headers
+        skip = STRIP_REQUEST
+        if conn or override or drop:  # rare: one set to test against instead of four
+            listed = {t.strip().lower() for t in conn.split(",")} if conn else set()
+            skip = skip | listed | set(override) | drop
+        out = [(k, v) for k, v in src.items() if (lk := k.lower()) not in skip and not lk.startswith("x-kiloline-")]
+        xff = src.get("X-Forwarded-For")
+        peer = req.remote or ""
+        ours = (
+            ("X-Forwarded-For", f"{xff}, {peer}" if xff and peer != self.client_ip else (self.client_ip or peer)),
+            ("X-Forwarded-Proto", req.scheme),
+            ("X-Request-Id", self.request_id),
+            ("Host", host_of(node_url)),
+        )
+        out.extend(ours if not override else [(k, v) for k, v in ours if k.lower() not in override])
+        out.extend(node_headers.items())
+        out.extend(extra.items())
+        return out
+
+    def upstream_headers(self, node_headers: dict[str, str], node_url: str) -> CIMultiDict[str]:
+        """The same, for aiohttp's client (ComfyUI's submission)."""
+        return CIMultiDict(self.upstream_header_pairs(node_headers, node_url))
+
+
+async def open_upstream(
+    pool: NodePool, ex: Exchange, node_url: str, node_headers: dict[str, str], timeout: float
+) -> UpstreamResponse:
+    """Send the request and wait for the response headers. Raises UpstreamFailed on any failure."""
+    body = ex.body if ex.body_override is None else ex.body_override
+    try:
+        return await pool.request(ex.method, ex.tail, ex.upstream_header_pairs(node_headers, node_url), body, timeout)
+    except TimeoutError:
+        raise UpstreamFailed(f"no response within {timeout:g}s", timeout=True)
+    except ConnectFailed:
+        raise node_lost("connection refused")
+    except aiohttp.ServerDisconnectedError:
+        raise node_lost("connection reset")
+    except (aiohttp.ClientError, OSError, ValueError) as e:
+        # str(e) can hold the node's address; the type name cannot.
+        log.info("[%s] upstream %s", host_of(node_url), type(e).__name__)
+        raise node_lost("connection failed")
+
+
+def response_headers(up: Upstream, node_url: str, route_path: str) -> CIMultiDict[str]:
+    out: CIMultiDict[str] = CIMultiDict()
+    items = up.raw_headers if isinstance(up, UpstreamResponse) else list(up.headers.items())
+    listed: set[str] = set()  # what the node's Connection header names is hop-by-hop too
+    for k, v in items:
+        lk = k.lower()
+        if lk in STRIP_RESPONSE:
+            if lk == "connection":
+                listed.update(t.strip().lower() for t in v.split(","))
+            continue
+        if lk in ("location", "content-location") and v.startswith(node_url):
+            # Redirects must not reveal the node: point them back through the route.
+            v = route_path.rstrip("/") + (v[len(node_url) :] or "/")
+        out.add(k, v)
+    for name in listed - STRIP_RESPONSE:  # "Connection: keep-alive" (most nodes): nothing more to drop
+        out.popall(name, None)
+    return out
+
+
+def whole_body_here(up: UpstreamResponse, method: str) -> bool:
+    """The node's whole answer is buffered and may be sent as one ``web.Response``.
+
+    Not for HEAD (the node's Content-Length describes a body that is not sent) nor 1xx/204/304
+    (no body, and no Content-Length may be invented for them).
+    """
+    return up.complete and method != "HEAD" and up.status >= 200 and up.status not in (204, 304)
+
+
+def cut_client(request: web.BaseRequest) -> None:
+    """End the client connection abruptly: after bytes were sent there is no honest error to write."""
+    tr = request.transport
+    if tr is not None:
+        tr.abort()
+
+
+class WriteFlag(Protocol):
+    """Raised while bytes go to the client: a deadline then is the client's doing, not the node's."""
+
+    writing: bool
+    started: bool  # the response's head went out: no other answer can follow
+
+
+async def stream_back(
+    request: web.Request, up: Upstream, headers: CIMultiDict[str], obs: Observer | None = None,
+    capture: bytearray | None = None, flag: WriteFlag | None = None,
+) -> tuple[web.StreamResponse, int]:
+    """Copy the node's answer to the client; returns the response and the bytes sent.
+
+    A small answer that arrived whole with its headers goes back as one ``web.Response`` (one
+    write of headers and body); anything else is streamed, never buffered whole. Every chunk is
+    shown to ``obs`` and copied into ``capture`` (up to 1 MiB) on the way. Upstream read errors
+    propagate after the response has started: the caller cuts the client.
+    """
+    headers["Server"] = SERVER  # the node's own is stripped (STRIP_RESPONSE)
+    if isinstance(up, UpstreamResponse) and whole_body_here(up, request.method):
+        body = up.body()
+        _seen(body, obs, capture)
+        return web.Response(status=up.status, reason=up.reason, headers=headers, body=body), len(body)
+    resp = web.StreamResponse(status=up.status, reason=up.reason, headers=headers)
+    if up.content_length is not None:
+        resp.content_length = up.content_length
+    if flag is not None:
+        flag.started = True
+    await resp.prepare(request)
+    sent = 0
+    content = up.content
+    while chunk := await content.readany():  # no async-generator layer per chunk
+        _seen(chunk, obs, capture)
+        if flag is None:
+            await resp.write(chunk)
+        else:
+            flag.writing = True
+            await resp.write(chunk)
+            flag.writing = False
+        sent += len(chunk)
+    await resp.write_eof()
+    return resp, sent
+
+
+def _seen(chunk: bytes, obs: Observer | None, capture: bytearray | None) -> None:
+    if obs is not None:
+        obs.feed(chunk)
+    if capture is not None and len(capture) < CAPTURE_MAX:
+        capture += chunk
