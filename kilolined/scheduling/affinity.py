@@ -9,16 +9,24 @@ node keeps a bounded LRU of the keys dispatched to it; a request's match on a no
 of its leading keys found there. Recording at dispatch, not at the answer, makes a prefix that a
 node is still prefilling a hit there: the next request with it goes where it will be warm.
 
-Hashing is ``hashlib.blake2b`` (C), one hash per block: a 16 KiB prompt is 64.
+Hashing is in C and costs a few hundred instructions a block (docs/CONFIG.md#affinity): key 0 is
+BLAKE2b of the seed and the first block, so every gateway and every restart gives a new prefix the
+same rendezvous key; key i after it is key i-1 XOR the interpreter's SipHash of (i, block i), all
+blocks cut, hashed and chained by C iterators (no Python step per block). SipHash is keyed per
+process, which is right for an index that lives in one process's memory. These keys route, they
+secure nothing: a collision costs one misrouted request, which the node's reported reuse corrects.
 """
 
 from __future__ import annotations
 
 import math
-from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections import OrderedDict, deque
+from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass
 from hashlib import blake2b
+from itertools import accumulate, count, repeat
+from operator import xor
+from struct import iter_unpack
 from typing import Any
 
 import orjson
@@ -40,7 +48,7 @@ class Affinity:
     """What one request's affinity is computed from (once, at admission) and what was decided."""
 
     mode: str  # PREFIX | SESSION
-    keys: tuple[bytes, ...]  # prefix: the chained block keys; session: one key
+    keys: tuple[int, ...]  # prefix: the chained block keys; session: one key
     size: int = 0  # bytes of canonical text indexed (prefix)
     block: int = 256
     #: the last decision: the node it was taken for, the match there, the outcome (HIT/MISS/LOAD)
@@ -106,20 +114,25 @@ def seed(route: str, model: str | None) -> bytes:
     return blake2b(f"{route}\0{model or ''}".encode(), digest_size=8).digest()
 
 
-def chain(text: bytes, first: bytes, block: int) -> tuple[bytes, ...]:
-    """The chained keys of ``text`` in blocks of ``block`` bytes: key i = H(key i-1 ‖ block i)."""
+def _key(digest: bytes) -> int:
+    return int.from_bytes(digest, "big")
+
+
+def chain(text: bytes, first: bytes, block: int) -> tuple[int, ...]:
+    """The chained keys of ``text`` in blocks of ``block`` bytes: key 0 = BLAKE2b(first ‖ block 0)
+    (stable across processes: the rendezvous key), key i = key i-1 XOR SipHash((i, block i))."""
     text = text[:MAX_INDEXED_BYTES]
-    # Copying a fresh hasher skips the constructor's argument parsing: about a fifth of the
-    # instructions per block (callgrind), the rest being BLAKE2b's own compression rounds.
-    fresh = blake2b(digest_size=8).copy
-    keys: list[bytes] = []
-    prev = first
-    for i in range(0, len(text), block):
-        h = fresh()
-        h.update(prev)
-        h.update(text[i:i + block])
-        prev = h.digest()
-        keys.append(prev)
+    if not text:
+        return ()
+    head = _key(blake2b(first + text[:block], digest_size=8).digest())
+    rest = memoryview(text)[block:]
+    cut = len(rest) - len(rest) % block
+    # One C pipeline: struct cuts the full blocks, zip tags each with its position (so two blocks
+    # swapped give other keys), hash() is SipHash over the bytes, accumulate chains them.
+    tagged = zip(count(1), iter_unpack(f"{block}s", rest[:cut]))
+    keys = list(accumulate(map(hash, tagged), xor, initial=head))
+    if cut < len(rest):  # the last, short block
+        keys.append(keys[-1] ^ hash((len(keys), (bytes(rest[cut:]),))))
     return tuple(keys)
 
 
@@ -134,15 +147,16 @@ def prefix_affinity(route: str, data: dict[str, Any], block: int) -> Affinity | 
 
 
 def session_affinity(route: str, session: str) -> Affinity:
-    return Affinity(SESSION, (blake2b(f"{route}\0{session}".encode(), digest_size=8).digest(),))
+    return Affinity(SESSION, (_key(blake2b(f"{route}\0{session}".encode(), digest_size=8).digest()),))
 
 
-def weight(key: bytes, node: str) -> bytes:
+def weight(key: int | bytes, node: str) -> bytes:
     """Rendezvous (highest random weight) hashing: every gateway ranks the nodes for ``key`` alike."""
-    return blake2b(node.encode(), digest_size=8, key=key).digest()
+    raw = key if isinstance(key, bytes) else (key & 0xFFFF_FFFF_FFFF_FFFF).to_bytes(8, "big")
+    return blake2b(node.encode(), digest_size=8, key=raw).digest()
 
 
-def rendezvous(key: bytes, nodes: Iterable[str]) -> list[str]:
+def rendezvous(key: int | bytes, nodes: Iterable[str]) -> list[str]:
     """``nodes`` in ``key``'s order of preference (the consistent-hashing walk)."""
     return sorted(nodes, key=lambda n: weight(key, n), reverse=True)
 
@@ -187,7 +201,7 @@ class PrefixIndex:
     __slots__ = ("_keys", "limit", "started")
 
     def __init__(self, limit: int = DEFAULT_INDEX_KEYS, started: float | None = None):
-        self._keys: OrderedDict[bytes, None] = OrderedDict()
+        self._keys: OrderedDict[Hashable, None] = OrderedDict()
         self.limit = limit
         #: the node's reported start time when these keys were recorded: another one empties it
         self.started = started
@@ -195,27 +209,40 @@ class PrefixIndex:
     def __len__(self) -> int:
         return len(self._keys)
 
-    def match(self, keys: Sequence[bytes]) -> int:
-        """How many of ``keys``, from the first, are here."""
-        d = self._keys
-        n = 0
-        for k in keys:
-            if k not in d:
-                break
-            n += 1
-        return n
+    def match(self, keys: Sequence[Hashable]) -> int:
+        """How many of ``keys``, from the first, are here.
 
-    def record(self, keys: Sequence[bytes]) -> None:
+        Found by bisection: a chain's keys here are its first n. Each record holds a prefix from
+        key 0 and puts a shallower key after every deeper one, so the LRU loses a chain's tail
+        before its head; a misprediction drops a request's keys from key 0 on, which leaves only
+        keys that cannot match without it, and the first key is checked. About 7 probes for a
+        chain of 64, where a probe per key costs more than the rest of the decision."""
+        d = self._keys
+        if not keys or keys[0] not in d:
+            return 0
+        lo, hi = 1, len(keys)  # keys[:lo] are taken as here; keys[hi:] as not
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if keys[mid - 1] in d:
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
+
+    def record(self, keys: Sequence[Hashable]) -> None:
         """``keys`` were dispatched here. Recorded deepest first, so that under pressure a prefix
         loses its tail before its head (a broken head would lose the whole match)."""
         d = self._keys
-        for k in reversed(keys):
-            d[k] = None
-            d.move_to_end(k)
+        moves = map(d.move_to_end, reversed(keys))
+        try:  # a prefix seen before: its keys only move (C iterators, no Python step per key)
+            deque(moves, maxlen=0)
+        except KeyError:  # some are new: add them, then the same moves, in the same order
+            d.update(zip(reversed(keys), repeat(None)))
+            deque(map(d.move_to_end, reversed(keys)), maxlen=0)
         while len(d) > self.limit:
             d.popitem(last=False)
 
-    def drop(self, keys: Sequence[bytes]) -> None:
+    def drop(self, keys: Sequence[Hashable]) -> None:
         """The node did not hold what these keys claimed."""
         d = self._keys
         for k in keys:
