@@ -1,4 +1,4 @@
-"""The prefix keys' hash and the index's bisection match (kilolined.affinity, SPEC §13)."""
+"""The prefix keys' hash and the index's bisection match (kilolined.scheduling.affinity, SPEC §13)."""
 
 from __future__ import annotations
 
@@ -6,9 +6,9 @@ import os
 import subprocess
 import sys
 
-from kilolined.affinity import PrefixIndex, chain, prefix_affinity, rendezvous, seed
+from kilolined.scheduling.affinity import PrefixIndex, chain, prefix_affinity, rendezvous, seed
 
-_PRINT_KEYS = ("from kilolined.affinity import chain, seed;"
+_PRINT_KEYS = ("from kilolined.scheduling.affinity import chain, seed;"
                "print(chain(b'x' * 1000 + b'tail', seed('r', 'm'), 256))")
 
 
