@@ -34,8 +34,8 @@ class Fleet:
     def feed(self, node: str, value: float, now: float) -> Verdict | None:
         out = sum(1 for n in self.names if self.book.node(n).ejected)
         others = sum(1 for n in self.names if n != node and not self.book.node(n).ejected)
-        v = self.book.record(node, "chat", "m", Sample(MS_TOKEN, value), now, self.cfg, self.names,
-                             ejectable(len(self.names), out, others))
+        v = self.book.record(node, "chat", "m", Sample(MS_TOKEN, value), now, self.cfg,
+                             lambda: ejectable(len(self.names), out, others))
         if v is not None:
             self.verdicts.append(v)
         return v

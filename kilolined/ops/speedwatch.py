@@ -56,7 +56,7 @@ class SpeedWatch:
             log.info("✓ [%s] answering in full again after a stall", node)
         for sample in samples:
             v = self.book.record(node, route, model or "", sample, now, ns.cfg.slow,
-                                 self._route_nodes(route), self._ejectable(route, node, now))
+                                 lambda: self._ejectable(route, node, now))
             if v is not None:
                 self._act(ns, v, now)
 

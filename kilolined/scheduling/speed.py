@@ -30,7 +30,7 @@ drifts down on a healthy one, so an hour of noise raises no alarm (tests/test_sp
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from statistics import median
 
@@ -190,10 +190,10 @@ class SpeedBook:
 
     # --- judging ------------------------------------------------------------------------
     def record(self, node: str, route: str, model: str, sample: Sample, now: float, cfg: SlowConfig,
-               route_nodes: list[str], ejectable: int) -> Verdict | None:
-        """Add one sample and evaluate the node. ``route_nodes``: the route's nodes that could
-        take work now (this one included); ``ejectable``: how many more of them may be ejected
-        (max(1, 10 %) of the route's nodes minus those already out; 0 when this is the last)."""
+               ejectable: Callable[[], int]) -> Verdict | None:
+        """Add one sample and evaluate the node. ``ejectable()``: how many more of the route's
+        nodes may be ejected (max(1, 10 %) of them minus those already out; 0 when this is the
+        last); asked only when this sample would eject, since it walks the route's nodes."""
         key = (node, route, model, sample.unit)
         s = self.series.get(key)
         if s is None:
@@ -232,13 +232,9 @@ class SpeedBook:
             if not st.ejected and s.streak >= cfg.evaluations:
                 return self._eject(node, st, "soft", cause, s, mid)  # its trial showed it still slow
             return None
-        if st.state != OK or ejectable <= 0:
-            return None
-        if s.hard_streak >= cfg.evaluations:
-            return self._eject(node, st, "hard", cause, s, mid)
-        if s.streak >= cfg.evaluations:
-            return self._eject(node, st, "soft", cause, s, mid)
-        return None
+        if st.state != OK or s.streak < cfg.evaluations or ejectable() <= 0:
+            return None  # (hard_streak counts a subset of streak's samples: it is never the larger)
+        return self._eject(node, st, "hard" if s.hard_streak >= cfg.evaluations else "soft", cause, s, mid)
 
     def _peer_levels(self, key: Key, samples: int) -> list[float]:
         node, route, model, unit = key
