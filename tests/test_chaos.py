@@ -29,10 +29,11 @@ import chaos
 CHAOS_SECONDS = 20
 
 
-def _tasks() -> int:
-    """asyncio tasks other than the per-connection server handlers (those follow the sockets)."""
-    return sum(1 for t in asyncio.all_tasks()
-               if getattr(t.get_coro(), "__qualname__", "") != "RequestHandler.start")
+def _tasks() -> list[str]:
+    """asyncio tasks other than the per-connection server handlers (those follow the sockets),
+    by their coroutine's name."""
+    names = (getattr(t.get_coro(), "__qualname__", "?") for t in asyncio.all_tasks())
+    return sorted(n for n in names if n != "RequestHandler.start")
 
 
 async def test_chaos_smoke(tmp_path: Path) -> None:
@@ -57,15 +58,18 @@ async def test_chaos_smoke(tmp_path: Path) -> None:
         pool_ports = {g.port for g in gpus.values()} | {tg.port}
         server = srv
 
+        seen: list[list[str]] = []  # the tasks of each reading, to name the difference when one stays
+
         def resources() -> dict[str, int]:
             conns = server.runner.server.connections if server.runner and server.runner.server else []
-            return {**bl.fd_breakdown("self", pool_ports), "tasks": _tasks(), "gateway_conns": len(conns)}
+            seen.append(_tasks())
+            return {**bl.fd_breakdown("self", pool_ports), "tasks": len(seen[-1]), "gateway_conns": len(conns)}
 
         env.resources = resources
         report = await chaos.run_chaos(env, CHAOS_SECONDS, seed=7, workers=10)
         chaos.print_report(report)
         assert not report.violations, "\n".join(report.violations[:20])
-        assert report.ok, "; ".join(report.problems)
+        assert report.ok, "; ".join(report.problems) + f"; tasks first {seen[0]}, last {seen[-1]}"
         assert report.total > 50, f"too little traffic to mean anything: {report.total}"
         assert report.actions.get("kill", 0) + report.actions.get("hang", 0) > 0
         assert report.notifier_messages > 0, "the notifier never got through"
