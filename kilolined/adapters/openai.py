@@ -42,12 +42,9 @@ COMPLETION_PATHS = ("/v1/chat/completions", "/chat/completions", "/v1/completion
 
 
 def request_json(ex: Exchange) -> dict[str, Any] | None:
-    if not ex.body:
-        return None
-    try:
-        data = orjson.loads(ex.body)
-    except orjson.JSONDecodeError:
-        return None
+    """The client's body when it is a JSON object (shared, parsed once per exchange: read it,
+    never change it; a rewrite for the node goes to ``ex.body_override``)."""
+    data = ex.body_doc()
     return data if isinstance(data, dict) else None
 
 

@@ -37,7 +37,7 @@ from kilolined.ops.runtime import Runtime
 from kilolined.scheduling.costs import CostTooLarge, UnitError, request_cost, request_units
 from kilolined.scheduling.limits import Taken, Verdict, seconds_to_midnight
 from kilolined.scheduling.queue import Rejected
-from kilolined.scheduling.routing import body_model, describe, head_holds, holds
+from kilolined.scheduling.routing import describe, head_holds, holds
 from kilolined.wire.proxy import SERVER, Exchange, client_ip, request_id
 
 log = logging.getLogger("kilolined")
@@ -199,7 +199,7 @@ async def _choose_route(gw: Gateway, call: Call) -> web.StreamResponse | None:
         return refused
     rt, ex = gw.rt, call.exchange
     assert ex is not None
-    model = call.model = body_model(ex.body)
+    model = call.model = doc_model(ex)
     headers = call.request.headers
     chosen = None
     for name in call.route_choices:
@@ -321,6 +321,13 @@ def _exchange(call: Call, body: bytes) -> web.StreamResponse | None:
     return None
 
 
+def doc_model(ex: Exchange) -> str | None:
+    """The body's ``model`` when it is a string, read off the exchange's one parse."""
+    doc = ex.body_doc()
+    model = doc.get("model") if isinstance(doc, dict) else None
+    return model if isinstance(model, str) else None
+
+
 def name_model(gw: Gateway, call: Call) -> web.StreamResponse | None:
     """The model an OpenAI request asks for, when its route has multi-model nodes
     (docs/CONFIG.md#multi-model-nodes): the scheduler sends it only where it is served."""
@@ -329,7 +336,7 @@ def name_model(gw: Gateway, call: Call) -> web.StreamResponse | None:
     sched = gw.rt.scheduler
     rq = sched.routes[call.route_name]
     if any(n in sched.nodes and sched.nodes[n].cfg.models is not None for n in rq.all_nodes):
-        call.model = body_model(call.exchange.body)
+        call.model = doc_model(call.exchange)
     return None
 
 

@@ -13,9 +13,10 @@ import os
 import re
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 import aiohttp
+import orjson
 from aiohttp import web
 from multidict import CIMultiDict
 
@@ -131,6 +132,16 @@ def client_ip(request: web.BaseRequest, trusted: Iterable[str]) -> str:
     return peer
 
 
+def parse_body(body: bytes) -> Any:
+    """A request body as JSON; None when it is empty or not JSON."""
+    if not body:
+        return None
+    try:
+        return orjson.loads(body)
+    except orjson.JSONDecodeError:
+        return None
+
+
 @dataclass(slots=True)
 class Exchange:
     """One client request as the forwarder needs it (the body is kept for a re-queue)."""
@@ -144,6 +155,20 @@ class Exchange:
     drop_headers: frozenset[str] = frozenset()
     extra_headers: dict[str, str] = field(default_factory=dict)
     body_override: bytes | None = None
+    # The parse of ``body`` and the bytes object it was made from: several stages read an OpenAI
+    # body's fields (affinity, stream, usage, budgets), and parsing a long prompt once is enough.
+    _doc: Any = field(default=None, init=False, repr=False, compare=False)
+    _doc_of: bytes | None = field(default=None, init=False, repr=False, compare=False)
+
+    def body_doc(self) -> Any:
+        """The client's body parsed as JSON (None when empty or not JSON), parsed once per body:
+        a ``body`` replaced by other bytes is parsed again, never answered from the old parse.
+        ``body_override`` (what a node is sent) is not the client's body and is not read here."""
+        body = self.body
+        if self._doc_of is not body:
+            self._doc = parse_body(body)
+            self._doc_of = body
+        return self._doc
 
     def upstream_header_pairs(self, node_headers: dict[str, str], node_url: str) -> list[tuple[str, str]]:
         """What the node is sent: the client's end-to-end headers without credentials and our own
