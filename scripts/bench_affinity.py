@@ -18,14 +18,17 @@ Legs, each on fresh servers (empty caches) with the same requests per client:
 Per leg: TTFT p50/p95/p99 (client side, to the first content chunk), the cached share of prompt
 tokens as the servers report it (`timings.cache_n / (cache_n + prompt_n)`), output tokens/s, the
 peak in-flight of each node (polled: llama.cpp `GET /slots` `is_processing`, the fake's
-`running`; and the fake's exact `max_concurrent`), requests per node.
+`running`; and the fake's exact `max_concurrent`), requests per node (`?`: a stream that had to queue
+got its 200 before a node was chosen, so no `X-KiloLine-Node` header names it). `--rounds R` runs
+every leg R times in A-B-C, C-B-A order and pools the requests, so a machine whose load drifts
+during the run does not favour one leg.
 
     # against llama.cpp (not CI): a llama-server binary (docs/BACKENDS.md builds one) and a GGUF;
     # --write-model makes one (it needs `.venv/bin/pip install gguf numpy`, nothing else does)
     .venv/bin/python scripts/bench_affinity.py --write-model $REAL_DIR/bench.gguf \\
         --vocab-from /path/to/llama.cpp/models/ggml-vocab-llama-spm.gguf
     .venv/bin/python scripts/bench_affinity.py --llama-server /path/to/llama-server \\
-        --model $REAL_DIR/bench.gguf [--requests 36] [--workloads docs,sessions,hot] [--json out.json]
+        --model $REAL_DIR/bench.gguf [--requests 72] [--rounds 2] [--workloads docs,sessions,hot] [--json out.json]
     # against the simulated GPU (what tests/test_affinity_bench.py runs, smaller)
     .venv/bin/python scripts/bench_affinity.py --fake [--requests 24]
 """
@@ -405,12 +408,26 @@ async def run_leg(nodes: Nodes, leg: str, workload: list[list[Turn]], args: argp
                 stop.set()
                 await poller
             exact = nodes.exact_peaks()
-            out = summarize(leg, results, took, exact or peaks)
-            out["affinity"] = {o: n for (_, o), n in server.rt.scheduler.affinity_decisions.items()}
-            out["mispredictions"] = server.rt.metrics.mispredictions.total()
-            return out
+            return {"results": results, "seconds": took, "peaks": exact or peaks,
+                    "affinity": {o: n for (_, o), n in server.rt.scheduler.affinity_decisions.items()},
+                    "mispredictions": server.rt.metrics.mispredictions.total()}
     finally:
         await nodes.stop()
+
+
+def pooled(leg: str, runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """One leg's rounds as one result: requests pooled, peaks the highest, decisions summed."""
+    results = [r for run in runs for r in run["results"]]
+    peaks = [max(p) for p in zip(*(run["peaks"] for run in runs), strict=True)]
+    out = summarize(leg, results, sum(run["seconds"] for run in runs), peaks)
+    decisions: dict[str, int] = {}
+    for run in runs:
+        for o, n in run["affinity"].items():
+            decisions[o] = decisions.get(o, 0) + n
+    out["affinity"] = decisions
+    out["mispredictions"] = sum(run["mispredictions"] for run in runs)
+    out["rounds"] = len(runs)
+    return out
 
 
 def summarize(leg: str, results: list[Result], took: float, peaks: list[int]) -> dict[str, Any]:
@@ -455,7 +472,8 @@ def print_workload(name: str, legs: dict[str, dict[str, Any]]) -> None:
                     "peak in-flight per node", "requests per node"],
                    [[r["leg"], f"{r['ok']}/{r['requests']}", r["ttft_p50_ms"], r["ttft_p95_ms"], r["ttft_p99_ms"],
                      f"{r['cached_share'] * 100:.1f} %", r["output_tok_s"],
-                     "/".join(map(str, r["peak_in_flight"])), "/".join(map(str, r["per_node"].values()))]
+                     "/".join(map(str, r["peak_in_flight"])),
+                     " ".join(f"{n}:{c}" for n, c in r["per_node"].items())]
                     for r in legs.values()], nd=1)
     for line in verdicts(name, legs):
         print(f"- {line}")
@@ -478,14 +496,21 @@ async def run(args: argparse.Namespace, procs: bl.Procs | None) -> dict[str, Any
         k: v for k, v in vars(args).items() if k not in ("json",)}, "workloads": {}}
     for name in args.workloads.split(","):
         workload = make_workload(name, args.seed, args.requests)
-        legs: dict[str, dict[str, Any]] = {}
+        order = []
         for leg in args.legs.split(","):
             why = leg_supported(leg)
             if why is not None:
                 print(f"({name}/{leg} skipped: this gateway does not take it: {why})", file=sys.stderr)
                 continue
-            legs[leg] = await run_leg(make_nodes(args, procs), leg, workload, args)
-            print(f"({name}/{leg} done in {legs[leg]['seconds']:.1f}s)", file=sys.stderr, flush=True)
+            order.append(leg)
+        runs: dict[str, list[dict[str, Any]]] = {leg: [] for leg in order}
+        for k in range(args.rounds):
+            # A, B, C then C, B, A: a load that drifts during the run weighs on every leg alike.
+            for leg in order if k % 2 == 0 else order[::-1]:
+                runs[leg].append(await run_leg(make_nodes(args, procs), leg, workload, args))
+                print(f"({name}/{leg} round {k + 1} done in {runs[leg][-1]['seconds']:.1f}s)",
+                      file=sys.stderr, flush=True)
+        legs = {leg: pooled(leg, runs[leg]) for leg in order}
         print_workload(name, legs)
         out["workloads"][name] = {"legs": legs, "verdicts": verdicts(name, legs)}
     return out
@@ -507,6 +532,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                                                   "(default 300; --fake 60)")
     p.add_argument("--block-bytes", type=int, default=256, help="affinity_block_bytes of the prefix leg")
     p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--rounds", type=int, default=1,
+                   help="run every leg this many times, in A-B-C then C-B-A order, and pool the requests")
     p.add_argument("--poll-sec", type=float, default=0.02, help="in-flight polling period")
     p.add_argument("--prefill-ms-per-1k", type=float, default=300, help="--fake: prefill cost per 1000 tokens")
     p.add_argument("--step-ms", type=float, default=5, help="--fake: per output token")
