@@ -84,6 +84,9 @@ class HttpAttempt:
                 except Stalled as e:
                     up.release()
                     raise UpstreamFailed(str(e), answered=True) from None
+        sink = self.scope.listener
+        if sink.reads_answer:
+            await sink.received(self.scope, up)  # a job's answer, read whole while it can still be re-queued
         return up
 
 
