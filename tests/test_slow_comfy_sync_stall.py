@@ -109,7 +109,7 @@ async def test_a_prompt_whose_progress_the_gateway_cannot_see_is_not_judged(
 
 async def test_activity_is_kept_only_while_a_prompt_runs(fakegpus: Any, gateway: Any,
                                                          http: aiohttp.ClientSession) -> None:
-    node, gw = await one_node(fakegpus, gateway, 5.0, step_ms=20)
+    _, gw = await one_node(fakegpus, gateway, 5.0, step_ms=20)
     for _ in range(2):
         events = await sse_job(http, gw.url + "/gen/prompt", {"prompt": graph(3)})
         assert events[-1][0] == "output_ready"
@@ -137,7 +137,7 @@ def test_node_activity_lives_from_the_first_watcher_to_the_last() -> None:
 
 async def test_a_relay_learns_the_client_id_comfyui_gave_it(fakegpus: Any, gateway: Any,
                                                             http: aiohttp.ClientSession) -> None:
-    node, gw = await one_node(fakegpus, gateway, 5.0, step_ms=20)
+    _, gw = await one_node(fakegpus, gateway, 5.0, step_ms=20)
     state = comfy_state(gw.rt)
     async with http.ws_connect(gw.url + "/gen/ws", headers=auth()) as ws:
         sid = (await ws.receive_json(timeout=5))["data"]["sid"]
