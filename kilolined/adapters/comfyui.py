@@ -269,7 +269,8 @@ def _quiet_left(activity: NodeActivity | None, node: str, stall: float | None, n
     if stall is None or activity is None:
         return None
     # never 0: aiohttp reads a receive timeout of 0 as "no timeout"
-    return max(0.001, (activity.last(node) or now) + stall - now)
+    last = activity.last(node)
+    return max(0.001, (now if last is None else last) + stall - now)
 
 
 def _client_id(body: dict[str, Any] | None) -> tuple[bool, str | None]:
@@ -330,7 +331,8 @@ class SyncWatch:
                 now = loop.time()
                 if not self.sees():
                     blind = now
-                left = max(activity.last(self.node) or now, blind) + self.stall - now
+                last = activity.last(self.node)
+                left = max(now if last is None else last, blind) + self.stall - now
                 if left > 0:
                     await asyncio.wait({done}, timeout=min(left, WATCH_SEC))
                 elif await _runs(self.api, self.prompt_id):
