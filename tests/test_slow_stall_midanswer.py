@@ -91,7 +91,7 @@ async def test_a_job_whose_stream_stalls_mid_answer_is_requeued(fakegpus: Any, g
     assert "stalled" in (ns.last_error or "")
     # Nothing leaked: no slot, no result bytes still reserved; the node ran one answer at a time.
     await wait_until(lambda: inflight(gw) == 0, timeout=10)
-    assert gw.jobs.reading_bytes == 0
+    assert gw.jobs.reading_bytes == 0 and not gw.jobs.active
     assert stuck.stats["max_concurrent"] <= 1 and fine.stats["max_concurrent"] <= 1
 
 
@@ -115,3 +115,26 @@ async def test_a_sync_stream_that_stalls_mid_answer_ends_with_the_error(fakegpus
     assert "stalled" in (ns.last_error or "")
     assert fine.stats["served"] == 0  # bytes went out: never replayed
     await wait_until(lambda: inflight(gw) == 0, timeout=10)
+
+
+@pytest.mark.parametrize("mode", ["sse", "async"])
+async def test_a_job_whose_answer_outlives_request_timeout_fails_as_a_timeout(
+        fakegpus: Any, gateway: Any, http: aiohttp.ClientSession, mode: str) -> None:
+    # Read under the attempt, a job's answer still ends at request_timeout_sec as a timeout.
+    node = await fakegpus("openai", step_ms=100)  # 50 tokens: 5 s of answer
+    cfg = base_config({"n": node.url}, kind="openai", path="/v1", max_concurrency=1, request_timeout_sec=1)
+    cfg["nodes"]["n"]["slow"] = "off"
+    gw = await gateway(cfg)
+    async with http.post(gw.url + "/v1/chat/completions", json=BODY,
+                         headers={**auth(), "X-KiloLine-Mode": mode}) as r:
+        if mode == "sse":
+            await r.read()
+            job = next(iter(gw.jobs.jobs.values()))
+        else:
+            job = gw.jobs.jobs[(await r.json())["job_id"]]
+    await wait_until(lambda: job.status in ("completed", "failed"), timeout=20)
+    assert job.status == "failed" and job.http_status == 504, (job.status, job.http_status, job.error)
+    assert job.error is not None and job.error["type"] == "upstream_timeout", job.error
+    assert job.error["message"].endswith("did not finish within 1s"), job.error
+    await wait_until(lambda: inflight(gw) == 0, timeout=10)
+    assert gw.jobs.reading_bytes == 0 and not gw.jobs.active

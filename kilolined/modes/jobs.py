@@ -286,7 +286,7 @@ class JobSink(Sink):
         adapter, ex = self.adapter, self.ex
         obs = adapter.observer(self.rt, ex, scope, self) if adapter is not None and ex is not None else None
         self.answer = None
-        self.answer = (up, await self._read(scope, up, obs, requeue_stall=True))
+        self.answer = (up, await self._read(scope, up, obs, under_attempt=True))
 
     async def deliver(self, scope: LeaseScope, up: Upstream, obs: Observer | None,
                       capture: bytearray | None = None) -> None:
@@ -294,13 +294,13 @@ class JobSink(Sink):
         not used: the attempt's observer heard it), or now: a node's 5xx passed on when no retry
         was left."""
         got, self.answer = self.answer, None
-        body = got[1] if got is not None and got[0] is up else await self._read(scope, up, obs, requeue_stall=False)
+        body = got[1] if got is not None and got[0] is up else await self._read(scope, up, obs, under_attempt=False)
         ctype = up.headers.get("Content-Type", "application/octet-stream")
         if up.status >= 400:
             raise Failure("upstream_error", f"node answered HTTP {up.status}", up.status, body, ctype)
         self.res = Result(up.status, ctype, body)
 
-    async def _read(self, scope: LeaseScope, up: Upstream, obs: Observer | None, requeue_stall: bool) -> bytes:
+    async def _read(self, scope: LeaseScope, up: Upstream, obs: Observer | None, under_attempt: bool) -> bytes:
         """Read the whole answer into memory, reserved against jobs.max_results_mb as its bytes
         arrive (the reservation ends with the job)."""
         memory = self.memory or ResultMemory(self.rt.cfg.jobs.max_results_mb)  # outside a store: its own result only
@@ -324,9 +324,15 @@ class JobSink(Sink):
             raise Failure.upstream(str(e), False) from None
         except (aiohttp.ClientError, TimeoutError, UpstreamFailed) as e:
             memory.release(job)
-            if requeue_stall and isinstance(e, Stalled):
+            if under_attempt and isinstance(e, Stalled):
                 # The scope's verdict on "stalled: …" opens the breaker, and it re-queues the job.
                 raise UpstreamFailed(str(e), answered=True) from None
+            if under_attempt and isinstance(e, TimeoutError):
+                # The request's deadline (the exchange has the scope's): the verdict and words the
+                # scope gives a lease that outlives it.
+                scope.node_failed(f"timed out after {scope.timeout:g}s", mid_body=True)
+                raise Failure.upstream(f"node {job.node or '-'} did not finish within {scope.timeout:g}s",
+                                       True) from None
             # A node lost mid-answer is not replayed: the job fails (docs/API.md "Re-queue").
             reason = mid_response(e)
             scope.node_failed(reason, mid_body=True)
