@@ -17,6 +17,7 @@ from kilolined.scheduling.lease import LeaseScope, Sink
 from kilolined.scheduling.queue import Lease
 from kilolined.wire.proxy import RETRY_STATUSES, Exchange, Observer, UpstreamFailed, open_upstream
 from kilolined.wire.upstream import Stalled, UpstreamResponse
+from kilolined.wire.wsproxy import RelayWatch
 
 log = logging.getLogger("kilolined")
 
@@ -36,6 +37,10 @@ class Adapter:
         return None
 
     def observer(self, rt: Runtime, ex: Exchange, scope: LeaseScope, sink: Sink) -> Observer | None:
+        return None
+
+    def relay_watch(self, rt: Runtime, node: str, request: web.Request) -> RelayWatch | None:
+        """What hears a client's websocket relayed from ``node`` (ComfyUI: its progress), or None."""
         return None
 
     async def serve(self, rt: Runtime, scope: LeaseScope, ex: Exchange, sink: Sink) -> None:
@@ -84,6 +89,9 @@ class HttpAttempt:
                 except Stalled as e:
                     up.release()
                     raise UpstreamFailed(str(e), answered=True) from None
+        sink = self.scope.listener
+        if sink.reads_answer:
+            await sink.received(self.scope, up)  # a job's answer, read whole while it can still be re-queued
         return up
 
 

@@ -56,6 +56,94 @@ class PromptOwners:
         return {pid: node for pid, (who, node) in self._by_id.items() if who == subject}
 
 
+class NodeActivity:
+    """When the gateway last heard from each ComfyUI node (loop time): the stall watch's clock
+    (docs/CONFIG.md "Slow nodes"). Any frame from the node counts — on a job's prompt socket, on
+    the node's monitor socket, on a client's /ws relayed through the gateway — so a prompt that
+    waits in the node's own queue behind another one is not stalled while that one moves.
+
+    A node's entry lives from its first watcher to its last (a prompt of ours running there):
+    the map never holds more nodes than have prompts in flight, whatever ad-hoc targets or
+    removed nodes came and went. Pure bookkeeping: the caller passes the time."""
+
+    __slots__ = ("_last", "_watchers")
+
+    def __init__(self) -> None:
+        self._last: dict[str, float] = {}
+        self._watchers: dict[str, int] = {}
+
+    def watch(self, node: str, now: float) -> None:
+        """A prompt of ours runs on ``node`` from ``now``: the node is given stall_sec from then."""
+        self._watchers[node] = self._watchers.get(node, 0) + 1
+        self._last[node] = now
+
+    def unwatch(self, node: str) -> None:
+        left = self._watchers.get(node, 0) - 1
+        if left > 0:
+            self._watchers[node] = left
+        else:
+            self._watchers.pop(node, None)
+            self._last.pop(node, None)
+
+    def seen(self, node: str, now: float) -> None:
+        """A frame came from ``node`` (nothing is kept for a node nobody watches)."""
+        if node in self._last:
+            self._last[node] = now
+
+    def last(self, node: str) -> float | None:
+        return self._last.get(node)
+
+    def __len__(self) -> int:
+        return len(self._last)
+
+
+class RelayWatch:
+    """A client's /ws relayed from ``node`` (wsproxy.proxy_websocket): every frame from the node
+    is a sign of its life, and while it is open the client id it listens under (its
+    ``clientId``, else the ``sid`` of the node's first ``status``) has a sync prompt's progress
+    pass through the gateway, so that prompt can be watched for a stall."""
+
+    __slots__ = ("_asked", "_loop", "_open", "client_id", "node", "state")
+
+    def __init__(self, state: ComfyState, node: str, client_id: str | None):
+        self.state, self.node = state, node
+        self.client_id = client_id or None
+        self._asked = self.client_id is not None  # ComfyUI names the socket in its first frame otherwise
+        self._open = False
+        self._loop = asyncio.get_running_loop()
+
+    def opened(self) -> None:
+        self._open = True
+        if self.client_id is not None:
+            self.state.relay_opened(self.node, self.client_id)
+
+    def frame(self, data: str | bytes) -> None:
+        self.state.activity.seen(self.node, self._loop.time())
+        if not self._asked and isinstance(data, str):
+            self._asked = True
+            sid = _sid(data)
+            if sid is not None:
+                self.client_id = sid
+                if self._open:
+                    self.state.relay_opened(self.node, sid)
+
+    def closed(self) -> None:
+        if self._open and self.client_id is not None:
+            self.state.relay_closed(self.node, self.client_id)
+        self._open = False
+
+
+def _sid(raw: str) -> str | None:
+    """The client id ComfyUI gave a socket without one: its first frame's ``status.sid``."""
+    try:
+        msg = orjson.loads(raw)
+    except orjson.JSONDecodeError:
+        return None
+    data = msg.get("data") if isinstance(msg, dict) and msg.get("type") == "status" else None
+    sid = data.get("sid") if isinstance(data, dict) else None
+    return sid if isinstance(sid, str) and sid else None
+
+
 class ComfyState:
     """What the ComfyUI adapter keeps across requests of one runtime."""
 
@@ -63,9 +151,23 @@ class ComfyState:
         self.rt = rt
         self.monitors = Monitors(rt.spawn)
         self.routes: dict[str, PromptOwners] = {}
-        #: loop time of the last frame any of our prompt sockets got from each node: a prompt
-        #: waiting in the node's own queue behind another of ours is not stalled while that one moves
-        self.activity: dict[str, float] = {}
+        self.activity = NodeActivity()
+        #: (node, client id) → the client's sockets relayed from that node now
+        self.relays: dict[tuple[str, str], int] = {}
+
+    def relay_opened(self, node: str, client_id: str) -> None:
+        self.relays[node, client_id] = self.relays.get((node, client_id), 0) + 1
+
+    def relay_closed(self, node: str, client_id: str) -> None:
+        left = self.relays.get((node, client_id), 0) - 1
+        if left > 0:
+            self.relays[node, client_id] = left
+        else:
+            self.relays.pop((node, client_id), None)
+
+    def relayed(self, node: str, client_id: str) -> bool:
+        """A socket listening as ``client_id`` is relayed through the gateway from ``node`` now."""
+        return (node, client_id) in self.relays
 
     def owners(self, route: str) -> PromptOwners:
         got = self.routes.get(route)
@@ -86,7 +188,10 @@ class ComfyState:
                 f"{ns.cfg.url}/ws?clientId={client_id}", headers=ns.cfg.headers, autoping=True, heartbeat=15,
                 max_msg_size=WS_MAX_MSG, timeout=aiohttp.ClientWSTimeout(ws_receive=None, ws_close=1.0))
 
-        return self.monitors.get(node, lambda: NodeMonitor(node, connect, alive))
+        def heard() -> None:
+            self.activity.seen(node, asyncio.get_running_loop().time())
+
+        return self.monitors.get(node, lambda: NodeMonitor(node, connect, alive, heard))
 
 
 def comfy_state(rt: Runtime) -> ComfyState:

@@ -50,12 +50,14 @@ class NodeMonitor:
     """``v = mon.version; <look at the node>; await mon.changed(v, fallback)`` — no change is lost
     between the look and the wait, because the version is read first."""
 
-    __slots__ = ("_alive", "_connect", "_waiters", "client_id", "connected", "name", "task", "version")
+    __slots__ = ("_alive", "_connect", "_heard", "_waiters", "client_id", "connected", "name", "task", "version")
 
-    def __init__(self, name: str, connect: Connect, alive: Callable[[], bool]):
+    def __init__(self, name: str, connect: Connect, alive: Callable[[], bool],
+                 heard: Callable[[], None] | None = None):
         self.name = name
         self._connect = connect
         self._alive = alive
+        self._heard = heard  # told of every frame: the node is alive (the stall watch's clock)
         self.client_id = f"kilolined-monitor-{uuid.uuid4().hex}"
         self.version = 0
         self.connected = False
@@ -118,11 +120,12 @@ class NodeMonitor:
                 msg = await ws.receive(timeout=CHECK_SEC)
             except TimeoutError:
                 continue
-            if msg.type == aiohttp.WSMsgType.TEXT:
-                if wakes(msg.data):
-                    self._bump()
-            elif msg.type != aiohttp.WSMsgType.BINARY:
+            if msg.type not in (aiohttp.WSMsgType.TEXT, aiohttp.WSMsgType.BINARY):
                 return  # closed or broken: reconnect
+            if self._heard is not None:
+                self._heard()
+            if msg.type == aiohttp.WSMsgType.TEXT and wakes(msg.data):
+                self._bump()
 
 
 class Monitors:

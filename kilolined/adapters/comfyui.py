@@ -27,9 +27,9 @@ import orjson
 from aiohttp import web
 
 from kilolined.adapters.base import Adapter, HttpAttempt
-from kilolined.adapters.comfy_control import comfy_state, control
+from kilolined.adapters.comfy_control import ComfyState, NodeActivity, RelayWatch, comfy_state, control
 from kilolined.adapters.comfy_monitor import NodeMonitor
-from kilolined.adapters.comfy_node import NodeAPI, NodeError, find_entry, lease_api, on_queue, stop_prompt
+from kilolined.adapters.comfy_node import NodeAPI, NodeError, all_ids, find_entry, lease_api, on_queue, stop_prompt
 from kilolined.adapters.comfy_progress import Progress
 from kilolined.core.outcome import Cancelled, Failure, Result
 from kilolined.ops.runtime import Runtime
@@ -48,6 +48,7 @@ CONNECT_SEC = 10.0  # ws handshake; a node that cannot open a socket this fast i
 DRAIN_SEC = 1.5  # cancel: wait this long for the node to confirm the interrupt
 SUCCESS_GRACE_SEC = 2.0  # after execution_success, wait this long for the final `executing: null`
 POLL_SEC = 0.5  # job fallback when the socket dropped
+WATCH_SEC = 0.5  # a sync prompt's stall watch looks again this often (a relayed socket may open or close)
 SYNC_POLL_SEC = 0.25  # sync hold while the node's monitor socket is down: the slot is freed this much late at worst
 MONITOR_FALLBACK_SEC = 2.0  # with the monitor up, look at history this often anyway (a missed frame)
 NODE_LOST = "node lost while running the prompt"
@@ -263,17 +264,92 @@ class Finished:
     entry: dict[str, Any]
 
 
-def _quiet_left(activity: dict[str, float] | None, node: str, stall: float | None, now: float) -> float | None:
+def _quiet_left(activity: NodeActivity | None, node: str, stall: float | None, now: float) -> float | None:
     """How much longer the node may stay silent before it is a stall (None: never; 0.001: now)."""
     if stall is None or activity is None:
         return None
     # never 0: aiohttp reads a receive timeout of 0 as "no timeout"
-    return max(0.001, activity.get(node, now) + stall - now)
+    last = activity.last(node)
+    return max(0.001, (now if last is None else last) + stall - now)
+
+
+def _client_id(body: dict[str, Any] | None) -> tuple[bool, str | None]:
+    """(whether ComfyUI broadcasts the prompt's progress, the client id it sends it to otherwise).
+    An absent or null ``client_id`` broadcasts; any other value targets that socket alone (one
+    that is not a string, or empty, reaches no socket at all)."""
+    raw = body.get("client_id") if body is not None else None
+    if raw is None:
+        return True, None
+    return False, raw if isinstance(raw, str) and raw else None
+
+
+async def _runs(node: NodeAPI, prompt_id: str) -> bool:
+    """The node says it is running the prompt now (not queued behind another, not ended)."""
+    try:
+        queue = await node.get_json("/queue")
+    except NodeError:
+        return False  # no verdict from a node that does not answer: wait_history judges that
+    return isinstance(queue, dict) and prompt_id in all_ids(queue.get("queue_running"))
 
 
 def _prompt_number(data: dict[str, Any] | None) -> float | None:
     n = data.get("number") if data else None
     return n if _number(n) else None
+
+
+class SyncWatch:
+    """The stall watch of a sync-mode prompt (docs/CONFIG.md "Slow nodes"). Its progress frames go
+    to the client's own socket, so the gateway sees them only when ComfyUI broadcasts them (no
+    ``client_id``: the node's monitor socket hears them) or when that socket is relayed through
+    the gateway from this node. While it sees them, the node's activity (any frame from it,
+    ``NodeActivity``) is the clock; while it cannot, the silence does not count. Silent for
+    ``stall_sec`` while the node says the prompt runs (``GET /queue``): a stall."""
+
+    __slots__ = ("api", "broadcast", "client_id", "monitor", "node", "prompt_id", "stall", "state")
+
+    def __init__(self, state: ComfyState, node: str, api: NodeAPI, monitor: NodeMonitor, prompt_id: str,
+                 broadcast: bool, client_id: str | None, stall: float):
+        self.state, self.node, self.api, self.monitor = state, node, api, monitor
+        self.prompt_id, self.broadcast, self.client_id, self.stall = prompt_id, broadcast, client_id, stall
+
+    def sees(self) -> bool:
+        """Whether the prompt's progress frames reach the gateway now."""
+        if self.broadcast:
+            return self.monitor.connected
+        return self.client_id is not None and self.state.relayed(self.node, self.client_id)
+
+    async def until(self, history: Coroutine[Any, Any, T], scope: LeaseScope) -> T:
+        """Await ``history`` (the prompt's end); raise Failure on a stall, with the node's
+        verdict given (breaker open) and the prompt left to the scope's abort (interrupt)."""
+        loop = asyncio.get_running_loop()
+        activity = self.state.activity
+        activity.watch(self.node, loop.time())
+        done = asyncio.ensure_future(history)
+        blind = loop.time()  # the last moment the gateway could not see the prompt's progress
+        try:
+            while not done.done():
+                now = loop.time()
+                if not self.sees():
+                    blind = now
+                last = activity.last(self.node)
+                left = max(now if last is None else last, blind) + self.stall - now
+                if left > 0:
+                    await asyncio.wait({done}, timeout=min(left, WATCH_SEC))
+                elif await _runs(self.api, self.prompt_id):
+                    reason = f"{STALLED}: no progress from the node for {self.stall:g}s while the prompt ran"
+                    log.warning("🐢 [%s] %s", self.node, reason)
+                    scope.node_failed(reason, mid_body=True)
+                    # The client had its answer (the prompt id): it sees the interrupt on its socket.
+                    raise Failure.mid_response(self.node, reason)
+                else:
+                    blind = loop.time()  # still queued behind another prompt there: not ours to judge yet
+            return done.result()
+        finally:
+            activity.unwatch(self.node)
+            if not done.done():
+                done.cancel()
+                with contextlib.suppress(BaseException):
+                    await done
 
 
 class ComfyUIAdapter(Adapter):
@@ -290,6 +366,10 @@ class ComfyUIAdapter(Adapter):
     async def control(self, rt: Runtime, request: web.Request, route: str, path: str, subject: str,
                       request_id: str) -> web.StreamResponse | None:
         return await control(rt, request, route, path, subject, request_id)
+
+    def relay_watch(self, rt: Runtime, node: str, request: web.Request) -> RelayWatch | None:
+        # A client's /ws through the gateway: the node's frames on it are a sync prompt's progress.
+        return RelayWatch(comfy_state(rt), node, request.query.get("clientId"))
 
     # --- one prompt, in every mode ------------------------------------------------------------
     async def serve(self, rt: Runtime, scope: LeaseScope, ex: Exchange, sink: Sink) -> None:
@@ -352,9 +432,12 @@ class ComfyUIAdapter(Adapter):
         state.owners(lease.route).add(prompt_id, scope.ticket.key, lease.node)
         node = lease_api(rt, lease, ex.request_id)
         monitor, number = state.monitor(lease.node), _prompt_number(data)
-        # Past request_timeout_sec the prompt is interrupted before the slot is freed.
+        # Past request_timeout_sec (or on a stall) the prompt is interrupted before the slot is freed.
         scope.on_abort(lambda: self._stop_sync(node, monitor, prompt_id, number))
-        scope.hold(self._hold(scope, node, monitor, prompt_id, number))
+        slow = lease.target.node.slow
+        watch = SyncWatch(state, lease.node, node, monitor, prompt_id, *_client_id(_json_object(ex.body)),
+                          slow.stall_sec) if slow is not None else None
+        scope.hold(self._hold(scope, node, monitor, prompt_id, number, watch))
 
     @staticmethod
     async def _stop_sync(node: NodeAPI, monitor: NodeMonitor, prompt_id: str, number: float | None) -> None:
@@ -366,9 +449,13 @@ class ComfyUIAdapter(Adapter):
                     await wait_history(node, prompt_id, number, SYNC_POLL_SEC, monitor)
 
     async def _hold(self, scope: LeaseScope, node: NodeAPI, monitor: NodeMonitor, prompt_id: str,
-                    number: float | None) -> None:
+                    number: float | None, watch: SyncWatch | None) -> None:
+        history = wait_history(node, prompt_id, number, SYNC_POLL_SEC, monitor)
         try:
-            await wait_history(node, prompt_id, number, SYNC_POLL_SEC, monitor)
+            if watch is None:
+                await history
+            else:
+                await watch.until(history, scope)
         except (NodeError, PromptLost) as e:
             log.warning("[%s] lost track of a prompt (%s): slot freed", scope.lease.node if scope.lease else "?",
                         e.reason)
@@ -499,7 +586,7 @@ class ComfyUIAdapter(Adapter):
         return prompt_id, _prompt_number(data)
 
     async def _watch(self, sink: Sink, sub: Submitted, progress: Progress | None, draining: bool = False,
-                     activity: dict[str, float] | None = None, node: str = "") -> None:
+                     activity: NodeActivity | None = None, node: str = "") -> None:
         """Follow our prompt on the socket until it is finished, or until the socket drops.
 
         Raises Failure on execution_error and Cancelled on execution_interrupted (unless
@@ -507,11 +594,19 @@ class ComfyUIAdapter(Adapter):
         (the loop time of the node's last frame on any of our sockets) and the node's ``stall_sec``, raises
         PromptStalled when the node sent nothing for that long.
         """
+        if activity is None:
+            return await self._follow(sink, sub, progress, draining, None, node)
+        activity.watch(node, asyncio.get_running_loop().time())  # submitted: given stall_sec from now
+        try:
+            await self._follow(sink, sub, progress, draining, activity, node)
+        finally:
+            activity.unwatch(node)
+
+    async def _follow(self, sink: Sink, sub: Submitted, progress: Progress | None, draining: bool,
+                      activity: NodeActivity | None, node: str) -> None:
         ws, pid = sub.ws, sub.prompt_id
         stall = sub.stall_sec if activity is not None and not draining else None
         loop = asyncio.get_running_loop()
-        if activity is not None:
-            activity[node] = loop.time()  # submitted: the node is given stall_sec from now
         success = False
         while True:
             wait = SUCCESS_GRACE_SEC if success else _quiet_left(activity, node, stall, loop.time())
@@ -526,7 +621,7 @@ class ComfyUIAdapter(Adapter):
                                         "while the prompt ran") from None
                 continue  # another of our prompts on this node moved meanwhile
             if activity is not None:
-                activity[node] = loop.time()
+                activity.seen(node, loop.time())
             if msg.type == aiohttp.WSMsgType.BINARY:
                 continue  # previews carry no prompt id; nothing for us
             if msg.type != aiohttp.WSMsgType.TEXT:

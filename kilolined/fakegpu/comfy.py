@@ -5,7 +5,8 @@ what was measured on a running ComfyUI 0.19.3:
 - the WebSocket: two `status` broadcasts per prompt (queued, started) and one at its end, the
   event order (`execution_success` → `status` → `executing: null`, history written before),
   `progress_state` at each node's start, on progress and at its finish, who receives what
-  (nothing but `progress*` and `execution_interrupted` without a `client_id`);
+  (nothing but `progress*` and `execution_interrupted` without a `client_id`, and nothing at all
+  for a `client_id` no socket has, such as `""`);
 - the cache: a node whose class and inputs match the previous prompt's is not run again, so an
   identical repeat sends only `execution_cached` (every node), `executed`, `execution_success`;
 - duplicate `prompt_id`s are accepted; the old history entry stays until the new run ends, and
@@ -280,7 +281,10 @@ class ComfyBackend(Backend):
         if problem is not None:
             return web.json_response(problem, status=400)
         extra_data = dict(body["extra_data"]) if isinstance(body.get("extra_data"), dict) else {}
-        client_id = body.get("client_id") if isinstance(body.get("client_id"), str) and body["client_id"] else None
+        # ComfyUI targets any client_id but null (absent or null: broadcast). One that is not a
+        # string, or empty, names no socket ("" never does: a socket without one gets a uuid).
+        raw_id = body.get("client_id")
+        client_id = None if raw_id is None else raw_id if isinstance(raw_id, str) else ""
         if "client_id" in body:
             extra_data["client_id"] = body["client_id"]
         extra_data["create_time"] = now_ms()

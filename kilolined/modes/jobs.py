@@ -36,6 +36,7 @@ from kilolined.ops.webhooks import WebhookDeliverer, check_callback_url
 from kilolined.scheduling.lease import LeaseScope, Sink
 from kilolined.scheduling.queue import WAITING, Lease, Ticket
 from kilolined.wire.proxy import SERVER, Exchange, Observer, Upstream, UpstreamFailed, mid_response
+from kilolined.wire.upstream import Stalled
 
 log = logging.getLogger("kilolined.modes.jobs")
 
@@ -230,13 +231,18 @@ class Job:
 class JobSink(Sink):
     """The sse/async client modes: the request's moves become job events, its answer the result."""
 
-    __slots__ = ("ex", "failure", "job", "lost", "memory", "mode", "res", "rt")
+    __slots__ = ("adapter", "answer", "ex", "failure", "job", "lost", "memory", "mode", "res", "rt")
     reports_progress = True
+    reads_answer = True
     gone = "cancelled"
 
     def __init__(self, rt: Runtime, job: Job, ex: Exchange | None = None, lost: tuple[str, str] | None = None,
-                 memory: ResultMemory | None = None):
+                 memory: ResultMemory | None = None, adapter: Adapter | None = None):
         self.rt, self.job, self.ex = rt, job, ex
+        #: makes the observer of an answer read under the attempt (``received``)
+        self.adapter = adapter
+        #: (the node's answer, its body) once ``received`` read it, until ``deliver`` takes it
+        self.answer: tuple[Upstream, bytes] | None = None
         self.mode = job.mode
         #: what results may hold (jobs.max_results_mb); the result is reserved in it as it arrives
         self.memory = memory
@@ -272,10 +278,31 @@ class JobSink(Sink):
         pct = max(0, min(100, int(step * 100 // total)))
         self.job.emit("step_progress", {"step": step, "total": total, "pct": pct})
 
+    async def received(self, scope: LeaseScope, up: Upstream) -> None:
+        """The node's whole answer, read under the attempt. None of it reaches the client before
+        the job ends (events carry only gateway facts: ``step_progress`` counts chunks, never
+        their bytes), so a node that stalls mid-answer is re-queued here like one that never
+        answered; the adapter's observer hears the answer as it arrives (usage, progress)."""
+        adapter, ex = self.adapter, self.ex
+        obs = adapter.observer(self.rt, ex, scope, self) if adapter is not None and ex is not None else None
+        self.answer = None
+        self.answer = (up, await self._read(scope, up, obs, under_attempt=True))
+
     async def deliver(self, scope: LeaseScope, up: Upstream, obs: Observer | None,
                       capture: bytearray | None = None) -> None:
-        """Read the whole answer into memory: it is the job's result, reserved against
-        jobs.max_results_mb as its bytes arrive (the reservation ends with the job)."""
+        """The answer becomes the job's result. Read by ``received`` already (then ``obs`` is
+        not used: the attempt's observer heard it), or now: a node's 5xx passed on when no retry
+        was left."""
+        got, self.answer = self.answer, None
+        body = got[1] if got is not None and got[0] is up else await self._read(scope, up, obs, under_attempt=False)
+        ctype = up.headers.get("Content-Type", "application/octet-stream")
+        if up.status >= 400:
+            raise Failure("upstream_error", f"node answered HTTP {up.status}", up.status, body, ctype)
+        self.res = Result(up.status, ctype, body)
+
+    async def _read(self, scope: LeaseScope, up: Upstream, obs: Observer | None, under_attempt: bool) -> bytes:
+        """Read the whole answer into memory, reserved against jobs.max_results_mb as its bytes
+        arrive (the reservation ends with the job)."""
         memory = self.memory or ResultMemory(self.rt.cfg.jobs.max_results_mb)  # outside a store: its own result only
         job = self.job
         memory.release(job)  # an earlier attempt's bytes are gone
@@ -290,13 +317,23 @@ class JobSink(Sink):
             scope.size = len(body)
             ok = up.status < 500
             scope.ok = ok
+            return body
         except ResultTooLarge as e:
             # The gateway's memory cap, not the node's fault: no breaker, the job fails.
             memory.release(job)
             raise Failure.upstream(str(e), False) from None
         except (aiohttp.ClientError, TimeoutError, UpstreamFailed) as e:
             memory.release(job)
-            # Bytes had arrived from the node: this attempt cannot be replayed, the job fails.
+            if under_attempt and isinstance(e, Stalled):
+                # The scope's verdict on "stalled: …" opens the breaker, and it re-queues the job.
+                raise UpstreamFailed(str(e), answered=True) from None
+            if under_attempt and isinstance(e, TimeoutError):
+                # The request's deadline (the exchange has the scope's): the verdict and words the
+                # scope gives a lease that outlives it.
+                scope.node_failed(f"timed out after {scope.timeout:g}s", mid_body=True)
+                raise Failure.upstream(f"node {job.node or '-'} did not finish within {scope.timeout:g}s",
+                                       True) from None
+            # A node lost mid-answer is not replayed: the job fails (docs/API.md "Re-queue").
             reason = mid_response(e)
             scope.node_failed(reason, mid_body=True)
             raise Failure.mid_response(job.node or "-", reason) from None
@@ -304,10 +341,6 @@ class JobSink(Sink):
             up.release()
             if obs is not None:
                 obs.done(ok)
-        ctype = up.headers.get("Content-Type", "application/octet-stream")
-        if up.status >= 400:
-            raise Failure("upstream_error", f"node answered HTTP {up.status}", up.status, body, ctype)
-        self.res = Result(up.status, ctype, body)
 
     def result(self, res: Result) -> None:
         self.res = res
@@ -534,7 +567,7 @@ class Jobs:
 
     async def _run(self, job: Job, ex: Exchange, adapter: Adapter, lost: tuple[str, str] | None = None) -> None:
         """Run the job to its end; whatever happens, it ends terminal (events, webhook)."""
-        sink = JobSink(self.rt, job, ex, lost, self.memory)
+        sink = JobSink(self.rt, job, ex, lost, self.memory, adapter)
         try:
             await run(self.rt, job.ticket, ex, adapter, sink, job.key, job.route_label)
         except (Cancelled, asyncio.CancelledError):

@@ -62,6 +62,9 @@ class Sink(Protocol):
     gone: str = "client_gone"
     #: what the sync handler answers with (None for jobs)
     response: web.StreamResponse | None = None
+    #: the sink keeps the node's whole answer before its client sees any of it (the job modes):
+    #: the attempt hands it to ``received``, so a node that fails while it is read can be re-queued
+    reads_answer: bool = False
 
     def dispatched(self, lease: Lease, queue_wait: float) -> None:
         return None
@@ -78,6 +81,11 @@ class Sink(Protocol):
 
     async def begin(self, scope: LeaseScope) -> None:
         """Before the wait (a stream that must queue says so at once)."""
+        return None
+
+    async def received(self, scope: LeaseScope, up: Upstream) -> None:
+        """(``reads_answer``) Read the node's answer under the attempt, before the lease is held;
+        UpstreamFailed re-queues the request like a node that never answered."""
         return None
 
     async def deliver(self, scope: LeaseScope, up: Upstream, obs: Observer | None,
