@@ -539,10 +539,16 @@ class Scheduler:
         return model is not None and not self.nodes[node].models.is_warm(model)
 
     def _index(self, node: str) -> PrefixIndex | None:
-        """The node's index, emptied first if the node's process restarted since it was filled."""
+        """The node's index, emptied first if the node's process restarted since it was filled, or
+        a reload gave the name another URL (another server: nothing it holds is known)."""
         idx = self.indexes.get(node)
         ns = self.nodes.get(node)
-        if idx is not None and ns is not None and idx.started != ns.started:
+        if idx is None or ns is None:
+            return idx
+        if idx.url != ns.cfg.url:
+            idx.clear()
+            idx.url, idx.started = ns.cfg.url, ns.started
+        elif idx.started != ns.started:
             if idx.started is not None:  # not merely the first start time heard of
                 idx.clear()
             idx.started = ns.started
@@ -568,7 +574,8 @@ class Scheduler:
         if a.mode == aff.PREFIX:
             idx = self._index(node)
             if idx is None:
-                idx = self.indexes[node] = PrefixIndex(started=self.nodes[node].started)
+                ns = self.nodes[node]
+                idx = self.indexes[node] = PrefixIndex(started=ns.started, url=ns.cfg.url)
             idx.record(a.keys)
 
     def forget(self, node: str) -> None:
