@@ -1,7 +1,9 @@
 """The cluster's scripts choose a node by the same affinity rule as one gateway alone: for random
 nodes, slots, loads, warm sets and prefix indexes, the ADMIT script on a real redis-server grants
 the node that ``queue.Scheduler.choose_node`` picks (or, like it, none), from what the gateway's
-``affinity_hint`` told it and Redis' own in-flight counts (docs/CLUSTER.md, docs/CONFIG.md#affinity)."""
+``affinity_hint`` told it and Redis' own in-flight counts; and the outcome the gateway counts when
+that grant arrives (``affine_landed``) is the one it would have counted deciding alone
+(docs/CLUSTER.md, docs/CONFIG.md#affinity)."""
 
 from __future__ import annotations
 
@@ -101,6 +103,15 @@ def test_the_scripts_choose_as_one_gateway_would(redis_server: RedisServer, scen
     s, rq, t = scheduler(scene)
     r = redis.Redis(port=redis_server.port)
     try:
-        assert granted(r, s, rq, t, scene["warm"]) == s.choose_node(rq, t, 0.0)
+        node = granted(r, s, rq, t, scene["warm"])
     finally:
         r.close()
+    assert node == s.choose_node(rq, t, 0.0)
+    # The gateway names the outcome when the grant arrives as it would have deciding alone.
+    a = t.affinity
+    assert a is not None
+    if node is not None:
+        alone = a.outcome
+        a.node = a.outcome = None
+        s.affine_landed(rq, t, node)
+        assert a.outcome == alone and a.node == node
