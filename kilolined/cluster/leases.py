@@ -180,8 +180,8 @@ class ClusterLeases:
     # --- the LeaseStore calls ---------------------------------------------------------------
     def admit(self, route: str, key: str, priority: int, now: float, *, pinned_node: str | None = None,
               cost: float = 0.0, model: str | None = None, affinity: Affinity | None = None) -> Ticket:
-        # Which nodes serve the model holds in Redis too (the ticket's "only"); warm affinity and
-        # collation are per gateway (docs/CLUSTER.md).
+        # Which nodes serve the model holds in Redis too (the ticket's "only"), and so do warm and
+        # prefix/session affinity (its "warm" and "aff"); collation is per gateway (docs/CLUSTER.md).
         if not self.view.redis_up:
             t = self.sched.admit(route, key, priority, now, pinned_node=pinned_node, cost=cost, model=model,
                                  affinity=affinity)
@@ -189,7 +189,7 @@ class ClusterLeases:
             return t
         rq = self.sched.routes[route]
         self.sched.check_servable(rq, pinned_node, cost, model)
-        # Redis chooses the node here: affinity only records and counts what it chose (docs/CLUSTER.md).
+        # Redis chooses the node here, by the rule this gateway's index feeds it (_affinity, at settle).
         t = Ticket(next(self._seq), route, key, priority, now, pinned_node=pinned_node, cost=cost, model=model,
                    affinity=affinity)
         t.deadline = now + rq.cfg.queue_timeout_sec
@@ -206,7 +206,7 @@ class ClusterLeases:
             "ADMIT", t.route, self._order_key(t, front=front), tid, t.pinned_node or "", self._view_json(t.route),
             rq.cfg.max_queue_depth, -1 if rq.cfg.max_queued_per_key is None else rq.cfg.max_queued_per_key,
             t.key, 1 if rq.cfg.drop_policy == "drop_oldest" else 0, repr(t.cost), self._only(t), 1 if front else 0,
-            self._warm(t)))
+            self._warm(t), self._affinity(t)))
         try:
             res = await asyncio.shield(call)
         except asyncio.CancelledError:
@@ -288,7 +288,7 @@ class ClusterLeases:
         if self._any_barred(t):
             self._barred[t] = only  # _unbar lifts it at a heartbeat once the node is seen alive
         self._spawn(self._remote("REQUEUE", lid, tid, t.route, self._order_key(t, front=True), t.pinned_node or "",
-                                 avoid, t.key, repr(t.cost), only, self._warm(t)))
+                                 avoid, t.key, repr(t.cost), only, self._warm(t), self._affinity(t)))
         return t
 
     def release(self, lease: Lease, now: float, service_time: float | None) -> None:
@@ -372,6 +372,7 @@ class ClusterLeases:
             # Nobody here wants it any more (the client left in the same moment): give it back.
             self._spawn(self._remote("RELEASE", lid))
             return
+        self.sched.affine_landed(rq, t, node)  # hit, miss or load: by this gateway's index, now
         lease = self.sched.grant(rq, t, node, self.clock())
         self._lid[lease] = lid
         t.wake()
@@ -746,6 +747,14 @@ class ClusterLeases:
             return ""
         return "," + "".join(n + "," for n in self.sched.routes[t.route].all_nodes
                              if (ns := self.sched.nodes.get(n)) is not None and ns.models.is_warm(t.model))
+
+    def _affinity(self, t: Ticket) -> str:
+        """The ticket's prefix or session affinity as the scripts read it (scripts.affine): per node
+        what this gateway's own index holds of it, in the rendezvous order that makes every gateway
+        send a new prefix to the same node; "" when none applies. Written once with the ticket, so
+        the gateway whose release grants it applies the same rule with Redis' in-flight counts."""
+        hint = self.sched.affinity_hint(self.sched.routes[t.route], t)
+        return "" if hint is None else orjson.dumps(hint).decode()
 
     def _only(self, t: Ticket) -> str:
         """The nodes of its route that may take the ticket, as the scripts read it: ",a,b,"

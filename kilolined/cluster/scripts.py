@@ -13,7 +13,8 @@ Keys, all under the prefix P (a single Redis primary; Redis Cluster sharding is 
   P gl:<inst>     set    the instance's lease ids
   P t:<tid>       hash   route, key (its queue), ck (the client's key), gw, pin, avoid (",a,b,"),
                          only (",a,b,": the nodes serving its model; "" any), warm (",a,": where
-                         the admitting gateway knew its model warm),
+                         the admitting gateway knew its model warm), aff (JSON: what affinity
+                         needs, from the admitting gateway's index; "" none: see affine below),
                          at (ms), cost, by (times passed over while the head: backfill),
                          state (w waiting | l leased | x dropped), lease, node,
                          job (its sse/async job)
@@ -181,7 +182,7 @@ local function reap()
   return #dead
 end
 
-local function enqueue(route, key, ck, tid, gw, pin, avoid, front, cost, only, warm)
+local function enqueue(route, key, ck, tid, gw, pin, avoid, front, cost, only, warm, aff)
   local ring = P..'r:'..route
   local q = P..'q:'..route..':'..key
   local fresh = redis.call('LLEN', q) == 0
@@ -198,7 +199,7 @@ local function enqueue(route, key, ck, tid, gw, pin, avoid, front, cost, only, w
   redis.call('SADD', P..'gt:'..gw, tid)
   local at = now_ms()
   redis.call('HSET', P..'t:'..tid, 'route', route, 'key', key, 'ck', ck, 'gw', gw, 'pin', pin, 'avoid', avoid,
-             'at', at, 'cost', cost, 'only', only or '', 'warm', warm or '', 'state', 'w')
+             'at', at, 'cost', cost, 'only', only or '', 'warm', warm or '', 'aff', aff or '', 'state', 'w')
   redis.call('ZADD', P..'w:'..route, redis.call('INCR', P..'wseq'), tid)
 end
 
@@ -249,11 +250,79 @@ local function least_loaded(route, group, avoid, want_avoided, cost, blocked, on
   return best
 end
 
+-- Affinity (docs/CONFIG.md#affinity), as queue.Scheduler._affine decides it, among the group's
+-- nodes that can take the ticket now. ``a`` is what the admitting gateway read from its own index
+-- (Scheduler.affinity_hint): the route's nodes in the rendezvous order of the request's first key
+-- (r) and, for a prefix (m "p"), per node of r the bytes still to prefill there (u) and its match
+-- in keys (k); z: the whole size, for a node it did not list. The in-flight counts are Redis' own,
+-- so whichever gateway's script grants the ticket applies the same rule. The cold-model rule ranks
+-- first, as in least_loaded; a busy node is never waited for (only free nodes are candidates).
+local SESSION_BOUND = 1.25  -- affinity.SESSION_LOAD_BOUND
+
+local function listed(set, node)
+  return set ~= '' and string.find(set, ','..node..',', 1, true) ~= nil
+end
+
+local function before(x, y)  -- lexicographic x < y
+  for i = 1, #x do if x[i] ~= y[i] then return x[i] < y[i] end end
+  return false
+end
+
+local function affine(route, group, avoid, cost, blocked, only, warm, a)
+  local rank, names, free = {}, {}, {}
+  for i, n in ipairs(a.r) do rank[n] = i end
+  for i, e in ipairs(group) do
+    if not listed(avoid, e[1]) and not blocked[e[1]] and allowed(only, e[1]) then
+      names[#names + 1] = e[1]
+      -- a node the gateway did not list (added by a reload since) ranks after those it did
+      if can_take(route, e, cost) then free[#free + 1] = {e[1], rank[e[1]] or #a.r + i, i} end
+    end
+  end
+  if #free == 0 then return nil end
+  local cold = function(n) return warm ~= '' and not listed(warm, n) end
+  if a.m == 's' then
+    -- Consistent hashing with bounded load: the first free node in the session's order whose
+    -- in-flight on the route, counting this one, stays within 125 % of the mean; warm first.
+    local sum = 0
+    for _, n in ipairs(names) do sum = sum + count(P..'in:'..route, n) end
+    local cap = math.max(1, math.ceil(SESSION_BOUND * (sum + 1) / #names - EPS))
+    table.sort(free, function(x, y) return x[2] < y[2] end)
+    local pick = {}
+    for _, f in ipairs(free) do
+      if count(P..'in:'..route, f[1]) + 1 <= cap then pick[#pick + 1] = f[1] end
+    end
+    if #pick == 0 then for _, f in ipairs(free) do pick[#pick + 1] = f[1] end end
+    for _, n in ipairs(pick) do if not cold(n) then return n end end
+    return pick[1]
+  end
+  local function match(n) return rank[n] and a.k[rank[n]] or 0 end
+  local best_any, held = 0, false
+  for _, n in ipairs(names) do best_any = math.max(best_any, match(n)) end
+  for _, f in ipairs(free) do held = held or match(f[1]) > 0 end
+  local best, best_key = nil, nil
+  for _, f in ipairs(free) do
+    local n = f[1]
+    local load = count(P..'nin', n)
+    local key
+    if best_any == 0 or not held then
+      -- Held nowhere it could go: least-loaded, ties by rendezvous (gateways agree on new prefixes).
+      key = {cold(n) and 1 or 0, load, f[2]}
+    else
+      -- Uncached bytes x (in-flight + 1); ties to the longer match, then the order of ``nodes``.
+      key = {cold(n) and 1 or 0, (rank[n] and a.u[rank[n]] or a.z) * (load + 1), -match(n), f[3]}
+    end
+    if best == nil or before(key, best_key) then best, best_key = n, key end
+  end
+  return best
+end
+
 -- The node for a ticket, as queue.Scheduler.choose_node decides it; ``blocked`` nodes are held
--- for a head that was passed over max_bypass times.
-local function choose(route, view, pin, avoid, cost, blocked, only, warm)
+-- for a head that was passed over max_bypass times; ``aff``: the ticket's affinity (JSON, "" none).
+local function choose(route, view, pin, avoid, cost, blocked, only, warm, aff)
   blocked = blocked or {}
   only = only or ''
+  local a = nil
+  if aff and aff ~= '' then a = cjson.decode(aff) end
   if pin ~= '' then
     if blocked[pin] or not allowed(only, pin) then return nil end
     for _, g in ipairs({view.p, view.s}) do
@@ -264,7 +333,9 @@ local function choose(route, view, pin, avoid, cost, blocked, only, warm)
     return nil
   end
   for _, g in ipairs({view.p, view.s}) do
-    local n = least_loaded(route, g, avoid, false, cost, blocked, only, warm)
+    local n
+    if a then n = affine(route, g, avoid, cost, blocked, only, warm or '', a)
+    else n = least_loaded(route, g, avoid, false, cost, blocked, only, warm) end
     if n then return n end
     for _, e in ipairs(g) do
       if e[2] > 0 and string.find(avoid, ','..e[1]..',', 1, true) == nil and allowed(only, e[1])
@@ -413,9 +484,9 @@ local function backfill(route, ring, view, prio, head, head_cost, bypassed)
     if n > SCAN then return false end
     local tid, key = c[1], c[2]
     if tid ~= head then
-      local t = redis.call('HMGET', P..'t:'..tid, 'gw', 'pin', 'avoid', 'ck', 'cost', 'only', 'warm')
+      local t = redis.call('HMGET', P..'t:'..tid, 'gw', 'pin', 'avoid', 'ck', 'cost', 'only', 'warm', 'aff')
       local cost = tonumber(t[5] or '0') or 0
-      local node = choose(route, view, t[2] or '', t[3] or ',', cost, blocked, t[6] or '', t[7] or '')
+      local node = choose(route, view, t[2] or '', t[3] or ',', cost, blocked, t[6] or '', t[7] or '', t[8] or '')
       if node then
         local q = P..'q:'..route..':'..key
         redis.call('LREM', q, 1, tid)
@@ -446,9 +517,9 @@ local function dispatch_route(route)
     if not tid then
       redis.call('LREM', ring, 1, key)
     else
-      local t = redis.call('HMGET', P..'t:'..tid, 'gw', 'pin', 'avoid', 'ck', 'cost', 'by', 'only', 'warm')
+      local t = redis.call('HMGET', P..'t:'..tid, 'gw', 'pin', 'avoid', 'ck', 'cost', 'by', 'only', 'warm', 'aff')
       local cost = tonumber(t[5] or '0') or 0
-      local node = choose(route, view, t[2] or '', t[3] or ',', cost, nil, t[7] or '', t[8] or '')
+      local node = choose(route, view, t[2] or '', t[3] or ',', cost, nil, t[7] or '', t[8] or '', t[9] or '')
       if node then
         redis.call('LPOP', q)
         if redis.call('LLEN', q) == 0 then redis.call('LREM', ring, 1, key)
@@ -486,13 +557,15 @@ end
 #: ARGV: P, ME, route, key (its queue), tid, pin, view, max_queue_depth, max_queued_per_key (-1:
 #: none), client key, drop_oldest (1|0), cost, only (the nodes serving its model: ",a,b,", "" any),
 #: front (1: a re-queued request, at the head of its queue as after a node failure), warm (the
-#: nodes where its model is loaded, as this gateway knows: ",a,", "" when it names none)
+#: nodes where its model is loaded, as this gateway knows: ",a,", "" when it names none), aff (its
+#: affinity as Scheduler.affinity_hint gives it, JSON; "" none)
 #: -> {'ok'|'per_key'|'full', waiting, position (0: leased at once), grants...}
 ADMIT = COMMON + r"""
 local route, key, tid, pin, ck = ARGV[3], ARGV[4], ARGV[5], ARGV[6], ARGV[10]
 local cost = tonumber(ARGV[12]) or 0
 local only = ARGV[13] or ''
 local warm = ARGV[15] or ''
+local aff = ARGV[16] or ''
 if stale() then return redis.error_reply('EPOCH Redis came back empty: register again') end
 reap()
 redis.call('SET', P..'v:'..route, ARGV[7])
@@ -503,7 +576,7 @@ if per_key >= 0 and count(P..'nk:'..route, ck) >= per_key then
   return {'per_key', count(P..'nk:'..route, ck)}
 end
 if waiting == 0 and not fenced() then
-  local node = choose(route, cjson.decode(ARGV[7]), pin, ',', cost, nil, only, warm)
+  local node = choose(route, cjson.decode(ARGV[7]), pin, ',', cost, nil, only, warm, aff)
   if node then
     redis.call('HSET', P..'t:'..tid, 'route', route, 'key', key, 'ck', ck, 'gw', ME, 'pin', pin, 'avoid', ',',
                'cost', cost, 'only', only, 'state', 'w')
@@ -517,7 +590,7 @@ if waiting >= tonumber(ARGV[8]) then
   if ARGV[11] ~= '1' or not drop_oldest(route) then return {'full', waiting} end
   waiting = waiting - 1
 end
-enqueue(route, key, ck, tid, ME, pin, ',', ARGV[14] == '1', cost, only, warm)
+enqueue(route, key, ck, tid, ME, pin, ',', ARGV[14] == '1', cost, only, warm, aff)
 dispatch_all()
 local pos = 0
 if redis.call('HGET', P..'t:'..tid, 'state') == 'w' then pos = rank_of_new(route, key, view_of(route)) end
@@ -535,14 +608,14 @@ dispatch_all()
 return grants
 """
 
-#: ARGV: P, ME, lid, tid, route, key (its queue), pin, avoid, client key, cost, only, warm -> {grants...}
+#: ARGV: P, ME, lid, tid, route, key (its queue), pin, avoid, client key, cost, only, warm, aff -> {grants...}
 REQUEUE = COMMON + r"""
 if stale() then return redis.error_reply('EPOCH Redis came back empty: register again') end
 reap()
 drop_lease(ARGV[3])
 redis.call('DEL', P..'t:'..ARGV[4])
 enqueue(ARGV[5], ARGV[6], ARGV[9], ARGV[4], ME, ARGV[7], ARGV[8], true, tonumber(ARGV[10]) or 0, ARGV[11] or '',
-        ARGV[12] or '')
+        ARGV[12] or '', ARGV[13] or '')
 dispatch_all()
 return grants
 """

@@ -198,13 +198,15 @@ def restarted(known: float | None, seen: float) -> bool:
 class PrefixIndex:
     """One node's keys, least recently dispatched first, at most ``limit``."""
 
-    __slots__ = ("_keys", "limit", "started")
+    __slots__ = ("_keys", "limit", "started", "url")
 
-    def __init__(self, limit: int = DEFAULT_INDEX_KEYS, started: float | None = None):
+    def __init__(self, limit: int = DEFAULT_INDEX_KEYS, started: float | None = None, url: str | None = None):
         self._keys: OrderedDict[Hashable, None] = OrderedDict()
         self.limit = limit
         #: the node's reported start time when these keys were recorded: another one empties it
         self.started = started
+        #: the node's address when these keys were recorded: another address is another server
+        self.url = url
 
     def __len__(self) -> int:
         return len(self._keys)

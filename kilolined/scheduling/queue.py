@@ -23,7 +23,7 @@ import math
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 from kilolined.core.config import NodeConfig, RouteConfig
 from kilolined.scheduling import affinity as aff
@@ -539,13 +539,16 @@ class Scheduler:
         return model is not None and not self.nodes[node].models.is_warm(model)
 
     def _index(self, node: str) -> PrefixIndex | None:
-        """The node's index, emptied first if the node's process restarted since it was filled."""
+        """The node's index, emptied first if the node's process restarted since it was filled, or
+        a reload gave the name another URL (another server: nothing it holds is known)."""
         idx = self.indexes.get(node)
         ns = self.nodes.get(node)
-        if idx is not None and ns is not None and idx.started != ns.started:
-            if idx.started is not None:  # not merely the first start time heard of
-                idx.clear()
-            idx.started = ns.started
+        if idx is None or ns is None or (idx.url == ns.cfg.url and idx.started == ns.started):
+            return idx
+        # Not merely the first URL or start time heard of: another server, or a new process.
+        if (idx.url is not None and idx.url != ns.cfg.url) or (idx.started is not None and idx.started != ns.started):
+            idx.clear()
+        idx.url, idx.started = ns.cfg.url, ns.started
         return idx
 
     def _match(self, node: str, a: Affinity) -> int:
@@ -568,8 +571,48 @@ class Scheduler:
         if a.mode == aff.PREFIX:
             idx = self._index(node)
             if idx is None:
-                idx = self.indexes[node] = PrefixIndex(started=self.nodes[node].started)
+                ns = self.nodes[node]
+                idx = self.indexes[node] = PrefixIndex(started=ns.started, url=ns.cfg.url)
             idx.record(a.keys)
+
+    def affinity_hint(self, rq: RouteQueue, t: Ticket) -> dict[str, Any] | None:
+        """What a lease store that chooses the node elsewhere needs to apply ``_affine``'s rule
+        (cluster mode: the scripts, kilolined/cluster/scripts.py): the mode (``m``: "p" prefix,
+        "s" session), the route's nodes in the rendezvous order of the first key (``r``), and for
+        a prefix, per node of ``r``, the bytes still to prefill there (``u``) and the match in keys
+        (``k``) by this gateway's index, with the whole size (``z``) for a node not listed. The
+        in-flight counts are the chooser's own. None: no affinity applies to ``t``."""
+        a = t.affinity
+        if a is None or a.mode != rq.cfg.affinity or t.pinned_node is not None:
+            return None
+        order = aff.rendezvous(a.keys[0], rq.all_nodes)
+        if a.mode == aff.SESSION:
+            return {"m": "s", "r": order}
+        matches = [self._match(n, a) for n in order]
+        return {"m": "p", "r": order, "u": [a.uncached(m) for m in matches], "k": matches, "z": a.size}
+
+    def affine_landed(self, rq: RouteQueue, t: Ticket, node: str) -> None:
+        """A grant chosen elsewhere (the cluster's scripts, by ``affinity_hint``) lands here: what
+        it was by this gateway's index now, as ``_affine`` would say it — hit; miss (no node it
+        could have gone to holds any of it); load (one held more, or was the session's first, but
+        the load rule chose another). Pinned, or a node that had failed it: hit if it holds any."""
+        a = t.affinity
+        if a is None or a.mode != rq.cfg.affinity:
+            return
+        group = rq.cfg.nodes if node in rq.cfg.nodes else rq.cfg.standby
+        if t.pinned_node is not None or node in t.avoid or node not in group:
+            a.match = self._match(node, a) if a.mode == aff.PREFIX else 0
+            a.node, a.outcome = node, aff.HIT if a.match else aff.MISS
+            return
+        names = [n for n in group if n not in t.avoid and self.serves(n, t.model)]
+        if a.mode == aff.SESSION:
+            a.node, a.match = node, 1
+            a.outcome = aff.HIT if aff.rendezvous(a.keys[0], names)[:1] == [node] else aff.LOAD
+            return
+        got = self._match(node, a)
+        best_any = max([got, *(self._match(n, a) for n in names)])
+        a.node, a.match = node, got
+        a.outcome = aff.MISS if best_any == 0 else aff.HIT if got >= best_any else aff.LOAD
 
     def forget(self, node: str) -> None:
         """The node lost what it held (down, breaker open, restarted, swapped models)."""
