@@ -247,11 +247,37 @@ def test_a_misprediction_drops_the_keys() -> None:
     s = make(["a", "b"], n=4)
     t = ask(s, doc(1))
     home = node_of(t)
+    assert t.lease is not None
+    s.release(t.lease, 0.0, None)  # done: the node holds the document now
     t2 = ask(s, doc(1, "q2"))
     assert t2.affinity is not None and t2.affinity.predicted_hit()
     s.mispredicted(home, t2.affinity)
     again = prefix_affinity("r", doc(1), 16)
     assert again is not None and s.indexes[home].match(again.keys) == 0
+
+
+def test_a_match_still_being_computed_is_a_hit_but_no_prediction_to_refute() -> None:
+    # llama.cpp (-no-kvu) keeps a prompt in one slot and does not share a busy one: the second
+    # request for a document the node is computing reports no reuse, which must not drop the keys.
+    s = make(["a", "b"], n=4)
+    first = ask(s, doc(1))
+    home = node_of(first)
+    second = ask(s, doc(1, "q2"))
+    assert node_of(second) == home and second.affinity is not None and second.affinity.outcome == "hit"
+    assert second.affinity.busy and not second.affinity.predicted_hit()
+    other = ask(s, doc(2))  # another document: nothing of it is in flight
+    assert other.affinity is not None and not other.affinity.busy
+    for t in (first, second):
+        assert t.lease is not None
+        s.release(t.lease, 0.0, None)
+    assert home not in s.prefix_flight or all(o is not first.affinity for o in s.prefix_flight[home])
+    third = ask(s, doc(1, "q3"))  # nothing computes it now: a hit the node's report can refute
+    assert node_of(third) == home and third.affinity is not None
+    assert not third.affinity.busy and third.affinity.predicted_hit()
+    for t in (other, third):
+        assert t.lease is not None
+        s.release(t.lease, 0.0, None)
+    assert s.prefix_flight == {}  # released in full: nothing kept per node
 
 
 def test_session_affinity_sticks_within_its_load_bound() -> None:

@@ -55,14 +55,26 @@ class Affinity:
     node: str | None = None
     match: int = 0
     outcome: str | None = None
+    #: at dispatch another in-flight request on the node held the matched prefix (still computing it)
+    busy: bool = False
+    #: the node whose in-flight list holds this request until its lease ends (Scheduler.release)
+    held: str | None = None
 
     def uncached(self, match: int) -> int:
         """Bytes of the request that ``match`` leading keys do not cover."""
         return max(0, self.size - match * self.block)
 
     def predicted_hit(self) -> bool:
-        """The dispatch expected the node to hold at least half of the prompt."""
-        return self.mode == PREFIX and self.size > 0 and 2 * min(self.size, self.match * self.block) >= self.size
+        """The dispatch expected the node to hold at least half of the prompt. A match that an
+        in-flight request there was still computing is a hit for routing (SPEC §13) but not a
+        prediction the node's report can refute: llama.cpp keeps a prompt in one slot and does not
+        share a busy one (``-no-kvu``), so "nothing reused" then says nothing about the index."""
+        return (self.mode == PREFIX and self.size > 0 and not self.busy
+                and 2 * min(self.size, self.match * self.block) >= self.size)
+
+    def shares(self, other: Affinity, match: int) -> bool:
+        """``other`` holds this request's first ``match`` keys (chained: one key names its prefix)."""
+        return len(other.keys) >= match and other.keys[match - 1] == self.keys[match - 1]
 
 
 def _text(content: Any, out: list[bytes]) -> None:

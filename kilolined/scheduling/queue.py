@@ -351,6 +351,8 @@ class Scheduler:
         self.capacity_used: dict[str, float] = {}  # node -> the costs of its leases
         self.swaps: Counter[str] = Counter()  # node -> dispatches that made it load a model
         self.indexes: dict[str, PrefixIndex] = {}  # node -> the prefix keys dispatched to it
+        #: node -> the prefix requests in flight there (a few: a node runs N), to tell a busy match
+        self.prefix_flight: dict[str, list[Affinity]] = {}
         #: (route, hit|miss|load) -> affinity decisions (kiloline_affinity_decisions_total)
         self.affinity_decisions: Counter[tuple[str, str]] = Counter()
         self._seq = itertools.count(1)
@@ -569,11 +571,28 @@ class Scheduler:
         assert a.outcome is not None
         self.affinity_decisions[(rq.name, a.outcome)] += 1
         if a.mode == aff.PREFIX:
+            flight = self.prefix_flight.setdefault(node, [])
+            a.busy = a.match > 0 and any(a.shares(o, a.match) for o in flight)
+            flight.append(a)
+            a.held = node
             idx = self._index(node)
             if idx is None:
                 ns = self.nodes[node]
                 idx = self.indexes[node] = PrefixIndex(started=ns.started, url=ns.cfg.url)
             idx.record(a.keys)
+
+    def _affine_release(self, a: Affinity, node: str) -> None:
+        """The request's lease ended: it no longer computes its prefix on ``node``."""
+        a.held = None
+        flight = self.prefix_flight.get(node)
+        if flight is None:
+            return
+        for i, o in enumerate(flight):
+            if o is a:  # identity: two requests for one document carry equal Affinity values
+                del flight[i]
+                break
+        if not flight:
+            del self.prefix_flight[node]
 
     def affinity_hint(self, rq: RouteQueue, t: Ticket) -> dict[str, Any] | None:
         """What a lease store that chooses the node elsewhere needs to apply ``_affine``'s rule
@@ -921,6 +940,8 @@ class Scheduler:
             # The trial ended without a verdict (e.g. cancelled): let another one run.
             ns.trial_in_flight = False
         t = lease.ticket
+        if t.affinity is not None and t.affinity.held == lease.node:
+            self._affine_release(t.affinity, lease.node)
         if t.lease is lease:
             t.lease = None  # Ticket ↔ Lease would be a reference cycle: only the collector could free them
         if t.state == LEASED:
