@@ -83,7 +83,9 @@ class UpstreamResponse:
         "_method",
         "_parser",
         "_released",
+        "_stall_timer",
         "_until_close",
+        "_wait_since",
         "_waiter",
         "content_length",
         "idle_sec",
@@ -118,6 +120,10 @@ class UpstreamResponse:
         self._bucket: int | None = conn.pool.deadlines.add(self, deadline)  # its deadline bucket
         #: set by the attempt on a streamed answer: the longest silence between two pieces
         self.idle_sec: float | None = None
+        # The stall watch (idle_sec): when the current wait for a piece began, and one timer per
+        # exchange that checks it lazily (_stall_check), never one timer per piece.
+        self._wait_since = 0.0
+        self._stall_timer: asyncio.TimerHandle | None = None
 
     # --- what callers read -------------------------------------------------------------
     @property
@@ -163,6 +169,9 @@ class UpstreamResponse:
             return
         self._released = True
         self._stop_timer()
+        if self._stall_timer is not None:
+            self._stall_timer.cancel()
+            self._stall_timer = None
         conn = self._conn
         conn.resp = None
         self._parser = None  # the parser points back at us: break the cycle, let refcounting free both
@@ -191,29 +200,43 @@ class UpstreamResponse:
                 raise self._error
             if self._eof:
                 return b""
-            self._waiter = self._loop.create_future()
-            try:
-                if self.idle_sec is None:
-                    await self._waiter
-                else:
-                    try:
-                        await asyncio.wait_for(asyncio.shield(self._waiter), self.idle_sec)
-                    except TimeoutError:
-                        raise Stalled(f"{STALLED}: no byte from the node for {self.idle_sec:g}s") from None
-            finally:
-                self._waiter = None
+            await self._wait()
 
     async def ready(self) -> None:
         """Wait for the body's first piece without taking it, at most ``idle_sec`` (Stalled):
         a streamed answer that stalls before its first byte can still be re-queued."""
         while not self._chunks and self._error is None and not self._eof:
-            self._waiter = self._loop.create_future()
-            try:
-                await asyncio.wait_for(asyncio.shield(self._waiter), self.idle_sec)
-            except TimeoutError:
-                raise Stalled(f"{STALLED}: no byte from the node for {self.idle_sec:g}s") from None
-            finally:
-                self._waiter = None
+            await self._wait()
+
+    async def _wait(self) -> None:
+        """Until the node sends more (or fails, or ends); with ``idle_sec`` set, Stalled once it
+        has sent nothing for that long since this wait began."""
+        loop = self._loop
+        self._waiter = waiter = loop.create_future()
+        if self.idle_sec is not None:
+            # A relayed token is one wait: the stall clock restarts here (a float), and the one
+            # timer of the exchange is armed only when none is (_stall_check re-arms it lazily).
+            self._wait_since = now = loop.time()
+            if self._stall_timer is None:
+                self._stall_timer = loop.call_at(now + self.idle_sec, self._stall_check)
+        try:
+            await waiter
+        finally:
+            self._waiter = None
+
+    def _stall_check(self) -> None:
+        """The stall timer: a wait older than ``idle_sec`` fails Stalled; a younger one gets the
+        timer again at its own due time; with no wait in progress the next wait arms it."""
+        self._stall_timer = None
+        waiter, idle = self._waiter, self.idle_sec
+        if waiter is None or waiter.done() or idle is None or self._released:
+            return
+        loop = self._loop
+        due = self._wait_since + idle
+        if loop.time() < due:
+            self._stall_timer = loop.call_at(due, self._stall_check)
+            return
+        waiter.set_exception(Stalled(f"{STALLED}: no byte from the node for {idle:g}s"))
 
     # aiohttp's ``resp.content.readany()`` spelling: the next piece of body, b"" at its end. A
     # relay loop on it has no async-generator layer per chunk (iter_any's).
