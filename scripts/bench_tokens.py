@@ -9,15 +9,27 @@ once through the gateway (an ``openai`` route) and then through nginx (``proxy_b
 in the same run; each proxy's CPU (utime+stime from /proc) over its phase ÷ chunks relayed.
 
     .venv/bin/python scripts/bench_tokens.py [--streams 200] [--chunks 200] [--gap-ms 5] [--rounds 1]
+
+CPU time on a shared box moves with its load. ``--callgrind`` counts instead the gateway's
+user-space instructions per relayed chunk, repeatable whatever the load: the gateway runs under
+``valgrind --tool=callgrind``, its counters are zeroed after a warm-up (``callgrind_control -z``)
+and dumped after one load of N streams; give it a gap long enough that valgrind's slowness does
+not merge a stream's chunks into one read (the script reports the reads per chunk it saw).
+
+    .venv/bin/python scripts/bench_tokens.py --callgrind --streams 20 --chunks 100 --gap-ms 100
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import re
+import signal
 import statistics
+import subprocess
 import sys
 import time
+from pathlib import Path
 
 import aiohttp
 import benchlib as bl
@@ -105,18 +117,26 @@ async def serve_node(port: int, chunks: int, gap: float) -> None:
 
 # --------------------------------------------------------------------------- the clients
 
+# The gateway's route: an openai one (usage asked of the node and cut out again), the node's
+# defaults (the slow-node watch, with its stall_sec, on).
+ROUTES = {"llm": {"path": "/v1", "kind": "openai", "nodes": ["gpu"], "max_concurrency": 4096,
+                  "max_queue_depth": 100000, "queue_timeout_sec": 600, "request_timeout_sec": 600}}
 
-async def one_stream(session: aiohttp.ClientSession, url: str) -> int:
+
+async def one_stream(session: aiohttp.ClientSession, url: str) -> tuple[int, int]:
+    """The content events one stream relayed, and the reads that brought them."""
     body = {"model": "bench", "stream": True, "messages": [{"role": "user", "content": "hi"}]}
-    events = 0
+    events = reads = 0
     async with session.post(url, json=body, headers=bl.API_HDR) as r:
         assert r.status == 200, (r.status, await r.text())
         buf = b""
         async for data in r.content.iter_any():
             buf += data
             *lines, buf = buf.split(b"\n")
-            events += sum(1 for line in lines if line.startswith(b"data: {"))
-    return events
+            n = sum(1 for line in lines if line.startswith(b"data: {"))
+            events += n
+            reads += n > 0
+    return events, reads
 
 
 async def load(url: str, streams: int) -> int:
@@ -124,7 +144,10 @@ async def load(url: str, streams: int) -> int:
     timeout = aiohttp.ClientTimeout(total=600)
     async with aiohttp.ClientSession(connector=conn, timeout=timeout) as s:
         got = await asyncio.gather(*(one_stream(s, url) for _ in range(streams)))
-    return sum(got)
+    events, reads = sum(g[0] for g in got), sum(g[1] for g in got)
+    if streams >= 8:  # the measured loads, not the warm-ups
+        print(f"  {events} events in {reads} client reads ({events / max(1, reads):.2f} per read)", flush=True)
+    return events
 
 
 def measure(pid: int, url: str, streams: int, chunks: int) -> tuple[float, float]:
@@ -138,12 +161,53 @@ def measure(pid: int, url: str, streams: int, chunks: int) -> tuple[float, float
     return (c1 - c0) / want * 1e6, t1 - t0
 
 
+def callgrind(wd: Path, node_port: int, streams: int, chunks: int) -> float:
+    """The gateway's instructions per relayed chunk, counted by callgrind over one load."""
+    port = bl.free_port()
+    path = wd / "gateway-callgrind.yaml"
+    bl.write_yaml(path, bl.gateway_config(port, {"gpu": f"http://127.0.0.1:{node_port}"}, ROUTES))
+    out = wd / "callgrind-tokens.out"
+    cmd = ["valgrind", "--tool=callgrind", f"--callgrind-out-file={out}", "--dump-instr=no",
+           bl.KILOLINED, "--log-format", "text", "run", "-c", str(path)]
+    with open(wd / "gateway-callgrind.log", "wb") as log:
+        p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=log)
+    try:
+        bl.wait_port(port, timeout=1800, proc=p)
+        url = f"http://127.0.0.1:{port}/v1/chat/completions"
+        asyncio.run(load(url, 4))  # warm-up: connections, imports, first-use caches
+        subprocess.run(["callgrind_control", "-z", str(p.pid)], check=True, capture_output=True, timeout=600)
+        events = asyncio.run(load(url, streams))
+        subprocess.run(["callgrind_control", "-d", str(p.pid)], check=True, capture_output=True, timeout=600)
+        p.send_signal(signal.SIGINT)
+        p.wait(timeout=600)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    want = streams * chunks
+    if events < want:
+        raise RuntimeError(f"{events} content events relayed, {want} sent")
+    dumps = sorted(wd.glob(f"{out.name}.*"))
+    if not dumps:
+        raise RuntimeError((wd / "gateway-callgrind.log").read_text(errors="replace")[-2000:])
+    text = dumps[0].read_text(errors="replace")
+    m = re.search(r"^(?:totals|summary): (\d+)", text, re.M)
+    if m is None:
+        raise RuntimeError(f"no totals in {dumps[0]}")
+    per = int(m.group(1)) / want
+    print(f"kilolined: {per:,.0f} instructions per chunk (zeroed after warm-up, {streams} streams x {chunks} "
+          f"chunks; {dumps[0]})", flush=True)
+    return per
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--streams", type=int, default=200)
     ap.add_argument("--chunks", type=int, default=200)
     ap.add_argument("--gap-ms", type=float, default=5.0)
     ap.add_argument("--rounds", type=int, default=1)
+    ap.add_argument("--callgrind", action="store_true",
+                    help="count the gateway's instructions per chunk under callgrind instead (no nginx)")
     ap.add_argument("--serve-node", type=int, metavar="PORT", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.serve_node:
@@ -157,9 +221,10 @@ def main() -> int:
         node = procs.start([bl.PYTHON, __file__, "--serve-node", str(node_port), "--chunks", str(args.chunks),
                             "--gap-ms", str(args.gap_ms)], "node", cpu=1)
         bl.wait_port(node_port, proc=node)
-        routes = {"llm": {"path": "/v1", "kind": "openai", "nodes": ["gpu"], "max_concurrency": 4096,
-                          "max_queue_depth": 100000, "queue_timeout_sec": 600, "request_timeout_sec": 600}}
-        gw, _ = bl.start_gateway(procs, bl.gateway_config(gw_port, {"gpu": f"http://127.0.0.1:{node_port}"}, routes),
+        if args.callgrind:
+            callgrind(wd, node_port, args.streams, args.chunks)
+            return 0
+        gw, _ = bl.start_gateway(procs, bl.gateway_config(gw_port, {"gpu": f"http://127.0.0.1:{node_port}"}, ROUTES),
                               cpu=0)
         ngx = bl.start_nginx(procs, ngx_port, node_port, cpu=0, buffering=False)
         targets = {"kilolined": (bl.main_pid(gw), gw_port), "nginx": (bl.main_pid(ngx), ngx_port)}
