@@ -223,9 +223,9 @@ class SpeedBook:
             s.hour_n += 1
         else:
             self._hourly(s, value, now)
-        group = s.group
-        peers = [p.level for n, p in group.items() if n != node and p.level is not None and p.count >= samples] \
-            if group is not None and len(group) > 1 else None
+        mates = s.group
+        peers = [p.level for n, p in mates.items() if n != node and p.level is not None and p.count >= samples] \
+            if mates is not None and len(mates) > 1 else None
         if not peers:
             s.peers = None
             s.streak = s.hard_streak = 0
