@@ -22,7 +22,7 @@ import asyncio
 import base64
 import ssl
 from collections import deque
-from collections.abc import AsyncIterator, Iterable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping
 from typing import cast
 
 import aiohttp
@@ -67,6 +67,7 @@ class UpstreamResponse:
     """
 
     __slots__ = (
+        "_blocked",
         "_bucket",
         "_buffered",
         "_chunked",
@@ -82,6 +83,8 @@ class UpstreamResponse:
         "_loop",
         "_method",
         "_parser",
+        "_push",
+        "_push_exc",
         "_released",
         "_stall_timer",
         "_until_close",
@@ -124,6 +127,11 @@ class UpstreamResponse:
         # exchange that checks it lazily (_stall_check), never one timer per piece.
         self._wait_since = 0.0
         self._stall_timer: asyncio.TimerHandle | None = None
+        # relay(): where each piece goes from the parser's callback, what it raised, and whether
+        # the client behind it is full (the node socket is paused until it drains)
+        self._push: Callable[[bytes], bool] | None = None
+        self._push_exc: Exception | None = None
+        self._blocked = False
 
     # --- what callers read -------------------------------------------------------------
     @property
@@ -241,6 +249,41 @@ class UpstreamResponse:
     # aiohttp's ``resp.content.readany()`` spelling: the next piece of body, b"" at its end. A
     # relay loop on it has no async-generator layer per chunk (iter_any's).
     readany = _next
+
+    async def relay(self, push: Callable[[bytes], bool], drain: Callable[[], Awaitable[None]]) -> None:
+        """The rest of the body to ``push``, each piece handed over in the connection's own
+        callback as it arrives: no future, task wake-up or coroutine resumed per piece (a token
+        stream is thousands of small pieces a second). Returns when the body ended; raises what
+        ``_next`` would (the node's error, the deadline, Stalled) and what ``push`` raised.
+
+        ``push(data)`` returns True when its client is full: the node socket is paused and
+        ``drain()`` awaited before the next piece (pieces that arrive meanwhile wait here, as
+        with ``_next``). The stall clock restarts with every piece pushed."""
+        conn = self._conn
+        self._push = push
+        try:
+            while True:
+                exc = self._push_exc
+                if exc is not None:
+                    raise exc
+                if self._blocked:
+                    await drain()
+                    self._blocked = False
+                    conn.resume()
+                    continue
+                if self._chunks:
+                    data = self.body()  # what arrived before the relay, or while its client was full
+                    if push(data):
+                        self._blocked = True
+                        conn.pause()
+                    continue
+                if self._error is not None:
+                    raise self._error
+                if self._eof:
+                    return
+                await self._wait()
+        finally:
+            self._push = None
 
     def _wake(self) -> None:
         w = self._waiter
@@ -369,6 +412,21 @@ class UpstreamResponse:
 
     def on_body(self, body: bytes) -> None:
         if self._eof or not self.status:
+            return
+        push = self._push
+        if push is not None and not self._blocked and not self._chunks:
+            # relay(): straight on to the client, from this callback
+            try:
+                if push(body):
+                    self._blocked = True
+                    self._conn.pause()
+                    self._wake()
+                elif self.idle_sec is not None:
+                    self._wait_since = self._loop.time()  # a piece came: the stall clock restarts
+            except Exception as e:  # the client gone, or an observer's fault: relay() raises it
+                self._push = None
+                self._push_exc = e
+                self._wake()
             return
         self._chunks.append(body)
         self._buffered += len(body)
