@@ -157,14 +157,36 @@ def user_sys(pid: int) -> tuple[float, float]:
     return int(fields[11]) / bl.CLK_TCK, int(fields[12]) / bl.CLK_TCK
 
 
-def measure(pid: int, url: str, streams: int, chunks: int) -> tuple[float, float, float]:
-    """µs of the proxy's CPU per chunk relayed (of which in the kernel), and the phase's wall seconds."""
-    (u0, s0), t0 = user_sys(pid), time.monotonic()
+def sleeps(pid: int) -> int:
+    """How often the process has gone to sleep (voluntary context switches of its main thread):
+    each one an epoll wait with nothing ready, and a wake-up the kernel charges to it."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("voluntary_ctxt_switches:"):
+            return int(line.split()[1])
+    return 0
+
+
+def measure(pid: int, url: str, streams: int, chunks: int, perf: bool = False) -> tuple[float, float, float]:
+    """µs of the proxy's CPU per chunk relayed (of which in the kernel), and the phase's wall
+    seconds; prints its sleeps per chunk (and, with ``perf``, its system calls per chunk)."""
+    tracer = None
+    if perf:
+        tracer = subprocess.Popen(["perf", "stat", "-x,", "-e", "raw_syscalls:sys_enter", "-p", str(pid)],
+                                  stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        time.sleep(0.5)
+    (u0, s0), w0, t0 = user_sys(pid), sleeps(pid), time.monotonic()
     events = asyncio.run(load(url, streams))
-    (u1, s1), t1 = user_sys(pid), time.monotonic()
+    (u1, s1), w1, t1 = user_sys(pid), sleeps(pid), time.monotonic()
     want = streams * chunks
     if events < want:
         raise RuntimeError(f"{url}: {events} content events relayed, {want} sent")
+    extra = ""
+    if tracer is not None:
+        tracer.send_signal(signal.SIGINT)
+        _, err = tracer.communicate(timeout=30)
+        calls = next((int(ln.split(",")[0]) for ln in err.splitlines() if "raw_syscalls" in ln), 0)
+        extra = f", {calls / want:.2f} system calls"
+    print(f"  {(w1 - w0) / want:.2f} sleeps per chunk{extra}", flush=True)
     return (u1 - u0 + s1 - s0) / want * 1e6, (s1 - s0) / want * 1e6, t1 - t0
 
 
@@ -215,6 +237,8 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=1)
     ap.add_argument("--callgrind", action="store_true",
                     help="count the gateway's instructions per chunk under callgrind instead (no nginx)")
+    ap.add_argument("--perf", action="store_true",
+                    help="also count each proxy's system calls per chunk (perf stat, raw_syscalls tracepoint)")
     ap.add_argument("--serve-node", type=int, metavar="PORT", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.serve_node:
@@ -243,7 +267,7 @@ def main() -> int:
             for name in order:
                 pid, port = targets[name]
                 us, sys_us, wall = measure(pid, f"http://127.0.0.1:{port}/v1/chat/completions", args.streams,
-                                           args.chunks)
+                                           args.chunks, args.perf)
                 results[name].append(us)
                 print(f"round {r + 1} {name}: {us:.2f} µs CPU per chunk, {sys_us:.2f} of it in the kernel "
                       f"({wall:.1f} s)", flush=True)
