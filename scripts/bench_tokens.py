@@ -9,15 +9,27 @@ once through the gateway (an ``openai`` route) and then through nginx (``proxy_b
 in the same run; each proxy's CPU (utime+stime from /proc) over its phase ÷ chunks relayed.
 
     .venv/bin/python scripts/bench_tokens.py [--streams 200] [--chunks 200] [--gap-ms 5] [--rounds 1]
+
+CPU time on a shared box moves with its load. ``--callgrind`` counts instead the gateway's
+user-space instructions per relayed chunk, repeatable whatever the load: the gateway runs under
+``valgrind --tool=callgrind``, its counters are zeroed after a warm-up (``callgrind_control -z``)
+and dumped after one load of N streams; give it a gap long enough that valgrind's slowness does
+not merge a stream's chunks into one read (the script reports the reads per chunk it saw).
+
+    .venv/bin/python scripts/bench_tokens.py --callgrind --streams 20 --chunks 100 --gap-ms 100
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import re
+import signal
 import statistics
+import subprocess
 import sys
 import time
+from pathlib import Path
 
 import aiohttp
 import benchlib as bl
@@ -105,18 +117,26 @@ async def serve_node(port: int, chunks: int, gap: float) -> None:
 
 # --------------------------------------------------------------------------- the clients
 
+# The gateway's route: an openai one (usage asked of the node and cut out again), the node's
+# defaults (the slow-node watch, with its stall_sec, on).
+ROUTES = {"llm": {"path": "/v1", "kind": "openai", "nodes": ["gpu"], "max_concurrency": 4096,
+                  "max_queue_depth": 100000, "queue_timeout_sec": 600, "request_timeout_sec": 600}}
 
-async def one_stream(session: aiohttp.ClientSession, url: str) -> int:
+
+async def one_stream(session: aiohttp.ClientSession, url: str) -> tuple[int, int]:
+    """The content events one stream relayed, and the reads that brought them."""
     body = {"model": "bench", "stream": True, "messages": [{"role": "user", "content": "hi"}]}
-    events = 0
+    events = reads = 0
     async with session.post(url, json=body, headers=bl.API_HDR) as r:
         assert r.status == 200, (r.status, await r.text())
         buf = b""
         async for data in r.content.iter_any():
             buf += data
             *lines, buf = buf.split(b"\n")
-            events += sum(1 for line in lines if line.startswith(b"data: {"))
-    return events
+            n = sum(1 for line in lines if line.startswith(b"data: {"))
+            events += n
+            reads += n > 0
+    return events, reads
 
 
 async def load(url: str, streams: int) -> int:
@@ -124,18 +144,89 @@ async def load(url: str, streams: int) -> int:
     timeout = aiohttp.ClientTimeout(total=600)
     async with aiohttp.ClientSession(connector=conn, timeout=timeout) as s:
         got = await asyncio.gather(*(one_stream(s, url) for _ in range(streams)))
-    return sum(got)
+    events, reads = sum(g[0] for g in got), sum(g[1] for g in got)
+    if streams >= 8:  # the measured loads, not the warm-ups
+        print(f"  {events} events in {reads} client reads ({events / max(1, reads):.2f} per read)", flush=True)
+    return events
 
 
-def measure(pid: int, url: str, streams: int, chunks: int) -> tuple[float, float]:
-    """µs of the proxy's CPU per chunk relayed, and the phase's wall seconds."""
-    c0, t0 = bl.cpu_seconds(pid), time.monotonic()
+def user_sys(pid: int) -> tuple[float, float]:
+    """utime and stime of the process, in seconds."""
+    raw = Path(f"/proc/{pid}/stat").read_text()
+    fields = raw[raw.rindex(")") + 2:].split()
+    return int(fields[11]) / bl.CLK_TCK, int(fields[12]) / bl.CLK_TCK
+
+
+def sleeps(pid: int) -> int:
+    """How often the process has gone to sleep (voluntary context switches of its main thread):
+    each one an epoll wait with nothing ready, and a wake-up the kernel charges to it."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("voluntary_ctxt_switches:"):
+            return int(line.split()[1])
+    return 0
+
+
+def measure(pid: int, url: str, streams: int, chunks: int, perf: bool = False) -> tuple[float, float, float]:
+    """µs of the proxy's CPU per chunk relayed (of which in the kernel), and the phase's wall
+    seconds; prints its sleeps per chunk (and, with ``perf``, its system calls per chunk)."""
+    tracer = None
+    if perf:
+        tracer = subprocess.Popen(["perf", "stat", "-x,", "-e", "raw_syscalls:sys_enter", "-p", str(pid)],
+                                  stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        time.sleep(0.5)
+    (u0, s0), w0, t0 = user_sys(pid), sleeps(pid), time.monotonic()
     events = asyncio.run(load(url, streams))
-    c1, t1 = bl.cpu_seconds(pid), time.monotonic()
+    (u1, s1), w1, t1 = user_sys(pid), sleeps(pid), time.monotonic()
     want = streams * chunks
     if events < want:
         raise RuntimeError(f"{url}: {events} content events relayed, {want} sent")
-    return (c1 - c0) / want * 1e6, t1 - t0
+    extra = ""
+    if tracer is not None:
+        tracer.send_signal(signal.SIGINT)
+        _, err = tracer.communicate(timeout=30)
+        calls = next((int(ln.split(",")[0]) for ln in err.splitlines() if "raw_syscalls" in ln), 0)
+        extra = f", {calls / want:.2f} system calls"
+    print(f"  {(w1 - w0) / want:.2f} sleeps per chunk{extra}", flush=True)
+    return (u1 - u0 + s1 - s0) / want * 1e6, (s1 - s0) / want * 1e6, t1 - t0
+
+
+def callgrind(wd: Path, node_port: int, streams: int, chunks: int) -> float:
+    """The gateway's instructions per relayed chunk, counted by callgrind over one load."""
+    port = bl.free_port()
+    path = wd / "gateway-callgrind.yaml"
+    bl.write_yaml(path, bl.gateway_config(port, {"gpu": f"http://127.0.0.1:{node_port}"}, ROUTES))
+    out = wd / "callgrind-tokens.out"
+    cmd = ["valgrind", "--tool=callgrind", f"--callgrind-out-file={out}", "--dump-instr=no",
+           bl.KILOLINED, "--log-format", "text", "run", "-c", str(path)]
+    with open(wd / "gateway-callgrind.log", "wb") as log:
+        p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=log)
+    try:
+        bl.wait_port(port, timeout=1800, proc=p)
+        url = f"http://127.0.0.1:{port}/v1/chat/completions"
+        asyncio.run(load(url, 4))  # warm-up: connections, imports, first-use caches
+        subprocess.run(["callgrind_control", "-z", str(p.pid)], check=True, capture_output=True, timeout=600)
+        events = asyncio.run(load(url, streams))
+        subprocess.run(["callgrind_control", "-d", str(p.pid)], check=True, capture_output=True, timeout=600)
+        p.send_signal(signal.SIGINT)
+        p.wait(timeout=600)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    want = streams * chunks
+    if events < want:
+        raise RuntimeError(f"{events} content events relayed, {want} sent")
+    dumps = sorted(wd.glob(f"{out.name}.*"))
+    if not dumps:
+        raise RuntimeError((wd / "gateway-callgrind.log").read_text(errors="replace")[-2000:])
+    text = dumps[0].read_text(errors="replace")
+    m = re.search(r"^(?:totals|summary): (\d+)", text, re.M)
+    if m is None:
+        raise RuntimeError(f"no totals in {dumps[0]}")
+    per = int(m.group(1)) / want
+    print(f"kilolined: {per:,.0f} instructions per chunk (zeroed after warm-up, {streams} streams x {chunks} "
+          f"chunks; {dumps[0]})", flush=True)
+    return per
 
 
 def main() -> int:
@@ -144,6 +235,10 @@ def main() -> int:
     ap.add_argument("--chunks", type=int, default=200)
     ap.add_argument("--gap-ms", type=float, default=5.0)
     ap.add_argument("--rounds", type=int, default=1)
+    ap.add_argument("--callgrind", action="store_true",
+                    help="count the gateway's instructions per chunk under callgrind instead (no nginx)")
+    ap.add_argument("--perf", action="store_true",
+                    help="also count each proxy's system calls per chunk (perf stat, raw_syscalls tracepoint)")
     ap.add_argument("--serve-node", type=int, metavar="PORT", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.serve_node:
@@ -157,9 +252,10 @@ def main() -> int:
         node = procs.start([bl.PYTHON, __file__, "--serve-node", str(node_port), "--chunks", str(args.chunks),
                             "--gap-ms", str(args.gap_ms)], "node", cpu=1)
         bl.wait_port(node_port, proc=node)
-        routes = {"llm": {"path": "/v1", "kind": "openai", "nodes": ["gpu"], "max_concurrency": 4096,
-                          "max_queue_depth": 100000, "queue_timeout_sec": 600, "request_timeout_sec": 600}}
-        gw, _ = bl.start_gateway(procs, bl.gateway_config(gw_port, {"gpu": f"http://127.0.0.1:{node_port}"}, routes),
+        if args.callgrind:
+            callgrind(wd, node_port, args.streams, args.chunks)
+            return 0
+        gw, _ = bl.start_gateway(procs, bl.gateway_config(gw_port, {"gpu": f"http://127.0.0.1:{node_port}"}, ROUTES),
                               cpu=0)
         ngx = bl.start_nginx(procs, ngx_port, node_port, cpu=0, buffering=False)
         targets = {"kilolined": (bl.main_pid(gw), gw_port), "nginx": (bl.main_pid(ngx), ngx_port)}
@@ -170,9 +266,11 @@ def main() -> int:
             order = list(targets) if r % 2 == 0 else list(reversed(targets))
             for name in order:
                 pid, port = targets[name]
-                us, wall = measure(pid, f"http://127.0.0.1:{port}/v1/chat/completions", args.streams, args.chunks)
+                us, sys_us, wall = measure(pid, f"http://127.0.0.1:{port}/v1/chat/completions", args.streams,
+                                           args.chunks, args.perf)
                 results[name].append(us)
-                print(f"round {r + 1} {name}: {us:.2f} µs CPU per chunk ({wall:.1f} s)", flush=True)
+                print(f"round {r + 1} {name}: {us:.2f} µs CPU per chunk, {sys_us:.2f} of it in the kernel "
+                      f"({wall:.1f} s)", flush=True)
         gw_us, ngx_us = (statistics.median(results[k]) for k in ("kilolined", "nginx"))
         bl.print_table(("proxy", "CPU µs per chunk", "÷ nginx"),
                        [("kilolined", f"{gw_us:.2f}", f"{gw_us / ngx_us:.2f}"), ("nginx", f"{ngx_us:.2f}", "1.00")])

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import math
+import re
 import time
 from typing import Any
 
@@ -39,6 +40,9 @@ log = logging.getLogger("kilolined")
 CREDENTIAL_STATUSES = frozenset((401, 403))
 
 COMPLETION_PATHS = ("/v1/chat/completions", "/chat/completions", "/v1/completions", "/completions")
+# An SSE ``data:`` line's payload: the line may be indented (any blank but a line break) and its
+# payload keeps its own blanks (JSON allows them; a CR of a CRLF line end is one).
+_DATA_LINE = re.compile(rb"^[ \t\r\x0b\x0c]*data:(.*)$", re.M)
 
 
 def request_json(ex: Exchange) -> dict[str, Any] | None:
@@ -170,41 +174,38 @@ class StreamParser(Observer):
             if self.first_at is None:
                 self.first_at = time.monotonic()
             return
-        # The bytes are split once; a payload is parsed as it stands (JSON allows the blanks
-        # around it). Only a line split across two reads is buffered.
+        # Only a line split across two reads is buffered. The ``data:`` payloads of the ended
+        # lines are found by one regex pass in C (blank lines, comments and other fields never
+        # reach Python) and each is parsed as it stands (JSON allows the blanks around it).
         if self.buf:
             self.buf += chunk
             chunk = bytes(self.buf)
             self.buf.clear()
-        lines = chunk.split(b"\n")
-        rest = lines.pop()
-        if rest:
-            self.buf += rest
-        for line in lines:
-            if not line.startswith(b"data:"):
-                line = line.strip()  # a blank, a comment, another field, or an indented line
-                if not line.startswith(b"data:"):
-                    continue
-            self._event(line[5:])
-
-    def _event(self, payload: bytes) -> None:
-        """One ``data:`` payload (JSON allows the blanks around it; ``[DONE]`` is not JSON)."""
-        try:
-            ev = orjson.loads(payload)
-        except orjson.JSONDecodeError:
+        end = chunk.rfind(b"\n") + 1
+        if end < len(chunk):
+            self.buf += chunk[end:]
+        if not end:
             return
-        if not isinstance(ev, dict):
-            return
-        if isinstance(ev.get("usage"), dict):
-            self.usage = ev["usage"]
-        if isinstance(ev.get("timings"), dict):
-            self.timings = ev["timings"]
-        if _has_content(ev):
-            if self.first_at is None:
-                self.first_at = time.monotonic()
-            self.chunks += 1
-            if self.on_chunk is not None:
-                self.on_chunk(self.chunks)
+        loads, bad = orjson.loads, orjson.JSONDecodeError
+        for payload in _DATA_LINE.findall(chunk, 0, end):
+            try:
+                ev = loads(payload)
+            except bad:
+                continue  # [DONE], or not JSON
+            if ev.__class__ is not dict:
+                continue
+            # The per-token path, inline: most events carry neither usage nor timings.
+            if "usage" in ev and ev["usage"].__class__ is dict:
+                self.usage = ev["usage"]
+            if "timings" in ev and ev["timings"].__class__ is dict:
+                self.timings = ev["timings"]
+            choices = ev.get("choices")
+            if choices.__class__ is list and choices and _has_content(choices):
+                if self.first_at is None:
+                    self.first_at = time.monotonic()
+                self.chunks += 1
+                if self.on_chunk is not None:
+                    self.on_chunk(self.chunks)
 
     def done(self, ok: bool) -> None:
         if not self.stream and self.buf:
@@ -301,15 +302,14 @@ class UsageObserver(StreamParser):
         return time.monotonic() - (self.rt.clock() - self.dispatched)
 
 
-def _has_content(ev: dict[str, Any]) -> bool:
-    choices = ev.get("choices")
-    if not isinstance(choices, list):
-        return False
+def _has_content(choices: list[Any]) -> bool:
+    """A choice with generated text: a delta's content, tool calls or reasoning, or a legacy
+    completion's ``text``."""
     for c in choices:
-        if not isinstance(c, dict):
+        if c.__class__ is not dict:
             continue
-        d = c.get("delta") or {}
-        if isinstance(d, dict) and (d.get("content") or d.get("tool_calls") or d.get("reasoning_content")):
+        d = c.get("delta")
+        if d.__class__ is dict and (d.get("content") or d.get("tool_calls") or d.get("reasoning_content")):
             return True
         if c.get("text"):
             return True

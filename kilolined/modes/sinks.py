@@ -15,6 +15,7 @@ from __future__ import annotations
 import aiohttp
 import orjson
 from aiohttp import web
+from aiohttp.client_exceptions import ClientConnectionResetError
 from multidict import CIMultiDict
 
 from kilolined.adapters.openai import UsageStripper, gateway_added_usage
@@ -24,6 +25,7 @@ from kilolined.ops.runtime import Runtime
 from kilolined.scheduling.lease import LeaseScope, Sink
 from kilolined.scheduling.queue import WAITING, Lease
 from kilolined.wire.proxy import SERVER, Observer, Upstream, cut_client, mid_response, response_headers, stream_back
+from kilolined.wire.upstream import UpstreamResponse
 
 
 class SyncSink(Sink):
@@ -184,23 +186,7 @@ class StreamSink(SyncSink):
                     ok = up.status < 500
                     self.outcome = "ok" if ok else "upstream_error"
             else:
-                strip = self.strip
-                content = up.content
-                while chunk := await content.readany():
-                    if obs is not None:
-                        obs.feed(chunk)
-                    out = strip.feed(chunk) if strip is not None else chunk
-                    if out:
-                        # _write's flag inline: one coroutine less per relayed chunk
-                        scope.writing = True
-                        try:
-                            await resp.write(out)
-                        finally:
-                            scope.writing = False
-                        call.bytes_out += len(out)
-                if strip is not None and (rest := strip.flush()):
-                    await _write(scope, resp, rest)
-                    call.bytes_out += len(rest)
+                await self._relay(scope, resp, up, obs)
                 ok = True
             scope.size = call.bytes_out
             scope.ok = ok
@@ -216,6 +202,62 @@ class StreamSink(SyncSink):
             if obs is not None:
                 obs.done(ok)
         await resp.write_eof()
+
+    async def _relay(self, scope: LeaseScope, resp: web.StreamResponse, up: Upstream, obs: Observer | None) -> None:
+        """The node's event stream to the client: every piece seen by ``obs``, the usage chunk the
+        gateway asked for cut out. Through aiohttp's writer until the response head has gone
+        out with a piece; then, on our own client (chunked, uncompressed), each piece is written
+        from the node connection's callback (``UpstreamResponse.relay``)."""
+        call, strip = self.call, self.strip
+        request = call.request
+        writer = request.writer
+        direct = (isinstance(up, UpstreamResponse) and getattr(writer, "chunked", False) is True
+                  and not resp.compression and writer.length is None)
+        content = up.content
+        while chunk := await content.readany():
+            if obs is not None:
+                obs.feed(chunk)
+            out = strip.feed(chunk) if strip is not None else chunk
+            if out:
+                # _write's flag inline: one coroutine less per relayed chunk
+                scope.writing = True
+                try:
+                    await resp.write(out)
+                finally:
+                    scope.writing = False
+                call.bytes_out += len(out)
+                if direct:
+                    break  # the head is out: the rest goes from the node's callback
+        else:
+            direct = False  # the body ended
+        if direct:
+            assert isinstance(up, UpstreamResponse)
+            proto = request.protocol
+
+            def push(data: bytes) -> bool:
+                if obs is not None:
+                    obs.feed(data)
+                out = strip.feed(data) if strip is not None else data
+                if not out:
+                    return False
+                tr = proto.transport
+                if tr is None or tr.is_closing():
+                    raise ClientConnectionResetError("Cannot write to closing transport")  # as aiohttp's writer
+                tr.write(b"%x\r\n%s\r\n" % (len(out), out))  # one chunk of the chunked body
+                call.bytes_out += len(out)
+                return proto.writing_paused  # the client's socket buffer is full: wait for it
+
+            async def drain() -> None:
+                scope.writing = True  # waiting on the client: a deadline now is its doing
+                try:
+                    await writer.drain()
+                finally:
+                    scope.writing = False
+
+            await up.relay(push, drain)
+        if strip is not None and (rest := strip.flush()):
+            await _write(scope, resp, rest)
+            call.bytes_out += len(rest)
 
     async def fail(self, f: Failure) -> web.StreamResponse:
         if self.stream is None:

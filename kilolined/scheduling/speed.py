@@ -114,6 +114,8 @@ class Series:
     hour_logs: float = 0.0
     hour_n: int = 0
     hours: list[tuple[float, int]] = field(default_factory=list)  # (geometric mean, requests)
+    #: the (route, model, unit) group it belongs to (SpeedBook.groups): its peers, without a lookup
+    group: dict[str, Series] | None = field(default=None, repr=False, compare=False)
 
     def add(self, value: float, samples: int) -> None:
         alpha = 2.0 / (samples + 1)
@@ -193,40 +195,65 @@ class SpeedBook:
                ejectable: Callable[[], int]) -> Verdict | None:
         """Add one sample and evaluate the node. ``ejectable()``: how many more of the route's
         nodes may be ejected (max(1, 10 %) of them minus those already out; 0 when this is the
-        last); asked only when this sample would eject, since it walks the route's nodes."""
-        key = (node, route, model, sample.unit)
-        s = self.series.get(key)
+        last); asked only when this sample would eject, since it walks the route's nodes.
+
+        Called for every answer: the path of a sample that changes nothing is kept short (the
+        level and the hour's sums updated in place, the peers read from the series' own group,
+        no node state looked up), with the same decisions as a full evaluation."""
+        unit, value = sample.unit, sample.value
+        s = self.series.get((node, route, model, unit))
         if s is None:
-            s = self.series[key] = Series()
-            self.groups.setdefault((route, model, sample.unit), {})[node] = s
-        s.add(sample.value, cfg.samples)
-        self._hourly(s, sample.value, now)
-        peers = self._peer_levels(key, cfg.samples)
-        st = self.node(node)
+            s = self.series[(node, route, model, unit)] = Series()
+            group = self.groups.setdefault((route, model, unit), {})
+            group[node] = s
+            s.group = group
+        samples = cfg.samples
+        # the peak-EWMA (Series.add), inline
+        level = s.level
+        if level is None:
+            s.level = level = value
+        else:
+            alpha = 2.0 / (samples + 1)
+            level += (alpha if value <= level else min(1.0, 2 * alpha)) * (value - level)
+            s.level = level
+        s.count += 1
+        # this hour's sums (_hourly), inline while the hour is the same
+        if int(now // HOUR) == s.hour:
+            s.hour_logs += math.log(max(value, 1e-9))
+            s.hour_n += 1
+        else:
+            self._hourly(s, value, now)
+        mates = s.group
+        peers = [p.level for n, p in mates.items() if n != node and p.level is not None and p.count >= samples] \
+            if mates is not None and len(mates) > 1 else None
         if not peers:
             s.peers = None
             s.streak = s.hard_streak = 0
-            return self._drift(node, s, sample.unit, cfg)
-        mid = median(peers)
+            return self._drift(node, s, unit, cfg) if s.hour_n == 1 else None
+        mid = _median(peers)
         s.peers = mid
-        assert s.level is not None
-        if not s.warm(cfg.samples):
+        if s.count < samples:
             return None
         if mid > 0:
-            step = math.log(max(sample.value, 1e-9) / mid) - math.log(cfg.ratio)
+            step = math.log(max(value, 1e-9) / mid) - math.log(cfg.ratio)
             s.evidence = max(0.0, s.evidence + step)
-        slow = _above(s.level, mid, cfg.ratio, cfg.min_gap_ms) and s.evidence >= EVIDENCE
+        slow = _above(level, mid, cfg.ratio, cfg.min_gap_ms) and s.evidence >= EVIDENCE
         s.streak = s.streak + 1 if slow else 0
-        hard = slow and _above(s.level, mid, HARD, cfg.min_gap_ms)
+        hard = slow and _above(level, mid, HARD, cfg.min_gap_ms)
         s.hard_streak = s.hard_streak + 1 if hard else 0
-        cause = (route, model, sample.unit)
         # Back within ratio, with no evidence left of being slower: held for `evaluations` too,
         # so that a node on one slot, served faster for being less loaded, does not flap.
-        fine = s.level <= cfg.ratio * mid and s.evidence == 0
+        fine = level <= cfg.ratio * mid and s.evidence == 0
         s.fine_streak = s.fine_streak + 1 if fine else 0
+        st = self.nodes.get(node)
+        if st is None:
+            if s.streak < cfg.evaluations:
+                return None  # an OK node (no state yet) that is not slow enough to act on
+            st = self.node(node)
+        cause = (route, model, unit)
         if st.state == SLOW and st.cause == cause:
             if s.fine_streak >= cfg.evaluations:
-                return self._recover(node, st, sample.unit, s.level, mid)
+                return self._recover(node, st, unit, level, mid)
             if s.hard_streak >= cfg.evaluations and not st.hard:
                 return self._eject(node, st, "hard", cause, s, mid)
             if not st.ejected and s.streak >= cfg.evaluations:
@@ -319,7 +346,6 @@ class SpeedBook:
 
         Hourly geometric means of many requests, not the EWMA, because drift is slow and the
         EWMA's noise (±10 % at σ 0.5) is as large as the drift to find."""
-        st = self.node(node)
         if s.hour_n != 1 or not s.hours:
             return None  # judged once an hour, at the first request of a new one
         need = 5 * cfg.samples
@@ -327,6 +353,7 @@ class SpeedBook:
         if len(full) < 2 or s.hours[-1][1] < need:
             return None
         best, last = min(full[:-1]), full[-1]
+        st = self.node(node)
         if not st.drifting and last > cfg.drift * best:
             st.drifting = True
             return Verdict(node, "drifting", unit, last, best)
@@ -372,6 +399,16 @@ def ejectable(route_nodes: int, ejected: int, others_serving: int) -> int:
     if others_serving <= 0:
         return 0
     return max(0, max(1, math.floor(route_nodes * 0.1)) - ejected)
+
+
+def _median(values: list[float]) -> float:
+    """statistics.median, without its generality for the usual two or three peers."""
+    n = len(values)
+    if n == 1:
+        return values[0]
+    if n == 2:
+        return (values[0] + values[1]) / 2
+    return median(values)
 
 
 def _above(value: float, mid: float, ratio: float, gap: float) -> bool:

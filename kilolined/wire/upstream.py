@@ -22,7 +22,7 @@ import asyncio
 import base64
 import ssl
 from collections import deque
-from collections.abc import AsyncIterator, Iterable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping
 from typing import cast
 
 import aiohttp
@@ -67,6 +67,7 @@ class UpstreamResponse:
     """
 
     __slots__ = (
+        "_blocked",
         "_bucket",
         "_buffered",
         "_chunked",
@@ -82,8 +83,12 @@ class UpstreamResponse:
         "_loop",
         "_method",
         "_parser",
+        "_push",
+        "_push_exc",
         "_released",
+        "_stall_timer",
         "_until_close",
+        "_wait_since",
         "_waiter",
         "content_length",
         "idle_sec",
@@ -118,6 +123,15 @@ class UpstreamResponse:
         self._bucket: int | None = conn.pool.deadlines.add(self, deadline)  # its deadline bucket
         #: set by the attempt on a streamed answer: the longest silence between two pieces
         self.idle_sec: float | None = None
+        # The stall watch (idle_sec): when the current wait for a piece began, and one timer per
+        # exchange that checks it lazily (_stall_check), never one timer per piece.
+        self._wait_since = 0.0
+        self._stall_timer: asyncio.TimerHandle | None = None
+        # relay(): where each piece goes from the parser's callback, what it raised, and whether
+        # the client behind it is full (the node socket is paused until it drains)
+        self._push: Callable[[bytes], bool] | None = None
+        self._push_exc: Exception | None = None
+        self._blocked = False
 
     # --- what callers read -------------------------------------------------------------
     @property
@@ -163,6 +177,9 @@ class UpstreamResponse:
             return
         self._released = True
         self._stop_timer()
+        if self._stall_timer is not None:
+            self._stall_timer.cancel()
+            self._stall_timer = None
         conn = self._conn
         conn.resp = None
         self._parser = None  # the parser points back at us: break the cycle, let refcounting free both
@@ -191,33 +208,82 @@ class UpstreamResponse:
                 raise self._error
             if self._eof:
                 return b""
-            self._waiter = self._loop.create_future()
-            try:
-                if self.idle_sec is None:
-                    await self._waiter
-                else:
-                    try:
-                        await asyncio.wait_for(asyncio.shield(self._waiter), self.idle_sec)
-                    except TimeoutError:
-                        raise Stalled(f"{STALLED}: no byte from the node for {self.idle_sec:g}s") from None
-            finally:
-                self._waiter = None
+            await self._wait()
 
     async def ready(self) -> None:
         """Wait for the body's first piece without taking it, at most ``idle_sec`` (Stalled):
         a streamed answer that stalls before its first byte can still be re-queued."""
         while not self._chunks and self._error is None and not self._eof:
-            self._waiter = self._loop.create_future()
-            try:
-                await asyncio.wait_for(asyncio.shield(self._waiter), self.idle_sec)
-            except TimeoutError:
-                raise Stalled(f"{STALLED}: no byte from the node for {self.idle_sec:g}s") from None
-            finally:
-                self._waiter = None
+            await self._wait()
+
+    async def _wait(self) -> None:
+        """Until the node sends more (or fails, or ends); with ``idle_sec`` set, Stalled once it
+        has sent nothing for that long since this wait began."""
+        loop = self._loop
+        self._waiter = waiter = loop.create_future()
+        if self.idle_sec is not None:
+            # A relayed token is one wait: the stall clock restarts here (a float), and the one
+            # timer of the exchange is armed only when none is (_stall_check re-arms it lazily).
+            self._wait_since = now = loop.time()
+            if self._stall_timer is None:
+                self._stall_timer = loop.call_at(now + self.idle_sec, self._stall_check)
+        try:
+            await waiter
+        finally:
+            self._waiter = None
+
+    def _stall_check(self) -> None:
+        """The stall timer: a wait older than ``idle_sec`` fails Stalled; a younger one gets the
+        timer again at its own due time; with no wait in progress the next wait arms it."""
+        self._stall_timer = None
+        waiter, idle = self._waiter, self.idle_sec
+        if waiter is None or waiter.done() or idle is None or self._released:
+            return
+        loop = self._loop
+        due = self._wait_since + idle
+        if loop.time() < due:
+            self._stall_timer = loop.call_at(due, self._stall_check)
+            return
+        waiter.set_exception(Stalled(f"{STALLED}: no byte from the node for {idle:g}s"))
 
     # aiohttp's ``resp.content.readany()`` spelling: the next piece of body, b"" at its end. A
     # relay loop on it has no async-generator layer per chunk (iter_any's).
     readany = _next
+
+    async def relay(self, push: Callable[[bytes], bool], drain: Callable[[], Awaitable[None]]) -> None:
+        """The rest of the body to ``push``, each piece handed over in the connection's own
+        callback as it arrives: no future, task wake-up or coroutine resumed per piece (a token
+        stream is thousands of small pieces a second). Returns when the body ended; raises what
+        ``_next`` would (the node's error, the deadline, Stalled) and what ``push`` raised.
+
+        ``push(data)`` returns True when its client is full: the node socket is paused and
+        ``drain()`` awaited before the next piece (pieces that arrive meanwhile wait here, as
+        with ``_next``). The stall clock restarts with every piece pushed."""
+        conn = self._conn
+        self._push = push
+        try:
+            while True:
+                exc = self._push_exc
+                if exc is not None:
+                    raise exc
+                if self._blocked:
+                    await drain()
+                    self._blocked = False
+                    conn.resume()
+                    continue
+                if self._chunks:
+                    data = self.body()  # what arrived before the relay, or while its client was full
+                    if push(data):
+                        self._blocked = True
+                        conn.pause()
+                    continue
+                if self._error is not None:
+                    raise self._error
+                if self._eof:
+                    return
+                await self._wait()
+        finally:
+            self._push = None
 
     def _wake(self) -> None:
         w = self._waiter
@@ -346,6 +412,21 @@ class UpstreamResponse:
 
     def on_body(self, body: bytes) -> None:
         if self._eof or not self.status:
+            return
+        push = self._push
+        if push is not None and not self._blocked and not self._chunks:
+            # relay(): straight on to the client, from this callback
+            try:
+                if push(body):
+                    self._blocked = True
+                    self._conn.pause()
+                    self._wake()
+                elif self.idle_sec is not None:
+                    self._wait_since = self._loop.time()  # a piece came: the stall clock restarts
+            except Exception as e:  # the client gone, or an observer's fault: relay() raises it
+                self._push = None
+                self._push_exc = e
+                self._wake()
             return
         self._chunks.append(body)
         self._buffered += len(body)
