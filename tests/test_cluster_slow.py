@@ -119,8 +119,8 @@ async def node(gw: GatewayProc, name: str = "c") -> dict[str, Any]:
     return (await gw.state())["nodes"][name]
 
 
-async def on_all(gws: list[GatewayProc], pred: Any) -> bool:
-    return all(pred(n) for n in await asyncio.gather(*(node(g) for g in gws)))
+async def on_all(gws: list[GatewayProc], pred: Any, name: str = "c") -> bool:
+    return all(pred(n) for n in await asyncio.gather(*(node(g, name) for g in gws)))
 
 
 def lines(tg: FakeTelegram, text: str) -> list[str]:
@@ -138,25 +138,29 @@ async def test_a_soft_eject_is_one_state_for_the_cluster(redis_server: RedisServ
     gws = await two(redis_server, cards, tg, gateways, tmp_path)
     c = cards["c"]
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as s:
-        busy = Load(s, gws, 3)
+        busy = Load(s, gws, 4)  # more than a, b and c's one slot take: some always wait
         try:
             await until(lambda: on_all(gws, lambda n: n["slowed"]), "c was not soft-ejected on both gateways",
                         timeout=30)
-            # A third gateway starts now, after the eject: it must read it from Redis (checked below).
-            late = GatewayProc(config(redis_server.url, cards, "gw2", tg), tmp_path / "gw2.yaml")
-            gateways.append(late)
-            late.start()
             for n in await asyncio.gather(*(node(g) for g in gws)):
                 assert n["slots"] == 1 and n["breaker"] == "closed"
                 assert n["speed"]["state"] == "slow", n["speed"]
-            # Exactly N, and N is 1 now: never one slot here and another there.
+            # Exactly N, and N is 1 now: never one slot here and another there — nor while a third
+            # gateway joins (its first heartbeat writes its view of the slots into Redis).
             await until(lambda: _true(c.stats["running"] <= 1), "c still runs what it held before", timeout=10)
             c.reset()
+            late = GatewayProc(config(redis_server.url, cards, "gw2", tg), tmp_path / "gw2.yaml")
+            gateways.append(late)
+            late.start()
+            await late.ready()
             await busy.more(60)
             assert c.stats["max_concurrent"] <= 1 and c.stats["served"] > 0, c.stats
             assert max(cards[n].stats["max_concurrent"] for n in "ab") <= 2
         finally:
             await busy.end()
+        # The gateway started after the eject read it from Redis: no transition reached it.
+        late_c = await node(late)
+        assert late_c["slowed"] and late_c["slots"] == 1 and late_c["speed"]["state"] == "slow", late_c
         # Ranked last on every gateway: with room on a and b, c is not chosen.
         await until(lambda: _true(c.stats["running"] == 0), "c never finished", timeout=10)
         c.reset()
@@ -171,12 +175,6 @@ async def test_a_soft_eject_is_one_state_for_the_cluster(redis_server: RedisServ
         slow = lines(tg, "c slow:")
         assert len(slow) == 1, tg.messages  # one voice for the cluster
         assert "ms/request vs" in slow[0] and "1 slot until it recovers" in slow[0]
-
-        # The gateway started after the eject read it from Redis: no transition reached it.
-        await late.ready()
-        await until(lambda: on_all([late], lambda n: n["slowed"] and n["slots"] == 1),
-                    "a gateway started after the eject does not know it", timeout=10)
-        assert (await node(late))["speed"]["state"] == "slow"
 
         # `slow: off` by reload, on every gateway: lifted everywhere, and stays off under load.
         for g in gateways:
@@ -244,3 +242,38 @@ async def test_a_hard_eject_opens_the_breaker_on_both(redis_server: RedisServer,
     await settle()
     assert len(lines(tg, "c slow:")) == 1, tg.messages
     assert len([x for x in lines(tg, "c breaker OPEN") if "slow" in x]) == 1, tg.messages
+
+
+async def test_a_stall_seen_through_one_gateway_opens_the_breaker_on_both(
+        redis_server: RedisServer, gateways: list[GatewayProc], tg: FakeTelegram, tmp_path: Path) -> None:
+    llm = FakeGPU("openai", step_ms=20)
+    await llm.start()
+    try:
+        for i in range(2):
+            cfg = cluster_config(redis_server.url, llm.url, free_port(), f"gw{i}", ttl=1.5, kind="openai",
+                                 path="/v1", max_concurrency=1, retry_on_failover=0)
+            cfg["nodes"]["gpu"].update(slow={"stall_sec": 0.4}, breaker=BREAKER)
+            cfg["server"]["heartbeat_sec"] = 10  # no keep-alive byte before the stall, on a busy box too
+            cfg["notify"] = {"telegram": {"bot_token": TOKEN, "chat_id": "-1001", "api_base": tg.url},
+                             "group_sec": 0.1, "min_interval_sec": 0}
+            gateways.append(GatewayProc(cfg, tmp_path / f"gw{i}.yaml"))
+        await start_all(gateways)
+        await until(lambda: leader_known(gateways), "no leader")
+        _lead, other = await leader_and_other(gateways)
+        llm.set_control(drip_ms=1500)  # each piece of the answer 1.5 s after the last: a stall
+        body = {"model": "fake-llm", "messages": [{"role": "user", "content": "hello there"}], "stream": True,
+                "max_tokens": 8}
+        async with aiohttp.ClientSession() as s, s.post(other.url + "/v1/chat/completions", json=body,
+                                                        headers=auth()) as r:
+            text = await r.text()
+            assert r.status == 502 and "stalled" in text, (r.status, text)
+        await until(lambda: on_all(gateways, lambda n: n["breaker"] == "open", "gpu"),
+                    "the breaker is not open on both")
+        for g in gateways:
+            assert (await node(g, "gpu"))["speed"]["state"] == "stalled"
+        await until(lambda: _true(bool(lines(tg, "gpu stalled:"))), "no node_slow alert from the leader")
+        await settle()
+        assert len(lines(tg, "gpu stalled:")) == 1, tg.messages
+        assert len(lines(tg, "gpu breaker OPEN after a stall")) == 1, tg.messages
+    finally:
+        await llm.stop()

@@ -720,8 +720,9 @@ class ClusterLeases:
 
     def _view(self, route: str) -> dict[str, Any]:
         """This gateway's view of the route's nodes: [name, free-able slots (0: unusable), node cap,
-        capacity now (ramped), capacity (-1: none), slowed (1: ranks last)]; its order: the strategy and the priority aging
-        step (ms), as queue.make_order has them; and whether backfill applies, with max_bypass."""
+        capacity now (ramped), capacity (-1: none), slowed (1: ranks last)]; its order: the
+        strategy and the priority aging step (ms), as queue.make_order has them; and whether
+        backfill applies, with max_bypass."""
         now = self.clock()
         rq = self.sched.routes[route]
 

@@ -134,6 +134,9 @@ class NodeSync:
         self._tasks: set[asyncio.Task[Any]] = set()
 
     async def start(self) -> None:
+        """Read the cluster's node state first: the server starts this before the lease store,
+        whose first heartbeat writes this gateway's view of the nodes' slots into Redis (a fresh
+        view would give a node the others hold ejected, open or drained its slots back)."""
         try:
             await self.pull()
         except (RedisError, OSError) as e:
@@ -192,7 +195,8 @@ class NodeSync:
     async def pull(self) -> None:
         """The sweep: every node's hash; the ones newer than what was applied are applied. A node
         Redis does not know (it came back empty) is published by the leader."""
-        names = [n for n, ns in self.nodes().items() if self._shared(ns)]
+        # Not gated on redis_up: at start this runs before the lease store first reaches Redis.
+        names = [n for n, ns in self.nodes().items() if self._cluster_node(ns)]
         if not names:
             return
         got = orjson.loads(await self._pull(args=[self.prefix, *names]))
@@ -266,8 +270,13 @@ class NodeSync:
 
     # --- helpers ----------------------------------------------------------------------------
     def _shared(self, ns: NodeState) -> bool:
-        # Ad-hoc targets (/v1/proxy) are each gateway's own; while Redis is down so is everything.
-        return self.redis_up() and not ns.retired and not ns.name.startswith("adhoc:")
+        # While Redis is down every node is each gateway's own.
+        return self.redis_up() and self._cluster_node(ns)
+
+    @staticmethod
+    def _cluster_node(ns: NodeState) -> bool:
+        # Ad-hoc targets (/v1/proxy) are each gateway's own.
+        return not ns.retired and not ns.name.startswith("adhoc:")
 
     async def _call(self, script: Any, node: str, arg: str) -> Any:
         try:

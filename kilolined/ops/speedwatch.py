@@ -80,7 +80,7 @@ class SpeedWatch:
         self._follow(ns)
         if self.book.unstall(node):
             log.info("✓ [%s] answering in full again after a stall", node)
-            ns.slow_state = SPEED_OK
+            self._decide(ns, SPEED_OK, self.book.node(node), "")  # quiet, here and elsewhere
             self._publish(ns)
         for sample in samples:
             v = self.book.record(node, route, model or "", sample, now, ns.cfg.slow,
@@ -227,7 +227,7 @@ class SpeedWatch:
         out = self.book.view(node)
         if out is None and ns.slow_state != SPEED_OK:
             # Ejected by another gateway before this one measured it: the verdict, without numbers.
-            route, model, unit = (ns.slow_cause.split("\t") + ["", "", ""])[:3]
+            route, model, unit = [*ns.slow_cause.split("\t"), "", "", ""][:3]
             state = STALLED if ns.slow_state == SPEED_STALLED else SLOW
             out = {"unit": unit or None, "ewma": None, "peers_median": None, "state": state, "route": route or None,
                    "model": model or None}
