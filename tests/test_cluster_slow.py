@@ -205,7 +205,7 @@ async def test_the_leader_alerts_what_another_gateway_saw(redis_server: RedisSer
     """Every request goes through the gateway that is not the leader: the leader measures nothing,
     yet the eject and the recovery are alerted, once each, by it (the one voice)."""
     gws = await two(redis_server, cards, tg, gateways, tmp_path,
-                    breaker={**BREAKER, "open_sec": 1, "max_open_sec": 4})
+                    breaker={**BREAKER, "open_sec": 2, "max_open_sec": 4})
     lead, other = await leader_and_other(gws)
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as s:
         busy = Load(s, [other], 6)
@@ -253,7 +253,6 @@ async def test_a_stall_seen_through_one_gateway_opens_the_breaker_on_both(
             cfg = cluster_config(redis_server.url, llm.url, free_port(), f"gw{i}", ttl=1.5, kind="openai",
                                  path="/v1", max_concurrency=1, retry_on_failover=0)
             cfg["nodes"]["gpu"].update(slow={"stall_sec": 0.4}, breaker=BREAKER)
-            cfg["server"]["heartbeat_sec"] = 10  # no keep-alive byte before the stall, on a busy box too
             cfg["notify"] = {"telegram": {"bot_token": TOKEN, "chat_id": "-1001", "api_base": tg.url},
                              "group_sec": 0.1, "min_interval_sec": 0}
             gateways.append(GatewayProc(cfg, tmp_path / f"gw{i}.yaml"))
@@ -266,7 +265,8 @@ async def test_a_stall_seen_through_one_gateway_opens_the_breaker_on_both(
         async with aiohttp.ClientSession() as s, s.post(other.url + "/v1/chat/completions", json=body,
                                                         headers=auth()) as r:
             text = await r.text()
-            assert r.status == 502 and "stalled" in text, (r.status, text)
+        # 502, or 200 when a queued comment went out first: then the error comes in the stream
+        assert r.status in (200, 502) and "stalled: no byte from the node" in text, (r.status, text)
         await until(lambda: on_all(gateways, lambda n: n["breaker"] == "open", "gpu"),
                     "the breaker is not open on both")
         for g in gateways:
