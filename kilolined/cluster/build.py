@@ -42,9 +42,9 @@ class Cluster:
     refresh_sec: float
 
     async def start(self) -> None:
+        await self.node_sync.start()  # first: the leases' first heartbeat writes slots from this view
         await self.leases.start()
         await self.leader.start()
-        await self.node_sync.start()
         await self.jobs.start()
         self.limits.start(self.budget_keys, self.refresh_sec)
         self.doubt.start()

@@ -721,8 +721,9 @@ class ClusterLeases:
 
     def _view(self, route: str) -> dict[str, Any]:
         """This gateway's view of the route's nodes: [name, free-able slots (0: unusable), node cap,
-        capacity now (ramped), capacity] (-1: none); its order: the strategy and the priority aging
-        step (ms), as queue.make_order has them; and whether backfill applies, with max_bypass."""
+        capacity now (ramped), capacity (-1: none), slowed (1: ranks last)]; its order: the
+        strategy and the priority aging step (ms), as queue.make_order has them; and whether
+        backfill applies, with max_bypass."""
         now = self.clock()
         rq = self.sched.routes[route]
 
@@ -731,8 +732,8 @@ class ClusterLeases:
             slots = ns.effective(rq.cfg.max_concurrency, now) if ns.available(now) else 0
             cap = -1 if ns.cfg.max_concurrency is None else ns.effective(ns.cfg.max_concurrency, now)
             if ns.cfg.capacity is None:
-                return [n, slots, cap, -1, -1]
-            return [n, slots, cap, ramped_capacity(ns, now), ns.cfg.capacity]
+                return [n, slots, cap, -1, -1, int(ns.slowed)]
+            return [n, slots, cap, ramped_capacity(ns, now), ns.cfg.capacity, int(ns.slowed)]
 
         return {"p": [entry(n) for n in rq.cfg.nodes if n in self.sched.nodes],
                 "s": [entry(n) for n in rq.cfg.standby if n in self.sched.nodes],

@@ -1,4 +1,4 @@
-"""Node state shared by the gateways through Redis: health, breaker, slow start and drain.
+"""Node state shared by the gateways through Redis: health, breaker, slow start, drain and speed.
 
 Design: each gateway keeps deciding with the pure ``NodeState`` (kilolined/scheduling/nodes.py) and
 publishes the *transitions* it makes (a node marked down by the leader's health checks, a
@@ -12,7 +12,8 @@ seen on any gateways together.
 
 Keys under the prefix P:
   P node:<name>  hash  gen, healthy, error, breaker, open_until_at (Redis ms), open_period,
-                       ramp_at (Redis ms, -1 none), drained, slowed, fails
+                       ramp_at (Redis ms, -1 none), drained, slowed, slow, slow_until_at (Redis ms),
+                       slow_period, slow_cause, slow_note, fails
 Channel ``P nodes``: each change as JSON {node, from, gen?, fields…}. A lost message is made up
 by the sweep every ``lease_ttl_sec / 3``, which reads every node's hash and applies the newer ones.
 While Redis is unreachable nothing is published: each gateway goes on with its own view.
@@ -48,6 +49,8 @@ local gen = redis.call('HINCRBY', key, 'gen', 1)
 for k, v in pairs(f) do
   if k == 'open_left_ms' then
     redis.call('HSET', key, 'open_until_at', now + v)
+  elseif k == 'slow_left_ms' then
+    redis.call('HSET', key, 'slow_until_at', now + v)
   elseif k == 'ramp_ago_ms' then
     redis.call('HSET', key, 'ramp_at', v < 0 and -1 or now - v)
   else
@@ -93,6 +96,13 @@ for i = 2, #ARGV do
     end
     if m.drained then r.drained = tonumber(m.drained) end
     if m.slowed then r.slowed = tonumber(m.slowed) end
+    if m.slow then
+      r.slow = m.slow
+      r.slow_left_ms = math.max(0, tonumber(m.slow_until_at or '0') - now)
+      r.slow_period = tonumber(m.slow_period or '0')
+      r.slow_cause = m.slow_cause or ''
+      r.slow_note = m.slow_note or ''
+    end
     if m.fails then r.fails = tonumber(m.fails) end
     out[ARGV[i]] = r
   end
@@ -124,6 +134,9 @@ class NodeSync:
         self._tasks: set[asyncio.Task[Any]] = set()
 
     async def start(self) -> None:
+        """Read the cluster's node state first: the server starts this before the lease store,
+        whose first heartbeat writes this gateway's view of the nodes' slots into Redis (a fresh
+        view would give a node the others hold ejected, open or drained its slots back)."""
         try:
             await self.pull()
         except (RedisError, OSError) as e:
@@ -182,7 +195,8 @@ class NodeSync:
     async def pull(self) -> None:
         """The sweep: every node's hash; the ones newer than what was applied are applied. A node
         Redis does not know (it came back empty) is published by the leader."""
-        names = [n for n, ns in self.nodes().items() if self._shared(ns)]
+        # Not gated on redis_up: at start this runs before the lease store first reaches Redis.
+        names = [n for n, ns in self.nodes().items() if self._cluster_node(ns)]
         if not names:
             return
         got = orjson.loads(await self._pull(args=[self.prefix, *names]))
@@ -256,8 +270,13 @@ class NodeSync:
 
     # --- helpers ----------------------------------------------------------------------------
     def _shared(self, ns: NodeState) -> bool:
-        # Ad-hoc targets (/v1/proxy) are each gateway's own; while Redis is down so is everything.
-        return self.redis_up() and not ns.retired and not ns.name.startswith("adhoc:")
+        # While Redis is down every node is each gateway's own.
+        return self.redis_up() and self._cluster_node(ns)
+
+    @staticmethod
+    def _cluster_node(ns: NodeState) -> bool:
+        # Ad-hoc targets (/v1/proxy) are each gateway's own.
+        return not ns.retired and not ns.name.startswith("adhoc:")
 
     async def _call(self, script: Any, node: str, arg: str) -> Any:
         try:

@@ -236,6 +236,8 @@ end
 -- ``warm`` (",a,", or "" when the ticket names no model): where its model is loaded already; a
 -- node where it is not ranks after every node where it is (queue.Scheduler._least_loaded).
 local COLD = 2^40
+-- A node soft-ejected for being slow (view entry [6] = 1) ranks after every other, as queue.SLOWED.
+local SLOWED = 2^42
 
 local function least_loaded(route, group, avoid, want_avoided, cost, blocked, only, warm)
   local best, best_load = nil, 0
@@ -244,6 +246,7 @@ local function least_loaded(route, group, avoid, want_avoided, cost, blocked, on
     if avoided == want_avoided and not blocked[e[1]] and allowed(only, e[1]) and can_take(route, e, cost) then
       local load = count(P..'nin', e[1])
       if warm and warm ~= '' and string.find(warm, ','..e[1]..',', 1, true) == nil then load = load + COLD end
+      if e[6] == 1 then load = load + SLOWED end
       if best == nil or load < best_load then best, best_load = e[1], load end
     end
   end

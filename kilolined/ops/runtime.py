@@ -29,7 +29,7 @@ from kilolined.ops.stats import Stats
 from kilolined.scheduling.affinity import Affinity
 from kilolined.scheduling.leasestore import LeaseStore
 from kilolined.scheduling.limits import Budgets, LimitStore, LocalLimits, RateLimiter
-from kilolined.scheduling.nodes import NodeState
+from kilolined.scheduling.nodes import SPEED_HARD, SPEED_STALLED, NodeState
 from kilolined.scheduling.queue import RouteQueue, Scheduler, Ticket
 from kilolined.scheduling.routing import Router
 from kilolined.wire.deadlines import Deadlines
@@ -475,6 +475,11 @@ class Runtime:
             return f"✗ {who} DOWN — {ns.last_error or 'health check failing'}"
         if ev == "node_up":
             return f"✓ {who} UP — health checks passing"
+        if ev in ("node_slow", "node_recovered") and ns.slow_note:
+            return ns.slow_note  # the speed watch's words, from whichever gateway decided (cluster mode)
+        if ev == "breaker_open" and ns.slow_state in (SPEED_HARD, SPEED_STALLED):
+            why = "for being slow" if ns.slow_state == SPEED_HARD else "after a stall"
+            return f"⚡ {who} breaker OPEN {why}, retry in {ns.open_period:g}s"
         if ev == "breaker_open":
             why = ("its half-open trial failed" if ns.open_period > ns.breaker_cfg.open_sec
                    else f"{ns.breaker_cfg.consecutive_failures} failures")

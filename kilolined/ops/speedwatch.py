@@ -6,6 +6,12 @@ ejected node its trial when its period is over. Acting means: a soft eject sets
 ``NodeState.slowed`` (one slot, ranked last — queue.py reads it through ``effective``, so the
 slot counters stay the scheduler's alone); a hard eject opens the node's breaker; both and the
 recovery are alerted (``node_slow``, ``node_recovered``; ``node_drifting`` for a lone node).
+
+The verdict lives on ``NodeState`` (``slow_state``, ``slow_until``, …), not in the book: in cluster
+mode it is node state the gateways share (cluster/nodestate.py), so the eject another gateway
+decided holds here too, its trial comes at the same moment, and the recovery this gateway's
+requests show ends it for all. Before the book judges or ticks, ``_follow`` copies the verdict
+into it; each gateway keeps only its own samples.
 """
 
 from __future__ import annotations
@@ -16,10 +22,29 @@ from collections.abc import Callable
 from typing import Protocol
 
 from kilolined.cluster.nodes import NodeSync
-from kilolined.scheduling.nodes import NodeState
+from kilolined.scheduling.nodes import (
+    SPEED_HARD,
+    SPEED_OK,
+    SPEED_SLOW,
+    SPEED_STALLED,
+    SPEED_TRIAL,
+    NodeState,
+)
 from kilolined.scheduling.queue import Scheduler
-from kilolined.scheduling.speed import HARD, MS_REQUEST, MS_UNIT, SLOW, Sample, SpeedBook, Verdict, ejectable
-from kilolined.wire.upstream import STALLED
+from kilolined.scheduling.speed import (
+    HARD,
+    MS_REQUEST,
+    MS_UNIT,
+    OK,
+    SLOW,
+    STALLED,
+    NodeSpeed,
+    Sample,
+    SpeedBook,
+    Verdict,
+    ejectable,
+)
+from kilolined.wire.upstream import STALLED as STALLED_REASON
 
 log = logging.getLogger("kilolined")
 
@@ -52,8 +77,11 @@ class SpeedWatch:
         if not samples:
             samples = [Sample(MS_UNIT, held * 1000 / cost) if cost > 0 else Sample(MS_REQUEST, held * 1000)]
         now = self.rt.clock()
+        self._follow(ns)
         if self.book.unstall(node):
             log.info("✓ [%s] answering in full again after a stall", node)
+            self._decide(ns, SPEED_OK, self.book.node(node), "")  # quiet, here and elsewhere
+            self._publish(ns)
         for sample in samples:
             v = self.book.record(node, route, model or "", sample, now, ns.cfg.slow,
                                  lambda: self._ejectable(route, node, now))
@@ -69,7 +97,8 @@ class SpeedWatch:
         the last one that can take work."""
         sched = self.rt.scheduler
         names = [n for n in self._route_nodes(route) if n in sched.nodes and not sched.nodes[n].retired]
-        out = sum(1 for n in names if self.book.node(n).ejected)
+        # the cluster's verdicts, not only this gateway's: the cap holds for the route
+        out = sum(1 for n in names if sched.nodes[n].slow_state in (SPEED_SLOW, SPEED_HARD, SPEED_STALLED))
         others = [n for n in names if n != node and sched.nodes[n].serving(now) and not sched.nodes[n].slowed]
         return ejectable(len(names), out, len(others))
 
@@ -78,24 +107,68 @@ class SpeedWatch:
         rt = self.rt
         if v.action in ("soft", "hard"):
             cfg = ns.breaker_cfg
+            st = self.book.node(ns.name)
             self.book.eject_period(ns.name, now, cfg.open_sec, cfg.max_open_sec)
-            ns.slowed = True
             text = self.slow_text(ns, v)
-            rt.node_events(ns, ["node_slow"], {"node_slow": text})
+            self._decide(ns, SPEED_HARD if v.action == "hard" else SPEED_SLOW, st, text)
+            events, texts = ["node_slow"], {"node_slow": text}
             if v.action == "hard":
                 ns.last_error = "slow"
-                rt.node_events(ns, ns.trip(now), {"breaker_open": (
-                    f"⚡ {_who(ns)} breaker OPEN for being slow, retry in {ns.open_period:g}s")})
+                events += ns.trip(now)
+                texts["breaker_open"] = f"⚡ {_who(ns)} breaker OPEN for being slow, retry in {ns.open_period:g}s"
+            rt.node_events(ns, events, texts)  # one publish carries the eject and the breaker
         elif v.action == "recovered":
-            ns.slowed = False
-            rt.node_events(ns, ["node_recovered"], {"node_recovered": (
-                f"✓ {_who(ns)} back to speed: {_n(v.level)} {v.unit} vs {_n(v.peers)} {v.unit} on its peers")})
+            text = f"✓ {_who(ns)} back to speed: {_n(v.level)} {v.unit} vs {_n(v.peers)} {v.unit} on its peers"
+            self._decide(ns, SPEED_OK, self.book.node(ns.name), text)
+            rt.node_events(ns, ["node_recovered"], {"node_recovered": text})
         elif v.action == "drifting":
             ratio = v.level / v.peers if v.peers else math.inf
             rt.node_events(ns, ["node_drifting"], {"node_drifting": (
                 f"🐢 {_who(ns)} drifting: {_n(v.level)} {v.unit} over the last hour vs {_n(v.peers)} {v.unit} "
                 f"at its best ({ratio:.1f}×) — alone on its route, so still serving")})
         rt.wake()
+
+    @staticmethod
+    def _decide(ns: NodeState, state: str, st: NodeSpeed, note: str) -> None:
+        """This gateway's book reached a verdict: it becomes the node's (and, through node_events,
+        the cluster's)."""
+        ns.slow_state = state
+        ns.slowed = state in (SPEED_SLOW, SPEED_HARD)
+        ns.slow_until = st.until if ns.slowed else 0.0
+        ns.slow_period = st.period
+        ns.slow_cause = "\t".join(st.cause) if st.cause is not None else ""
+        ns.slow_note = note
+
+    def _follow(self, ns: NodeState) -> None:
+        """Copy the node's verdict into the book, wherever it was reached: the book's next
+        judgement starts from it (a node ejected elsewhere is not ejected again here; one
+        recovered elsewhere is judged afresh; one tried elsewhere is on trial here too)."""
+        state = ns.slow_state
+        if state == SPEED_OK and ns.name not in self.book.nodes:
+            return  # nothing to copy, and no entry made for a node never measured
+        st = self.book.node(ns.name)
+        if state == SPEED_OK:
+            if st.state in (SLOW, STALLED):
+                st.state, st.cause, st.ejected, st.hard, st.until, st.period = OK, None, False, False, 0.0, 0.0
+            return
+        if state == SPEED_STALLED:
+            st.state, st.ejected, st.hard = STALLED, True, True
+            return
+        parts = tuple(ns.slow_cause.split("\t"))
+        if len(parts) == 3:
+            st.cause = (parts[0], parts[1], parts[2])
+        st.state, st.period = SLOW, ns.slow_period
+        if state == SPEED_TRIAL:
+            if st.ejected:
+                self.book.trial(ns.name, math.inf)  # the trial's requests judge it: its series start afresh
+            st.ejected = st.hard = False
+            st.until = 0.0
+            return
+        st.ejected, st.hard, st.until = True, state == SPEED_HARD, ns.slow_until
+
+    def _publish(self, ns: NodeState) -> None:
+        if self.rt.node_sync is not None:
+            self.rt.node_sync.changed(ns)
 
     def slow_text(self, ns: NodeState, v: Verdict) -> str:
         ratio = v.level / v.peers if v.peers else math.inf
@@ -108,35 +181,65 @@ class SpeedWatch:
         """An ejected node's period is over: its trial — slots back through slow start, and the
         next ``samples`` requests judge it afresh (recovered, or ejected again for longer)."""
         for name, ns in self.rt.scheduler.nodes.items():
+            if ns.cfg.slow is None:
+                if ns.slow_state != SPEED_OK or ns.slowed:
+                    # `slow: off`: lifted, and quietly for the cluster (no words: not a recovery),
+                    # so Redis keeps no verdict for a gateway that turns it on again.
+                    ns.clear_slow()
+                    self._publish(ns)
+                if name in self.book.nodes:
+                    self.book.forget(name)  # its numbers too: judged afresh if it is turned on again
+                continue
+            self._follow(ns)
             if self.book.trial(name, now):
                 ns.slowed = False
+                ns.slow_state = SPEED_TRIAL
+                ns.slow_until = 0.0
                 ns.recovered_at = now
                 log.info("~ [%s] trying again after being slow (slots ramp up)", name)
-                if self.rt.node_sync is not None:
-                    self.rt.node_sync.changed(ns)
+                self._publish(ns)
                 self.rt.wake()
 
     def stall(self, node: str, reason: str) -> None:
         """No byte from the node for ``stall_sec`` in a running request: out at once."""
         ns = self.rt.scheduler.nodes.get(node)
-        if ns is None or ns.cfg.slow is None or not self.book.stalled(node):
+        if ns is None or ns.cfg.slow is None:
+            return
+        self._follow(ns)
+        if not self.book.stalled(node):
             return
         now = self.rt.clock()
+        st = self.book.node(node)
         self.book.eject_period(node, now, ns.breaker_cfg.open_sec, ns.breaker_cfg.max_open_sec)
         ns.last_error = reason
-        what = reason.removeprefix(STALLED + ": ")  # the reason says "stalled: …" for the scope's verdict
-        self.rt.node_events(ns, ["node_slow"], {"node_slow": f"🐢 {_who(ns)} stalled: {what} — breaker open"})
-        self.rt.node_events(ns, ns.trip(now), {"breaker_open": (
+        what = reason.removeprefix(STALLED_REASON + ": ")  # the reason says "stalled: …" for the scope's verdict
+        text = f"🐢 {_who(ns)} stalled: {what} — breaker open"
+        self._decide(ns, SPEED_STALLED, st, text)
+        self.rt.node_events(ns, ["node_slow", *ns.trip(now)], {"node_slow": text, "breaker_open": (
             f"⚡ {_who(ns)} breaker OPEN after a stall, retry in {ns.open_period:g}s")})
 
     # --- views ------------------------------------------------------------------------------
     def view(self, node: str) -> dict[str, object] | None:
-        return self.book.view(node)
+        ns = self.rt.scheduler.nodes.get(node)
+        if ns is None or ns.cfg.slow is None:
+            return None  # `slow: off`: not watched
+        self._follow(ns)
+        out = self.book.view(node)
+        if out is None and ns.slow_state != SPEED_OK:
+            # Ejected by another gateway before this one measured it: the verdict, without numbers.
+            route, model, unit = [*ns.slow_cause.split("\t"), "", "", ""][:3]
+            state = STALLED if ns.slow_state == SPEED_STALLED else SLOW
+            out = {"unit": unit or None, "ewma": None, "peers_median": None, "state": state, "route": route or None,
+                   "model": model or None}
+        return out
 
     def forget(self, node: str) -> None:
         self.book.forget(node)
 
     def is_slow(self, node: str) -> bool:
+        ns = self.rt.scheduler.nodes.get(node)
+        if ns is not None and ns.cfg.slow is not None:
+            self._follow(ns)
         return self.book.node(node).state == SLOW or self.book.node(node).ejected
 
 

@@ -15,6 +15,10 @@ from kilolined.scheduling.models import ModelState
 
 CLOSED, HALF_OPEN, OPEN = "closed", "half-open", "open"
 BREAKER_GAUGE = {CLOSED: 0, HALF_OPEN: 1, OPEN: 2}
+# What the speed watch decided about a node (ops/speedwatch.py): at full speed; soft-ejected (one
+# slot, ranked last); hard-ejected (its breaker opened for it); on trial after an eject (slots back
+# through slow start, judged afresh); out after a stall.
+SPEED_OK, SPEED_SLOW, SPEED_HARD, SPEED_TRIAL, SPEED_STALLED = "ok", "slow", "hard", "trial", "stalled"
 
 
 @dataclass
@@ -38,6 +42,13 @@ class NodeState:
     recovered_at: float | None = None
     #: soft-ejected for being slow (speed.py): one slot, ranked last in node choice
     slowed: bool = False
+    # The speed watch's verdict, kept here rather than in its book because it is node state the
+    # gateways share (cluster/nodestate.py): each gateway measures on its own, one verdict holds.
+    slow_state: str = SPEED_OK
+    slow_until: float = 0.0  # while ejected: when it is tried again
+    slow_period: float = 0.0  # the last eject's length: doubles on repeats, back to 0 on recovery
+    slow_cause: str = ""  # route, model and unit (tab-separated) of the series that made it slow
+    slow_note: str = ""  # the words of the last transition: the alert another gateway sends
     retired: bool = False  # removed by a reload: gets no new work, in-flight finishes
     latencies: list[float] = field(default_factory=list)
     # The last time it was seen alive: a health check passed or a request succeeded. A request
@@ -58,6 +69,11 @@ class NodeState:
     @property
     def breaker_cfg(self) -> BreakerConfig:
         return self.cfg.breaker
+
+    def clear_slow(self) -> None:
+        """``slow: off``: whatever the speed watch decided is lifted."""
+        self.slowed = False
+        self.slow_state, self.slow_until, self.slow_period, self.slow_cause, self.slow_note = SPEED_OK, 0.0, 0.0, "", ""
 
     # --- breaker clock -----------------------------------------------------------------
     def tick(self, now: float) -> list[str]:
