@@ -213,6 +213,24 @@ def test_a_cold_model_beats_affinity() -> None:
     assert node_of(t) == away
 
 
+def test_a_node_slowed_for_being_slow_ranks_last_whatever_it_holds() -> None:
+    s = make(["a", "b"], n=4)
+    first = ask(s, doc(1))
+    home = node_of(first)
+    assert first.lease is not None
+    s.release(first.lease, 0.0, None)
+    s.nodes[home].slowed = True  # soft-ejected (docs/CONFIG.md#slow-nodes): ranked last, 1 slot
+    again = ask(s, doc(1, "q2"))
+    assert node_of(again) != home and again.affinity is not None and again.affinity.outcome == "load"
+    s = make(["a", "b"], n=4, mode="session")
+    s.nodes[home].slowed = True
+    # a session whose ring sends it to the slowed node goes to the other one
+    homed = next(a for i in range(100) if (a := aff.session_affinity("r", f"s{i}")) is not None
+                 and aff.rendezvous(a.keys[0], ["a", "b"])[0] == home)
+    sess = s.admit("r", "k", 0, 0.0, affinity=homed)
+    assert node_of(sess) != home and homed.outcome == "load"
+
+
 def test_a_standby_holding_the_prefix_does_not_beat_a_primary() -> None:
     s = make(["p"], n=2, standby=["s"])
     s.indexes["s"] = PrefixIndex()

@@ -43,6 +43,7 @@ def scenes(draw: Any) -> dict[str, Any]:
         "held": {n: draw(st.sampled_from([0, 0, 0, 1, 2, 5, 12])) for n in everyone},
         "down": {n for n in everyone if draw(st.booleans()) and draw(st.booleans())},
         "warm": None if draw(st.booleans()) else {n for n in everyone if draw(st.booleans())},
+        "slowed": {n for n in everyone if draw(st.booleans()) and draw(st.booleans())},
     }
 
 
@@ -53,6 +54,7 @@ def scheduler(scene: dict[str, Any]) -> tuple[Scheduler, RouteQueue, Ticket]:
         ns = s.nodes[n] = NodeState(n, NodeConfig(url=f"http://10.0.0.{ord(n)}:1", models=["m"]))
         ns.models.warm = ["m"] if warm is not None and n in warm else ["other"]
         ns.healthy = n not in scene["down"]
+        ns.slowed = n in scene["slowed"]
     rq = s.routes["r"] = RouteQueue("r", RouteConfig(path="/r", nodes=scene["primaries"], standby=scene["standby"],
                                                      max_concurrency=scene["slots"], affinity=scene["mode"],
                                                      affinity_block_bytes=16))
@@ -75,7 +77,8 @@ def scheduler(scene: dict[str, Any]) -> tuple[Scheduler, RouteQueue, Ticket]:
 def view(s: Scheduler, rq: RouteQueue) -> str:
     """The route's view as cluster/leases.py ClusterLeases._view writes it."""
     def entry(n: str) -> list[Any]:
-        return [n, rq.cfg.max_concurrency if s.nodes[n].available(0.0) else 0, -1, -1, -1]
+        ns = s.nodes[n]
+        return [n, ns.effective(rq.cfg.max_concurrency, 0.0) if ns.available(0.0) else 0, -1, -1, -1, int(ns.slowed)]
     return orjson.dumps({"p": [entry(n) for n in rq.cfg.nodes], "s": [entry(n) for n in rq.cfg.standby],
                          "o": "fifo", "a": 1, "c": False, "b": 8, "t": 30000}).decode()
 

@@ -278,11 +278,13 @@ local function affine(route, group, avoid, cost, blocked, only, warm, a)
     if not listed(avoid, e[1]) and not blocked[e[1]] and allowed(only, e[1]) then
       names[#names + 1] = e[1]
       -- a node the gateway did not list (added by a reload since) ranks after those it did
-      if can_take(route, e, cost) then free[#free + 1] = {e[1], rank[e[1]] or #a.r + i, i} end
+      if can_take(route, e, cost) then free[#free + 1] = {e[1], rank[e[1]] or #a.r + i, i, e[6] == 1} end
     end
   end
   if #free == 0 then return nil end
   local cold = function(n) return warm ~= '' and not listed(warm, n) end
+  -- Ranked after the others whatever affinity says (queue.Scheduler._last): slowed, then cold.
+  local function last(f) return (f[4] and 2 or 0) + (cold(f[1]) and 1 or 0) end
   if a.m == 's' then
     -- Consistent hashing with bounded load: the first free node in the session's order whose
     -- in-flight on the route, counting this one, stays within 125 % of the mean; warm first.
@@ -292,11 +294,12 @@ local function affine(route, group, avoid, cost, blocked, only, warm, a)
     table.sort(free, function(x, y) return x[2] < y[2] end)
     local pick = {}
     for _, f in ipairs(free) do
-      if count(P..'in:'..route, f[1]) + 1 <= cap then pick[#pick + 1] = f[1] end
+      if count(P..'in:'..route, f[1]) + 1 <= cap then pick[#pick + 1] = f end
     end
-    if #pick == 0 then for _, f in ipairs(free) do pick[#pick + 1] = f[1] end end
-    for _, n in ipairs(pick) do if not cold(n) then return n end end
-    return pick[1]
+    if #pick == 0 then pick = free end
+    local best = pick[1]
+    for _, f in ipairs(pick) do if last(f) < last(best) then best = f end end
+    return best[1]
   end
   local function match(n) return rank[n] and a.k[rank[n]] or 0 end
   local best_any, held = 0, false
@@ -309,10 +312,10 @@ local function affine(route, group, avoid, cost, blocked, only, warm, a)
     local key
     if best_any == 0 or not held then
       -- Held nowhere it could go: least-loaded, ties by rendezvous (gateways agree on new prefixes).
-      key = {cold(n) and 1 or 0, load, f[2]}
+      key = {last(f), load, f[2]}
     else
       -- Uncached bytes x (in-flight + 1); ties to the longer match, then the order of ``nodes``.
-      key = {cold(n) and 1 or 0, (rank[n] and a.u[rank[n]] or a.z) * (load + 1), -match(n), f[3]}
+      key = {last(f), (rank[n] and a.u[rank[n]] or a.z) * (load + 1), -match(n), f[3]}
     end
     if best == nil or before(key, best_key) then best, best_key = n, key end
   end

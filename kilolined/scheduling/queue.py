@@ -497,8 +497,8 @@ class Scheduler:
 
     # -- affinity (docs/CONFIG.md#affinity) --------------------------------------------------------
     def _affine(self, names: list[str], rq: RouteQueue, t: Ticket, a: Affinity, now: float) -> str | None:
-        """Among ``names`` that can take ``t`` now, the one affinity prefers; the cold-model rule
-        ranks first, as in ``_least_loaded``. Busy nodes are never waited for."""
+        """Among ``names`` that can take ``t`` now, the one affinity prefers; the slow-node and
+        cold-model ranks come first, as in ``_least_loaded``. Busy nodes are never waited for."""
         free = [n for n in names if self.can_take(rq, n, now, t.cost)]
         if not free:
             return None
@@ -510,12 +510,12 @@ class Scheduler:
             # Nowhere (free) holds it: least-loaded, ties by rendezvous of the first key, so that
             # gateways and restarts agree where a new prefix goes.
             first = a.keys[0]
-            node = min(free, key=lambda n: (self._cold(n, t.model), self.node_inflight[n],
+            node = min(free, key=lambda n: (self._last(n, t.model), self.node_inflight[n],
                                             tuple(-b for b in aff.weight(first, n))))
         else:
             # Uncached bytes × (in-flight + 1): a longer match is worth a busier node, up to a point.
             order = {n: i for i, n in enumerate(free)}
-            node = min(free, key=lambda n: (self._cold(n, t.model),
+            node = min(free, key=lambda n: (self._last(n, t.model),
                                             a.uncached(matches[n]) * (self.node_inflight[n] + 1),
                                             -matches[n], order[n]))
         got = matches[node]
@@ -531,14 +531,18 @@ class Scheduler:
         walk = aff.rendezvous(a.keys[0], names)
         ok = [n for n in walk if n in free and rq.inflight[n] + 1 <= cap]
         pick = ok or [n for n in walk if n in free]
-        warm = [n for n in pick if not self._cold(n, t.model)]
-        node = (warm or pick)[0]
+        node = min(pick, key=lambda n: self._last(n, t.model))  # the first of the best rank, in walk order
         a.node, a.match = node, 1
         a.outcome = aff.HIT if node == walk[0] else aff.LOAD
         return node
 
     def _cold(self, node: str, model: str | None) -> bool:
         return model is not None and not self.nodes[node].models.is_warm(model)
+
+    def _last(self, node: str, model: str | None) -> tuple[bool, bool]:
+        """What ranks a node after the others whatever affinity says, as in ``_least_loaded``:
+        soft-ejected for being slow (docs/CONFIG.md#slow-nodes), then a cold model."""
+        return self.nodes[node].slowed, self._cold(node, model)
 
     def _index(self, node: str) -> PrefixIndex | None:
         """The node's index, emptied first if the node's process restarted since it was filled, or
