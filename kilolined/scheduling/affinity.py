@@ -66,7 +66,7 @@ class Affinity:
 
     def predicted_hit(self) -> bool:
         """The dispatch expected the node to hold at least half of the prompt. A match that an
-        in-flight request there was still computing is a hit for routing (SPEC §13) but not a
+        in-flight request there was still computing is a hit for routing (docs/CONFIG.md#affinity) but not a
         prediction the node's report can refute: llama.cpp keeps a prompt in one slot and does not
         share a busy one (``-no-kvu``), so "nothing reused" then says nothing about the index."""
         return (self.mode == PREFIX and self.size > 0 and not self.busy
