@@ -12,6 +12,9 @@ The job sink lives with the jobs (``jobs.py``).
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import aiohttp
 import orjson
 from aiohttp import web
@@ -68,14 +71,21 @@ class SyncSink(Sink):
         """Copy the node's answer to the client. The slot is freed when the body ends (the scope)."""
         call = self.call
         self.scope = scope
-        ok = False
-        try:
+        with self._relaying(scope, up, obs) as ok:
             self.response, call.bytes_out = await stream_back(call.request, up, self.headers_for(scope, up), obs,
                                                               capture, scope)
             scope.size = call.bytes_out
-            ok = up.status < 500
-            scope.ok = ok
-            self.outcome = "ok" if ok else "upstream_error"
+            ok[0] = scope.ok = up.status < 500
+            self.outcome = "ok" if ok[0] else "upstream_error"
+
+    @contextlib.contextmanager
+    def _relaying(self, scope: LeaseScope, up: Upstream, obs: Observer | None) -> Iterator[list[bool]]:
+        """Around copying the node's answer to the client (every sink's one copy of it): a client
+        gone, a node failing mid-body, and the node connection and observer closed whatever
+        happened. The body sets ``ok[0]`` when the answer ended well."""
+        ok = [False]
+        try:
+            yield ok
         except ConnectionResetError:
             # The client hung up (aiohttp's ClientConnectionResetError is also a ClientError, so
             # this comes first): not the node's fault, no breaker count.
@@ -83,11 +93,11 @@ class SyncSink(Sink):
             raise
         except (aiohttp.ClientError, TimeoutError) as e:
             # The node failed mid-body: no retry is possible once bytes went out; cut the client.
-            raise _mid_response(scope, call.node, e) from None
+            raise _mid_response(scope, self.call.node, e) from None
         finally:
             up.release()
             if obs is not None:
-                obs.done(ok)
+                obs.done(ok[0])
 
     def result(self, res: Result) -> None:
         self.response = web.Response(status=res.http_status, body=res.body, content_type=res.content_type)
@@ -169,8 +179,7 @@ class StreamSink(SyncSink):
         call = self.call
         self.scope = scope
         resp = await self._open()
-        ok = False
-        try:
+        with self._relaying(scope, up, obs) as ok:
             if up.status != 200 or "text/event-stream" not in up.headers.get("Content-Type", ""):
                 body = await up.read()
                 if up.status == 200:
@@ -178,29 +187,20 @@ class StreamSink(SyncSink):
                     if obs is not None:
                         obs.feed(body)
                     await _write(scope, resp, b"data: " + body.strip() + b"\n\ndata: [DONE]\n\n")
-                    ok = True
+                    ok[0] = True
                 else:
                     message, type_ = node_message(body, up.status)
                     await _write(scope, resp, error_event(type_, message, up.status))
                     call.status = up.status  # the access log tells what the client really got
-                    ok = up.status < 500
-                    self.outcome = "ok" if ok else "upstream_error"
+                    ok[0] = up.status < 500
+                    self.outcome = "ok" if ok[0] else "upstream_error"
             else:
                 await self._relay(scope, resp, up, obs)
-                ok = True
+                ok[0] = True
             scope.size = call.bytes_out
-            scope.ok = ok
-            if not ok:
+            scope.ok = ok[0]
+            if not ok[0]:
                 self.outcome = "upstream_error"
-        except ConnectionResetError:
-            self.outcome = "client_gone"
-            raise
-        except (aiohttp.ClientError, TimeoutError) as e:
-            raise _mid_response(scope, call.node, e) from None
-        finally:
-            up.release()
-            if obs is not None:
-                obs.done(ok)
         await resp.write_eof()
 
     async def _relay(self, scope: LeaseScope, resp: web.StreamResponse, up: Upstream, obs: Observer | None) -> None:
