@@ -197,10 +197,15 @@ class Budgets:
         if u is None:
             u = self.used[key] = dict.fromkeys(self.FIELDS, 0.0)
         # Usage only ever spends: a negative or non-finite amount (a node's odd usage report, a
-        # clock step) must never refill a budget.
-        u["requests"] += spent_amount(requests)
-        u["tokens"] += spent_amount(tokens)
-        u["gpu_seconds"] += spent_amount(gpu_seconds)
+        # clock step) must never refill a budget. ``0 < x < inf`` is spent_amount's test inline
+        # (False for zero, negatives, NaN and ±inf): each request adds here three times, and
+        # most of those amounts are zero.
+        if 0 < requests < math.inf:
+            u["requests"] += requests
+        if 0 < tokens < math.inf:
+            u["tokens"] += tokens
+        if 0 < gpu_seconds < math.inf:
+            u["gpu_seconds"] += gpu_seconds
         self.dirty = True
 
     def reserve_tokens(self, key: str, budget: BudgetConfig | None, tokens: int, wall: float) -> int | None:
