@@ -106,10 +106,18 @@ def request_id(request: web.BaseRequest) -> str:
     return rid if _SANE_ID.fullmatch(rid) else os.urandom(16).hex()  # 128 bits, 4× cheaper than uuid4
 
 
+@functools.lru_cache(maxsize=16)
+def _networks(trusted: tuple[str, ...]) -> tuple[ipaddress.IPv4Network | ipaddress.IPv6Network, ...]:
+    """``server.trusted_proxies`` parsed once per config, not per request."""
+    return tuple(ipaddress.ip_network(c, strict=False) for c in trusted)
+
+
 def client_ip(request: web.BaseRequest, trusted: Iterable[str]) -> str:
     """The peer, or — when the peer is a trusted proxy — the last untrusted X-Forwarded-For hop."""
     peer = request.remote or "unknown"
-    nets = [ipaddress.ip_network(c, strict=False) for c in trusted]
+    if not trusted:
+        return peer
+    nets = _networks(tuple(trusted))
     if not nets:
         return peer
 
