@@ -12,8 +12,7 @@ The job sink lives with the jobs (``jobs.py``).
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
+from types import TracebackType
 
 import aiohttp
 import orjson
@@ -27,7 +26,16 @@ from kilolined.modes.call import Call
 from kilolined.ops.runtime import Runtime
 from kilolined.scheduling.lease import LeaseScope, Sink
 from kilolined.scheduling.queue import WAITING, Lease
-from kilolined.wire.proxy import SERVER, Observer, Upstream, cut_client, mid_response, response_headers, stream_back
+from kilolined.wire.proxy import (
+    SERVER,
+    Observer,
+    Upstream,
+    cut_client,
+    mid_response,
+    response_headers,
+    stream_back,
+    whole_answer,
+)
 from kilolined.wire.upstream import UpstreamResponse
 
 
@@ -71,33 +79,20 @@ class SyncSink(Sink):
         """Copy the node's answer to the client. The slot is freed when the body ends (the scope)."""
         call = self.call
         self.scope = scope
-        with self._relaying(scope, up, obs) as ok:
-            self.response, call.bytes_out = await stream_back(call.request, up, self.headers_for(scope, up), obs,
-                                                              capture, scope)
+        with _Relaying(self, scope, up, obs) as ok:
+            headers = self.headers_for(scope, up)
+            # The usual small answer, whole already, is made here without a coroutine.
+            whole = whole_answer(call.request, up, headers, obs, capture)
+            self.response, call.bytes_out = (whole if whole is not None else
+                                             await stream_back(call.request, up, headers, obs, capture, scope))
             scope.size = call.bytes_out
             ok[0] = scope.ok = up.status < 500
             self.outcome = "ok" if ok[0] else "upstream_error"
 
-    @contextlib.contextmanager
-    def _relaying(self, scope: LeaseScope, up: Upstream, obs: Observer | None) -> Iterator[list[bool]]:
-        """Around copying the node's answer to the client (every sink's one copy of it): a client
-        gone, a node failing mid-body, and the node connection and observer closed whatever
-        happened. The body sets ``ok[0]`` when the answer ended well."""
-        ok = [False]
-        try:
-            yield ok
-        except ConnectionResetError:
-            # The client hung up (aiohttp's ClientConnectionResetError is also a ClientError, so
-            # this comes first): not the node's fault, no breaker count.
-            self.outcome = "client_gone"
-            raise
-        except (aiohttp.ClientError, TimeoutError) as e:
-            # The node failed mid-body: no retry is possible once bytes went out; cut the client.
-            raise _mid_response(scope, self.call.node, e) from None
-        finally:
-            up.release()
-            if obs is not None:
-                obs.done(ok[0])
+    def _relaying(self, scope: LeaseScope, up: Upstream, obs: Observer | None) -> _Relaying:
+        """Around copying the node's answer to the client (every sink's one copy of it): see
+        ``_Relaying``. The body sets ``ok[0]`` when the answer ended well."""
+        return _Relaying(self, scope, up, obs)
 
     def result(self, res: Result) -> None:
         self.response = web.Response(status=res.http_status, body=res.body, content_type=res.content_type)
@@ -269,6 +264,38 @@ class StreamSink(SyncSink):
         except (ConnectionError, RuntimeError):
             pass
         return self.stream
+
+
+class _Relaying:
+    """``with _Relaying(sink, scope, up, obs) as ok:`` around copying the node's answer to the
+    client: a client gone, a node failing mid-body, and the node connection and observer closed
+    whatever happened. A class, not a generator context manager: it runs once per request, and
+    contextlib's generator machinery costs twice its own work."""
+
+    __slots__ = ("obs", "ok", "scope", "sink", "up")
+
+    def __init__(self, sink: SyncSink, scope: LeaseScope, up: Upstream, obs: Observer | None):
+        self.sink, self.scope, self.up, self.obs = sink, scope, up, obs
+        self.ok = [False]
+
+    def __enter__(self) -> list[bool]:
+        return self.ok
+
+    def __exit__(self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None) -> None:
+        try:
+            if e is None:
+                return
+            if isinstance(e, ConnectionResetError):
+                # The client hung up (aiohttp's ClientConnectionResetError is also a ClientError, so
+                # this comes first): not the node's fault, no breaker count.
+                self.sink.outcome = "client_gone"
+            elif isinstance(e, (aiohttp.ClientError, TimeoutError)):
+                # The node failed mid-body: no retry is possible once bytes went out; cut the client.
+                raise _mid_response(self.scope, self.sink.call.node, e) from None
+        finally:
+            self.up.release()
+            if self.obs is not None:
+                self.obs.done(self.ok[0])
 
 
 def _mid_response(scope: LeaseScope, node: str, e: BaseException) -> Failure:

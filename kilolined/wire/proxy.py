@@ -283,11 +283,9 @@ async def stream_back(
     shown to ``obs`` and copied into ``capture`` (up to 1 MiB) on the way. Upstream read errors
     propagate after the response has started: the caller cuts the client.
     """
-    headers["Server"] = SERVER  # the node's own is stripped (STRIP_RESPONSE)
-    if isinstance(up, UpstreamResponse) and whole_body_here(up, request.method):
-        body = up.body()
-        _seen(body, obs, capture)
-        return web.Response(status=up.status, reason=up.reason, headers=headers, body=body), len(body)
+    whole = whole_answer(request, up, headers, obs, capture)
+    if whole is not None:
+        return whole
     resp = web.StreamResponse(status=up.status, reason=up.reason, headers=headers)
     if up.content_length is not None:
         resp.content_length = up.content_length
@@ -307,6 +305,19 @@ async def stream_back(
         sent += len(chunk)
     await resp.write_eof()
     return resp, sent
+
+
+def whole_answer(request: web.Request, up: Upstream, headers: CIMultiDict[str], obs: Observer | None = None,
+                 capture: bytearray | None = None) -> tuple[web.Response, int] | None:
+    """``stream_back``'s answer when the node's whole answer arrived with its headers: one
+    ``web.Response`` (one write of headers and body) and its size, made without a coroutine;
+    None when it must be streamed. Sets the answer's Server header either way."""
+    headers["Server"] = SERVER  # the node's own is stripped (STRIP_RESPONSE)
+    if isinstance(up, UpstreamResponse) and whole_body_here(up, request.method):
+        body = up.body()
+        _seen(body, obs, capture)
+        return web.Response(status=up.status, reason=up.reason, headers=headers, body=body), len(body)
+    return None
 
 
 def _seen(chunk: bytes, obs: Observer | None, capture: bytearray | None) -> None:
