@@ -145,7 +145,7 @@ def choose_mode(gw: Gateway, call: Call) -> web.StreamResponse | None:
     call.mode = mode
     raw_tail = call.tail
     call.tail = tail_with_query(call.request, raw_tail)
-    call.unqueued_path = unquote(raw_tail)
+    call.unqueued_path = unquote(raw_tail) if "%" in raw_tail else raw_tail  # unquote's own shortcut, without its call
     return None
 
 
@@ -394,7 +394,10 @@ PROXY_PIPELINE: Sequence[Stage] = (check_open, targets.resolve_target, targets.u
                                    targets.adhoc_admission(admit))
 
 
-def handler(stages: Sequence[Stage], route: str = "-") -> Callable[[web.Request], Awaitable[web.StreamResponse]]:
+def handler(gw: Gateway, stages: Sequence[Stage],
+            route: str = "-") -> Callable[[web.Request], Awaitable[web.StreamResponse]]:
+    """The request handler of one application: ``gw`` is the one its ``app[GW]`` holds (set once
+    in build_app), taken here rather than looked up through the request on every request."""
     plan = tuple(stages)
 
     async def handle(request: web.Request) -> web.StreamResponse:
@@ -402,7 +405,6 @@ def handler(stages: Sequence[Stage], route: str = "-") -> Callable[[web.Request]
         refused = edge.refuse(request)
         if refused is not None:
             return refused
-        gw = request.app[GW]
         call = Call(request, request_id(request), time.monotonic(), route=route)
         try:
             for stage in plan:
@@ -492,8 +494,8 @@ def build_app(gw: Gateway) -> web.Application:
     app[RT] = gw.rt
     admin.add_routes(app)
     jobs_api.add_routes(app)
-    proxy = handler(PROXY_PIPELINE, route="proxy")
+    proxy = handler(gw, PROXY_PIPELINE, route="proxy")
     app.router.add_route("*", "/v1/proxy", proxy)
     app.router.add_route("*", "/v1/proxy/{tail:.*}", proxy)
-    app.router.add_route("*", "/{tail:.*}", handler(PIPELINE))
+    app.router.add_route("*", "/{tail:.*}", handler(gw, PIPELINE))
     return app
