@@ -77,8 +77,10 @@ class SpeedWatch:
         if not samples:
             samples = [Sample(MS_UNIT, held * 1000 / cost) if cost > 0 else Sample(MS_REQUEST, held * 1000)]
         now = self.rt.clock()
-        self._follow(ns)
-        if self.book.unstall(node):
+        book = self.book
+        if ns.slow_state != SPEED_OK or ns.name in book.nodes:  # _follow's own shortcut, without its call
+            self._follow(ns)
+        if node in book.nodes and book.unstall(node):  # (a node never ejected has no entry)
             log.info("✓ [%s] answering in full again after a stall", node)
             self._decide(ns, SPEED_OK, self.book.node(node), "")  # quiet, here and elsewhere
             self._publish(ns)
