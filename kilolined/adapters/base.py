@@ -81,7 +81,7 @@ class HttpAttempt:
         else:
             self.scope.node_ok()
             slow = target.node.slow
-            if slow is not None and "text/event-stream" in up.headers.get("Content-Type", ""):
+            if slow is not None and "text/event-stream" in up.content_type:
                 up.idle_sec = slow.stall_sec  # a stream silent this long is a stall
                 try:
                     # Silent before its first byte: nothing reached the client, so re-queue it.

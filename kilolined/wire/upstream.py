@@ -141,6 +141,15 @@ class UpstreamResponse:
         return self._headers
 
     @property
+    def content_type(self) -> str:
+        """``headers.get("Content-Type", "")``, read off the head without building ``headers``
+        (a multidict of every header, for one lookup per request)."""
+        for k, v in self.raw_headers:
+            if len(k) == 12 and k.lower() == "content-type":
+                return v
+        return ""
+
+    @property
     def content(self) -> UpstreamResponse:
         """aiohttp's ``resp.content.iter_any()`` spelling works on this object too."""
         return self
