@@ -238,7 +238,8 @@ def response_headers(up: Upstream, node_url: str, route_path: str) -> CIMultiDic
         lk = k.lower()
         if lk in STRIP_RESPONSE:
             if lk == "connection":
-                listed.update(t.strip().lower() for t in v.split(","))
+                for t in v.split(","):  # a loop, not a generator: one token per node answer, mostly
+                    listed.add(t.strip().lower())
             continue
         if lk in ("location", "content-location") and v.startswith(node_url):
             # Redirects must not reveal the node: point them back through the route.
