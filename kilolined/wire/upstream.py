@@ -548,9 +548,11 @@ class NodePool:
             self.busy.add(conn)
             conn.send(head, body)
             try:
-                await resp.wait_head()
-            except aiohttp.ServerDisconnectedError:
-                if reused and not resp._got_bytes and loop.time() < deadline:
+                await resp._head  # wait_head, inline: one coroutine less per request
+            except BaseException as e:
+                resp.release()  # a half-done exchange never goes back to the pool
+                if isinstance(e, aiohttp.ServerDisconnectedError) and reused and not resp._got_bytes \
+                        and loop.time() < deadline:
                     continue  # the stale keep-alive race: the node had closed this socket
                 raise
             return resp
