@@ -36,7 +36,7 @@ from kilolined.modes.sinks import StreamSink, SyncSink
 from kilolined.ops.runtime import Runtime
 from kilolined.scheduling.costs import CostTooLarge, UnitError, request_cost, request_units
 from kilolined.scheduling.limits import Taken, Verdict, seconds_to_midnight
-from kilolined.scheduling.queue import Rejected
+from kilolined.scheduling.queue import Rejected, Ticket
 from kilolined.scheduling.routing import describe, head_holds, holds
 from kilolined.wire.proxy import SERVER, Exchange, client_ip, request_id
 
@@ -355,34 +355,75 @@ def price(gw: Gateway, call: Call) -> web.StreamResponse | None:
     return None
 
 
-async def admit(gw: Gateway, call: Call) -> web.StreamResponse | None:
-    """A place in the queue, then the one runner in the request's mode."""
+def admit(gw: Gateway, call: Call) -> Awaitable[web.StreamResponse | None] | web.StreamResponse | None:
+    """A place in the queue, then the one runner in the request's mode. Plain: a sync request
+    admitted here hands the pipeline its runner to await (no coroutine of its own around it);
+    an async callback to check or a cluster grant to settle makes it a coroutine."""
+    if call.mode == "async":
+        return _admit_job(gw, call)
+    ticket = _ticket(gw, call)
+    if isinstance(ticket, web.StreamResponse):
+        return ticket
+    if gw.rt.settle is not None:  # cluster mode: Redis decides (kilolined/cluster/leases.py)
+        return _settle_then_run(gw, call, ticket, None)
+    return _admitted(gw, call, ticket, None)
+
+
+async def _admit_job(gw: Gateway, call: Call) -> web.StreamResponse | None:
+    # A refused callback must cost nothing: no queue place, no budget.
+    callback, refused = await gw.jobs.check_callback(call, call.principal)
+    if refused:
+        return call.error(400, "bad_request", f"callback URL refused: {refused}")
+    ticket = _ticket(gw, call)
+    if isinstance(ticket, web.StreamResponse):
+        return ticket
+    if gw.rt.settle is not None:
+        return await _settle_then_run(gw, call, ticket, callback)
+    return await _admitted(gw, call, ticket, callback)
+
+
+def _ticket(gw: Gateway, call: Call) -> Ticket | web.StreamResponse:
+    """The request's ticket from the scheduler, or its refusal."""
     rt = gw.rt
     ex = call.exchange
     assert ex is not None
     principal = call.principal
-    # A refused callback must cost nothing: no queue place, no budget.
-    callback, refused = await gw.jobs.check_callback(call, principal) if call.mode == "async" else (None, None)
-    if refused:
-        return call.error(400, "bad_request", f"callback URL refused: {refused}")
     priority = principal.cfg.priority if principal else 0
     rcfg = rt.scheduler.routes[call.route_name].cfg
     # The prefix keys are computed here, once: every dispatch attempt reads them off the ticket.
     affinity = affinity_of(ex, call.route_name, rcfg) if rcfg.affinity != "off" else None
     try:
-        ticket = rt.admit(call.route_name, call.subject, priority, pinned_node=call.pinned_node,
-                          cost=call.cost or 0.0, model=call.model, affinity=affinity)
-        if rt.settle is not None:  # cluster mode: Redis decides (kilolined/cluster/leases.py)
-            ticket = await rt.settle(ticket)
+        return rt.admit(call.route_name, call.subject, priority, pinned_node=call.pinned_node,
+                        cost=call.cost or 0.0, model=call.model, affinity=affinity)
     except Rejected as r:
         rt.metrics.rejections.labels(call.route, r.type).inc()
         return call.rejected(r)
+
+
+async def _settle_then_run(gw: Gateway, call: Call, ticket: Ticket,
+                           callback: str | None) -> web.StreamResponse | None:
+    rt = gw.rt
+    assert rt.settle is not None
+    try:
+        ticket = await rt.settle(ticket)
+    except Rejected as r:
+        rt.metrics.rejections.labels(call.route, r.type).inc()
+        return call.rejected(r)
+    return await _admitted(gw, call, ticket, callback)
+
+
+def _admitted(gw: Gateway, call: Call, ticket: Ticket,
+              callback: str | None) -> Awaitable[web.StreamResponse | None]:
+    """The admitted request's runner (not yet started): the job's, or the sync one."""
+    rt = gw.rt
+    ex = call.exchange
+    assert ex is not None
     call.budget_taken = False  # admitted: the request counts, whatever happens next
     call.ticket = ticket
     if call.mode != "sync":
-        return await gw.jobs.submit(call, ticket, ex, principal, callback, call.adapter)
+        return gw.jobs.submit(call, ticket, ex, call.principal, callback, call.adapter)
     sink = StreamSink(rt, call) if call.kind == "openai" and wants_stream(ex) else SyncSink(rt, call)
-    return await run(rt, ticket, ex, call.adapter, sink, call.key_id, call.route)
+    return run(rt, ticket, ex, call.adapter, sink, call.key_id, call.route)
 
 
 PIPELINE: Sequence[Stage] = (check_open, resolve_path, authenticate, choose_mode, pass_unqueued, choose_route,

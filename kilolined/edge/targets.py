@@ -134,13 +134,14 @@ def unless_adhoc(stage: Stage) -> Stage:
     return run
 
 
-def adhoc_admission(admit: Callable[[Gateway, Call], Awaitable[web.StreamResponse | None]]) -> Stage:
+def adhoc_admission(admit: Stage) -> Stage:
     """The admission stage; for an ad-hoc request it first opens the key's route for the target
     (or refuses at a cap) and closes it after, dropping it at once if nothing was admitted."""
 
+    def stage(gw: Gateway, call: Call) -> Awaitable[web.StreamResponse | None] | web.StreamResponse | None:
+        return admit(gw, call) if not is_adhoc(call.route_name) else run(gw, call)
+
     async def run(gw: Gateway, call: Call) -> web.StreamResponse | None:
-        if not is_adhoc(call.route_name):
-            return await admit(gw, call)
         rt = gw.rt
         target, slots = call.request[_WANT]
         try:
@@ -149,8 +150,9 @@ def adhoc_admission(admit: Callable[[Gateway, Call], Awaitable[web.StreamRespons
             rt.metrics.rejections.labels(call.route, r.type).inc()
             return call.rejected(r)
         try:
-            return await admit(gw, call)
+            answer = admit(gw, call)
+            return answer if answer is None or isinstance(answer, web.StreamResponse) else await answer
         finally:
             rt.adhoc.close(rec, call.ticket, rt.clock())
 
-    return run
+    return stage
