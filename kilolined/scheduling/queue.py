@@ -301,10 +301,22 @@ class RouteQueue:
         self.mode = "primary"
         self.mean_service: float | None = cfg.expected_duration_sec
         self.samples = 0
+        #: node -> the Target its last grant made: the next grant reuses it while both configs
+        #: are still the very same objects (a reload replaces them), one frozen object less per grant
+        self.targets: dict[str, Target] = {}
+
+    def target(self, node: str, cfg: NodeConfig) -> Target:
+        """Where a grant on ``node`` (whose config is ``cfg``) sends its request: the route's and
+        the node's config as they are now."""
+        t = self.targets.get(node)
+        if t is None or t.route is not self.cfg or t.node is not cfg:
+            t = self.targets[node] = Target(self.cfg, cfg)
+        return t
 
     def configure(self, cfg: RouteConfig, now: float) -> None:
         old = self.cfg
         self.cfg = cfg
+        self.targets = {}  # nodes the route no longer has are not kept
         if old.strategy != cfg.strategy or old.queue_timeout_sec != cfg.queue_timeout_sec:
             tickets = list(self.waiting.order(now))
             self.waiting = make_order(cfg)
@@ -821,7 +833,7 @@ class Scheduler:
             self.forget(node)  # loading another model threw the node's KV cache away (docs/CONFIG.md#affinity)
         if t.affinity is not None:
             self._affine_dispatch(rq, t, node)
-        lease = Lease(t, rq.name, node, now, trial, Target(rq.cfg, ns.cfg), cost=t.cost, swap=swap)
+        lease = Lease(t, rq.name, node, now, trial, rq.target(node, ns.cfg), cost=t.cost, swap=swap)
         rq.inflight[node] += 1
         self.node_inflight[node] += 1
         if t.cost:
