@@ -74,8 +74,6 @@ class SpeedWatch:
         ns = self.rt.scheduler.nodes.get(node)
         if ns is None or ns.cfg.slow is None or route.startswith("adhoc:"):
             return
-        if not samples:
-            samples = [Sample(MS_UNIT, held * 1000 / cost) if cost > 0 else Sample(MS_REQUEST, held * 1000)]
         now = self.rt.clock()
         book = self.book
         if ns.slow_state != SPEED_OK or ns.name in book.nodes:  # _follow's own shortcut, without its call
@@ -84,9 +82,20 @@ class SpeedWatch:
             log.info("✓ [%s] answering in full again after a stall", node)
             self._decide(ns, SPEED_OK, self.book.node(node), "")  # quiet, here and elsewhere
             self._publish(ns)
+        cfg, model_ = ns.cfg.slow, model or ""
+
+        def ejectable() -> int:
+            return self._ejectable(route, node, now)
+
+        if not samples:
+            # Per cost unit, else per request: one value, recorded without a Sample made for it.
+            unit, value = (MS_UNIT, held * 1000 / cost) if cost > 0 else (MS_REQUEST, held * 1000)
+            v = book.record_value(node, route, model_, unit, value, now, cfg, ejectable)
+            if v is not None:
+                self._act(ns, v, now)
+            return
         for sample in samples:
-            v = self.book.record(node, route, model or "", sample, now, ns.cfg.slow,
-                                 lambda: self._ejectable(route, node, now))
+            v = book.record_value(node, route, model_, sample.unit, sample.value, now, cfg, ejectable)
             if v is not None:
                 self._act(ns, v, now)
 

@@ -200,7 +200,12 @@ class SpeedBook:
         Called for every answer: the path of a sample that changes nothing is kept short (the
         level and the hour's sums updated in place, the peers read from the series' own group,
         no node state looked up), with the same decisions as a full evaluation."""
-        unit, value = sample.unit, sample.value
+        return self.record_value(node, route, model, sample.unit, sample.value, now, cfg, ejectable)
+
+    def record_value(self, node: str, route: str, model: str, unit: str, value: float, now: float,
+                     cfg: SlowConfig, ejectable: Callable[[], int]) -> Verdict | None:
+        """``record`` of the sample (``unit``, ``value``), without a Sample made for it: the
+        speed watch's one sample per answer of a request measured whole."""
         s = self.series.get((node, route, model, unit))
         if s is None:
             s = self.series[(node, route, model, unit)] = Series()
