@@ -300,7 +300,11 @@ class LeaseScope:
         Failure for a queue refusal (timeout, shutdown, dropped) too.
         """
         ticket = self.ticket
-        lease = await self._wait()
+        if ticket.state == LEASED and ticket.lease is not None:
+            lease = ticket.lease  # leased at admission (the common case): _wait's shortcut, no coroutine
+            self._got(lease)
+        else:
+            lease = await self._wait()
         while True:
             try:
                 if self.listener.tick_sec is None:
