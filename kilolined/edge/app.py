@@ -16,6 +16,7 @@ import fnmatch
 import logging
 import time
 from collections.abc import Awaitable, Callable, Sequence
+from types import CoroutineType
 from urllib.parse import unquote, urlencode
 
 import orjson
@@ -362,7 +363,7 @@ def admit(gw: Gateway, call: Call) -> Awaitable[web.StreamResponse | None] | web
     if call.mode == "async":
         return _admit_job(gw, call)
     ticket = _ticket(gw, call)
-    if isinstance(ticket, web.StreamResponse):
+    if not isinstance(ticket, Ticket):  # (a plain class: StreamResponse's isinstance goes through ABCMeta)
         return ticket
     if gw.rt.settle is not None:  # cluster mode: Redis decides (kilolined/cluster/leases.py)
         return _settle_then_run(gw, call, ticket, None)
@@ -375,7 +376,7 @@ async def _admit_job(gw: Gateway, call: Call) -> web.StreamResponse | None:
     if refused:
         return call.error(400, "bad_request", f"callback URL refused: {refused}")
     ticket = _ticket(gw, call)
-    if isinstance(ticket, web.StreamResponse):
+    if not isinstance(ticket, Ticket):  # (a plain class: StreamResponse's isinstance goes through ABCMeta)
         return ticket
     if gw.rt.settle is not None:
         return await _settle_then_run(gw, call, ticket, callback)
@@ -454,7 +455,9 @@ def handler(gw: Gateway, stages: Sequence[Stage],
                 resp = stage(gw, call)
                 if resp is None:
                     continue
-                if not isinstance(resp, web.StreamResponse):
+                # A coroutine is told apart by its exact type first: StreamResponse is a
+                # MutableMapping, so isinstance against it runs ABCMeta's Python check.
+                if type(resp) is CoroutineType or not isinstance(resp, web.StreamResponse):
                     resp = await resp
                     if resp is None:
                         continue
