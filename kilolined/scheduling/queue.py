@@ -83,18 +83,16 @@ class Target:
 
     route: RouteConfig
     node: NodeConfig
+    # What every attempt reads, copied once (a route reuses its Target from grant to grant):
+    # plain attributes, not properties to call on each request.
+    url: str = field(init=False)
+    headers: dict[str, str] = field(init=False)
+    request_timeout_sec: float = field(init=False)
 
-    @property
-    def url(self) -> str:
-        return self.node.url
-
-    @property
-    def headers(self) -> dict[str, str]:
-        return self.node.headers
-
-    @property
-    def request_timeout_sec(self) -> float:
-        return self.route.request_timeout_sec
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "url", self.node.url)
+        object.__setattr__(self, "headers", self.node.headers)
+        object.__setattr__(self, "request_timeout_sec", self.route.request_timeout_sec)
 
 
 @dataclass(eq=False, slots=True)
