@@ -7,7 +7,7 @@ from __future__ import annotations
 from aiohttp.test_utils import make_mocked_request
 from multidict import CIMultiDict
 
-from kilolined.wire.proxy import Exchange
+from kilolined.wire.proxy import Exchange, request_id
 
 
 def pairs(headers: list[tuple[str, str]], node: dict[str, str] | None = None,
@@ -44,3 +44,14 @@ def test_what_connection_names_and_what_the_node_sets_is_dropped() -> None:
     assert "x-secret" not in names and "Connection" not in names and "X-Drop" not in names
     assert ("X-Node", "client") not in got and ("x-node", "configured") in got
     assert names[0] == "X-Keep" and names[-1] == "X-Extra"
+
+
+def test_request_id_is_the_clients_only_when_sane() -> None:
+    def rid(headers: list[tuple[str, str]]) -> str:
+        return request_id(make_mocked_request("GET", "/", headers=CIMultiDict(headers)))
+
+    assert rid([("X-Request-Id", "abc-1.2:3_4")]) == "abc-1.2:3_4"
+    for bad in ([], [("X-Request-Id", "")], [("X-Request-Id", "a b")], [("X-Request-Id", "x" * 129)]):
+        got = rid(bad)
+        assert len(got) == 32 and int(got, 16) >= 0
+    assert rid([]) != rid([])
