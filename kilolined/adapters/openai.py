@@ -192,9 +192,9 @@ class StreamParser(Observer):
         blank line that ends it), nothing held back, no usage or timings in its bytes. It is
         counted from its bytes, with no JSON parse (``_DELTA_CONTENT``); any other read takes
         the full path (``_feed``), which parses every data payload."""
-        n = len(chunk)
-        if (self.stream and not self.buf and chunk.find(b"\n") == n - 2 and chunk[-1] == 10
-                and chunk.startswith(b"data:") and (i := chunk.find(_DELTA_CONTENT)) > 5
+        # (A slice compare, not startswith: bytes' methods parse their arguments as a tuple.)
+        if (self.stream and not self.buf and chunk[:5] == b"data:" and chunk[-1] == 10
+                and chunk.find(b"\n") == len(chunk) - 2 and (i := chunk.find(_DELTA_CONTENT)) > 5
                 and chunk[i - 1] != 92 and chunk[i + 20] != 34 and chunk.find(b'"timings"') < 0
                 and ((u := chunk.find(b'"usage"')) < 0 or _null_usage(chunk, u))):
             if self.first_at is None:
