@@ -190,8 +190,9 @@ class StreamParser(Observer):
 
         The per-token path: one whole standard content event in the read (``data: {…}`` and the
         blank line that ends it), nothing held back, no usage or timings in its bytes. It is
-        counted from its bytes, with no JSON parse (``_DELTA_CONTENT``); any other read takes
-        the full path (``_feed``), which parses every data payload."""
+        counted from its bytes, with no JSON parse (``_DELTA_CONTENT``); a read of several whole
+        events takes it event by event; any other read takes the full path (``_feed``), which
+        parses every data payload."""
         # (A slice compare, not startswith: bytes' methods parse their arguments as a tuple.)
         if (self.stream and not self.buf and chunk[:5] == b"data:" and chunk[-1] == 10
                 and chunk.find(b"\n") == len(chunk) - 2 and (i := chunk.find(_DELTA_CONTENT)) > 5
@@ -209,6 +210,10 @@ class StreamParser(Observer):
                 strip.drop_blank = False  # a data line is not the blank line it was waiting for
                 return chunk
             return strip.feed(chunk)
+        if self.stream and not self.buf and chunk[-2:] == b"\n\n" and chunk.find(b"\n\n") < len(chunk) - 2:
+            # Several whole events in one read (the node wrote faster than the gateway read):
+            # each takes the path above on its own (a raw blank line only ever ends an event).
+            return b"".join([self.pass_on(event + b"\n\n") for event in chunk.split(b"\n\n")[:-1]])
         self._feed(chunk)
         return chunk if self.strip is None else self.strip.feed(chunk)
 
