@@ -226,7 +226,33 @@ def callgrind(wd: Path, node_port: int, streams: int, chunks: int) -> float:
     per = int(m.group(1)) / want
     print(f"kilolined: {per:,.0f} instructions per chunk (zeroed after warm-up, {streams} streams x {chunks} "
           f"chunks; {dumps[0]})", flush=True)
+    parts = split(dumps[0])
+    if parts:
+        print("  of which: " + "; ".join(f"{name} {n / want:,.0f}" for name, n in parts.items()), flush=True)
     return per
+
+
+#: Where a chunk's instructions are spent, by the event loop's entry point (inclusive counts):
+#: socket callbacks carry the relay itself (the node's read, its parse, the client's write; and
+#: the requests' arrival), ready callbacks the tasks (each stream's request, start and end, and the
+#: gateway's background loops: per stream and per second, not per chunk), timers the rest.
+LOOP_PARTS = {"socket callbacks (the relay)": "uv__io_poll", "ready callbacks (requests, background)": "Loop__on_idle",
+              "timers": "uv__run_timers"}
+
+
+def split(dump: Path) -> dict[str, int]:
+    """The dump's instructions under each of LOOP_PARTS (callgrind_annotate, inclusive)."""
+    try:
+        text = subprocess.run(["callgrind_annotate", "--inclusive=yes", "--threshold=100", str(dump)],
+                              capture_output=True, text=True, timeout=600).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return {}
+    parts = {}
+    for name, fn in LOOP_PARTS.items():
+        m = re.search(rf"^\s*([\d,]+) \(.*[:_0-9]{fn} \[", text, re.M)
+        if m is not None:
+            parts[name] = int(m.group(1).replace(",", ""))
+    return parts
 
 
 def main() -> int:

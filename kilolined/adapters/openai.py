@@ -18,6 +18,7 @@ import logging
 import math
 import re
 import time
+from collections.abc import Callable
 from typing import Any
 
 import orjson
@@ -43,6 +44,18 @@ COMPLETION_PATHS = ("/v1/chat/completions", "/chat/completions", "/v1/completion
 # An SSE ``data:`` line's payload: the line may be indented (any blank but a line break) and its
 # payload keeps its own blanks (JSON allows them; a CR of a CRLF line end is one).
 _DATA_LINE = re.compile(rb"^[ \t\r\x0b\x0c]*data:(.*)$", re.M)
+# A choice's delta whose first member is its text, as vLLM, llama.cpp and SGLang write every token
+# (JSON from a serializer: no blanks, keys never spelled with escapes, no key twice). Found with no
+# backslash before it (its first quote then opens a key: a quote inside a string is escaped) and
+# followed by anything but the closing quote, the text is not empty: the event is a content chunk,
+# known without parsing it. Other shapes (Ollama's role first, reasoning, tool calls) are parsed.
+_DELTA_CONTENT = b'"delta":{"content":"'
+
+
+def _null_usage(chunk: bytes, at: int) -> bool:
+    """``"usage"`` occurs once in the chunk, as ``"usage":null`` (OpenAI's spelling on every token
+    of a stream that asked for usage): nothing to read."""
+    return chunk.startswith(b":null", at + 7) and chunk.find(b'"usage"', at + 7) < 0
 
 
 def request_json(ex: Exchange) -> dict[str, Any] | None:
@@ -121,7 +134,9 @@ class UsageStripper:
         self.drop_blank = False
 
     def feed(self, chunk: bytes) -> bytes:
-        if not self.buf and not self.drop_blank and b'"usage"' not in chunk and chunk.endswith(b"\n"):
+        # ``find``, not ``in``: bytes' ``in`` tries its operand as an integer first, and builds and
+        # drops a formatted TypeError per call, as dear as the search (the per-token path).
+        if not self.buf and not self.drop_blank and chunk.find(b'"usage"') < 0 and chunk.endswith(b"\n"):
             return chunk  # the common case: no usage in sight, whole lines
         self.buf += chunk
         *lines, rest = self.buf.split(b"\n")
@@ -144,7 +159,7 @@ class UsageStripper:
 
 
 def _usage_only(payload: bytes | bytearray) -> bool:
-    if b'"usage"' not in payload:
+    if payload.find(b'"usage"') < 0:
         return False
     try:
         ev = orjson.loads(payload)
@@ -164,8 +179,45 @@ class StreamParser(Observer):
         self.buf = bytearray()
         self.stream: bool | None = None
         self.on_chunk = on_chunk
+        self.strip: UsageStripper | None = None  # set by relay_tap: pass_on cuts the usage chunk too
 
     def feed(self, chunk: bytes) -> None:
+        self.pass_on(chunk)
+
+    def pass_on(self, chunk: bytes) -> bytes:
+        """``feed``, returning what the client gets: the chunk, less the usage chunk ``strip``
+        cuts out (see ``relay_tap``).
+
+        The per-token path: one whole standard content event in the read (``data: {…}`` and the
+        blank line that ends it), nothing held back, no usage or timings in its bytes. It is
+        counted from its bytes, with no JSON parse (``_DELTA_CONTENT``); a read of several whole
+        events takes it event by event; any other read takes the full path (``_feed``), which
+        parses every data payload."""
+        # (A slice compare, not startswith: bytes' methods parse their arguments as a tuple.)
+        if (self.stream and not self.buf and chunk[:5] == b"data:" and chunk[-1] == 10
+                and chunk.find(b"\n") == len(chunk) - 2 and (i := chunk.find(_DELTA_CONTENT)) > 5
+                and chunk[i - 1] != 92 and chunk[i + 20] != 34 and chunk.find(b'"timings"') < 0
+                and ((u := chunk.find(b'"usage"')) < 0 or _null_usage(chunk, u))):
+            if self.first_at is None:
+                self.first_at = time.monotonic()
+            self.chunks += 1
+            if self.on_chunk is not None:
+                self.on_chunk(self.chunks)
+            strip = self.strip
+            if strip is None:
+                return chunk
+            if not strip.buf:
+                strip.drop_blank = False  # a data line is not the blank line it was waiting for
+                return chunk
+            return strip.feed(chunk)
+        if self.stream and not self.buf and chunk[-2:] == b"\n\n" and chunk.find(b"\n\n") < len(chunk) - 2:
+            # Several whole events in one read (the node wrote faster than the gateway read):
+            # each takes the path above on its own (a raw blank line only ever ends an event).
+            return b"".join([self.pass_on(event + b"\n\n") for event in chunk.split(b"\n\n")[:-1]])
+        self._feed(chunk)
+        return chunk if self.strip is None else self.strip.feed(chunk)
+
+    def _feed(self, chunk: bytes) -> None:
         if self.stream is None:
             self.stream = chunk.lstrip().startswith((b"data:", b":", b"event:", b"error:"))
         if not self.stream:
@@ -194,7 +246,6 @@ class StreamParser(Observer):
                 continue  # [DONE], or not JSON
             if ev.__class__ is not dict:
                 continue
-            # The per-token path, inline: most events carry neither usage nor timings.
             if "usage" in ev and ev["usage"].__class__ is dict:
                 self.usage = ev["usage"]
             if "timings" in ev and ev["timings"].__class__ is dict:
@@ -249,6 +300,24 @@ class StreamParser(Observer):
             parts = [usage_count(self.timings.get(k)) for k in ("cache_n", "prompt_n", "predicted_n")]
             return min(MAX_USAGE_TOKENS, sum(p for p in parts if p is not None))
         return self.chunks
+
+
+def relay_tap(obs: Observer | None, strip: UsageStripper | None) -> Callable[[bytes], bytes]:
+    """What a relay calls with each piece of a stream: ``obs`` reads it, and the client gets what
+    it returns (the piece, less the usage chunk ``strip`` cuts out). A parser does both in one
+    call (``StreamParser.pass_on``)."""
+    if isinstance(obs, StreamParser) and obs.strip in (None, strip):
+        obs.strip = strip
+        return obs.pass_on
+    feed = obs.feed if obs is not None else None
+    cut = strip.feed if strip is not None else None
+
+    def tap(chunk: bytes) -> bytes:
+        if feed is not None:
+            feed(chunk)
+        return cut(chunk) if cut is not None else chunk
+
+    return tap
 
 
 class UsageObserver(StreamParser):

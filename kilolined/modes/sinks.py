@@ -20,7 +20,7 @@ from aiohttp import web
 from aiohttp.client_exceptions import ClientConnectionResetError
 from multidict import CIMultiDict
 
-from kilolined.adapters.openai import UsageStripper, gateway_added_usage
+from kilolined.adapters.openai import UsageStripper, gateway_added_usage, relay_tap
 from kilolined.core.outcome import Failure, Result
 from kilolined.modes.call import Call
 from kilolined.ops.runtime import Runtime
@@ -228,19 +228,24 @@ class StreamSink(SyncSink):
         if direct:
             assert isinstance(up, UpstreamResponse)
             proto = request.protocol
+            tr = proto.transport
+            if tr is None:
+                raise ClientConnectionResetError("Cannot write to closing transport")  # as aiohttp's writer
+            tap = relay_tap(obs, strip)
 
             def push(data: bytes) -> bool:
-                if obs is not None:
-                    obs.feed(data)
-                out = strip.feed(data) if strip is not None else data
+                # The per-token path: the observer and the usage cut in one call, one write.
+                out = tap(data)
                 if not out:
                     return False
-                tr = proto.transport
-                if tr is None or tr.is_closing():
+                if tr.is_closing():
                     raise ClientConnectionResetError("Cannot write to closing transport")  # as aiohttp's writer
-                tr.write(b"%x\r\n%s\r\n" % (len(out), out))  # one chunk of the chunked body
-                call.bytes_out += len(out)
-                return proto.writing_paused  # the client's socket buffer is full: wait for it
+                n = len(out)
+                tr.write(b"%x\r\n%s\r\n" % (n, out))  # one chunk of the chunked body
+                call.bytes_out += n
+                # The client's socket buffer is full: wait for it. The transport sends at once
+                # when it can, so an empty buffer (the C call) says no without the property's.
+                return tr.get_write_buffer_size() != 0 and proto.writing_paused
 
             async def drain() -> None:
                 scope.writing = True  # waiting on the client: a deadline now is its doing

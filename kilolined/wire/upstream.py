@@ -127,8 +127,10 @@ class UpstreamResponse:
         # exchange that checks it lazily (_stall_check), never one timer per piece.
         self._wait_since = 0.0
         self._stall_timer: asyncio.TimerHandle | None = None
-        # relay(): where each piece goes from the parser's callback, what it raised, and whether
-        # the client behind it is full (the node socket is paused until it drains)
+        # relay(): where each piece goes from the parser's callback (set only while relay waits
+        # with nothing buffered, its client not full and the body not ended: on_body's one
+        # test), what it raised, and whether the client behind it is full (the node socket is
+        # paused until it drains)
         self._push: Callable[[bytes], bool] | None = None
         self._push_exc: Exception | None = None
         self._blocked = False
@@ -269,30 +271,30 @@ class UpstreamResponse:
         ``drain()`` awaited before the next piece (pieces that arrive meanwhile wait here, as
         with ``_next``). The stall clock restarts with every piece pushed."""
         conn = self._conn
-        self._push = push
-        try:
-            while True:
-                exc = self._push_exc
-                if exc is not None:
-                    raise exc
-                if self._blocked:
-                    await drain()
-                    self._blocked = False
-                    conn.resume()
-                    continue
-                if self._chunks:
-                    data = self.body()  # what arrived before the relay, or while its client was full
-                    if push(data):
-                        self._blocked = True
-                        conn.pause()
-                    continue
-                if self._error is not None:
-                    raise self._error
-                if self._eof:
-                    return
+        while True:
+            exc = self._push_exc
+            if exc is not None:
+                raise exc
+            if self._blocked:
+                await drain()
+                self._blocked = False
+                conn.resume()
+                continue
+            if self._chunks:
+                data = self.body()  # what arrived before the relay, or while its client was full
+                if push(data):
+                    self._blocked = True
+                    conn.pause()
+                continue
+            if self._error is not None:
+                raise self._error
+            if self._eof:
+                return
+            self._push = push  # on_body hands each piece over while this waits
+            try:
                 await self._wait()
-        finally:
-            self._push = None
+            finally:
+                self._push = None
 
     def _wake(self) -> None:
         w = self._waiter
@@ -420,22 +422,24 @@ class UpstreamResponse:
             self._head.set_result(None)
 
     def on_body(self, body: bytes) -> None:
-        if self._eof or not self.status:
-            return
         push = self._push
-        if push is not None and not self._blocked and not self._chunks:
-            # relay(): straight on to the client, from this callback
+        if push is not None:
+            # relay(): straight on to the client, from this callback (the per-token path)
             try:
-                if push(body):
-                    self._blocked = True
-                    self._conn.pause()
-                    self._wake()
-                elif self.idle_sec is not None:
-                    self._wait_since = self._loop.time()  # a piece came: the stall clock restarts
+                full = push(body)
             except Exception as e:  # the client gone, or an observer's fault: relay() raises it
                 self._push = None
                 self._push_exc = e
                 self._wake()
+                return
+            self._wait_since = self._loop.time()  # a piece came: the stall clock restarts
+            if full:
+                self._push = None
+                self._blocked = True
+                self._conn.pause()
+                self._wake()
+            return
+        if self._eof or not self.status:
             return
         self._chunks.append(body)
         self._buffered += len(body)
@@ -447,6 +451,7 @@ class UpstreamResponse:
         if self.status == 0 or self._eof:
             return  # the end of a 1xx interim answer (or of a HEAD's headers)
         self._eof = True
+        self._push = None  # a second answer in the same read never reaches relay()'s client
         self._stop_timer()
         self._wake()
 
