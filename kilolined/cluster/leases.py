@@ -24,6 +24,7 @@ import math
 import os
 import socket
 from collections.abc import Callable, Coroutine, Sequence
+from functools import partial
 from typing import Any
 
 import orjson
@@ -35,6 +36,7 @@ from kilolined.cluster.leader import Leadership
 from kilolined.cluster.persistence import access_error, shown
 from kilolined.cluster.split import alive, share
 from kilolined.cluster.view import ClusterView, Peer
+from kilolined.cluster.wire import Wire
 from kilolined.core.config import ClusterConfig, Config, ConfigError, NodeConfig, RouteConfig, split_listen
 from kilolined.scheduling.affinity import Affinity
 from kilolined.scheduling.queue import (
@@ -104,7 +106,11 @@ class ClusterLeases:
         #: connects on first use; the shared limits (kilolined/cluster/limits.py) use it too
         self.redis = aioredis.Redis(connection_pool=pool)
         self._redis: aioredis.Redis | None = self.redis
-        self._scripts: dict[str, Any] = {}
+        # The lease scripts travel on one pipelined connection of their own (kilolined/cluster/wire.py):
+        # a release is written in the releasing request's own turn and its answer, which carries this
+        # gateway's grants, is handled as it arrives; the grants for this gateway that another one's
+        # script decided arrive the same way, on a subscriber connection (_listen).
+        self._wire = Wire(pool, CALL_TIMEOUT_SEC)
         #: who leads (kilolined/cluster/leader.py runs the election); it decides who says
         #: cluster_degraded and cluster_restored
         self.leadership = Leadership(gateway_id, cfg.lease_ttl_sec)
@@ -119,8 +125,6 @@ class ClusterLeases:
     # --- lifecycle ------------------------------------------------------------------------
     async def start(self) -> None:
         assert self._redis is not None
-        for name in ("ADMIT", "RELEASE", "REQUEUE", "CANCEL", "BEAT", "REGISTER", "POSITIONS", "DOUBTS", "DOUBT"):
-            self._scripts[name] = self._redis.register_script(getattr(scripts, name))
         try:
             await self._register([])
             await self._beat()
@@ -128,6 +132,7 @@ class ClusterLeases:
         except (RedisError, OSError) as e:
             why = access_error(e)
             if why is not None:  # not an outage that passes: going on alone would take every slot
+                self._wire.close()
                 await self.redis.aclose()
                 raise ConfigError([f"cluster.redis_url: Redis at {shown(self.cfg.redis_url)}: {why}"]) from None
             log.warning("⚠ cluster: Redis unreachable at start (%s): queuing until it answers", e)
@@ -147,6 +152,7 @@ class ClusterLeases:
                     await self._call("RELEASE", "")
                 except (RedisError, OSError):
                     pass
+            self._wire.close()
             await self._redis.aclose()
 
     def _spawn(self, coro: Coroutine[Any, Any, Any]) -> None:
@@ -154,10 +160,10 @@ class ClusterLeases:
         self._tasks.add(t)
         t.add_done_callback(self._tasks.discard)
 
-    async def _call(self, name: str, *args: str | int) -> Any:
-        assert self._redis is not None
+    def _call(self, name: str, *args: str | int) -> asyncio.Future[Any]:
+        """Run a lease script; written to Redis now (or as soon as the connection is made)."""
         # KEYS[1]: the epoch we know; a script refuses to decide for a gateway of another one.
-        return await self._scripts[name](keys=[self._epoch], args=[self.prefix, self.inst, *args])
+        return self._wire.evalsha(getattr(scripts, name), [self._epoch], [self.prefix, self.inst, *args])
 
     async def _register(self, held: list[Ticket], old: Sequence[str] = ()) -> list[str]:
         """Count ``held`` (leased tickets) in Redis, dropping ``old`` lease ids in the same step;
@@ -202,11 +208,11 @@ class ClusterLeases:
         rq = self.sched.routes[t.route]
         tid = self._track(t)
         front = t.requeues > 0  # re-queued (a job whose gateway was lost): the head, as after a node failure
-        call = asyncio.ensure_future(self._call(
+        call = self._call(
             "ADMIT", t.route, self._order_key(t, front=front), tid, t.pinned_node or "", self._view_json(t.route),
             rq.cfg.max_queue_depth, -1 if rq.cfg.max_queued_per_key is None else rq.cfg.max_queued_per_key,
             t.key, 1 if rq.cfg.drop_policy == "drop_oldest" else 0, repr(t.cost), self._only(t), 1 if front else 0,
-            self._warm(t), self._affinity(t)))
+            self._warm(t), self._affinity(t))
         try:
             res = await asyncio.shield(call)
         except asyncio.CancelledError:
@@ -251,7 +257,7 @@ class ClusterLeases:
         if _s(res[0]) == "ok":
             self._grants(res[3:])
             if self.view.redis_up:
-                await self._remote("CANCEL", tid)
+                self._remote("CANCEL", tid)
 
     def cancel(self, t: Ticket) -> bool:
         if t in self._local:
@@ -262,7 +268,7 @@ class ClusterLeases:
         t.state = "done"
         tid = self._untrack(t)
         if tid is not None and self.view.redis_up:
-            self._spawn(self._remote("CANCEL", tid))
+            self._remote("CANCEL", tid)
         return True
 
     def requeue(self, lease: Lease, now: float, avoid_node: bool = True, lost: bool = False) -> Ticket:
@@ -287,23 +293,22 @@ class ClusterLeases:
         only = self._only(t)
         if self._any_barred(t):
             self._barred[t] = only  # _unbar lifts it at a heartbeat once the node is seen alive
-        self._spawn(self._remote("REQUEUE", lid, tid, t.route, self._order_key(t, front=True), t.pinned_node or "",
-                                 avoid, t.key, repr(t.cost), only, self._warm(t), self._affinity(t)))
+        self._remote("REQUEUE", lid, tid, t.route, self._order_key(t, front=True), t.pinned_node or "",
+                                 avoid, t.key, repr(t.cost), only, self._warm(t), self._affinity(t))
         return t
 
     def release(self, lease: Lease, now: float, service_time: float | None) -> None:
         if lease.released:
             return
+        lid = self._lid.pop(lease, None)
+        if lid is not None and self.view.redis_up:
+            self._remote("RELEASE", lid)  # first: its answer starts the next request, wherever it waits
+        elif lid is not None:
+            self._orphans.add(lid)
         self.sched.release(lease, now, service_time)
         self._local.discard(lease.ticket)
-        lid = self._lid.pop(lease, None)
-        if lid is None:
-            return
-        self._untrack(lease.ticket)
-        if self.view.redis_up:
-            self._spawn(self._remote("RELEASE", lid))
-        else:
-            self._orphans.add(lid)
+        if lid is not None:
+            self._untrack(lease.ticket)
 
     def dispatch(self, now: float) -> list[Lease]:
         # With Redis, the script that frees a slot hands it on; alone, the scheduler does.
@@ -370,7 +375,7 @@ class ClusterLeases:
         ns = self.sched.nodes.get(node)
         if t is None or t.state != WAITING or rq is None or ns is None:
             # Nobody here wants it any more (the client left in the same moment): give it back.
-            self._spawn(self._remote("RELEASE", lid))
+            self._remote("RELEASE", lid)
             return
         self.sched.affine_landed(rq, t, node)  # hit, miss or load: by this gateway's index, now
         lease = self.sched.grant(rq, t, node, self.clock())
@@ -388,17 +393,25 @@ class ClusterLeases:
         t.error = Rejected(503, "queue_full", "dropped: queue full", self.sched.retry_after(rq, self.clock()))
         t.wake()
 
-    async def _remote(self, name: str, *args: str) -> None:
-        try:
-            res = await self._call(name, *args)
-        except (RedisError, OSError) as e:
+    def _remote(self, name: str, *args: str) -> None:
+        """A script whose answer is grants, sent now; no task waits for it: the grants are
+        taken as the answer arrives (for a release, the next request starts from there)."""
+        self._call(name, *args).add_done_callback(partial(self._answered, name, args[0]))
+
+    def _answered(self, name: str, first: str, fut: asyncio.Future[Any]) -> None:
+        if fut.cancelled():
+            return
+        e = fut.exception()
+        if e is not None:
+            if not isinstance(e, RedisError | OSError):
+                log.error("cluster: %s failed", name, exc_info=e)
+                return
             if name in ("RELEASE", "REQUEUE"):
-                self._orphans.add(args[0])  # given back in Redis once it answers again
+                self._orphans.add(first)  # given back in Redis once it answers again
             self._lost(e)
             return
-        if name == "CANCEL":
-            res = res[1:]
-        self._grants(res)
+        res = fut.result()
+        self._grants(res[1:] if name == "CANCEL" else res)
 
     async def _listen(self) -> None:
         """Grants for this gateway's tickets, decided by a script another gateway ran."""
@@ -512,7 +525,7 @@ class ClusterLeases:
         known = set(self._lid.values())
         strays = held_here - known
         for lid in strays & self._strays:
-            self._spawn(self._remote("RELEASE", lid))
+            self._remote("RELEASE", lid)
         self._strays = strays - self._strays
 
     def _revoke_all(self) -> None:
@@ -671,7 +684,7 @@ class ClusterLeases:
                 counted.add(lease)
                 if lease.released:  # it ended while Redis counted it: give it back there too
                     self._untrack(lease.ticket)
-                    self._spawn(self._remote("RELEASE", lid))
+                    self._remote("RELEASE", lid)
                 else:
                     self._lid[lease] = lid
 
