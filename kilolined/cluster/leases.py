@@ -110,7 +110,8 @@ class ClusterLeases:
         # a release is written in the releasing request's own turn and its answer, which carries this
         # gateway's grants, is handled as it arrives; the grants for this gateway that another one's
         # script decided arrive the same way, on a subscriber connection (_listen).
-        self._wire = Wire(pool, CALL_TIMEOUT_SEC)
+        self._wire = Wire(pool, CALL_TIMEOUT_SEC, scripts=[getattr(scripts, n) for n in (
+            "ADMIT", "RELEASE", "REQUEUE", "CANCEL", "BEAT", "REGISTER", "POSITIONS", "DOUBTS", "DOUBT")])
         #: who leads (kilolined/cluster/leader.py runs the election); it decides who says
         #: cluster_degraded and cluster_restored
         self.leadership = Leadership(gateway_id, cfg.lease_ttl_sec)

@@ -20,7 +20,7 @@ import asyncio
 import hashlib
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import hiredis
@@ -82,8 +82,11 @@ class Wire:
     ``on_push`` set: a subscriber connection, whose pub/sub messages go to it as they arrive."""
 
     def __init__(self, pool: aioredis.ConnectionPool, timeout: float, on_push: Push | None = None,
-                 on_lost: Callable[[], None] | None = None):
+                 on_lost: Callable[[], None] | None = None, scripts: Sequence[str] = ()):
         self.pool = pool
+        #: loaded first on every connection: a script's first call is not the round trip that
+        #: learns NOSCRIPT and sends its source (the answer that hands a slot on waits for it)
+        self.scripts = tuple(scripts)
         self.timeout = timeout
         self.on_push = on_push
         self.on_lost = on_lost  # the connection ended (a subscriber subscribes again)
@@ -146,9 +149,16 @@ class Wire:
             proto.close()
             return
         self._proto = proto
+        loads, calls = [], []
+        for src in self.scripts:  # answered first: their calls go in front of the queued ones
+            fut = asyncio.get_running_loop().create_future()
+            fut.add_done_callback(_ignored)
+            calls.append(_Call(fut, None, time.monotonic()))
+            loads.append(encode(b"SCRIPT", b"LOAD", src))
+        self._pending.extendleft(reversed(calls))
         queued, self._queued = self._queued, []
-        if queued:
-            transport.write(b"".join(queued))
+        if loads or queued:
+            transport.write(b"".join([*loads, *queued]))
 
     async def connected(self) -> None:
         """Connect now (a subscriber's first step); raises what connecting raised."""
@@ -226,3 +236,8 @@ class Wire:
             self._connecting.cancel()
         self._fail(RedisConnectionError("the Redis wire is closed"))
 
+
+def _ignored(fut: asyncio.Future[Any]) -> None:
+    """A script load's answer: an error (an ACL that refuses SCRIPT) leaves the EVAL fallback."""
+    if not fut.cancelled():
+        fut.exception()
