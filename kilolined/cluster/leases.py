@@ -415,25 +415,33 @@ class ClusterLeases:
         self._grants(res[1:] if name == "CANCEL" else res)
 
     async def _listen(self) -> None:
-        """Grants for this gateway's tickets, decided by a script another gateway ran."""
+        """Grants for this gateway's tickets, decided by a script another gateway ran: taken as
+        the message arrives (the wire's data callback), no reader task in between."""
         channel = f"{self.prefix}grant:{self.inst}"
+        loop = asyncio.get_running_loop()
         while True:
+            lost: asyncio.Future[None] = loop.create_future()
+
+            def gone(lost: asyncio.Future[None] = lost) -> None:
+                if not lost.done():
+                    lost.set_result(None)
+
+            sub = Wire(self._wire.pool, CALL_TIMEOUT_SEC, on_push=self._pushed, on_lost=gone)
             try:
-                assert self._redis is not None
-                async with self._redis.pubsub(ignore_subscribe_messages=True) as ps:
-                    await ps.subscribe(channel)
-                    while True:
-                        msg = await ps.get_message(timeout=None)
-                        if msg is not None and msg.get("type") == "message":
-                            tid, lid, node = _s(msg["data"]).split(" ")
-                            self._granted(tid, lid, node)  # or its drop (lid "!")
-            except asyncio.CancelledError:
-                raise
+                await sub.command("SUBSCRIBE", channel)
+                await lost
             except (RedisError, OSError):
-                await asyncio.sleep(self.cfg.lease_ttl_sec / 3)  # the heartbeat notices and sweeps
-            except Exception:
-                log.exception("cluster: grant listener")
-                await asyncio.sleep(1.0)
+                pass
+            finally:
+                sub.close()
+            await asyncio.sleep(self.cfg.lease_ttl_sec / 3)  # the heartbeat notices and sweeps
+
+    def _pushed(self, msg: list[Any]) -> None:
+        try:
+            tid, lid, node = _s(msg[2]).split(" ")
+            self._granted(tid, lid, node)  # or its drop (lid "!")
+        except Exception:
+            log.exception("cluster: grant listener")
 
     # --- the cluster's queues, for the views (queue.WaitingElsewhere) ------------------------
     def position(self, t: Ticket) -> int | None:
