@@ -18,6 +18,7 @@ from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from test_lease_cluster import cluster_runtime
 
+from kilolined.cluster.leases import WAITED_SEC
 from kilolined.cluster.wire import Wire
 from kilolined.scheduling.queue import LEASED, WAITING
 
@@ -126,3 +127,89 @@ async def test_a_closed_wire_refuses_calls(redis_server: RedisServer) -> None:
         assert isinstance(fut.exception(), RedisError)
     finally:
         await r.aclose()
+
+
+async def _beat_tids(r: aioredis.Redis, sha: str) -> list[int]:
+    """How many ticket ids each BEAT in Redis' slow log carried (its arguments past the fixed six)."""
+    out = []
+    for entry in await r.execute_command("SLOWLOG", "GET", -1, NEVER_DECODE=True):
+        args = entry[3]
+        if args[0].upper() == b"EVALSHA" and args[1].decode() == sha:
+            # EVALSHA sha numkeys epoch, then 6 ARGV; past 32 arguments the log says how many more
+            more = args[-1].startswith(b"... (") and args[-1].endswith(b"more arguments)")
+            extra = int(args[-1].split(b" ")[1].lstrip(b"(")) + 1 if more else 0
+            out.append(len(args) - 10 + extra - (1 if more else 0))
+    return out
+
+
+async def test_the_heartbeat_does_not_reread_every_waiting_ticket_while_the_grant_channel_holds(
+        redis_server: RedisServer) -> None:
+    import hashlib
+
+    from kilolined.cluster import scripts
+
+    sha = hashlib.sha1(scripts.BEAT.encode()).hexdigest()
+    async with cluster_runtime(redis_server, 1) as (rt, leases):
+        now = rt.clock()
+        first = await leases.settle(leases.admit("r", "k", 0, now))
+        waiting = [await leases.settle(leases.admit("r", "k", 0, now)) for _ in range(40)]
+        assert first.lease is not None and all(t.state == WAITING for t in waiting)
+        r = leases.redis
+        # Past WAITED_SEC: from here each of them is one a sweep would re-read.
+        await asyncio.sleep(WAITED_SEC + 0.2)
+        await r.config_set("slowlog-max-len", 10000)
+        await r.slowlog_reset()
+        await r.config_set("slowlog-log-slower-than", 0)
+        try:
+            async def a_light_beat() -> bool:
+                # Once one sweep has followed the subscription, the beats carry no ticket.
+                return 0 in await _beat_tids(r, sha)
+
+            await until(a_light_beat, "a heartbeat that does not re-read the 40 waiting tickets")
+        finally:
+            await r.config_set("slowlog-log-slower-than", 10000)
+        for t in waiting:
+            leases.cancel(t)
+        leases.release(first.lease, rt.clock(), service_time=0.01)
+
+
+async def test_a_grant_published_while_the_channel_was_down_is_found_by_the_sweep(
+        redis_server: RedisServer) -> None:
+    from kilolined.cluster import scripts
+
+    async with cluster_runtime(redis_server, 1) as (rt, leases):
+        now = rt.clock()
+        first = await leases.settle(leases.admit("r", "k", 0, now))
+        second = await leases.settle(leases.admit("r", "k", 0, now))
+        assert first.lease is not None and second.state == WAITING
+        lid = leases._lid[first.lease]
+        r = leases.redis
+
+        async def subscribed() -> bool:
+            return leases._sub_at is not None
+
+        await until(subscribed, "the grant channel subscribed")
+        # The channel drops; another gateway's script frees the slot and grants our waiting
+        # ticket: its message goes nowhere.
+        assert int(await r.execute_command("CLIENT", "KILL", "TYPE", "pubsub")) >= 1
+        res = await r.evalsha(hashlib_sha(scripts.RELEASE), 1, leases._epoch, leases.prefix, "another#gw", lid)
+        assert res == []
+
+        async def leased() -> bool:
+            return second.state == LEASED
+
+        await until(leased, "the sweep after the channel came back finds the grant")
+        assert second.lease is not None
+        leases.release(second.lease, rt.clock(), service_time=0.01)
+        leases.release(first.lease, rt.clock(), service_time=0.01)
+
+        async def none_held() -> bool:
+            return int((await r.hget(leases.prefix + "nin", "a")) or 0) == 0
+
+        await until(none_held, "nothing left counted in Redis")
+
+
+def hashlib_sha(src: str) -> str:
+    import hashlib
+
+    return hashlib.sha1(src.encode()).hexdigest()

@@ -5,7 +5,10 @@ gateways of one ``key_prefix``. This gateway keeps only the tickets of its own c
 waiters of the lease scope; a slot freed anywhere is handed to the head of the cluster-wide
 fair order by the script that freed it, and a grant for a ticket of another gateway travels to
 it by pub/sub. The heartbeat every ``lease_ttl_sec / 3`` renews this gateway's leases, reaps
-the dead gateways' ones, and re-reads grants a lost message would have carried (the sweep).
+the dead gateways' ones, and re-reads grants a lost message would have carried (the sweep): a
+message is lost only while the subscriber is not subscribed, so the sweep reads the waiting
+tickets once after each (re)subscription, and every beat while there is none — not every
+waiting ticket at every beat, which at thousands waiting holds Redis for tens of milliseconds.
 
 The local counters of ``queue.Scheduler`` mirror this gateway's cluster leases, so the views
 (in-flight per node, /admin/state) and the drain at shutdown stay as they are. While Redis is
@@ -99,6 +102,9 @@ class ClusterLeases:
         self._restoring = False  # _restore is registering what we hold: nothing is dispatched alone meanwhile
         self._full: dict[str, RouteConfig | NodeConfig] = {}  # configs cut to a share, by route/node
         self._tasks: set[asyncio.Task[Any]] = set()
+        self._sub_at: float | None = None  # when the grant channel was last subscribed (None: it is not)
+        self._swept_for: float | None = None  # the subscription since which no message could be missed
+        self._to_sweep: set[str] = set()  # tickets whose grant may have gone to another channel (carried)
         # A bounded pool that makes a burst wait for a connection instead of opening thousands.
         pool = aioredis.BlockingConnectionPool.from_url(
             cfg.redis_url, max_connections=POOL_SIZE, timeout=CALL_TIMEOUT_SEC,
@@ -334,6 +340,7 @@ class ClusterLeases:
         t.deadline = deadline
         self._tickets[tid] = t
         self._tid[t] = tid
+        self._to_sweep.add(tid)  # a grant before it was carried went to the lost gateway's channel
         heapq.heappush(self._deadlines, (t.deadline, t.seq, t))
         return t
 
@@ -429,10 +436,12 @@ class ClusterLeases:
             sub = Wire(self._wire.pool, CALL_TIMEOUT_SEC, on_push=self._pushed, on_lost=gone)
             try:
                 await sub.command("SUBSCRIBE", channel)
+                self._sub_at = self.clock()
                 await lost
             except (RedisError, OSError):
                 pass
             finally:
+                self._sub_at = None
                 sub.close()
             await asyncio.sleep(self.cfg.lease_ttl_sec / 3)  # the heartbeat notices and sweeps
 
@@ -504,13 +513,23 @@ class ClusterLeases:
         if self._barred:
             await self._unbar()
         now = self.clock()
-        stale = [tid for tid, t in self._tickets.items() if t.state == WAITING and now - t.enqueued_at > WAITED_SEC]
+        sub = self._sub_at
+        # Every waiting ticket, until one sweep has run since the channel was subscribed (and
+        # reached every ticket admitted before: those waiting WAITED_SEC); then only carried ones.
+        full = sub is None or self._swept_for != sub
+        stale = [tid for tid, t in self._tickets.items() if t.state == WAITING and now - t.enqueued_at > WAITED_SEC
+                 and (full or tid in self._to_sweep)]
         views = {r: self._view(r) for r, rq in self.sched.routes.items() if not rq.retired}
         ttl_ms = int(self.cfg.lease_ttl_sec * 1000)
         grants, lost, peers, reaped, held = await self._call("BEAT", ttl_ms, self.view.gateway_id, self.version(),
                                                orjson.dumps(views).decode(), *stale)
         if int(reaped) and self._lid:
             self._revoke_all()
+        self._to_sweep.difference_update(stale)
+        if full and sub is not None and now - sub > WAITED_SEC:
+            self._swept_for = sub
+        if int(reaped):
+            self._swept_for = None  # reaped: our waiting tickets left Redis' queues; the next beat finds them
         self._grants(grants)
         self._release_strays({_s(x) for x in held})
         for tid in lost:
@@ -572,6 +591,7 @@ class ClusterLeases:
 
     def _degrade(self, alert: bool) -> None:
         self.view.redis_up = False
+        self._swept_for = None
         self._depth, self._by_key, self._pos = {}, {}, {}
         now = self.clock()
         others = self.alive_peers()
@@ -729,6 +749,7 @@ class ClusterLeases:
         tid = self._tid.pop(t, None)
         if tid is not None:
             self._tickets.pop(tid, None)
+            self._to_sweep.discard(tid)
         return tid
 
     def _order_key(self, t: Ticket, front: bool = False) -> str:
