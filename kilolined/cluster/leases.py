@@ -117,7 +117,10 @@ class ClusterLeases:
         # gateway's grants, is handled as it arrives; the grants for this gateway that another one's
         # script decided arrive the same way, on a subscriber connection (_listen).
         self._wire = Wire(pool, CALL_TIMEOUT_SEC, scripts=[getattr(scripts, n) for n in (
-            "ADMIT", "RELEASE", "REQUEUE", "CANCEL", "BEAT", "REGISTER", "POSITIONS", "DOUBTS", "DOUBT")])
+            "ADMIT", "RELEASE", "REQUEUE", "CANCEL", "BEAT", "REGISTER", "POSITIONS", "DOUBTS", "DOUBT",
+            "BUCKET", "BUDGET_TAKE", "BUDGET_RESERVE", "BUDGET_SETTLE")])
+        #: the shared limits' scripts travel on it too (kilolined/cluster/limits.py)
+        self.wire = self._wire
         #: who leads (kilolined/cluster/leader.py runs the election); it decides who says
         #: cluster_degraded and cluster_restored
         self.leadership = Leadership(gateway_id, cfg.lease_ttl_sec)

@@ -33,7 +33,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 Push = Callable[[list[Any]], None]
 
 
-def encode(*parts: str | int | bytes) -> bytes:
+def encode(*parts: str | int | float | bytes) -> bytes:
     """One command in RESP."""
     out = [b"*%d\r\n" % len(parts)]
     for p in parts:
@@ -99,7 +99,7 @@ class Wire:
         self.closed = False
 
     # --- calls ------------------------------------------------------------------------------
-    def evalsha(self, source: str, keys: list[str], args: list[str | int]) -> asyncio.Future[Any]:
+    def evalsha(self, source: str, keys: list[str], args: Sequence[str | int | float]) -> asyncio.Future[Any]:
         """Run a script; the future holds its answer. Written now if connected."""
         sha = self._shas.get(source)
         if sha is None:
