@@ -18,7 +18,13 @@ redis-server without persistence, clients alternating between them):
    and waiting requests, and in Redis the leases per node and the waiting count must all be 0.
 
     .venv/bin/python scripts/bench_cluster_burst.py [--clients 10000] [--slots 2] [--step-ms 5]
-        [--phases single,cluster] [--json out.json]
+        [--phases single,cluster] [--trace-gap] [--json out.json]
+
+The table gives the drain as a multiple of the ideal (N × step ÷ slots), and the gateways' and
+redis-server's CPU per request over the drain. ``--trace-gap`` runs the cluster's gateways
+through a wrapper that stamps each step of the hand-over (the gap's parts, p50 and p99) and
+reads every script's and command's time inside Redis from its slow log (threshold 0 over the
+drain, which itself costs Redis a little).
 """
 
 from __future__ import annotations
