@@ -105,6 +105,7 @@ class ClusterLeases:
         self._sub_at: float | None = None  # when the grant channel was last subscribed (None: it is not)
         self._swept_for: float | None = None  # the subscription since which no message could be missed
         self._to_sweep: set[str] = set()  # tickets whose grant may have gone to another channel (carried)
+        self._resubscribe: Callable[[], None] = lambda: None  # ends the grant channel's subscription
         # A bounded pool that makes a burst wait for a connection instead of opening thousands.
         pool = aioredis.BlockingConnectionPool.from_url(
             cfg.redis_url, max_connections=POOL_SIZE, timeout=CALL_TIMEOUT_SEC,
@@ -437,6 +438,7 @@ class ClusterLeases:
                     lost.set_result(None)
 
             sub = Wire(self._wire.pool, CALL_TIMEOUT_SEC, on_push=self._pushed, on_lost=gone)
+            self._resubscribe = gone
             try:
                 await sub.command("SUBSCRIBE", channel)
                 self._sub_at = self.clock()
@@ -595,6 +597,9 @@ class ClusterLeases:
     def _degrade(self, alert: bool) -> None:
         self.view.redis_up = False
         self._swept_for = None
+        # The channel may look subscribed over a connection that is gone (half open): subscribe
+        # afresh, so that the sweep after it covers whatever was published meanwhile.
+        self._resubscribe()
         self._depth, self._by_key, self._pos = {}, {}, {}
         now = self.clock()
         others = self.alive_peers()
