@@ -71,7 +71,7 @@ def build(rt: Runtime, jobs: Jobs) -> Cluster:
     view = leases.view
     limits = SharedLimits(leases.redis, cfg.key_prefix, rt.limiter, rt.budgets, inst=leases.inst,
                           gateway_id=view.gateway_id, peers=leases.alive_peers,
-                          redis_up=lambda: view.redis_up, clock=rt.clock)
+                          redis_up=lambda: view.redis_up, clock=rt.clock, wire=leases.wire)
     leader = LeaderLease(leases.redis, cfg, leases.inst, view, leases.leadership, clock=rt.clock, alert=rt.notify,
                          on_restored=lambda: rt.node_sync.republish() if rt.node_sync else None)
     node_sync = NodeSync(

@@ -5,7 +5,10 @@ gateways of one ``key_prefix``. This gateway keeps only the tickets of its own c
 waiters of the lease scope; a slot freed anywhere is handed to the head of the cluster-wide
 fair order by the script that freed it, and a grant for a ticket of another gateway travels to
 it by pub/sub. The heartbeat every ``lease_ttl_sec / 3`` renews this gateway's leases, reaps
-the dead gateways' ones, and re-reads grants a lost message would have carried (the sweep).
+the dead gateways' ones, and re-reads grants a lost message would have carried (the sweep): a
+message is lost only while the subscriber is not subscribed, so the sweep reads the waiting
+tickets once after each (re)subscription, and every beat while there is none — not every
+waiting ticket at every beat, which at thousands waiting holds Redis for tens of milliseconds.
 
 The local counters of ``queue.Scheduler`` mirror this gateway's cluster leases, so the views
 (in-flight per node, /admin/state) and the drain at shutdown stay as they are. While Redis is
@@ -24,6 +27,7 @@ import math
 import os
 import socket
 from collections.abc import Callable, Coroutine, Sequence
+from functools import partial
 from typing import Any
 
 import orjson
@@ -35,6 +39,7 @@ from kilolined.cluster.leader import Leadership
 from kilolined.cluster.persistence import access_error, shown
 from kilolined.cluster.split import alive, share
 from kilolined.cluster.view import ClusterView, Peer
+from kilolined.cluster.wire import Wire
 from kilolined.core.config import ClusterConfig, Config, ConfigError, NodeConfig, RouteConfig, split_listen
 from kilolined.scheduling.affinity import Affinity
 from kilolined.scheduling.queue import (
@@ -97,6 +102,10 @@ class ClusterLeases:
         self._restoring = False  # _restore is registering what we hold: nothing is dispatched alone meanwhile
         self._full: dict[str, RouteConfig | NodeConfig] = {}  # configs cut to a share, by route/node
         self._tasks: set[asyncio.Task[Any]] = set()
+        self._sub_at: float | None = None  # when the grant channel was last subscribed (None: it is not)
+        self._swept_for: float | None = None  # the subscription since which no message could be missed
+        self._to_sweep: set[str] = set()  # tickets whose grant may have gone to another channel (carried)
+        self._resubscribe: Callable[[], None] = lambda: None  # ends the grant channel's subscription
         # A bounded pool that makes a burst wait for a connection instead of opening thousands.
         pool = aioredis.BlockingConnectionPool.from_url(
             cfg.redis_url, max_connections=POOL_SIZE, timeout=CALL_TIMEOUT_SEC,
@@ -104,7 +113,15 @@ class ClusterLeases:
         #: connects on first use; the shared limits (kilolined/cluster/limits.py) use it too
         self.redis = aioredis.Redis(connection_pool=pool)
         self._redis: aioredis.Redis | None = self.redis
-        self._scripts: dict[str, Any] = {}
+        # The lease scripts travel on one pipelined connection of their own (kilolined/cluster/wire.py):
+        # a release is written in the releasing request's own turn and its answer, which carries this
+        # gateway's grants, is handled as it arrives; the grants for this gateway that another one's
+        # script decided arrive the same way, on a subscriber connection (_listen).
+        self._wire = Wire(pool, CALL_TIMEOUT_SEC, scripts=[getattr(scripts, n) for n in (
+            "ADMIT", "RELEASE", "REQUEUE", "CANCEL", "BEAT", "REGISTER", "POSITIONS", "DOUBTS", "DOUBT",
+            "BUCKET", "BUDGET_TAKE", "BUDGET_RESERVE", "BUDGET_SETTLE")])
+        #: the shared limits' scripts travel on it too (kilolined/cluster/limits.py)
+        self.wire = self._wire
         #: who leads (kilolined/cluster/leader.py runs the election); it decides who says
         #: cluster_degraded and cluster_restored
         self.leadership = Leadership(gateway_id, cfg.lease_ttl_sec)
@@ -119,8 +136,6 @@ class ClusterLeases:
     # --- lifecycle ------------------------------------------------------------------------
     async def start(self) -> None:
         assert self._redis is not None
-        for name in ("ADMIT", "RELEASE", "REQUEUE", "CANCEL", "BEAT", "REGISTER", "POSITIONS", "DOUBTS", "DOUBT"):
-            self._scripts[name] = self._redis.register_script(getattr(scripts, name))
         try:
             await self._register([])
             await self._beat()
@@ -128,6 +143,7 @@ class ClusterLeases:
         except (RedisError, OSError) as e:
             why = access_error(e)
             if why is not None:  # not an outage that passes: going on alone would take every slot
+                self._wire.close()
                 await self.redis.aclose()
                 raise ConfigError([f"cluster.redis_url: Redis at {shown(self.cfg.redis_url)}: {why}"]) from None
             log.warning("⚠ cluster: Redis unreachable at start (%s): queuing until it answers", e)
@@ -147,6 +163,7 @@ class ClusterLeases:
                     await self._call("RELEASE", "")
                 except (RedisError, OSError):
                     pass
+            self._wire.close()
             await self._redis.aclose()
 
     def _spawn(self, coro: Coroutine[Any, Any, Any]) -> None:
@@ -154,10 +171,10 @@ class ClusterLeases:
         self._tasks.add(t)
         t.add_done_callback(self._tasks.discard)
 
-    async def _call(self, name: str, *args: str | int) -> Any:
-        assert self._redis is not None
+    def _call(self, name: str, *args: str | int) -> asyncio.Future[Any]:
+        """Run a lease script; written to Redis now (or as soon as the connection is made)."""
         # KEYS[1]: the epoch we know; a script refuses to decide for a gateway of another one.
-        return await self._scripts[name](keys=[self._epoch], args=[self.prefix, self.inst, *args])
+        return self._wire.evalsha(getattr(scripts, name), [self._epoch], [self.prefix, self.inst, *args])
 
     async def _register(self, held: list[Ticket], old: Sequence[str] = ()) -> list[str]:
         """Count ``held`` (leased tickets) in Redis, dropping ``old`` lease ids in the same step;
@@ -202,11 +219,11 @@ class ClusterLeases:
         rq = self.sched.routes[t.route]
         tid = self._track(t)
         front = t.requeues > 0  # re-queued (a job whose gateway was lost): the head, as after a node failure
-        call = asyncio.ensure_future(self._call(
+        call = self._call(
             "ADMIT", t.route, self._order_key(t, front=front), tid, t.pinned_node or "", self._view_json(t.route),
             rq.cfg.max_queue_depth, -1 if rq.cfg.max_queued_per_key is None else rq.cfg.max_queued_per_key,
             t.key, 1 if rq.cfg.drop_policy == "drop_oldest" else 0, repr(t.cost), self._only(t), 1 if front else 0,
-            self._warm(t), self._affinity(t)))
+            self._warm(t), self._affinity(t))
         try:
             res = await asyncio.shield(call)
         except asyncio.CancelledError:
@@ -251,7 +268,7 @@ class ClusterLeases:
         if _s(res[0]) == "ok":
             self._grants(res[3:])
             if self.view.redis_up:
-                await self._remote("CANCEL", tid)
+                self._remote("CANCEL", tid)
 
     def cancel(self, t: Ticket) -> bool:
         if t in self._local:
@@ -262,7 +279,7 @@ class ClusterLeases:
         t.state = "done"
         tid = self._untrack(t)
         if tid is not None and self.view.redis_up:
-            self._spawn(self._remote("CANCEL", tid))
+            self._remote("CANCEL", tid)
         return True
 
     def requeue(self, lease: Lease, now: float, avoid_node: bool = True, lost: bool = False) -> Ticket:
@@ -287,23 +304,22 @@ class ClusterLeases:
         only = self._only(t)
         if self._any_barred(t):
             self._barred[t] = only  # _unbar lifts it at a heartbeat once the node is seen alive
-        self._spawn(self._remote("REQUEUE", lid, tid, t.route, self._order_key(t, front=True), t.pinned_node or "",
-                                 avoid, t.key, repr(t.cost), only, self._warm(t), self._affinity(t)))
+        self._remote("REQUEUE", lid, tid, t.route, self._order_key(t, front=True), t.pinned_node or "",
+                                 avoid, t.key, repr(t.cost), only, self._warm(t), self._affinity(t))
         return t
 
     def release(self, lease: Lease, now: float, service_time: float | None) -> None:
         if lease.released:
             return
+        lid = self._lid.pop(lease, None)
+        if lid is not None and self.view.redis_up:
+            self._remote("RELEASE", lid)  # first: its answer starts the next request, wherever it waits
+        elif lid is not None:
+            self._orphans.add(lid)
         self.sched.release(lease, now, service_time)
         self._local.discard(lease.ticket)
-        lid = self._lid.pop(lease, None)
-        if lid is None:
-            return
-        self._untrack(lease.ticket)
-        if self.view.redis_up:
-            self._spawn(self._remote("RELEASE", lid))
-        else:
-            self._orphans.add(lid)
+        if lid is not None:
+            self._untrack(lease.ticket)
 
     def dispatch(self, now: float) -> list[Lease]:
         # With Redis, the script that frees a slot hands it on; alone, the scheduler does.
@@ -328,6 +344,7 @@ class ClusterLeases:
         t.deadline = deadline
         self._tickets[tid] = t
         self._tid[t] = tid
+        self._to_sweep.add(tid)  # a grant before it was carried went to the lost gateway's channel
         heapq.heappush(self._deadlines, (t.deadline, t.seq, t))
         return t
 
@@ -370,7 +387,7 @@ class ClusterLeases:
         ns = self.sched.nodes.get(node)
         if t is None or t.state != WAITING or rq is None or ns is None:
             # Nobody here wants it any more (the client left in the same moment): give it back.
-            self._spawn(self._remote("RELEASE", lid))
+            self._remote("RELEASE", lid)
             return
         self.sched.affine_landed(rq, t, node)  # hit, miss or load: by this gateway's index, now
         lease = self.sched.grant(rq, t, node, self.clock())
@@ -388,38 +405,57 @@ class ClusterLeases:
         t.error = Rejected(503, "queue_full", "dropped: queue full", self.sched.retry_after(rq, self.clock()))
         t.wake()
 
-    async def _remote(self, name: str, *args: str) -> None:
-        try:
-            res = await self._call(name, *args)
-        except (RedisError, OSError) as e:
+    def _remote(self, name: str, *args: str) -> None:
+        """A script whose answer is grants, sent now; no task waits for it: the grants are
+        taken as the answer arrives (for a release, the next request starts from there)."""
+        self._call(name, *args).add_done_callback(partial(self._answered, name, args[0]))
+
+    def _answered(self, name: str, first: str, fut: asyncio.Future[Any]) -> None:
+        if fut.cancelled():
+            return
+        e = fut.exception()
+        if e is not None:
+            if not isinstance(e, RedisError | OSError):
+                log.error("cluster: %s failed", name, exc_info=e)
+                return
             if name in ("RELEASE", "REQUEUE"):
-                self._orphans.add(args[0])  # given back in Redis once it answers again
+                self._orphans.add(first)  # given back in Redis once it answers again
             self._lost(e)
             return
-        if name == "CANCEL":
-            res = res[1:]
-        self._grants(res)
+        res = fut.result()
+        self._grants(res[1:] if name == "CANCEL" else res)
 
     async def _listen(self) -> None:
-        """Grants for this gateway's tickets, decided by a script another gateway ran."""
+        """Grants for this gateway's tickets, decided by a script another gateway ran: taken as
+        the message arrives (the wire's data callback), no reader task in between."""
         channel = f"{self.prefix}grant:{self.inst}"
+        loop = asyncio.get_running_loop()
         while True:
+            lost: asyncio.Future[None] = loop.create_future()
+
+            def gone(lost: asyncio.Future[None] = lost) -> None:
+                if not lost.done():
+                    lost.set_result(None)
+
+            sub = Wire(self._wire.pool, CALL_TIMEOUT_SEC, on_push=self._pushed, on_lost=gone)
+            self._resubscribe = gone
             try:
-                assert self._redis is not None
-                async with self._redis.pubsub(ignore_subscribe_messages=True) as ps:
-                    await ps.subscribe(channel)
-                    while True:
-                        msg = await ps.get_message(timeout=None)
-                        if msg is not None and msg.get("type") == "message":
-                            tid, lid, node = _s(msg["data"]).split(" ")
-                            self._granted(tid, lid, node)  # or its drop (lid "!")
-            except asyncio.CancelledError:
-                raise
+                await sub.command("SUBSCRIBE", channel)
+                self._sub_at = self.clock()
+                await lost
             except (RedisError, OSError):
-                await asyncio.sleep(self.cfg.lease_ttl_sec / 3)  # the heartbeat notices and sweeps
-            except Exception:
-                log.exception("cluster: grant listener")
-                await asyncio.sleep(1.0)
+                pass
+            finally:
+                self._sub_at = None
+                sub.close()
+            await asyncio.sleep(self.cfg.lease_ttl_sec / 3)  # the heartbeat notices and sweeps
+
+    def _pushed(self, msg: list[Any]) -> None:
+        try:
+            tid, lid, node = _s(msg[2]).split(" ")
+            self._granted(tid, lid, node)  # or its drop (lid "!")
+        except Exception:
+            log.exception("cluster: grant listener")
 
     # --- the cluster's queues, for the views (queue.WaitingElsewhere) ------------------------
     def position(self, t: Ticket) -> int | None:
@@ -482,13 +518,23 @@ class ClusterLeases:
         if self._barred:
             await self._unbar()
         now = self.clock()
-        stale = [tid for tid, t in self._tickets.items() if t.state == WAITING and now - t.enqueued_at > WAITED_SEC]
+        sub = self._sub_at
+        # Every waiting ticket, until one sweep has run since the channel was subscribed (and
+        # reached every ticket admitted before: those waiting WAITED_SEC); then only carried ones.
+        full = sub is None or self._swept_for != sub
+        stale = [tid for tid, t in self._tickets.items() if t.state == WAITING and now - t.enqueued_at > WAITED_SEC
+                 and (full or tid in self._to_sweep)]
         views = {r: self._view(r) for r, rq in self.sched.routes.items() if not rq.retired}
         ttl_ms = int(self.cfg.lease_ttl_sec * 1000)
         grants, lost, peers, reaped, held = await self._call("BEAT", ttl_ms, self.view.gateway_id, self.version(),
                                                orjson.dumps(views).decode(), *stale)
         if int(reaped) and self._lid:
             self._revoke_all()
+        self._to_sweep.difference_update(stale)
+        if full and sub is not None and now - sub > WAITED_SEC:
+            self._swept_for = sub
+        if int(reaped):
+            self._swept_for = None  # reaped: our waiting tickets left Redis' queues; the next beat finds them
         self._grants(grants)
         self._release_strays({_s(x) for x in held})
         for tid in lost:
@@ -512,7 +558,7 @@ class ClusterLeases:
         known = set(self._lid.values())
         strays = held_here - known
         for lid in strays & self._strays:
-            self._spawn(self._remote("RELEASE", lid))
+            self._remote("RELEASE", lid)
         self._strays = strays - self._strays
 
     def _revoke_all(self) -> None:
@@ -550,6 +596,10 @@ class ClusterLeases:
 
     def _degrade(self, alert: bool) -> None:
         self.view.redis_up = False
+        self._swept_for = None
+        # The channel may look subscribed over a connection that is gone (half open): subscribe
+        # afresh, so that the sweep after it covers whatever was published meanwhile.
+        self._resubscribe()
         self._depth, self._by_key, self._pos = {}, {}, {}
         now = self.clock()
         others = self.alive_peers()
@@ -671,7 +721,7 @@ class ClusterLeases:
                 counted.add(lease)
                 if lease.released:  # it ended while Redis counted it: give it back there too
                     self._untrack(lease.ticket)
-                    self._spawn(self._remote("RELEASE", lid))
+                    self._remote("RELEASE", lid)
                 else:
                     self._lid[lease] = lid
 
@@ -707,6 +757,7 @@ class ClusterLeases:
         tid = self._tid.pop(t, None)
         if tid is not None:
             self._tickets.pop(tid, None)
+            self._to_sweep.discard(tid)
         return tid
 
     def _order_key(self, t: Ticket, front: bool = False) -> str:

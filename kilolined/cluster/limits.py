@@ -21,15 +21,16 @@ import asyncio
 import logging
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
 from kilolined.cluster import scripts
 from kilolined.cluster.split import share
+from kilolined.cluster.wire import Wire
 from kilolined.core.config import BudgetConfig, RateConfig
 from kilolined.scheduling.limits import Budgets, RateLimiter, Taken, Verdict, spent_amount, utc_day
 from kilolined.wire.tasks import cancel_until_done
@@ -79,8 +80,9 @@ def split_rate(rate: RateConfig, me: str, others: list[str]) -> RateConfig:
 class SharedLimits:
     def __init__(self, redis: aioredis.Redis, prefix: str, limiter: RateLimiter, budgets: Budgets, *,
                  inst: str, gateway_id: str, peers: Callable[[], list[str]], redis_up: Callable[[], bool],
-                 clock: Callable[[], float]):
+                 clock: Callable[[], float], wire: Wire | None = None):
         self.prefix = prefix
+        self._wire = wire  # the lease scripts' pipelined connection (cluster/wire.py), when there is one
         self.limiter = limiter
         self.budgets = budgets  # this gateway's own counters: its views, and the decision without Redis
         self.clock = clock  # the buckets' clock while Redis is down (monotonic)
@@ -100,6 +102,12 @@ class SharedLimits:
         self._wake = asyncio.Event()
         self._writer: asyncio.Task[None] | None = None
         self._refresher: asyncio.Task[None] | None = None
+
+    def _eval(self, script: Any, args: list[Any]) -> Awaitable[Any]:
+        """A limit script, on the wire when there is one (one write, no pooled connection)."""
+        if self._wire is not None:
+            return self._wire.evalsha(script.script, [], args)
+        return cast("Awaitable[Any]", script(args=args))
 
     # --- the request: its rate token, then its request budget --------------------------------
     async def take(self, subject: str, route: str, rate: RateConfig | None, key: str | None,
@@ -121,7 +129,7 @@ class SharedLimits:
         if not self.redis_up():
             return self.limiter.check(subject, route, split_rate(rate, self.gateway_id, self.peers()), now)
         try:
-            ok, left = await self._bucket(args=[self.prefix, f"{subject}|{route}", per_sec / 1000, cap])
+            ok, left = await self._eval(self._bucket, [self.prefix, f"{subject}|{route}", per_sec / 1000, cap])
         except (RedisError, OSError) as e:
             log.warning("⚠ cluster: shared rate limit unavailable (%s): this gateway's share of the bucket decides", e)
             return self.limiter.check(subject, route, split_rate(rate, self.gateway_id, self.peers()), now)
@@ -138,7 +146,7 @@ class SharedLimits:
         day = utc_day(wall)
         if self.redis_up():
             try:
-                res = await self._take(args=[self.prefix, key, day, _limit(budget.requests_per_day),
+                res = await self._eval(self._take, [self.prefix, key, day, _limit(budget.requests_per_day),
                                              _limit(budget.tokens_per_day), _limit(budget.gpu_seconds_per_day)])
             except (RedisError, OSError) as e:
                 log.warning("⚠ cluster: shared budget unavailable (%s): this gateway's share decides", e)
@@ -163,7 +171,7 @@ class SharedLimits:
             return 0
         day = utc_day(wall)
         if self.redis_up():
-            call = asyncio.ensure_future(self._reserve(args=[self.prefix, self.inst, key, day, tokens,
+            call = asyncio.ensure_future(self._eval(self._reserve, [self.prefix, self.inst, key, day, tokens,
                                                              budget.tokens_per_day]))
             try:
                 ok, spent, _held = await asyncio.shield(call)
@@ -247,7 +255,7 @@ class SharedLimits:
         for (key, day), (req, tok, gpu, un) in batch.items():
             args += [key, day, int(req), int(tok), repr(float(gpu)), int(un)]
         try:
-            res = await self._settle(args=args)
+            res = await self._eval(self._settle, args)
         except (RedisError, OSError) as e:
             log.warning("⚠ cluster: budget usage not written to Redis yet (%s): kept for the next try", e)
             self._merge(batch)

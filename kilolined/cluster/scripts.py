@@ -829,8 +829,19 @@ for i = 3, #ARGV do
   local route = ARGV[i]
   local view = view_of(route)
   local ranks = {}
-  if view then
-    for rank, c in ipairs(order(route, P..'r:'..route, view, view.o == 'priority', nil)) do
+  local ring = P..'r:'..route
+  if view and view.o ~= 'priority' and redis.call('LLEN', ring) == 1 then
+    -- One queue (fifo, or every waiting request of one client key): its order is the list's,
+    -- read without building the round-robin (a burst of thousands re-reads this every second).
+    local q = P..'q:'..route..':'..redis.call('LINDEX', ring, 0)
+    for rank, tid in ipairs(redis.call('LRANGE', q, 0, -1)) do
+      if string.sub(tid, 1, #mine) == mine then
+        ranks[#ranks + 1] = tid
+        ranks[#ranks + 1] = rank
+      end
+    end
+  elseif view then
+    for rank, c in ipairs(order(route, ring, view, view.o == 'priority', nil)) do
       if string.sub(c[1], 1, #mine) == mine then
         ranks[#ranks + 1] = c[1]
         ranks[#ranks + 1] = rank
