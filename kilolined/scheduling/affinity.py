@@ -148,14 +148,193 @@ def chain(text: bytes, first: bytes, block: int) -> tuple[int, ...]:
     return tuple(keys)
 
 
-def prefix_affinity(route: str, data: dict[str, Any], block: int) -> Affinity | None:
-    """A chat or completion request's prefix keys; None when it has no text to index."""
-    text = canonical(data)
-    model = data.get("model")
-    keys = chain(text, seed(route, model if isinstance(model, str) else None), block)
-    if not keys:
+def prefix_affinity(route: str, data: dict[str, Any], block: int, memo: KeyMemo | None = None) -> Affinity | None:
+    """A chat or completion request's prefix keys; None when it has no text to index. ``memo``
+    (the scheduler's) remembers recent messages, so that a prefix sent before is not hashed again;
+    without one the keys are computed from nothing, the same keys."""
+    got = (memo if memo is not None else KeyMemo()).keys(route, data, block)
+    if got is None:
         return None
-    return Affinity(PREFIX, keys, size=len(text), block=block)
+    keys, size = got
+    return Affinity(PREFIX, keys, size=size, block=block)
+
+
+#: the most bytes of message text, keys and tails ``KeyMemo`` keeps (least recently used dropped)
+MEMO_BYTES = 4 * 1024 * 1024
+#: what an entry costs beside its text and keys (objects and the lookup tuple), for the bound
+_ENTRY_BYTES = 400
+_CHAT, _PROMPT = 0, 1
+#: characters of a message's head and tail in its lookup tuple: a cheap probe, the whole text
+#: is compared (memcmp) before an entry is used
+_PROBE = 32
+
+
+@dataclass(slots=True, eq=False)
+class _Step:
+    """The canonical text up to the end of one message (or the model and tools): the keys of its
+    full blocks, the bytes after them, its length; what it was made from, to verify a lookup."""
+
+    id: int
+    first: bytes  # the chain's seed
+    keys: tuple[int, ...]
+    tail: bytes
+    size: int
+    text: str | bytes = b""
+    final: tuple[int, ...] | None = None  # keys with the tail's own, made once
+
+    def done(self) -> tuple[int, ...]:
+        if self.final is None:
+            self.final = (*self.keys, _tail_key(self.keys, self.first, self.tail)) if self.tail else self.keys
+        return self.final
+
+
+def _tail_key(keys: tuple[int, ...], first: bytes, tail: bytes) -> int:
+    """The key of the short last block: as any other block's (``chain``)."""
+    if not keys:
+        return _key(blake2b(first + tail, digest_size=8).digest())
+    return keys[-1] ^ hash((len(keys), (tail,)))
+
+
+def _extend(keys: tuple[int, ...], first: bytes, data: memoryview, block: int) -> tuple[int, ...]:
+    """``keys`` followed by the keys of ``data``'s full blocks (``data`` continues the text ``keys``
+    name; a multiple of ``block`` bytes), hashed and chained by C iterators as in ``chain``."""
+    if not keys:
+        keys = (_key(blake2b(first + data[:block], digest_size=8).digest()),)
+        data = data[block:]
+    if not data:
+        return keys
+    tagged = zip(count(len(keys)), iter_unpack(f"{block}s", data))
+    return keys + tuple(accumulate(map(hash, tagged), xor, initial=keys[-1]))[1:]
+
+
+def _advance(prev: _Step, piece: bytes, block: int, sid: int, text: str | bytes) -> _Step:
+    """The step after ``prev`` with ``piece`` (a message's canonical bytes) appended, cut at
+    MAX_INDEXED_BYTES."""
+    room = MAX_INDEXED_BYTES - prev.size
+    if len(piece) > room:
+        piece = piece[:room]
+    data = prev.tail + piece if prev.tail else piece
+    cut = len(data) - len(data) % block
+    keys = _extend(prev.keys, prev.first, memoryview(data)[:cut], block) if cut else prev.keys
+    return _Step(sid, prev.first, keys, data[cut:], prev.size + len(piece), text)
+
+
+def _content_text(content: Any) -> str:
+    """A message's content as the canonical text has it: a string, or a list's text parts in
+    order (UTF-8 of the parts one after another is UTF-8 of their concatenation)."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        return "".join([p["text"] for p in content if isinstance(p, dict) and isinstance(p.get("text"), str)])
+    return ""
+
+
+class KeyMemo:
+    """Recent canonical texts, message by message, with the keys of each prefix: a request whose
+    first messages were seen (a system prompt, the turns before this one) hashes only the rest.
+
+    An entry is found by its parent, its role and a probe of its text (length, head and tail),
+    and used only when its whole text equals the message's (a compare, not a hash: memcmp is an
+    order of magnitude cheaper than SipHash over the same bytes). The keys are those of
+    ``chain(canonical(data), seed(route, model), block)``, whether hashed now or remembered.
+    Bounded by MEMO_BYTES, least recently used dropped; it holds recent prompts' text, as the
+    gateway's request buffers do, for no longer than it takes others to push them out."""
+
+    __slots__ = ("_bytes", "_entries", "_ids", "limit")
+
+    def __init__(self, limit: int = MEMO_BYTES):
+        self._entries: OrderedDict[tuple[Any, ...], _Step] = OrderedDict()
+        self._bytes = 0
+        self._ids = count(1)
+        self.limit = limit
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def keys(self, route: str, data: dict[str, Any], block: int) -> tuple[tuple[int, ...], int] | None:
+        """The request's chained keys and the bytes of canonical text they cover; None if empty."""
+        # Inline, the lookups of what was seen before (the model, then each message): this runs
+        # for every message of every prefix request.
+        entries = self._entries
+        model = data.get("model")
+        if not isinstance(model, str):
+            model = None
+        tools = data.get("tools")
+        probe: tuple[Any, ...] = (0, route, model, block, orjson.dumps(tools) if tools is not None else None)
+        step = entries.get(probe)
+        if step is None:
+            step = self._root(probe, route, model, block)
+        else:
+            entries.move_to_end(probe)
+        messages = data.get("messages")
+        if isinstance(messages, list):
+            for m in messages:
+                if step.size >= MAX_INDEXED_BYTES:
+                    break  # the rest would be cut anyway
+                if not isinstance(m, dict):
+                    continue
+                role, text = m.get("role"), m.get("content")
+                if not isinstance(role, str):
+                    role = ""
+                if not isinstance(text, str):
+                    text = _content_text(text)
+                probe = (step.id, _CHAT, role, len(text), text[:_PROBE], text[-_PROBE:])
+                seen = entries.get(probe)
+                if seen is not None and seen.text == text:
+                    entries.move_to_end(probe)
+                    step = seen
+                else:
+                    step = self._add(step, probe, b"".join((role.encode(), b"\0", text.encode(), b"\0")), text,
+                                     block)
+        else:
+            prompt = data.get("prompt")
+            if prompt is not None:
+                text_ = prompt if isinstance(prompt, str) else orjson.dumps(prompt)  # token ids, or a list
+                step = self._next(step, text_, block)
+        if step.size == 0:
+            return None
+        return step.final or step.done(), step.size
+
+    def _root(self, probe: tuple[Any, ...], route: str, model: str | None, block: int) -> _Step:
+        """The step of the model (then the tools' JSON, ``probe``'s last), which seeds the chain
+        with the route."""
+        tj: bytes | None = probe[-1]
+        head = (model or "").encode() + b"\0" + (tj + b"\0" if tj is not None else b"")
+        empty = _Step(0, seed(route, model), (), b"", 0)
+        step = _advance(empty, head, block, next(self._ids), tj or b"")
+        self._put(probe, step)
+        return step
+
+    def _next(self, prev: _Step, prompt: str | bytes, block: int) -> _Step:
+        """The step after ``prev`` with a completion's prompt."""
+        if prev.size >= MAX_INDEXED_BYTES:
+            return prev
+        probe = (prev.id, _PROMPT, "", len(prompt), prompt[:_PROBE], prompt[-_PROBE:])
+        seen = self._entries.get(probe)
+        if seen is not None and seen.text == prompt:
+            self._entries.move_to_end(probe)
+            return seen
+        return self._add(prev, probe, prompt.encode() if isinstance(prompt, str) else prompt, prompt, block)
+
+    def _add(self, prev: _Step, probe: tuple[Any, ...], piece: bytes, text: str | bytes, block: int) -> _Step:
+        """Hash ``piece`` (the canonical bytes of ``text``) on from ``prev``, and remember it."""
+        step = _advance(prev, piece, block, next(self._ids), text)
+        self._put(probe, step)
+        return step
+
+    def _put(self, probe: tuple[Any, ...], step: _Step) -> None:
+        entries = self._entries
+        old = entries.pop(probe, None)
+        if old is not None:
+            self._bytes -= _cost(old)
+        entries[probe] = step
+        self._bytes += _cost(step)
+        while self._bytes > self.limit and entries:
+            self._bytes -= _cost(entries.popitem(last=False)[1])
+
+
+def _cost(step: _Step) -> int:
+    return len(step.text) + 8 * len(step.keys) + len(step.tail) + _ENTRY_BYTES
 
 
 def session_affinity(route: str, session: str) -> Affinity:
@@ -210,10 +389,14 @@ def restarted(known: float | None, seen: float) -> bool:
 class PrefixIndex:
     """One node's keys, least recently dispatched first, at most ``limit``."""
 
-    __slots__ = ("_keys", "limit", "started", "url")
+    __slots__ = ("_keys", "_last", "limit", "started", "url")
 
     def __init__(self, limit: int = DEFAULT_INDEX_KEYS, started: float | None = None, url: str | None = None):
         self._keys: OrderedDict[Hashable, None] = OrderedDict()
+        #: the chain recorded last, whole, with nothing recorded or dropped since: its keys are the
+        #: most recent, in record order, so recording it again changes nothing and it matches whole
+        #: (``KeyMemo`` gives a prefix sent again the same tuple)
+        self._last: tuple[Hashable, ...] | None = None
         self.limit = limit
         #: the node's reported start time when these keys were recorded: another one empties it
         self.started = started
@@ -231,6 +414,8 @@ class PrefixIndex:
         before its head; a misprediction drops a request's keys from key 0 on, which leaves only
         keys that cannot match without it, and the first key is checked. About 7 probes for a
         chain of 64, where a probe per key costs more than the rest of the decision."""
+        if keys is self._last:
+            return len(keys)
         d = self._keys
         if not keys or keys[0] not in d:
             return 0
@@ -246,6 +431,8 @@ class PrefixIndex:
     def record(self, keys: Sequence[Hashable]) -> None:
         """``keys`` were dispatched here. Recorded deepest first, so that under pressure a prefix
         loses its tail before its head (a broken head would lose the whole match)."""
+        if keys is self._last:
+            return
         d = self._keys
         moves = map(d.move_to_end, reversed(keys))
         try:  # a prefix seen before: its keys only move (C iterators, no Python step per key)
@@ -255,12 +442,15 @@ class PrefixIndex:
             deque(map(d.move_to_end, reversed(keys)), maxlen=0)
         while len(d) > self.limit:
             d.popitem(last=False)
+        self._last = keys if keys.__class__ is tuple and len(keys) <= self.limit else None
 
     def drop(self, keys: Sequence[Hashable]) -> None:
         """The node did not hold what these keys claimed."""
+        self._last = None
         d = self._keys
         for k in keys:
             d.pop(k, None)
 
     def clear(self) -> None:
+        self._last = None
         self._keys.clear()

@@ -27,7 +27,7 @@ from typing import Any, Protocol
 
 from kilolined.core.config import NodeConfig, RouteConfig
 from kilolined.scheduling import affinity as aff
-from kilolined.scheduling.affinity import Affinity, PrefixIndex
+from kilolined.scheduling.affinity import Affinity, KeyMemo, PrefixIndex
 from kilolined.scheduling.nodes import NodeState
 
 WAITING, LEASED, DONE, FAILED = "waiting", "leased", "done", "failed"
@@ -351,6 +351,8 @@ class Scheduler:
         self.capacity_used: dict[str, float] = {}  # node -> the costs of its leases
         self.swaps: Counter[str] = Counter()  # node -> dispatches that made it load a model
         self.indexes: dict[str, PrefixIndex] = {}  # node -> the prefix keys dispatched to it
+        #: recent messages with their prefix keys: a prefix sent again is compared, not hashed again
+        self.key_memo = KeyMemo()
         #: node -> the prefix requests in flight there (a few: a node runs N), to tell a busy match
         self.prefix_flight: dict[str, list[Affinity]] = {}
         #: (route, hit|miss|load) -> affinity decisions (kiloline_affinity_decisions_total)
@@ -499,26 +501,47 @@ class Scheduler:
     def _affine(self, names: list[str], rq: RouteQueue, t: Ticket, a: Affinity, now: float) -> str | None:
         """Among ``names`` that can take ``t`` now, the one affinity prefers; the slow-node and
         cold-model ranks come first, as in ``_least_loaded``. Busy nodes are never waited for."""
-        free = [n for n in names if self.can_take(rq, n, now, t.cost)]
-        if not free:
-            return None
         if a.mode == aff.SESSION:
-            return self._by_session(free, names, rq, t, a)
-        matches = {n: self._match(n, a) for n in names}
-        best_any = max(matches.values(), default=0)
-        if best_any == 0 or not any(matches[n] for n in free):
-            # Nowhere (free) holds it: least-loaded, ties by rendezvous of the first key, so that
+            able = [n for n in names if self.can_take(rq, n, now, t.cost)]
+            return self._by_session(able, names, rq, t, a) if able else None
+        # One pass over the nodes (this runs for every prefix request): each one's match, and
+        # among those free the lowest (slowed, cold, uncached bytes × (in-flight + 1), longer
+        # match, order in ``names``): a longer match is worth a busier node, up to a point.
+        model, nodes, inflight, indexes, keys = t.model, self.nodes, self.node_inflight, self.indexes, a.keys
+        size, block = a.size, a.block
+        free: list[str] = []
+        node: str | None = None
+        best: tuple[bool, bool, int, int, int] | None = None
+        got = best_any = free_any = 0
+        for i, n in enumerate(names):
+            idx = indexes.get(n)
+            m = 0
+            if idx is not None:
+                ns = nodes.get(n)
+                if ns is not None and (idx.url != ns.cfg.url or idx.started != ns.started):
+                    idx = self._index(n)  # another process or address: emptied
+                m = idx.match(keys) if idx is not None else 0
+                if m > best_any:
+                    best_any = m
+            if not self.can_take(rq, n, now, t.cost):
+                continue
+            free.append(n)
+            ns = nodes[n]
+            score = (ns.slowed, model is not None and not ns.models.is_warm(model),
+                     max(0, size - m * block) * (inflight[n] + 1), -m, i)
+            if best is None or score < best:
+                node, best, got = n, score, m
+            if m:
+                free_any = m
+        if node is None:
+            return None
+        if not free_any:
+            # Nowhere free holds it: least-loaded, ties by rendezvous of the first key, so that
             # gateways and restarts agree where a new prefix goes.
-            first = a.keys[0]
-            node = min(free, key=lambda n: (self._last(n, t.model), self.node_inflight[n],
+            first = keys[0]
+            node = min(free, key=lambda n: (self._last(n, model), inflight[n],
                                             tuple(-b for b in aff.weight(first, n))))
-        else:
-            # Uncached bytes × (in-flight + 1): a longer match is worth a busier node, up to a point.
-            order = {n: i for i, n in enumerate(free)}
-            node = min(free, key=lambda n: (self._last(n, t.model),
-                                            a.uncached(matches[n]) * (self.node_inflight[n] + 1),
-                                            -matches[n], order[n]))
-        got = matches[node]
+            got = 0
         a.node, a.match = node, got
         a.outcome = aff.MISS if best_any == 0 else aff.HIT if got >= best_any else aff.LOAD
         return node
@@ -575,13 +598,26 @@ class Scheduler:
         assert a.outcome is not None
         self.affinity_decisions[(rq.name, a.outcome)] += 1
         if a.mode == aff.PREFIX:
-            flight = self.prefix_flight.setdefault(node, [])
-            a.busy = a.match > 0 and any(a.shares(o, a.match) for o in flight)
+            flight = self.prefix_flight.get(node)
+            if flight is None:
+                flight = self.prefix_flight[node] = []
+            busy, m = False, a.match
+            if m > 0:
+                # Another in flight there holds the first m keys (chained: key m-1 names them).
+                k = a.keys[m - 1]
+                for o in flight:
+                    ok = o.keys
+                    if len(ok) >= m and ok[m - 1] == k:
+                        busy = True
+                        break
+            a.busy = busy
             flight.append(a)
             a.held = node
-            idx = self._index(node)
+            idx = self.indexes.get(node)
+            ns = self.nodes[node]
+            if idx is not None and (idx.url != ns.cfg.url or idx.started != ns.started):
+                idx = self._index(node)  # another process or address: emptied
             if idx is None:
-                ns = self.nodes[node]
                 idx = self.indexes[node] = PrefixIndex(started=ns.started, url=ns.cfg.url)
             idx.record(a.keys)
 
@@ -591,10 +627,13 @@ class Scheduler:
         flight = self.prefix_flight.get(node)
         if flight is None:
             return
-        for i, o in enumerate(flight):
-            if o is a:  # identity: two requests for one document carry equal Affinity values
-                del flight[i]
-                break
+        if flight[0] is a:  # the oldest in flight, most often: no search
+            del flight[0]
+        else:
+            for i, o in enumerate(flight):
+                if o is a:  # identity: two requests for one document carry equal Affinity values
+                    del flight[i]
+                    break
         if not flight:
             del self.prefix_flight[node]
 
