@@ -152,18 +152,13 @@ def prefix_affinity(route: str, data: dict[str, Any], block: int, memo: KeyMemo 
     """A chat or completion request's prefix keys; None when it has no text to index. ``memo``
     (the scheduler's) remembers recent messages, so that a prefix sent before is not hashed again;
     without one the keys are computed from nothing, the same keys."""
-    got = (memo if memo is not None else KeyMemo()).keys(route, data, block)
-    if got is None:
-        return None
-    keys, size = got
-    return Affinity(PREFIX, keys, size=size, block=block)
+    return (memo if memo is not None else KeyMemo()).affinity(route, data, block)
 
 
 #: the most bytes of message text, keys and tails ``KeyMemo`` keeps (least recently used dropped)
 MEMO_BYTES = 4 * 1024 * 1024
 #: what an entry costs beside its text and keys (objects and the lookup tuple), for the bound
 _ENTRY_BYTES = 400
-_CHAT, _PROMPT = 0, 1
 #: characters of a message's head and tail in its lookup tuple: a cheap probe, the whole text
 #: is compared (memcmp) before an entry is used
 _PROBE = 32
@@ -251,8 +246,8 @@ class KeyMemo:
     def __len__(self) -> int:
         return len(self._entries)
 
-    def keys(self, route: str, data: dict[str, Any], block: int) -> tuple[tuple[int, ...], int] | None:
-        """The request's chained keys and the bytes of canonical text they cover; None if empty."""
+    def affinity(self, route: str, data: dict[str, Any], block: int) -> Affinity | None:
+        """The request's prefix affinity: the chained keys of its canonical text, or None if empty."""
         # Inline, the lookups of what was seen before (the model, then each message): this runs
         # for every message of every prefix request.
         entries = self._entries
@@ -260,7 +255,7 @@ class KeyMemo:
         if not isinstance(model, str):
             model = None
         tools = data.get("tools")
-        probe: tuple[Any, ...] = (0, route, model, block, orjson.dumps(tools) if tools is not None else None)
+        probe: tuple[Any, ...] = (route, model, block, orjson.dumps(tools) if tools is not None else None)
         step = entries.get(probe)
         if step is None:
             step = self._root(probe, route, model, block)
@@ -271,29 +266,35 @@ class KeyMemo:
             for m in messages:
                 if step.size >= MAX_INDEXED_BYTES:
                     break  # the rest would be cut anyway
-                if not isinstance(m, dict):
+                try:
+                    role, text = m.get("role"), m.get("content")
+                except AttributeError:  # not an object (only a JSON object has .get): not a message
                     continue
-                role, text = m.get("role"), m.get("content")
                 if not isinstance(role, str):
                     role = ""
                 if not isinstance(text, str):
                     text = _content_text(text)
-                probe = (step.id, _CHAT, role, len(text), text[:_PROBE], text[-_PROBE:])
+                probe = (step.id, role, len(text), text[-_PROBE:])
                 seen = entries.get(probe)
                 if seen is not None and seen.text == text:
                     entries.move_to_end(probe)
                     step = seen
                 else:
-                    step = self._add(step, probe, b"".join((role.encode(), b"\0", text.encode(), b"\0")), text,
-                                     block)
+                    step = self._add(step, probe, role, text, block)
         else:
             prompt = data.get("prompt")
-            if prompt is not None:
+            if prompt is not None and step.size < MAX_INDEXED_BYTES:
                 text_ = prompt if isinstance(prompt, str) else orjson.dumps(prompt)  # token ids, or a list
-                step = self._next(step, text_, block)
+                probe = (step.id, None, len(text_), text_[-_PROBE:])
+                seen = entries.get(probe)
+                if seen is not None and seen.text == text_:
+                    entries.move_to_end(probe)
+                    step = seen
+                else:
+                    step = self._add(step, probe, None, text_, block)
         if step.size == 0:
             return None
-        return step.final or step.done(), step.size
+        return Affinity(PREFIX, step.final or step.done(), size=step.size, block=block)
 
     def _root(self, probe: tuple[Any, ...], route: str, model: str | None, block: int) -> _Step:
         """The step of the model (then the tools' JSON, ``probe``'s last), which seeds the chain
@@ -305,19 +306,13 @@ class KeyMemo:
         self._put(probe, step)
         return step
 
-    def _next(self, prev: _Step, prompt: str | bytes, block: int) -> _Step:
-        """The step after ``prev`` with a completion's prompt."""
-        if prev.size >= MAX_INDEXED_BYTES:
-            return prev
-        probe = (prev.id, _PROMPT, "", len(prompt), prompt[:_PROBE], prompt[-_PROBE:])
-        seen = self._entries.get(probe)
-        if seen is not None and seen.text == prompt:
-            self._entries.move_to_end(probe)
-            return seen
-        return self._add(prev, probe, prompt.encode() if isinstance(prompt, str) else prompt, prompt, block)
-
-    def _add(self, prev: _Step, probe: tuple[Any, ...], piece: bytes, text: str | bytes, block: int) -> _Step:
-        """Hash ``piece`` (the canonical bytes of ``text``) on from ``prev``, and remember it."""
+    def _add(self, prev: _Step, probe: tuple[Any, ...], role: str | None, text: str | bytes, block: int) -> _Step:
+        """Hash the canonical bytes of a message (``role`` None: a completion's prompt) on from
+        ``prev``, and remember them."""
+        if role is None:
+            piece = text.encode() if isinstance(text, str) else text
+        else:
+            piece = b"".join((role.encode(), b"\0", text.encode() if isinstance(text, str) else text, b"\0"))
         step = _advance(prev, piece, block, next(self._ids), text)
         self._put(probe, step)
         return step

@@ -506,39 +506,45 @@ class Scheduler:
             return self._by_session(able, names, rq, t, a) if able else None
         # One pass over the nodes (this runs for every prefix request): each one's match, and
         # among those free the lowest (slowed, cold, uncached bytes × (in-flight + 1), longer
-        # match, order in ``names``): a longer match is worth a busier node, up to a point.
+        # match), the first in ``names`` of equals: a longer match is worth a busier node, up to
+        # a point.
         model, nodes, inflight, indexes, keys = t.model, self.nodes, self.node_inflight, self.indexes, a.keys
-        size, block = a.size, a.block
-        free: list[str] = []
+        size, block, cost = a.size, a.block, t.cost
         node: str | None = None
-        best: tuple[bool, bool, int, int, int] | None = None
+        best: tuple[bool, bool, int, int] | None = None
         got = best_any = free_any = 0
-        for i, n in enumerate(names):
+        for n in names:
             idx = indexes.get(n)
-            m = 0
-            if idx is not None:
-                ns = nodes.get(n)
-                if ns is not None and (idx.url != ns.cfg.url or idx.started != ns.started):
-                    idx = self._index(n)  # another process or address: emptied
-                m = idx.match(keys) if idx is not None else 0
-                if m > best_any:
-                    best_any = m
-            if not self.can_take(rq, n, now, t.cost):
+            if idx is None:
+                m = 0
+            else:
+                m = idx.match(keys)
+                if m:
+                    ns = nodes.get(n)
+                    if ns is not None and (idx.url != ns.cfg.url or idx.started != ns.started):
+                        # Another process or address: ``_index`` empties it. (An index that
+                        # matches nothing here is left for the next ``_index``: it changes nothing.)
+                        emptied = self._index(n)
+                        m = emptied.match(keys) if emptied is not None else 0
+                    if m > best_any:
+                        best_any = m
+            if not self.can_take(rq, n, now, cost):
                 continue
-            free.append(n)
             ns = nodes[n]
+            u = size - m * block
             score = (ns.slowed, model is not None and not ns.models.is_warm(model),
-                     max(0, size - m * block) * (inflight[n] + 1), -m, i)
-            if best is None or score < best:
+                     (u if u > 0 else 0) * (inflight.get(n, 0) + 1), -m)
+            if best is None or score < best:  # strictly: of equals, the first in ``names``
                 node, best, got = n, score, m
             if m:
-                free_any = m
+                free_any = 1
         if node is None:
             return None
         if not free_any:
             # Nowhere free holds it: least-loaded, ties by rendezvous of the first key, so that
             # gateways and restarts agree where a new prefix goes.
             first = keys[0]
+            free = [n for n in names if self.can_take(rq, n, now, cost)]
             node = min(free, key=lambda n: (self._last(n, model), inflight[n],
                                             tuple(-b for b in aff.weight(first, n))))
             got = 0
