@@ -13,8 +13,14 @@ Hashing is in C and costs a few hundred instructions a block (docs/CONFIG.md#aff
 BLAKE2b of the seed and the first block, so every gateway and every restart gives a new prefix the
 same rendezvous key; key i after it is key i-1 XOR the interpreter's SipHash of (i, block i), all
 blocks cut, hashed and chained by C iterators (no Python step per block). SipHash is keyed per
-process, which is right for an index that lives in one process's memory. These keys route, they
-secure nothing: a collision costs one misrouted request, which the node's reported reuse corrects.
+process, which is right for an index that lives in one process's memory: only key 0 leaves it
+(the cluster's rendezvous order is made from it). These keys route, they secure nothing: a
+collision costs one misrouted request, which the node's reported reuse corrects.
+
+Even in C, SipHash over 16 KiB is about 53k instructions, 5 % of a whole proxied request. Most
+prefix traffic sends a prefix again (a conversation's earlier turns, a shared system prompt), so
+``KeyMemo`` keeps the recent messages with the keys up to each: a message found there is compared
+(memcmp, a tenth of the hash's cost) and its keys reused; only new text is hashed.
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ from hashlib import blake2b
 from itertools import accumulate, count, repeat
 from operator import xor
 from struct import iter_unpack
+from sys import getsizeof
 from typing import Any
 
 import orjson
@@ -202,16 +209,28 @@ def _extend(keys: tuple[int, ...], first: bytes, data: memoryview, block: int) -
     return keys + tuple(accumulate(map(hash, tagged), xor, initial=keys[-1]))[1:]
 
 
-def _advance(prev: _Step, piece: bytes, block: int, sid: int, text: str | bytes) -> _Step:
-    """The step after ``prev`` with ``piece`` (a message's canonical bytes) appended, cut at
-    MAX_INDEXED_BYTES."""
+def _advance(prev: _Step, head: bytes, body: bytes, end: bytes, block: int, sid: int, text: str | bytes) -> _Step:
+    """The step after ``prev`` with a message's canonical bytes, ``head`` + ``body`` + ``end``,
+    appended, cut at MAX_INDEXED_BYTES. ``body`` (the text: most of the bytes) is hashed where it
+    lies; only the blocks it shares with its neighbours are copied."""
     room = MAX_INDEXED_BYTES - prev.size
-    if len(piece) > room:
-        piece = piece[:room]
-    data = prev.tail + piece if prev.tail else piece
-    cut = len(data) - len(data) % block
-    keys = _extend(prev.keys, prev.first, memoryview(data)[:cut], block) if cut else prev.keys
-    return _Step(sid, prev.first, keys, data[cut:], prev.size + len(piece), text)
+    added = len(head) + len(body) + len(end)
+    first, keys = prev.first, prev.keys
+    lead = prev.tail + head  # small: a block's worth at most, and the role
+    skip = -len(lead) % block  # the body's bytes that complete the block ``lead`` begins
+    full = (len(body) - skip) // block * block
+    if added > room or full <= 0:  # short, or cut: in one piece
+        data = b"".join((lead, body, end))[:len(prev.tail) + room]
+        cut = len(data) - len(data) % block
+        keys = _extend(keys, first, memoryview(data)[:cut], block) if cut else keys
+        return _Step(sid, first, keys, data[cut:], prev.size + min(added, room), text)
+    if lead:
+        keys = _extend(keys, first, memoryview(lead + body[:skip]), block)
+    keys = _extend(keys, first, memoryview(body)[skip:skip + full], block)
+    rest = body[skip + full:] + end
+    cut = len(rest) - len(rest) % block
+    keys = _extend(keys, first, memoryview(rest)[:cut], block) if cut else keys
+    return _Step(sid, first, keys, rest[cut:], prev.size + added, text)
 
 
 def _content_text(content: Any) -> str:
@@ -300,20 +319,20 @@ class KeyMemo:
         """The step of the model (then the tools' JSON, ``probe``'s last), which seeds the chain
         with the route."""
         tj: bytes | None = probe[-1]
-        head = (model or "").encode() + b"\0" + (tj + b"\0" if tj is not None else b"")
         empty = _Step(0, seed(route, model), (), b"", 0)
-        step = _advance(empty, head, block, next(self._ids), tj or b"")
+        step = _advance(empty, (model or "").encode() + b"\0", tj or b"", b"\0" if tj is not None else b"", block,
+                        next(self._ids), tj or b"")
         self._put(probe, step)
         return step
 
     def _add(self, prev: _Step, probe: tuple[Any, ...], role: str | None, text: str | bytes, block: int) -> _Step:
         """Hash the canonical bytes of a message (``role`` None: a completion's prompt) on from
         ``prev``, and remember them."""
+        body = text.encode() if isinstance(text, str) else text
         if role is None:
-            piece = text.encode() if isinstance(text, str) else text
+            step = _advance(prev, b"", body, b"", block, next(self._ids), text)
         else:
-            piece = b"".join((role.encode(), b"\0", text.encode() if isinstance(text, str) else text, b"\0"))
-        step = _advance(prev, piece, block, next(self._ids), text)
+            step = _advance(prev, role.encode() + b"\0", body, b"\0", block, next(self._ids), text)
         self._put(probe, step)
         return step
 
@@ -329,7 +348,8 @@ class KeyMemo:
 
 
 def _cost(step: _Step) -> int:
-    return len(step.text) + 8 * len(step.keys) + len(step.tail) + _ENTRY_BYTES
+    """An entry's memory, about: its text (as stored: 1, 2 or 4 bytes a character), keys, tail."""
+    return getsizeof(step.text) + 8 * len(step.keys) + len(step.tail) + _ENTRY_BYTES
 
 
 def session_affinity(route: str, session: str) -> Affinity:
@@ -433,10 +453,13 @@ class PrefixIndex:
         try:  # a prefix seen before: its keys only move (C iterators, no Python step per key)
             deque(moves, maxlen=0)
         except KeyError:  # some are new: add them, then the same moves, in the same order
+            before = len(d)
             d.update(zip(reversed(keys), repeat(None)))
-            deque(map(d.move_to_end, reversed(keys)), maxlen=0)
-        while len(d) > self.limit:
-            d.popitem(last=False)
+            if len(d) - before < len(keys):  # all new (a new prefix): already in order
+                deque(map(d.move_to_end, reversed(keys)), maxlen=0)
+        excess = len(d) - self.limit
+        if excess > 0:  # the least recently dispatched go, in C
+            deque(map(d.popitem, repeat(False, excess)), maxlen=0)
         self._last = keys if keys.__class__ is tuple and len(keys) <= self.limit else None
 
     def drop(self, keys: Sequence[Hashable]) -> None:

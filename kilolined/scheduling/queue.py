@@ -513,6 +513,7 @@ class Scheduler:
         node: str | None = None
         best: tuple[bool, bool, int, int] | None = None
         got = best_any = free_any = 0
+        free: list[str] = []
         for n in names:
             idx = indexes.get(n)
             if idx is None:
@@ -530,6 +531,7 @@ class Scheduler:
                         best_any = m
             if not self.can_take(rq, n, now, cost):
                 continue
+            free.append(n)
             ns = nodes[n]
             u = size - m * block
             score = (ns.slowed, model is not None and not ns.models.is_warm(model),
@@ -544,9 +546,9 @@ class Scheduler:
             # Nowhere free holds it: least-loaded, ties by rendezvous of the first key, so that
             # gateways and restarts agree where a new prefix goes.
             first = keys[0]
-            free = [n for n in names if self.can_take(rq, n, now, cost)]
+            # The highest weight first: as the weight's bytes compared, of equal length.
             node = min(free, key=lambda n: (self._last(n, model), inflight[n],
-                                            tuple(-b for b in aff.weight(first, n))))
+                                            -int.from_bytes(aff.weight(first, n), "big")))
             got = 0
         a.node, a.match = node, got
         a.outcome = aff.MISS if best_any == 0 else aff.HIT if got >= best_any else aff.LOAD
