@@ -15,8 +15,12 @@ on our upstream client, bare uvloop + httptools) and prints the gateway's ratio 
     python scripts/bench_callgrind.py [--n1 300 --n2 1300] [--python .venv/bin/python] [--floors all]
 
 ``--affinity off|prefix`` measures a 16 KiB OpenAI chat body instead, on an ``openai`` route at
-``/v1`` over three nodes (one nginx) with that ``affinity``: the difference of the two is what the
-prefix index costs per request (canonical text, 64 BLAKE2b keys, the match on each node, the record).
+``/v1`` over three nodes (one nginx) with that ``affinity``: the difference of the two is what
+prefix affinity costs per request (the keys, the match on each node, the choice, the record).
+Every request sends the same document, as a chat's follow-ups and a shared system prompt do: its
+messages are found in the gateway's memo and compared, not hashed again. ``--distinct`` makes
+each request's document a new one (its first bytes are the request's number), for what a prefix
+never seen costs: its whole text cut into blocks and hashed.
 """
 
 from __future__ import annotations
@@ -31,17 +35,42 @@ import sys
 import time
 from pathlib import Path
 
+import aiohttp
 import benchlib as bl
 import orjson
 
 FLOORS = ("aiohttp-app", "aiohttp-server", "aiohttp-proxy", "uvloop-proxy")  # scripts/bench_floors.py
 
 
-def chat_body(size: int = 16 * 1024) -> bytes:
-    """A chat request of ``size`` bytes: a long system document and a short question."""
+def chat_body(size: int = 16 * 1024, number: int | None = None) -> bytes:
+    """A chat request of ``size`` bytes: a long system document and a short question; with a
+    ``number``, a document that starts with it (another document for every number)."""
     doc = ("The quick brown fox jumps over the lazy dog. " * (size // 45 + 1))[: size - 200]
+    if number is not None:
+        doc = f"{number:010d} {doc[11:]}"
     return orjson.dumps({"model": "bench", "max_tokens": 8, "messages": [
         {"role": "system", "content": doc}, {"role": "user", "content": "What does the fox do?"}]})
+
+
+async def post_distinct(url: str, n: int, start: int, conc: int = 8) -> None:
+    """``n`` POSTs as ``benchlib.post_keepalive`` sends them, each with another document."""
+    bodies = iter([chat_body(number=start + i) for i in range(n)])
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=conc)) as s:
+        async def worker() -> None:
+            for body in bodies:
+                async with s.post(url, data=body, headers={"Authorization": f"Bearer {bl.API_KEY}"}) as r:
+                    await r.read()
+                    assert r.status == 200, r.status
+
+        await asyncio.gather(*(worker() for _ in range(conc)))
+
+
+def send(url: str, body: bytes, n: int, distinct: int | None) -> None:
+    """``n`` requests of ``body``, or with ``distinct`` (the first number) each with its own document."""
+    if distinct is None:
+        asyncio.run(bl.post_keepalive(url, n, body=body))
+    else:
+        asyncio.run(post_distinct(url, n, distinct))
 
 
 def chat_routes(affinity: str) -> dict[str, dict[str, object]]:
@@ -73,7 +102,8 @@ def server_cmd(what: str, python: str, wd: Path, port: int, node_port: int, n: i
     return [python, floors, what, "--port", str(port), "--upstream", f"http://127.0.0.1:{node_port}"]
 
 
-def run_one(what: str, python: str, wd: Path, node_port: int, n: int, affinity: str | None = None) -> int:
+def run_one(what: str, python: str, wd: Path, node_port: int, n: int, affinity: str | None = None,
+            distinct: bool = False) -> int:
     """Total instructions of one run of ``what`` serving 50 warm-up requests, then ``n``."""
     port = bl.free_port()
     out = wd / f"callgrind-{what}-{n}.out"
@@ -85,8 +115,8 @@ def run_one(what: str, python: str, wd: Path, node_port: int, n: int, affinity: 
     try:
         bl.wait_port(port, timeout=1800, proc=p)  # minutes on a loaded box
         url, body = request_of(port, affinity)
-        asyncio.run(bl.post_keepalive(url, 50, body=body))  # warm-up, the same in both runs
-        asyncio.run(bl.post_keepalive(url, n, body=body))
+        send(url, body, 50, 0 if distinct else None)  # warm-up, the same in both runs
+        send(url, body, n, 50 if distinct else None)
         p.send_signal(signal.SIGINT)
         p.wait(timeout=300)
     finally:
@@ -100,7 +130,8 @@ def run_one(what: str, python: str, wd: Path, node_port: int, n: int, affinity: 
     return int(m.group(1))
 
 
-def run_zeroed(what: str, python: str, wd: Path, node_port: int, n: int, affinity: str | None = None) -> float:
+def run_zeroed(what: str, python: str, wd: Path, node_port: int, n: int, affinity: str | None = None,
+               distinct: bool = False) -> float:
     """One run: after the warm-up the counters are zeroed (``callgrind_control -z``), ``n``
     requests are served, then dumped: instructions per request of exactly those ``n``, and a
     profile of nothing else (half the wall time of two runs; start-up under valgrind takes
@@ -115,9 +146,9 @@ def run_zeroed(what: str, python: str, wd: Path, node_port: int, n: int, affinit
     try:
         bl.wait_port(port, timeout=1800, proc=p)
         url, body = request_of(port, affinity)
-        asyncio.run(bl.post_keepalive(url, 50, body=body))
+        send(url, body, 50, 0 if distinct else None)
         subprocess.run(["callgrind_control", "-z", str(p.pid)], check=True, capture_output=True, timeout=600)
-        asyncio.run(bl.post_keepalive(url, n, body=body))
+        send(url, body, n, 50 if distinct else None)
         subprocess.run(["callgrind_control", "-d", str(p.pid)], check=True, capture_output=True, timeout=600)
         p.send_signal(signal.SIGINT)
         p.wait(timeout=600)
@@ -138,11 +169,11 @@ def run_zeroed(what: str, python: str, wd: Path, node_port: int, n: int, affinit
 
 
 def per_request(what: str, python: str, wd: Path, node_port: int, n1: int, n2: int, zeroed: bool = False,
-                affinity: str | None = None) -> float:
+                affinity: str | None = None, distinct: bool = False) -> float:
     if zeroed:
-        return run_zeroed(what, python, wd, node_port, n2 - n1, affinity)
-    a = run_one(what, python, wd, node_port, n1, affinity)
-    b = run_one(what, python, wd, node_port, n2, affinity)
+        return run_zeroed(what, python, wd, node_port, n2 - n1, affinity, distinct)
+    a = run_one(what, python, wd, node_port, n1, affinity, distinct)
+    b = run_one(what, python, wd, node_port, n2, affinity, distinct)
     per = (b - a) / (n2 - n1)
     print(f"{what}: {per:,.0f} instructions per request ({a:,} at {n1}, {b:,} at {n2})", flush=True)
     return per
@@ -158,9 +189,13 @@ def main() -> int:
     ap.add_argument("--no-gateway", action="store_true", help="measure the floors only")
     ap.add_argument("--affinity", choices=("off", "prefix"), default=None,
                     help="send a 16 KiB chat body to an openai route with this affinity")
+    ap.add_argument("--distinct", action="store_true",
+                    help="with --affinity: each request another document (a prefix never seen before)")
     ap.add_argument("--zeroed", action="store_true",
                     help="one run per server, counters zeroed after the warm-up, N2-N1 requests counted")
     args = ap.parse_args()
+    if args.distinct and args.affinity is None:
+        ap.error("--distinct needs --affinity")
     floors = list(FLOORS) if args.floors == "all" else [f for f in args.floors.split(",") if f]
     for f in floors:
         if f not in FLOORS:
@@ -170,7 +205,7 @@ def main() -> int:
         bl.start_nginx_origin(procs, node_port)
         t0 = time.monotonic()
         gw = None if args.no_gateway else per_request("kilolined", args.python, wd, node_port, args.n1, args.n2,
-                                                          args.zeroed, args.affinity)
+                                                          args.zeroed, args.affinity, args.distinct)
         if gw is not None:
             print(f"{os.path.realpath(args.python)}: {gw:,.0f} instructions per request")
         got = {f: per_request(f, args.python, wd, node_port, args.n1, args.n2, args.zeroed) for f in floors}

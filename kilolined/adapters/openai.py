@@ -27,7 +27,14 @@ from kilolined.adapters.base import Adapter, HttpAttempt, Tee
 from kilolined.core.config import RouteConfig
 from kilolined.core.outcome import Failure
 from kilolined.ops.runtime import Runtime
-from kilolined.scheduling.affinity import REUSED_AT_LEAST, SESSION, Affinity, prefix_affinity, session_affinity
+from kilolined.scheduling.affinity import (
+    REUSED_AT_LEAST,
+    SESSION,
+    Affinity,
+    KeyMemo,
+    prefix_affinity,
+    session_affinity,
+)
 from kilolined.scheduling.costs import choices, prompt_tokens
 from kilolined.scheduling.lease import LeaseScope, Sink
 from kilolined.scheduling.limits import seconds_to_midnight
@@ -85,19 +92,19 @@ def gateway_added_usage(ex: Exchange) -> bool:
     return bool(is_completion(ex) and data and data.get("stream") is True and not _asks_usage(data))
 
 
-def affinity_of(ex: Exchange, route: str, cfg: RouteConfig) -> Affinity | None:
+def affinity_of(ex: Exchange, route: str, cfg: RouteConfig, memo: KeyMemo | None = None) -> Affinity | None:
     """The request's affinity on a route that has one (docs/CONFIG.md#affinity): its session (the
-    ``X-Session-Id`` header, else an OpenAI body's ``user``), or its prompt's prefix keys."""
-    openai = cfg.kind == "openai" and is_completion(ex)
+    ``X-Session-Id`` header, else an OpenAI body's ``user``), or its prompt's prefix keys (``memo``,
+    the scheduler's, spares hashing again the messages of a prefix seen before)."""
     if cfg.affinity == SESSION:
         sid: Any = ex.request.headers.get("X-Session-Id")
-        if not sid and openai:
+        if not sid and cfg.kind == "openai" and is_completion(ex):
             sid = (request_json(ex) or {}).get("user")
         return session_affinity(route, sid) if isinstance(sid, str) and sid else None
-    if not openai:
+    if cfg.kind != "openai" or not is_completion(ex):
         return None
     data = request_json(ex)
-    return prefix_affinity(route, data, cfg.affinity_block_bytes) if data is not None else None
+    return prefix_affinity(route, data, cfg.affinity_block_bytes, memo) if data is not None else None
 
 
 def estimate_tokens(data: dict[str, Any]) -> int:

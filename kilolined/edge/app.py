@@ -392,7 +392,7 @@ def _ticket(gw: Gateway, call: Call) -> Ticket | web.StreamResponse:
     priority = principal.cfg.priority if principal else 0
     rcfg = rt.scheduler.routes[call.route_name].cfg
     # The prefix keys are computed here, once: every dispatch attempt reads them off the ticket.
-    affinity = affinity_of(ex, call.route_name, rcfg) if rcfg.affinity != "off" else None
+    affinity = affinity_of(ex, call.route_name, rcfg, rt.scheduler.key_memo) if rcfg.affinity != "off" else None
     try:
         return rt.admit(call.route_name, call.subject, priority, pinned_node=call.pinned_node,
                         cost=call.cost or 0.0, model=call.model, affinity=affinity)

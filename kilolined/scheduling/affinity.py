@@ -13,8 +13,14 @@ Hashing is in C and costs a few hundred instructions a block (docs/CONFIG.md#aff
 BLAKE2b of the seed and the first block, so every gateway and every restart gives a new prefix the
 same rendezvous key; key i after it is key i-1 XOR the interpreter's SipHash of (i, block i), all
 blocks cut, hashed and chained by C iterators (no Python step per block). SipHash is keyed per
-process, which is right for an index that lives in one process's memory. These keys route, they
-secure nothing: a collision costs one misrouted request, which the node's reported reuse corrects.
+process, which is right for an index that lives in one process's memory: only key 0 leaves it
+(the cluster's rendezvous order is made from it). These keys route, they secure nothing: a
+collision costs one misrouted request, which the node's reported reuse corrects.
+
+Even in C, SipHash over 16 KiB is about 53k instructions, 5 % of a whole proxied request. Most
+prefix traffic sends a prefix again (a conversation's earlier turns, a shared system prompt), so
+``KeyMemo`` keeps the recent messages with the keys up to each: a message found there is compared
+(memcmp, a tenth of the hash's cost) and its keys reused; only new text is hashed.
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ from hashlib import blake2b
 from itertools import accumulate, count, repeat
 from operator import xor
 from struct import iter_unpack
+from sys import getsizeof
 from typing import Any
 
 import orjson
@@ -148,14 +155,201 @@ def chain(text: bytes, first: bytes, block: int) -> tuple[int, ...]:
     return tuple(keys)
 
 
-def prefix_affinity(route: str, data: dict[str, Any], block: int) -> Affinity | None:
-    """A chat or completion request's prefix keys; None when it has no text to index."""
-    text = canonical(data)
-    model = data.get("model")
-    keys = chain(text, seed(route, model if isinstance(model, str) else None), block)
+def prefix_affinity(route: str, data: dict[str, Any], block: int, memo: KeyMemo | None = None) -> Affinity | None:
+    """A chat or completion request's prefix keys; None when it has no text to index. ``memo``
+    (the scheduler's) remembers recent messages, so that a prefix sent before is not hashed again;
+    without one the keys are computed from nothing, the same keys."""
+    return (memo if memo is not None else KeyMemo()).affinity(route, data, block)
+
+
+#: the most bytes of message text, keys and tails ``KeyMemo`` keeps (least recently used dropped)
+MEMO_BYTES = 4 * 1024 * 1024
+#: what an entry costs beside its text and keys (objects and the lookup tuple), for the bound
+_ENTRY_BYTES = 400
+#: characters of a message's head and tail in its lookup tuple: a cheap probe, the whole text
+#: is compared (memcmp) before an entry is used
+_PROBE = 32
+
+
+@dataclass(slots=True, eq=False)
+class _Step:
+    """The canonical text up to the end of one message (or the model and tools): the keys of its
+    full blocks, the bytes after them, its length; what it was made from, to verify a lookup."""
+
+    id: int
+    first: bytes  # the chain's seed
+    keys: tuple[int, ...]
+    tail: bytes
+    size: int
+    text: str | bytes = b""
+    final: tuple[int, ...] | None = None  # keys with the tail's own, made once
+
+    def done(self) -> tuple[int, ...]:
+        if self.final is None:
+            self.final = (*self.keys, _tail_key(self.keys, self.first, self.tail)) if self.tail else self.keys
+        return self.final
+
+
+def _tail_key(keys: tuple[int, ...], first: bytes, tail: bytes) -> int:
+    """The key of the short last block: as any other block's (``chain``)."""
     if not keys:
-        return None
-    return Affinity(PREFIX, keys, size=len(text), block=block)
+        return _key(blake2b(first + tail, digest_size=8).digest())
+    return keys[-1] ^ hash((len(keys), (tail,)))
+
+
+def _extend(keys: tuple[int, ...], first: bytes, data: memoryview, block: int) -> tuple[int, ...]:
+    """``keys`` followed by the keys of ``data``'s full blocks (``data`` continues the text ``keys``
+    name; a multiple of ``block`` bytes), hashed and chained by C iterators as in ``chain``."""
+    if not keys:
+        keys = (_key(blake2b(first + data[:block], digest_size=8).digest()),)
+        data = data[block:]
+    if not data:
+        return keys
+    tagged = zip(count(len(keys)), iter_unpack(f"{block}s", data))
+    return keys + tuple(accumulate(map(hash, tagged), xor, initial=keys[-1]))[1:]
+
+
+def _advance(prev: _Step, head: bytes, body: bytes, end: bytes, block: int, sid: int, text: str | bytes) -> _Step:
+    """The step after ``prev`` with a message's canonical bytes, ``head`` + ``body`` + ``end``,
+    appended, cut at MAX_INDEXED_BYTES. ``body`` (the text: most of the bytes) is hashed where it
+    lies; only the blocks it shares with its neighbours are copied."""
+    room = MAX_INDEXED_BYTES - prev.size
+    added = len(head) + len(body) + len(end)
+    first, keys = prev.first, prev.keys
+    lead = prev.tail + head  # small: a block's worth at most, and the role
+    skip = -len(lead) % block  # the body's bytes that complete the block ``lead`` begins
+    full = (len(body) - skip) // block * block
+    if added > room or full <= 0:  # short, or cut: in one piece
+        data = b"".join((lead, body, end))[:len(prev.tail) + room]
+        cut = len(data) - len(data) % block
+        keys = _extend(keys, first, memoryview(data)[:cut], block) if cut else keys
+        return _Step(sid, first, keys, data[cut:], prev.size + min(added, room), text)
+    if lead:
+        keys = _extend(keys, first, memoryview(lead + body[:skip]), block)
+    keys = _extend(keys, first, memoryview(body)[skip:skip + full], block)
+    rest = body[skip + full:] + end
+    cut = len(rest) - len(rest) % block
+    keys = _extend(keys, first, memoryview(rest)[:cut], block) if cut else keys
+    return _Step(sid, first, keys, rest[cut:], prev.size + added, text)
+
+
+def _content_text(content: Any) -> str:
+    """A message's content as the canonical text has it: a string, or a list's text parts in
+    order (UTF-8 of the parts one after another is UTF-8 of their concatenation)."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        return "".join([p["text"] for p in content if isinstance(p, dict) and isinstance(p.get("text"), str)])
+    return ""
+
+
+class KeyMemo:
+    """Recent canonical texts, message by message, with the keys of each prefix: a request whose
+    first messages were seen (a system prompt, the turns before this one) hashes only the rest.
+
+    An entry is found by its parent, its role and a probe of its text (length, head and tail),
+    and used only when its whole text equals the message's (a compare, not a hash: memcmp is an
+    order of magnitude cheaper than SipHash over the same bytes). The keys are those of
+    ``chain(canonical(data), seed(route, model), block)``, whether hashed now or remembered.
+    Bounded by MEMO_BYTES, least recently used dropped; it holds recent prompts' text, as the
+    gateway's request buffers do, for no longer than it takes others to push them out."""
+
+    __slots__ = ("_bytes", "_entries", "_ids", "limit")
+
+    def __init__(self, limit: int = MEMO_BYTES):
+        self._entries: OrderedDict[tuple[Any, ...], _Step] = OrderedDict()
+        self._bytes = 0
+        self._ids = count(1)
+        self.limit = limit
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def affinity(self, route: str, data: dict[str, Any], block: int) -> Affinity | None:
+        """The request's prefix affinity: the chained keys of its canonical text, or None if empty."""
+        # Inline, the lookups of what was seen before (the model, then each message): this runs
+        # for every message of every prefix request.
+        entries = self._entries
+        model = data.get("model")
+        if not isinstance(model, str):
+            model = None
+        tools = data.get("tools")
+        probe: tuple[Any, ...] = (route, model, block, orjson.dumps(tools) if tools is not None else None)
+        step = entries.get(probe)
+        if step is None:
+            step = self._root(probe, route, model, block)
+        else:
+            entries.move_to_end(probe)
+        messages = data.get("messages")
+        if isinstance(messages, list):
+            for m in messages:
+                if step.size >= MAX_INDEXED_BYTES:
+                    break  # the rest would be cut anyway
+                try:
+                    role, text = m.get("role"), m.get("content")
+                except AttributeError:  # not an object (only a JSON object has .get): not a message
+                    continue
+                if not isinstance(role, str):
+                    role = ""
+                if not isinstance(text, str):
+                    text = _content_text(text)
+                probe = (step.id, role, len(text), text[-_PROBE:])
+                seen = entries.get(probe)
+                if seen is not None and seen.text == text:
+                    entries.move_to_end(probe)
+                    step = seen
+                else:
+                    step = self._add(step, probe, role, text, block)
+        else:
+            prompt = data.get("prompt")
+            if prompt is not None and step.size < MAX_INDEXED_BYTES:
+                text_ = prompt if isinstance(prompt, str) else orjson.dumps(prompt)  # token ids, or a list
+                probe = (step.id, None, len(text_), text_[-_PROBE:])
+                seen = entries.get(probe)
+                if seen is not None and seen.text == text_:
+                    entries.move_to_end(probe)
+                    step = seen
+                else:
+                    step = self._add(step, probe, None, text_, block)
+        if step.size == 0:
+            return None
+        return Affinity(PREFIX, step.final or step.done(), size=step.size, block=block)
+
+    def _root(self, probe: tuple[Any, ...], route: str, model: str | None, block: int) -> _Step:
+        """The step of the model (then the tools' JSON, ``probe``'s last), which seeds the chain
+        with the route."""
+        tj: bytes | None = probe[-1]
+        empty = _Step(0, seed(route, model), (), b"", 0)
+        step = _advance(empty, (model or "").encode() + b"\0", tj or b"", b"\0" if tj is not None else b"", block,
+                        next(self._ids), tj or b"")
+        self._put(probe, step)
+        return step
+
+    def _add(self, prev: _Step, probe: tuple[Any, ...], role: str | None, text: str | bytes, block: int) -> _Step:
+        """Hash the canonical bytes of a message (``role`` None: a completion's prompt) on from
+        ``prev``, and remember them."""
+        body = text.encode() if isinstance(text, str) else text
+        if role is None:
+            step = _advance(prev, b"", body, b"", block, next(self._ids), text)
+        else:
+            step = _advance(prev, role.encode() + b"\0", body, b"\0", block, next(self._ids), text)
+        self._put(probe, step)
+        return step
+
+    def _put(self, probe: tuple[Any, ...], step: _Step) -> None:
+        entries = self._entries
+        old = entries.pop(probe, None)
+        if old is not None:
+            self._bytes -= _cost(old)
+        entries[probe] = step
+        self._bytes += _cost(step)
+        while self._bytes > self.limit and entries:
+            self._bytes -= _cost(entries.popitem(last=False)[1])
+
+
+def _cost(step: _Step) -> int:
+    """An entry's memory, about: its text (as stored: 1, 2 or 4 bytes a character), keys, tail."""
+    return getsizeof(step.text) + 8 * len(step.keys) + len(step.tail) + _ENTRY_BYTES
 
 
 def session_affinity(route: str, session: str) -> Affinity:
@@ -210,10 +404,14 @@ def restarted(known: float | None, seen: float) -> bool:
 class PrefixIndex:
     """One node's keys, least recently dispatched first, at most ``limit``."""
 
-    __slots__ = ("_keys", "limit", "started", "url")
+    __slots__ = ("_keys", "_last", "limit", "started", "url")
 
     def __init__(self, limit: int = DEFAULT_INDEX_KEYS, started: float | None = None, url: str | None = None):
         self._keys: OrderedDict[Hashable, None] = OrderedDict()
+        #: the chain recorded last, whole, with nothing recorded or dropped since: its keys are the
+        #: most recent, in record order, so recording it again changes nothing and it matches whole
+        #: (``KeyMemo`` gives a prefix sent again the same tuple)
+        self._last: tuple[Hashable, ...] | None = None
         self.limit = limit
         #: the node's reported start time when these keys were recorded: another one empties it
         self.started = started
@@ -231,6 +429,8 @@ class PrefixIndex:
         before its head; a misprediction drops a request's keys from key 0 on, which leaves only
         keys that cannot match without it, and the first key is checked. About 7 probes for a
         chain of 64, where a probe per key costs more than the rest of the decision."""
+        if keys is self._last:
+            return len(keys)
         d = self._keys
         if not keys or keys[0] not in d:
             return 0
@@ -246,21 +446,29 @@ class PrefixIndex:
     def record(self, keys: Sequence[Hashable]) -> None:
         """``keys`` were dispatched here. Recorded deepest first, so that under pressure a prefix
         loses its tail before its head (a broken head would lose the whole match)."""
+        if keys is self._last:
+            return
         d = self._keys
         moves = map(d.move_to_end, reversed(keys))
         try:  # a prefix seen before: its keys only move (C iterators, no Python step per key)
             deque(moves, maxlen=0)
         except KeyError:  # some are new: add them, then the same moves, in the same order
+            before = len(d)
             d.update(zip(reversed(keys), repeat(None)))
-            deque(map(d.move_to_end, reversed(keys)), maxlen=0)
-        while len(d) > self.limit:
-            d.popitem(last=False)
+            if len(d) - before < len(keys):  # all new (a new prefix): already in order
+                deque(map(d.move_to_end, reversed(keys)), maxlen=0)
+        excess = len(d) - self.limit
+        if excess > 0:  # the least recently dispatched go, in C
+            deque(map(d.popitem, repeat(False, excess)), maxlen=0)
+        self._last = keys if keys.__class__ is tuple and len(keys) <= self.limit else None
 
     def drop(self, keys: Sequence[Hashable]) -> None:
         """The node did not hold what these keys claimed."""
+        self._last = None
         d = self._keys
         for k in keys:
             d.pop(k, None)
 
     def clear(self) -> None:
+        self._last = None
         self._keys.clear()

@@ -27,7 +27,7 @@ from typing import Any, Protocol
 
 from kilolined.core.config import NodeConfig, RouteConfig
 from kilolined.scheduling import affinity as aff
-from kilolined.scheduling.affinity import Affinity, PrefixIndex
+from kilolined.scheduling.affinity import Affinity, KeyMemo, PrefixIndex
 from kilolined.scheduling.nodes import NodeState
 
 WAITING, LEASED, DONE, FAILED = "waiting", "leased", "done", "failed"
@@ -361,6 +361,8 @@ class Scheduler:
         self.capacity_used: dict[str, float] = {}  # node -> the costs of its leases
         self.swaps: Counter[str] = Counter()  # node -> dispatches that made it load a model
         self.indexes: dict[str, PrefixIndex] = {}  # node -> the prefix keys dispatched to it
+        #: recent messages with their prefix keys: a prefix sent again is compared, not hashed again
+        self.key_memo = KeyMemo()
         #: node -> the prefix requests in flight there (a few: a node runs N), to tell a busy match
         self.prefix_flight: dict[str, list[Affinity]] = {}
         #: (route, hit|miss|load) -> affinity decisions (kiloline_affinity_decisions_total)
@@ -509,26 +511,55 @@ class Scheduler:
     def _affine(self, names: list[str], rq: RouteQueue, t: Ticket, a: Affinity, now: float) -> str | None:
         """Among ``names`` that can take ``t`` now, the one affinity prefers; the slow-node and
         cold-model ranks come first, as in ``_least_loaded``. Busy nodes are never waited for."""
-        free = [n for n in names if self.can_take(rq, n, now, t.cost)]
-        if not free:
-            return None
         if a.mode == aff.SESSION:
-            return self._by_session(free, names, rq, t, a)
-        matches = {n: self._match(n, a) for n in names}
-        best_any = max(matches.values(), default=0)
-        if best_any == 0 or not any(matches[n] for n in free):
-            # Nowhere (free) holds it: least-loaded, ties by rendezvous of the first key, so that
+            able = [n for n in names if self.can_take(rq, n, now, t.cost)]
+            return self._by_session(able, names, rq, t, a) if able else None
+        # One pass over the nodes (this runs for every prefix request): each one's match, and
+        # among those free the lowest (slowed, cold, uncached bytes × (in-flight + 1), longer
+        # match), the first in ``names`` of equals: a longer match is worth a busier node, up to
+        # a point.
+        model, nodes, inflight, indexes, keys = t.model, self.nodes, self.node_inflight, self.indexes, a.keys
+        size, block, cost = a.size, a.block, t.cost
+        node: str | None = None
+        best: tuple[bool, bool, int, int] | None = None
+        got = best_any = free_any = 0
+        free: list[str] = []
+        for n in names:
+            idx = indexes.get(n)
+            if idx is None:
+                m = 0
+            else:
+                m = idx.match(keys)
+                if m:
+                    ns = nodes.get(n)
+                    if ns is not None and (idx.url != ns.cfg.url or idx.started != ns.started):
+                        # Another process or address: ``_index`` empties it. (An index that
+                        # matches nothing here is left for the next ``_index``: it changes nothing.)
+                        emptied = self._index(n)
+                        m = emptied.match(keys) if emptied is not None else 0
+                    if m > best_any:
+                        best_any = m
+            if not self.can_take(rq, n, now, cost):
+                continue
+            free.append(n)
+            ns = nodes[n]
+            u = size - m * block
+            score = (ns.slowed, model is not None and not ns.models.is_warm(model),
+                     (u if u > 0 else 0) * (inflight.get(n, 0) + 1), -m)
+            if best is None or score < best:  # strictly: of equals, the first in ``names``
+                node, best, got = n, score, m
+            if m:
+                free_any = 1
+        if node is None:
+            return None
+        if not free_any:
+            # Nowhere free holds it: least-loaded, ties by rendezvous of the first key, so that
             # gateways and restarts agree where a new prefix goes.
-            first = a.keys[0]
-            node = min(free, key=lambda n: (self._last(n, t.model), self.node_inflight[n],
-                                            tuple(-b for b in aff.weight(first, n))))
-        else:
-            # Uncached bytes × (in-flight + 1): a longer match is worth a busier node, up to a point.
-            order = {n: i for i, n in enumerate(free)}
-            node = min(free, key=lambda n: (self._last(n, t.model),
-                                            a.uncached(matches[n]) * (self.node_inflight[n] + 1),
-                                            -matches[n], order[n]))
-        got = matches[node]
+            first = keys[0]
+            # The highest weight first: as the weight's bytes compared, of equal length.
+            node = min(free, key=lambda n: (self._last(n, model), inflight[n],
+                                            -int.from_bytes(aff.weight(first, n), "big")))
+            got = 0
         a.node, a.match = node, got
         a.outcome = aff.MISS if best_any == 0 else aff.HIT if got >= best_any else aff.LOAD
         return node
@@ -585,13 +616,26 @@ class Scheduler:
         assert a.outcome is not None
         self.affinity_decisions[(rq.name, a.outcome)] += 1
         if a.mode == aff.PREFIX:
-            flight = self.prefix_flight.setdefault(node, [])
-            a.busy = a.match > 0 and any(a.shares(o, a.match) for o in flight)
+            flight = self.prefix_flight.get(node)
+            if flight is None:
+                flight = self.prefix_flight[node] = []
+            busy, m = False, a.match
+            if m > 0:
+                # Another in flight there holds the first m keys (chained: key m-1 names them).
+                k = a.keys[m - 1]
+                for o in flight:
+                    ok = o.keys
+                    if len(ok) >= m and ok[m - 1] == k:
+                        busy = True
+                        break
+            a.busy = busy
             flight.append(a)
             a.held = node
-            idx = self._index(node)
+            idx = self.indexes.get(node)
+            ns = self.nodes[node]
+            if idx is not None and (idx.url != ns.cfg.url or idx.started != ns.started):
+                idx = self._index(node)  # another process or address: emptied
             if idx is None:
-                ns = self.nodes[node]
                 idx = self.indexes[node] = PrefixIndex(started=ns.started, url=ns.cfg.url)
             idx.record(a.keys)
 
@@ -601,10 +645,13 @@ class Scheduler:
         flight = self.prefix_flight.get(node)
         if flight is None:
             return
-        for i, o in enumerate(flight):
-            if o is a:  # identity: two requests for one document carry equal Affinity values
-                del flight[i]
-                break
+        if flight[0] is a:  # the oldest in flight, most often: no search
+            del flight[0]
+        else:
+            for i, o in enumerate(flight):
+                if o is a:  # identity: two requests for one document carry equal Affinity values
+                    del flight[i]
+                    break
         if not flight:
             del self.prefix_flight[node]
 
