@@ -201,9 +201,6 @@ class Runtime:
         for name, ns in list(old_nodes.items()):
             if name not in all_nodes and not name.startswith("adhoc:"):
                 ns.retired = True
-            elif ns.cfg.slow is None and ns.slowed:
-                ns.slowed = False  # `slow: off`: whatever the watch had decided is lifted
-                self.speed.forget(name)
         for name, rcfg in cfg.routes.items():
             rcfg = self._with_pool_nodes(name, rcfg)
             rq = sched.routes.get(name)
@@ -226,6 +223,7 @@ class Runtime:
         self.keys = KeyStore(cfg)
         self.limiter.forget_except(set(cfg.keys))
         self.cfg = cfg
+        self.speed.lift_unwatched()
         self._gc(now)
 
     def _with_pool_nodes(self, route: str, rcfg: RouteConfig) -> RouteConfig:

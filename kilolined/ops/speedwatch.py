@@ -191,15 +191,9 @@ class SpeedWatch:
     def tick(self, now: float) -> None:
         """An ejected node's period is over: its trial — slots back through slow start, and the
         next ``samples`` requests judge it afresh (recovered, or ejected again for longer)."""
+        self.lift_unwatched()
         for name, ns in self.rt.scheduler.nodes.items():
             if ns.cfg.slow is None:
-                if ns.slow_state != SPEED_OK or ns.slowed:
-                    # `slow: off`: lifted, and quietly for the cluster (no words: not a recovery),
-                    # so Redis keeps no verdict for a gateway that turns it on again.
-                    ns.clear_slow()
-                    self._publish(ns)
-                if name in self.book.nodes:
-                    self.book.forget(name)  # its numbers too: judged afresh if it is turned on again
                 continue
             self._follow(ns)
             if self.book.trial(name, now):
@@ -210,6 +204,20 @@ class SpeedWatch:
                 log.info("~ [%s] trying again after being slow (slots ramp up)", name)
                 self._publish(ns)
                 self.rt.wake()
+
+    def lift_unwatched(self) -> None:
+        """``slow: off``: whatever the watch decided is lifted, at the reload that turns it off (and
+        at every tick after, for a verdict another gateway publishes meanwhile)."""
+        for name, ns in self.rt.scheduler.nodes.items():
+            if ns.cfg.slow is not None:
+                continue
+            if ns.slow_state != SPEED_OK or ns.slowed:
+                # Quietly for the cluster (no words: not a recovery), so Redis keeps no verdict
+                # for a gateway that turns it on again.
+                ns.clear_slow()
+                self._publish(ns)
+            if name in self.book.nodes:
+                self.book.forget(name)  # its numbers too: judged afresh if it is turned on again
 
     def stall(self, node: str, reason: str) -> None:
         """No byte from the node for ``stall_sec`` in a running request: out at once."""
