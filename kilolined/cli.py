@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import base64
 import logging
 import os
+import secrets
 import sys
 from collections.abc import Coroutine
 from typing import Any
@@ -113,6 +115,10 @@ def cmd_check(args: argparse.Namespace) -> int:
 
 
 def cmd_keygen(args: argparse.Namespace) -> int:
+    if args.whsec:
+        # 24 random bytes, as docs/CONFIG.md recommends for `jobs.webhook_secret`
+        print("whsec_" + base64.b64encode(secrets.token_bytes(24)).decode())
+        return 0
     key = new_key()
     name = args.id or "mykey"
     print(key)
@@ -198,6 +204,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     k = sub.add_parser("keygen", parents=[common], help="print a new API key and the YAML to paste")
     k.add_argument("--id", help="key id to use in the YAML")
+    k.add_argument("--whsec", action="store_true",
+                   help="print a webhook signing secret (whsec_…, for jobs.webhook_secret) instead")
     k.set_defaults(fn=cmd_keygen)
 
     f = sub.add_parser("fakegpu", parents=[common], help="run a simulated GPU inference server")

@@ -150,6 +150,12 @@ done
 if (( ${#made[@]} )); then
   echo "generated into $ETC/kiloline.env (hand them to your clients): ${made[*]}"
 fi
+# The job callbacks' signing secret, when the config reads it from the environment (the example
+# does): a random one, so an installed gateway signs its callbacks with a secret nobody else has.
+if grep -q '\${KILOLINE_WEBHOOK_SECRET[:}]' "$ETC/kiloline.yaml" && ! grep -q '^KILOLINE_WEBHOOK_SECRET=' "$ETC/kiloline.env"; then
+  printf 'KILOLINE_WEBHOOK_SECRET=%s\n' "$("$PREFIX/venv/bin/kilolined" keygen --whsec)" >> "$ETC/kiloline.env"
+  echo "generated into $ETC/kiloline.env (give it to your webhook receivers): KILOLINE_WEBHOOK_SECRET"
+fi
 # Every run, not only the first: an upgrade from an older install (root:root 0750, which the
 # dynamic user could not read) and a file copied in with root's umask are fixed here.
 chown root:"$GROUP" "$ETC"

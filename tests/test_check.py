@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
 
 from conftest import auth, base_config
 
+from kilolined.core.config import load_config
 from kilolined.ops.reload import reload_from_file
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -173,3 +176,26 @@ async def test_a_reload_to_a_guessable_key_changes_nothing(fakegpus, gateway, ht
         assert r.status == 401
     async with http.post(gw.url + "/gen/generate", json={}, headers=auth("alice")) as r:
         assert r.status == 200
+
+
+def test_the_published_webhook_secret_is_refused_and_an_empty_one_is_unsigned(tmp_path: Path) -> None:
+    """The Standard Webhooks documentation's secret (an older example's default) signs nothing
+    anyone can trust: refused at its line. The example's `${KILOLINE_WEBHOOK_SECRET:-}` unset means
+    unsigned callbacks, not a config error."""
+    published = "whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw"
+    f = tmp_path / "whsec.yaml"
+    body = ("nodes: {gpu: {url: 'http://127.0.0.1:1'}}\n"
+            "routes: {gen: {path: /gen, nodes: [gpu]}}\n")
+    f.write_text(f"jobs: {{webhook_secret: '{published}'}}\n" + body)
+    r = check(f, {})
+    assert r.returncode == 1
+    assert r.stdout.splitlines() == [
+        f"{f}:1: jobs.webhook_secret: the Standard Webhooks example secret, published: anyone can sign with it; "
+        "make one with `kilolined keygen --whsec`"]
+    f.write_text("jobs: {webhook_secret: '${KILOLINE_WEBHOOK_SECRET:-}'}\n" + body)
+    assert check(f, {}).returncode == 0
+    assert load_config(f, env={})[0].jobs.webhook_secret is None
+    made = subprocess.run([sys.executable, "-m", "kilolined", "keygen", "--whsec"], cwd=ROOT, capture_output=True,
+                          text=True, timeout=60).stdout.strip()
+    assert re.fullmatch(r"whsec_[A-Za-z0-9+/]{32}", made) and len(base64.b64decode(made[6:])) == 24
+    assert check(f, {"KILOLINE_WEBHOOK_SECRET": made}).returncode == 0

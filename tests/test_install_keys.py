@@ -7,8 +7,10 @@ needs root, skipped otherwise.
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import os
+import re
 import shutil
 import subprocess
 
@@ -27,6 +29,9 @@ def test_every_key_the_example_needs_is_generated(installed: Install) -> None:
     keys = [env["KILOLINE_ADMIN_KEY"], env["ALICE_KEY"], env["BOB_KEY"]]
     assert all(k.startswith("kl_") and len(k) == 35 for k in keys), env.keys()
     assert len(set(keys)) == 3
+    # and the job callbacks' signing secret the example reads from the environment: its own, random
+    whsec = env["KILOLINE_WEBHOOK_SECRET"]
+    assert re.fullmatch(r"whsec_[A-Za-z0-9+/]{32}", whsec) and len(base64.b64decode(whsec[6:])) == 24
     # The service's config passes check with exactly that environment (install.sh ran it too).
     r = subprocess.run([str(installed.prefix / "venv" / "bin" / "kilolined"), "check", "-c",
                         str(installed.etc / "kiloline.yaml")], env={"PATH": os.environ["PATH"], **env},

@@ -163,6 +163,9 @@ WELL_KNOWN_KEYS = (
 )
 WEAK_DIGESTS = frozenset(hashlib.sha256(w.encode()).hexdigest() for w in WELL_KNOWN_KEYS)
 _KEYGEN_HINT = "make one with `kilolined keygen`"
+# The signing secret of the Standard Webhooks documentation and test vectors (an older
+# etc/kiloline.yaml had it as its default): callbacks signed with it prove nothing.
+PUBLISHED_WHSECS = frozenset({"whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw"})
 
 
 class _Secret(_Model):
@@ -460,8 +463,11 @@ class JobsConfig(_Model):
     @field_validator("webhook_secret")
     @classmethod
     def _whsec(cls, v: str | None) -> str | None:
-        if v is None:
-            return v
+        if not v:
+            return None  # `"${KILOLINE_WEBHOOK_SECRET:-}"` unset: callbacks go unsigned
+        if v in PUBLISHED_WHSECS:
+            raise ValueError("the Standard Webhooks example secret, published: anyone can sign with it; "
+                             "make one with `kilolined keygen --whsec`")
         import base64
         import binascii
 
