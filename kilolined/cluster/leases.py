@@ -61,6 +61,9 @@ EXPIRE_SEC = 0.1  # how often queue timeouts are checked
 CALL_TIMEOUT_SEC = 2.0  # a Redis that does not answer within this is down
 POSITIONS_SEC = 1.0  # how often the cluster-wide positions and queue depths are re-read
 POOL_SIZE = 32  # connections to Redis per gateway
+# Ad-hoc routes dropped while Redis was out of reach, kept to be forgotten there: bounded, since
+# clients name targets freely (kilolined/ops/adhoc.py); past it the oldest keep their keys in Redis.
+FORGET_PENDING_MAX = 4096
 
 
 def gateway_id(cfg: Config) -> str:
@@ -101,6 +104,7 @@ class ClusterLeases:
         self._strays: set[str] = set()  # lease ids Redis counts for us that no request holds (one beat ago)
         self._restoring = False  # _restore is registering what we hold: nothing is dispatched alone meanwhile
         self._full: dict[str, RouteConfig | NodeConfig] = {}  # configs cut to a share, by route/node
+        self._forget: dict[str, str] = {}  # ad-hoc routes dropped here, not yet forgotten in Redis -> node ("")
         self._tasks: set[asyncio.Task[Any]] = set()
         self._sub_at: float | None = None  # when the grant channel was last subscribed (None: it is not)
         self._swept_for: float | None = None  # the subscription since which no message could be missed
@@ -320,6 +324,27 @@ class ClusterLeases:
         self._local.discard(lease.ticket)
         if lid is not None:
             self._untrack(lease.ticket)
+
+    def forget_route(self, route: str, node: str | None) -> None:
+        """An ad-hoc route this gateway dropped: gone from the scheduler now, and its keys from
+        Redis (scripts.FORGET keeps them while any gateway queues or runs on it). While Redis is
+        out of reach it is remembered, and forgotten there at the first heartbeat that reaches it."""
+        self.sched.forget_route(route, node)
+        self._full.pop(route, None)
+        self._forget[route] = node or ""
+        while len(self._forget) > FORGET_PENDING_MAX:
+            del self._forget[next(iter(self._forget))]  # the oldest: its few keys stay in Redis
+        if self.view.redis_up:
+            self._flush_forget()
+
+    def _flush_forget(self) -> None:
+        pending, self._forget = self._forget, {}
+        for route, node in pending.items():
+            self._call("FORGET", route, node).add_done_callback(partial(self._forgot, route, node))
+
+    def _forgot(self, route: str, node: str, fut: asyncio.Future[Any]) -> None:
+        if not fut.cancelled() and isinstance(fut.exception(), RedisError | OSError):
+            self._forget.setdefault(route, node)  # the next heartbeat tries again
 
     def dispatch(self, now: float) -> list[Lease]:
         # With Redis, the script that frees a slot hands it on; alone, the scheduler does.
@@ -549,6 +574,8 @@ class ClusterLeases:
         self.view.peers = out
         for p in out:
             self._seen[p.id] = max(self._seen.get(p.id, -math.inf), now - p.last_seen_sec)
+        if self._forget:
+            self._flush_forget()
 
     def _release_strays(self, held_here: set[str]) -> None:
         """Leases Redis counts for us that no request here holds: granted to a ticket whose grant

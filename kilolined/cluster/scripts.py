@@ -626,6 +626,28 @@ dispatch_all()
 return grants
 """
 
+#: ARGV: P, ME, route, node ("": the node is still used here) -> 1 forgotten | 0 still in use.
+#: A route made for a client-named target (/v1/proxy, kilolined/ops/adhoc.py) that this gateway
+#: dropped: its keys go, unless a ticket waits or a lease runs on it (another gateway's, maybe).
+#: Nothing is decided while the fence stands (leases not counted yet could be running on it).
+FORGET = COMMON + r"""
+if stale() or redis.call('EXISTS', P..'fence') == 1 then return 0 end
+local route, node = ARGV[3], ARGV[4]
+if (tonumber(redis.call('GET', P..'n:'..route) or '0') or 0) > 0 or redis.call('LLEN', P..'r:'..route) > 0 then
+  return 0
+end
+for _, c in ipairs(redis.call('HVALS', P..'in:'..route)) do
+  if (tonumber(c) or 0) > 0 then return 0 end
+end
+redis.call('DEL', P..'v:'..route, P..'n:'..route, P..'nk:'..route, P..'in:'..route, P..'w:'..route, P..'r:'..route)
+redis.call('SREM', P..'routes', route)
+if node ~= '' and (tonumber(redis.call('HGET', P..'nin', node) or '0') or 0) <= 0 then
+  redis.call('HDEL', P..'nin', node)
+  redis.call('HDEL', P..'ncost', node)
+end
+return 1
+"""
+
 #: ARGV: P, ME, tid -> {'cancelled'|'released'|'gone', grants...}
 CANCEL = COMMON + r"""
 if stale() then return redis.error_reply('EPOCH Redis came back empty: register again') end

@@ -66,9 +66,13 @@ class AdhocRoute:
 
 
 class AdhocTargets:
-    def __init__(self, sched: Scheduler, forget_node: Callable[[str], None], *, idle_sec: float = ADHOC_IDLE_SEC,
+    def __init__(self, sched: Scheduler, forget_route: Callable[[str, str | None], None],
+                 forget_node: Callable[[str], None], *, idle_sec: float = ADHOC_IDLE_SEC,
                  per_key: int = ADHOC_PER_KEY, total: int = ADHOC_TOTAL):
         self.sched = sched
+        #: the lease store's LeaseStore.forget_route: the route's queue (and its node, when given)
+        #: go from the scheduler, and in cluster mode from Redis
+        self.forget_route = forget_route
         self.forget_node = forget_node  # frees what the Runtime holds for a node (pool, session)
         self.idle_sec = idle_sec
         self.per_key = per_key
@@ -161,18 +165,18 @@ class AdhocTargets:
 
     def _drop(self, rec: AdhocRoute) -> None:
         del self.routes[rec.name]
-        self.sched.routes.pop(rec.name, None)
         self.by_key[rec.key] -= 1
         if self.by_key[rec.key] <= 0:
             del self.by_key[rec.key]
         self._node_users[rec.node] -= 1
+        node = None
         if self._node_users[rec.node] <= 0:
             del self._node_users[rec.node]
             if not self.sched.node_inflight.get(rec.node):
-                self.sched.nodes.pop(rec.node, None)
-                self.sched.swaps.pop(rec.node, None)
-                self.sched.capacity_used.pop(rec.node, None)
-                self.forget_node(rec.node)
+                node = rec.node
+        self.forget_route(rec.name, node)
+        if node is not None:
+            self.forget_node(node)
 
 
 def _route_cfg(node: str, slots: int) -> RouteConfig:

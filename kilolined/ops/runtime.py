@@ -172,7 +172,8 @@ class Runtime:
         #: made on first use, its tasks are spawned here and end at stop
         self.adapter_state: dict[str, object] = {}
         #: /v1/proxy's ad-hoc targets: their routes and nodes, bounded and dropped when idle (adhoc.py)
-        self.adhoc = AdhocTargets(self.scheduler, self._forget_node)
+        self.adhoc = AdhocTargets(self.scheduler, lambda route, node: self.leases.forget_route(route, node),
+                                  self._forget_node)
         #: the fleet's healthy rented nodes (kilolined/fleet/loop.py), added to the config's own
         self.pool_nodes: dict[str, PoolNode] = {}
         #: called with (node, event) on every node event (the fleet wakes on a pool node's node_down)

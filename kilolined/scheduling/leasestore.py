@@ -34,3 +34,8 @@ class LeaseStore(Protocol):
     def dispatch(self, now: float) -> list[Lease]:
         """Hand free slots to waiting tickets."""
         ...
+
+    def forget_route(self, route: str, node: str | None) -> None:
+        """A route made for a client-named target is gone (kilolined/ops/adhoc.py dropped it, and
+        ``node`` with it, if given): what the store keeps for them goes too, unless in use."""
+        ...

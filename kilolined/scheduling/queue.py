@@ -888,6 +888,15 @@ class Scheduler:
         t.lease = lease
         return lease
 
+    def forget_route(self, route: str, node: str | None) -> None:
+        """A route made for a client-named target is gone, and ``node`` with it if given (kilolined/ops/adhoc.py
+        decides when: nothing queued or running on the route, nothing in flight on the node)."""
+        self.routes.pop(route, None)
+        if node is not None:
+            self.nodes.pop(node, None)
+            self.swaps.pop(node, None)
+            self.capacity_used.pop(node, None)
+
     def dispatch(self, now: float) -> list[Lease]:
         """Give free slots to waiting tickets: per route in strategy order, routes by oldest head."""
         made: list[Lease] = []
