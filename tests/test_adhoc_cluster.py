@@ -103,3 +103,34 @@ async def test_a_route_another_gateway_runs_on_keeps_its_keys(redis_server: Redi
         await wait_until(gone, timeout=5)
     finally:
         await r.aclose()
+
+
+async def test_a_route_dropped_while_redis_is_away_is_forgotten_when_it_answers(redis_server: RedisServer,
+                                                                                fakegpus, gateway, http) -> None:
+    target = await fakegpus(steps=1, step_ms=5)
+    other = await fakegpus(steps=1, step_ms=5)
+    cfg = base_config({"a": other.url})
+    cfg["keys"]["bob"]["adhoc_targets"] = ["http://127.0.0.1:*"]
+    cfg["cluster"] = {"redis_url": redis_server.url, "gateway_id": "gw0", "lease_ttl_sec": 1.0, "key_prefix": PREFIX}
+    gw = await gateway(cfg)
+    r = redis_server.client()
+    try:
+        async with http.post(gw.url + "/v1/proxy/generate", json={},
+                             headers={**auth("bob"), "X-Target-Host": target.url}) as resp:
+            assert resp.status == 200
+        assert await adhoc_keys(r)
+        redis_server.freeze()
+        try:
+            await wait_until(lambda: not gw.rt.cluster.redis_up, timeout=10)
+            gw.rt.adhoc.idle_sec = 0.1
+            gw.rt.adhoc._next_sweep = 0.0
+            await wait_until(lambda: len(gw.rt.adhoc) == 0, timeout=5)
+        finally:
+            redis_server.thaw()
+        await wait_until(lambda: gw.rt.cluster.redis_up, timeout=10)
+
+        async def gone() -> bool:
+            return not await adhoc_keys(r)
+        await wait_until(gone, timeout=5)
+    finally:
+        await r.aclose()
