@@ -106,6 +106,14 @@ reachable() {
 reachable "$PREFIX"
 reachable "$ETC"
 
+# A service that keeps failing (a bad config, a port it cannot bind: Restart= starts it again
+# every RestartSec) would be started while pip replaces the package under it, and die importing
+# half an install: stopped first. A running one goes on serving from the code it loaded; the
+# restart at the end brings the new one.
+if (( start )) && [[ $(systemctl is-active "$NAME" 2>/dev/null || true) == activating ]]; then
+  systemctl stop "$NAME" || true
+fi
+
 mkdir -p "$PREFIX"
 # A venv without pip (python3-venv missing: Debian's python3 has no ensurepip) is made again.
 if [[ ! -x $PREFIX/venv/bin/pip ]]; then
