@@ -75,13 +75,14 @@ async def test_a_route_another_gateway_runs_on_keeps_its_keys(redis_server: Redi
     try:
         async with http.post(a.url + "/v1/proxy/generate", json={}, headers=headers) as resp:
             assert resp.status == 200
-        running = asyncio.create_task(http.post(b.url + "/v1/proxy/generate", json={"steps": 1, "step_ms": 1500},
+        running = asyncio.create_task(http.post(b.url + "/v1/proxy/generate", json={"steps": 1, "step_ms": 4000},
                                                 headers=headers))
         await wait_until(lambda: slow.stats["running"] == 1, timeout=5)
         a.rt.adhoc.idle_sec = 0.1
         a.rt.adhoc._next_sweep = 0.0
         await wait_until(lambda: len(a.rt.adhoc) == 0, timeout=5)
         await asyncio.sleep(0.3)  # A's FORGET has run (and found the route in use)
+        assert not running.done() and slow.stats["running"] == 1  # B's request still runs (4 s)
         route = "adhoc:" + slow.url + "#bob"
         assert await r.hget(PREFIX + "in:" + route, "adhoc:" + slow.url) == "1"
         assert await r.sismember(PREFIX + "routes", route)
