@@ -190,7 +190,7 @@ async def test_a_soft_eject_is_one_state_for_the_cluster(redis_server: RedisServ
             # published as the reload makes it: a moment after the reload's answer, not a sweep later)
             async def lifted_in_redis() -> bool:
                 return await r.hmget("kl-test:node:c", ["slow", "slowed"]) == ["ok", "0"]
-            await until(lifted_in_redis, "Redis still holds the verdict `slow: off` lifted", timeout=1)
+            await until(lifted_in_redis, "Redis still holds the verdict `slow: off` lifted", timeout=3)
             await asyncio.sleep(0.5)  # and no gateway publishes it again
             assert await lifted_in_redis()
         finally:
