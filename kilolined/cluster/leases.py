@@ -343,8 +343,13 @@ class ClusterLeases:
             self._call("FORGET", route, node).add_done_callback(partial(self._forgot, route, node))
 
     def _forgot(self, route: str, node: str, fut: asyncio.Future[Any]) -> None:
-        if not fut.cancelled() and isinstance(fut.exception(), RedisError | OSError):
-            self._forget.setdefault(route, node)  # the next heartbeat tries again
+        if fut.cancelled():
+            return
+        e = fut.exception()
+        if isinstance(e, RedisError | OSError) or (e is None and fut.result() == -1):
+            self._forget.setdefault(route, node)  # not now: the next heartbeat asks again
+        elif e is not None:
+            log.error("cluster: FORGET of %s failed", route, exc_info=e)
 
     def dispatch(self, now: float) -> list[Lease]:
         # With Redis, the script that frees a slot hands it on; alone, the scheduler does.

@@ -626,12 +626,13 @@ dispatch_all()
 return grants
 """
 
-#: ARGV: P, ME, route, node ("": the node is still used here) -> 1 forgotten | 0 still in use.
+#: ARGV: P, ME, route, node ("": the node is still used here) -> 1 forgotten | 0 still in use |
+#: -1 not now (the fence stands, or the caller's epoch is stale: asked again at a later heartbeat).
 #: A route made for a client-named target (/v1/proxy, kilolined/ops/adhoc.py) that this gateway
 #: dropped: its keys go, unless a ticket waits or a lease runs on it (another gateway's, maybe).
 #: Nothing is decided while the fence stands (leases not counted yet could be running on it).
 FORGET = COMMON + r"""
-if stale() or redis.call('EXISTS', P..'fence') == 1 then return 0 end
+if stale() or redis.call('EXISTS', P..'fence') == 1 then return -1 end
 local route, node = ARGV[3], ARGV[4]
 if (tonumber(redis.call('GET', P..'n:'..route) or '0') or 0) > 0 or redis.call('LLEN', P..'r:'..route) > 0 then
   return 0
