@@ -135,3 +135,35 @@ async def test_a_route_dropped_while_redis_is_away_is_forgotten_when_it_answers(
         await wait_until(gone, timeout=5)
     finally:
         await r.aclose()
+
+
+async def test_a_route_dropped_behind_the_fence_is_forgotten_once_it_falls(redis_server: RedisServer,
+                                                                          fakegpus, gateway, http) -> None:
+    """While the fence stands (Redis came back empty: leases still running may not be counted
+    yet) nothing is forgotten; the gateway asks again at its heartbeats until it falls."""
+    target = await fakegpus(steps=1, step_ms=5)
+    other = await fakegpus(steps=1, step_ms=5)
+    cfg = base_config({"a": other.url})
+    cfg["keys"]["bob"]["adhoc_targets"] = ["http://127.0.0.1:*"]
+    cfg["cluster"] = {"redis_url": redis_server.url, "gateway_id": "gw0", "lease_ttl_sec": 1.0, "key_prefix": PREFIX}
+    gw = await gateway(cfg)
+    r = redis_server.client()
+    try:
+        async with http.post(gw.url + "/v1/proxy/generate", json={},
+                             headers={**auth("bob"), "X-Target-Host": target.url}) as resp:
+            assert resp.status == 200
+        made = await adhoc_keys(r)
+        assert made
+        await r.set(PREFIX + "fence", 2**52)  # far in the future: it stands until taken down
+        gw.rt.adhoc.idle_sec = 0.1
+        gw.rt.adhoc._next_sweep = 0.0
+        await wait_until(lambda: len(gw.rt.adhoc) == 0, timeout=5)
+        await asyncio.sleep(1.0)  # three heartbeats: each asked, each was told "not now"
+        assert await adhoc_keys(r) == made
+        await r.delete(PREFIX + "fence")
+
+        async def gone() -> bool:
+            return not await adhoc_keys(r)
+        await wait_until(gone, timeout=5)
+    finally:
+        await r.aclose()
