@@ -37,6 +37,18 @@ def test_demo_on_a_taken_port_picks_another_and_closes_everything(demo_on_a_take
     assert proc.stderr.count("kilolined listening on") == 1, proc.stderr
 
 
+def test_demo_once_shows_the_crash_and_the_rescue(demo_on_a_taken_port) -> None:
+    out = demo_on_a_taken_port[1].stdout
+    assert "GPU crashed: CUDA out of memory" in out
+    assert "all 10 served" in out and "never ran more than 2 at once" in out and "oom_count=0" in out
+    assert "nothing lost: 10/10 served" in out
+    # The mixed burst: fixed slots for throughput run the card out of memory, cost-aware admission does not.
+    mixed = out.split("4) A mixed burst")[1]
+    fast, cost_aware = mixed.split("(for throughput)")[1].split("cost-aware")
+    assert "oom_count=0" not in fast
+    assert "24/24 served, oom_count=0" in cost_aware
+
+
 def test_demo_once_prints_the_url_and_the_keys(demo_on_a_taken_port) -> None:
     _, proc = demo_on_a_taken_port
     m = re.search(r"port \d+ is taken: the gateway listens on (\d+) instead", proc.stdout)
