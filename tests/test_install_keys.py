@@ -67,3 +67,25 @@ def test_an_older_config_with_the_examples_hashes_stops_the_install(installed: I
         assert f"fix {installed.etc}/kiloline.yaml" in p.stderr
     finally:
         path.write_text(text)
+
+
+def test_an_older_config_with_the_published_webhook_secret_upgrades_to_its_own(installed: Install) -> None:
+    """An install made from an older example reads ``${KILOLINE_WEBHOOK_SECRET:-whsec_MfKQ9r8…}``
+    (the Standard Webhooks documentation's secret, now refused) and has no such variable in its
+    env file: install.sh generates one, which the variable's default never reaches, so the
+    upgrade passes `check` and the callbacks are signed with a secret of its own."""
+    path, env_path = installed.etc / "kiloline.yaml", installed.etc / "kiloline.env"
+    text, env_text = path.read_text(), env_path.read_text()
+    old = 'webhook_secret: "${KILOLINE_WEBHOOK_SECRET:-whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw}"'
+    path.write_text(re.sub(r'webhook_secret: "\$\{KILOLINE_WEBHOOK_SECRET:-\}"', lambda _: old, text, count=1))
+    assert old in path.read_text()
+    env_path.write_text("".join(ln + "\n" for ln in env_text.splitlines()
+                                if not ln.startswith("KILOLINE_WEBHOOK_SECRET=")))
+    try:
+        p = installed.run("--no-start")
+        env = read_env_file(env_path)
+        assert re.fullmatch(r"whsec_[A-Za-z0-9+/]{32}", env["KILOLINE_WEBHOOK_SECRET"]), p.stdout
+        assert "KILOLINE_WEBHOOK_SECRET" in p.stdout and env["KILOLINE_WEBHOOK_SECRET"] not in p.stdout + p.stderr
+    finally:
+        path.write_text(text)
+        env_path.write_text(env_text)
