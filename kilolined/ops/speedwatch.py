@@ -191,9 +191,9 @@ class SpeedWatch:
     def tick(self, now: float) -> None:
         """An ejected node's period is over: its trial — slots back through slow start, and the
         next ``samples`` requests judge it afresh (recovered, or ejected again for longer)."""
-        self.lift_unwatched()
         for name, ns in self.rt.scheduler.nodes.items():
             if ns.cfg.slow is None:
+                self._lift(name, ns)  # a verdict another gateway published meanwhile
                 continue
             self._follow(ns)
             if self.book.trial(name, now):
@@ -207,17 +207,19 @@ class SpeedWatch:
 
     def lift_unwatched(self) -> None:
         """``slow: off``: whatever the watch decided is lifted, at the reload that turns it off (and
-        at every tick after, for a verdict another gateway publishes meanwhile)."""
+        at every tick after, by ``tick``)."""
         for name, ns in self.rt.scheduler.nodes.items():
-            if ns.cfg.slow is not None:
-                continue
-            if ns.slow_state != SPEED_OK or ns.slowed:
-                # Quietly for the cluster (no words: not a recovery), so Redis keeps no verdict
-                # for a gateway that turns it on again.
-                ns.clear_slow()
-                self._publish(ns)
-            if name in self.book.nodes:
-                self.book.forget(name)  # its numbers too: judged afresh if it is turned on again
+            if ns.cfg.slow is None:
+                self._lift(name, ns)
+
+    def _lift(self, name: str, ns: NodeState) -> None:
+        if ns.slow_state != SPEED_OK or ns.slowed:
+            # Quietly for the cluster (no words: not a recovery), so Redis keeps no verdict for a
+            # gateway that turns it on again.
+            ns.clear_slow()
+            self._publish(ns)
+        if name in self.book.nodes:
+            self.book.forget(name)  # its numbers too: judged afresh if it is turned on again
 
     def stall(self, node: str, reason: str) -> None:
         """No byte from the node for ``stall_sec`` in a running request: out at once."""
