@@ -35,7 +35,10 @@ STRIP_REQUEST = HOP_BY_HOP | {
     "x-forwarded-for", "x-forwarded-proto", "x-forwarded-host", "x-request-id", "prefer", "expect",
 }
 STRIP_RESPONSE = HOP_BY_HOP | {"content-length", "server", "date"}
-RETRY_STATUSES = frozenset((502, 503, 504))
+# A node's answers that mean it did no work: the request is re-queued (SPEC §3.4). A 500 or 504
+# passes to the client as it is, never re-sent: the work may have run (a 504 from a proxy in front
+# of the node, a model that crashed mid-generation). Both still count for the breaker.
+RETRY_STATUSES = frozenset((502, 503))
 SERVER = "kilolined"  # every answer's Server header: no versions (docs/SECURITY.md)
 # A node's answer: from the hot-path pool, or from aiohttp's client (ComfyUI's side calls, files).
 Upstream = UpstreamResponse | aiohttp.ClientResponse
@@ -68,7 +71,7 @@ class UpstreamFailed(Exception):
         super().__init__(reason)
         self.reason = reason
         self.timeout = timeout
-        self.response = response  # set when the node answered 502/503/504 (passed on if out of retries)
+        self.response = response  # set when the node answered 502/503 (passed on if out of retries)
         self.answered = answered or response is not None
 
 
