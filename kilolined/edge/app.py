@@ -28,6 +28,7 @@ from kilolined.core.auth import presented_key
 from kilolined.core.config import RateConfig, RouteConfig
 from kilolined.edge import admin, jobs_api, targets
 from kilolined.edge import guard as edge
+from kilolined.edge.connection import settle_expect
 from kilolined.edge.context import GW, RT, Gateway
 from kilolined.edge.models_list import is_models_list, models_union
 from kilolined.edge.unqueued import forward_unqueued
@@ -39,6 +40,7 @@ from kilolined.scheduling.costs import CostTooLarge, UnitError, request_cost, re
 from kilolined.scheduling.limits import Taken, Verdict, seconds_to_midnight
 from kilolined.scheduling.queue import Rejected, Ticket
 from kilolined.scheduling.routing import describe, head_holds, holds
+from kilolined.wire import expect
 from kilolined.wire.proxy import SERVER, Exchange, client_ip, request_id
 
 log = logging.getLogger("kilolined")
@@ -288,6 +290,7 @@ def read_exchange(gw: Gateway, call: Call) -> Awaitable[web.StreamResponse | Non
     if request.content_length is not None and request.content_length > limit:
         return _too_large(call, limit)
     if not content.is_eof():
+        expect.let_body_come(request)  # a client waiting for "100 Continue" gets it only now
         return _read_exchange(call, limit)
     body = content.read_nowait(-1)
     if len(body) > limit:
@@ -468,6 +471,7 @@ def handler(gw: Gateway, stages: Sequence[Stage],
                 else:
                     resp.headers["Server"] = SERVER
                     call.status = resp.status
+                    settle_expect(request, resp)  # refused before "100 Continue": close after it
                 return resp
             raise AssertionError("the last stage always answers")
         except Exception as exc:
@@ -475,6 +479,7 @@ def handler(gw: Gateway, stages: Sequence[Stage],
             if answer is None:
                 raise
             call.status = answer.status
+            settle_expect(request, answer)
             return answer
         finally:
             if call.budget_taken and call.principal is not None:
@@ -539,7 +544,8 @@ def build_app(gw: Gateway) -> web.Application:
     admin.add_routes(app)
     jobs_api.add_routes(app)
     proxy = handler(gw, PROXY_PIPELINE, route="proxy")
-    app.router.add_route("*", "/v1/proxy", proxy)
-    app.router.add_route("*", "/v1/proxy/{tail:.*}", proxy)
-    app.router.add_route("*", "/{tail:.*}", handler(gw, PIPELINE))
+    # "100 Continue" is the pipeline's to say, once auth and limits passed (kilolined/wire/expect.py)
+    app.router.add_route("*", "/v1/proxy", proxy, expect_handler=expect.defer)
+    app.router.add_route("*", "/v1/proxy/{tail:.*}", proxy, expect_handler=expect.defer)
+    app.router.add_route("*", "/{tail:.*}", handler(gw, PIPELINE), expect_handler=expect.defer)
     return app
