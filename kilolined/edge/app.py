@@ -41,7 +41,7 @@ from kilolined.scheduling.limits import Taken, Verdict, seconds_to_midnight
 from kilolined.scheduling.queue import Rejected, Ticket
 from kilolined.scheduling.routing import describe, head_holds, holds
 from kilolined.wire import expect
-from kilolined.wire.proxy import SERVER, Exchange, client_ip, request_id
+from kilolined.wire.proxy import SERVER, Exchange, client_ip, peer_trusted, request_id
 
 log = logging.getLogger("kilolined")
 access_log = logging.getLogger("kilolined.access")
@@ -136,6 +136,7 @@ def authenticate(gw: Gateway, call: Call) -> web.StreamResponse | None:
         rt.metrics.rejections.labels(call.route, "forbidden").inc()
         return call.error(403, "forbidden", f"key {call.principal.key_id!r} may use no route of {call.request.path!r}")
     call.client_ip = client_ip(request, rt.cfg.server.trusted_proxies)
+    call.trusted_peer = peer_trusted(request, rt.cfg.server.trusted_proxies)
     call.subject = call.principal.key_id if call.principal else f"ip:{call.client_ip}"
     call.key = call.principal.key_id if call.principal else "-"
     return None
@@ -316,7 +317,7 @@ def _too_large(call: Call, limit: int) -> web.StreamResponse:
 
 def _exchange(call: Call, body: bytes) -> web.StreamResponse | None:
     request = call.request
-    ex = Exchange(request, request.method, call.tail, body, call.request_id, call.client_ip)
+    ex = Exchange(request, request.method, call.tail, body, call.request_id, call.client_ip, call.trusted_peer)
     try:
         call.adapter.prepare(ex)
     except Rejected as r:

@@ -40,7 +40,8 @@ async def forward_unqueued(rt: Runtime, call: Call, rcfg: RouteConfig) -> web.St
         body = await call.request.read()
     else:
         body = b""
-    ex = Exchange(call.request, call.request.method, tail, body, call.request_id, call.client_ip)
+    ex = Exchange(call.request, call.request.method, tail, body, call.request_id, call.client_ip,
+                  call.trusted_peer)
     try:
         call.adapter.prepare(ex)  # e.g. comfyui drops Origin (ComfyUI answers 403 otherwise)
     except Rejected as r:

@@ -33,6 +33,7 @@ HOP_BY_HOP = frozenset(
 STRIP_REQUEST = HOP_BY_HOP | {
     "host", "content-length", "authorization", "x-api-key", "x-target-host", "x-concurrency-slot",
     "x-forwarded-for", "x-forwarded-proto", "x-forwarded-host", "x-request-id", "prefer", "expect",
+    "forwarded", "x-real-ip",
 }
 STRIP_RESPONSE = HOP_BY_HOP | {"content-length", "server", "date"}
 # A node's answers that mean it did no work: the request is re-queued (SPEC §3.4). A 500 or 504
@@ -116,32 +117,39 @@ def _networks(trusted: tuple[str, ...]) -> tuple[ipaddress.IPv4Network | ipaddre
     return tuple(ipaddress.ip_network(c, strict=False) for c in trusted)
 
 
+def peer_trusted(request: web.BaseRequest, trusted: Iterable[str]) -> bool:
+    """The peer is one of ``server.trusted_proxies``: what it says of the client (X-Forwarded-For,
+    Forwarded, X-Real-Ip) is believed and passed on."""
+    return bool(trusted) and _is_trusted(request.remote or "", _networks(tuple(trusted)))
+
+
+def _is_trusted(a: str, nets: tuple[ipaddress.IPv4Network | ipaddress.IPv6Network, ...]) -> bool:
+    try:
+        ip = ipaddress.ip_address(a.strip())
+    except ValueError:
+        return False
+    return any(ip in n for n in nets)
+
+
 def client_ip(request: web.BaseRequest, trusted: Iterable[str]) -> str:
     """The peer, or — when the peer is a trusted proxy — the last untrusted X-Forwarded-For hop."""
     peer = request.remote or "unknown"
-    if not trusted:
+    if not peer_trusted(request, trusted):
         return peer
     nets = _networks(tuple(trusted))
-    if not nets:
-        return peer
-
-    def is_trusted(a: str) -> bool:
-        try:
-            ip = ipaddress.ip_address(a.strip())
-        except ValueError:
-            return False
-        return any(ip in n for n in nets)
-
-    if not is_trusted(peer):
-        return peer
     hops = [h.strip() for h in request.headers.get("X-Forwarded-For", "").split(",") if h.strip()]
     for h in reversed(hops):
-        if not is_trusted(h):
+        if not _is_trusted(h, nets):
             try:
                 return str(ipaddress.ip_address(h))
             except ValueError:
                 return peer
     return peer
+
+
+def forwarded_for(peer: str) -> str:
+    """A ``Forwarded`` element naming ``peer`` (RFC 7239 §6: an IPv6 address in quotes and brackets)."""
+    return f'for="[{peer}]"' if ":" in peer else f"for={peer}"
 
 
 def parse_body(body: bytes) -> Any:
@@ -164,6 +172,9 @@ class Exchange:
     body: bytes
     request_id: str
     client_ip: str
+    #: the peer is a trusted proxy: the client chain it sends (X-Forwarded-For, Forwarded,
+    #: X-Real-Ip) is passed on; from anyone else it is replaced by the peer (docs/SECURITY.md)
+    trusted_peer: bool = False
     drop_headers: frozenset[str] = frozenset()
     extra_headers: dict[str, str] = field(default_factory=dict)
     body_override: bytes | None = None
@@ -184,8 +195,9 @@ class Exchange:
 
     def upstream_header_pairs(self, node_headers: dict[str, str], node_url: str) -> list[tuple[str, str]]:
         """What the node is sent: the client's end-to-end headers without credentials and our own
-        controls, then X-Forwarded-For/-Proto, X-Request-Id and Host; the node's configured
-        headers and the adapter's extra ones replace any header of the same name."""
+        controls, then X-Forwarded-For/-Proto, X-Request-Id and Host (and Forwarded, X-Real-Ip
+        when the client sent them); the node's configured headers and the adapter's extra ones
+        replace any header of the same name."""
         req = self.request
         src = req.headers
         extra = self.extra_headers
@@ -199,12 +211,21 @@ class Exchange:
         out = [(k, v) for k, v in src.items() if (lk := k.lower()) not in skip and not lk.startswith("x-kiloline-")]
         xff = src.get("X-Forwarded-For")
         peer = req.remote or ""
-        ours = (
-            ("X-Forwarded-For", f"{xff}, {peer}" if xff and peer != self.client_ip else (self.client_ip or peer)),
+        trusted = self.trusted_peer
+        ours: tuple[tuple[str, str], ...] = (
+            ("X-Forwarded-For", f"{xff}, {peer}" if xff and trusted else (self.client_ip or peer)),
             ("X-Forwarded-Proto", req.scheme),
             ("X-Request-Id", self.request_id),
             ("Host", host_of(node_url)),
         )
+        # What a client says of itself in the other spellings: believed from a trusted proxy only,
+        # as X-Forwarded-For (a node reading Forwarded or X-Real-Ip must not see a forged address).
+        fwd = ", ".join(src.getall("Forwarded", ()))  # several headers are one list (RFC 9110 §5.3)
+        if fwd:
+            ours += (("Forwarded", f"{fwd}, {forwarded_for(peer)}" if trusted else forwarded_for(peer)),)
+        real = src.get("X-Real-Ip")
+        if real is not None:
+            ours += (("X-Real-Ip", real if trusted else (self.client_ip or peer)),)
         out.extend(ours if not override else [(k, v) for k, v in ours if k.lower() not in override])
         out.extend(node_headers.items())
         out.extend(extra.items())
