@@ -20,7 +20,7 @@ import orjson
 from aiohttp import web
 from multidict import CIMultiDict
 
-from kilolined.wire.upstream import ConnectFailed, NodePool, Stalled, UpstreamResponse
+from kilolined.wire.upstream import ConnectFailed, HeadTooLarge, NodePool, Stalled, UpstreamResponse
 
 HOP_BY_HOP = frozenset(
     h.lower()
@@ -247,6 +247,8 @@ async def open_upstream(
         raise UpstreamFailed(f"no response within {timeout:g}s", timeout=True)
     except ConnectFailed:
         raise node_lost("connection refused")
+    except HeadTooLarge as e:
+        raise UpstreamFailed(str(e), answered=True)  # it is alive, and answered out of bounds
     except aiohttp.ServerDisconnectedError:
         raise node_lost("connection reset")
     except (aiohttp.ClientError, OSError, ValueError) as e:
@@ -312,7 +314,8 @@ async def stream_back(
     whole = whole_answer(request, up, headers, obs, capture)
     if whole is not None:
         return whole
-    resp = web.StreamResponse(status=up.status, reason=up.reason, headers=headers)
+    cls = web.StreamResponse if "Content-Type" in headers else UntypedStream
+    resp = cls(status=up.status, reason=up.reason, headers=headers)
     if up.content_length is not None:
         resp.content_length = up.content_length
     if flag is not None:
@@ -342,8 +345,24 @@ def whole_answer(request: web.Request, up: Upstream, headers: CIMultiDict[str], 
     if isinstance(up, UpstreamResponse) and whole_body_here(up, request.method):
         body = up.body()
         _seen(body, obs, capture)
-        return web.Response(status=up.status, reason=up.reason, headers=headers, body=body), len(body)
+        cls = web.Response if "Content-Type" in headers else UntypedResponse
+        return cls(status=up.status, reason=up.reason, headers=headers, body=body), len(body)
     return None
+
+
+# aiohttp gives every answer with a body a Content-Type (application/octet-stream) when it has
+# none. A node's answer without one goes to the client without one, as nginx and HAProxy relay it
+# (the client may sniff the type; octet-stream would tell it not to).
+class UntypedResponse(web.Response):
+    async def _prepare_headers(self) -> None:
+        await super()._prepare_headers()
+        self.headers.popall("Content-Type", None)
+
+
+class UntypedStream(web.StreamResponse):
+    async def _prepare_headers(self) -> None:
+        await super()._prepare_headers()
+        self.headers.popall("Content-Type", None)
 
 
 def _seen(chunk: bytes, obs: Observer | None, capture: bytearray | None) -> None:
