@@ -20,6 +20,7 @@ import orjson
 from aiohttp import web
 from multidict import CIMultiDict
 
+from kilolined.wire.node_urls import links_to_route, to_route
 from kilolined.wire.upstream import ConnectFailed, HeadTooLarge, NodePool, Stalled, UpstreamResponse
 
 HOP_BY_HOP = frozenset(
@@ -268,9 +269,11 @@ def response_headers(up: Upstream, node_url: str, route_path: str) -> CIMultiDic
                 for t in v.split(","):  # a loop, not a generator: one token per node answer, mostly
                     listed.add(t.strip().lower())
             continue
-        if lk in ("location", "content-location") and v.startswith(node_url):
+        if lk in ("location", "content-location"):
             # Redirects must not reveal the node: point them back through the route.
-            v = route_path.rstrip("/") + (v[len(node_url) :] or "/")
+            v = to_route(v, node_url, route_path)
+        elif lk == "link":
+            v = links_to_route(v, node_url, route_path)
         out.add(k, v)
     for name in listed - STRIP_RESPONSE:  # "Connection: keep-alive" (most nodes): nothing more to drop
         out.popall(name, None)
