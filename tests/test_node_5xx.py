@@ -1,4 +1,4 @@
-"""What a node's 5xx does (SPEC §3.4), in every client mode and on every adapter: a 502 or 503 means
+"""What a node's 5xx does (docs/API.md "Re-queue"), in every client mode and on every adapter: a 502 or 503 means
 the node did no work and the request is re-queued to another node; a 500 or 504 may come after the
 work ran, so it reaches the client as the node sent it and is never re-sent. Every one of them
 counts toward the node's breaker. Real fake GPUs, a real gateway, real sockets."""

@@ -37,9 +37,9 @@ STRIP_REQUEST = HOP_BY_HOP | {
     "forwarded", "x-real-ip",
 }
 STRIP_RESPONSE = HOP_BY_HOP | {"content-length", "server", "date"}
-# A node's answers that mean it did no work: the request is re-queued (SPEC §3.4). A 500 or 504
-# passes to the client as it is, never re-sent: the work may have run (a 504 from a proxy in front
-# of the node, a model that crashed mid-generation). Both still count for the breaker.
+# A node's answers that mean it did no work: the request is re-queued (docs/API.md "Re-queue").
+# A 500 or 504 passes to the client as it is, never re-sent: the work may have run (a 504 from a
+# proxy in front of the node, a model that crashed mid-generation). Both count for the breaker.
 RETRY_STATUSES = frozenset((502, 503))
 SERVER = "kilolined"  # every answer's Server header: no versions (docs/SECURITY.md)
 # A node's answer: from the hot-path pool, or from aiohttp's client (ComfyUI's side calls, files).
