@@ -126,3 +126,14 @@ async def test_a_504_is_answered_at_once_not_after_the_queue_timeout(fakegpus: A
             assert r.status == 504 and r.headers["X-KiloLine-Node"] == "a", body
     assert "simulated failure" in json.dumps(body)  # the node's own body
     assert a.stats["rejected"] == 1 and await breaker(http, gw.url, "a") == "closed"
+
+
+@pytest.mark.parametrize("status", [500, 504])
+async def test_an_openai_stream_request_gets_the_nodes_own_answer(fakegpus: Any, gateway: Any,
+                                                                  http: aiohttp.ClientSession, status: int) -> None:
+    a, b, gw = await two_nodes(fakegpus, gateway, "openai", status)
+    path, body = KINDS["openai"]
+    async with http.post(gw.url + path, json={**body, "stream": True}, headers=auth()) as r:
+        await r.read()
+        assert (r.status, r.headers["X-KiloLine-Node"]) == (status, "a")
+    assert a.stats["rejected"] == 1 and b.stats["served"] == 0
