@@ -50,7 +50,8 @@ class Adapter:
 
 
 class HttpAttempt:
-    """Send the request, wait for headers; 502/503/504 count as node failures (re-queued).
+    """Send the request, wait for headers; 502/503 count as node failures (re-queued), a 500 or 504
+    as a node failure passed to the client (never re-sent: the work may have run).
 
     A class with two slots rather than a closure: one is held by every waiting request, and a
     closure's function object and cells cost ~4× as much.

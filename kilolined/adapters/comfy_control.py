@@ -26,6 +26,7 @@ from kilolined.adapters.comfy_monitor import Monitors, NodeMonitor
 from kilolined.adapters.comfy_node import NodeAPI, NodeError, all_ids, node_api
 from kilolined.core.errors import error_response
 from kilolined.ops.runtime import Runtime
+from kilolined.wire import expect
 
 log = logging.getLogger("kilolined")
 
@@ -223,7 +224,11 @@ async def control(rt: Runtime, request: web.Request, route: str, path: str, subj
     action = action_of(request.method, path)
     if action is None:
         return None
-    raw = await request.read() if request.can_read_body else b""
+    if request.can_read_body:
+        expect.let_body_come(request)
+        raw = await request.read()
+    else:
+        raw = b""
     try:
         body = orjson.loads(raw) if raw.strip() else {}
     except orjson.JSONDecodeError:

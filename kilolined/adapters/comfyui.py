@@ -383,7 +383,7 @@ class ComfyUIAdapter(Adapter):
         progress = Progress(body.get("prompt"))
         done = await scope.acquire(self._attempt(rt, ex, body, scope, sink, progress))
         if not isinstance(done, Finished):
-            # Out of retries and the node said 502/503/504: its answer is the job's (failed) result.
+            # Out of retries and the node said 502/503: its answer is the job's (failed) result.
             up = done
             try:
                 err, _ = await _read_body(up, ERROR_BODY_MAX)

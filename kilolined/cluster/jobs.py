@@ -159,7 +159,7 @@ class ClusterJobs:
         spec = orjson.dumps({
             "route": t.route, "subject": t.key, "priority": priority, "pinned": t.pinned_node, "cost": t.cost,
             "model": t.model, "method": ex.method, "tail": ex.tail, "request_id": ex.request_id,
-            "client_ip": ex.client_ip,
+            "client_ip": ex.client_ip, "trusted_peer": ex.trusted_peer,
             "remote": req.remote, "scheme": req.scheme,
             "headers": [[k, v] for k, v in req.headers.items() if k.lower() not in CREDENTIALS],
         })
@@ -497,7 +497,7 @@ class ClusterJobs:
                            spec["remote"], spec["scheme"])
         # The forwarder reads only headers, remote and scheme of the request (RequestHead).
         ex = Exchange(cast(web.Request, head), spec["method"], spec["tail"], body, spec["request_id"],
-                      spec["client_ip"])
+                      spec["client_ip"], bool(spec.get("trusted_peer")))
         adapter = adapter_for(job.kind)
         if why is None:
             try:

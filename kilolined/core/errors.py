@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 
 import orjson
 from aiohttp import web
@@ -19,7 +20,7 @@ REASONS = {
 }
 
 
-def error_body(type_: str, message: str, request_id: str | None, retry_after: float | None,
+def error_body(type_: str, message: str, request_id: str, retry_after: float | None,
                openai: bool = False) -> dict[str, object]:
     err: dict[str, object] = {
         "type": type_,
@@ -38,10 +39,11 @@ def error_response(status: int, type_: str, message: str, *, request_id: str | N
                    retry_after: float | None = None, headers: dict[str, str] | None = None,
                    openai: bool = False) -> web.Response:
     h = dict(headers or {})
+    if not request_id:
+        request_id = os.urandom(16).hex()  # every error carries one (callers pass the request's own)
     if retry_after is not None:
         h["Retry-After"] = str(int(max(1, math.ceil(retry_after))))
-    if request_id:
-        h["X-Request-Id"] = request_id
+    h["X-Request-Id"] = request_id
     if status == 401:
         h["WWW-Authenticate"] = 'Bearer realm="kiloline"'
     return web.Response(

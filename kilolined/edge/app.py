@@ -28,6 +28,7 @@ from kilolined.core.auth import presented_key
 from kilolined.core.config import RateConfig, RouteConfig
 from kilolined.edge import admin, jobs_api, targets
 from kilolined.edge import guard as edge
+from kilolined.edge.connection import settle_expect
 from kilolined.edge.context import GW, RT, Gateway
 from kilolined.edge.models_list import is_models_list, models_union
 from kilolined.edge.unqueued import forward_unqueued
@@ -39,7 +40,8 @@ from kilolined.scheduling.costs import CostTooLarge, UnitError, request_cost, re
 from kilolined.scheduling.limits import Taken, Verdict, seconds_to_midnight
 from kilolined.scheduling.queue import Rejected, Ticket
 from kilolined.scheduling.routing import describe, head_holds, holds
-from kilolined.wire.proxy import SERVER, Exchange, client_ip, request_id
+from kilolined.wire import expect
+from kilolined.wire.proxy import SERVER, Exchange, client_ip, peer_trusted, request_id
 
 log = logging.getLogger("kilolined")
 access_log = logging.getLogger("kilolined.access")
@@ -134,6 +136,7 @@ def authenticate(gw: Gateway, call: Call) -> web.StreamResponse | None:
         rt.metrics.rejections.labels(call.route, "forbidden").inc()
         return call.error(403, "forbidden", f"key {call.principal.key_id!r} may use no route of {call.request.path!r}")
     call.client_ip = client_ip(request, rt.cfg.server.trusted_proxies)
+    call.trusted_peer = peer_trusted(request, rt.cfg.server.trusted_proxies)
     call.subject = call.principal.key_id if call.principal else f"ip:{call.client_ip}"
     call.key = call.principal.key_id if call.principal else "-"
     return None
@@ -288,6 +291,7 @@ def read_exchange(gw: Gateway, call: Call) -> Awaitable[web.StreamResponse | Non
     if request.content_length is not None and request.content_length > limit:
         return _too_large(call, limit)
     if not content.is_eof():
+        expect.let_body_come(request)  # a client waiting for "100 Continue" gets it only now
         return _read_exchange(call, limit)
     body = content.read_nowait(-1)
     if len(body) > limit:
@@ -313,7 +317,7 @@ def _too_large(call: Call, limit: int) -> web.StreamResponse:
 
 def _exchange(call: Call, body: bytes) -> web.StreamResponse | None:
     request = call.request
-    ex = Exchange(request, request.method, call.tail, body, call.request_id, call.client_ip)
+    ex = Exchange(request, request.method, call.tail, body, call.request_id, call.client_ip, call.trusted_peer)
     try:
         call.adapter.prepare(ex)
     except Rejected as r:
@@ -468,6 +472,7 @@ def handler(gw: Gateway, stages: Sequence[Stage],
                 else:
                     resp.headers["Server"] = SERVER
                     call.status = resp.status
+                    settle_expect(request, resp)  # refused before "100 Continue": close after it
                 return resp
             raise AssertionError("the last stage always answers")
         except Exception as exc:
@@ -475,6 +480,7 @@ def handler(gw: Gateway, stages: Sequence[Stage],
             if answer is None:
                 raise
             call.status = answer.status
+            settle_expect(request, answer)
             return answer
         finally:
             if call.budget_taken and call.principal is not None:
@@ -539,7 +545,8 @@ def build_app(gw: Gateway) -> web.Application:
     admin.add_routes(app)
     jobs_api.add_routes(app)
     proxy = handler(gw, PROXY_PIPELINE, route="proxy")
-    app.router.add_route("*", "/v1/proxy", proxy)
-    app.router.add_route("*", "/v1/proxy/{tail:.*}", proxy)
-    app.router.add_route("*", "/{tail:.*}", handler(gw, PIPELINE))
+    # "100 Continue" is the pipeline's to say, once auth and limits passed (kilolined/wire/expect.py)
+    app.router.add_route("*", "/v1/proxy", proxy, expect_handler=expect.defer)
+    app.router.add_route("*", "/v1/proxy/{tail:.*}", proxy, expect_handler=expect.defer)
+    app.router.add_route("*", "/{tail:.*}", handler(gw, PIPELINE), expect_handler=expect.defer)
     return app

@@ -21,6 +21,7 @@ from aiohttp.web_protocol import RequestHandler
 
 from kilolined.edge.guard import json_error, reason_of
 from kilolined.edge.listener import ConnectionGate
+from kilolined.wire.expect import waits_for_continue
 
 log = logging.getLogger("kilolined")
 
@@ -81,6 +82,11 @@ class EdgeHandler(RequestHandler):
         peer = self.peername
         return str(peer[0]) if isinstance(peer, tuple) else str(peer or "unknown")
 
+    def no_linger(self) -> None:
+        """Close right after the current answer instead of reading what is left of the body for
+        up to 10 s first (aiohttp's lingering close): the connection does not outlive it."""
+        self._lingering_time = 0.0
+
     # --- errors aiohttp makes itself ---------------------------------------------------------
     def handle_error(self, request: web.BaseRequest, status: int = 500, exc: BaseException | None = None,
                      message: str | None = None) -> web.StreamResponse:
@@ -101,3 +107,14 @@ class EdgeHandler(RequestHandler):
         resp = json_error(request, status, text, rid=rid)
         resp.force_close()
         return resp
+
+
+def settle_expect(request: web.BaseRequest, resp: web.StreamResponse) -> None:
+    """An answer given while the client still waits for ``100 Continue`` (refused before its body
+    was wanted: kilolined/wire/expect.py): the connection closes after it, at once. The client may
+    send the body now or not, and the next request could not be told apart from it."""
+    if not resp.prepared and waits_for_continue(request):
+        resp.force_close()
+        proto = request.protocol
+        if isinstance(proto, EdgeHandler):
+            proto.no_linger()

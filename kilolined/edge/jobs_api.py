@@ -55,7 +55,8 @@ async def events(request: web.Request) -> web.StreamResponse:
     try:
         after = int(raw)
     except ValueError:
-        return error_response(400, "bad_request", "Last-Event-ID must be an event id")
+        return error_response(400, "bad_request", "Last-Event-ID must be an event id",
+                              request_id=request_id(request))
     return await _jobs(request).stream(request, job, after, {"X-Request-Id": request_id(request)})
 
 
@@ -87,7 +88,7 @@ async def file(request: web.Request) -> web.StreamResponse:
     rt = _rt(request)
     ns = rt.scheduler.nodes.get(node)
     if ns is None:
-        return error_response(502, "upstream_error", f"node {node} is gone")
+        return error_response(502, "upstream_error", f"node {node} is gone", request_id=request_id(request))
     try:
         async with rt.session(node).get(ns.cfg.url + "/view?" + query, headers=ns.cfg.headers,
                                         timeout=aiohttp.ClientTimeout(total=60)) as up:
@@ -96,7 +97,8 @@ async def file(request: web.Request) -> web.StreamResponse:
     except ConnectionResetError:
         raise  # the client left
     except (aiohttp.ClientError, TimeoutError):
-        return error_response(502, "upstream_error", f"node {node} did not serve the file")
+        return error_response(502, "upstream_error", f"node {node} did not serve the file",
+                              request_id=request_id(request))
 
 
 async def cancel(request: web.Request) -> web.Response:

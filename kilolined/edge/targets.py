@@ -26,7 +26,7 @@ from kilolined.modes.call import Call
 from kilolined.ops.adhoc import ADHOC_MAX_SLOTS, is_adhoc, route_name
 from kilolined.ops.runtime import Runtime
 from kilolined.scheduling.queue import Rejected
-from kilolined.wire.proxy import client_ip
+from kilolined.wire.proxy import client_ip, peer_trusted
 
 if TYPE_CHECKING:
     from kilolined.edge.context import Gateway
@@ -118,6 +118,7 @@ def resolve_target(gw: HasRuntime, call: Call) -> web.StreamResponse | None:
         request[_WANT] = (target, slots)
         # What `authenticate` does for a configured route (skipped here: it reads the route).
         call.client_ip = client_ip(request, rt.cfg.server.trusted_proxies)
+        call.trusted_peer = peer_trusted(request, rt.cfg.server.trusted_proxies)
         call.subject = call.key = principal.key_id
     else:
         return call.error(403, "forbidden", "target not allowed: not a configured node nor in adhoc_targets")

@@ -13,6 +13,7 @@ from kilolined.core.outcome import Failure
 from kilolined.modes.call import Call
 from kilolined.ops.runtime import Runtime
 from kilolined.scheduling.queue import Rejected
+from kilolined.wire import expect
 from kilolined.wire.proxy import Exchange, UpstreamFailed, cut_client, open_upstream, response_headers, stream_back
 from kilolined.wire.wsproxy import proxy_websocket
 
@@ -34,8 +35,13 @@ async def forward_unqueued(rt: Runtime, call: Call, rcfg: RouteConfig) -> web.St
                 watch=call.adapter.relay_watch(rt, node, call.request))
         except UpstreamFailed as e:
             return _failed(call, node, e)
-    body = await call.request.read() if call.request.can_read_body else b""
-    ex = Exchange(call.request, call.request.method, tail, body, call.request_id, call.client_ip)
+    if call.request.can_read_body:
+        expect.let_body_come(call.request)
+        body = await call.request.read()
+    else:
+        body = b""
+    ex = Exchange(call.request, call.request.method, tail, body, call.request_id, call.client_ip,
+                  call.trusted_peer)
     try:
         call.adapter.prepare(ex)  # e.g. comfyui drops Origin (ComfyUI answers 403 otherwise)
     except Rejected as r:

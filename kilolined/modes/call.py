@@ -36,6 +36,7 @@ class Call:
     principal: Principal | None = None
     subject: str = "-"  # whom limits count against: the key id, or ip:<client>
     client_ip: str = ""
+    trusted_peer: bool = False  # the peer is one of server.trusted_proxies (what it forwards is believed)
     tail: str = "/"  # the node path with its query
     route_name: str = "-"  # the scheduler's route (ad-hoc targets: adhoc:<url>; `route` is its label)
     pinned_node: str | None = None

@@ -296,7 +296,7 @@ class LeaseScope:
         """Wait for a lease and run ``attempt`` on it, re-queued after each node failure.
 
         Returns the attempt's result with the lease held. Out of retries: raises Failure, or — when
-        the node did answer (502/503/504) — returns that answer, which passes through. Raises
+        the node did answer (502/503) — returns that answer, which passes through. Raises
         Failure for a queue refusal (timeout, shutdown, dropped) too.
         """
         ticket = self.ticket

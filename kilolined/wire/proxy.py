@@ -20,7 +20,8 @@ import orjson
 from aiohttp import web
 from multidict import CIMultiDict
 
-from kilolined.wire.upstream import ConnectFailed, NodePool, Stalled, UpstreamResponse
+from kilolined.wire.node_urls import links_to_route, to_route
+from kilolined.wire.upstream import ConnectFailed, HeadTooLarge, NodePool, Stalled, UpstreamResponse
 
 HOP_BY_HOP = frozenset(
     h.lower()
@@ -33,9 +34,13 @@ HOP_BY_HOP = frozenset(
 STRIP_REQUEST = HOP_BY_HOP | {
     "host", "content-length", "authorization", "x-api-key", "x-target-host", "x-concurrency-slot",
     "x-forwarded-for", "x-forwarded-proto", "x-forwarded-host", "x-request-id", "prefer", "expect",
+    "forwarded", "x-real-ip",
 }
 STRIP_RESPONSE = HOP_BY_HOP | {"content-length", "server", "date"}
-RETRY_STATUSES = frozenset((502, 503, 504))
+# A node's answers that mean it did no work: the request is re-queued (docs/API.md "Re-queue").
+# A 500 or 504 passes to the client as it is, never re-sent: the work may have run (a 504 from a
+# proxy in front of the node, a model that crashed mid-generation). Both count for the breaker.
+RETRY_STATUSES = frozenset((502, 503))
 SERVER = "kilolined"  # every answer's Server header: no versions (docs/SECURITY.md)
 # A node's answer: from the hot-path pool, or from aiohttp's client (ComfyUI's side calls, files).
 Upstream = UpstreamResponse | aiohttp.ClientResponse
@@ -68,7 +73,7 @@ class UpstreamFailed(Exception):
         super().__init__(reason)
         self.reason = reason
         self.timeout = timeout
-        self.response = response  # set when the node answered 502/503/504 (passed on if out of retries)
+        self.response = response  # set when the node answered 502/503 (passed on if out of retries)
         self.answered = answered or response is not None
 
 
@@ -113,32 +118,39 @@ def _networks(trusted: tuple[str, ...]) -> tuple[ipaddress.IPv4Network | ipaddre
     return tuple(ipaddress.ip_network(c, strict=False) for c in trusted)
 
 
+def peer_trusted(request: web.BaseRequest, trusted: Iterable[str]) -> bool:
+    """The peer is one of ``server.trusted_proxies``: what it says of the client (X-Forwarded-For,
+    Forwarded, X-Real-Ip) is believed and passed on."""
+    return bool(trusted) and _is_trusted(request.remote or "", _networks(tuple(trusted)))
+
+
+def _is_trusted(a: str, nets: tuple[ipaddress.IPv4Network | ipaddress.IPv6Network, ...]) -> bool:
+    try:
+        ip = ipaddress.ip_address(a.strip())
+    except ValueError:
+        return False
+    return any(ip in n for n in nets)
+
+
 def client_ip(request: web.BaseRequest, trusted: Iterable[str]) -> str:
     """The peer, or — when the peer is a trusted proxy — the last untrusted X-Forwarded-For hop."""
     peer = request.remote or "unknown"
-    if not trusted:
+    if not peer_trusted(request, trusted):
         return peer
     nets = _networks(tuple(trusted))
-    if not nets:
-        return peer
-
-    def is_trusted(a: str) -> bool:
-        try:
-            ip = ipaddress.ip_address(a.strip())
-        except ValueError:
-            return False
-        return any(ip in n for n in nets)
-
-    if not is_trusted(peer):
-        return peer
     hops = [h.strip() for h in request.headers.get("X-Forwarded-For", "").split(",") if h.strip()]
     for h in reversed(hops):
-        if not is_trusted(h):
+        if not _is_trusted(h, nets):
             try:
                 return str(ipaddress.ip_address(h))
             except ValueError:
                 return peer
     return peer
+
+
+def forwarded_for(peer: str) -> str:
+    """A ``Forwarded`` element naming ``peer`` (RFC 7239 §6: an IPv6 address in quotes and brackets)."""
+    return f'for="[{peer}]"' if ":" in peer else f"for={peer}"
 
 
 def parse_body(body: bytes) -> Any:
@@ -161,6 +173,9 @@ class Exchange:
     body: bytes
     request_id: str
     client_ip: str
+    #: the peer is a trusted proxy: the client chain it sends (X-Forwarded-For, Forwarded,
+    #: X-Real-Ip) is passed on; from anyone else it is replaced by the peer (docs/SECURITY.md)
+    trusted_peer: bool = False
     drop_headers: frozenset[str] = frozenset()
     extra_headers: dict[str, str] = field(default_factory=dict)
     body_override: bytes | None = None
@@ -181,8 +196,9 @@ class Exchange:
 
     def upstream_header_pairs(self, node_headers: dict[str, str], node_url: str) -> list[tuple[str, str]]:
         """What the node is sent: the client's end-to-end headers without credentials and our own
-        controls, then X-Forwarded-For/-Proto, X-Request-Id and Host; the node's configured
-        headers and the adapter's extra ones replace any header of the same name."""
+        controls, then X-Forwarded-For/-Proto, X-Request-Id and Host (and Forwarded, X-Real-Ip
+        when the client sent them); the node's configured headers and the adapter's extra ones
+        replace any header of the same name."""
         req = self.request
         src = req.headers
         extra = self.extra_headers
@@ -196,12 +212,21 @@ class Exchange:
         out = [(k, v) for k, v in src.items() if (lk := k.lower()) not in skip and not lk.startswith("x-kiloline-")]
         xff = src.get("X-Forwarded-For")
         peer = req.remote or ""
-        ours = (
-            ("X-Forwarded-For", f"{xff}, {peer}" if xff and peer != self.client_ip else (self.client_ip or peer)),
+        trusted = self.trusted_peer
+        ours: tuple[tuple[str, str], ...] = (
+            ("X-Forwarded-For", f"{xff}, {peer}" if xff and trusted else (self.client_ip or peer)),
             ("X-Forwarded-Proto", req.scheme),
             ("X-Request-Id", self.request_id),
             ("Host", host_of(node_url)),
         )
+        # What a client says of itself in the other spellings: believed from a trusted proxy only,
+        # as X-Forwarded-For (a node reading Forwarded or X-Real-Ip must not see a forged address).
+        fwd = ", ".join(src.getall("Forwarded", ()))  # several headers are one list (RFC 9110 §5.3)
+        if fwd:
+            ours += (("Forwarded", f"{fwd}, {forwarded_for(peer)}" if trusted else forwarded_for(peer)),)
+        real = src.get("X-Real-Ip")
+        if real is not None:
+            ours += (("X-Real-Ip", real if trusted else (self.client_ip or peer)),)
         out.extend(ours if not override else [(k, v) for k, v in ours if k.lower() not in override])
         out.extend(node_headers.items())
         out.extend(extra.items())
@@ -223,6 +248,8 @@ async def open_upstream(
         raise UpstreamFailed(f"no response within {timeout:g}s", timeout=True)
     except ConnectFailed:
         raise node_lost("connection refused")
+    except HeadTooLarge as e:
+        raise UpstreamFailed(str(e), answered=True)  # it is alive, and answered out of bounds
     except aiohttp.ServerDisconnectedError:
         raise node_lost("connection reset")
     except (aiohttp.ClientError, OSError, ValueError) as e:
@@ -242,9 +269,11 @@ def response_headers(up: Upstream, node_url: str, route_path: str) -> CIMultiDic
                 for t in v.split(","):  # a loop, not a generator: one token per node answer, mostly
                     listed.add(t.strip().lower())
             continue
-        if lk in ("location", "content-location") and v.startswith(node_url):
+        if lk in ("location", "content-location"):
             # Redirects must not reveal the node: point them back through the route.
-            v = route_path.rstrip("/") + (v[len(node_url) :] or "/")
+            v = to_route(v, node_url, route_path)
+        elif lk == "link":
+            v = links_to_route(v, node_url, route_path)
         out.add(k, v)
     for name in listed - STRIP_RESPONSE:  # "Connection: keep-alive" (most nodes): nothing more to drop
         out.popall(name, None)
@@ -288,7 +317,8 @@ async def stream_back(
     whole = whole_answer(request, up, headers, obs, capture)
     if whole is not None:
         return whole
-    resp = web.StreamResponse(status=up.status, reason=up.reason, headers=headers)
+    cls = web.StreamResponse if "Content-Type" in headers else UntypedStream
+    resp = cls(status=up.status, reason=up.reason, headers=headers)
     if up.content_length is not None:
         resp.content_length = up.content_length
     if flag is not None:
@@ -318,8 +348,24 @@ def whole_answer(request: web.Request, up: Upstream, headers: CIMultiDict[str], 
     if isinstance(up, UpstreamResponse) and whole_body_here(up, request.method):
         body = up.body()
         _seen(body, obs, capture)
-        return web.Response(status=up.status, reason=up.reason, headers=headers, body=body), len(body)
+        cls = web.Response if "Content-Type" in headers else UntypedResponse
+        return cls(status=up.status, reason=up.reason, headers=headers, body=body), len(body)
     return None
+
+
+# aiohttp gives every answer with a body a Content-Type (application/octet-stream) when it has
+# none. A node's answer without one goes to the client without one, as nginx and HAProxy relay it
+# (the client may sniff the type; octet-stream would tell it not to).
+class UntypedResponse(web.Response):
+    async def _prepare_headers(self) -> None:
+        await super()._prepare_headers()
+        self.headers.popall("Content-Type", None)
+
+
+class UntypedStream(web.StreamResponse):
+    async def _prepare_headers(self) -> None:
+        await super()._prepare_headers()
+        self.headers.popall("Content-Type", None)
 
 
 def _seen(chunk: bytes, obs: Observer | None, capture: bytearray | None) -> None:

@@ -40,6 +40,9 @@ MAX_IDLE = 512
 # node that sends endless headers is a node failure, never gateway memory or a client's problem.
 MAX_HEAD_BYTES = 64 * 1024
 MAX_HEAD_LINES = 256
+# Methods whose requests carry content: they get a Content-Length even when it is 0 (RFC 9110
+# §8.6). A body-less GET, DELETE, OPTIONS or TRACE gets none, as the client sent it.
+CONTENT_METHODS = frozenset(("POST", "PUT", "PATCH"))
 Headers = Iterable[tuple[str, str]] | Mapping[str, str]  # name/value pairs (repeats kept), or a mapping
 
 
@@ -389,7 +392,9 @@ class UpstreamResponse:
 
     def _head_too_large(self) -> None:
         self.raw_headers = []
-        self._fail(HeadTooLarge(f"response head over {MAX_HEAD_BYTES // 1024} KiB or {MAX_HEAD_LINES} lines"))
+        # nginx's words for it: "upstream sent too big header"
+        self._fail(HeadTooLarge(f"the node sent too big a response head (over {MAX_HEAD_BYTES // 1024} KiB "
+                                f"or {MAX_HEAD_LINES} lines)"))
         self._conn.close()
 
     def on_headers_complete(self) -> None:
@@ -569,7 +574,7 @@ class NodePool:
                      headers.items() if isinstance(headers, Mapping) else headers)
         if self.auth is not None and not any(line[:14].lower() == "authorization:" for line in lines):
             lines.append(f"Authorization: {self.auth}")
-        if body or method not in ("GET", "HEAD"):
+        if body or method in CONTENT_METHODS:
             lines.append(f"Content-Length: {len(body)}")
         head = "\r\n".join(lines)
         # A line break inside a name or value would smuggle a header or a second request.

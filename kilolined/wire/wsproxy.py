@@ -19,7 +19,7 @@ import orjson
 from aiohttp import WSCloseCode, WSMsgType, web
 
 from kilolined.core.errors import error_body
-from kilolined.wire.proxy import SERVER, STRIP_REQUEST, UpstreamFailed, node_lost
+from kilolined.wire.proxy import SERVER, STRIP_REQUEST, UpstreamFailed, node_lost, request_id
 
 log = logging.getLogger("kilolined")
 
@@ -124,7 +124,7 @@ async def proxy_websocket(request: web.Request, session: aiohttp.ClientSession, 
     """
     if not web.WebSocketResponse().can_prepare(request).ok:
         # Checked before dialling the node: a broken handshake must not cost an upstream socket.
-        body = orjson.dumps(error_body("bad_request", "invalid websocket handshake", None, None))
+        body = orjson.dumps(error_body("bad_request", "invalid websocket handshake", request_id(request), None))
         raise web.HTTPBadRequest(body=body, content_type="application/json")
     protocols = [p.strip() for p in request.headers.get("Sec-WebSocket-Protocol", "").split(",") if p.strip()]
     upstream = await connect_node_ws(session, url, upstream_ws_headers(request, headers), protocols=protocols,
