@@ -600,8 +600,8 @@ class Config(_Model):
     def cross_check(self) -> list[str]:
         """References between sections, which pydantic cannot see field by field."""
         refs = {name: {f: getattr(r, f) for f in ROUTE_NODE_FIELDS} for name, r in self.routes.items()}
-        pools = {n: {"provider": p.provider, "routes": list(p.routes)} for n, p in
-                 (self.fleet.pools.items() if self.fleet else ())}
+        pools = {n: {"provider": p.provider, "routes": list(p.routes), "size": p.size, "min": p.min, "max": p.max,
+                     "offer": p.offer, "offers": p.offers} for n, p in (self.fleet.pools.items() if self.fleet else ())}
         providers = set(self.fleet.providers) if self.fleet else set()
         return [*reference_errors(set(self.nodes), refs, set(self.routes), {n: k.routes for n, k in self.keys.items()}),
                 *route_rules(self.routes), *key_rules(self.keys),

@@ -85,6 +85,7 @@ class Tracked:
     idle_since: float | None = None  # serving: since when nothing ran on it or waited for its routes
     resuming: bool = False  # booting again from stopped (the provider may still say stopped a while)
     retry_at: float = 0.0  # stopped: a failed resume is not tried again before this
+    rented_here: bool = False  # rented or resumed by this gateway (its boot time is a measure)
 
     def phase_start(self) -> float:
         return self.created_at if self.since is None else self.since
