@@ -99,6 +99,7 @@ class Fleet:
         self._last_status = -MAX_TICK_SEC  # when the booting instances' provider status was last asked
         rt.fleet_view = self.view
         rt.node_eta = self.node_eta
+        rt.scales_to_zero = self.scales_to_zero
         rt.node_watchers.append(self._node_event)
         self.configure(rt.cfg)
 
@@ -274,6 +275,13 @@ class Fleet:
                 return None
             worst = max(worst, sched.est_wait(rq, depth + 1, now) or 0.0)
         return worst
+
+    def scales_to_zero(self, route: str) -> bool:
+        """The route has no node of its own and a pool joining it may go to zero (min 0)."""
+        rcfg = self.rt.cfg.routes.get(route)
+        if rcfg is None or rcfg.nodes or rcfg.standby or self.cfg is None:
+            return False
+        return any(route in p.routes and p.min_size == 0 for p in self.cfg.pools.values())
 
     def node_eta(self, route: str) -> float | None:
         """Seconds until a pool joining ``route`` has a node serving, when none serves it now: what
