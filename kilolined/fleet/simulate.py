@@ -1,7 +1,7 @@
 """What the fleet's policy does to a day of traffic, on a simulated clock (docs/FLEET.md
 "What scaling costs"): the pure ``decide`` against a simulated queue and a simulated market whose
 instances boot in ``boot_sec`` and resume in ``resume_sec``. No I/O and no wall clock, so a day
-runs in a second; scripts/bench_fleet_scale.py prints it and a test holds it to SPEC §18.
+runs in a second; scripts/bench_fleet_scale.py prints it and a test holds it to docs/FLEET.md's targets.
 
 The loop is modelled as the real one runs it: once a tick, the queue is measured (``Demand``),
 ``decide`` runs, and its actions land at once (a rent or resume answers within the tick; the
