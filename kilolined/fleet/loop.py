@@ -392,7 +392,10 @@ class Fleet:
             t.healthy = ns is not None and ns.healthy
             if t.healthy or t.provider_running:
                 t.provider_running = None  # asked afresh while it stays down: a reclaim may come later
-            busy = self.rt.scheduler.node_inflight.get(name, 0) > 0 or demand.get(t.pool, Demand()).waiting > 0
+            # Cluster mode: another gateway's requests on the node are not in this one's leases,
+            # so nothing there is judged idle (a stop could cut them off).
+            busy = (self.rt.cluster is not None or self.rt.scheduler.node_inflight.get(name, 0) > 0
+                    or demand.get(t.pool, Demand()).waiting > 0)
             if busy or t.idle_since is None:
                 t.idle_since = now
 
