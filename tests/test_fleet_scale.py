@@ -82,6 +82,8 @@ class World:
         before = {p: [t.id for t in self.tracked.values() if t.pool == p and t.phase == "stopped"
                       and self.now >= t.retry_at] for p in self.specs}
         acts = decide(self.specs, self.state, self.tracked, self.cap, self.now, 0.0, self.demand())
+        ids = [a.id for a in acts if isinstance(a, Destroy | Stop | Resume)]
+        assert len(ids) == len(set(ids)), f"two actions for one instance: {acts}"
         for p in self.specs:
             assert sum(isinstance(a, Rent | Resume) and a.pool == p for a in acts) <= 1
             if any(isinstance(a, Rent) and a.pool == p for a in acts):
@@ -165,6 +167,7 @@ step = st.one_of(
     st.tuples(st.just("boot"), st.integers(0, 5)),
     st.tuples(st.just("boot_all"), st.just(0)),
     st.tuples(st.just("cycle"), st.integers(1, 6)),
+    st.tuples(st.just("reload"), st.integers(0, 3)),
     st.tuples(st.just("restart"), st.booleans()),
 )
 
@@ -210,6 +213,9 @@ def test_scaling_never_passes_max_or_the_cap_resumes_first_and_a_restart_rents_n
             for t in w.tracked.values():
                 t.idle_since = w.now if t.phase == "serving" else t.idle_since
             w.now += 600
+        elif kind == "reload":  # max changed in the file (min follows it down)
+            old = w.specs["p0"]
+            w.specs["p0"] = PoolSpec(min(old.min, int(arg)), int(arg), 300.0, old.max_dph, 20.0, 600.0, 3600.0)
         elif kind == "boot_all":
             boot_all(w)
         elif kind == "restart":
@@ -303,3 +309,18 @@ def test_never_below_min_and_stopped_ones_are_destroyed_after_stopped_destroy_se
     assert w.step() == [Destroy(stops[0].id, "p", "stopped_expired")]
     w.now += 10_000
     assert w.step() == []  # the last serving one stays, however idle
+
+
+def test_an_instance_let_go_as_surplus_is_not_also_stopped() -> None:
+    """max lowered while every instance is idle: the surplus one is destroyed, another stopped,
+    never both for one."""
+    w = World({"p": SPEC}, 2.0)
+    keys = [w.create("p", 0.4) for _ in range(2)]
+    for k in keys:
+        w.tracked[k].healthy = True
+    w.step()
+    w.now += 600
+    w.specs["p"] = PoolSpec(0, 1, 300.0, (0.5,), 20.0, 600.0, 3600.0)
+    acts = w.step()
+    assert sorted(type(a).__name__ for a in acts) == ["Destroy", "Stop"]
+    assert len({a.id for a in acts if isinstance(a, Destroy | Stop)}) == 2

@@ -200,6 +200,7 @@ def decide(pools: dict[str, PoolSpec], state: dict[str, PoolRuntime], instances:
         for t in _surplus(mine, spec.max):
             actions.append(Destroy(t.id, name, "surplus"))
             del live[t.id]
+        mine = [t for t in mine if t.id in live]
         for t in _idle(mine, spec, demand.get(name, Demand()), now):
             actions.append(Stop(t.id, name))
     if any(ps.renting for ps in state.values()):
