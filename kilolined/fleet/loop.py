@@ -295,10 +295,11 @@ class Fleet:
                 continue
             m = self.measured.get(name, {})
             mine = [t for t in self.instances.values() if t.pool == name]
-            for t in mine:
-                took = m.get("resume" if t.resuming else "boot")
-                if t.phase == "booting" and took is not None:
-                    etas.append(max(0.0, took - (now - t.phase_start())))
+            coming = [max(0.0, took - (now - t.phase_start())) for t in mine if t.phase == "booting"
+                      and (took := m.get("resume" if t.resuming else "boot")) is not None]
+            if coming:  # one is on its way: nothing else starts before it serves
+                etas.append(min(coming))
+                continue
             stopped = any(t.phase == "stopped" for t in mine)
             took = m.get("resume") if stopped else None
             took = took if took is not None else m.get("boot")
