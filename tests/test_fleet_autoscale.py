@@ -139,3 +139,17 @@ async def test_a_spot_entry_with_no_offer_falls_back_to_on_demand_within_one_bac
     assert events(gw, "fleet_rent_failed") == 1
     async with http.post(gw.url + "/pool/generate", json={}, headers=auth()) as r:
         assert r.status == 200
+
+
+async def test_an_instance_whose_stop_fails_is_destroyed_not_left_paying(
+        fakegpus: Any, gateway: Any, vast: FakeProvider, http: aiohttp.ClientSession) -> None:
+    static = await fakegpus()
+    vast.boot_sec = 0.3
+    gw = await gateway(scaling_config(static.url, vast))
+    async with http.post(f"{vast.url}/_fake/fail", json={"status": 500, "count": None, "op": "stop"}) as r:
+        assert r.status == 200
+    async with http.post(gw.url + "/pool/generate", json={}, headers=auth()) as r:
+        assert r.status == 200
+    await wait_until(lambda: statuses(vast) == ["destroyed"], timeout=WAIT)
+    assert vast.failed_calls["stop"] == 1 and vast.spend_per_hour() == 0
+    assert not gw.rt.pool_nodes and gw.rt.fleet_view()["instances"] == []

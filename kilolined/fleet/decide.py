@@ -34,7 +34,7 @@ MAX_BACKOFF_SEC = 3600.0
 LOST_MACHINES_KEPT = 8  # machines a pool avoids after losing an instance on them
 #: booting: rented or resumed, not yet healthy; stopping: the stop is asked, not yet confirmed
 Phase = Literal["booting", "serving", "stopping", "stopped"]
-DestroyReason = Literal["reclaimed", "boot_timeout", "pool_removed", "surplus", "stopped_expired"]
+DestroyReason = Literal["reclaimed", "boot_timeout", "pool_removed", "surplus", "stopped_expired", "stop_failed"]
 BILLED: tuple[Phase, ...] = ("booting", "serving", "stopping")  # a stopped instance pays no GPU
 
 

@@ -472,8 +472,8 @@ class Fleet:
                                f"{pcfg.boot_timeout_sec if pcfg else '?'}", now)
         else:
             log.info("[fleet] destroying %s (%s)", name, {"pool_removed": "pool removed", "surplus": "over max",
-                                                          "stopped_expired": "stopped past stopped_destroy_sec"
-                                                          }.get(a.reason, a.reason))
+                                                          "stopped_expired": "stopped past stopped_destroy_sec",
+                                                          "stop_failed": "its stop failed"}.get(a.reason, a.reason))
         self.doomed[a.id] = t
         await self._destroy_now(t)
 
@@ -644,7 +644,7 @@ class Fleet:
         except ProviderError as e:
             # It serves nothing now: destroyed rather than paid for (its disk is lost with it).
             log.warning("⚠ [fleet] stop %s failed (%s): destroying it instead", name, e)
-            await self._destroy(Destroy(t.id, t.pool, "surplus"))
+            await self._destroy(Destroy(t.id, t.pool, "stop_failed"))
             return
         now = self.rt.clock()
         t.phase, t.since, t.url, t.provider_running, t.idle_since = "stopped", now, None, None, None
