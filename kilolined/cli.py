@@ -151,7 +151,7 @@ def run_fake_provider(args: argparse.Namespace) -> int:
                     "progress_min_sec": args.progress_min_ms / 1000, "capacity_mode": args.capacity_mode}
     return run_provider(wire, host=args.host, port=FAKE_PROVIDER_PORT if args.port is None else args.port,
                         offers_path=args.offers, api_key=args.api_key, boot_sec=args.boot_sec,
-                        default_kind=args.kind, card_options=card_options)
+                        default_kind=args.kind, card_options=card_options, resume_sec=args.resume_sec)
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
@@ -218,6 +218,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="serve a fake Vast.ai or RunPod API whose instances are simulated cards")
     f.add_argument("--boot-sec", type=float, default=5.0,
                    help="with --provider: seconds from create until the instance's card answers")
+    f.add_argument("--resume-sec", type=float, default=5.0,
+                   help="with --provider: seconds from resuming a stopped instance until its card answers again")
     f.add_argument("--offers", default=None,
                    help="with --provider: a JSON file listing the offers (default: a built-in market)")
     f.add_argument("--vram-gb", type=float, default=24)

@@ -195,6 +195,14 @@ def test_a_model_no_node_serves_is_404_at_admission() -> None:
     assert not s.routes["llm"].waiting
 
 
+def test_a_route_with_no_node_at_all_queues_a_model_request_for_the_node_to_come() -> None:
+    """A fleet pool scaled to zero (docs/FLEET.md): no node can say it does not serve the model,
+    so the request waits for the one the pool resumes or rents instead of a 404."""
+    s = sched([])
+    t = admit(s, "zeta")
+    assert t.state == WAITING and len(s.routes["llm"].waiting) == 1
+
+
 def test_a_node_that_has_not_told_its_models_yet_takes_any() -> None:
     s = sched([node("x", models="discover")])
     assert admit(s, "zeta").state == LEASED

@@ -102,6 +102,29 @@ def public(pod: dict[str, Any], private: int) -> str:
     return f"http://{port['ip']}:{port['publicPort']}"
 
 
+async def test_sdk_stops_and_resumes_a_pod_which_serves_again_after_resume_sec(
+        runpod: ModuleType, market: FakeProvider) -> None:
+    """stop_pod (podStop) and resume_pod (podResume with gpuCount): EXITED and unbilled while
+    stopped, serving again after resume_sec rather than boot_sec."""
+    market.resume_sec = 0.05
+    pod_id = (await in_thread(runpod.create_pod, "kiloline:comfy", "ghcr.io/ai-dock/comfyui:latest", RTX4090,
+                              ports="8188/http", env={"PORT": "8188"}))["id"]
+    node = public(await serving_pod(runpod, pod_id), 8188)
+    stopped = await in_thread(runpod.stop_pod, pod_id)
+    assert stopped == {"id": pod_id, "desiredStatus": "EXITED"}
+    assert not await answers(f"{node}/system_stats")
+    assert (await fake_state(market))["spend_per_hour"] == 0
+    market.boot_sec = 60.0
+    resumed = await in_thread(runpod.resume_pod, pod_id, 1)
+    assert resumed["id"] == pod_id and resumed["desiredStatus"] == "RUNNING"
+    node = public(await serving_pod(runpod, pod_id), 8188)
+    async with aiohttp.ClientSession() as s, s.get(f"{node}/system_stats") as r:
+        assert r.status == 200
+    assert market.calls["stop"] == 1 and market.calls["resume"] == 1
+    with pytest.raises(runpod.error.QueryError, match="gpuCount"):
+        await in_thread(runpod.resume_pod, pod_id, 2)
+
+
 async def test_sdk_lists_gpus_creates_gets_and_terminates(runpod: ModuleType, market: FakeProvider) -> None:
     gpus = await in_thread(runpod.get_gpus)
     assert {"id": RTX4090, "displayName": "RTX 4090", "memoryInGb": 24} in gpus

@@ -76,3 +76,38 @@ def test_an_unset_key_variable_is_one_error_and_the_key_is_never_in_one() -> Non
                                     "is not set"]
     bad = GOOD.replace("max_dph: 0.45", "max_dph: -1")
     assert all(ENV["VAST_API_KEY"] not in e for e in errors(bad))
+
+
+SCALING = GOOD.replace("      size: 2\n", "      min: 0\n      max: 3\n      idle_stop_sec: 300\n").replace(
+    '      offer: {gpu_name: "RTX 4090", num_gpus: 1, max_dph: 0.45, min_reliability: 0.97, interruptible: true}\n',
+    '      offers:\n        - {gpu_name: "RTX 4090", max_dph: 0.45}\n'
+    '        - {gpu_name: "RTX 4090", max_dph: 0.80, interruptible: false}\n')
+
+
+def test_a_scaling_pool_parses_and_size_still_means_min_equals_max() -> None:
+    p = parse_config(SCALING, env=ENV, source=SRC).fleet.pools["comfy-4090"]  # type: ignore[union-attr]
+    assert (p.min_size, p.max_size, p.scale_up_wait_sec) == (0, 3, 20)
+    assert (p.idle_stop_sec, p.stopped_destroy_sec) == (300, 86400)
+    assert [(o.max_dph, o.interruptible) for o in p.offer_list] == [(0.45, True), (0.80, False)]
+    fixed = parse_config(GOOD, env=ENV, source=SRC).fleet.pools["comfy-4090"]  # type: ignore[union-attr]
+    assert (fixed.min_size, fixed.max_size, len(fixed.offer_list)) == (2, 2, 1)
+
+
+@pytest.mark.parametrize(("change", "want"), [
+    (("      max: 3\n", "      max: 3\n      size: 2\n"),
+     f"{SRC}:12: fleet.pools.comfy-4090.min: give size (min = max = size), or min and max, not both"),
+    (("      min: 0\n", "      min: 4\n"), f"{SRC}:12: fleet.pools.comfy-4090.min: must be at most max (3), not 4"),
+    (("      max: 3\n", ""), f"{SRC}:10: fleet.pools.comfy-4090.max: required (or size: N, which means min = max = N)"),
+    (("      offers:\n", '      offer: {gpu_name: "A100", max_dph: 1}\n      offers:\n'),
+     f"{SRC}:16: fleet.pools.comfy-4090.offers: give offer or offers, not both"),
+    (("      offers:\n        - {gpu_name: \"RTX 4090\", max_dph: 0.45}\n"
+      "        - {gpu_name: \"RTX 4090\", max_dph: 0.80, interruptible: false}\n", "      offers: []\n"),
+     f"{SRC}:15: fleet.pools.comfy-4090.offers: required, the offers to rent from in order of preference "
+     "(or one offer)"),
+    (("max_dph: 0.80", "max_dph: -1"),
+     f"{SRC}:17: fleet.pools.comfy-4090.offers.1.max_dph: Input should be greater than 0"),
+    (("      idle_stop_sec: 300\n", "      idle_stop_sec: -1\n"),
+     f"{SRC}:14: fleet.pools.comfy-4090.idle_stop_sec: Input should be greater than or equal to 0"),
+])
+def test_scaling_mistakes_are_reported_with_file_and_line(change: tuple[str, str], want: str) -> None:
+    assert want in errors(SCALING.replace(*change))

@@ -3,11 +3,13 @@ costs, in a real headless Chromium against a live gateway and the fake Vast.ai m
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
-from conftest import ADMIN_KEY, wait_until
+from conftest import ADMIN_KEY, auth, wait_until
 from test_dashboard import Page, browser  # noqa: F401  (the fixture)
 from test_fleet import WAIT, fleet_config, live, market, pool, serving  # noqa: F401  (market: the fixture)
+from test_fleet_autoscale import scaling_config, vast  # noqa: F401  (vast: the fixture)
 
 
 async def test_a_rented_node_shows_provider_instance_and_price(fakegpus: Any, gateway: Any, market: Any,  # noqa: F811
@@ -27,3 +29,45 @@ async def test_a_rented_node_shows_provider_instance_and_price(fakegpus: Any, ga
     assert text == f"rented: vast #{inst.id} (pool p) · ${inst.price:.3f}/h"
     assert await page.until("document.querySelector('[data-node=\"static\"] [data-field=rented]').hidden",
                             "a static node has no rented line")
+
+
+async def test_the_pool_panel_shows_each_instance_its_state_and_price_and_spend_against_the_cap(
+        fakegpus: Any, gateway: Any, vast: Any, browser: Any, http: Any) -> None:  # noqa: F811
+    """A pool min 0, max 2: empty, then its instance serving or idle with its price and the spend
+    against the cap, then stopped (unbilled), then booting again on a resume."""
+    static = await fakegpus()
+    gw = await gateway(scaling_config(static.url, vast, idle_stop_sec=2))
+    page = Page(browser)
+    await page.call(browser.get, gw.url + "/dashboard")
+    await page.until("!document.querySelector('#login').hidden", "the login form")
+    await page.type_into("#admin-key", ADMIN_KEY)
+    await page.click("#login-submit")
+    panel = "document.querySelector('#fleet')"
+    assert await page.until(f"!{panel}.hidden && {panel}.querySelector('[data-pool=p] [data-field=summary]')"
+                            "?.textContent.startsWith('no instance')", "an empty pool")
+    assert await page.text("#fleet [data-field=spend]") == "$0.00/h of $2.00/h cap"
+    async with http.post(gw.url + "/pool/generate", json={}, headers=auth()) as r:
+        assert r.status == 200
+    inst = next(iter(vast.instances.values()))
+    li = f"#fleet li[data-instance=\"p-{inst.id}\"]"
+    # The page shows what the last pushed state said: it catches up from booting.
+    await page.until(f"['serving', 'idle'].includes(document.querySelector('{li}')?.dataset.state)",
+                     "the serving row")
+    text = await page.text(li)
+    assert text is not None and text.startswith(f"p-{inst.id} · ") and text.endswith(f"${inst.price:.3f}/h")
+    assert await page.text("#fleet [data-field=spend]") == f"${inst.price:.2f}/h of $2.00/h cap"
+    # Idle past idle_stop_sec: stopped, no longer billed, its price what a resume would cost.
+    await page.until(f"document.querySelector('{li}')?.dataset.state === 'stopped'", "the stopped row", timeout=WAIT)
+    assert await page.text(li) == f"p-{inst.id} · stopped · ${inst.price:.3f}/h when resumed"
+    assert await page.js(f"return document.querySelector('{li}').dataset.billed") == "0"
+    assert await page.text("#fleet [data-field=spend]") == "$0.00/h of $2.00/h cap"
+    assert await page.text("#fleet [data-pool=p] [data-field=summary]") == "1 stopped · min 0, max 2 · vast"
+    # A request resumes it: booting (the fake's resume is made long enough to be seen).
+    vast.resume_sec = 60.0
+    waiting = asyncio.ensure_future(http.post(gw.url + "/pool/generate", json={}, headers=auth()))
+    try:
+        await page.until(f"document.querySelector('{li}')?.dataset.state === 'booting'", "the resumed row",
+                         timeout=WAIT)
+        assert await page.js(f"return document.querySelector('{li}').dataset.billed") == "1"
+    finally:
+        waiting.cancel()

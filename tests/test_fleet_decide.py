@@ -50,7 +50,7 @@ class Model:
     """The providers and the loop, as the decisions see them."""
 
     def __init__(self, sizes: list[int], cap: float):
-        self.pools = {f"p{i}": PoolSpec(s, 300.0, 0.8) for i, s in enumerate(sizes)}
+        self.pools = {f"p{i}": PoolSpec.fixed(s, 300.0, 0.8) for i, s in enumerate(sizes)}
         self.state = {n: PoolRuntime() for n in self.pools}
         self.instances: dict[str, Tracked] = {}
         self.cap = cap
@@ -134,7 +134,7 @@ def test_spend_size_and_one_rent_at_a_time(sizes: list[int], cap: float, steps: 
         m.apply(actions, None, False)
         assert spend(m.instances) <= m.cap + 1e-9
         for name, spec in m.pools.items():
-            assert sum(t.pool == name for t in m.instances.values()) <= spec.size
+            assert sum(t.pool == name for t in m.instances.values()) <= spec.max
         assert sum(isinstance(a, Rent) for a in actions) <= 1
         for d in m.destroyed:
             assert d.id not in m.netloss, "a node that only lost the network was destroyed"
@@ -144,7 +144,7 @@ def test_spend_size_and_one_rent_at_a_time(sizes: list[int], cap: float, steps: 
 @given(st.integers(0, 3))
 def test_a_reclaim_is_answered_by_exactly_one_rent(extra: int) -> None:
     """A pool at size loses a node: destroyed once, one rent, and no second while it is in flight."""
-    pools = {"p": PoolSpec(2, 300.0, 0.5)}
+    pools = {"p": PoolSpec.fixed(2, 300.0, 0.5)}
     state = {"p": PoolRuntime()}
     inst = {k: Tracked(k, "p", 0.3, f"m-{k}", 0.0, phase="serving", healthy=True) for k in ("a", "b")}
     assert decide(pools, state, inst, 2.0, 1.0) == []
@@ -165,13 +165,13 @@ def test_a_reclaim_is_answered_by_exactly_one_rent(extra: int) -> None:
 
 
 def test_network_loss_is_not_a_reclaim() -> None:
-    pools = {"p": PoolSpec(1, 300.0, 0.5)}
+    pools = {"p": PoolSpec.fixed(1, 300.0, 0.5)}
     t = Tracked("a", "p", 0.3, "m", 0.0, phase="serving", healthy=False, provider_running=True)
     assert decide(pools, {"p": PoolRuntime()}, {"a": t}, 2.0, 5.0) == []
 
 
 def test_boot_timeout_destroys_and_a_removed_pool_loses_only_its_own() -> None:
-    pools = {"p": PoolSpec(1, 10.0, 0.5)}
+    pools = {"p": PoolSpec.fixed(1, 10.0, 0.5)}
     inst = {"a": Tracked("a", "p", 0.3, "m", 0.0), "b": Tracked("b", "gone", 0.3, "m2", 0.0, phase="serving",
                                                                   healthy=True)}
     acts = decide(pools, {"p": PoolRuntime()}, inst, 2.0, 10.0)
@@ -179,7 +179,7 @@ def test_boot_timeout_destroys_and_a_removed_pool_loses_only_its_own() -> None:
 
 
 def test_budget_refuses_and_held_spend_counts() -> None:
-    pools = {"p": PoolSpec(2, 300.0, 0.5)}
+    pools = {"p": PoolSpec.fixed(2, 300.0, 0.5)}
     inst = {"a": Tracked("a", "p", 0.6, "m", 0.0, phase="serving", healthy=True)}
     assert decide(pools, {"p": PoolRuntime()}, inst, 0.6, 1.0)[0] == RentRefused(
         "p", "max_spend_per_hour 0.6 reached (0.6 $/h live)")

@@ -17,7 +17,7 @@ from kilolined.core.config import FleetOfferConfig, FleetTemplateConfig
 from kilolined.fakegpu.provider import FakeProvider
 from kilolined.fakegpu.provider_runpod import RunPodWire
 from kilolined.fakegpu.provider_vastai import VastWire
-from kilolined.fleet.provider import GONE, RUNNING, ProviderError
+from kilolined.fleet.provider import RUNNING, STOPPED, Provider, ProviderError
 from kilolined.fleet.runpod import RunPod
 from kilolined.fleet.vastai import VastAI
 
@@ -59,7 +59,7 @@ async def test_vast_client_rents_finds_and_destroys(fake: FakeProvider) -> None:
         async with aiohttp.ClientSession() as s, s.post(f"{fake.url}/_fake/reclaim/{iid}") as r:
             assert r.status == 200
         after = await vast.status(iid, 8080)
-        assert after is not None and after.status == GONE
+        assert after is not None and after.status == STOPPED  # not running: a serving node so is reclaimed
         await vast.destroy(iid)
         assert await vast.status(iid, 8080) is None
         await vast.destroy(iid)  # destroying what is gone is what was asked: no error
@@ -119,7 +119,7 @@ async def test_runpod_client_rents_finds_and_destroys() -> None:
         assert [i.id for i in await pod.list_own(8080)] == [pid]
         await fake.reclaim(fake.instances[pid])
         after = await pod.status(pid, 8080)
-        assert after is not None and after.status == GONE
+        assert after is not None and after.status == STOPPED
         await pod.destroy(pid)
         assert await pod.status(pid, 8080) is None
         await inject(fake, {"status": 429, "retry_after": 3, "op": "search"})
@@ -128,4 +128,43 @@ async def test_runpod_client_rents_finds_and_destroys() -> None:
         assert e.value.kind == "rate_limited" and e.value.retry_after == 3
     finally:
         await pod.close()
+        await fake.stop()
+
+
+@pytest.mark.parametrize("wire", ["vastai", "runpod"])
+async def test_stop_keeps_the_instance_and_resume_serves_it_again(wire: str) -> None:
+    """stop (Vast PUT state stopped; RunPod podStop) leaves it STOPPED, unbilled and listed;
+    resume (state running; podResume) brings it back serving after the fake's resume_sec."""
+    fake = FakeProvider(VastWire() if wire == "vastai" else RunPodWire(), api_key=KEY, boot_sec=0.2,
+                        resume_sec=0.05, card_options={"steps": 2, "step_ms": 10})
+    await fake.start()
+    prov: Provider = VastAI(KEY, fake.url) if wire == "vastai" else RunPod(KEY, fake.url)
+
+    async def status_is(iid: str, want: str) -> bool:
+        inst = await prov.status(iid, 8080)
+        return inst is not None and inst.status == want and (want != RUNNING or inst.url is not None)
+
+    try:
+        offers = await prov.search(OFFER, frozenset(), 0.5)
+        iid = await prov.create(offers[0], OFFER, TEMPLATE, "kiloline:p")
+        await wait_until(lambda: status_is(iid, RUNNING), timeout=20)
+        await prov.stop(iid)
+        assert await status_is(iid, STOPPED)
+        assert fake.instances[iid].status == "stopped" and fake.spend_per_hour() == 0
+        assert [(i.id, i.status) for i in await prov.list_own(8080)] == [(iid, STOPPED)]
+        fake.boot_sec = 60.0  # a resume is not a boot
+        await prov.resume(iid, 1)
+        await wait_until(lambda: status_is(iid, RUNNING), timeout=20)
+        inst = await prov.status(iid, 8080)
+        assert inst is not None and inst.url is not None
+        async with aiohttp.ClientSession() as s, s.get(inst.url + "/health") as r:
+            assert r.status == 200
+        assert (fake.calls["stop"], fake.calls["resume"]) == (1, 1)
+        await inject(fake, {"status": 500, "op": "resume"})
+        await prov.stop(iid)
+        with pytest.raises(ProviderError) as e:
+            await prov.resume(iid, 1)
+        assert e.value.kind == "server" and KEY not in str(e.value)
+    finally:
+        await prov.close()
         await fake.stop()

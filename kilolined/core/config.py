@@ -33,6 +33,8 @@ NotifyEvent = Literal[
     "fleet_node_rented",
     "fleet_node_ready",
     "fleet_rent_failed",
+    "fleet_node_stopped",
+    "fleet_node_resumed",
     "node_slow",  # slow nodes (docs/CONFIG.md "nodes.<n>.slow")
     "node_recovered",
     "node_drifting",
@@ -542,15 +544,39 @@ class FleetNodeConfig(_Model):
 
 
 class FleetPoolConfig(_Model):
+    """A pool: ``size: N`` keeps N serving; ``min``/``max`` follow the queue (docs/FLEET.md).
+    Which of them is given, and ``offer`` or ``offers``, is checked by ``fleet_rules``."""
+
     provider: str
-    size: Annotated[int, Field(ge=0)]
-    offer: FleetOfferConfig
+    size: Annotated[int, Field(ge=0)] | None = None
+    min: Annotated[int, Field(ge=0)] | None = None
+    max: Annotated[int, Field(ge=0)] | None = None
+    offer: FleetOfferConfig | None = None
+    offers: list[FleetOfferConfig] = []  # in order of preference
     template: FleetTemplateConfig
     node: FleetNodeConfig = FleetNodeConfig()
     routes: Annotated[list[str], Field(min_length=1)]
     boot_timeout_sec: PosSec = 900
     #: the first wait after a failed rent (docs/FLEET.md: 60 s doubling to 1 h); lower in tests
     backoff_base_sec: PosSec = 60
+    scale_up_wait_sec: Sec = 20
+    idle_stop_sec: Sec = 600  # 0: never stopped for idleness
+    stopped_destroy_sec: Sec = 86400  # 0: a stopped instance is kept
+
+    @property
+    def min_size(self) -> int:
+        return self.size if self.size is not None else (self.min or 0)
+
+    @property
+    def max_size(self) -> int:
+        if self.size is not None:
+            return self.size
+        return self.max if self.max is not None else self.min_size
+
+    @property
+    def offer_list(self) -> list[FleetOfferConfig]:
+        """The entries to rent from, the preferred first (``offer`` is a list of one)."""
+        return list(self.offers) or ([self.offer] if self.offer is not None else [])
 
 
 class FleetConfig(_Model):
@@ -574,8 +600,8 @@ class Config(_Model):
     def cross_check(self) -> list[str]:
         """References between sections, which pydantic cannot see field by field."""
         refs = {name: {f: getattr(r, f) for f in ROUTE_NODE_FIELDS} for name, r in self.routes.items()}
-        pools = {n: {"provider": p.provider, "routes": list(p.routes)} for n, p in
-                 (self.fleet.pools.items() if self.fleet else ())}
+        pools = {n: {"provider": p.provider, "routes": list(p.routes), "size": p.size, "min": p.min, "max": p.max,
+                     "offer": p.offer, "offers": p.offers} for n, p in (self.fleet.pools.items() if self.fleet else ())}
         providers = set(self.fleet.providers) if self.fleet else set()
         return [*reference_errors(set(self.nodes), refs, set(self.routes), {n: k.routes for n, k in self.keys.items()}),
                 *route_rules(self.routes), *key_rules(self.keys),
@@ -615,8 +641,26 @@ def fleet_rules(pools: dict[str, dict[str, Any]], providers: set[str], nodes: se
                 errs.append(f"fleet.pools.{name}.routes.{i}: unknown route {rn!r}")
         errs.extend(f"nodes.{n}: the name is a node of fleet pool {name!r} (<pool>-<instance id>)"
                     for n in sorted(nodes) if n.startswith(name + "-"))
+        errs.extend(f"fleet.pools.{name}.{e}" for e in pool_size_rules(p))
     errs.extend(f"routes.{rn}.nodes: must list at least one node (or be joined by a fleet pool)"
                 for rn, ns in route_nodes.items() if not ns and rn not in joined)
+    return errs
+
+
+def pool_size_rules(p: dict[str, Any]) -> list[str]:
+    """``size``, or ``min``/``max`` (min ≤ max, at least max); ``offer`` or a non-empty ``offers``."""
+    errs: list[str] = []
+    size, lo, hi = p.get("size"), p.get("min"), p.get("max")
+    if size is not None and (lo is not None or hi is not None):
+        errs.append(f"{'min' if lo is not None else 'max'}: give size (min = max = size), or min and max, not both")
+    elif size is None and hi is None:
+        errs.append("max: required (or size: N, which means min = max = N)")
+    elif isinstance(lo, int) and isinstance(hi, int) and lo > hi:
+        errs.append(f"min: must be at most max ({hi}), not {lo}")
+    if p.get("offer") is not None and p.get("offers"):
+        errs.append("offers: give offer or offers, not both")
+    elif p.get("offer") is None and not p.get("offers"):
+        errs.append("offers: required, the offers to rent from in order of preference (or one offer)")
     return errs
 
 

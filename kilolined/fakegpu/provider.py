@@ -4,7 +4,9 @@
 Its instances are simulated cards (`FakeGPU`) it starts itself, in this process, on free loopback
 ports: an instance is `loading` for `boot_sec`, then its card listens and it is `running`; a
 reclaim (`POST /_fake/reclaim/{id}`) stops the card and leaves the instance `exited`, as a spot
-host taking its GPU back does. This module holds the market (offers, instances, spend, injected
+host taking its GPU back does. A stop (the provider's own API) stops the card and keeps the
+instance `stopped`, unbilled, on its machine; a resume serves again after `resume_sec` (the model
+is still on the disk, so no boot time). This module holds the market (offers, instances, spend, injected
 failures) and the `/_fake/*` test routes; each provider's own wire format is a `Wire` in
 `provider_vastai.py` or `provider_runpod.py`, which import this module and never the reverse.
 """
@@ -33,7 +35,7 @@ log = logging.getLogger("kilolined.fakegpu.provider")
 
 # The API calls an injected failure can target (POST /_fake/fail {"op": ...}); each wire maps its
 # routes or GraphQL fields onto them. They are the gateway's provider interface, one for one.
-OPS = ("search", "create", "status", "list", "destroy", "label")
+OPS = ("search", "create", "status", "list", "destroy", "label", "stop", "resume")
 LIVE = ("loading", "running")  # states that are billed
 # Images whose name says which API the container serves; anything else gets the --kind default.
 IMAGE_KINDS = (("comfy", "comfyui"), ("openai", "openai"), ("llama", "openai"), ("vllm", "openai"),
@@ -137,7 +139,8 @@ def kind_for(image: str, env: Mapping[str, str], default: str) -> str:
 
 @dataclass(eq=False)
 class Instance:
-    """A rented machine. `status`: loading → running → exited (reclaimed) ; destroyed at the end."""
+    """A rented machine. `status`: loading → running → exited (reclaimed) or stopped (by its
+    renter; loading again on a resume); destroyed at the end."""
 
     id: str
     offer: Offer
@@ -225,15 +228,18 @@ class FakeProvider:
 
     def __init__(self, wire: Wire, *, offers: Iterable[Offer] = DEFAULT_OFFERS, api_key: str | None = None,
                  boot_sec: float = 5.0, host: str = "127.0.0.1", port: int = 0, default_kind: str = "generic",
-                 card_options: Mapping[str, Any] | None = None) -> None:
+                 card_options: Mapping[str, Any] | None = None, resume_sec: float = 5.0) -> None:
         if not (is_number(boot_sec) and boot_sec >= 0):
             raise ValueError("boot_sec must be a number >= 0")
+        if not (is_number(resume_sec) and resume_sec >= 0):
+            raise ValueError("resume_sec must be a number >= 0")
         if default_kind not in KINDS:
             raise ValueError(f"kind must be one of {', '.join(KINDS)}, not {default_kind!r}")
         self.wire = wire
         self.offers = list(offers)
         self.api_key = api_key or None
         self.boot_sec = float(boot_sec)
+        self.resume_sec = float(resume_sec)
         self.host = host
         self.port = port
         self.default_kind = default_kind
@@ -311,6 +317,19 @@ class FakeProvider:
 
     async def destroy(self, inst: Instance) -> None:
         await self._end(inst, "destroyed")
+
+    async def stop_instance(self, inst: Instance) -> None:
+        """The renter stops it: the card goes, the machine (and its disk) stays the renter's."""
+        await self._end(inst, "stopped")
+
+    def resume(self, inst: Instance) -> None:
+        """A stopped (or reclaimed) instance starts again on its machine: `loading` for
+        `resume_sec`, then a card answers (on a new port, as a provider may map a new one)."""
+        if inst.status in LIVE:
+            return
+        inst.status, inst.ended_at, inst.card = "loading", None, None
+        inst.boot = asyncio.get_running_loop().create_task(self._boot(inst, self.resume_sec),
+                                                           name=f"fake-resume-{inst.id}")
 
     def take_failure(self, op: str) -> FailPlan | None:
         """Count the call; the injected failure it must answer with, if any."""
@@ -418,18 +437,21 @@ class FakeProvider:
         return web.json_response(inst.view())
 
     async def _h_control(self, request: web.Request) -> web.Response:
-        """`{"boot_sec": n}`: the boot time of the instances created from now on."""
+        """`{"boot_sec": n, "resume_sec": n}`: the boot (resume) time of the instances created
+        (resumed) from now on."""
         try:
             data = await read_json(request)
         except ValueError:
             data = None
-        if not isinstance(data, dict) or set(data) - {"boot_sec"}:
-            return web.json_response({"error": "body must be {\"boot_sec\": number >= 0}"}, status=400)
-        if "boot_sec" in data:
-            if not (is_number(data["boot_sec"]) and data["boot_sec"] >= 0):
-                return web.json_response({"error": "boot_sec: must be a number >= 0"}, status=400)
-            self.boot_sec = float(data["boot_sec"])
-        return web.json_response({"boot_sec": self.boot_sec})
+        if not isinstance(data, dict) or set(data) - {"boot_sec", "resume_sec"}:
+            return web.json_response({"error": "body must be {\"boot_sec\"?: number >= 0, "
+                                               "\"resume_sec\"?: number >= 0}"}, status=400)
+        for key in ("boot_sec", "resume_sec"):
+            if key in data and not (is_number(data[key]) and data[key] >= 0):
+                return web.json_response({"error": f"{key}: must be a number >= 0"}, status=400)
+        self.boot_sec = float(data.get("boot_sec", self.boot_sec))
+        self.resume_sec = float(data.get("resume_sec", self.resume_sec))
+        return web.json_response({"boot_sec": self.boot_sec, "resume_sec": self.resume_sec})
 
     async def _h_fail(self, request: web.Request) -> web.Response:
         try:
@@ -457,11 +479,13 @@ class FakeProvider:
 
 
 def run_provider(wire: Wire, *, host: str, port: int, offers_path: str | None, api_key: str | None,
-                 boot_sec: float, default_kind: str, card_options: Mapping[str, Any]) -> int:
+                 boot_sec: float, default_kind: str, card_options: Mapping[str, Any],
+                 resume_sec: float = 5.0) -> int:
     """Serve until Ctrl-C or SIGTERM (for `kilolined fakegpu --provider`); returns the exit code."""
     try:
         provider = FakeProvider(wire, offers=load_offers(offers_path), api_key=api_key, boot_sec=boot_sec,
-                                host=host, port=port, default_kind=default_kind, card_options=card_options)
+                                host=host, port=port, default_kind=default_kind, card_options=card_options,
+                                resume_sec=resume_sec)
         FakeGPU(default_kind, **card_options)  # the card options are checked now, not at the first boot
     except (OSError, ValueError) as exc:
         print(f"fakegpu: {exc}", file=sys.stderr)

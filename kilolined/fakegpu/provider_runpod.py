@@ -4,8 +4,8 @@
 "operationName"}`. The client writes its arguments inline, so this holds a small GraphQL reader
 (operations, fields, aliases, arguments, variables; no fragments) and answers only the fields
 asked for, as a GraphQL server does. Fields: `gpuTypes`, `pod`, `myself { pods }`,
-`podFindAndDeployOnDemand`, `podRentInterruptable`, `podTerminate` (docs/BACKENDS.md, "Fake
-providers").
+`podFindAndDeployOnDemand`, `podRentInterruptable`, `podStop`, `podResume`, `podTerminate`
+(docs/BACKENDS.md, "Fake providers").
 """
 
 from __future__ import annotations
@@ -26,8 +26,10 @@ NO_CAPACITY = ("There are no longer any instances available with the requested s
                "Please refresh and try again.")
 # Which of the fleet's provider calls each root field is (for counting and injected failures).
 FIELD_OPS = {"gpuTypes": "search", "podFindAndDeployOnDemand": "create", "podRentInterruptable": "create",
-             "pod": "status", "myself": "list", "podTerminate": "destroy"}
-DESIRED = {"loading": "RUNNING", "running": "RUNNING", "exited": "EXITED", "destroyed": "TERMINATED"}
+             "pod": "status", "myself": "list", "podTerminate": "destroy", "podStop": "stop",
+             "podResume": "resume"}
+DESIRED = {"loading": "RUNNING", "running": "RUNNING", "exited": "EXITED", "stopped": "EXITED",
+           "destroyed": "TERMINATED"}
 
 
 class GraphQLError(ValueError):
@@ -343,7 +345,8 @@ class _RunPodApi:
         self.roots: dict[str, dict[str, Resolver]] = {
             "query": {"gpuTypes": self.gpu_types, "pod": self.pod, "myself": self.myself},
             "mutation": {"podFindAndDeployOnDemand": self.deploy_on_demand,
-                         "podRentInterruptable": self.rent_interruptable, "podTerminate": self.terminate},
+                         "podRentInterruptable": self.rent_interruptable, "podTerminate": self.terminate,
+                         "podStop": self.stop, "podResume": self.resume},
         }
 
     async def graphql(self, request: web.Request) -> web.StreamResponse:
@@ -434,6 +437,25 @@ class _RunPodApi:
         if inst is None:
             raise GraphQLError("Pod not found.")
         await self.market.destroy(inst)
+
+    async def stop(self, args: Mapping[str, Any]) -> dict[str, Any]:
+        inst = self._pod(args)
+        if inst is None:
+            raise GraphQLError("Pod not found.")
+        await self.market.stop_instance(inst)
+        return pod_row(inst, self.market.host, time.time())
+
+    async def resume(self, args: Mapping[str, Any]) -> dict[str, Any]:
+        """`podResume(input: {podId, gpuCount})`: the pod's own GPUs come back (the fake has one
+        machine per pod, so a count other than the pod's is refused)."""
+        inst = self._pod(args)
+        if inst is None:
+            raise GraphQLError("Pod not found.")
+        count = (args.get("input") or {}).get("gpuCount", inst.offer.num_gpus)
+        if count != inst.offer.num_gpus:
+            raise GraphQLError(f"gpuCount: the pod has {inst.offer.num_gpus} GPU(s)")
+        self.market.resume(inst)
+        return pod_row(inst, self.market.host, time.time())
 
 
 def _deploy_input(args: Mapping[str, Any]) -> dict[str, Any]:

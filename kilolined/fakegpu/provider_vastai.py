@@ -3,7 +3,9 @@
 Routes (all under `Authorization: Bearer <key>`; docs/BACKENDS.md, "Fake providers", has the
 shapes): `PUT /api/v0/search/asks/` and `POST /api/v0/bundles/` (search), `PUT
 /api/v0/asks/{offer}/` (create → `new_contract`), `GET /api/v0/instances/` and the paginated
-`GET /api/v1/instances/` (list), `GET|PUT|DELETE /api/v0/instances/{id}/` (show, label, destroy).
+`GET /api/v1/instances/` (list), `GET|PUT|DELETE /api/v0/instances/{id}/` (show; label, or stop
+and resume with `{"state": "stopped"|"running"}` as the client's stop_instance/start_instance send
+it; destroy).
 """
 
 from __future__ import annotations
@@ -126,11 +128,14 @@ def instance_row(inst: Instance, host: str) -> dict[str, Any]:
     port = inst.host_port
     mapping = {f"{p}/tcp": [{"HostIp": "0.0.0.0", "HostPort": str(port)}] for p, _ in inst.ports} if port else {}
     status_msg = {"loading": "Loading image (fake)", "running": "success, running (fake)",
-                  "exited": "host reclaimed the machine (fake)"}.get(inst.status, "")
+                  "exited": "host reclaimed the machine (fake)", "stopped": "stopped by its renter (fake)"
+                  }.get(inst.status, "")
+    down = inst.status in ("exited", "stopped")
+    # Vast shows a stopped instance as exited, intended stopped, as it shows a reclaimed one.
     return {
         "id": int(inst.id), "machine_id": inst.offer.machine_id, "host_id": inst.offer.machine_id,
-        "actual_status": inst.status, "intended_status": "stopped" if inst.status == "exited" else "running",
-        "cur_state": "stopped" if inst.status == "exited" else "running", "next_state": "running",
+        "actual_status": "exited" if down else inst.status, "intended_status": "stopped" if down else "running",
+        "cur_state": "stopped" if down else "running", "next_state": "stopped" if down else "running",
         "status_msg": status_msg, "label": inst.label or None,
         "image_uuid": inst.image, "image_runtype": "args", "gpu_name": inst.offer.gpu_name,
         "num_gpus": inst.offer.num_gpus, "gpu_ram": inst.offer.gpu_ram_gb * 1000,
@@ -162,7 +167,7 @@ class VastWire(Wire):
             ("GET", "/api/v0/instances/", "list", api.list_v0),
             ("GET", "/api/v1/instances/", "list", api.list_v1),
             ("GET", "/api/v0/instances/{id}/", "status", api.show),
-            ("PUT", "/api/v0/instances/{id}/", "label", api.label),
+            ("PUT", "/api/v0/instances/{id}/", None, api.put_instance),
             ("DELETE", "/api/v0/instances/{id}/", "destroy", api.destroy),
         ):
             wrapped = api.guard(op, handler)
@@ -175,12 +180,13 @@ class _VastApi:
     def __init__(self, market: FakeProvider) -> None:
         self.market = market
 
-    def guard(self, op: str, handler: Handler) -> Handler:
-        """Auth first, then an injected failure, then the call itself."""
+    def guard(self, op: str | None, handler: Handler) -> Handler:
+        """Auth first, then an injected failure, then the call itself (a handler whose op depends
+        on its body, op None, asks for the failure itself)."""
         async def guarded(request: web.Request) -> web.StreamResponse:
             if not self.market.authorized(request):
                 return vast_error(401, "not_authorized", "invalid or missing API key")
-            failure = self.market.failure_response(op)
+            failure = self.market.failure_response(op) if op is not None else None
             if failure is not None:
                 return failure
             return await handler(request)
@@ -263,14 +269,28 @@ class _VastApi:
         inst = self._instance(request)
         return vast_json({"instances": instance_row(inst, self.market.host) if inst else None})
 
-    async def label(self, request: web.Request) -> web.StreamResponse:
+    async def put_instance(self, request: web.Request) -> web.StreamResponse:
+        """`{"label": ...}` relabels; `{"state": "stopped"|"running"}` stops or resumes."""
+        body = await self._body(request)
+        if body is not None and set(body) == {"state"} and body["state"] in ("stopped", "running"):
+            op = "stop" if body["state"] == "stopped" else "resume"
+        elif body is not None and set(body) == {"label"} and isinstance(body["label"], str | None):
+            op = "label"
+        else:
+            return vast_error(400, "invalid_args", "the fake takes {\"label\": string} or "
+                                                   "{\"state\": \"stopped\"|\"running\"}")
+        failure = self.market.failure_response(op)
+        if failure is not None:
+            return failure
         inst = self._instance(request)
         if inst is None:
             return vast_error(404, "no_such_instance", f"no instance {request.match_info['id']}")
-        body = await self._body(request)
-        if body is None or set(body) != {"label"} or not isinstance(body["label"], str | None):
-            return vast_error(400, "invalid_args", "the fake takes {\"label\": string} only")
-        inst.label = body["label"] or ""
+        if op == "label":
+            inst.label = body["label"] or ""
+        elif op == "stop":
+            await self.market.stop_instance(inst)
+        else:
+            self.market.resume(inst)
         return vast_json({"success": True})
 
     async def destroy(self, request: web.Request) -> web.StreamResponse:

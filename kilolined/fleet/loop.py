@@ -1,5 +1,6 @@
-"""The fleet's I/O: ask the providers, probe new instances, apply ``decide``'s actions to the
-Runtime and the providers, and tell the operator (docs/FLEET.md).
+"""The fleet's I/O: ask the providers, probe new instances, measure the queue of each pool's
+routes, apply ``decide``'s actions to the Runtime and the providers, and tell the operator
+(docs/FLEET.md).
 
 One task per gateway, ticking about once per health interval. In cluster mode only the gateway
 that runs the health checks (the leader) rents and destroys. Before a provider's pools may rent,
@@ -17,27 +18,43 @@ from typing import Any
 
 import aiohttp
 
-from kilolined.core.config import Config, FleetConfig, FleetPoolConfig, FleetProviderConfig
+from kilolined.core.config import Config, FleetConfig, FleetOfferConfig, FleetPoolConfig, FleetProviderConfig
 from kilolined.fleet.decide import (
     AskStatus,
+    Demand,
     Destroy,
     PoolRuntime,
     PoolSpec,
     Ready,
     Rent,
     RentRefused,
+    Resume,
+    Stop,
     Tracked,
+    backoff_delay,
     choose_offer,
     decide,
+    offer_failed,
     remember_lost,
     rent_failed,
     rent_ok,
+    retry_in,
     spend,
 )
-from kilolined.fleet.provider import GONE, RUNNING, Instance, Provider, ProviderError, label_of, pool_of
+from kilolined.fleet.provider import (
+    GONE,
+    RUNNING,
+    STOPPED,
+    Instance,
+    Provider,
+    ProviderError,
+    label_of,
+    pool_of,
+)
 from kilolined.fleet.runpod import RunPod
 from kilolined.fleet.vastai import VastAI
 from kilolined.ops.runtime import PoolNode, Runtime
+from kilolined.scheduling.queue import RouteQueue
 
 log = logging.getLogger("kilolined")
 MIN_TICK_SEC = 0.1
@@ -71,6 +88,9 @@ class Fleet:
         #: serving nodes let go by a shrink: no new leases, destroyed once idle or at the deadline
         self.draining: dict[str, tuple[Tracked, float]] = {}
         self.pools: dict[str, PoolRuntime] = {}
+        #: per pool, the last measured seconds from rent to ready ("boot") and resume to ready
+        #: ("resume"): what a request waiting for a node is told
+        self.measured: dict[str, dict[str, float]] = {}
         self._last_reconcile = -RECONCILE_SEC
         self._task: asyncio.Task[None] | None = None
         self._probe: aiohttp.ClientSession | None = None
@@ -78,6 +98,8 @@ class Fleet:
         self._closing = False  # set at shutdown: a rent still running opens no new session
         self._last_status = -MAX_TICK_SEC  # when the booting instances' provider status was last asked
         rt.fleet_view = self.view
+        rt.node_eta = self.node_eta
+        rt.scales_to_zero = self.scales_to_zero
         rt.node_watchers.append(self._node_event)
         self.configure(rt.cfg)
 
@@ -106,8 +128,9 @@ class Fleet:
     def _specs(self) -> dict[str, PoolSpec]:
         if self.cfg is None:
             return {}
-        return {n: PoolSpec(p.size, p.boot_timeout_sec, p.offer.max_dph) for n, p in self.cfg.pools.items()
-                if p.provider in self.listed}
+        return {n: PoolSpec(p.min_size, p.max_size, p.boot_timeout_sec, tuple(o.max_dph for o in p.offer_list),
+                            p.scale_up_wait_sec, p.idle_stop_sec, p.stopped_destroy_sec)
+                for n, p in self.cfg.pools.items() if p.provider in self.listed}
 
     def tick_sec(self) -> float:
         if self.cfg is None or not self.cfg.pools:
@@ -200,22 +223,89 @@ class Fleet:
         await self._list_providers(now)
         await self._retry_doomed()
         await self._finish_drains(now)
-        await self._observe()
-        actions = decide(self._specs(), self.pools, self._managed(), self._cap(), now, self._held())
+        demand = self.demand(now)
+        await self._observe(demand, now)
+        actions = decide(self._specs(), self.pools, self._managed(), self._cap(), now, self._held(), demand)
         if any(isinstance(a, AskStatus) for a in actions):
             await asyncio.gather(*(self._ask(a.id) for a in actions if isinstance(a, AskStatus)))
-            actions = decide(self._specs(), self.pools, self._managed(), self._cap(), now, self._held())
+            demand = self.demand(now)
+            actions = decide(self._specs(), self.pools, self._managed(), self._cap(), now, self._held(), demand)
+        for a in actions:
+            if isinstance(a, Stop):
+                self._stopping(a)  # off its routes before any await: nothing can be leased on it after
         for a in actions:
             if isinstance(a, Destroy):
                 await self._destroy(a)
+            elif isinstance(a, Stop):
+                await self._stop(a)
         for a in actions:
             if isinstance(a, Ready):
                 self._ready(self.instances[a.id])
             elif isinstance(a, RentRefused):
                 self._failed(a.pool, a.reason, now)
-            elif isinstance(a, Rent) and not self.doomed:  # a destroy not confirmed: its price is still paid
+            elif isinstance(a, Rent | Resume) and not self.doomed:  # a destroy not confirmed: still paid
                 self.pools.setdefault(a.pool, PoolRuntime()).renting = True
-                self.rt.spawn(self._rent(a))
+                self.rt.spawn(self._rent(a) if isinstance(a, Rent) else self._resume(a))
+
+    def demand(self, now: float) -> dict[str, Demand]:
+        """Per pool, what the queue of its routes asks: how many wait, how long the oldest has
+        waited, and the wait a request arriving now would get (None: no slot at all)."""
+        sched = self.rt.scheduler
+        out: dict[str, Demand] = {}
+        for name, p in (self.cfg.pools.items() if self.cfg else ()):
+            queues = [sched.routes[r] for r in p.routes if r in sched.routes]
+            waiting = sum(sched.depth(rq) for rq in queues)
+            if waiting == 0:
+                out[name] = Demand()
+                continue
+            since = [t.enqueued_at for rq in queues for t in rq.waiting.order(now)]
+            out[name] = Demand(waiting, now - min(since) if since else 0.0, self._est(queues, now))
+        return out
+
+    def _est(self, queues: list[RouteQueue], now: float) -> float | None:
+        """The longest wait the queue estimates for a request arriving now on one of ``queues``;
+        None when one with requests waiting has no slot at all (they would wait forever)."""
+        sched = self.rt.scheduler
+        worst = 0.0
+        for rq in queues:
+            depth = sched.depth(rq)
+            if depth == 0:
+                continue
+            if sched.live_slots(rq, now) == 0:
+                return None
+            worst = max(worst, sched.est_wait(rq, depth + 1, now) or 0.0)
+        return worst
+
+    def scales_to_zero(self, route: str) -> bool:
+        """The route has no node of its own and a pool joining it may go to zero (min 0)."""
+        rcfg = self.rt.cfg.routes.get(route)
+        if rcfg is None or rcfg.nodes or rcfg.standby or self.cfg is None:
+            return False
+        return any(route in p.routes and p.min_size == 0 for p in self.cfg.pools.values())
+
+    def node_eta(self, route: str) -> float | None:
+        """Seconds until a pool joining ``route`` has a node serving, when none serves it now: what
+        is left of the measured boot (or resume) of one on its way, else the measured resume
+        time of a stopped one, else its boot time. None: no pool joins the route, or nothing
+        measured yet."""
+        now = self.rt.clock()
+        etas: list[float] = []
+        for name, p in (self.cfg.pools.items() if self.cfg else ()):
+            if route not in p.routes:
+                continue
+            m = self.measured.get(name, {})
+            mine = [t for t in self.instances.values() if t.pool == name]
+            coming = [max(0.0, took - (now - t.phase_start())) for t in mine if t.phase == "booting"
+                      and (took := m.get("resume" if t.resuming else "boot")) is not None]
+            if coming:  # one is on its way: nothing else starts before it serves
+                etas.append(min(coming))
+                continue
+            stopped = any(t.phase == "stopped" for t in mine)
+            took = m.get("resume") if stopped else None
+            took = took if took is not None else m.get("boot")
+            if took is not None:
+                etas.append(took)
+        return round(min(etas), 1) if etas else None
 
     def _held(self) -> float:
         """$/hour still paid for instances no longer counted in their pool: draining or destroying."""
@@ -262,7 +352,7 @@ class Fleet:
         backed off and alerted like a failed rent."""
         for name, p in (self.cfg.pools.items() if self.cfg else ()):
             ps = self.pools.setdefault(name, PoolRuntime())
-            if p.provider == provider and p.size > 0 and now >= ps.retry_at:
+            if p.provider == provider and p.max_size > 0 and now >= ps.retry_at:
                 self._failed(name, why, now, retry_after)
 
     def _port_for(self, provider: str) -> int:
@@ -279,16 +369,18 @@ class Fleet:
             key = f"{provider}/{inst.id}"
             # A pool no longer configured is destroyed by the next decision (pool_removed);
             # one past its size loses the surplus.
+            # A stopped one is resumed before anything is rented; the rest boot (again) until healthy.
             self.instances[key] = Tracked(key, pool, inst.price, inst.machine, now, provider=provider,
                                           instance_id=inst.id,  # its address: from status, by its own port
+                                          phase="stopped" if inst.status == STOPPED else "booting",
                                           provider_running=False if inst.status == GONE else None)
             log.info("[fleet] %s: found instance %s of pool %s again (%s)", provider, inst.id, pool, inst.status)
 
-    async def _observe(self) -> None:
+    async def _observe(self, demand: dict[str, Demand], now: float) -> None:
         """Booting instances: their address and status, then a health probe. Serving ones: the
-        node's own health (a pool node's health loop is the gateway's ordinary one)."""
+        node's own health (a pool node's health loop is the gateway's ordinary one), and whether
+        anything runs on it or waits for its routes (else it is idle since then)."""
         booting = [t for t in self._managed().values() if t.phase == "booting" and t.provider_running is not False]
-        now = self.rt.clock()
         ask = now - self._last_status >= self.tick_sec()
         if ask:
             self._last_status = now
@@ -296,10 +388,17 @@ class Fleet:
         for t in self._managed().values():
             if t.phase != "serving":
                 continue
-            ns = self.rt.scheduler.nodes.get(node_name(t.pool, t.instance_id))
+            name = node_name(t.pool, t.instance_id)
+            ns = self.rt.scheduler.nodes.get(name)
             t.healthy = ns is not None and ns.healthy
             if t.healthy or t.provider_running:
                 t.provider_running = None  # asked afresh while it stays down: a reclaim may come later
+            # Cluster mode: another gateway's requests on the node are not in this one's leases,
+            # so nothing there is judged idle (a stop could cut them off).
+            busy = (self.rt.cluster is not None or self.rt.scheduler.node_inflight.get(name, 0) > 0
+                    or demand.get(t.pool, Demand()).waiting > 0)
+            if busy or t.idle_since is None:
+                t.idle_since = now
 
     async def _boot_step(self, t: Tracked, ask: bool) -> None:
         """Ask the provider (once a tick, or until the address is known), then probe the health
@@ -314,7 +413,8 @@ class Fleet:
             except ProviderError as e:
                 log.debug("[fleet] status of %s: %s", t.id, e)
                 return
-            if inst is None or inst.status == GONE:
+            # A resumed one may still read stopped a moment; one booting from its create was reclaimed.
+            if inst is None or inst.status == GONE or (inst.status == STOPPED and not t.resuming):
                 t.provider_running = False
                 return
             if inst.status != RUNNING:
@@ -349,7 +449,7 @@ class Fleet:
         except ProviderError as e:
             log.warning("⚠ [fleet] %s is down; its provider cannot say why: %s", t.id, e)
             return  # asked again next tick: no replacement without the provider's word
-        t.provider_running = inst is not None and inst.status != GONE
+        t.provider_running = inst is not None and inst.status not in (GONE, STOPPED)
 
     # --- actions ------------------------------------------------------------------------
     async def _destroy(self, a: Destroy) -> None:
@@ -368,10 +468,12 @@ class Fleet:
                         f"running): destroying it and renting a replacement", name)
         elif a.reason == "boot_timeout":
             pcfg = self._pool(t.pool)
-            self._failed(t.pool, f"{name} not healthy within boot_timeout_sec "
-                         f"{pcfg.boot_timeout_sec if pcfg else '?'}", now)
+            self._offer_failed(t.pool, t.offer, f"{name} not healthy within boot_timeout_sec "
+                               f"{pcfg.boot_timeout_sec if pcfg else '?'}", now)
         else:
-            log.info("[fleet] destroying %s (%s)", name, "pool removed" if a.reason == "pool_removed" else "over size")
+            log.info("[fleet] destroying %s (%s)", name, {"pool_removed": "pool removed", "surplus": "over max",
+                                                          "stopped_expired": "stopped past stopped_destroy_sec",
+                                                          "stop_failed": "its stop failed"}.get(a.reason, a.reason))
         self.doomed[a.id] = t
         await self._destroy_now(t)
 
@@ -433,7 +535,10 @@ class Fleet:
         node = PoolNode(pool=t.pool, cfg=pcfg.node.node(t.url, t.instance_id), routes=tuple(pcfg.routes),
                         provider=t.provider, instance_id=t.instance_id, price_per_hour=t.price)
         self.rt.set_pool_node(name, node)
-        t.phase = "serving"
+        now = self.rt.clock()
+        if t.rented_here:  # one found again after a restart has no start this gateway saw
+            self.measured.setdefault(t.pool, {})["resume" if t.resuming else "boot"] = now - t.phase_start()
+        t.phase, t.since, t.idle_since, t.resuming = "serving", now, now, False
         rent_ok(self.pools.setdefault(t.pool, PoolRuntime()))
         self._event("fleet_node_ready", f"✓ {name} serving on {', '.join(pcfg.routes)} "
                     f"({t.provider}, ${t.price:.3f}/h)", name)
@@ -443,37 +548,114 @@ class Fleet:
         try:
             pcfg = self._pool(a.pool)
             prov = self.providers.get(pcfg.provider) if pcfg else None
-            if pcfg is None or prov is None:
+            entries = pcfg.offer_list if pcfg else []
+            if pcfg is None or prov is None or a.offer >= len(entries):
                 return
+            want = entries[a.offer]
             try:
-                offers = await prov.search(pcfg.offer, a.exclude, a.max_price)
-                offer = choose_offer(offers, pcfg.offer, a.exclude, a.max_price)
+                offers = await prov.search(want, a.exclude, a.max_price)
+                offer = choose_offer(offers, want, a.exclude, a.max_price)
                 if offer is None and len(a.exclude) > 1:
                     # Every fitting machine was lost recently: avoid only the one lost last,
                     # rather than leave the pool short until an old loss is forgotten.
                     last = frozenset(ps.lost_machines[-1:])
-                    offers = await prov.search(pcfg.offer, last, a.max_price)
-                    offer = choose_offer(offers, pcfg.offer, last, a.max_price)
+                    offers = await prov.search(want, last, a.max_price)
+                    offer = choose_offer(offers, want, last, a.max_price)
                 if offer is None:
-                    raise ProviderError("no_offer", f"no offer fits (≤ ${a.max_price:.3f}/h{self._capped(pcfg, a)}, "
+                    raise ProviderError("no_offer", f"no offer fits (≤ ${a.max_price:.3f}/h{self._capped(want, a)}, "
                                         f"{len(offers)} offered)")
-                iid = await prov.create(offer, pcfg.offer, pcfg.template, label_of(a.pool))
+                iid = await prov.create(offer, want, pcfg.template, label_of(a.pool))
             except ProviderError as e:
-                self._failed(a.pool, f"{e.kind}: {e}", self.rt.clock(), e.retry_after)
+                why = f"{self._entry(pcfg, a.offer)}{e.kind}: {e}"
+                if e.kind == "rate_limited":  # the whole API said slow down, not just this entry
+                    self._failed(a.pool, why, self.rt.clock(), e.retry_after)
+                else:
+                    self._offer_failed(a.pool, a.offer, why, self.rt.clock())
                 return
             key = f"{pcfg.provider}/{iid}"
-            self.instances[key] = Tracked(key, a.pool, offer.price, offer.machine, self.rt.clock(),
-                                          provider=pcfg.provider, instance_id=iid)
+            now = self.rt.clock()
+            self.instances[key] = Tracked(key, a.pool, offer.price, offer.machine, now, provider=pcfg.provider,
+                                          instance_id=iid, offer=a.offer, rented_here=True)
             self._event("fleet_node_rented", f"⏳ {node_name(a.pool, iid)} rented from {pcfg.provider} "
-                        f"(offer {offer.id}, ${offer.price:.3f}/h): booting", node_name(a.pool, iid))
+                        f"({self._entry(pcfg, a.offer)}offer {offer.id}, ${offer.price:.3f}/h): booting",
+                        node_name(a.pool, iid))
         finally:
             ps.renting = False
             self._wake.set()
 
-    def _capped(self, pcfg: FleetPoolConfig, a: Rent) -> str:
-        """Say so when the price limit is what max_spend_per_hour leaves, not the pool's max_dph:
+    @staticmethod
+    def _entry(pcfg: FleetPoolConfig, i: int) -> str:
+        """Which ``offers`` entry, when the pool has several."""
+        if len(pcfg.offer_list) < 2:
+            return ""
+        o = pcfg.offer_list[i]
+        return f"offers.{i} {o.gpu_name} {'spot' if o.interruptible else 'on-demand'}: "
+
+    async def _resume(self, a: Resume) -> None:
+        """Start a stopped instance again; it boots (without its model download) until healthy."""
+        ps = self.pools.setdefault(a.pool, PoolRuntime())
+        try:
+            t = self.instances.get(a.id)
+            pcfg = self._pool(a.pool)
+            prov = self.providers.get(t.provider) if t else None
+            if t is None or pcfg is None or prov is None or t.phase != "stopped":
+                return
+            name = node_name(t.pool, t.instance_id)
+            num_gpus = pcfg.offer_list[min(t.offer, len(pcfg.offer_list) - 1)].num_gpus
+            try:
+                await prov.resume(t.instance_id, num_gpus)
+            except ProviderError as e:
+                now = self.rt.clock()
+                if e.kind == "client" and "404" in str(e):
+                    self.instances.pop(a.id, None)  # gone at the provider: nothing to pay, nothing to resume
+                    log.warning("⚠ [fleet] %s is gone at %s; no longer tracked", name, t.provider)
+                    return
+                t.retry_at = now + max(backoff_delay(pcfg.backoff_base_sec, 1), e.retry_after or 0.0)
+                self._event("fleet_rent_failed", f"✗ pool {a.pool}: resume of {name} failed ({e.kind}: {e}); "
+                            f"it is tried again in {t.retry_at - now:g}s, another is rented meanwhile", a.pool)
+                return
+            now = self.rt.clock()
+            t.phase, t.since, t.resuming, t.rented_here = "booting", now, True, True
+            t.healthy, t.url, t.provider_running, t.idle_since = False, None, None, None
+            self._event("fleet_node_resumed", f"⏳ {name} resumed ({t.provider}, ${t.price:.3f}/h): "
+                        "serving again once healthy", name)
+        finally:
+            ps.renting = False
+            self._wake.set()
+
+    def _stopping(self, a: Stop) -> None:
+        """Idle for idle_stop_sec: off its routes at once (nothing runs on it, nothing waits for
+        its routes), then stopped through the provider."""
+        t = self.instances.get(a.id)
+        if t is None:
+            return
+        self.rt.set_pool_node(node_name(t.pool, t.instance_id), None)
+        t.phase, t.healthy = "stopping", False
+
+    async def _stop(self, a: Stop) -> None:
+        t = self.instances.get(a.id)
+        prov = self.providers.get(t.provider) if t else None
+        if t is None or prov is None:
+            return
+        name = node_name(t.pool, t.instance_id)
+        pcfg = self._pool(t.pool)
+        try:
+            await prov.stop(t.instance_id)
+        except ProviderError as e:
+            # It serves nothing now: destroyed rather than paid for (its disk is lost with it).
+            log.warning("⚠ [fleet] stop %s failed (%s): destroying it instead", name, e)
+            await self._destroy(Destroy(t.id, t.pool, "stop_failed"))
+            return
+        now = self.rt.clock()
+        t.phase, t.since, t.url, t.provider_running, t.idle_since = "stopped", now, None, None, None
+        keep = f", destroyed after {pcfg.stopped_destroy_sec:g}s" if pcfg and pcfg.stopped_destroy_sec else ""
+        self._event("fleet_node_stopped", f"⏸ {name} stopped after {pcfg.idle_stop_sec if pcfg else '?'}s idle "
+                    f"(disk kept, resumed first when the queue grows{keep})", name)
+
+    def _capped(self, want: FleetOfferConfig, a: Rent) -> str:
+        """Say so when the price limit is what max_spend_per_hour leaves, not the entry's max_dph:
         the operator must know the cap, not the market, kept the pool short."""
-        if a.max_price >= pcfg.offer.max_dph:
+        if a.max_price >= want.max_dph:
             return ""
         return f": what max_spend_per_hour {self._cap():g} leaves"
 
@@ -482,6 +664,17 @@ class Fleet:
         ps = self.pools.setdefault(pool, PoolRuntime())
         delay = rent_failed(ps, pcfg.backoff_base_sec if pcfg else 60.0, now, retry_after)
         self._event("fleet_rent_failed", f"✗ pool {pool}: rent failed ({why}); next try in {delay:g}s", pool)
+
+    def _offer_failed(self, pool: str, entry: int, why: str, now: float) -> None:
+        """One ``offers`` entry failed: it backs off; the next entry is tried at the next tick."""
+        pcfg = self._pool(pool)
+        ps = self.pools.setdefault(pool, PoolRuntime())
+        delay = offer_failed(ps, entry, pcfg.backoff_base_sec if pcfg else 60.0, now)
+        n = len(pcfg.offer_list) if pcfg else 1
+        nxt = retry_in(ps, n, now)
+        then = "next entry now" if nxt is None else f"next try in {nxt:g}s"
+        self._event("fleet_rent_failed", f"✗ pool {pool}: rent failed ({why}); "
+                    f"{'this entry waits ' + format(delay, 'g') + 's, ' if n > 1 else ''}{then}", pool)
 
     def _event(self, event: str, text: str, node: str) -> None:
         log.warning("%s", text) if event in ("fleet_node_lost", "fleet_rent_failed") else log.info("%s", text)
@@ -497,19 +690,35 @@ class Fleet:
         for name, p in (self.cfg.pools.items() if self.cfg else ()):
             ps = self.pools.get(name) or PoolRuntime()
             mine = [t for t in self.instances.values() if t.pool == name]
+            wait = retry_in(ps, len(p.offer_list), now)
             pools[name] = {
-                "provider": p.provider, "size": p.size, "routes": list(p.routes),
-                "serving": sum(1 for t in mine if t.phase == "serving"),
-                "booting": sum(1 for t in mine if t.phase == "booting"),
+                "provider": p.provider, "size": p.max_size, "min": p.min_size, "max": p.max_size,
+                "routes": list(p.routes),
+                **{phase: sum(1 for t in mine if t.phase == phase)
+                   for phase in ("booting", "serving", "stopping", "stopped")},
                 "renting": ps.renting, "failures": ps.failures,
-                "retry_in_sec": round(max(0.0, ps.retry_at - now), 1) if ps.failures else None,
+                "retry_in_sec": round(wait, 1) if ps.failures and wait is not None else None,
+                "measured_boot_sec": _rounded(self.measured.get(name, {}).get("boot")),
+                "measured_resume_sec": _rounded(self.measured.get(name, {}).get("resume")),
             }
-        instances = [{"node": node_name(t.pool, t.instance_id), "pool": t.pool, "provider": t.provider,
-                      "instance_id": t.instance_id, "phase": t.phase, "price_per_hour": t.price}
-                     for t in self.instances.values()]
-        instances += [{"node": node_name(t.pool, t.instance_id), "pool": t.pool, "provider": t.provider,
-                       "instance_id": t.instance_id, "phase": "draining", "price_per_hour": t.price}
-                      for t, _ in self.draining.values()]
+        instances = [self._row(t, t.phase, now) for t in self.instances.values()]
+        instances += [self._row(t, "draining", now) for t, _ in self.draining.values()]
         return {"pools": pools, "instances": instances,
                 "spend_per_hour": round(spend(self.instances) + self._held(), 4),
                 "max_spend_per_hour": self._cap(), "destroying": len(self.doomed), "draining": len(self.draining)}
+
+    def _row(self, t: Tracked, phase: str, now: float) -> dict[str, Any]:
+        """One instance of the view. ``state``: booting, serving, idle (serving, nothing running
+        on it), stopping, stopped or draining; ``billed``: whether its GPU is paid for now."""
+        name = node_name(t.pool, t.instance_id)
+        state = phase
+        if phase == "serving" and self.rt.scheduler.node_inflight.get(name, 0) == 0:
+            state = "idle"
+        idle = now - t.idle_since if phase == "serving" and t.idle_since is not None and state == "idle" else None
+        return {"node": name, "pool": t.pool, "provider": t.provider, "instance_id": t.instance_id,
+                "phase": phase, "state": state, "price_per_hour": t.price, "billed": phase != "stopped",
+                "idle_sec": _rounded(idle), "since_sec": _rounded(now - t.phase_start())}
+
+
+def _rounded(v: float | None) -> float | None:
+    return None if v is None else round(v, 1)

@@ -12,9 +12,10 @@ from typing import Literal, Protocol
 from kilolined.core.config import FleetOfferConfig, FleetTemplateConfig
 
 LABEL_PREFIX = "kiloline:"  # an instance the gateway rented is labelled kiloline:<pool>
-Status = Literal["running", "booting", "gone"]
+Status = Literal["running", "booting", "stopped", "gone"]
 RUNNING: Status = "running"
 BOOTING: Status = "booting"
+STOPPED: Status = "stopped"  # not running, its disk kept: it can be resumed (stopped, or a spot reclaim)
 GONE: Status = "gone"
 
 
@@ -62,7 +63,8 @@ class ProviderError(Exception):
 
 
 class Provider(Protocol):
-    """Search offers, create, status, destroy, list own. Every call raises ProviderError."""
+    """Search offers, create, status, stop, resume, destroy, list own. Every call raises
+    ProviderError."""
 
     async def search(self, offer: FleetOfferConfig, exclude_machines: frozenset[str], max_price: float) -> list[Offer]:
         ...
@@ -72,6 +74,14 @@ class Provider(Protocol):
 
     async def status(self, instance_id: str, port: int) -> Instance | None:
         """None: the provider does not know it (destroyed)."""
+        ...
+
+    async def stop(self, instance_id: str) -> None:
+        """Stop it, keeping its disk (and the model on it); the GPU is no longer paid for."""
+        ...
+
+    async def resume(self, instance_id: str, num_gpus: int) -> None:
+        """Start a stopped instance again on its machine (``num_gpus``: the GPUs it had)."""
         ...
 
     async def destroy(self, instance_id: str) -> None:

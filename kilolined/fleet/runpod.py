@@ -1,7 +1,7 @@
 """RunPod's GraphQL API behind the fleet's Provider interface (wire as the official ``runpod``
 client speaks it: ``POST /graphql`` with ``Authorization: Bearer``; ``gpuTypes`` with
 ``lowestPrice`` for offers, ``podRentInterruptable`` / ``podFindAndDeployOnDemand``, ``pod``,
-``podTerminate``, ``myself { pods }``). Values are written into the query as JSON string
+``podStop``, ``podResume``, ``podTerminate``, ``myself { pods }``). Values are written into the query as JSON string
 literals, as the official client writes them, so that a name can never end the string.
 
 RunPod places a pod itself: an offer is a GPU type at its lowest price, with no machine to
@@ -14,7 +14,18 @@ import json
 from typing import Any
 
 from kilolined.core.config import FleetOfferConfig, FleetTemplateConfig
-from kilolined.fleet.provider import BOOTING, GONE, RUNNING, ErrorKind, Instance, Offer, ProviderError, Status, pool_of
+from kilolined.fleet.provider import (
+    BOOTING,
+    GONE,
+    RUNNING,
+    STOPPED,
+    ErrorKind,
+    Instance,
+    Offer,
+    ProviderError,
+    Status,
+    pool_of,
+)
 from kilolined.fleet.wire import ProviderHTTP
 
 DEFAULT_BASE = "https://api.runpod.io"
@@ -90,6 +101,13 @@ class RunPod:
         pod = data.get("pod")
         return _instance(pod, port) if isinstance(pod, dict) else None
 
+    async def stop(self, instance_id: str) -> None:
+        await self._gql(f"mutation {{ podStop(input: {{podId: {_s(instance_id)}}}) {{ id desiredStatus }} }}")
+
+    async def resume(self, instance_id: str, num_gpus: int) -> None:
+        await self._gql(f"mutation {{ podResume(input: {{podId: {_s(instance_id)}, gpuCount: {int(num_gpus)}}}) "
+                        "{ id desiredStatus } }")
+
     async def destroy(self, instance_id: str) -> None:
         await self._gql(f"mutation {{ podTerminate(input: {{podId: {_s(instance_id)}}}) }}")
 
@@ -107,8 +125,10 @@ class RunPod:
 
 def _status(pod: dict[str, Any]) -> Status:
     desired = str(pod.get("desiredStatus") or "").upper()
-    if desired in ("EXITED", "TERMINATED", "STOPPED"):
+    if desired == "TERMINATED":
         return GONE
+    if desired in ("EXITED", "STOPPED"):
+        return STOPPED  # stopped, or a spot pod interrupted: podResume may bring it back
     return RUNNING if desired == "RUNNING" and pod.get("runtime") else BOOTING
 
 

@@ -1,7 +1,8 @@
 """Vast.ai's REST API v0 behind the fleet's Provider interface (wire as the official ``vastai``
 client speaks it: ``Authorization: Bearer``, ``PUT /api/v0/search/asks/``, ``PUT
-/api/v0/asks/{offer}/`` → ``new_contract``, ``GET``/``DELETE /api/v0/instances/{id}/``, the
-instance list from ``GET /api/v1/instances/``). A 429's ``Retry-After`` is handed to the caller.
+/api/v0/asks/{offer}/`` → ``new_contract``, ``GET``/``DELETE /api/v0/instances/{id}/``, stop and
+resume as ``PUT /api/v0/instances/{id}/`` with ``{"state": "stopped"|"running"}``, the instance
+list from ``GET /api/v1/instances/``). A 429's ``Retry-After`` is handed to the caller.
 """
 
 from __future__ import annotations
@@ -10,12 +11,13 @@ import json
 from typing import Any
 
 from kilolined.core.config import FleetOfferConfig, FleetTemplateConfig
-from kilolined.fleet.provider import BOOTING, GONE, RUNNING, Instance, Offer, ProviderError, Status, pool_of
+from kilolined.fleet.provider import BOOTING, GONE, RUNNING, STOPPED, Instance, Offer, ProviderError, Status, pool_of
 from kilolined.fleet.wire import ProviderHTTP
 
 DEFAULT_BASE = "https://console.vast.ai"
 SEARCH_LIMIT = 64
-_GONE = {"exited", "offline", "stopped", "destroyed", "deleted", "unknown"}
+_GONE = {"offline", "destroyed", "deleted", "unknown"}
+_DOWN = {"exited", "stopped"}  # stopped by its renter or reclaimed by its host: the disk is kept
 
 
 class VastAI:
@@ -60,6 +62,12 @@ class VastAI:
             raise
         row = body.get("instances") if isinstance(body, dict) else None
         return _instance(row, port) if isinstance(row, dict) else None
+
+    async def stop(self, instance_id: str) -> None:
+        await self._http.call("PUT", f"/api/v0/instances/{instance_id}/", {"state": "stopped"})
+
+    async def resume(self, instance_id: str, num_gpus: int) -> None:
+        await self._http.call("PUT", f"/api/v0/instances/{instance_id}/", {"state": "running"})
 
     async def destroy(self, instance_id: str) -> None:
         try:
@@ -115,8 +123,10 @@ def _status(row: dict[str, Any]) -> Status:
     intended = str(row.get("intended_status") or "").lower()
     if actual == "running":
         return RUNNING
-    if actual in _GONE or intended in ("stopped", "destroyed"):
+    if actual in _GONE or intended == "destroyed":
         return GONE
+    if actual in _DOWN or intended == "stopped":
+        return STOPPED
     return BOOTING  # created, loading, scheduling: not there yet
 
 

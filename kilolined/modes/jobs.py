@@ -542,10 +542,7 @@ class Jobs:
             call.swap = job.swap  # and whether it was a swap
 
     def est(self, job: Job, position: int | None) -> float | None:
-        rq = self.rt.scheduler.routes.get(job.route)
-        if rq is None or position is None:
-            return None
-        return self.rt.scheduler.est_wait(rq, position, self.rt.clock())
+        return self.rt.est_wait(job.route, position, self.rt.clock())
 
     # --- running ------------------------------------------------------------------------
     def resume(self, job: Job, ex: Exchange, adapter: Adapter, lost: tuple[str, str] | None) -> None:
@@ -739,10 +736,13 @@ class Jobs:
         # Per route and tick, not per job: thousands of jobs may wait on one route.
         slots, mean = self._route_view.get(job.route) or self._view_route(job.route, now)
         est = None if mean is None or not slots or pos is None else round(pos * mean / slots, 2)
+        waiting_for_node = not sched.usable(rq, now) if not slots else False
+        if waiting_for_node and pos is not None and self.rt.node_eta is not None:
+            est = self.rt.node_eta(job.route)  # a pool scaled to zero: when its node will serve
         job.last_est = est
         job.emit("queue_status", {
             "position": pos, "queue_depth": sched.depth(rq), "est_wait_sec": est,
-            "waiting_for_node": not sched.usable(rq, now) if not slots else False,
+            "waiting_for_node": waiting_for_node,
         })
 
     def _view_route(self, route: str, now: float) -> tuple[int, float | None]:

@@ -159,7 +159,7 @@ class StreamSink(SyncSink):
             now = rt.clock()
             ticket = call.ticket
             pos = sched.position(ticket, now) if ticket is not None else None
-            est = sched.est_wait(sched.routes[ticket.route], pos or 0, now) if ticket is not None else None
+            est = rt.est_wait(ticket.route, pos or 0, now) if ticket is not None else None
             # JSON spelling (null, not None), as in the sse events.
             await resp.write(b": queued position=%s est_wait_sec=%s\n\n" % (orjson.dumps(pos), orjson.dumps(est)))
         else:

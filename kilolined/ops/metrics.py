@@ -149,16 +149,18 @@ def _fleet_gauges(view: dict[str, Any]) -> Iterable[GaugeMetricFamily]:
     cap.add_metric([], view["max_spend_per_hour"])
     inst = GaugeMetricFamily("kiloline_fleet_instances", "Rented instances per pool and phase",
                              labels=["pool", "phase"])
-    size = GaugeMetricFamily("kiloline_fleet_pool_size", "A pool's configured size", labels=["pool"])
+    size = GaugeMetricFamily("kiloline_fleet_pool_size", "A pool's max (its size, for a fixed pool)", labels=["pool"])
+    least = GaugeMetricFamily("kiloline_fleet_pool_min", "A pool's min (its size, for a fixed pool)", labels=["pool"])
     price = GaugeMetricFamily("kiloline_fleet_node_price_per_hour", "A rented node's $/hour",
                               labels=["node", "provider", "instance_id"])
     for name, p in view["pools"].items():
-        size.add_metric([name], p["size"])
-        for phase in ("booting", "serving"):
+        size.add_metric([name], p["max"])
+        least.add_metric([name], p["min"])
+        for phase in ("booting", "serving", "stopping", "stopped"):
             inst.add_metric([name, phase], p[phase])
     for i in view["instances"]:
         price.add_metric([i["node"], i["provider"], i["instance_id"]], i["price_per_hour"])
-    yield from (spend, cap, inst, size, price)
+    yield from (spend, cap, inst, size, least, price)
 
 
 class CounterChild:

@@ -150,6 +150,12 @@ class Runtime:
         self.feed = Feed()
         #: the fleet's ``fleet`` of /admin/state and metrics; None while no fleet runs
         self.fleet_view: Callable[[], dict[str, Any]] | None = None
+        #: the fleet's seconds until a node serves a route that has none (a pool scaled to zero
+        #: resuming or renting one); None while no fleet runs
+        self.node_eta: Callable[[str], float | None] | None = None
+        #: whether a route is served only by fleet pools that may scale to zero (min 0): its
+        #: having no node is the fleet's choice, not an outage to alert on
+        self.scales_to_zero: Callable[[str], bool] = lambda route: False
         #: how fast each node serves, against its peers (speed.py, speedwatch.py)
         self.speed = SpeedWatch(self)
         self.metrics = Metrics(lambda: self)
@@ -500,10 +506,25 @@ class Runtime:
             events.insert(0, ("route_up", f"✓ {route} UP — queue resumed"))
             if new == "primary":
                 events = events[:1]  # back from down straight to primary: route_up says it all
+        if "down" in (old, new) and self.scales_to_zero(route):
+            # A pool at zero by design: its requests wait for the node it resumes or rents.
+            log.info("[fleet] %s has no node now (%s → %s): scaled to zero", route, old, new)
+            events = [e for e in events if e[0] not in ("route_down", "route_up")]
         for ev, text in events:
             log.warning("%s", text)
             self.feed.publish(ev, route=route, text=text, mode=new)
             self.notify(ev, text, node=route)
+
+    def est_wait(self, route: str, position: int | None, now: float) -> float | None:
+        """The queue's estimate for ``position`` on ``route``; when the route has no node to
+        serve it, the fleet's estimate of when one will (its measured resume or boot time)."""
+        rq = self.scheduler.routes.get(route)
+        if rq is None or position is None:
+            return None
+        est = self.scheduler.est_wait(rq, position, now)
+        if est is None and self.node_eta is not None and not self.scheduler.usable(rq, now):
+            return self.node_eta(route)
+        return est
 
     def notify(self, event: str, text: str, node: str | None) -> None:
         self.alert(event, text, node)

@@ -731,8 +731,9 @@ class Scheduler:
             raise Rejected(422, "exceeds_capacity",
                            f"request costs {cost:g}, more than the largest capacity of route {rq.name}'s nodes "
                            f"({limit:g})")
-        if model is not None and not any(self.serves(n, model) for n in
-                                         ([pinned_node] if pinned_node is not None else rq.all_nodes)):
+        nodes = [pinned_node] if pinned_node is not None else rq.all_nodes
+        # A route with no node at all (a fleet pool scaled to zero) waits for one: not refused.
+        if model is not None and nodes and not any(self.serves(n, model) for n in nodes):
             raise Rejected(404, "not_found", f"no node of route {rq.name} serves model {model!r}")
 
     def admit(
