@@ -31,10 +31,12 @@ from kilolined.edge import guard as edge
 from kilolined.edge.context import GW, RT, Gateway
 from kilolined.edge.models_list import is_models_list, models_union
 from kilolined.edge.unqueued import forward_unqueued
+from kilolined.modes.anthropic_sink import AnthropicStreamSink
 from kilolined.modes.call import Call
 from kilolined.modes.runner import run
 from kilolined.modes.sinks import StreamSink, SyncSink
 from kilolined.ops.runtime import Runtime
+from kilolined.scheduling.anthropic_body import is_anthropic_path
 from kilolined.scheduling.costs import CostTooLarge, UnitError, request_cost, request_units
 from kilolined.scheduling.limits import Taken, Verdict, seconds_to_midnight
 from kilolined.scheduling.queue import Rejected, Ticket
@@ -111,7 +113,8 @@ def resolve_path(gw: Gateway, call: Call) -> web.StreamResponse | None:
     call.tail = tail
     rcfg = rt.cfg.routes[call.route_name]
     call.kind = rcfg.kind
-    call.adapter = adapter_for(rcfg.kind)
+    call.anthropic = rcfg.kind == "openai" and is_anthropic_path(tail)
+    call.adapter = adapter_for(rcfg.kind, tail)
     return None
 
 
@@ -423,7 +426,10 @@ def _admitted(gw: Gateway, call: Call, ticket: Ticket,
     call.ticket = ticket
     if call.mode != "sync":
         return gw.jobs.submit(call, ticket, ex, call.principal, callback, call.adapter)
-    sink = StreamSink(rt, call) if call.kind == "openai" and wants_stream(ex) else SyncSink(rt, call)
+    if call.kind == "openai" and wants_stream(ex):
+        sink: SyncSink = AnthropicStreamSink(rt, call) if call.anthropic else StreamSink(rt, call)
+    else:
+        sink = SyncSink(rt, call)
     return run(rt, ticket, ex, call.adapter, sink, call.key_id, call.route)
 
 

@@ -56,7 +56,7 @@ def event(name: str, data: dict[str, Any]) -> bytes:
 
 def first_events(msg_id: str, model: str, input_tokens: int) -> bytes:
     """What comes with the first token: the message's start and its text block's."""
-    start = {"id": msg_id, "type": "message", "role": "assistant", "content": [], "model": model,
+    start: dict[str, Any] = {"id": msg_id, "type": "message", "role": "assistant", "content": [], "model": model,
              "stop_reason": None, "stop_sequence": None, "usage": {"input_tokens": input_tokens, "output_tokens": 0}}
     return (event("message_start", {"type": "message_start", "message": start})
             + event("content_block_start", {"type": "content_block_start", "index": 0,

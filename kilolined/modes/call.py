@@ -47,6 +47,7 @@ class Call:
     route_choices: tuple[str, ...] = ()  # routes sharing the path whose match may hold (routing.py)
     model: str | None = None  # the body's model, read when the route's nodes declare models (models.py)
     swap: bool | None = None  # its node had to load the model; None when the node has no model state
+    anthropic: bool = False  # a path of Anthropic's API on an openai route: errors in Anthropic's shape
 
     @property
     def key_id(self) -> str | None:
@@ -54,7 +55,7 @@ class Call:
 
     def error(self, status: int, type_: str, message: str, retry_after: float | None = None) -> web.Response:
         return error_response(status, type_, message, request_id=self.request_id, retry_after=retry_after,
-                              headers=self.headers, openai=self.kind == "openai")
+                              headers=self.headers, openai=self.kind == "openai", anthropic=self.anthropic)
 
     def rejected(self, r: Rejected) -> web.Response:
         return self.error(r.status, r.type, r.message, r.retry_after)
