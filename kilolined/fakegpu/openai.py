@@ -100,6 +100,7 @@ class OpenAIBackend(Backend):
     def add_routes(self, app: web.Application) -> None:
         app.router.add_post("/v1/chat/completions", self.chat)
         app.router.add_post("/v1/messages", self.messages)
+        app.router.add_post("/v1/audio/transcriptions", self.transcribe)
         app.router.add_get("/running", self.running)
         app.router.add_get("/slots", self.slots)
         app.router.add_get("/v1/models", self.models)
@@ -290,6 +291,34 @@ class OpenAIBackend(Backend):
         finally:
             gpu.end_job(job, outcome)
             self._keep(MODEL_ID, call, tokens, hit)
+
+    async def transcribe(self, request: web.Request) -> web.StreamResponse:
+        """OpenAI's `POST /v1/audio/transcriptions` as vLLM serves it: a multipart form with `file`
+        and `model` (required); `{"text"}` after `steps` steps of GPU work."""
+        gpu = self.gpu
+        gated = await gpu.gate(request)
+        if gated is not None:
+            return gated
+        form = await request.post()
+        model, audio = form.get("model"), form.get("file")
+        if not isinstance(model, str) or audio is None:
+            return openai_error(400, "a multipart form with 'file' and 'model' is required", "model")
+        if gpu.models:
+            if model not in gpu.models:
+                return openai_error(404, f"model '{model}' not found", "model")
+            await self.load(model)
+        self.asked.append(model)
+        job = gpu.begin_job()
+        outcome: str | None = None
+        try:
+            for _ in range(gpu.steps):
+                if not await gpu.work(job, gpu.step_ms / 1000):
+                    break
+            resp = openai_error(500, gpu.oom_message()) if job.failed else web.json_response({"text": reply_text(3)})
+            outcome = "ok" if await gpu.respond(request, resp) else None
+            return resp
+        finally:
+            gpu.end_job(job, outcome)
 
     async def _stream_messages(self, request: web.Request, job: Job, call: _Call) -> tuple[web.StreamResponse, bool]:
         gpu = self.gpu
