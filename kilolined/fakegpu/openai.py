@@ -14,6 +14,10 @@ them loaded (the first at start), a request for another one waits `swap_ms` befo
 while that model replaces the least recently used, and `GET /running` answers as llama-swap's
 does. A model it does not list is a 404, as Ollama answers.
 
+It also serves Anthropic's `POST /v1/messages` as llama-server does (shapes in `anthropic.py`),
+with the same GPU work, cache and usage as a chat completion, and OpenAI's
+`POST /v1/audio/transcriptions` (a multipart form with `file` and `model`) as vLLM does.
+
 It caches prompts as llama.cpp does (`prompt_cache.py`): the part of a prompt it has not seen
 costs `prefill_ms_per_1k` of GPU time per 1000 tokens before the first token, and every answer
 reports what was reused as llama-server reports it: `usage.prompt_tokens_details.cached_tokens`
