@@ -158,6 +158,41 @@ async def test_a_queued_stream_pings_then_its_timeout_is_an_error_event_the_sdk_
     assert not [q for q in fake.requests if q["path"] == "/v1/messages"]
 
 
+async def test_a_queued_stream_pings_until_its_node_answers_and_the_sdk_reads_it(fakegpus, gateway, http) -> None:
+    fake = await fakegpus("openai", step_ms=100)
+    gw = await gateway(llm_cfg(fake))
+    ahead = await hold_the_slot(http, gw, fake, tokens=8)  # 0.8 s: a few heartbeats of 0.3 s
+    body = {"model": "m", "messages": MESSAGES, "max_tokens": 3, "stream": True}
+    async with http.post(gw.url + "/v1/messages", json=body, headers=auth()) as r:
+        assert r.status == 200
+        events = await SSEReader(r).rest(timeout=15)
+    names = [e.event for e in events]
+    assert names[0] == "ping" and "message_start" in names and names[-1] == "message_stop", names
+    assert set(names[:names.index("message_start")]) == {"ping"}
+    assert await ahead == 200
+
+    ahead = await hold_the_slot(http, gw, fake, tokens=8)
+    c = client(gw)
+    async with c.messages.stream(model="m", max_tokens=3, messages=MESSAGES) as s:
+        assert "".join([t async for t in s.text_stream]) == "".join(WORDS[:3])
+    assert await ahead == 200
+    await c.close()
+
+
+async def test_a_queued_request_timing_out_is_a_503_overloaded_error(fakegpus, gateway, http) -> None:
+    fake = await fakegpus("openai", step_ms=100)
+    gw = await gateway(llm_cfg(fake, queue_timeout_sec=0.5))
+    ahead = await hold_the_slot(http, gw, fake, tokens=20)
+    c = client(gw)
+    with pytest.raises(anthropic.APIStatusError) as info:
+        await c.messages.create(model="m", max_tokens=3, messages=MESSAGES)
+    assert info.value.status_code == 503 and int(info.value.response.headers["Retry-After"]) >= 1
+    assert info.value.body["error"]["type"] == "overloaded_error"  # type: ignore[index]
+    assert info.value.body["error"]["code"] == "queue_timeout"  # type: ignore[index]
+    await c.close()
+    assert await ahead == 200
+
+
 async def test_a_queued_stream_refused_by_the_token_budget_ends_with_an_error_event(fakegpus, gateway, http) -> None:
     fake = await fakegpus("openai", step_ms=100)
     cfg = llm_cfg(fake)

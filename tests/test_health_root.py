@@ -21,6 +21,9 @@ async def test_health_is_200_while_some_route_can_serve_and_503_when_none_can(fa
     cfg["routes"]["other"] = {"path": "/", "nodes": ["b"], "kind": "generic", "queue_timeout_sec": 1}
     gw = await gateway(cfg)
     assert await health(http, gw.url) == (200, {"status": "ok"})
+    # guidellm's start (its OpenAI backend's validate()): GET {target}/health with its Bearer key.
+    async with http.get(gw.url + "/health", headers={"Authorization": "Bearer any-key-at-all"}) as r:
+        assert r.status == 200
 
     async with http.post(gw.url + "/admin/nodes/a/drain", headers=ADMIN) as r:
         assert r.status == 200
