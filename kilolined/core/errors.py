@@ -75,7 +75,7 @@ def error_body(type_: str, message: str, request_id: str | None, retry_after: fl
 
 def error_response(status: int, type_: str, message: str, *, request_id: str | None = None,
                    retry_after: float | None = None, headers: dict[str, str] | None = None,
-                   openai: bool = False, anthropic: bool = False) -> web.Response:
+                   openai: bool = False) -> web.Response:
     h = dict(headers or {})
     if retry_after is not None:
         h["Retry-After"] = str(int(max(1, math.ceil(retry_after))))
@@ -85,8 +85,16 @@ def error_response(status: int, type_: str, message: str, *, request_id: str | N
         h["WWW-Authenticate"] = 'Bearer realm="kiloline"'
     return web.Response(
         status=status,
-        body=orjson.dumps(anthropic_error_body(status, type_, message, request_id, retry_after) if anthropic
-                          else error_body(type_, message, request_id, retry_after, openai)),
+        body=orjson.dumps(error_body(type_, message, request_id, retry_after, openai)),
         content_type="application/json",
         headers=h,
     )
+
+
+def anthropic_error_response(status: int, type_: str, message: str, *, request_id: str,
+                             retry_after: float | None = None, headers: dict[str, str] | None = None) -> web.Response:
+    """``error_response``'s status and headers (Retry-After, X-Request-Id, WWW-Authenticate) with
+    Anthropic's body."""
+    resp = error_response(status, type_, message, request_id=request_id, retry_after=retry_after, headers=headers)
+    resp.body = orjson.dumps(anthropic_error_body(status, type_, message, request_id, retry_after))
+    return resp

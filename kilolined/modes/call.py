@@ -13,7 +13,7 @@ from aiohttp import web
 from kilolined.adapters.base import Adapter
 from kilolined.adapters.generic import GenericAdapter
 from kilolined.core.auth import Principal
-from kilolined.core.errors import error_response
+from kilolined.core.errors import anthropic_error_response, error_response
 from kilolined.scheduling.queue import Rejected, Ticket
 from kilolined.wire.proxy import Exchange
 
@@ -54,8 +54,11 @@ class Call:
         return self.principal.key_id if self.principal is not None else None
 
     def error(self, status: int, type_: str, message: str, retry_after: float | None = None) -> web.Response:
+        if self.anthropic:
+            return anthropic_error_response(status, type_, message, request_id=self.request_id,
+                                            retry_after=retry_after, headers=self.headers)
         return error_response(status, type_, message, request_id=self.request_id, retry_after=retry_after,
-                              headers=self.headers, openai=self.kind == "openai", anthropic=self.anthropic)
+                              headers=self.headers, openai=self.kind == "openai")
 
     def rejected(self, r: Rejected) -> web.Response:
         return self.error(r.status, r.type, r.message, r.retry_after)
