@@ -24,6 +24,39 @@ REASONS = {
 }
 
 
+def error_body(type_: str, message: str, request_id: str | None, retry_after: float | None,
+               openai: bool = False) -> dict[str, object]:
+    err: dict[str, object] = {
+        "type": type_,
+        "message": message,
+        "request_id": request_id,
+        "retry_after_sec": None if retry_after is None else int(max(1, math.ceil(retry_after))),
+    }
+    if openai:
+        # OpenAI SDKs read error.code / error.param; the extra keys are harmless to ours.
+        err["code"] = type_
+        err["param"] = None
+    return {"error": err}
+
+
+def error_response(status: int, type_: str, message: str, *, request_id: str | None = None,
+                   retry_after: float | None = None, headers: dict[str, str] | None = None,
+                   openai: bool = False) -> web.Response:
+    h = dict(headers or {})
+    if retry_after is not None:
+        h["Retry-After"] = str(int(max(1, math.ceil(retry_after))))
+    if request_id:
+        h["X-Request-Id"] = request_id
+    if status == 401:
+        h["WWW-Authenticate"] = 'Bearer realm="kiloline"'
+    return web.Response(
+        status=status,
+        body=orjson.dumps(error_body(type_, message, request_id, retry_after, openai)),
+        content_type="application/json",
+        headers=h,
+    )
+
+
 #: Anthropic's error type per HTTP status (its API's errors page). Anthropic itself never answers
 #: 503; the gateway's 503s (queue full or timed out, shutting down) are ``overloaded_error``, as
 #: LiteLLM maps a 503 and as Anthropic names its own 529 "overloaded".
@@ -56,39 +89,6 @@ def anthropic_error_body(status: int, type_: str, message: str, request_id: str 
             "error": {"type": anthropic_type(status), "message": message, "code": type_,
                       "retry_after_sec": None if retry_after is None else int(max(1, math.ceil(retry_after)))},
             "request_id": request_id}
-
-
-def error_body(type_: str, message: str, request_id: str | None, retry_after: float | None,
-               openai: bool = False) -> dict[str, object]:
-    err: dict[str, object] = {
-        "type": type_,
-        "message": message,
-        "request_id": request_id,
-        "retry_after_sec": None if retry_after is None else int(max(1, math.ceil(retry_after))),
-    }
-    if openai:
-        # OpenAI SDKs read error.code / error.param; the extra keys are harmless to ours.
-        err["code"] = type_
-        err["param"] = None
-    return {"error": err}
-
-
-def error_response(status: int, type_: str, message: str, *, request_id: str | None = None,
-                   retry_after: float | None = None, headers: dict[str, str] | None = None,
-                   openai: bool = False) -> web.Response:
-    h = dict(headers or {})
-    if retry_after is not None:
-        h["Retry-After"] = str(int(max(1, math.ceil(retry_after))))
-    if request_id:
-        h["X-Request-Id"] = request_id
-    if status == 401:
-        h["WWW-Authenticate"] = 'Bearer realm="kiloline"'
-    return web.Response(
-        status=status,
-        body=orjson.dumps(error_body(type_, message, request_id, retry_after, openai)),
-        content_type="application/json",
-        headers=h,
-    )
 
 
 def anthropic_error_response(status: int, type_: str, message: str, *, request_id: str,
