@@ -25,6 +25,7 @@ class Call:
     started: float
     route: str = "-"
     kind: str = "generic"
+    anthropic: bool = False  # a path of Anthropic's API on an openai route: errors in Anthropic's shape
     key: str = "-"
     mode: str = "sync"
     node: str = "-"
@@ -47,7 +48,6 @@ class Call:
     route_choices: tuple[str, ...] = ()  # routes sharing the path whose match may hold (routing.py)
     model: str | None = None  # the body's model, read when the route's nodes declare models (models.py)
     swap: bool | None = None  # its node had to load the model; None when the node has no model state
-    anthropic: bool = False  # a path of Anthropic's API on an openai route: errors in Anthropic's shape
 
     @property
     def key_id(self) -> str | None:
