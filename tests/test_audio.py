@@ -9,6 +9,8 @@ from typing import Any
 
 import aiohttp
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 from conftest import KEYS, auth, base_config
 from openai import AsyncOpenAI
 
@@ -86,3 +88,16 @@ def test_form_field_reads_a_text_field_past_the_file() -> None:
         form_field(body[:60], ctype, "model")  # cut before the part's end
     with pytest.raises(FormError):
         form_field(body, "multipart/form-data", "model")  # no boundary
+
+
+@given(body=st.binary(max_size=300), ctype=st.text(max_size=60),
+       parts=st.lists(st.sampled_from([b"--b\r\n", b"--b--", b"\r\n\r\n", b"\r\n--b\r\n", b'name="model"',
+                                       b"Content-Disposition: form-data; ", b"\xff\xfe", b"model"]), max_size=8))
+def test_form_field_answers_or_refuses_any_bytes(body: bytes, ctype: str, parts: list[bytes]) -> None:
+    """Whatever a client sends, the field is a string, None, or FormError (400): never a crash (500)."""
+    for ct in (ctype, "multipart/form-data; boundary=b", "multipart/form-data; boundary=" + ctype):
+        try:
+            got = form_field(b"".join(parts) + body, ct, "model")
+        except FormError:
+            continue
+        assert got is None or isinstance(got, str)

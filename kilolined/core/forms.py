@@ -37,7 +37,8 @@ def boundary(content_type: str) -> bytes:
     m = _BOUNDARY.search(content_type)
     if m is None:
         raise FormError("multipart/form-data without a boundary")
-    return (m.group(1) or m.group(2)).encode("latin-1")
+    # aiohttp decodes header bytes as UTF-8 with surrogate escapes: this gives the bytes back
+    return (m.group(1) or m.group(2)).encode("utf-8", "surrogateescape")
 
 
 def form_field(body: bytes, content_type: str, name: str) -> str | None:
