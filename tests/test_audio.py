@@ -9,9 +9,9 @@ from typing import Any
 
 import aiohttp
 import pytest
+from conftest import KEYS, auth, base_config
 from hypothesis import given
 from hypothesis import strategies as st
-from conftest import KEYS, auth, base_config
 from openai import AsyncOpenAI
 
 from kilolined.core.forms import FormError, form_field
