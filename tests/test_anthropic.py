@@ -22,7 +22,7 @@ from test_sse_jobs import SSEReader
 from kilolined.adapters.anthropic import MessagesParser, openai_usage
 from kilolined.ops import views
 from kilolined.scheduling.affinity import prefix_affinity
-from kilolined.scheduling.anthropic_body import chat_view
+from kilolined.scheduling.anthropic_body import chat_view, is_anthropic_path, is_messages_path
 
 MESSAGES = [{"role": "user", "content": "say something please"}]  # 3 prompt tokens for the fake
 WORDS = ["The", " quick", " brown", " fox", " jumps"]
@@ -279,3 +279,11 @@ def test_stream_parser_reads_message_start_and_message_delta_across_reads() -> N
     whole.feed(b'{"type":"message","usage":{"input_tokens":4,"output_tokens":6}}')
     whole.done(True)
     assert whole.tokens() == 10
+
+
+def test_which_paths_are_anthropics() -> None:
+    for path in ("/v1/messages", "/llm/v1/messages", "/messages"):
+        assert is_messages_path(path) and is_anthropic_path(path) and is_anthropic_path(path + "/count_tokens")
+    for path in ("/v1/threads/t_1/messages", "/v1/chat/completions", "/v1/messages/count_tokens", "/x/messages"):
+        assert not is_messages_path(path)
+    assert not is_anthropic_path("/v1/threads/t_1/messages") and not is_anthropic_path("/count_tokens")

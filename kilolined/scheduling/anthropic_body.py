@@ -15,15 +15,16 @@ from typing import Any
 
 
 def is_messages_path(path: str) -> bool:
-    """``path`` (no query) is the Messages endpoint of an OpenAI-compatible server: ``/v1/messages``,
-    or ``/messages`` on a route whose prefix ``/v1`` was cut off."""
-    return path.endswith("/messages")
+    """``path`` (no query) is the Messages endpoint of an OpenAI-compatible server: ``…/v1/messages``,
+    or ``/messages`` on a route whose prefix ``/v1`` was cut off. Not OpenAI's Assistants
+    ``/v1/threads/{id}/messages``."""
+    return path.endswith("/v1/messages") or path == "/messages"
 
 
 def is_anthropic_path(path: str) -> bool:
     """``path`` is one of Anthropic's API: the Messages endpoint or its ``/count_tokens``. A client
     there is an Anthropic client: the gateway's errors take Anthropic's shape."""
-    return path.endswith(("/messages", "/messages/count_tokens"))
+    return is_messages_path(path.removesuffix("/count_tokens"))
 
 
 def chat_view(data: dict[str, Any]) -> dict[str, Any]:
