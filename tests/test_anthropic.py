@@ -275,6 +275,9 @@ def test_stream_parser_reads_message_start_and_message_delta_across_reads() -> N
         p.feed(stream[i:i + 7])
     p.done(True)
     assert p.chunks == 1 and p.tokens() == 13 and p.first_at is not None
+    spaced = MessagesParser()  # a serializer with blanks takes the parsing path: the same count
+    spaced.feed(stream.replace(b'{"type":"content_block_delta"', b'{ "type": "content_block_delta"'))
+    assert (spaced.chunks, spaced.tokens()) == (1, 13)
     whole = MessagesParser()
     whole.feed(b'{"type":"message","usage":{"input_tokens":4,"output_tokens":6}}')
     whole.done(True)

@@ -34,6 +34,9 @@ from kilolined.wire.proxy import Exchange, Observer
 
 # A ``data:`` line's payload (the blanks before the field name and around the JSON are allowed).
 _DATA_LINE = re.compile(rb"^[ \t\r\x0b\x0c]*data:(.*)$", re.M)
+# A delta event's JSON with its type first (a serializer's order; a delta carries no usage): counted
+# as a content chunk without parsing it, on the per-token path.
+_DELTA = b'{"type":"content_block_delta"'
 _USAGE_KEYS = ("input_tokens", "output_tokens", "cache_read_input_tokens", "cache_creation_input_tokens")
 
 
@@ -88,6 +91,9 @@ class MessagesParser(StreamParser):
         if end < len(chunk):
             self.buf += chunk[end:]
         for payload in _DATA_LINE.findall(chunk, 0, end):
+            if payload.lstrip().startswith(_DELTA):
+                self._content()  # a token, as llama.cpp and Anthropic write it: nothing else to read
+                continue
             try:
                 ev = orjson.loads(payload)
             except orjson.JSONDecodeError:
@@ -95,14 +101,17 @@ class MessagesParser(StreamParser):
             if isinstance(ev, dict):
                 self._event(ev)
 
+    def _content(self) -> None:
+        if self.first_at is None:
+            self.first_at = time.monotonic()
+        self.chunks += 1
+        if self.on_chunk is not None:
+            self.on_chunk(self.chunks)
+
     def _event(self, ev: dict[str, Any]) -> None:
         kind = ev.get("type")
         if kind == "content_block_delta":
-            if self.first_at is None:
-                self.first_at = time.monotonic()
-            self.chunks += 1
-            if self.on_chunk is not None:
-                self.on_chunk(self.chunks)
+            self._content()
             return
         message = ev.get("message")
         usage = message.get("usage") if kind == "message_start" and isinstance(message, dict) else \
