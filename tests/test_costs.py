@@ -124,3 +124,30 @@ def test_token_estimate_is_monotone_in_text(texts: list[str], gen: int) -> None:
     est = token_estimate({"messages": msgs, "max_tokens": gen}, 0)
     assert est == math.ceil(sum(len(t) for t in texts) / 4) + gen
     assert token_estimate({"messages": [*msgs, {"role": "user", "content": "more"}], "max_tokens": gen}, 0) >= est
+
+
+def test_json_chars_counts_the_characters_of_a_string() -> None:
+    """A TTS request (OpenAI's /v1/audio/speech) costs by the text it speaks."""
+    cfg = cost("json_chars:/input", base=1, per_unit=0.01)
+    speech = {"model": "kokoro", "input": "Grüße, world!", "voice": "af_sky"}
+    assert request_units(cfg, "openai", "POST", "/v1/audio/speech", orjson.dumps(speech), {}) == 13  # characters
+    assert request_cost(cfg, "openai", "POST", "/v1/audio/speech", orjson.dumps(speech), {}) == pytest.approx(1.13)
+    assert request_units(cfg, "openai", "POST", "/v1/audio/speech", b'{"model": "kokoro"}', {}) == 0
+    assert request_units(cfg, "openai", "GET", "/v1/audio/voices", b"", {}) == 0
+    for bad in (12, None, ["a"], {"t": "a"}):
+        with pytest.raises(UnitError):
+            request_units(cfg, "openai", "POST", "/v1/audio/speech", orjson.dumps({"input": bad}), {})
+    with pytest.raises(UnitError):
+        request_units(cfg, "openai", "POST", "/v1/audio/speech", b"text=hello", {})
+    assert RequestCostConfig(unit="json_chars:/a~1b").unit == "json_chars:/a~1b"
+    for wrong in ("json_chars:input", "json_chars:/a~2"):
+        with pytest.raises(ValueError):
+            RequestCostConfig(unit=wrong)
+
+
+def test_tokens_unit_reads_an_anthropic_messages_request_with_its_system() -> None:
+    cfg = cost("tokens")
+    body = {"model": "m", "system": "x" * 8, "max_tokens": 10,
+            "messages": [{"role": "user", "content": [{"type": "text", "text": "y" * 4}]}]}
+    assert request_units(cfg, "openai", "POST", "/v1/messages", orjson.dumps(body), {}) == 3 + 10
+    assert request_units(cfg, "openai", "POST", "/v1/messages/count_tokens", orjson.dumps(body), {}) == 0

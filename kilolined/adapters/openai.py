@@ -35,6 +35,7 @@ from kilolined.scheduling.affinity import (
     prefix_affinity,
     session_affinity,
 )
+from kilolined.scheduling.anthropic_body import chat_view, is_messages_path
 from kilolined.scheduling.costs import choices, prompt_tokens
 from kilolined.scheduling.lease import LeaseScope, Sink
 from kilolined.scheduling.limits import seconds_to_midnight
@@ -101,10 +102,18 @@ def affinity_of(ex: Exchange, route: str, cfg: RouteConfig, memo: KeyMemo | None
         if not sid and cfg.kind == "openai" and is_completion(ex):
             sid = (request_json(ex) or {}).get("user")
         return session_affinity(route, sid) if isinstance(sid, str) and sid else None
-    if cfg.kind != "openai" or not is_completion(ex):
+    if cfg.kind != "openai":
+        return None
+    data = request_json(ex) if is_completion(ex) else _messages_chat(ex)
+    return prefix_affinity(route, data, cfg.affinity_block_bytes, memo) if data is not None else None
+
+
+def _messages_chat(ex: Exchange) -> dict[str, Any] | None:
+    """An Anthropic Messages request as the chat its prefix is indexed by (``system`` first)."""
+    if ex.method != "POST" or not is_messages_path(ex.tail.split("?", 1)[0]):
         return None
     data = request_json(ex)
-    return prefix_affinity(route, data, cfg.affinity_block_bytes, memo) if data is not None else None
+    return chat_view(data) if data is not None else None
 
 
 def estimate_tokens(data: dict[str, Any]) -> int:
@@ -407,9 +416,13 @@ class OpenAIAdapter(Adapter):
             ex.body_override = orjson.dumps({**data, "stream_options": {**(opts if isinstance(opts, dict) else {}),
                                                                           "include_usage": True}})
 
-    async def serve(self, rt: Runtime, scope: LeaseScope, ex: Exchange, sink: Sink) -> None:
+    def estimate(self, ex: Exchange) -> int:
+        """The request's tokens before it runs, reserved from the key's token budget."""
         data = request_json(ex) if is_completion(ex) else None
-        attempt = OpenAIAttempt(scope, ex, estimate_tokens(data) if data is not None else 0)
+        return estimate_tokens(data) if data is not None else 0
+
+    async def serve(self, rt: Runtime, scope: LeaseScope, ex: Exchange, sink: Sink) -> None:
+        attempt = OpenAIAttempt(scope, ex, self.estimate(ex))
         try:
             up = await scope.acquire(attempt)
             await sink.deliver(scope, up, self.observer(rt, ex, scope, sink))

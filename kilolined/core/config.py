@@ -336,8 +336,8 @@ class RequestCostConfig(_Model):
     def _unit(cls, v: str | None) -> str | None:
         if v is None or v in COST_UNITS:
             return v
-        if v.startswith("json:"):
-            ptr = v[5:]
+        if v.startswith(("json:", "json_chars:")):
+            ptr = v.split(":", 1)[1]
             if ptr and not ptr.startswith("/"):
                 raise ValueError("a JSON pointer starts with / (RFC 6901), e.g. json:/batch_size")
             if re.search(r"~[^01]|~$", ptr):
@@ -345,7 +345,7 @@ class RequestCostConfig(_Model):
             return v
         if v.startswith("header:") and re.fullmatch(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+", v[7:]):
             return v
-        raise ValueError("must be megapixels, tokens, json:/pointer or header:Name")
+        raise ValueError("must be megapixels, tokens, json:/pointer, json_chars:/pointer or header:Name")
 
 
 class MatchConfig(_Model):

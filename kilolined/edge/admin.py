@@ -21,6 +21,7 @@ from kilolined.ops.history import History
 from kilolined.ops.reload import reload_from_file
 from kilolined.ops.runtime import Runtime
 from kilolined.ops.views import HISTORY_SERIES, route_series
+from kilolined.ops.views import health as health_reasons
 from kilolined.ops.views import readiness as readiness_reasons
 from kilolined.ops.views import state as state_view
 from kilolined.wire.proxy import SERVER
@@ -58,6 +59,14 @@ async def healthz(request: web.Request) -> web.Response:
 async def readyz(request: web.Request) -> web.Response:
     reasons = readiness_reasons(_rt(request))
     return _json({"status": "ready" if not reasons else "not_ready", "reasons": reasons}, 200 if not reasons else 503)
+
+
+async def health(request: web.Request) -> web.Response:
+    # Where inference clients and benchmarks look (vLLM, SGLang, TGI and llama.cpp answer it): 200
+    # while some route can serve, else 503. No key, like /healthz.
+    reasons = health_reasons(_rt(request))
+    return _json({"status": "ok"} if not reasons else {"status": "unavailable", "reasons": reasons},
+                 200 if not reasons else 503)
 
 
 async def metrics(request: web.Request) -> web.Response:
@@ -198,6 +207,7 @@ def add_routes(app: web.Application) -> None:
     r = app.router
     r.add_get("/healthz", guard(healthz))
     r.add_get("/readyz", guard(readyz))
+    r.add_get("/health", guard(health))
     r.add_get("/metrics", guard(metrics))
     r.add_get("/admin/state", guard(state))
     r.add_get("/admin/events", guard(events))

@@ -26,16 +26,19 @@ from kilolined.adapters.openai import affinity_of, wants_stream
 from kilolined.adapters.registry import adapter_for
 from kilolined.core.auth import presented_key
 from kilolined.core.config import RateConfig, RouteConfig
+from kilolined.core.forms import AUDIO_FORM_PATHS, FormError, form_field, is_multipart
 from kilolined.edge import admin, jobs_api, targets
 from kilolined.edge import guard as edge
 from kilolined.edge.connection import settle_expect
 from kilolined.edge.context import GW, RT, Gateway
 from kilolined.edge.models_list import is_models_list, models_union
 from kilolined.edge.unqueued import forward_unqueued
+from kilolined.modes.anthropic_sink import AnthropicStreamSink
 from kilolined.modes.call import Call
 from kilolined.modes.runner import run
 from kilolined.modes.sinks import StreamSink, SyncSink
 from kilolined.ops.runtime import Runtime
+from kilolined.scheduling.anthropic_body import is_anthropic_path
 from kilolined.scheduling.costs import CostTooLarge, UnitError, request_cost, request_units
 from kilolined.scheduling.limits import Taken, Verdict, seconds_to_midnight
 from kilolined.scheduling.queue import Rejected, Ticket
@@ -113,7 +116,8 @@ def resolve_path(gw: Gateway, call: Call) -> web.StreamResponse | None:
     call.tail = tail
     rcfg = rt.cfg.routes[call.route_name]
     call.kind = rcfg.kind
-    call.adapter = adapter_for(rcfg.kind)
+    call.anthropic = rcfg.kind == "openai" and is_anthropic_path(tail)
+    call.adapter = adapter_for(rcfg.kind, tail)
     return None
 
 
@@ -203,7 +207,10 @@ async def _choose_route(gw: Gateway, call: Call) -> web.StreamResponse | None:
         return refused
     rt, ex = gw.rt, call.exchange
     assert ex is not None
-    model = call.model = doc_model(ex)
+    try:
+        model = call.model = doc_model(ex)
+    except FormError as e:
+        return call.error(400, "bad_request", str(e))
     headers = call.request.headers
     chosen = None
     for name in call.route_choices:
@@ -327,21 +334,43 @@ def _exchange(call: Call, body: bytes) -> web.StreamResponse | None:
 
 
 def doc_model(ex: Exchange) -> str | None:
-    """The body's ``model`` when it is a string, read off the exchange's one parse."""
+    """The body's ``model`` when it is a string, read off the exchange's one parse; for a
+    multipart form (OpenAI's audio endpoints), its ``model`` field. FormError: a multipart body
+    that is no form."""
     doc = ex.body_doc()
-    model = doc.get("model") if isinstance(doc, dict) else None
-    return model if isinstance(model, str) else None
+    if isinstance(doc, dict):
+        model = doc.get("model")
+        return model if isinstance(model, str) else None
+    ctype = ex.request.headers.get("Content-Type")
+    if doc is None and ex.body and is_multipart(ctype):
+        assert ctype is not None
+        return form_field(ex.body, ctype, "model")
+    return None
+
+
+def is_audio_form(ex: Exchange) -> bool:
+    """A request to OpenAI's audio endpoints, whose form must name its model."""
+    return ex.method == "POST" and ex.tail.split("?", 1)[0].endswith(AUDIO_FORM_PATHS)
 
 
 def name_model(gw: Gateway, call: Call) -> web.StreamResponse | None:
     """The model an OpenAI request asks for, when its route has multi-model nodes
-    (docs/CONFIG.md#multi-model-nodes): the scheduler sends it only where it is served."""
+    (docs/CONFIG.md#multi-model-nodes): the scheduler sends it only where it is served. An audio
+    form without a ``model`` is refused here, as OpenAI refuses it: no node could say which."""
     if call.kind != "openai" or call.model is not None or call.exchange is None:
         return None
+    ex = call.exchange
     sched = gw.rt.scheduler
     rq = sched.routes[call.route_name]
-    if any(n in sched.nodes and sched.nodes[n].cfg.models is not None for n in rq.all_nodes):
-        call.model = doc_model(call.exchange)
+    audio = is_audio_form(ex)
+    if not audio and not any(n in sched.nodes and sched.nodes[n].cfg.models is not None for n in rq.all_nodes):
+        return None
+    try:
+        call.model = doc_model(ex)
+    except FormError as e:
+        return call.error(400, "bad_request", str(e))
+    if audio and call.model is None:
+        return call.error(400, "bad_request", "the form has no model field: say which model transcribes it")
     return None
 
 
@@ -427,7 +456,10 @@ def _admitted(gw: Gateway, call: Call, ticket: Ticket,
     call.ticket = ticket
     if call.mode != "sync":
         return gw.jobs.submit(call, ticket, ex, call.principal, callback, call.adapter)
-    sink = StreamSink(rt, call) if call.kind == "openai" and wants_stream(ex) else SyncSink(rt, call)
+    if call.kind == "openai" and wants_stream(ex):
+        sink: SyncSink = AnthropicStreamSink(rt, call) if call.anthropic else StreamSink(rt, call)
+    else:
+        sink = SyncSink(rt, call)
     return run(rt, ticket, ex, call.adapter, sink, call.key_id, call.route)
 
 

@@ -14,6 +14,10 @@ them loaded (the first at start), a request for another one waits `swap_ms` befo
 while that model replaces the least recently used, and `GET /running` answers as llama-swap's
 does. A model it does not list is a 404, as Ollama answers.
 
+It also serves Anthropic's `POST /v1/messages` as llama-server does (shapes in `anthropic.py`),
+with the same GPU work, cache and usage as a chat completion, and OpenAI's
+`POST /v1/audio/transcriptions` (a multipart form with `file` and `model`) as vLLM does.
+
 It caches prompts as llama.cpp does (`prompt_cache.py`): the part of a prompt it has not seen
 costs `prefill_ms_per_1k` of GPU time per 1000 tokens before the first token, and every answer
 reports what was reused as llama-server reports it: `usage.prompt_tokens_details.cached_tokens`
@@ -33,6 +37,7 @@ from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
+from kilolined.fakegpu import anthropic
 from kilolined.fakegpu.base import is_int, read_json, sse_headers
 from kilolined.fakegpu.card import Backend, Card
 from kilolined.fakegpu.prompt_cache import Hit, PromptCache, message_tokens, prompt_tokens
@@ -98,6 +103,8 @@ class OpenAIBackend(Backend):
 
     def add_routes(self, app: web.Application) -> None:
         app.router.add_post("/v1/chat/completions", self.chat)
+        app.router.add_post("/v1/messages", self.messages)
+        app.router.add_post("/v1/audio/transcriptions", self.transcribe)
         app.router.add_get("/running", self.running)
         app.router.add_get("/slots", self.slots)
         app.router.add_get("/v1/models", self.models)
@@ -240,6 +247,106 @@ class OpenAIBackend(Backend):
         finally:
             gpu.end_job(job, outcome)
             self._keep(cache_model, call, tokens, hit)
+
+    async def messages(self, request: web.Request) -> web.StreamResponse:
+        """Anthropic's `POST /v1/messages` as llama-server answers it (fakegpu/anthropic.py): the
+        same GPU work as a chat completion, in Anthropic's shapes."""
+        gpu = self.gpu
+        gated = await gpu.gate(request)
+        if gated is not None:
+            return gated
+        try:
+            body = await read_json(request)
+        except ValueError:
+            return llama_error(400, "Failed to parse the JSON body of the request", "invalid_request_error")
+        chat = anthropic.chat_messages(body) if isinstance(body, dict) else None
+        if not isinstance(body, dict) or chat is None:
+            return llama_error(400, "'messages' is required and must be a non-empty array", "invalid_request_error")
+        max_tokens = body.get("max_tokens")
+        if max_tokens is not None and not (is_int(max_tokens) and max_tokens >= 1):
+            return llama_error(400, "max_tokens must be an integer >= 1", "invalid_request_error")
+        tokens = prompt_tokens(chat)
+        if len(tokens) >= gpu.ctx_size:
+            return context_exceeded(len(tokens), gpu.ctx_size)
+        call = _Call(id=f"chatcmpl-{uuid.uuid4().hex[:24]}",
+                     model=body["model"] if isinstance(body.get("model"), str) else MODEL_ID,
+                     tokens=max_tokens if max_tokens is not None else gpu.steps, prompt_tokens=len(tokens),
+                     finish_reason="length" if max_tokens is not None else "stop", include_usage=False,
+                     prefill_ms_per_1k=gpu.prefill_ms_per_1k)
+        job = gpu.begin_job(KV_GB_PER_TOKEN * (len(tokens) + call.tokens))
+        hit = self.prompt_cache.lookup(MODEL_ID, tokens)
+        call.cache_n = hit.cached
+        outcome: str | None = None
+        try:
+            await self._prefill(job, call)
+            if body.get("stream") is True:
+                resp, delivered = await self._stream_messages(request, job, call)
+            else:
+                for _ in range(call.tokens):
+                    if not await gpu.work(job, gpu.step_ms / 1000):
+                        break
+                    call.generated += 1
+                resp = (llama_error(500, gpu.oom_message(), "server_error") if job.failed else
+                        web.json_response(anthropic.message(call.id, call.model, reply_text(call.generated),
+                                                            call.finish_reason, call.prompt_tokens, call.generated)))
+                delivered = await gpu.respond(request, resp)
+            outcome = "ok" if delivered else None
+            return resp
+        finally:
+            gpu.end_job(job, outcome)
+            self._keep(MODEL_ID, call, tokens, hit)
+
+    async def transcribe(self, request: web.Request) -> web.StreamResponse:
+        """OpenAI's `POST /v1/audio/transcriptions` as vLLM serves it: a multipart form with `file`
+        and `model` (required); `{"text"}` after `steps` steps of GPU work."""
+        gpu = self.gpu
+        gated = await gpu.gate(request)
+        if gated is not None:
+            return gated
+        form = await request.post()
+        model, audio = form.get("model"), form.get("file")
+        if not isinstance(model, str) or audio is None:
+            return openai_error(400, "a multipart form with 'file' and 'model' is required", "model")
+        if gpu.models:
+            if model not in gpu.models:
+                return openai_error(404, f"model '{model}' not found", "model")
+            await self.load(model)
+        self.asked.append(model)
+        job = gpu.begin_job()
+        outcome: str | None = None
+        try:
+            for _ in range(gpu.steps):
+                if not await gpu.work(job, gpu.step_ms / 1000):
+                    break
+            resp = openai_error(500, gpu.oom_message()) if job.failed else web.json_response({"text": reply_text(3)})
+            outcome = "ok" if await gpu.respond(request, resp) else None
+            return resp
+        finally:
+            gpu.end_job(job, outcome)
+
+    async def _stream_messages(self, request: web.Request, job: Job, call: _Call) -> tuple[web.StreamResponse, bool]:
+        gpu = self.gpu
+        if job.failed:
+            resp: web.StreamResponse = llama_error(500, gpu.oom_message(), "server_error")
+            return resp, await gpu.respond(request, resp)
+        resp = web.StreamResponse(headers=sse_headers())
+        try:
+            await resp.prepare(request)
+            for index in range(call.tokens):
+                if not await gpu.work(job, gpu.step_ms / 1000):
+                    break
+                call.generated += 1
+                await gpu.drip()
+                first = anthropic.first_events(call.id, call.model, call.prompt_tokens) if index == 0 else b""
+                await resp.write(first + anthropic.text_delta(WORDS[index % len(WORDS)]))
+            if job.failed:
+                await resp.write(anthropic.error_event(gpu.oom_message()))
+            else:
+                await resp.write(anthropic.last_events(call.finish_reason, call.generated, call.generated > 0))
+            await resp.write_eof()
+        except ConnectionResetError:
+            return resp, False
+        return resp, True
 
     async def _prefill(self, job: Job, call: _Call) -> None:
         """Spend the GPU time of the prompt's uncached tokens, before the first token."""

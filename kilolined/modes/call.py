@@ -13,7 +13,7 @@ from aiohttp import web
 from kilolined.adapters.base import Adapter
 from kilolined.adapters.generic import GenericAdapter
 from kilolined.core.auth import Principal
-from kilolined.core.errors import error_response
+from kilolined.core.errors import anthropic_error_response, error_response
 from kilolined.scheduling.queue import Rejected, Ticket
 from kilolined.wire.proxy import Exchange
 
@@ -25,6 +25,7 @@ class Call:
     started: float
     route: str = "-"
     kind: str = "generic"
+    anthropic: bool = False  # a path of Anthropic's API on an openai route: errors in Anthropic's shape
     key: str = "-"
     mode: str = "sync"
     node: str = "-"
@@ -54,6 +55,9 @@ class Call:
         return self.principal.key_id if self.principal is not None else None
 
     def error(self, status: int, type_: str, message: str, retry_after: float | None = None) -> web.Response:
+        if self.anthropic:
+            return anthropic_error_response(status, type_, message, request_id=self.request_id,
+                                            retry_after=retry_after, headers=self.headers)
         return error_response(status, type_, message, request_id=self.request_id, retry_after=retry_after,
                               headers=self.headers, openai=self.kind == "openai")
 

@@ -161,9 +161,18 @@ class StreamSink(SyncSink):
             pos = sched.position(ticket, now) if ticket is not None else None
             est = rt.est_wait(ticket.route, pos or 0, now) if ticket is not None else None
             # JSON spelling (null, not None), as in the sse events.
-            await resp.write(b": queued position=%s est_wait_sec=%s\n\n" % (orjson.dumps(pos), orjson.dumps(est)))
+            note = b"queued position=%s est_wait_sec=%s" % (orjson.dumps(pos), orjson.dumps(est))
+            await resp.write(self.keepalive(note))
         else:
-            await resp.write(b": waiting for the node\n\n")
+            await resp.write(self.keepalive(b"waiting for the node"))
+
+    def keepalive(self, note: bytes) -> bytes:
+        """The stream's keep-alive while it waits, saying why: an SSE comment (OpenAI SDKs skip it)."""
+        return b": " + note + b"\n\n"
+
+    def error_frame(self, type_: str, message: str, status: int) -> bytes:
+        """How an error ends the stream once its 200 went out."""
+        return error_event(type_, message, status)
 
     async def deliver(self, scope: LeaseScope, up: Upstream, obs: Observer | None,
                       capture: bytearray | None = None) -> None:
@@ -185,7 +194,7 @@ class StreamSink(SyncSink):
                     ok[0] = True
                 else:
                     message, type_ = node_message(body, up.status)
-                    await _write(scope, resp, error_event(type_, message, up.status))
+                    await _write(scope, resp, self.error_frame(type_, message, up.status))
                     call.status = up.status  # the access log tells what the client really got
                     ok[0] = up.status < 500
                     self.outcome = "ok" if ok[0] else "upstream_error"
@@ -264,7 +273,7 @@ class StreamSink(SyncSink):
             return await super().fail(f)
         self.call.status = f.http_status or 502  # the 200 went out; the log tells the truth
         try:
-            await self.stream.write(error_event(f.type, f.message, f.http_status or 502))
+            await self.stream.write(self.error_frame(f.type, f.message, f.http_status or 502))
             await self.stream.write_eof()
         except (ConnectionError, RuntimeError):
             pass

@@ -115,17 +115,29 @@ def route_series(rt: Runtime) -> dict[str, tuple[int, int]]:
             if not n.startswith("adhoc:") and not rq.retired}
 
 
-def readiness(rt: Runtime) -> list[str]:
-    """Why /readyz says not ready; empty when every route has a node that can take work."""
+def route_readiness(rt: Runtime) -> dict[str, bool]:
+    """Each configured route: whether some node of it (primary or standby) can take work now."""
     now = rt.clock()
     sched = rt.scheduler
-    reasons = []
-    for n, rq in sched.routes.items():
-        if n.startswith("adhoc:") or rq.retired:
-            continue
-        if not any(sched.nodes[x].serving(now) or sched.nodes[x].available(now)
-                   for x in rq.all_nodes if x in sched.nodes):
-            reasons.append(f"route {n}: no node can take work")
+    return {n: any(sched.nodes[x].serving(now) or sched.nodes[x].available(now)
+                   for x in rq.all_nodes if x in sched.nodes)
+            for n, rq in sched.routes.items() if not n.startswith("adhoc:") and not rq.retired}
+
+
+def readiness(rt: Runtime) -> list[str]:
+    """Why /readyz says not ready; empty when every route has a node that can take work."""
+    reasons = [f"route {n}: no node can take work" for n, ok in route_readiness(rt).items() if not ok]
     if rt.shutting_down:
         reasons.append("shutting down")
     return reasons
+
+
+def health(rt: Runtime) -> list[str]:
+    """Why ``GET /health`` says 503; empty while some route can serve (as an inference server's
+    own /health answers 200 while it can take a request)."""
+    if rt.shutting_down:
+        return ["shutting down"]
+    routes = route_readiness(rt)
+    if any(routes.values()):
+        return []
+    return [f"route {n}: no node can take work" for n in routes] or ["no route configured"]

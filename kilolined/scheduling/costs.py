@@ -5,7 +5,8 @@ computes a request's cost once, before it queues; the scheduler only adds and su
 
 A request's cost is ``base + per_unit × units``. ``units`` is read by the route's ``unit``:
 ``megapixels`` (ComfyUI latents and images), ``tokens`` (an OpenAI prompt estimate plus what it
-may generate), ``json:/pointer`` (a number in the body) or ``header:Name`` (a number in a header).
+may generate), ``json:/pointer`` (a number in the body), ``json_chars:/pointer`` (the characters of
+a string in the body: a TTS request's ``input``) or ``header:Name`` (a number in a header).
 
 A cost is always a finite number ≥ 0, or refused: ``UnitError`` when the request is malformed
 (400), ``CostTooLarge`` when it is well formed but asks for more than any GPU could hold (422).
@@ -22,6 +23,7 @@ from typing import Any
 import orjson
 
 from kilolined.core.config import RequestCostConfig
+from kilolined.scheduling.anthropic_body import chat_view, is_messages_path
 
 # Requests that do GPU work and whose body the kind's units describe; the rest through the same
 # route (uploads, interrupts, queue edits) carry no units and cost ``base``.
@@ -90,12 +92,19 @@ def _units(cfg: RequestCostConfig, method: str, path: str, body: bytes, headers:
         graph = doc.get("prompt", doc) if isinstance(doc, dict) else None
         return workflow_megapixels(graph)
     if unit == "tokens":
-        if method != "POST" or not path.endswith(COMPLETION_SUFFIXES):
+        if method != "POST":
+            return 0.0
+        if is_messages_path(path):  # Anthropic Messages: the same estimate over its chat, system first
+            doc = json_body(body)
+            return float(token_estimate(chat_view(doc) if isinstance(doc, dict) else doc, cfg.default_max_tokens))
+        if not path.endswith(COMPLETION_SUFFIXES):
             return 0.0
         return float(token_estimate(json_body(body), cfg.default_max_tokens))
-    assert unit.startswith("json:"), unit
     if not body:
         return 0.0  # a GET through the route has no body to hold the number
+    if unit.startswith("json_chars:"):
+        return json_chars(json_body(body), unit[len("json_chars:"):])
+    assert unit.startswith("json:"), unit
     return json_number(json_body(body), unit[len("json:"):])
 
 
@@ -146,6 +155,17 @@ def json_pointer(doc: Any, pointer: str) -> tuple[bool, Any]:
 def json_number(doc: Any, pointer: str) -> float:
     found, v = json_pointer(doc, pointer)
     return _number(v, f"the body's {pointer}") if found else 0.0
+
+
+def json_chars(doc: Any, pointer: str) -> float:
+    """The characters of the string at ``pointer`` (a TTS request's ``input``: its speech takes
+    GPU time in proportion); 0 when absent, UnitError when it holds anything but a string."""
+    found, v = json_pointer(doc, pointer)
+    if not found:
+        return 0.0
+    if not isinstance(v, str):
+        raise UnitError(f"the body's {pointer} must be a string")
+    return float(len(v))
 
 
 # --- ComfyUI workflows -------------------------------------------------------------------------

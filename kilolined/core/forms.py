@@ -1,0 +1,79 @@
+"""A text field of a ``multipart/form-data`` body (RFC 7578), read without parsing the files.
+
+OpenAI's audio endpoints (``/v1/audio/transcriptions``, ``/v1/audio/translations``, as vLLM,
+whisper.cpp's server, Speaches and LocalAI serve them) take a form: the audio file and text
+fields, ``model`` among them. The gateway reads that one field to match a route, route to a node
+that serves the model and keep its warm model (docs/API.md "Audio"); the form passes to the node
+untouched.
+
+Pure: bytes in, a string or None out. A field is found by its part's ``Content-Disposition:
+form-data; name="…"`` header; its value is the part's body as UTF-8. The file's bytes are skipped
+with ``bytes.find`` (C speed), never copied.
+"""
+
+from __future__ import annotations
+
+import re
+
+#: OpenAI's audio paths whose form names its model (``model`` is required there)
+AUDIO_FORM_PATHS = ("/audio/transcriptions", "/audio/translations")
+#: a field value longer than this is not a model name: read as absent
+MAX_FIELD_BYTES = 4096
+
+_BOUNDARY = re.compile(r'boundary=(?:"([^"]{1,200})"|([^\s;,"]{1,200}))', re.I)
+_NAME = re.compile(rb'(?:^|;)\s*name="([^"]*)"', re.I)
+
+
+class FormError(ValueError):
+    """The body is not the multipart form its Content-Type says (answered 400)."""
+
+
+def is_multipart(content_type: str | None) -> bool:
+    return content_type is not None and content_type.split(";", 1)[0].strip().lower() == "multipart/form-data"
+
+
+def boundary(content_type: str) -> bytes:
+    """The boundary of a ``multipart/form-data`` Content-Type; FormError when it has none."""
+    m = _BOUNDARY.search(content_type)
+    if m is None:
+        raise FormError("multipart/form-data without a boundary")
+    # aiohttp decodes header bytes as UTF-8 with surrogate escapes: this gives the bytes back
+    return (m.group(1) or m.group(2)).encode("utf-8", "surrogateescape")
+
+
+def form_field(body: bytes, content_type: str, name: str) -> str | None:
+    """The first text field ``name`` of the form; None when the form has none (or its value is
+    not UTF-8 text of at most MAX_FIELD_BYTES). FormError when the body is no such form."""
+    delim = b"--" + boundary(content_type)
+    at = body.find(delim)
+    if at < 0:
+        raise FormError("multipart body without its boundary")
+    want = name.encode()
+    while True:
+        start = at + len(delim)
+        if body.startswith(b"--", start):
+            return None  # the closing delimiter
+        head_end = body.find(b"\r\n\r\n", start)
+        if head_end < 0:
+            raise FormError("multipart part without the blank line after its headers")
+        nxt = body.find(b"\r\n" + delim, head_end + 4)
+        if nxt < 0:
+            raise FormError("multipart body without its closing boundary")
+        if _part_name(body[start:head_end]) == want:
+            value = body[head_end + 4:nxt]
+            if len(value) > MAX_FIELD_BYTES:
+                return None
+            try:
+                return value.decode("utf-8")
+            except UnicodeDecodeError:
+                return None
+        at = nxt + 2
+
+
+def _part_name(head: bytes) -> bytes | None:
+    for line in head.split(b"\r\n"):
+        key, _, value = line.partition(b":")
+        if key.strip().lower() == b"content-disposition":
+            m = _NAME.search(value)
+            return m.group(1) if m is not None else None
+    return None
