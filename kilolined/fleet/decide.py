@@ -139,7 +139,7 @@ def decide(pools: dict[str, PoolSpec], state: dict[str, PoolRuntime], instances:
             continue
         paid = spend(live) + held
         room = cap - paid
-        if room <= 0:
+        if not room > 0:  # NaN-safe: a spend that cannot be added up refuses, never rents
             actions.append(RentRefused(name, f"max_spend_per_hour {cap:g} reached ({paid:g} $/h live)"))
             continue
         exclude = frozenset(ps.lost_machines) | lost_now.get(name, set())
@@ -193,7 +193,9 @@ def remember_lost(ps: PoolRuntime, machine: str | None) -> None:
 def rent_failed(ps: PoolRuntime, base: float, now: float, retry_after: float | None = None) -> float:
     """Count a failure and set when the pool may rent again; returns the delay."""
     ps.failures += 1
-    delay = max(backoff_delay(base, ps.failures), retry_after or 0.0)
+    # A provider's Retry-After is waited out up to the backoff's own ceiling: 1e12 s would stop
+    # the pool for good.
+    delay = max(backoff_delay(base, ps.failures), min(retry_after or 0.0, MAX_BACKOFF_SEC))
     ps.retry_at = now + delay
     return delay
 

@@ -14,7 +14,18 @@ import json
 from typing import Any
 
 from kilolined.core.config import FleetOfferConfig, FleetTemplateConfig
-from kilolined.fleet.provider import BOOTING, GONE, RUNNING, ErrorKind, Instance, Offer, ProviderError, Status, pool_of
+from kilolined.fleet.provider import (
+    BOOTING,
+    GONE,
+    RUNNING,
+    ErrorKind,
+    Instance,
+    Offer,
+    ProviderError,
+    Status,
+    pool_of,
+    price_per_hour,
+)
 from kilolined.fleet.wire import ProviderHTTP
 
 DEFAULT_BASE = "https://api.runpod.io"
@@ -59,10 +70,10 @@ class RunPod:
                 continue
             names = {str(g.get("id")).lower(), str(g.get("displayName") or "").lower()}
             low = g.get("lowestPrice") or {}
-            price = low.get("minimumBidPrice" if offer.interruptible else "uninterruptablePrice")
+            price = price_per_hour(low.get("minimumBidPrice" if offer.interruptible else "uninterruptablePrice"))
             if offer.gpu_name.lower() not in names or price is None:
                 continue
-            per_hour = float(price) * offer.num_gpus
+            per_hour = price * offer.num_gpus
             if per_hour <= max_price:
                 out.append(Offer(id=str(g["id"]), machine=None, price=per_hour, reliability=1.0,
                                  gpu_name=offer.gpu_name, num_gpus=offer.num_gpus))
@@ -123,9 +134,6 @@ def _instance(pod: dict[str, Any], port: int) -> Instance | None:
             url = f"http://{p['ip']}:{p['publicPort']}"
             break
     machine = pod.get("machineId")
-    try:
-        price = float(pod.get("costPerHr") or 0.0)
-    except (TypeError, ValueError):
-        price = 0.0
+    price = price_per_hour(pod.get("costPerHr")) or 0.0  # 0: not given (the rent's price stays)
     return Instance(id=str(pod["id"]), label=pod.get("name"), status=_status(pod), price=price,
                     machine=None if machine is None else str(machine), url=url)
