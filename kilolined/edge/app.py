@@ -38,7 +38,7 @@ from kilolined.ops.runtime import Runtime
 from kilolined.scheduling.costs import CostTooLarge, UnitError, request_cost, request_units
 from kilolined.scheduling.limits import Taken, Verdict, seconds_to_midnight
 from kilolined.scheduling.queue import Rejected, Ticket
-from kilolined.scheduling.routing import describe, head_holds, holds
+from kilolined.scheduling.routing import describe, head_holds, holds, routes_serving_elsewhere
 from kilolined.wire.proxy import SERVER, Exchange, client_ip, request_id
 
 log = logging.getLogger("kilolined")
@@ -220,11 +220,25 @@ async def _choose_route(gw: Gateway, call: Call) -> web.StreamResponse | None:
             return call.error(400, "bad_request", str(e))
     if chosen is None:
         return no_match(gw, call)
+    found = rt.router.match(call.request.rel_url.raw_path)
+    path_routes = found[0] if found is not None else call.route_choices
+    elsewhere = routes_serving_elsewhere(model, chosen, _model_lists(rt, path_routes)) if model else []
+    if model is not None and elsewhere:
+        return call.error(404, "model_not_found",
+                          f"model {model!r}: no node of route {chosen} (which this request matches) serves it; "
+                          f"route {', '.join(elsewhere)} does, but this request does not match it")
     if call.principal is not None and not call.principal.may_use(chosen):
         rt.metrics.rejections.labels(chosen, "forbidden").inc()
         return call.error(403, "forbidden", f"key {call.principal.key_id!r} may not use route {chosen!r}")
     call.route_name = call.route = chosen
     return None
+
+
+def _model_lists(rt: Runtime, routes: Sequence[str]) -> dict[str, list[list[str] | None]]:
+    """Each route's nodes' model lists (declared or discovered; None for a node declaring none)."""
+    nodes = rt.scheduler.nodes
+    return {r: [nodes[n].models.listed(nodes[n].cfg) for n in rt.scheduler.routes[r].all_nodes if n in nodes]
+            for r in routes}
 
 
 def check_limits(gw: Gateway, call: Call) -> Awaitable[web.StreamResponse | None] | web.StreamResponse | None:

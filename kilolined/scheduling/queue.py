@@ -733,7 +733,7 @@ class Scheduler:
                            f"({limit:g})")
         if model is not None and not any(self.serves(n, model) for n in
                                          ([pinned_node] if pinned_node is not None else rq.all_nodes)):
-            raise Rejected(404, "not_found", f"no node of route {rq.name} serves model {model!r}")
+            raise Rejected(404, "model_not_found", f"no node of route {rq.name} serves model {model!r}")
 
     def admit(
         self,
