@@ -1,6 +1,6 @@
 """``GET {path}/models`` on a path that several OpenAI routes share: what a client may ask for
 (docs/CONFIG.md#routes-that-match-the-request), in the OpenAI list shape: the models of the
-routes' nodes that a request naming them reaches a route serving them with (SPEC §19). A model
+routes' nodes that a request naming them reaches a route serving them with. A model
 only a route's node serves, while requests naming it match another route, is not listed: asked
 for, it would be refused (or, on a node that does not check, answered by another model).
 

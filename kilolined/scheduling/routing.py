@@ -99,7 +99,7 @@ def may_ask(model: str, routes: Sequence[tuple[MatchConfig | None, frozenset[str
     """Whether a client may ask for ``model`` on a path several routes share: some route a request
     naming it can reach (in the routes' order: fallback last) has a node serving it. ``routes``:
     each route's ``match`` and the models its nodes serve. A route whose match depends only on the
-    model takes every such request, so the routes after it are never reached (SPEC §19: what
+    model takes every such request, so the routes after it are never reached (what
     ``/v1/models`` lists is what a client may ask for)."""
     for m, served in routes:
         if m is not None and m.model is not None and not _glob_any(model, m.model):
@@ -117,7 +117,7 @@ def routes_serving_elsewhere(model: str, chosen: str,
     ``chosen`` lists it (``listed``: each route's nodes' model lists, None for a node declaring
     none). Non-empty: the request matched a route whose nodes are not known to serve a model the
     operator placed on another route's node; it is refused (404 ``model_not_found``), never sent
-    to a node that would answer with whatever model it holds (SPEC §19)."""
+    to a node that would answer with whatever model it holds (docs/CONFIG.md#routes-that-match-the-request)."""
     if any(lst is not None and model in lst for lst in listed.get(chosen, ())):
         return []
     return [r for r, lists in listed.items()
