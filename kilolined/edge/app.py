@@ -12,6 +12,7 @@ same list with another way to resolve the route (``targets.resolve_target``).
 
 from __future__ import annotations
 
+import asyncio
 import fnmatch
 import logging
 import time
@@ -32,6 +33,7 @@ from kilolined.edge.context import GW, RT, Gateway
 from kilolined.edge.models_list import is_models_list, models_union
 from kilolined.edge.unqueued import forward_unqueued
 from kilolined.modes.call import Call
+from kilolined.modes.jobs import Job
 from kilolined.modes.runner import run
 from kilolined.modes.sinks import StreamSink, SyncSink
 from kilolined.ops.runtime import Runtime
@@ -393,8 +395,17 @@ async def _admit_job(gw: Gateway, call: Call) -> web.StreamResponse | None:
     if not isinstance(ticket, Ticket):  # (a plain class: StreamResponse's isinstance goes through ABCMeta)
         return ticket
     if gw.rt.settle is not None:
-        return await _settle_then_run(gw, call, ticket, callback)
-    return await _admitted(gw, call, ticket, callback)
+        resp = await _settle_then_run(gw, call, ticket, callback)
+    else:
+        resp = await _admitted(gw, call, ticket, callback)
+    job = gw.jobs.jobs.get(call.headers.get("X-KiloLine-Job", "")) if call.mode == "async" else None
+    if job is not None:
+        # The 202's line is written now, before any wait; the job's outcome gets a line of its own.
+        if job.finished_at is not None:  # after the 202's own line, which the handler writes next
+            asyncio.get_running_loop().call_soon(job_ended, gw, call, job)
+        else:
+            job.on_end = lambda j: job_ended(gw, call, j)
+    return resp
 
 
 def _ticket(gw: Gateway, call: Call) -> Ticket | web.StreamResponse:
@@ -498,8 +509,33 @@ def handler(gw: Gateway, stages: Sequence[Stage],
     return handle
 
 
+MAX_LOGGED_PATH = 512
+
+
+def logged_path(request: web.Request) -> str:
+    """The request's path as the access log shows it: as sent (still percent-encoded), never its
+    query (``?token=`` of a job's events and result URLs, keys some clients put there), anything
+    outside printable ASCII percent-encoded so a line cannot be forged, at most MAX_LOGGED_PATH."""
+    raw = request.rel_url.raw_path
+    safe = "".join(c if "!" <= c <= "~" else "".join(f"%{b:02X}" for b in c.encode("utf-8", "replace"))
+                   for c in raw[:MAX_LOGGED_PATH])
+    return safe + ("…" if len(raw) > MAX_LOGGED_PATH else "")
+
+
+def job_ended(gw: Gateway, call: Call, job: Job) -> None:
+    """The access-log line of an async job's outcome (its request's line was written at the 202):
+    the same request id, the node, the wait and the status the node's answer had (``-`` for a job
+    that ended without one: a queue timeout, a cancel)."""
+    call.node = job.node or "-"
+    call.queue_wait = job.queue_wait
+    call.swap = job.swap
+    call.status = job.http_status or 0
+    call.job_status = job.status
+    log_access(gw, call)
+
+
 def log_access(gw: Gateway, call: Call) -> None:
-    """One line per request, metadata only: never a body, a prompt or a key."""
+    """One line per request, metadata only: never a body, a prompt, a key or a query string."""
     rt = gw.rt
     duration = time.monotonic() - call.started
     if call.route != "-" and call.mode == "sync":
@@ -509,20 +545,23 @@ def log_access(gw: Gateway, call: Call) -> None:
         rt.stats.record(call.route, str(call.status), call.queue_wait if ran else None, duration, ran=ran)
     if not rt.cfg.server.access_log:
         return
-    rec = {
+    wait = call.queue_wait
+    rec: dict[str, object] = {
         "ts": round(time.time(), 3),
         "request_id": call.request_id,
         "method": call.request.method,
-        "path": call.request.path if call.route == "-" else call.route,
+        "path": logged_path(call.request),
         "key": call.key,
         "route": call.route,
         "node": call.node,
         "mode": call.mode,
-        "status": call.status,
-        "queue_wait_ms": int(call.queue_wait * 1000),
+        "status": call.status or "-",
+        "queue_wait_ms": None if wait is None else int(wait * 1000),
         "duration_ms": int(duration * 1000),
         "bytes": call.bytes_out,
     }
+    if call.job_status is not None:
+        rec["job"] = call.job_status
     if call.cost is not None:
         rec["cost"] = round(call.cost, 3)
     if call.swap is not None:
@@ -537,11 +576,13 @@ def log_access(gw: Gateway, call: Call) -> None:
         access_log.info(orjson.dumps(rec).decode())
     else:
         access_log.info(
-            "%(request_id)s %(key)s %(route)s %(node)s %(mode)s %(status)s wait=%(queue_wait_ms)dms "
-            "dur=%(duration_ms)dms bytes=%(bytes)d" + (" cost=%(cost)g" if call.cost is not None else "")
+            "%(request_id)s %(method)s %(path)s %(key)s %(route)s %(node)s %(mode)s %(status)s "
+            + ("wait=-" if wait is None else "wait=%(queue_wait_ms)dms")
+            + " dur=%(duration_ms)dms bytes=%(bytes)d" + (" cost=%(cost)g" if call.cost is not None else "")
             + ("" if call.swap is None else " swap=true" if call.swap else " swap=false")
             + (" affinity=%(affinity)s" if "affinity" in rec else "")
-            + (" cached=%(cached)d" if "cached" in rec else ""),
+            + (" cached=%(cached)d" if "cached" in rec else "")
+            + (" job=%(job)s" if "job" in rec else ""),
             rec,
         )
 
