@@ -400,11 +400,13 @@ async def _admit_job(gw: Gateway, call: Call) -> web.StreamResponse | None:
         resp = await _admitted(gw, call, ticket, callback)
     job = gw.jobs.jobs.get(call.headers.get("X-KiloLine-Job", "")) if call.mode == "async" else None
     if job is not None:
-        # The 202's line is written now, before any wait; the job's outcome gets a line of its own.
+        # The 202's line is written now, before any wait; the job's outcome gets a line of its own
+        # (built from a few strings: the request and its body are not kept for it).
+        head, started = access_head(call), call.started
         if job.finished_at is not None:  # after the 202's own line, which the handler writes next
-            asyncio.get_running_loop().call_soon(job_ended, gw, call, job)
+            asyncio.get_running_loop().call_soon(job_ended, gw, head, started, job)
         else:
-            job.on_end = lambda j: job_ended(gw, call, j)
+            job.on_end = lambda j: job_ended(gw, head, started, j)
     return resp
 
 
@@ -522,16 +524,24 @@ def logged_path(request: web.Request) -> str:
     return safe + ("…" if len(raw) > MAX_LOGGED_PATH else "")
 
 
-def job_ended(gw: Gateway, call: Call, job: Job) -> None:
+def job_ended(gw: Gateway, head: dict[str, object], started: float, job: Job) -> None:
     """The access-log line of an async job's outcome (its request's line was written at the 202):
-    the same request id, the node, the wait and the status the node's answer had (``-`` for a job
-    that ended without one: a queue timeout, a cancel)."""
-    call.node = job.node or "-"
-    call.queue_wait = job.queue_wait
-    call.swap = job.swap
-    call.status = job.http_status or 0
-    call.job_status = job.status
-    log_access(gw, call)
+    the same request id, method and path (``head``), the node, the wait, the size of the result
+    and the status the node's answer had (``-`` for a job that ended without one: a queue
+    timeout, a cancel)."""
+    if not gw.rt.cfg.server.access_log:
+        return
+    wait = job.queue_wait
+    rec: dict[str, object] = {
+        "ts": round(time.time(), 3), **head, "node": job.node or "-", "mode": "async",
+        "status": job.http_status or "-", "queue_wait_ms": None if wait is None else int(wait * 1000),
+        "duration_ms": int((time.monotonic() - started) * 1000),
+        "bytes": len(job.result.body) if job.result is not None else 0,
+    }
+    if job.swap is not None:
+        rec["swap"] = job.swap
+    rec["job"] = job.status
+    write_access(gw, rec)
 
 
 def log_access(gw: Gateway, call: Call) -> None:
@@ -547,21 +557,10 @@ def log_access(gw: Gateway, call: Call) -> None:
         return
     wait = call.queue_wait
     rec: dict[str, object] = {
-        "ts": round(time.time(), 3),
-        "request_id": call.request_id,
-        "method": call.request.method,
-        "path": logged_path(call.request),
-        "key": call.key,
-        "route": call.route,
-        "node": call.node,
-        "mode": call.mode,
-        "status": call.status or "-",
-        "queue_wait_ms": None if wait is None else int(wait * 1000),
-        "duration_ms": int(duration * 1000),
-        "bytes": call.bytes_out,
+        "ts": round(time.time(), 3), **access_head(call), "node": call.node, "mode": call.mode,
+        "status": call.status or "-", "queue_wait_ms": None if wait is None else int(wait * 1000),
+        "duration_ms": int(duration * 1000), "bytes": call.bytes_out,
     }
-    if call.job_status is not None:
-        rec["job"] = call.job_status
     if call.cost is not None:
         rec["cost"] = round(call.cost, 3)
     if call.swap is not None:
@@ -572,19 +571,30 @@ def log_access(gw: Gateway, call: Call) -> None:
         rec["affinity"] = a.outcome
     if t is not None and t.cached is not None:
         rec["cached"] = t.cached
+    write_access(gw, rec)
+
+
+def access_head(call: Call) -> dict[str, object]:
+    """What a request's access-log lines share: its id, method, path (no query), key and route."""
+    return {"request_id": call.request_id, "method": call.request.method, "path": logged_path(call.request),
+            "key": call.key, "route": call.route}
+
+
+def write_access(gw: Gateway, rec: dict[str, object]) -> None:
     if gw.log_json:
         access_log.info(orjson.dumps(rec).decode())
-    else:
-        access_log.info(
-            "%(request_id)s %(method)s %(path)s %(key)s %(route)s %(node)s %(mode)s %(status)s "
-            + ("wait=-" if wait is None else "wait=%(queue_wait_ms)dms")
-            + " dur=%(duration_ms)dms bytes=%(bytes)d" + (" cost=%(cost)g" if call.cost is not None else "")
-            + ("" if call.swap is None else " swap=true" if call.swap else " swap=false")
-            + (" affinity=%(affinity)s" if "affinity" in rec else "")
-            + (" cached=%(cached)d" if "cached" in rec else "")
-            + (" job=%(job)s" if "job" in rec else ""),
-            rec,
-        )
+        return
+    swap = rec.get("swap")
+    access_log.info(
+        "%(request_id)s %(method)s %(path)s %(key)s %(route)s %(node)s %(mode)s %(status)s "
+        + ("wait=-" if rec["queue_wait_ms"] is None else "wait=%(queue_wait_ms)dms")
+        + " dur=%(duration_ms)dms bytes=%(bytes)d" + (" cost=%(cost)g" if "cost" in rec else "")
+        + ("" if swap is None else " swap=true" if swap else " swap=false")
+        + (" affinity=%(affinity)s" if "affinity" in rec else "")
+        + (" cached=%(cached)d" if "cached" in rec else "")
+        + (" job=%(job)s" if "job" in rec else ""),
+        rec,
+    )
 
 
 def build_app(gw: Gateway) -> web.Application:

@@ -30,7 +30,6 @@ class Call:
     node: str = "-"
     status: int = 0
     queue_wait: float | None = 0.0  # None: not known when the line is written (an async job's 202)
-    job_status: str | None = None  # an async job's ending, on the line of its outcome
     bytes_out: int = 0
     headers: dict[str, str] = field(default_factory=dict)  # rate-limit headers for every response
     adapter: Adapter = field(default_factory=GenericAdapter)
