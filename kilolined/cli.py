@@ -18,6 +18,7 @@ from kilolined import __version__, fakegpu
 from kilolined.cluster.persistence import warnings as redis_persistence_warnings
 from kilolined.core.auth import digest, new_key
 from kilolined.core.config import ConfigError, ServerConfig, default_config_path, load_config
+from kilolined.core.targetglobs import adhoc_warnings
 from kilolined.demo import run_demo
 from kilolined.edge.server import serve
 from kilolined.fakegpu.provider import Wire, run_provider
@@ -96,6 +97,8 @@ def cmd_check(args: argparse.Namespace) -> int:
             print(line)
         return 1
     print(f"ok: {len(cfg.routes)} routes, {len(cfg.nodes)} nodes, {len(cfg.keys)} keys in {path}")
+    for line in adhoc_warnings({k: kc.adhoc_targets for k, kc in cfg.keys.items()}):  # exit status unchanged
+        print(line)
     if cfg.cluster is not None:
         # No payload on disk: say so when the shared Redis persists (a warning, exit status
         # unchanged). A Redis that refuses this gateway's credentials is an error.

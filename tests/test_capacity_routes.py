@@ -9,6 +9,7 @@ import aiohttp
 from conftest import auth, base_config
 
 from kilolined.fakegpu import FakeGPU
+from kilolined.fakegpu.openai import MODEL_ID
 
 
 def routes_config(chat: FakeGPU, big: FakeGPU, fallback: bool = True) -> dict[str, Any]:
@@ -86,5 +87,34 @@ async def test_models_on_a_shared_path_is_the_union_of_the_nodes_models(fakegpus
     assert [m["id"] for m in body["data"]] == ["qwen2.5-coder:32b", "llama3.3:70b", "llama3"]
     await big.kill()
     async with http.get(gw.url + "/v1/models", headers=auth()) as r:
-        assert r.status == 200  # a node that does not answer is left out
-        assert [m["id"] for m in (await r.json())["data"]] == ["llama3", "qwen2.5-coder:32b"]
+        assert r.status == 200  # a node that does not answer is left out, and so is a model only it
+        # could take: chat serves qwen2.5-coder:32b too, but a request for it matches llm-coder
+        assert [m["id"] for m in (await r.json())["data"]] == ["llama3"]
+
+
+async def test_models_lists_only_what_a_request_can_reach_and_a_misrouted_model_is_refused(
+        fakegpus: Any, gateway: Any, http: aiohttp.ClientSession) -> None:
+    """docs/CONFIG.md's example: swap-box declares three models but only qwen2.5-coder* requests
+    match its route; a request for the others falls to the chat node, a single-model server that
+    answers whatever model is asked with its own (as llama.cpp does). SPEC §19: /v1/models lists
+    what a client may ask for; a model no node of the route serves is 404 model_not_found, never
+    sent elsewhere."""
+    chat = await fakegpus("openai")  # serves MODEL_ID, whatever the request names
+    swap = await fakegpus("openai", models=["qwen2.5-coder:32b", "deepseek-coder-v2", "llama3.3:70b"])
+    cfg = base_config({"chat-4090": chat.url, "swap-box": swap.url})
+    cfg["nodes"]["swap-box"]["models"] = ["qwen2.5-coder:32b", "deepseek-coder-v2", "llama3.3:70b"]
+    common = {"path": "/v1", "kind": "openai", "max_concurrency": 2, "queue_timeout_sec": 30}
+    cfg["routes"] = {"llm-coder": {**common, "nodes": ["swap-box"], "match": {"model": ["qwen2.5-coder*"]}},
+                     "llm-chat": {**common, "nodes": ["chat-4090"]}}
+    gw = await gateway(cfg)
+    async with http.get(gw.url + "/v1/models", headers=auth()) as r:
+        assert r.status == 200
+        listed = [m["id"] for m in (await r.json())["data"]]
+    assert listed == ["qwen2.5-coder:32b", MODEL_ID]
+    for model in listed:  # each listed model is answered by a node that serves it
+        status, body = await post(http, gw.url, chat_body("hi", model))
+        assert status == 200 and body["model"] == model, body
+    for model in ("deepseek-coder-v2", "llama3.3:70b"):
+        status, body = await post(http, gw.url, chat_body("hi", model))
+        assert status == 404 and body["error"]["type"] == "model_not_found", body
+        assert repr(model) in body["error"]["message"] and "llm-coder" in body["error"]["message"]

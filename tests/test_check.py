@@ -13,6 +13,7 @@ from pathlib import Path
 from conftest import auth, base_config
 
 from kilolined.core.config import load_config
+from kilolined.core.targetglobs import local_host_reached
 from kilolined.ops.reload import reload_from_file
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -95,6 +96,32 @@ def test_the_example_with_its_keys_set_passes() -> None:
     r = check(EXAMPLE, KEY_ENV)
     assert r.returncode == 0, r.stdout + r.stderr
     assert r.stdout.splitlines()[-1] == f"ok: 3 routes, 4 nodes, 2 keys in {EXAMPLE}"
+
+
+def test_the_example_gives_no_key_a_loopback_or_private_target() -> None:
+    """install.sh deploys the example: a glob there reaching 127.0.0.1 would hand a key the
+    machine's own services through /v1/proxy."""
+    cfg, _ = load_config(EXAMPLE, KEY_ENV)
+    assert [g for k in cfg.keys.values() for g in k.adhoc_targets if local_host_reached(g)] == []
+    r = check(EXAMPLE, KEY_ENV)
+    assert "warning:" not in r.stdout
+
+
+def test_check_warns_about_globs_that_reach_loopback_or_private_addresses(tmp_path: Path) -> None:
+    f = tmp_path / "adhoc.yaml"
+    f.write_text("nodes: {gpu: {url: 'http://127.0.0.1:1'}}\n"
+                 "routes: {gen: {path: /gen, nodes: [gpu]}}\n"
+                 "keys:\n"
+                 "  bob:\n"
+                 "    key: kl_Zx8fQ2mR7pL4vN9sT3wY6bC1\n"
+                 "    adhoc_targets: ['http://127.0.0.1:9*', 'https://gpu-*.example.com:*', 'http://*',\n"
+                 "                    'http://10.0.0.*:8188', 'http://[::1]:*', 'http://169.254.169.254*',\n"
+                 "                    'http://203.0.113.*:8188', 'http://localhost:8080']\n")
+    r = check(f)
+    assert r.returncode == 0, r.stdout + r.stderr  # a warning: a LAN of GPUs is private by design
+    warned = sorted(int(m) for m in re.findall(r"^warning: keys\.bob\.adhoc_targets\.(\d+): ", r.stdout, re.M))
+    assert warned == [0, 2, 3, 4, 5, 7], r.stdout
+    assert "'http://127.0.0.1:9*' lets this key reach 127.0.0.1 through /v1/proxy" in r.stdout
 
 
 def test_the_example_without_its_keys_fails_naming_each(tmp_path: Path) -> None:

@@ -178,3 +178,54 @@ def test_config_md_shows_what_check_prints_for_a_broken_file(tmp_path: Path) -> 
     r = run_check(broken)
     assert r.returncode == 1
     assert r.stdout.replace(str(broken), shown_path).splitlines() == shown
+
+
+def _prose_lines(path: Path) -> Iterator[tuple[int, str]]:
+    """The lines of a markdown file outside fenced code blocks (transcripts quote ids and hashes
+    of their own: prompt ids, config versions)."""
+    fence = False
+    for n, line in enumerate(path.read_text().splitlines(), 1):
+        if line.lstrip().startswith("```"):
+            fence = not fence
+        elif not fence:
+            yield n, line
+
+
+_ISSUE = re.compile(r"\bissue\s*#?\d+", re.I)
+# 7-12 hex digits standing alone, with a letter and a digit: how a commit is cited ("f9361e5").
+# Not inside a JSON string ("prompt_id": "52a45372") or a longer token (a sha256, a uuid).
+_COMMIT = re.compile(r"(?<![\w./#:\"-])(?=[0-9a-f]*[a-f])(?=[0-9a-f]*[0-9])[0-9a-f]{7,12}(?![\w\"-])")
+
+
+def _doc_files() -> list[Path]:
+    return [ROOT / "README.md", *sorted(DOCS.glob("*.md"))]
+
+
+def test_docs_cite_no_issue_or_commit() -> None:
+    """The docs are read by someone with only the repo: no tracker issue, no commit hash."""
+    found = [f"{p.relative_to(ROOT)}:{n}: {m.group()}" for p in _doc_files() for n, line in _prose_lines(p)
+             for m in (*_ISSUE.finditer(line), *_COMMIT.finditer(line))]
+    assert not found, "\n".join(found)
+
+
+def _broken_tables(path: Path) -> Iterator[str]:
+    """Tables a renderer shows as raw ``|`` text: no blank line before, or no separator row."""
+    lines = list(_prose_lines(path))
+    i = 0
+    while i < len(lines):
+        n, line = lines[i]
+        if not line.lstrip().startswith("|"):
+            i += 1
+            continue
+        start = i
+        while i < len(lines) and lines[i][1].lstrip().startswith("|") and lines[i][0] == n + (i - start):
+            i += 1
+        before = lines[start - 1][1] if start and lines[start - 1][0] == n - 1 else ""
+        sep = lines[start + 1][1] if start + 1 < len(lines) else ""
+        if before.strip() or not re.fullmatch(r"\s*\|(\s*:?-{3,}:?\s*\|)+\s*", sep):
+            yield f"{path.relative_to(ROOT)}:{n}: {line[:60]}"
+
+
+def test_every_table_renders() -> None:
+    broken = [b for p in _doc_files() for b in _broken_tables(p)]
+    assert not broken, "\n".join(broken)

@@ -8,6 +8,7 @@ Each test is one row of docs/FLEET.md's failure table.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import copy
 import logging
 import time
@@ -16,6 +17,7 @@ from typing import Any
 
 import aiohttp
 import pytest
+from aiohttp import web
 from conftest import ADMIN, auth, base_config, wait_until
 from fakes import FakeTelegram
 
@@ -23,6 +25,7 @@ from kilolined.core.config import FleetOfferConfig, FleetTemplateConfig
 from kilolined.fakegpu.provider import FakeProvider
 from kilolined.fakegpu.provider_runpod import RunPodWire
 from kilolined.fakegpu.provider_vastai import VastWire
+from kilolined.fleet.decide import MAX_BACKOFF_SEC
 from kilolined.fleet.vastai import VastAI
 from kilolined.ops.reload import reload_from_file
 
@@ -352,3 +355,84 @@ async def test_a_429_retry_after_is_waited_out(fakegpus: Any, gateway: Any, mark
     # backoff_base_sec is 0.2 s: only the provider's Retry-After explains a wait this long
     assert view["failures"] == 1 and view["retry_in_sec"] > 60
     assert not fp.instances and events(gw, "fleet_node_rented") == 0
+
+
+async def test_a_retry_after_past_the_backoff_ceiling_waits_the_ceiling(fakegpus: Any, gateway: Any, market: Any,
+                                                                        http: aiohttp.ClientSession) -> None:
+    fp = await market()
+    static = await fakegpus()
+    async with http.post(f"{fp.url}/_fake/fail", json={"status": 429, "count": 1, "retry_after": 1e12,
+                                                       "op": "search"}) as r:
+        assert r.status == 200
+    gw = await gateway(fleet_config(static.url, fp, {"p": pool(size=1)}))
+    await wait_until(lambda: events(gw, "fleet_rent_failed") == 1, timeout=WAIT)
+    view = gw.rt.fleet_view()["pools"]["p"]
+    assert view["failures"] == 1 and 60 < view["retry_in_sec"] <= MAX_BACKOFF_SEC  # an hour, not 31,000 years
+
+
+async def test_a_shrink_as_an_instance_turns_healthy_destroys_it_without_error(fakegpus: Any, gateway: Any,
+                                                                               market: Any) -> None:
+    """The tick is driven by hand so that the shrink and the first healthy probe fall in one round."""
+    fp = await market(boot_sec=0.3)
+    static = await fakegpus()
+    cfg = fleet_config(static.url, fp, {"p": pool(size=1)})
+    gw = await gateway(copy.deepcopy(cfg))
+    fleet = gw.server.fleet
+    await wait_until(lambda: bool(fleet.instances), timeout=WAIT)  # rented, booting
+    assert fleet._task is not None
+    fleet._task.cancel()  # from here on, a round runs only when the test says
+    with contextlib.suppress(asyncio.CancelledError):
+        await fleet._task
+    (t,) = fleet.instances.values()
+    assert t.phase == "booting"
+    await wait_until(lambda: fp.instances[t.instance_id].status == "running", timeout=WAIT)
+    cfg["fleet"]["pools"]["p"]["size"] = 0
+    gw.write_config(cfg)
+    assert await reload_from_file(gw.rt, "test") == []
+    await fleet.tick()  # the probe passes (Ready) in the round that finds it surplus (Destroy)
+    assert not fleet.instances and not gw.rt.pool_nodes
+    await wait_until(lambda: fp.instances[t.instance_id].status == "destroyed", timeout=WAIT)
+
+
+async def echoing_provider(key_part: str) -> tuple[web.AppRunner, str]:
+    """A provider API that refuses every call and quotes the start of the key it was given, as
+    some APIs do ("invalid key 'vast-SECRET-key-0123'")."""
+
+    async def refuse(request: web.Request) -> web.Response:
+        given = request.headers.get("Authorization", "").removeprefix("Bearer ")
+        return web.json_response({"error": "auth_error", "msg": f"invalid api key '{given[:len(key_part)]}'"},
+                                 status=401)
+
+    app = web.Application()
+    app.router.add_route("*", "/{tail:.*}", refuse)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = runner.addresses[0][1]
+    return runner, f"http://127.0.0.1:{port}"
+
+
+async def test_a_provider_echoing_part_of_the_key_gets_it_in_no_log_or_alert(
+        fakegpus: Any, gateway: Any, caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.DEBUG)
+    part = API_KEY[:20]
+    runner, url = await echoing_provider(part)
+    tg = await FakeTelegram().start()
+    try:
+        static = await fakegpus()
+        cfg = base_config({"static": static.url})
+        cfg["routes"]["pool"] = {"path": "/pool", "nodes": []}
+        cfg["fleet"] = {"providers": {"vast": {"kind": "vastai", "api_key": API_KEY, "api_base": url}},
+                        "pools": {"p": pool(size=1)}, "max_spend_per_hour": 2.0}
+        cfg["notify"] = {"telegram": {"bot_token": "T", "chat_id": "1", "api_base": tg.url}, "group_sec": 0.1,
+                         "min_interval_sec": 0}
+        gw = await gateway(cfg)
+        await wait_until(lambda: any("rent failed" in m["text"] for m in tg.messages), timeout=WAIT)
+        said = caplog.text + "".join(m["text"] for m in tg.messages) + str(gw.rt.fleet_view())
+        assert "401" in said and "invalid api key" in said  # the provider's words reach the operator…
+        for i in range(len(part) - 8 + 1):
+            assert part[i:i + 8] not in said  # …without any 8 characters of the key
+    finally:
+        await tg.stop()
+        await runner.cleanup()

@@ -71,3 +71,28 @@ async def test_the_pool_panel_shows_each_instance_its_state_and_price_and_spend_
         assert await page.js(f"return document.querySelector('{li}').dataset.billed") == "1"
     finally:
         waiting.cancel()
+
+
+async def test_fleet_events_show_in_the_feed(fakegpus: Any, gateway: Any, market: Any,  # noqa: F811
+                                             browser: Any) -> None:  # noqa: F811
+    """fleet_node_rented and fleet_node_ready (docs/FLEET.md) reach the feed, in their words;
+    a page kept a hand list of kinds and dropped every fleet event."""
+    fp = await market()
+    static = await fakegpus()
+    gw = await gateway(fleet_config(static.url, fp, {"p": pool(size=1)}))
+    await wait_until(lambda: len(serving(gw)) == 1, timeout=WAIT)
+    inst = live(fp)[0]
+    page = Page(browser)
+    await page.call(browser.get, gw.url + "/dashboard")
+    await page.until("!document.querySelector('#login').hidden", "the login form")
+    await page.type_into("#admin-key", ADMIN_KEY)
+    await page.click("#login-submit")
+    for kind in ("fleet_node_rented", "fleet_node_ready"):  # replayed from the feed's backlog
+        await page.until(f"document.querySelector('#feed li[data-kind={kind}]')", f"{kind} in the feed")
+    ready = await page.text("#feed li[data-kind=fleet_node_ready] .t")
+    assert f"p-{inst.id} serving on pool" in ready
+    assert "good" in await page.js("return document.querySelector('#feed li[data-kind=fleet_node_ready]').className")
+    # One raised while the page is open arrives too: the instance reclaimed, lost, replaced.
+    await fp.reclaim(fp.instances[inst.id])
+    await page.until("document.querySelector('#feed li[data-kind=fleet_node_lost]')", "fleet_node_lost in the feed")
+    assert "reclaimed by vast" in await page.text("#feed li[data-kind=fleet_node_lost] .t")

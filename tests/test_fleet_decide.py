@@ -215,3 +215,19 @@ def test_choose_offer_fits_and_is_cheapest(offs: list[Offer], exclude: frozenset
         assert got is None
     else:
         assert got is not None and got in fits and got.price == min(o.price for o in fits)
+
+
+def test_a_price_that_is_not_a_number_never_lifts_the_cap() -> None:
+    """One NaN in the spend made ``cap - spend`` NaN, which is not ``<= 0``: every rent passed."""
+    pools = {"p": PoolSpec.fixed(5, 300.0, 2.0)}
+    inst = {"a": Tracked("a", "p", float("nan"), "m", 0.0, phase="serving", healthy=True)}
+    actions = decide(pools, {"p": PoolRuntime()}, inst, 1.0, 1.0)
+    assert not any(isinstance(a, Rent) for a in actions)
+    assert any(isinstance(a, RentRefused) for a in actions)
+
+
+def test_a_retry_after_is_waited_at_most_the_backoff_ceiling() -> None:
+    ps = PoolRuntime()
+    assert rent_failed(ps, BASE, 0.0, 1e12) == MAX_BACKOFF_SEC
+    assert ps.retry_at == MAX_BACKOFF_SEC
+    assert rent_failed(PoolRuntime(), BASE, 0.0, 300.0) == 300.0  # a shorter one is still waited out

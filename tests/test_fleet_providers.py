@@ -11,6 +11,7 @@ from collections.abc import AsyncIterator
 
 import aiohttp
 import pytest
+from aiohttp import web
 from conftest import wait_until
 
 from kilolined.core.config import FleetOfferConfig, FleetTemplateConfig
@@ -168,3 +169,35 @@ async def test_stop_keeps_the_instance_and_resume_serves_it_again(wire: str) -> 
     finally:
         await prov.close()
         await fake.stop()
+
+
+async def answering(routes: dict[str, str]) -> tuple[web.AppRunner, str]:
+    """A provider API that answers each path with the given JSON text, as a provider could send
+    it: Python's and most JSON parsers take ``NaN`` and ``Infinity``."""
+
+    async def answer(request: web.Request) -> web.Response:
+        return web.Response(text=routes.get(request.path, "{}"), content_type="application/json")
+
+    app = web.Application()
+    app.router.add_route("*", "/{tail:.*}", answer)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    return runner, f"http://127.0.0.1:{runner.addresses[0][1]}"
+
+
+async def test_a_price_that_is_not_a_number_is_not_taken_as_one() -> None:
+    offers = ('{"offers": [{"id": 1, "machine_id": 7, "dph_total": NaN, "gpu_name": "RTX 4090", "num_gpus": 1, '
+              '"reliability": 0.99}, {"id": 2, "machine_id": 8, "dph_total": Infinity, "gpu_name": "RTX 4090", '
+              '"num_gpus": NaN, "reliability": 0.99}, {"id": 3, "machine_id": 9, "dph_total": 0.3, '
+              '"gpu_name": "RTX 4090", "num_gpus": 1, "reliability": 0.99}]}')
+    status = '{"instances": {"id": 5, "label": "kiloline:p", "actual_status": "running", "dph_total": NaN}}'
+    runner, url = await answering({"/api/v0/search/asks/": offers, "/api/v0/instances/5/": status})
+    vast = VastAI(KEY, url)
+    try:
+        assert [(o.id, o.price) for o in await vast.search(OFFER, frozenset(), 0.5)] == [("3", 0.3)]
+        inst = await vast.status("5", 8080)
+        assert inst is not None and inst.price == 0.0  # not given: the loop keeps the rent's price
+    finally:
+        await vast.close()
+        await runner.cleanup()

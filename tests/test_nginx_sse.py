@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import re
 import socket
 import subprocess
 import time
@@ -23,6 +24,7 @@ from pathlib import Path
 import pytest
 from aiohttp import web
 from conftest import auth, base_config
+from test_comfyui import graph as comfy_graph
 from test_sse_jobs import SSEReader
 
 NGINX = Path("/usr/sbin/nginx")
@@ -65,6 +67,26 @@ http {{
     }}
 }}
 """
+
+
+README = Path(__file__).resolve().parents[1] / "README.md"
+
+
+def readme_block() -> str:
+    """The README's nginx block, as a reader copies it."""
+    blocks = re.findall(r"^```nginx\n(.*?)^```", README.read_text(), flags=re.S | re.M)
+    assert len(blocks) == 1, "README.md should hold exactly one nginx block"
+    return blocks[0]
+
+
+def readme_conf(tmp: Path, port: int, gateway: int) -> str:
+    """nginx.conf around the README's block: only its listen address and the gateway's port
+    changed (and temp paths a test can write)."""
+    block = readme_block()
+    assert "listen 80;" in block and "127.0.0.1:8080" in block
+    block = block.replace("listen 80;", f"listen 127.0.0.1:{port};").replace("127.0.0.1:8080", f"127.0.0.1:{gateway}")
+    head, _, _ = CONF.partition("    server {{")
+    return head.format(tmp=tmp) + block + "}\n"
 
 
 def free_port() -> int:
@@ -111,7 +133,7 @@ async def nginx(tmp_path: Path) -> AsyncIterator[Callable[[int], Awaitable[str]]
     runners: list[web.AppRunner] = []
     conf_dir = tmp_path / "nginx"
 
-    async def start(gateway_port: int) -> str:
+    async def start(gateway_port: int, readme: bool = False) -> str:
         app = web.Application()
         app.router.add_get("/control/stream", control_upstream)
         runner = web.AppRunner(app, access_log=None, shutdown_timeout=0.5)
@@ -125,7 +147,8 @@ async def nginx(tmp_path: Path) -> AsyncIterator[Callable[[int], Awaitable[str]]
         for _ in range(3):  # the free port may be taken before nginx binds it: try another
             port = free_port()
             (conf_dir / "nginx.conf").write_text(
-                CONF.format(tmp=conf_dir, port=port, gateway=gateway_port, control=control))
+                readme_conf(conf_dir, port, gateway_port) if readme
+                else CONF.format(tmp=conf_dir, port=port, gateway=gateway_port, control=control))
             proc = await asyncio.create_subprocess_exec(
                 *nginx_args(conf_dir), stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL)
             procs.append(proc)
@@ -155,11 +178,12 @@ async def nginx(tmp_path: Path) -> AsyncIterator[Callable[[int], Awaitable[str]]
         await runner.cleanup()
 
 
-@pytest.mark.parametrize("prefix", ["/h10", ""], ids=["proxy_http_1.0", "proxy_http_1.1"])
-async def test_sse_events_are_not_buffered_by_nginx(fakegpus, gateway, http, nginx, prefix) -> None:
+@pytest.mark.parametrize(("prefix", "readme"), [("/h10", False), ("", False), ("", True)],
+                         ids=["proxy_http_1.0", "proxy_http_1.1", "readme_block"])
+async def test_sse_events_are_not_buffered_by_nginx(fakegpus, gateway, http, nginx, prefix, readme) -> None:
     gpu = await fakegpus(steps=5, step_ms=300)  # the job runs ~1.5 s
     gw = await gateway(base_config({"a": gpu.url}))
-    front = await nginx(gw.server.port)
+    front = await nginx(gw.server.port, readme=readme)
 
     sent = time.monotonic()
     async with http.post(front + prefix + "/gen/generate", json={"echo": "via-nginx"},
@@ -226,3 +250,43 @@ async def test_llm_keepalive_comments_pass_nginx_while_queued(fakegpus, gateway,
     assert len(queued) >= 2, reader.comments
     assert queued[0] - sent < 1.0, "the first keep-alive comment must not wait for the queue"
     assert events[0].at - queued[0] >= 0.5, "comments and chunks arrived in one lump"
+
+
+async def test_readme_block_carries_comfyui_websockets(fakegpus, gateway, http, nginx) -> None:
+    """nginx → gateway → ComfyUI's /ws: without the Upgrade and Connection headers nginx sends the
+    handshake as a plain GET and the client gets no websocket."""
+    fake = await fakegpus("comfyui", step_ms=20)
+    gw = await gateway(base_config({"c": fake.url}, kind="comfyui", max_concurrency=1))
+    front = await nginx(gw.server.port, readme=True)
+    async with http.ws_connect(front + "/gen/ws?clientId=mine", headers=auth()) as ws:
+        hello = await ws.receive_json(timeout=10)
+        assert hello["type"] == "status" and hello["data"]["sid"] == "mine"
+        async with http.post(front + "/gen/prompt", json={"prompt": comfy_graph(3), "client_id": "mine"},
+                             headers=auth()) as r:
+            assert r.status == 200, await r.text()
+            pid = (await r.json())["prompt_id"]
+        kinds = []
+        while True:
+            msg = await ws.receive_json(timeout=10)
+            kinds.append(msg["type"])
+            if msg["type"] == "executing" and msg["data"]["node"] is None and msg["data"]["prompt_id"] == pid:
+                break
+    assert "progress" in kinds and "execution_success" in kinds
+
+
+async def test_readme_block_leaves_the_body_limit_to_max_body_mb(fakegpus, gateway, http, nginx) -> None:
+    """nginx's own default (client_max_body_size 1m) refused a 2 MB image upload with an HTML 413;
+    through the README's block the gateway's server.max_body_mb decides, with its JSON 413."""
+    gpu = await fakegpus()
+    cfg = base_config({"a": gpu.url})
+    cfg["server"]["max_body_mb"] = 3
+    gw = await gateway(cfg)
+    front = await nginx(gw.server.port, readme=True)
+    big = "x" * (2 * 1024 * 1024)  # over nginx's 1 MB default, under max_body_mb
+    async with http.post(front + "/gen/generate", json={"echo": big}, headers=auth()) as r:
+        assert r.status == 200, (await r.text())[:300]
+        assert (await r.json())["echo"] == big
+    too_big = "x" * (4 * 1024 * 1024)
+    async with http.post(front + "/gen/generate", json={"echo": too_big}, headers=auth()) as r:
+        assert r.status == 413
+        assert (await r.json())["error"]["type"] == "payload_too_large"  # the gateway's answer, not nginx's

@@ -495,6 +495,37 @@ class ClusterConfig(_Model):
     lease_ttl_sec: Annotated[float, Field(ge=1)] = 10
     key_prefix: Annotated[str, Field(min_length=1)] = "kiloline:"
 
+    @field_validator("redis_url")
+    @classmethod
+    def _redis_url(cls, v: str) -> str:
+        why = redis_url_problem(v)
+        if why:
+            raise ValueError(why)
+        return v
+
+
+def redis_url_problem(url: str) -> str | None:
+    """Why redis-py would misread ``url``, in words that never quote it: the URL usually holds the
+    password (``redis://:${REDIS_PASSWORD}@host``), and a password with ``/``, ``#`` or ``?``
+    ends the URL's host part early, so what the parser then reports as a port or a database is a
+    piece of the secret."""
+    scheme, _, rest = url.partition("://")
+    authority = re.split(r"[/?#]", rest, maxsplit=1)[0]
+    if "@" in rest[len(authority):]:
+        return ("the user or password holds '/', '?' or '#', which end the host part of a URL: "
+                "percent-encode them (/ as %2F, ? as %3F, # as %23, @ as %40, % as %25)")
+    if scheme == "unix":
+        return None
+    hostport = authority.rpartition("@")[2]
+    port = hostport.rpartition("]")[2] if hostport.startswith("[") else hostport
+    if ":" in port and not port.rpartition(":")[2].isdigit():
+        return ("the port is not a number (a user or password with ':' or '@' must be "
+                "percent-encoded: : as %3A, @ as %40)")
+    db = re.split(r"[?#]", rest[len(authority):], maxsplit=1)[0].strip("/")
+    if db and not db.isdigit():
+        return "the path must be the database number (redis://host:6379/0)"
+    return None
+
 
 class FleetProviderConfig(_Model):
     """A GPU rental account (docs/FLEET.md). The key is a SecretStr: never in logs, state or dumps."""

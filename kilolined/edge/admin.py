@@ -14,6 +14,7 @@ import orjson
 from aiohttp import web
 
 from kilolined.core.auth import presented_key
+from kilolined.core.config import NOTIFY_EVENTS
 from kilolined.core.errors import error_response
 from kilolined.edge.context import RT
 from kilolined.edge.guard import guard
@@ -180,8 +181,20 @@ async def events(request: web.Request) -> web.StreamResponse:
     return resp
 
 
+#: what the feed publishes besides the notify events: the page listens for each by name (an
+#: EventSource hears only the names it asks for, so a list kept by hand in the page dropped every
+#: kind added since, the fleet's among them)
+FEED_ONLY_KINDS = ("reload", "drain", "undrain", "message")
+_FEED_KINDS_MARK = b'<script type="application/json" id="feed-kinds">[]</script>'
+
+
+def feed_kinds() -> list[str]:
+    return [*NOTIFY_EVENTS, *FEED_ONLY_KINDS]
+
+
 async def dashboard(request: web.Request) -> web.Response:
     html = resources.files("kilolined.edge.web").joinpath("dashboard.html").read_bytes()
+    html = html.replace(_FEED_KINDS_MARK, _FEED_KINDS_MARK.replace(b"[]", orjson.dumps(feed_kinds())))
     return web.Response(body=html, content_type="text/html", headers={"Cache-Control": "no-cache"})
 
 

@@ -12,6 +12,7 @@ same list with another way to resolve the route (``targets.resolve_target``).
 
 from __future__ import annotations
 
+import asyncio
 import fnmatch
 import logging
 import time
@@ -35,6 +36,7 @@ from kilolined.edge.models_list import is_models_list, models_union
 from kilolined.edge.unqueued import forward_unqueued
 from kilolined.modes.anthropic_sink import AnthropicStreamSink
 from kilolined.modes.call import Call
+from kilolined.modes.jobs import Job
 from kilolined.modes.runner import run
 from kilolined.modes.sinks import StreamSink, SyncSink
 from kilolined.ops.runtime import Runtime
@@ -42,7 +44,7 @@ from kilolined.scheduling.anthropic_body import is_anthropic_path
 from kilolined.scheduling.costs import CostTooLarge, UnitError, request_cost, request_units
 from kilolined.scheduling.limits import Taken, Verdict, seconds_to_midnight
 from kilolined.scheduling.queue import Rejected, Ticket
-from kilolined.scheduling.routing import describe, head_holds, holds
+from kilolined.scheduling.routing import describe, head_holds, holds, routes_serving_elsewhere
 from kilolined.wire import expect
 from kilolined.wire.proxy import SERVER, Exchange, client_ip, peer_trusted, request_id
 
@@ -230,11 +232,25 @@ async def _choose_route(gw: Gateway, call: Call) -> web.StreamResponse | None:
             return call.error(400, "bad_request", str(e))
     if chosen is None:
         return no_match(gw, call)
+    found = rt.router.match(call.request.rel_url.raw_path)
+    path_routes = found[0] if found is not None else call.route_choices
+    elsewhere = routes_serving_elsewhere(model, chosen, _model_lists(rt, path_routes)) if model else []
+    if model is not None and elsewhere:
+        return call.error(404, "model_not_found",
+                          f"model {model!r}: no node of route {chosen} (which this request matches) serves it; "
+                          f"route {', '.join(elsewhere)} does, but this request does not match it")
     if call.principal is not None and not call.principal.may_use(chosen):
         rt.metrics.rejections.labels(chosen, "forbidden").inc()
         return call.error(403, "forbidden", f"key {call.principal.key_id!r} may not use route {chosen!r}")
     call.route_name = call.route = chosen
     return None
+
+
+def _model_lists(rt: Runtime, routes: Sequence[str]) -> dict[str, list[list[str] | None]]:
+    """Each route's nodes' model lists (declared or discovered; None for a node declaring none)."""
+    nodes = rt.scheduler.nodes
+    return {r: [nodes[n].models.listed(nodes[n].cfg) for n in rt.scheduler.routes[r].all_nodes if n in nodes]
+            for r in routes}
 
 
 def check_limits(gw: Gateway, call: Call) -> Awaitable[web.StreamResponse | None] | web.StreamResponse | None:
@@ -412,8 +428,19 @@ async def _admit_job(gw: Gateway, call: Call) -> web.StreamResponse | None:
     if not isinstance(ticket, Ticket):  # (a plain class: StreamResponse's isinstance goes through ABCMeta)
         return ticket
     if gw.rt.settle is not None:
-        return await _settle_then_run(gw, call, ticket, callback)
-    return await _admitted(gw, call, ticket, callback)
+        resp = await _settle_then_run(gw, call, ticket, callback)
+    else:
+        resp = await _admitted(gw, call, ticket, callback)
+    job = gw.jobs.jobs.get(call.headers.get("X-KiloLine-Job", "")) if call.mode == "async" else None
+    if job is not None:
+        # The 202's line is written now, before any wait; the job's outcome gets a line of its own
+        # (built from a few strings: the request and its body are not kept for it).
+        head, started = access_head(call), call.started
+        if job.finished_at is not None:  # after the 202's own line, which the handler writes next
+            asyncio.get_running_loop().call_soon(job_ended, gw, head, started, job)
+        else:
+            job.on_end = lambda j: job_ended(gw, head, started, j)
+    return resp
 
 
 def _ticket(gw: Gateway, call: Call) -> Ticket | web.StreamResponse:
@@ -522,8 +549,41 @@ def handler(gw: Gateway, stages: Sequence[Stage],
     return handle
 
 
+MAX_LOGGED_PATH = 512
+
+
+def logged_path(request: web.Request) -> str:
+    """The request's path as the access log shows it: as sent (still percent-encoded), never its
+    query (``?token=`` of a job's events and result URLs, keys some clients put there), anything
+    outside printable ASCII percent-encoded so a line cannot be forged, at most MAX_LOGGED_PATH."""
+    raw = request.rel_url.raw_path
+    safe = "".join(c if "!" <= c <= "~" else "".join(f"%{b:02X}" for b in c.encode("utf-8", "replace"))
+                   for c in raw[:MAX_LOGGED_PATH])
+    return safe + ("…" if len(raw) > MAX_LOGGED_PATH else "")
+
+
+def job_ended(gw: Gateway, head: dict[str, object], started: float, job: Job) -> None:
+    """The access-log line of an async job's outcome (its request's line was written at the 202):
+    the same request id, method and path (``head``), the node, the wait, the size of the result
+    and the status the node's answer had (``-`` for a job that ended without one: a queue
+    timeout, a cancel)."""
+    if not gw.rt.cfg.server.access_log:
+        return
+    wait = job.queue_wait
+    rec: dict[str, object] = {
+        "ts": round(time.time(), 3), **head, "node": job.node or "-", "mode": "async",
+        "status": job.http_status or "-", "queue_wait_ms": None if wait is None else int(wait * 1000),
+        "duration_ms": int((time.monotonic() - started) * 1000),
+        "bytes": len(job.result.body) if job.result is not None else 0,
+    }
+    if job.swap is not None:
+        rec["swap"] = job.swap
+    rec["job"] = job.status
+    write_access(gw, rec)
+
+
 def log_access(gw: Gateway, call: Call) -> None:
-    """One line per request, metadata only: never a body, a prompt or a key."""
+    """One line per request, metadata only: never a body, a prompt, a key or a query string."""
     rt = gw.rt
     duration = time.monotonic() - call.started
     if call.route != "-" and call.mode == "sync":
@@ -533,19 +593,11 @@ def log_access(gw: Gateway, call: Call) -> None:
         rt.stats.record(call.route, str(call.status), call.queue_wait if ran else None, duration, ran=ran)
     if not rt.cfg.server.access_log:
         return
-    rec = {
-        "ts": round(time.time(), 3),
-        "request_id": call.request_id,
-        "method": call.request.method,
-        "path": call.request.path if call.route == "-" else call.route,
-        "key": call.key,
-        "route": call.route,
-        "node": call.node,
-        "mode": call.mode,
-        "status": call.status,
-        "queue_wait_ms": int(call.queue_wait * 1000),
-        "duration_ms": int(duration * 1000),
-        "bytes": call.bytes_out,
+    wait = call.queue_wait
+    rec: dict[str, object] = {
+        "ts": round(time.time(), 3), **access_head(call), "node": call.node, "mode": call.mode,
+        "status": call.status or "-", "queue_wait_ms": None if wait is None else int(wait * 1000),
+        "duration_ms": int(duration * 1000), "bytes": call.bytes_out,
     }
     if call.cost is not None:
         rec["cost"] = round(call.cost, 3)
@@ -557,17 +609,30 @@ def log_access(gw: Gateway, call: Call) -> None:
         rec["affinity"] = a.outcome
     if t is not None and t.cached is not None:
         rec["cached"] = t.cached
+    write_access(gw, rec)
+
+
+def access_head(call: Call) -> dict[str, object]:
+    """What a request's access-log lines share: its id, method, path (no query), key and route."""
+    return {"request_id": call.request_id, "method": call.request.method, "path": logged_path(call.request),
+            "key": call.key, "route": call.route}
+
+
+def write_access(gw: Gateway, rec: dict[str, object]) -> None:
     if gw.log_json:
         access_log.info(orjson.dumps(rec).decode())
-    else:
-        access_log.info(
-            "%(request_id)s %(key)s %(route)s %(node)s %(mode)s %(status)s wait=%(queue_wait_ms)dms "
-            "dur=%(duration_ms)dms bytes=%(bytes)d" + (" cost=%(cost)g" if call.cost is not None else "")
-            + ("" if call.swap is None else " swap=true" if call.swap else " swap=false")
-            + (" affinity=%(affinity)s" if "affinity" in rec else "")
-            + (" cached=%(cached)d" if "cached" in rec else ""),
-            rec,
-        )
+        return
+    swap = rec.get("swap")
+    access_log.info(
+        "%(request_id)s %(method)s %(path)s %(key)s %(route)s %(node)s %(mode)s %(status)s "
+        + ("wait=-" if rec["queue_wait_ms"] is None else "wait=%(queue_wait_ms)dms")
+        + " dur=%(duration_ms)dms bytes=%(bytes)d" + (" cost=%(cost)g" if "cost" in rec else "")
+        + ("" if swap is None else " swap=true" if swap else " swap=false")
+        + (" affinity=%(affinity)s" if "affinity" in rec else "")
+        + (" cached=%(cached)d" if "cached" in rec else "")
+        + (" job=%(job)s" if "job" in rec else ""),
+        rec,
+    )
 
 
 def build_app(gw: Gateway) -> web.Application:

@@ -1,5 +1,8 @@
-"""``GET {path}/models`` on a path that several OpenAI routes share: the union of what their nodes
-serve (docs/CONFIG.md#routes-that-match-the-request), in the OpenAI list shape.
+"""``GET {path}/models`` on a path that several OpenAI routes share: what a client may ask for
+(docs/CONFIG.md#routes-that-match-the-request), in the OpenAI list shape: the models of the
+routes' nodes that a request naming them reaches a route serving them with. A model
+only a route's node serves, while requests naming it match another route, is not listed: asked
+for, it would be refused (or, on a node that does not check, answered by another model).
 
 Each node is asked its own ``/models`` (the same tail the client sent) at once, without a slot,
 unless it declares its ``models`` (docs/CONFIG.md#multi-model-nodes): those are its answer;
@@ -19,12 +22,19 @@ from aiohttp import web
 
 from kilolined.modes.call import Call
 from kilolined.ops.runtime import Runtime
+from kilolined.scheduling.routing import may_ask
 
 ASK_SEC = 5.0
 
 
 def is_models_list(method: str, tail: str) -> bool:
     return method == "GET" and tail.split("?", 1)[0].rstrip("/") in ("/models", "/v1/models")
+
+
+def ids(answer: Any) -> frozenset[str]:
+    data = answer.get("data") if isinstance(answer, dict) else None
+    return frozenset(m["id"] for m in (data if isinstance(data, list) else [])
+                     if isinstance(m, dict) and isinstance(m.get("id"), str))
 
 
 def merge(answers: Sequence[Any]) -> list[dict[str, Any]]:
@@ -58,8 +68,13 @@ async def models_union(rt: Runtime, call: Call, routes: Sequence[str]) -> web.Re
     for name in routes:
         rq = rt.scheduler.routes[name]
         nodes += [n for n in rq.all_nodes if n not in nodes and n in rt.scheduler.nodes]
-    answers = [a for a in await asyncio.gather(*(_ask(rt, n, call.tail) for n in nodes)) if a is not None]
+    by_node = dict(zip(nodes, await asyncio.gather(*(_ask(rt, n, call.tail) for n in nodes)), strict=True))
+    answers = [a for a in by_node.values() if a is not None]
     if not answers:
         return call.error(502, "upstream_error", "no node of this path answered its model list")
-    return web.json_response({"object": "list", "data": merge(answers)},
+    served = [(rt.scheduler.routes[name].cfg.match,
+               frozenset().union(*(ids(by_node.get(n)) for n in rt.scheduler.routes[name].all_nodes)))
+              for name in routes]
+    listed = [m for m in merge(answers) if may_ask(m["id"], served)]
+    return web.json_response({"object": "list", "data": listed},
                              headers={**call.headers, "X-Request-Id": call.request_id})

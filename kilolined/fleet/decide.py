@@ -239,8 +239,9 @@ def _grow(name: str, spec: PoolSpec, ps: PoolRuntime, mine: list[Tracked], room:
     stopped = [t for t in mine if t.phase == "stopped" and now >= t.retry_at]
     if stopped:
         t = min(stopped, key=lambda t: (t.price, -t.phase_start()))
-        return refused if t.price > room else Resume(t.id, name)
-    if room <= 0:
+        # NaN-safe comparisons: a spend that cannot be added up refuses, never rents or resumes
+        return Resume(t.id, name) if t.price <= room else refused
+    if not room > 0:
         return refused
     entry = next((i for i in range(len(spec.max_dph)) if now >= ps.offer_retry_at.get(i, 0.0)), None)
     if entry is None:
@@ -318,7 +319,9 @@ def rent_failed(ps: PoolRuntime, base: float, now: float, retry_after: float | N
     """Count a failure of the pool (the budget, a listing, a rate limit) and set when it may rent
     again; returns the delay."""
     ps.failures += 1
-    delay = max(backoff_delay(base, ps.failures), retry_after or 0.0)
+    # A provider's Retry-After is waited out up to the backoff's own ceiling: 1e12 s would stop
+    # the pool for good.
+    delay = max(backoff_delay(base, ps.failures), min(retry_after or 0.0, MAX_BACKOFF_SEC))
     ps.retry_at = now + delay
     return delay
 

@@ -240,7 +240,8 @@ class Fleet:
                 await self._stop(a)
         for a in actions:
             if isinstance(a, Ready):
-                self._ready(self.instances[a.id])
+                if a.id in self.instances:  # not if destroyed above (a shrink as it turned healthy)
+                    self._ready(self.instances[a.id])
             elif isinstance(a, RentRefused):
                 self._failed(a.pool, a.reason, now)
             elif isinstance(a, Rent | Resume) and not self.doomed:  # a destroy not confirmed: still paid

@@ -6,8 +6,9 @@ and the loop only see ``Offer``, ``Instance`` and ``ProviderError``.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
-from typing import Literal, Protocol
+from typing import Any, Literal, Protocol
 
 from kilolined.core.config import FleetOfferConfig, FleetTemplateConfig
 
@@ -21,6 +22,19 @@ GONE: Status = "gone"
 
 def label_of(pool: str) -> str:
     return LABEL_PREFIX + pool
+
+
+def price_per_hour(v: Any) -> float | None:
+    """A provider's $/hour, or None where it gives none the spend cap can add up: missing, not a
+    number, negative, NaN or infinite (JSON parsers take ``NaN``; one NaN in the sum would make
+    ``max_spend_per_hour`` compare false and so never refuse)."""
+    if isinstance(v, bool):
+        return None
+    try:
+        price = float(v)
+    except (TypeError, ValueError, OverflowError):
+        return None
+    return price if math.isfinite(price) and price >= 0 else None
 
 
 def pool_of(label: str | None) -> str | None:

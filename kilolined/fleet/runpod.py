@@ -25,6 +25,7 @@ from kilolined.fleet.provider import (
     ProviderError,
     Status,
     pool_of,
+    price_per_hour,
 )
 from kilolined.fleet.wire import ProviderHTTP
 
@@ -70,10 +71,10 @@ class RunPod:
                 continue
             names = {str(g.get("id")).lower(), str(g.get("displayName") or "").lower()}
             low = g.get("lowestPrice") or {}
-            price = low.get("minimumBidPrice" if offer.interruptible else "uninterruptablePrice")
+            price = price_per_hour(low.get("minimumBidPrice" if offer.interruptible else "uninterruptablePrice"))
             if offer.gpu_name.lower() not in names or price is None:
                 continue
-            per_hour = float(price) * offer.num_gpus
+            per_hour = price * offer.num_gpus
             if per_hour <= max_price:
                 out.append(Offer(id=str(g["id"]), machine=None, price=per_hour, reliability=1.0,
                                  gpu_name=offer.gpu_name, num_gpus=offer.num_gpus))
@@ -143,9 +144,6 @@ def _instance(pod: dict[str, Any], port: int) -> Instance | None:
             url = f"http://{p['ip']}:{p['publicPort']}"
             break
     machine = pod.get("machineId")
-    try:
-        price = float(pod.get("costPerHr") or 0.0)
-    except (TypeError, ValueError):
-        price = 0.0
+    price = price_per_hour(pod.get("costPerHr")) or 0.0  # 0: not given (the rent's price stays)
     return Instance(id=str(pod["id"]), label=pod.get("name"), status=_status(pod), price=price,
                     machine=None if machine is None else str(machine), url=url)

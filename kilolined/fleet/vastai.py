@@ -8,10 +8,22 @@ list from ``GET /api/v1/instances/``). A 429's ``Retry-After`` is handed to the 
 from __future__ import annotations
 
 import json
+import math
 from typing import Any
 
 from kilolined.core.config import FleetOfferConfig, FleetTemplateConfig
-from kilolined.fleet.provider import BOOTING, GONE, RUNNING, STOPPED, Instance, Offer, ProviderError, Status, pool_of
+from kilolined.fleet.provider import (
+    BOOTING,
+    GONE,
+    RUNNING,
+    STOPPED,
+    Instance,
+    Offer,
+    ProviderError,
+    Status,
+    pool_of,
+    price_per_hour,
+)
 from kilolined.fleet.wire import ProviderHTTP
 
 DEFAULT_BASE = "https://console.vast.ai"
@@ -104,16 +116,18 @@ def _int_or_str(m: str) -> int | str:
 
 def _num(v: Any, default: float = 0.0) -> float:
     try:
-        return float(v)
-    except (TypeError, ValueError):
+        n = float(v)
+    except (TypeError, ValueError, OverflowError):
         return default
+    return n if math.isfinite(n) else default  # NaN/Infinity (JSON parsers take them) are not numbers here
 
 
 def _offer(x: dict[str, Any]) -> Offer | None:
-    if x.get("id") is None:
-        return None
+    price = price_per_hour(x.get("dph_total"))
+    if x.get("id") is None or price is None:
+        return None  # an offer without a usable price is not one the cap can weigh
     machine = x.get("machine_id")
-    return Offer(id=str(x["id"]), machine=None if machine is None else str(machine), price=_num(x.get("dph_total")),
+    return Offer(id=str(x["id"]), machine=None if machine is None else str(machine), price=price,
                  reliability=_num(x.get("reliability", x.get("reliability2")), 0.0),
                  gpu_name=str(x.get("gpu_name") or ""), num_gpus=int(_num(x.get("num_gpus"), 0)))
 
@@ -139,6 +153,7 @@ def _instance(row: dict[str, Any], port: int) -> Instance | None:
     if ip and isinstance(mapped, list) and mapped and isinstance(mapped[0], dict) and mapped[0].get("HostPort"):
         url = f"http://{str(ip).strip()}:{mapped[0]['HostPort']}"
     machine = row.get("machine_id")
-    return Instance(id=str(row["id"]), label=row.get("label"), status=_status(row), price=_num(row.get("dph_total")),
+    return Instance(id=str(row["id"]), label=row.get("label"), status=_status(row),
+                    price=price_per_hour(row.get("dph_total")) or 0.0,  # 0: not given (the rent's price stays)
                     machine=None if machine is None else str(machine), url=url)
 

@@ -14,6 +14,10 @@ import aiohttp
 from kilolined.fleet.provider import ProviderError
 
 BODY_EXCERPT = 200
+#: a run of this many characters of a secret, anywhere in a provider's text, is cut out: an API
+#: that echoes part of the key ("invalid key abcd…", a key cut at the excerpt's end) gives away
+#: that part
+SECRET_RUN = 8
 _QUOTA_WORDS = ("quota", "limit", "insufficient", "balance", "credit")
 _NO_OFFER_WORDS = ("no longer available", "not available", "no instances", "unavailable", "no offer")
 
@@ -62,8 +66,10 @@ class ProviderHTTP:
             raise ProviderError("server", f"{what}: answer is not JSON") from None
 
     def clean(self, text: str) -> str:
+        """A provider's text as an error may carry it (log, alert, state): cut to an excerpt, and
+        every run of SECRET_RUN or more characters of a secret replaced by ``***``."""
         for s in self._secrets:
-            text = text.replace(s, "***")
+            text = redact(text, s)
         return text[:BODY_EXCERPT]
 
     def _error(self, what: str, status: int, retry_after: str | None, text: str) -> ProviderError:
@@ -79,6 +85,28 @@ class ProviderHTTP:
         if any(w in low for w in _NO_OFFER_WORDS):
             return ProviderError("no_offer", msg)
         return ProviderError("client", msg)
+
+
+def redact(text: str, secret: str, run: int = SECRET_RUN) -> str:
+    """``text`` with every stretch of at least ``run`` characters found in ``secret`` replaced by
+    ``***`` (the whole key, its prefix, a piece of it). Bounded work: only the excerpt's worth of
+    text is scanned (provider bodies can be large; what is past it is never shown)."""
+    text = text[:BODY_EXCERPT * 4]
+    if len(secret) < run:
+        return text.replace(secret, "***") if secret else text
+    out: list[str] = []
+    i = 0
+    while i < len(text):
+        n = run if text[i:i + run] in secret else 0
+        while n and i + n < len(text) and text[i:i + n + 1] in secret:
+            n += 1
+        if n:
+            out.append("***")
+            i += n
+        else:
+            out.append(text[i])
+            i += 1
+    return "".join(out)
 
 
 def _seconds(v: str | None) -> float | None:

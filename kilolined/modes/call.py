@@ -30,7 +30,7 @@ class Call:
     mode: str = "sync"
     node: str = "-"
     status: int = 0
-    queue_wait: float = 0.0
+    queue_wait: float | None = 0.0  # None: not known when the line is written (an async job's 202)
     bytes_out: int = 0
     headers: dict[str, str] = field(default_factory=dict)  # rate-limit headers for every response
     adapter: Adapter = field(default_factory=GenericAdapter)

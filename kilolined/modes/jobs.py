@@ -189,6 +189,8 @@ class Job:
     remote: bool = False
     #: bytes of jobs.max_results_mb this job's result holds while it is still being read
     reading: int = 0
+    #: called once when the job ends (the async request's access-log line of its outcome)
+    on_end: Callable[[Job], None] | None = None
 
     def emit(self, event: str, data: dict[str, Any]) -> None:
         # Keep the rendered frame: built once for every subscriber and every replay, and
@@ -528,6 +530,7 @@ class Jobs:
         call.headers["X-KiloLine-Job"] = job.id
         await self.store.synced()  # another gateway asked about it right after the answer knows it
         if call.mode == "async":
+            call.queue_wait = None  # its line is written at the 202, before any wait: job_ended logs the outcome
             body = {"job_id": job.id, "status": job.status, "position": position, "est_wait_sec": est,
                     **cost, **job.urls()}
             return web.Response(status=202, body=orjson.dumps(body), content_type="application/json",
@@ -540,6 +543,7 @@ class Jobs:
         finally:
             call.node = job.node or "-"  # the access-log line of an sse request names its node
             call.swap = job.swap  # and whether it was a swap
+            call.queue_wait = job.queue_wait  # and how long it waited (None: it never reached a node)
 
     def est(self, job: Job, position: int | None) -> float | None:
         return self.rt.est_wait(job.route, position, self.rt.clock())
@@ -611,6 +615,9 @@ class Jobs:
             job.duration = round(self.rt.clock() - job.started_mono, 3)
         self.finished[job.id] = job
         self.rt.stats.record(job.route_label, status, job.queue_wait, job.duration, ran=job.started_mono is not None)
+        if job.on_end is not None:
+            end, job.on_end = job.on_end, None
+            end(job)
 
     def _finish_completed(self, job: Job, res: Result) -> None:
         job.http_status = res.http_status

@@ -71,7 +71,7 @@ class SyncSink(Sink):
         headers.update(call.headers)
         headers["X-Request-Id"] = call.request_id
         headers["X-KiloLine-Node"] = lease_node
-        headers["X-KiloLine-Queue-Wait-Ms"] = str(int(call.queue_wait * 1000))
+        headers["X-KiloLine-Queue-Wait-Ms"] = str(int((call.queue_wait or 0.0) * 1000))
         return headers
 
     async def deliver(self, scope: LeaseScope, up: Upstream, obs: Observer | None,

@@ -734,7 +734,7 @@ class Scheduler:
         nodes = [pinned_node] if pinned_node is not None else rq.all_nodes
         # A route with no node at all (a fleet pool scaled to zero) waits for one: not refused.
         if model is not None and nodes and not any(self.serves(n, model) for n in nodes):
-            raise Rejected(404, "not_found", f"no node of route {rq.name} serves model {model!r}")
+            raise Rejected(404, "model_not_found", f"no node of route {rq.name} serves model {model!r}")
 
     def admit(
         self,

@@ -8,7 +8,7 @@ headers, the body's model, the request's units under each route's cost unit).
 from __future__ import annotations
 
 import fnmatch
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import orjson
@@ -88,6 +88,40 @@ def holds(m: MatchConfig | None, method: str, headers: Mapping[str, str], model:
         if m.max_units is not None and u > m.max_units:
             return False
     return True
+
+
+def _only_model(m: MatchConfig | None) -> bool:
+    """The match depends on nothing but the model: it takes every request whose model it allows."""
+    return m is None or (m.min_units is None and m.max_units is None and m.header is None and m.method is None)
+
+
+def may_ask(model: str, routes: Sequence[tuple[MatchConfig | None, frozenset[str]]]) -> bool:
+    """Whether a client may ask for ``model`` on a path several routes share: some route a request
+    naming it can reach (in the routes' order: fallback last) has a node serving it. ``routes``:
+    each route's ``match`` and the models its nodes serve. A route whose match depends only on the
+    model takes every such request, so the routes after it are never reached (what
+    ``/v1/models`` lists is what a client may ask for)."""
+    for m, served in routes:
+        if m is not None and m.model is not None and not _glob_any(model, m.model):
+            continue
+        if model in served:
+            return True
+        if _only_model(m):
+            return False
+    return False
+
+
+def routes_serving_elsewhere(model: str, chosen: str,
+                             listed: Mapping[str, Sequence[Sequence[str] | None]]) -> list[str]:
+    """The routes of the path other than ``chosen`` with a node that lists ``model``, when no node of
+    ``chosen`` lists it (``listed``: each route's nodes' model lists, None for a node declaring
+    none). Non-empty: the request matched a route whose nodes are not known to serve a model the
+    operator placed on another route's node; it is refused (404 ``model_not_found``), never sent
+    to a node that would answer with whatever model it holds (docs/CONFIG.md#routes-that-match-the-request)."""
+    if any(lst is not None and model in lst for lst in listed.get(chosen, ())):
+        return []
+    return [r for r, lists in listed.items()
+            if r != chosen and any(lst is not None and model in lst for lst in lists)]
 
 
 def describe(m: MatchConfig) -> str:
