@@ -42,7 +42,9 @@ from kilolined.scheduling.speed import (
     Sample,
     SpeedBook,
     Verdict,
+    client_model,
     ejectable,
+    shown_model,
 )
 from kilolined.wire.upstream import STALLED as STALLED_REASON
 
@@ -68,9 +70,10 @@ class SpeedWatch:
 
     # --- samples ------------------------------------------------------------------------
     def measured(self, node: str, route: str, model: str | None, held: float, cost: float,
-                 samples: list[Sample] | None) -> None:
-        """One request ``node`` served in full in ``held`` seconds: ``samples`` as the adapter
-        read them (LLM tokens), else per cost unit (``cost``), else per request."""
+                 samples: list[Sample] | None, key: str = "") -> None:
+        """One request ``node`` served in full in ``held`` seconds for the client ``key``:
+        ``samples`` as the adapter read them (LLM tokens), else per cost unit (``cost``), else per
+        request, in the client's own series (speed.client_model)."""
         ns = self.rt.scheduler.nodes.get(node)
         if ns is None or ns.cfg.slow is None or route.startswith("adhoc:"):
             return
@@ -89,8 +92,13 @@ class SpeedWatch:
 
         if not samples:
             # Per cost unit, else per request: one value, recorded without a Sample made for it.
-            unit, value = (MS_UNIT, held * 1000 / cost) if cost > 0 else (MS_REQUEST, held * 1000)
-            v = book.record_value(node, route, model_, unit, value, now, cfg, ejectable)
+            if cost > 0:
+                v = book.record_value(node, route, model_, MS_UNIT, held * 1000 / cost, now, cfg, ejectable)
+            else:
+                # The size is unknown: the client's own series, judged against its own history
+                # only when the node is alone on the route (else its peers say more).
+                v = book.record_value(node, route, client_model(model_, key), MS_REQUEST, held * 1000, now, cfg,
+                                      ejectable, may_drift=self._alone(route))
             if v is not None:
                 self._act(ns, v, now)
             return
@@ -98,6 +106,10 @@ class SpeedWatch:
             v = book.record_value(node, route, model_, sample.unit, sample.value, now, cfg, ejectable)
             if v is not None:
                 self._act(ns, v, now)
+
+    def _alone(self, route: str) -> bool:
+        rq = self.rt.scheduler.routes.get(route)
+        return rq is None or len(rq.cfg.nodes) + len(rq.cfg.standby) <= 1
 
     def _route_nodes(self, route: str) -> list[str]:
         rq = self.rt.scheduler.routes.get(route)
@@ -251,7 +263,7 @@ class SpeedWatch:
             route, model, unit = [*ns.slow_cause.split("\t"), "", "", ""][:3]
             state = STALLED if ns.slow_state == SPEED_STALLED else SLOW
             out = {"unit": unit or None, "ewma": None, "peers_median": None, "state": state, "route": route or None,
-                   "model": model or None}
+                   "model": shown_model(model)}
         return out
 
     def forget(self, node: str) -> None:

@@ -553,7 +553,7 @@ class LeaseScope:
         if ok:
             # The answer ended well: how fast the node served it, against its peers (speed.py).
             t = self.ticket
-            rt.speed.measured(lease.node, lease.route, t.model, held, t.cost, self.samples)
+            rt.speed.measured(lease.node, lease.route, t.model, held, t.cost, self.samples, t.key)
         rt.stats.gpu_seconds += held
         rt.metrics.upstream.labels(rt.route_label(lease.route), lease.node).observe(held)
         if self.key is not None:

@@ -45,6 +45,7 @@ MS_STEP = "ms/step"  # ComfyUI: per sampler step (progress events)
 MS_REQUEST = "ms/request"  # anything else: per request of the same route
 
 OK, SLOW, DRIFTING, STALLED = "ok", "slow", "drifting", "stalled"
+CLIENT = "\x1f"  # joins a series' model and the client key it is kept for (client_model)
 EVIDENCE = 2.5  # the CUSUM (in log units) a slow evaluation needs: ~5σ of σ-0.5 noise
 HARD = 3.0  # this many times the peers' median (or a stall): the breaker opens
 MIN_PROMPT_TOKENS = 16  # fewer uncached prompt tokens say more about overhead than prefill speed
@@ -89,6 +90,19 @@ def llm_samples(elapsed_s: float, first_s: float | None, usage: Mapping[str, obj
         if uncached >= MIN_PROMPT_TOKENS:
             out.append(Sample(MS_PROMPT_TOKEN, first * 1000 / uncached))
     return out
+
+
+def client_model(model: str, key: str) -> str:
+    """The series a request measured whole (ms per request: its size unknown) belongs to: its
+    client's own. One key's requests are compared only with the same key's on the other nodes,
+    so a client sending heavier requests than the rest, or pinning them to one node, measures
+    its own requests, not the node (docs/CONFIG.md "Slow nodes")."""
+    return f"{model}{CLIENT}{key}"
+
+
+def shown_model(model: str) -> str | None:
+    """A series' model as the views show it: without the client it is kept for."""
+    return model.partition(CLIENT)[0] or None
 
 
 def _num(v: object) -> float | None:
@@ -372,7 +386,7 @@ class SpeedBook:
         if state == OK and st is not None and st.drifting:
             state = DRIFTING
         return {"unit": unit, "ewma": _round(s.level), "peers_median": _round(s.peers), "state": state,
-                "route": route, "model": model or None}
+                "route": route, "model": shown_model(model)}
 
     def levels(self) -> list[tuple[str, str, str, float]]:
         """(node, route, unit, level) of every series, for kiloline_node_speed (models averaged
