@@ -116,12 +116,13 @@ class SpeedWatch:
         return list(rq.all_nodes) if rq is not None else []
 
     def _ejectable(self, route: str, node: str, now: float) -> int:
-        """How many more of the route's nodes may be ejected: max(1, 10 %) at once, and never
-        the last one that can take work."""
+        """How many more of the route's nodes may be ejected besides ``node`` (out already or
+        not): max(1, 10 %) at once, and never the last one that can take work."""
         sched = self.rt.scheduler
         names = [n for n in self._route_nodes(route) if n in sched.nodes and not sched.nodes[n].retired]
         # the cluster's verdicts, not only this gateway's: the cap holds for the route
-        out = sum(1 for n in names if sched.nodes[n].slow_state in (SPEED_SLOW, SPEED_HARD, SPEED_STALLED))
+        out = sum(1 for n in names
+                  if n != node and sched.nodes[n].slow_state in (SPEED_SLOW, SPEED_HARD, SPEED_STALLED))
         others = [n for n in names if n != node and sched.nodes[n].serving(now) and not sched.nodes[n].slowed]
         return ejectable(len(names), out, len(others))
 
@@ -233,15 +234,26 @@ class SpeedWatch:
         if name in self.book.nodes:
             self.book.forget(name)  # its numbers too: judged afresh if it is turned on again
 
-    def stall(self, node: str, reason: str) -> None:
-        """No byte from the node for ``stall_sec`` in a running request: out at once."""
+    def stall(self, node: str, route: str, reason: str, again: bool) -> bool:
+        """No byte from the node for ``stall_sec`` in a running request of ``route``: out at once
+        (a hard eject), under the caps a slow verdict obeys — never the last node of the route
+        that can take work, never more than max(1, 10 %) of its nodes at once. ``again``: the
+        request stalled on another node before, so it is the request's doing (a prefill longer
+        than stall_sec), not this node's: no eject. False: the node is not watched (``slow: off``)."""
         ns = self.rt.scheduler.nodes.get(node)
         if ns is None or ns.cfg.slow is None:
-            return
-        self._follow(ns)
-        if not self.book.stalled(node):
-            return
+            return False
         now = self.rt.clock()
+        self._follow(ns)
+        why_not = ("it stalled on another node too: the request's doing" if again else
+                   "never more than max(1, 10 %) of a route's nodes at once, nor its last"
+                   if self._ejectable(route, node, now) <= 0 else "")
+        if why_not:
+            ns.last_error = reason
+            log.warning("✗ [%s] %s — not ejected (%s)", node, reason, why_not)
+            return True
+        if not self.book.stalled(node):
+            return True
         st = self.book.node(node)
         self.book.eject_period(node, now, ns.breaker_cfg.open_sec, ns.breaker_cfg.max_open_sec)
         ns.last_error = reason
@@ -250,6 +262,7 @@ class SpeedWatch:
         self._decide(ns, SPEED_STALLED, st, text)
         self.rt.node_events(ns, ["node_slow", *ns.trip(now)], {"node_slow": text, "breaker_open": (
             f"⚡ {_who(ns)} breaker OPEN after a stall, retry in {ns.open_period:g}s")})
+        return True
 
     # --- views ------------------------------------------------------------------------------
     def view(self, node: str) -> dict[str, object] | None:
