@@ -148,7 +148,7 @@ class SpeedWatch:
         elif v.action == "drifting":
             ratio = v.level / v.peers if v.peers else math.inf
             rt.node_events(ns, ["node_drifting"], {"node_drifting": (
-                f"🐢 {_who(ns)} drifting: {_n(v.level)} {v.unit} over the last hour vs {_n(v.peers)} {v.unit} "
+                f"🐢 {_who(ns)} drifting: {_n(v.level)} {v.unit} vs {_n(v.peers)} {v.unit} "
                 f"at its best ({ratio:.1f}×) — alone on its route, so still serving")})
         rt.wake()
 

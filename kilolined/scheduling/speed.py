@@ -8,7 +8,8 @@ stalled) and when it may be tried again live here, what that means for its slots
 
 Speed is time per unit of work, so requests of different sizes compare: an LLM answer in ms per
 generated token (and ms per uncached prompt token), a ComfyUI prompt in ms per sampler step
-(when its progress frames gave steps) or per cost unit, any other request in ms per request.
+(when its progress frames gave steps) or per cost unit, any other request in ms per request —
+in its client key's own series (``client_model``), since only the client knows its sizes.
 Every unit is in ms so that ``min_gap_ms`` reads the same for all.
 
 The level of one (node, route, model, unit) series is a peak-EWMA over ``samples`` requests: a
@@ -24,7 +25,8 @@ noise of σ 0.5 (GPU timings are that noisy) an EWMA over 20 requests wanders ±
 unlucky requests in a row push it over 1.5× about once every 15,000 requests. The evidence
 grows by about 0.6 a request on a node 3× slower (flagged within ~8 of its requests) and
 drifts down on a healthy one, so an hour of noise raises no alarm (tests/test_speed.py).
-``evaluations`` slow evaluations in a row are needed to act.
+``evaluations`` slow evaluations in a row are needed to act. A node alone on its route is
+judged the same way against its own history (drift.py).
 """
 
 from __future__ import annotations
