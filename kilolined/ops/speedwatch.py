@@ -184,7 +184,7 @@ class SpeedWatch:
         st.state, st.period = SLOW, ns.slow_period
         if state == SPEED_TRIAL:
             if st.ejected:
-                self.book.trial(ns.name, math.inf)  # the trial's requests judge it: its series start afresh
+                self.book.trial(ns.name, math.inf)  # on trial here too: judged from its next request
             st.ejected = st.hard = False
             st.until = 0.0
             return
@@ -203,7 +203,8 @@ class SpeedWatch:
 
     def tick(self, now: float) -> None:
         """An ejected node's period is over: its trial — slots back through slow start, and the
-        next ``samples`` requests judge it afresh (recovered, or ejected again for longer)."""
+        requests are judged from the first, on the EWMA it kept (recovered, or ejected again for
+        longer after ``evaluations`` slow ones)."""
         for name, ns in self.rt.scheduler.nodes.items():
             if ns.cfg.slow is None:
                 self._lift(name, ns)  # a verdict another gateway published meanwhile
