@@ -250,13 +250,18 @@ async def test_a_hard_eject_opens_the_breaker_on_both(redis_server: RedisServer,
 
 async def test_a_stall_seen_through_one_gateway_opens_the_breaker_on_both(
         redis_server: RedisServer, gateways: list[GatewayProc], tg: FakeTelegram, tmp_path: Path) -> None:
-    llm = FakeGPU("openai", step_ms=20)
+    llm, spare = FakeGPU("openai", step_ms=20), FakeGPU("openai", step_ms=20)
     await llm.start()
+    await spare.start()
     try:
         for i in range(2):
             cfg = cluster_config(redis_server.url, llm.url, free_port(), f"gw{i}", ttl=1.5, kind="openai",
                                  path="/v1", max_concurrency=1, retry_on_failover=0)
-            cfg["nodes"]["gpu"].update(slow={"stall_sec": 0.4}, breaker=BREAKER)
+            # a standby that can take work: gpu is not the route's last node, so a stall ejects it
+            cfg["nodes"]["spare"] = {"url": spare.url}
+            cfg["routes"]["gen"]["standby"] = ["spare"]
+            for n in ("gpu", "spare"):
+                cfg["nodes"][n].update(slow={"stall_sec": 0.4}, breaker=BREAKER)
             cfg["notify"] = {"telegram": {"bot_token": TOKEN, "chat_id": "-1001", "api_base": tg.url},
                              "group_sec": 0.1, "min_interval_sec": 0}
             gateways.append(GatewayProc(cfg, tmp_path / f"gw{i}.yaml"))
@@ -281,3 +286,4 @@ async def test_a_stall_seen_through_one_gateway_opens_the_breaker_on_both(
         assert len(lines(tg, "gpu breaker OPEN after a stall")) == 1, tg.messages
     finally:
         await llm.stop()
+        await spare.stop()

@@ -23,10 +23,15 @@ from kilolined.adapters.comfy_control import comfy_state
 BREAKER = {"consecutive_failures": 3, "open_sec": 60, "slow_start_sec": 0}
 
 
-async def one_node(fakegpus: Any, gateway: Any, stall_sec: float, **fake: Any) -> tuple[Any, Any]:
+async def one_node(fakegpus: Any, gateway: Any, stall_sec: float, spare: bool = False,
+                   **fake: Any) -> tuple[Any, Any]:
+    """Node c, and with ``spare`` a standby that can take work (c is then not the route's last
+    node, so a stall ejects it)."""
     node = await fakegpus("comfyui", **fake)
-    cfg = base_config({"c": node.url}, kind="comfyui", max_concurrency=1)
-    cfg["nodes"]["c"].update(slow={"stall_sec": stall_sec}, breaker=BREAKER)
+    nodes = {"c": node.url, **({"spare": (await fakegpus("comfyui", step_ms=20)).url} if spare else {})}
+    cfg = base_config(nodes, kind="comfyui", max_concurrency=1)
+    for n in nodes:
+        cfg["nodes"][n].update(slow={"stall_sec": stall_sec}, breaker=BREAKER)
     return node, await gateway(cfg)
 
 
@@ -50,7 +55,7 @@ async def stalled(http: aiohttp.ClientSession, gw: Any, node: Any) -> None:
 async def test_a_stalled_prompt_whose_socket_is_relayed_is_interrupted(fakegpus: Any, gateway: Any,
                                                                        http: aiohttp.ClientSession) -> None:
     # a step of 20 ms × 10,000: the sampler starts, then nothing comes for minutes
-    node, gw = await one_node(fakegpus, gateway, 0.5, step_ms=20, slowdown=10_000)
+    node, gw = await one_node(fakegpus, gateway, 0.5, spare=True, step_ms=20, slowdown=10_000)
     async with http.ws_connect(gw.url + "/gen/ws?clientId=mine", headers=auth()) as ws:
         assert (await ws.receive_json(timeout=5))["data"]["sid"] == "mine"
         pid = await submit(http, gw, {"prompt": graph(3), "client_id": "mine"})
@@ -68,7 +73,7 @@ async def test_a_stalled_prompt_whose_socket_is_relayed_is_interrupted(fakegpus:
 async def test_a_stalled_prompt_without_client_id_is_interrupted(fakegpus: Any, gateway: Any,
                                                                  http: aiohttp.ClientSession) -> None:
     # No client_id: ComfyUI broadcasts the prompt's progress, which the node's monitor socket hears.
-    node, gw = await one_node(fakegpus, gateway, 0.5, step_ms=20, slowdown=10_000)
+    node, gw = await one_node(fakegpus, gateway, 0.5, spare=True, step_ms=20, slowdown=10_000)
     await submit(http, gw, {"prompt": graph(3)})
     await stalled(http, gw, node)
     assert len(comfy_state(gw.rt).activity) == 0

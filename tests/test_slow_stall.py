@@ -1,5 +1,6 @@
 """A stalled stream (no byte for ``slow.stall_sec``) in every client mode: the node is out at
-once (breaker open, ``node_slow`` state "stalled"), the request ends, its slot is freed."""
+once (breaker open, ``node_slow`` state "stalled"), the request ends, its slot is freed — unless
+it is the last node of its route that can take work (a stall obeys the caps of a slow verdict)."""
 
 from __future__ import annotations
 
@@ -13,11 +14,14 @@ MESSAGES = [{"role": "user", "content": "say something please"}]
 
 @pytest.mark.parametrize("mode", ["sync", "sse", "async"])
 async def test_a_stream_that_stalls_ejects_its_node_and_frees_the_slot(fakegpus, gateway, http, mode) -> None:
-    fake = await fakegpus("openai", step_ms=20)
-    # no retry: a stall, even before the first byte (which would re-queue), ends the request
-    cfg = base_config({"o": fake.url}, kind="openai", path="/v1", max_concurrency=1, retry_on_failover=0)
-    cfg["nodes"]["o"].update(slow={"stall_sec": 0.4},
-                             breaker={"consecutive_failures": 3, "open_sec": 30, "slow_start_sec": 0})
+    fake, spare = await fakegpus("openai", step_ms=20), await fakegpus("openai", step_ms=20)
+    # no retry: a stall, even before the first byte (which would re-queue), ends the request;
+    # the standby can take work, so o is not the route's last node
+    cfg = base_config({"o": fake.url, "spare": spare.url}, kind="openai", path="/v1", max_concurrency=1,
+                      retry_on_failover=0)
+    for n in ("o", "spare"):
+        cfg["nodes"][n].update(slow={"stall_sec": 0.4},
+                               breaker={"consecutive_failures": 3, "open_sec": 30, "slow_start_sec": 0})
     gw = await gateway(cfg)
     body = {"model": "fake-llm", "messages": MESSAGES, "stream": True, "max_tokens": 8}
     fake.set_control(drip_ms=1500)  # each piece of the answer comes 1.5 s after the last
@@ -38,3 +42,22 @@ async def test_a_stream_that_stalls_ejects_its_node_and_frees_the_slot(fakegpus,
         st = (await r.json())["nodes"]["o"]
     assert st["breaker"] == "open" and "stalled" in (st["last_error"] or "")
     assert st["speed"]["state"] == "stalled"
+
+
+async def test_a_stall_on_the_last_node_of_a_route_fails_the_request_but_keeps_the_node(fakegpus, gateway,
+                                                                                       http) -> None:
+    fake = await fakegpus("openai", step_ms=20)
+    cfg = base_config({"o": fake.url}, kind="openai", path="/v1", max_concurrency=1, retry_on_failover=0)
+    cfg["nodes"]["o"].update(slow={"stall_sec": 0.4},
+                             breaker={"consecutive_failures": 1, "open_sec": 30, "slow_start_sec": 0})
+    gw = await gateway(cfg)
+    fake.set_control(drip_ms=1500)
+    body = {"model": "fake-llm", "messages": MESSAGES, "stream": True, "max_tokens": 8}
+    async with http.post(gw.url + "/v1/chat/completions", json=body, headers=auth()) as r:
+        assert r.status == 502 and "stalled" in await r.text()
+    ns = gw.rt.scheduler.nodes["o"]
+    # never the last node: no eject, and a stall is no breaker failure either (one would open it here)
+    assert ns.breaker == "closed" and ns.slow_state == "ok" and "stalled" in (ns.last_error or "")
+    fake.set_control(drip_ms=0)
+    async with http.post(gw.url + "/v1/chat/completions", json=body, headers=auth()) as r:
+        assert r.status == 200 and (await r.text()).rstrip().endswith("data: [DONE]")

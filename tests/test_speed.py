@@ -198,3 +198,93 @@ def test_a_forgotten_node_is_no_ones_peer() -> None:
     assert all(k[0] != "c" for k in fleet.book.series)
     assert set(fleet.book.groups[("chat", "m", MS_TOKEN)]) == {"a", "b"}
     assert fleet.book.view("c") is None and fleet.book.view("a")["peers_median"] == 20.0  # type: ignore[index]
+
+
+def lone_node(seed: int, per_hour: float, sigma: float, slow_after: int, factor: float,
+              requests: int, cfg: SlowConfig | None = None) -> tuple[Fleet, list[int]]:
+    """One node alone on its route, ``per_hour`` requests an hour, ``factor`` × slower from its
+    ``slow_after``-th request; returns the fleet and the request numbers of its verdicts."""
+    rnd, fleet = random.Random(seed), Fleet(["solo"], cfg)
+    at: list[int] = []
+    for i in range(requests):
+        ms = 20 * (factor if i >= slow_after else 1)
+        if fleet.feed("solo", noisy(rnd, ms, sigma), i * 3600 / per_hour) is not None:
+            at.append(i)
+    return fleet, at
+
+
+@SEEDS
+@given(seed=st.integers(0, 2**32 - 1), per_hour=st.sampled_from([4.0, 60.0, 3600.0]))
+def test_a_lone_node_turning_twice_as_slow_drifts_within_40_of_its_requests(seed: int, per_hour: float) -> None:
+    # It has served `samples` (20) requests; whatever its traffic per hour, even 4 requests an hour,
+    # it is judged at every request, against the level it had until then.
+    fleet, at = lone_node(seed, per_hour, 0.2, 20, 2.0, 60)
+    assert at and at[0] - 20 < 40
+    assert [v.action for v in fleet.verdicts] == ["drifting"]  # alerted once, never ejected
+    v = fleet.verdicts[0]
+    assert v.peers is not None and v.level > 1.3 * v.peers
+    assert fleet.book.node("solo").state == OK and fleet.book.view("solo")["state"] == "drifting"  # type: ignore[index]
+
+
+@SEEDS
+@given(seed=st.integers(0, 2**32 - 1), per_hour=st.sampled_from([20.0, 3600.0]))
+def test_a_lone_node_under_lognormal_noise_raises_no_drift(seed: int, per_hour: float) -> None:
+    # σ 0.5 for a whole hour at one request a second, or three days at 20 an hour
+    _, at = lone_node(seed, per_hour, 0.5, 10**9, 1.0, 3600 if per_hour > 100 else 1440)
+    assert at == []
+
+
+def test_a_drifting_node_is_alerted_again_only_after_it_came_back() -> None:
+    rnd, fleet = random.Random(5), Fleet(["solo"])
+    t = 0.0
+    for phase, (factor, n) in enumerate([(1, 40), (2, 80), (1, 150), (2, 80)]):
+        for _ in range(n):
+            fleet.feed("solo", noisy(rnd, 20 * factor, 0.1), t)
+            t += 60
+        assert fleet.book.node("solo").drifting == (factor == 2), phase
+    assert [v.action for v in fleet.verdicts] == ["drifting", "drifting"]
+
+
+def run_ejected(fleet: Fleet, rnd: random.Random, slow_ms: float, t: float, n: int) -> tuple[float, list[int]]:
+    """``n`` rounds of one request on each node (c at ``slow_ms``), the watch's clock applied as
+    speedwatch does (the period starts at the eject, the trial when it is over); returns the time
+    and the rounds at which c was ejected."""
+    ejected_at = []
+    for k in range(n):
+        for name in fleet.names:
+            v = fleet.feed(name, noisy(rnd, slow_ms if name == "c" else 20, 0.1), t)
+            if v is not None and v.action in ("soft", "hard"):
+                fleet.book.eject_period("c", t, 3, 300)
+                ejected_at.append(k)
+        fleet.book.trial("c", t)
+        t += 0.25
+    return t, ejected_at
+
+
+def test_a_trial_keeps_the_ewma_so_a_node_still_slow_is_out_again_after_evaluations_requests() -> None:
+    rnd, fleet = random.Random(4), Fleet(["a", "b", "c"])
+    t, _ = run_ejected(fleet, rnd, 20, 0.0, 40)
+    t, ejected = run_ejected(fleet, rnd, 40, t, 13)  # 2× slower: a soft eject, 3 s at 4 rounds a second
+    assert len(ejected) == 1 and fleet.book.node("c").ejected
+    first = fleet.book.node("c")
+    assert first.period == 3
+    # its trial comes at the end of the period; still slow, it is out again after `evaluations`
+    # of its requests (not after a fresh `samples`), for twice as long
+    while not fleet.book.trial("c", t):
+        t, got = run_ejected(fleet, rnd, 40, t, 1)
+        assert got == []
+    t, again = run_ejected(fleet, rnd, 40, t, fleet.cfg.evaluations)
+    assert again == [fleet.cfg.evaluations - 1]
+    assert fleet.book.node("c").period == 6 and fleet.book.node("c").ejections == 2
+
+
+def test_a_trial_that_shows_the_node_back_to_speed_recovers_it_without_a_second_eject() -> None:
+    rnd, fleet = random.Random(6), Fleet(["a", "b", "c"])
+    t, _ = run_ejected(fleet, rnd, 20, 0.0, 40)
+    t, ejected = run_ejected(fleet, rnd, 40, t, 12)
+    assert len(ejected) == 1
+    t += 3  # the period: no request reaches it meanwhile, as if hard-ejected
+    t, again = run_ejected(fleet, rnd, 20, t, 60)  # its trial: back to speed
+    assert again == []
+    assert [v.action for v in fleet.verdicts] == ["soft", "recovered"]
+    assert fleet.book.node("c").state == OK

@@ -42,7 +42,9 @@ from kilolined.scheduling.speed import (
     Sample,
     SpeedBook,
     Verdict,
+    client_model,
     ejectable,
+    shown_model,
 )
 from kilolined.wire.upstream import STALLED as STALLED_REASON
 
@@ -68,9 +70,10 @@ class SpeedWatch:
 
     # --- samples ------------------------------------------------------------------------
     def measured(self, node: str, route: str, model: str | None, held: float, cost: float,
-                 samples: list[Sample] | None) -> None:
-        """One request ``node`` served in full in ``held`` seconds: ``samples`` as the adapter
-        read them (LLM tokens), else per cost unit (``cost``), else per request."""
+                 samples: list[Sample] | None, key: str = "") -> None:
+        """One request ``node`` served in full in ``held`` seconds for the client ``key``:
+        ``samples`` as the adapter read them (LLM tokens), else per cost unit (``cost``), else per
+        request, in the client's own series (speed.client_model)."""
         ns = self.rt.scheduler.nodes.get(node)
         if ns is None or ns.cfg.slow is None or route.startswith("adhoc:"):
             return
@@ -89,8 +92,13 @@ class SpeedWatch:
 
         if not samples:
             # Per cost unit, else per request: one value, recorded without a Sample made for it.
-            unit, value = (MS_UNIT, held * 1000 / cost) if cost > 0 else (MS_REQUEST, held * 1000)
-            v = book.record_value(node, route, model_, unit, value, now, cfg, ejectable)
+            if cost > 0:
+                v = book.record_value(node, route, model_, MS_UNIT, held * 1000 / cost, now, cfg, ejectable)
+            else:
+                # The size is unknown: the client's own series, judged against its own history
+                # only when the node is alone on the route (else its peers say more).
+                v = book.record_value(node, route, client_model(model_, key), MS_REQUEST, held * 1000, now, cfg,
+                                      ejectable, may_drift=self._alone(route))
             if v is not None:
                 self._act(ns, v, now)
             return
@@ -99,17 +107,22 @@ class SpeedWatch:
             if v is not None:
                 self._act(ns, v, now)
 
+    def _alone(self, route: str) -> bool:
+        rq = self.rt.scheduler.routes.get(route)
+        return rq is None or len(rq.cfg.nodes) + len(rq.cfg.standby) <= 1
+
     def _route_nodes(self, route: str) -> list[str]:
         rq = self.rt.scheduler.routes.get(route)
         return list(rq.all_nodes) if rq is not None else []
 
     def _ejectable(self, route: str, node: str, now: float) -> int:
-        """How many more of the route's nodes may be ejected: max(1, 10 %) at once, and never
-        the last one that can take work."""
+        """How many more of the route's nodes may be ejected besides ``node`` (out already or
+        not): max(1, 10 %) at once, and never the last one that can take work."""
         sched = self.rt.scheduler
         names = [n for n in self._route_nodes(route) if n in sched.nodes and not sched.nodes[n].retired]
         # the cluster's verdicts, not only this gateway's: the cap holds for the route
-        out = sum(1 for n in names if sched.nodes[n].slow_state in (SPEED_SLOW, SPEED_HARD, SPEED_STALLED))
+        out = sum(1 for n in names
+                  if n != node and sched.nodes[n].slow_state in (SPEED_SLOW, SPEED_HARD, SPEED_STALLED))
         others = [n for n in names if n != node and sched.nodes[n].serving(now) and not sched.nodes[n].slowed]
         return ejectable(len(names), out, len(others))
 
@@ -135,7 +148,7 @@ class SpeedWatch:
         elif v.action == "drifting":
             ratio = v.level / v.peers if v.peers else math.inf
             rt.node_events(ns, ["node_drifting"], {"node_drifting": (
-                f"🐢 {_who(ns)} drifting: {_n(v.level)} {v.unit} over the last hour vs {_n(v.peers)} {v.unit} "
+                f"🐢 {_who(ns)} drifting: {_n(v.level)} {v.unit} vs {_n(v.peers)} {v.unit} "
                 f"at its best ({ratio:.1f}×) — alone on its route, so still serving")})
         rt.wake()
 
@@ -171,7 +184,7 @@ class SpeedWatch:
         st.state, st.period = SLOW, ns.slow_period
         if state == SPEED_TRIAL:
             if st.ejected:
-                self.book.trial(ns.name, math.inf)  # the trial's requests judge it: its series start afresh
+                self.book.trial(ns.name, math.inf)  # on trial here too: judged from its next request
             st.ejected = st.hard = False
             st.until = 0.0
             return
@@ -190,7 +203,8 @@ class SpeedWatch:
 
     def tick(self, now: float) -> None:
         """An ejected node's period is over: its trial — slots back through slow start, and the
-        next ``samples`` requests judge it afresh (recovered, or ejected again for longer)."""
+        requests are judged from the first, on the EWMA it kept (recovered, or ejected again for
+        longer after ``evaluations`` slow ones)."""
         for name, ns in self.rt.scheduler.nodes.items():
             if ns.cfg.slow is None:
                 self._lift(name, ns)  # a verdict another gateway published meanwhile
@@ -221,15 +235,26 @@ class SpeedWatch:
         if name in self.book.nodes:
             self.book.forget(name)  # its numbers too: judged afresh if it is turned on again
 
-    def stall(self, node: str, reason: str) -> None:
-        """No byte from the node for ``stall_sec`` in a running request: out at once."""
+    def stall(self, node: str, route: str, reason: str, again: bool) -> bool:
+        """No byte from the node for ``stall_sec`` in a running request of ``route``: out at once
+        (a hard eject), under the caps a slow verdict obeys — never the last node of the route
+        that can take work, never more than max(1, 10 %) of its nodes at once. ``again``: the
+        request stalled on another node before, so it is the request's doing (a prefill longer
+        than stall_sec), not this node's: no eject. False: the node is not watched (``slow: off``)."""
         ns = self.rt.scheduler.nodes.get(node)
         if ns is None or ns.cfg.slow is None:
-            return
-        self._follow(ns)
-        if not self.book.stalled(node):
-            return
+            return False
         now = self.rt.clock()
+        self._follow(ns)
+        why_not = ("it stalled on another node too: the request's doing" if again else
+                   "never more than max(1, 10 %) of a route's nodes at once, nor its last"
+                   if self._ejectable(route, node, now) <= 0 else "")
+        if why_not:
+            ns.last_error = reason
+            log.warning("✗ [%s] %s — not ejected (%s)", node, reason, why_not)
+            return True
+        if not self.book.stalled(node):
+            return True
         st = self.book.node(node)
         self.book.eject_period(node, now, ns.breaker_cfg.open_sec, ns.breaker_cfg.max_open_sec)
         ns.last_error = reason
@@ -238,6 +263,7 @@ class SpeedWatch:
         self._decide(ns, SPEED_STALLED, st, text)
         self.rt.node_events(ns, ["node_slow", *ns.trip(now)], {"node_slow": text, "breaker_open": (
             f"⚡ {_who(ns)} breaker OPEN after a stall, retry in {ns.open_period:g}s")})
+        return True
 
     # --- views ------------------------------------------------------------------------------
     def view(self, node: str) -> dict[str, object] | None:
@@ -251,7 +277,7 @@ class SpeedWatch:
             route, model, unit = [*ns.slow_cause.split("\t"), "", "", ""][:3]
             state = STALLED if ns.slow_state == SPEED_STALLED else SLOW
             out = {"unit": unit or None, "ewma": None, "peers_median": None, "state": state, "route": route or None,
-                   "model": model or None}
+                   "model": shown_model(model)}
         return out
 
     def forget(self, node: str) -> None:

@@ -36,6 +36,7 @@ from kilolined.wire.upstream import STALLED
 log = logging.getLogger("kilolined")
 T = TypeVar("T")
 CLEANUP_SEC = 5.0
+STALLS_MAX = 2  # nodes a request may stall on: one that stalled on two fails, it ejects no third
 ATTEMPT_GRACE_SEC = 1.0  # an abort cleanup (interrupt a prompt) may take this long before the slot is freed
 
 
@@ -181,7 +182,7 @@ class LeaseScope:
 
     __slots__ = ("_aborts", "_armed", "_deadline", "_due", "_hold", "_rerouted", "_revoked", "_target", "_task",
                  "dispatched_at", "handed_over", "key", "lease", "listener", "ok", "rt", "samples", "size",
-                 "started", "state", "ticket", "writing")
+                 "stalls", "started", "state", "ticket", "writing")
 
     def __init__(self, rt: Runtime, ticket: Ticket, listener: Sink, key: str | None):
         self.rt, self.ticket, self.listener, self.key = rt, ticket, listener, key
@@ -202,6 +203,8 @@ class LeaseScope:
         self.started = False
         #: set when this scope's release handed its slot straight to a waiting request
         self.handed_over = False
+        #: how many nodes this request stalled on (a second stall is the request's doing: it fails)
+        self.stalls = 0
         self._aborts: list[Callable[[], Coroutine[Any, Any, Any]]] = []
         self._deadline: float | None = None  # the current lease's expiry (loop time)
         self._due: float | None = None  # when the armed expiry fires: past _deadline by the attempt's grace
@@ -247,9 +250,17 @@ class LeaseScope:
             return
         if mid_body:
             self.ok = False
-        self.rt.node_failure(lease.node, reason, lease.trial)
         if reason.startswith(STALLED):
-            self.rt.speed.stall(lease.node, reason)  # out at once, not after consecutive failures
+            # The speed watch judges a stall, under the caps of a slow verdict; it is not one of
+            # the breaker's consecutive failures, or a request that stalls everywhere (a long
+            # prefill) would open every breaker it met.
+            self.stalls += 1
+            judged = self.rt.speed.stall(lease.node, lease.route, reason, again=self.stalls > 1)
+            if judged and not lease.trial:
+                return
+            # Not watched (`slow: off` since it began), or the node's half-open trial: a failure
+            # as any other too (a failed trial opens the breaker again).
+        self.rt.node_failure(lease.node, reason, lease.trial)
 
     # --- entering ---------------------------------------------------------------------------
     async def __aenter__(self) -> LeaseScope:
@@ -326,6 +337,12 @@ class LeaseScope:
             self.node_failed(failure.reason)
             if self.state != S_ATTEMPTING:  # expired meanwhile: the exit turns this into the timeout
                 raise Failure.upstream(f"node {lease.node} did not answer in time", True)
+            if self.stalls >= STALLS_MAX and failure.reason.startswith(STALLED):
+                # Stalled on two nodes: the request's doing (a prefill longer than stall_sec), not
+                # theirs; it fails rather than stall a third (docs/CONFIG.md "Slow nodes").
+                self._to(S_HELD)
+                raise Failure.upstream(f"{failure.reason} on node {lease.node}, as on another node before: "
+                                       "the request, not the nodes (not re-queued)", False)
             if ticket.requeues >= lease.target.route.retry_on_failover:
                 self._to(S_HELD)
                 if failure.response is not None:
@@ -553,7 +570,7 @@ class LeaseScope:
         if ok:
             # The answer ended well: how fast the node served it, against its peers (speed.py).
             t = self.ticket
-            rt.speed.measured(lease.node, lease.route, t.model, held, t.cost, self.samples)
+            rt.speed.measured(lease.node, lease.route, t.model, held, t.cost, self.samples, t.key)
         rt.stats.gpu_seconds += held
         rt.metrics.upstream.labels(rt.route_label(lease.route), lease.node).observe(held)
         if self.key is not None:

@@ -17,7 +17,7 @@ CLOSED, HALF_OPEN, OPEN = "closed", "half-open", "open"
 BREAKER_GAUGE = {CLOSED: 0, HALF_OPEN: 1, OPEN: 2}
 # What the speed watch decided about a node (ops/speedwatch.py): at full speed; soft-ejected (one
 # slot, ranked last); hard-ejected (its breaker opened for it); on trial after an eject (slots back
-# through slow start, judged afresh); out after a stall.
+# through slow start, judged from its first request on the EWMA it kept); out after a stall.
 SPEED_OK, SPEED_SLOW, SPEED_HARD, SPEED_TRIAL, SPEED_STALLED = "ok", "slow", "hard", "trial", "stalled"
 
 

@@ -8,7 +8,8 @@ stalled) and when it may be tried again live here, what that means for its slots
 
 Speed is time per unit of work, so requests of different sizes compare: an LLM answer in ms per
 generated token (and ms per uncached prompt token), a ComfyUI prompt in ms per sampler step
-(when its progress frames gave steps) or per cost unit, any other request in ms per request.
+(when its progress frames gave steps) or per cost unit, any other request in ms per request —
+in its client key's own series (``client_model``), since only the client knows its sizes.
 Every unit is in ms so that ``min_gap_ms`` reads the same for all.
 
 The level of one (node, route, model, unit) series is a peak-EWMA over ``samples`` requests: a
@@ -24,7 +25,8 @@ noise of σ 0.5 (GPU timings are that noisy) an EWMA over 20 requests wanders ±
 unlucky requests in a row push it over 1.5× about once every 15,000 requests. The evidence
 grows by about 0.6 a request on a node 3× slower (flagged within ~8 of its requests) and
 drifts down on a healthy one, so an hour of noise raises no alarm (tests/test_speed.py).
-``evaluations`` slow evaluations in a row are needed to act.
+``evaluations`` slow evaluations in a row are needed to act. A node alone on its route is
+judged the same way against its own history (drift.py).
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from dataclasses import dataclass, field
 from statistics import median
 
 from kilolined.core.config import SlowConfig
+from kilolined.scheduling.drift import HOUR_MIN, Baseline
 
 # Units, all in milliseconds per unit of work.
 MS_TOKEN = "ms/token"  # LLM decode: per generated token
@@ -44,10 +47,9 @@ MS_STEP = "ms/step"  # ComfyUI: per sampler step (progress events)
 MS_REQUEST = "ms/request"  # anything else: per request of the same route
 
 OK, SLOW, DRIFTING, STALLED = "ok", "slow", "drifting", "stalled"
+CLIENT = "\x1f"  # joins a series' model and the client key it is kept for (client_model)
 EVIDENCE = 2.5  # the CUSUM (in log units) a slow evaluation needs: ~5σ of σ-0.5 noise
 HARD = 3.0  # this many times the peers' median (or a stall): the breaker opens
-HOUR = 3600.0
-KEEP_HOURS = 7 * 24  # the drift baseline remembers this many hourly levels
 MIN_PROMPT_TOKENS = 16  # fewer uncached prompt tokens say more about overhead than prefill speed
 
 
@@ -92,6 +94,19 @@ def llm_samples(elapsed_s: float, first_s: float | None, usage: Mapping[str, obj
     return out
 
 
+def client_model(model: str, key: str) -> str:
+    """The series a request measured whole (ms per request: its size unknown) belongs to: its
+    client's own. One key's requests are compared only with the same key's on the other nodes,
+    so a client sending heavier requests than the rest, or pinning them to one node, measures
+    its own requests, not the node (docs/CONFIG.md "Slow nodes")."""
+    return f"{model}{CLIENT}{key}"
+
+
+def shown_model(model: str) -> str | None:
+    """A series' model as the views show it: without the client it is kept for."""
+    return model.partition(CLIENT)[0] or None
+
+
 def _num(v: object) -> float | None:
     if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
         return None
@@ -108,12 +123,9 @@ class Series:
     evidence: float = 0.0  # the CUSUM of log(sample / peers' median) - log(ratio), floored at 0
     hard_streak: int = 0  # consecutive evaluations at HARD × the peers
     fine_streak: int = 0  # consecutive evaluations back within ratio (recovery)
-    peers: float | None = None  # the peers' median at the last evaluation
-    # drift: the hour being filled (index, sum of log values, count) and the completed hours' levels
-    hour: int = -1
-    hour_logs: float = 0.0
-    hour_n: int = 0
-    hours: list[tuple[float, int]] = field(default_factory=list)  # (geometric mean, requests)
+    peers: float | None = None  # the peers' median at the last evaluation (alone: its own baseline)
+    #: alone on its route (drift.py): its own history, the evidence against it and the verdict's streak
+    own: Baseline = field(default_factory=lambda: Baseline())
     #: the (route, model, unit) group it belongs to (SpeedBook.groups): its peers, without a lookup
     group: dict[str, Series] | None = field(default=None, repr=False, compare=False)
 
@@ -203,9 +215,11 @@ class SpeedBook:
         return self.record_value(node, route, model, sample.unit, sample.value, now, cfg, ejectable)
 
     def record_value(self, node: str, route: str, model: str, unit: str, value: float, now: float,
-                     cfg: SlowConfig, ejectable: Callable[[], int]) -> Verdict | None:
+                     cfg: SlowConfig, ejectable: Callable[[], int], may_drift: bool = True) -> Verdict | None:
         """``record`` of the sample (``unit``, ``value``), without a Sample made for it: the
-        speed watch's one sample per answer of a request measured whole."""
+        speed watch's one sample per answer of a request measured whole. ``may_drift``: a series
+        with no peer is judged against its own history (False: one client's series on a route
+        with other nodes, whose own history says more about the client than the node)."""
         s = self.series.get((node, route, model, unit))
         if s is None:
             s = self.series[(node, route, model, unit)] = Series()
@@ -222,19 +236,16 @@ class SpeedBook:
             level += (alpha if value <= level else min(1.0, 2 * alpha)) * (value - level)
             s.level = level
         s.count += 1
-        # this hour's sums (_hourly), inline while the hour is the same
-        if int(now // HOUR) == s.hour:
-            s.hour_logs += math.log(max(value, 1e-9))
-            s.hour_n += 1
-        else:
-            self._hourly(s, value, now)
         mates = s.group
         peers = [p.level for n, p in mates.items() if n != node and p.level is not None and p.count >= samples] \
             if mates is not None and len(mates) > 1 else None
         if not peers:
             s.peers = None
             s.streak = s.hard_streak = 0
-            return self._drift(node, s, unit, cfg) if s.hour_n == 1 else None
+            if not may_drift:
+                return None
+            return self._drift(node, s, unit, level, value, now, cfg)
+        s.own.learn(level, value, now, HOUR_MIN * samples)  # its baseline, should its peers go
         mid = _median(peers)
         s.peers = mid
         if s.count < samples:
@@ -268,11 +279,6 @@ class SpeedBook:
             return None  # (hard_streak counts a subset of streak's samples: it is never the larger)
         return self._eject(node, st, "hard" if s.hard_streak >= cfg.evaluations else "soft", cause, s, mid)
 
-    def _peer_levels(self, key: Key, samples: int) -> list[float]:
-        node, route, model, unit = key
-        return [s.level for n, s in self.groups.get((route, model, unit), {}).items()
-                if n != node and s.level is not None and s.warm(samples)]
-
     def _eject(self, node: str, st: NodeSpeed, how: str, cause: tuple[str, str, str], s: Series,
                mid: float) -> Verdict:
         assert s.level is not None
@@ -281,8 +287,7 @@ class SpeedBook:
         st.ejected = True
         st.hard = how == "hard"
         st.ejections += 1
-        s.streak = s.hard_streak = 0
-        s.evidence = 0.0
+        s.streak = s.hard_streak = 0  # its evidence stays: a trial goes on from it (trial)
         return Verdict(node, how, cause[2], s.level, mid)
 
     def _recover(self, node: str, st: NodeSpeed, unit: str, level: float, mid: float) -> Verdict:
@@ -302,7 +307,12 @@ class SpeedBook:
 
     def trial(self, node: str, now: float) -> bool:
         """The eject's period is over: the node is tried again (True once, when it just ended).
-        Its slow series start afresh so that the trial's requests judge it, not its past."""
+
+        A trial does not forget: the series keeps its level and its count, so the trial's first
+        request is judged, and its evidence is set to the threshold (less if it had less): each
+        sample above ``ratio`` × the peers keeps it there, one below takes it under. A node still
+        slow is ejected again after ``evaluations`` slow requests, for twice as long; one back to
+        speed is not, and recovers once its level and evidence have come down."""
         st = self.nodes.get(node)
         if st is None or st.state != SLOW or not st.ejected or now < st.until:
             return False
@@ -312,7 +322,8 @@ class SpeedBook:
             route, model, unit = st.cause
             s = self.series.get((node, route, model, unit))
             if s is not None:
-                s.level, s.count, s.streak, s.hard_streak, s.evidence = None, 0, 0, 0, 0.0
+                s.streak = s.hard_streak = s.fine_streak = 0
+                s.evidence = min(s.evidence, EVIDENCE)
         return True
 
     def stalled(self, node: str) -> bool:
@@ -336,35 +347,26 @@ class SpeedBook:
         return True
 
     # --- drift ----------------------------------------------------------------------------
-    def _hourly(self, s: Series, value: float, now: float) -> None:
-        h = int(now // HOUR)
-        if h != s.hour:
-            if s.hour_n:
-                s.hours.append((math.exp(s.hour_logs / s.hour_n), s.hour_n))
-                del s.hours[:-KEEP_HOURS]
-            s.hour, s.hour_logs, s.hour_n = h, 0.0, 0
-        s.hour_logs += math.log(max(value, 1e-9))
-        s.hour_n += 1
-
-    def _drift(self, node: str, s: Series, unit: str, cfg: SlowConfig) -> Verdict | None:
-        """Alone on its route: the last full hour's level against the best hour it has had.
-
-        Hourly geometric means of many requests, not the EWMA, because drift is slow and the
-        EWMA's noise (±10 % at σ 0.5) is as large as the drift to find."""
-        if s.hour_n != 1 or not s.hours:
-            return None  # judged once an hour, at the first request of a new one
-        need = 5 * cfg.samples
-        full = [lvl for lvl, n in s.hours if n >= need]
-        if len(full) < 2 or s.hours[-1][1] < need:
+    def _drift(self, node: str, s: Series, unit: str, level: float, value: float, now: float,
+               cfg: SlowConfig) -> Verdict | None:
+        """Alone on its route: the sample against its own baseline (drift.py), at every request
+        once the series has served ``samples``. Alerted once, until back within ``drift``."""
+        own = s.own
+        need = HOUR_MIN * cfg.samples
+        if s.count < cfg.samples:
+            own.learn(level, value, now, need)
             return None
-        best, last = min(full[:-1]), full[-1]
-        st = self.node(node)
-        if not st.drifting and last > cfg.drift * best:
-            st.drifting = True
-            return Verdict(node, "drifting", unit, last, best)
-        if st.drifting and last <= (1 + (cfg.drift - 1) / 2) * best:
-            st.drifting = False  # back well under the line: a later drift alerts again
-        return None
+        own.judge(level, value, now, cfg.drift, EVIDENCE, need)
+        st = self.nodes.get(node)
+        if st is not None and st.drifting:
+            if own.back(level, now, cfg.drift):
+                st.drifting = False  # back within drift: a later drift alerts again
+            return None
+        if own.streak < cfg.evaluations:
+            return None
+        self.node(node).drifting = True
+        base = own.best(now)
+        return Verdict(node, "drifting", unit, level, base[0] if base is not None else None)
 
     # --- views ------------------------------------------------------------------------------
     def view(self, node: str) -> dict[str, object] | None:
@@ -386,7 +388,7 @@ class SpeedBook:
         if state == OK and st is not None and st.drifting:
             state = DRIFTING
         return {"unit": unit, "ewma": _round(s.level), "peers_median": _round(s.peers), "state": state,
-                "route": route, "model": model or None}
+                "route": route, "model": shown_model(model)}
 
     def levels(self) -> list[tuple[str, str, str, float]]:
         """(node, route, unit, level) of every series, for kiloline_node_speed (models averaged
