@@ -7,6 +7,8 @@ from __future__ import annotations
 import asyncio
 import json
 import socket
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from conftest import auth, base_config, wait_until
@@ -20,15 +22,19 @@ def adhoc_nodes(gw: Any) -> list[str]:
     return [n for n in gw.rt.scheduler.nodes if n.startswith("adhoc:")]
 
 
-def closed_ports(n: int) -> list[int]:
-    """Loopback ports nothing listens on (bound then closed: a connect is refused at once)."""
+@contextmanager
+def closed_ports(n: int) -> Iterator[list[int]]:
+    """Loopback ports nothing listens on, held for the block: bound but never listening, so a
+    connect is refused at once and no other test's server can take the port meanwhile (under
+    load, a port bound then closed was taken by another worker's fake GPU: a 200 instead of 502)."""
     socks = [socket.socket() for _ in range(n)]
-    for s in socks:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
-    return ports
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        yield [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
 
 
 async def proxy(http: Any, gw: Any, who: str, target: str, slots: int | None = None, **body: Any
@@ -79,10 +85,11 @@ async def test_served_targets_stay_bounded_by_the_per_key_cap(fakegpus, gateway,
     other = await fakegpus()
     gw = await gateway(adhoc_config(other.url))
     per_key = gw.rt.adhoc.per_key
-    ports = closed_ports(per_key * 3)
     # Batches of per_key: each refused target is re-queued once and waits out its node's recovery
     # before its 502, so the batches run one after another; a batch never exceeds the cap.
-    res = await in_batches([proxy(http, gw, "carol", f"http://127.0.0.1:{p}") for p in ports], size=per_key)
+    with closed_ports(per_key * 3) as ports:
+        res = await in_batches([proxy(http, gw, "carol", f"http://127.0.0.1:{p}") for p in ports],
+                               size=per_key)
     # every one was admitted and tried (nothing listens there): 502, none refused by a cap
     assert {r[0] for r in res} == {502}
     assert len(adhoc_routes(gw)) <= per_key
@@ -122,24 +129,24 @@ async def test_caps_refuse_only_when_every_route_is_busy(fakegpus, gateway, http
     t1, t2 = f"http://127.0.0.1:{g.port}", f"http://localhost:{g.port}"
     busy = [asyncio.create_task(proxy(http, gw, "bob", t)) for t in (t1, t2)]
     await wait_until(lambda: len(adhoc_routes(gw)) == 2)
-    ports = closed_ports(2)
-    # bob's own cap: his two routes are busy
-    st, h, body = await proxy(http, gw, "bob", f"http://127.0.0.1:{ports[0]}")
-    assert st == 429 and body["error"]["type"] == "queue_full" and int(h["Retry-After"]) >= 1
-    assert len(adhoc_routes(gw)) == 2
-    # alice is not bound by bob's cap; her route, busy, fills the gateway's cap of 3
-    busy.append(asyncio.create_task(proxy(http, gw, "alice", t1)))
-    await wait_until(lambda: len(adhoc_routes(gw)) == 3)
-    st, h, body = await proxy(http, gw, "carol", f"http://127.0.0.1:{ports[1]}")
-    assert st == 503 and body["error"]["type"] == "queue_full" and int(h["Retry-After"]) >= 1
-    assert [(await t)[0] for t in busy] == [200, 200, 200]
-    # once idle, the least recently used route makes room: a new target is taken, the caps hold
-    st, _, _ = await proxy(http, gw, "carol", t1)
-    assert st == 200
-    assert len(adhoc_routes(gw)) == 3
-    st, _, _ = await proxy(http, gw, "bob", f"http://127.0.0.1:{g.port}/")
-    assert st == 200
-    assert gw.rt.adhoc.by_key["bob"] <= 2 and len(adhoc_routes(gw)) <= 3
+    with closed_ports(2) as ports:
+        # bob's own cap: his two routes are busy
+        st, h, body = await proxy(http, gw, "bob", f"http://127.0.0.1:{ports[0]}")
+        assert st == 429 and body["error"]["type"] == "queue_full" and int(h["Retry-After"]) >= 1
+        assert len(adhoc_routes(gw)) == 2
+        # alice is not bound by bob's cap; her route, busy, fills the gateway's cap of 3
+        busy.append(asyncio.create_task(proxy(http, gw, "alice", t1)))
+        await wait_until(lambda: len(adhoc_routes(gw)) == 3)
+        st, h, body = await proxy(http, gw, "carol", f"http://127.0.0.1:{ports[1]}")
+        assert st == 503 and body["error"]["type"] == "queue_full" and int(h["Retry-After"]) >= 1
+        assert [(await t)[0] for t in busy] == [200, 200, 200]
+        # once idle, the least recently used route makes room: a new target is taken, the caps hold
+        st, _, _ = await proxy(http, gw, "carol", t1)
+        assert st == 200
+        assert len(adhoc_routes(gw)) == 3
+        st, _, _ = await proxy(http, gw, "bob", f"http://127.0.0.1:{g.port}/")
+        assert st == 200
+        assert gw.rt.adhoc.by_key["bob"] <= 2 and len(adhoc_routes(gw)) <= 3
 
 
 async def test_one_keys_concurrency_slot_cannot_change_anothers(fakegpus, gateway, http) -> None:
