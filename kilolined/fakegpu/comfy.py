@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import json
 import sys
 import time
@@ -37,6 +38,7 @@ from kilolined.fakegpu import comfy_jobs
 from kilolined.fakegpu.base import GIB, Job, is_int
 from kilolined.fakegpu.card import Backend
 from kilolined.fakegpu.comfy_graph import (
+    LOADS_IMAGE,
     NODES,
     canonical_uuid,
     error_body,
@@ -277,7 +279,7 @@ class ComfyBackend(Backend):
             return web.json_response(error_body("invalid_prompt_id", "prompt_id must be a valid UUID",
                                                 f"prompt_id: {prompt_id!r}"), status=400)
         graph = body["prompt"]
-        problem, outputs, order = validate(graph)
+        problem, outputs, order = validate(graph, self.input_exists)
         if problem is not None:
             return web.json_response(problem, status=400)
         extra_data = dict(body["extra_data"]) if isinstance(body.get("extra_data"), dict) else {}
@@ -449,9 +451,30 @@ class ComfyBackend(Backend):
         for index in range(max(1, min(batch, 16))):
             self.image_counter += 1
             filename = f"{name or 'ComfyUI'}_{self.image_counter:05}_.png"
-            self._store((kind, subfolder, filename), make_png(f"{prompt.seq}/{prompt.prompt_id}/{node_id}/{index}"))
+            seed = f"{prompt.seq}/{prompt.prompt_id}/{node_id}/{index}/{self._loaded(prompt)}"
+            self._store((kind, subfolder, filename), make_png(seed))
             images.append({"filename": filename, "subfolder": subfolder, "type": kind})
         return images
+
+    def input_exists(self, value: str) -> bool:
+        """folder_paths.exists_annotated_filepath: ``sub/name``, or ``name [output]`` and the like."""
+        kind = "input"
+        for k in ("input", "output", "temp"):
+            if value.endswith(f" [{k}]"):
+                kind, value = k, value[: -len(k) - 3]
+                break
+        sub, _, name = value.rpartition("/")
+        return (kind, sub.strip("/"), name) in self.images
+
+    def _loaded(self, prompt: Prompt) -> str:
+        """What the prompt's LoadImage nodes read, so an img2img output depends on its input."""
+        found = []
+        for node in prompt.graph.values():
+            image = inputs_of(node).get("image") if node.get("class_type") in LOADS_IMAGE else None
+            if isinstance(image, str):
+                sub, _, name = image.rpartition("/")
+                found.append(hashlib.sha256(self.images.get(("input", sub, name), b"")).hexdigest()[:16])
+        return ",".join(found)
 
     def _store(self, key: tuple[str, str, str], data: bytes) -> None:
         if key not in self.images and len(self.images) >= IMAGE_CAP:

@@ -1,0 +1,224 @@
+"""A ComfyUI prompt's inputs follow it to the node that runs it (docs/API.md "ComfyUI over several GPUs").
+
+``POST {path}/upload/image`` (and ``/upload/mask``) is answered by the gateway as ComfyUI
+answers it, and the file is held in the route's directory (comfy_files.py), not sent to any
+node: which node runs the prompt that uses it is known only at dispatch. Before a prompt is
+sent to a node, every held input it names (a ``LoadImage`` ``image``, or any input whose value
+is a held name) is uploaded to that node, once per node and content; a prompt re-queued to
+another node (failover) delivers them there too, as each attempt delivers to its own node.
+
+An input may also be given as a ``data:`` URL, or as an ``http(s)`` URL that the route's
+``comfy.fetch_inputs`` globs allow (the rules of ``X-Target-Host``: the URL's canonical form
+must match a glob; no redirect is followed). Either is held like an upload, under a name made
+of its content, and the prompt's value becomes that name.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import logging
+import mimetypes
+from typing import Any
+from urllib.parse import urlsplit
+
+import aiohttp
+from aiohttp import web
+
+from kilolined.adapters.comfy_files import (
+    INPUT,
+    KINDS,
+    RouteFile,
+    RouteFiles,
+    annotated,
+    clean_subfolder,
+    valid_filename,
+)
+from kilolined.adapters.comfy_store import files_state
+from kilolined.core.errors import error_response
+from kilolined.core.hosts import parse_target, target_allowed
+from kilolined.core.outcome import Failure
+from kilolined.ops.runtime import Runtime
+from kilolined.scheduling.queue import Lease
+from kilolined.wire.proxy import UpstreamFailed, node_lost
+
+log = logging.getLogger("kilolined")
+
+UPLOAD_PATHS = ("/upload/image", "/upload/mask", "/api/upload/image", "/api/upload/mask")
+DELIVER_SEC = 60.0  # one input's upload to a node
+FETCH_SEC = 30.0  # one fetched input, whole
+
+
+def is_upload(method: str, path: str) -> bool:
+    return method == "POST" and path in UPLOAD_PATHS
+
+
+# --- POST /upload/image ----------------------------------------------------------------------------
+
+async def upload(rt: Runtime, request: web.Request, route: str, subject: str, request_id: str) -> web.Response:
+    """Held as ComfyUI's server.py image_upload would write it: the same fields, checks and answer.
+    ``/upload/mask`` is held as sent (ComfyUI pastes its alpha onto ``original_ref``; here the
+    painted image itself is the input)."""
+    headers = {"X-Request-Id": request_id}
+    files = files_state(rt).files(route)
+    try:
+        post = await request.post()
+    except web.HTTPRequestEntityTooLarge:
+        return error_response(413, "payload_too_large", "upload larger than server.max_body_mb",
+                              request_id=request_id)
+    except ValueError:
+        return web.Response(status=400, headers=headers)
+    image = post.get("image")
+    kind = str(post.get("type") or INPUT)
+    given_sub = str(post.get("subfolder", ""))
+    sub = clean_subfolder(given_sub)
+    if not isinstance(image, web.FileField) or not image.filename or kind not in KINDS or sub is None \
+            or not valid_filename(image.filename):
+        return web.Response(status=400, headers=headers)
+    data = image.file.read()
+    if len(data) > files.max_bytes:
+        return error_response(413, "payload_too_large", "upload larger than the route's comfy.max_files_mb",
+                              request_id=request_id)
+    f = files.upload(kind, sub, image.filename, data, subject, str(post.get("overwrite")) in ("true", "1"))
+    rt.metrics.comfy_uploads.labels(route).inc()
+    return web.json_response({"name": f.name, "subfolder": given_sub, "type": kind}, headers=headers)
+
+
+# --- the prompt's inputs ---------------------------------------------------------------------------
+
+def fetch_allowed(globs: list[str], url: str) -> str | None:
+    """The URL's canonical form when a ``comfy.fetch_inputs`` glob allows it, else None. A user
+    part (``https://good@evil/``) is never allowed: it is how a URL hides its real host."""
+    if not globs:
+        return None
+    try:
+        parts = urlsplit(url)
+    except ValueError:
+        return None
+    if "@" in parts.netloc or parts.fragment:
+        return None
+    origin = parse_target(f"{parts.scheme}://{parts.netloc}")
+    if origin is None:
+        return None
+    canon = origin + (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
+    return canon if target_allowed(globs, canon) else None
+
+
+def _ext(mime: str) -> str:
+    mime = mime.split(";", 1)[0].strip().lower()
+    return {"image/jpeg": ".jpg"}.get(mime) or mimetypes.guess_extension(mime) or ".bin"
+
+
+def decode_data_url(value: str) -> tuple[bytes, str] | None:
+    """(bytes, extension) of a base64 ``data:`` URL; None for any other string."""
+    head, comma, payload = value.partition(",")
+    if not comma or not head.startswith("data:") or not head.endswith(";base64"):
+        return None
+    try:
+        data = base64.b64decode(payload, validate=True)
+    except (binascii.Error, ValueError):
+        raise Failure("bad_request", "an input's data: URL is not valid base64", 400) from None
+    return data, _ext(head[5:-7] or "application/octet-stream")
+
+
+class PromptInputs:
+    """The held files a prompt names, and its body with inline and fetched inputs renamed."""
+
+    def __init__(self, rt: Runtime, route: str, subject: str):
+        self.rt, self.route, self.subject = rt, route, subject
+        st = files_state(rt)
+        self.files: RouteFiles = st.files(route)
+        self.cfg = st.config(route)
+        self.needed: list[RouteFile] = []
+        self.changed = False
+
+    async def resolve(self, body: dict[str, Any]) -> dict[str, Any]:
+        graph = body.get("prompt")
+        if not isinstance(graph, dict):
+            return body
+        new_graph = {nid: await self._node(node) for nid, node in graph.items()}
+        return {**body, "prompt": new_graph} if self.changed else body
+
+    async def _node(self, node: Any) -> Any:
+        inputs = node.get("inputs") if isinstance(node, dict) else None
+        if not isinstance(inputs, dict):
+            return node
+        new = {k: await self._value(v) if isinstance(v, str) else v for k, v in inputs.items()}
+        return {**node, "inputs": new} if new != inputs else node
+
+    async def _value(self, value: str) -> str:
+        inline = decode_data_url(value) if value.startswith("data:") else None
+        if inline is None and value.startswith(("http://", "https://")):
+            url = fetch_allowed(self.cfg.fetch_inputs, value)
+            inline = await self._fetch(url) if url is not None else None
+        if inline is not None:
+            data, ext = inline
+            if len(data) > self.files.max_bytes:
+                raise Failure("payload_too_large", "an input is larger than the route's comfy.max_files_mb", 413)
+            f = self.files.content(data, ext, self.subject)
+            self._need(f)
+            self.changed = True
+            return f.name
+        kind, sub, name = annotated(value)
+        if kind == INPUT and valid_filename(name):
+            held = self.files.get(INPUT, sub, name)
+            if held is not None and held.data is not None and (self.cfg.shared or self.subject in held.owners):
+                self._need(held)
+        return value
+
+    def _need(self, f: RouteFile) -> None:
+        if all(f is not g for g in self.needed):
+            self.needed.append(f)
+
+    async def _fetch(self, url: str) -> tuple[bytes, str]:
+        limit = self.files.max_bytes
+        try:
+            async with self.rt.session("comfy-fetch").get(
+                    url, allow_redirects=False, headers={"Accept-Encoding": "identity"},
+                    timeout=aiohttp.ClientTimeout(total=FETCH_SEC)) as r:
+                if r.status != 200:
+                    raise Failure("bad_request", f"an input URL answered HTTP {r.status}", 400)
+                data = await r.content.read(limit + 1)
+                ctype = r.headers.get("Content-Type", "")
+        except (aiohttp.ClientError, OSError, TimeoutError) as e:
+            raise Failure("bad_request", f"an input URL could not be fetched ({type(e).__name__})", 400) from None
+        if len(data) > limit:
+            raise Failure("payload_too_large", "an input is larger than the route's comfy.max_files_mb", 413)
+        path = urlsplit(url).path
+        ext = _ext(ctype) if ctype else mimetypes.guess_extension(mimetypes.guess_type(path)[0] or "") or ".bin"
+        return data, ext
+
+
+async def deliver(rt: Runtime, lease: Lease, needed: list[RouteFile], request_id: str) -> None:
+    """Upload to the lease's node each held input it has not had with this content. A node that
+    cannot take them fails like one that cannot take the prompt: the request is re-queued."""
+    st = files_state(rt)
+    files = st.files(lease.route)
+    session = rt.session(lease.node)
+    headers = {"X-Request-Id": request_id, **lease.target.headers}
+    for f in needed:
+        data = f.data
+        if data is None or st.was_delivered(lease.node, f):
+            continue  # dropped since (bounded memory): the node says the input is missing
+        form = aiohttp.FormData()
+        form.add_field("image", data, filename=f.name,
+                       content_type=mimetypes.guess_type(f.name)[0] or "application/octet-stream")
+        form.add_field("subfolder", f.subfolder)
+        form.add_field("type", f.kind)
+        form.add_field("overwrite", "true")  # the route's name is the file: never "name (1)" on the node
+        try:
+            async with session.post(lease.target.url + "/upload/image", data=form, headers=headers,
+                                    timeout=aiohttp.ClientTimeout(total=DELIVER_SEC, sock_connect=10)) as r:
+                status = r.status
+                await r.read()
+        except aiohttp.ClientConnectorError:
+            raise node_lost("connection refused") from None
+        except (aiohttp.ClientError, OSError, TimeoutError) as e:
+            log.info("[%s] delivering an input: %s", lease.node, type(e).__name__)
+            raise node_lost("connection failed while delivering an input") from None
+        if status >= 500:
+            raise UpstreamFailed(f"HTTP {status} from node delivering an input")
+        if status != 200:
+            raise Failure("upstream_error", f"the node refused an input (HTTP {status})", 502)
+        files.use(f)
+        st.mark_delivered(lease.node, f)

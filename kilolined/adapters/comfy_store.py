@@ -1,0 +1,322 @@
+"""Where a ComfyUI route's files live: the runtime's record of each route's files
+(comfy_files.py), the route's bucket, the copy of a finished prompt's outputs, and ``/view``.
+
+When a prompt ends, every output its history lists (``type: output``) is copied from the node's
+``/view`` into the store: the gateway's memory (``comfy.max_files_mb``) or the route's bucket.
+``GET {path}/view`` is answered from the store whether or not the node lives; while a copy is
+not done yet (the web UI asks as soon as ``executed`` arrives), and for ``temp`` previews, the
+file streams from the node that made it. A key reads only its own files (ComfyUI's 404 for
+another key's), the admin key all, and every key on a ``comfy.shared`` route.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import mimetypes
+from collections import OrderedDict
+from collections.abc import Callable, Iterable
+from typing import Any
+from urllib.parse import quote, unquote, urlencode
+
+import aiohttp
+from aiohttp import web
+from multidict import CIMultiDict
+
+from kilolined.adapters.comfy_files import INPUT, KINDS, OUTPUT, TEMP, RouteFile, RouteFiles, clean_subfolder, may_read
+from kilolined.core.auth import presented_key
+from kilolined.core.config import ComfyConfig
+from kilolined.ops.runtime import Runtime
+from kilolined.wire.proxy import SERVER, stream_back
+from kilolined.wire.s3 import Bucket, BucketError
+
+log = logging.getLogger("kilolined")
+
+STATE_KEY = "comfyfiles"
+VIEW_PATHS = ("/view", "/api/view")
+COPY_SEC = 60.0  # one output's copy from its node
+DELIVERED_MAX = 50_000  # (node, file, sha256) deliveries remembered
+# ComfyUI's /view forces these to download rather than display (a file a node wrote is not a page of ours).
+DOWNLOAD_ONLY = frozenset({"text/html", "text/html-sandboxed", "application/xhtml+xml", "text/javascript", "text/css"})
+
+
+class FilesState:
+    """The ComfyUI files of one runtime: per route, its directory; per node, what was delivered."""
+
+    def __init__(self, rt: Runtime):
+        self.rt = rt
+        self.routes: dict[str, RouteFiles] = {}
+        #: (node, kind, subfolder, name, sha256) of inputs a node has: delivered once per node and content
+        self.delivered: OrderedDict[tuple[str, str, str, str, str], None] = OrderedDict()
+        self.copies = 0  # output copies in flight
+        rt.metrics.comfy_files_source = self.held
+
+    def config(self, route: str) -> ComfyConfig:
+        rcfg = self.rt.cfg.routes.get(route)
+        return rcfg.comfy if rcfg is not None else ComfyConfig()
+
+    def files(self, route: str) -> RouteFiles:
+        got = self.routes.get(route)
+        if got is None:
+            got = self.routes[route] = RouteFiles(self.rt.clock)
+        # A reload may change the bounds: read them at each use.
+        got.max_bytes = int(self.config(route).max_files_mb * 1024 * 1024)
+        got.ttl = self.rt.cfg.jobs.result_ttl_sec
+        return got
+
+    def bucket(self, route: str) -> tuple[Bucket, str] | None:
+        """The route's bucket and its key prefix for this route's objects, or None (memory)."""
+        s3 = self.config(route).store.s3
+        if s3 is None:
+            return None
+        session = self.rt.session("comfy-bucket:" + route)
+        return (Bucket(session, s3.endpoint, s3.bucket, s3.region, s3.access_key, s3.secret_key.get_secret_value()),
+                f"{s3.prefix}{route}/")
+
+    def held(self) -> Iterable[tuple[str, int, int]]:
+        """(route, files, bytes in memory) of every configured route with files."""
+        for route, files in self.routes.items():
+            if route in self.rt.cfg.routes:
+                h = files.held()
+                yield route, h.files, h.bytes
+
+    def was_delivered(self, node: str, f: RouteFile) -> bool:
+        return (node, f.kind, f.subfolder, f.name, f.sha256) in self.delivered
+
+    def mark_delivered(self, node: str, f: RouteFile) -> None:
+        self.delivered[(node, f.kind, f.subfolder, f.name, f.sha256)] = None
+        while len(self.delivered) > DELIVERED_MAX:
+            self.delivered.popitem(last=False)
+
+    def forget_node(self, node: str) -> None:
+        """The node lost its files (it answered that an input we delivered is not there)."""
+        for k in [k for k in self.delivered if k[0] == node]:
+            del self.delivered[k]
+
+
+def files_state(rt: Runtime) -> FilesState:
+    st = rt.adapter_state.get(STATE_KEY)
+    if not isinstance(st, FilesState):
+        st = rt.adapter_state[STATE_KEY] = FilesState(rt)
+    return st
+
+
+def object_key(prefix: str, kind: str, subfolder: str, name: str) -> str:
+    return f"{prefix}{kind}/{subfolder + '/' if subfolder else ''}{name}"
+
+
+def reader(rt: Runtime, request: web.Request, route: str, subject: str) -> Callable[[RouteFile], bool]:
+    """Whether the caller may read a file: its owner, the admin key, anyone on a shared route."""
+    shared = files_state(rt).config(route).shared
+    admin = rt.keys.is_admin(presented_key(request))
+    return lambda f: may_read(f, subject, admin, shared)
+
+
+# --- names in what clients see ------------------------------------------------------------------
+
+def rename_outputs(entry: dict[str, Any], files: RouteFiles, node: str, owner: str | None) -> dict[str, Any]:
+    """A history entry (or an ``executed`` output) with each file dict of type output or temp
+    under the route's name for it: what a client sees is the route's directory, never a node's."""
+    outputs = entry.get("outputs")
+    if not isinstance(outputs, dict):
+        return entry
+    return {**entry, "outputs": {nid: rename_ui(out, files, node, owner) for nid, out in outputs.items()}}
+
+
+def rename_ui(out: Any, files: RouteFiles, node: str, owner: str | None) -> Any:
+    """One node's UI output (``{"images": [{filename, subfolder, type}], …}``) under route names."""
+    if not isinstance(out, dict):
+        return out
+    return {k: [_renamed(item, files, node, owner) for item in items] if isinstance(items, list) else items
+            for k, items in out.items()}
+
+
+def _renamed(item: Any, files: RouteFiles, node: str, owner: str | None) -> Any:
+    if not isinstance(item, dict) or not isinstance(item.get("filename"), str):
+        return item
+    kind = item.get("type") or OUTPUT
+    sub = clean_subfolder(str(item.get("subfolder") or ""))
+    if kind not in (OUTPUT, TEMP) or sub is None:
+        return item
+    return {**item, "filename": files.route_filename(node, item["filename"], sub, kind, owner)}
+
+
+def output_files(entry: dict[str, Any]) -> list[tuple[str, str, str]]:
+    """(kind, subfolder, node filename) of every output and preview a history entry lists."""
+    found = []
+    outputs = entry.get("outputs")
+    for out in outputs.values() if isinstance(outputs, dict) else ():
+        for items in out.values() if isinstance(out, dict) else ():
+            for item in items if isinstance(items, list) else ():
+                if isinstance(item, dict) and isinstance(item.get("filename"), str):
+                    kind = item.get("type") or OUTPUT
+                    sub = clean_subfolder(str(item.get("subfolder") or ""))
+                    if kind in (OUTPUT, TEMP) and sub is not None:
+                        found.append((kind, sub, item["filename"]))
+    return found
+
+
+# --- the copy at the end of a prompt --------------------------------------------------------------
+
+def prompt_finished(rt: Runtime, route: str, node: str, entry: dict[str, Any], owner: str) -> dict[str, Any]:
+    """Name the finished prompt's files on the route, start copying its outputs off the node,
+    and return the entry as clients see it (route names)."""
+    st = files_state(rt)
+    files = st.files(route)
+    for kind, sub, name in output_files(entry):
+        f = files.name_output(node, kind, sub, name, owner)
+        if kind == OUTPUT and not f.stored:
+            st.copies += 1
+            rt.spawn(_copy(rt, route, node, f))
+    return rename_outputs(entry, files, node, owner)
+
+
+async def _copy(rt: Runtime, route: str, node: str, f: RouteFile) -> None:
+    st = files_state(rt)
+    try:
+        ns = rt.scheduler.nodes.get(node)
+        if ns is None:
+            raise aiohttp.ClientError("node gone")
+        limit = st.files(route).max_bytes
+        query = urlencode({"filename": f.node_name, "subfolder": f.subfolder, "type": f.kind})
+        async with rt.session(node).get(f"{ns.cfg.url}/view?{query}", headers=ns.cfg.headers,
+                                        timeout=aiohttp.ClientTimeout(total=COPY_SEC)) as r:
+            if r.status != 200:
+                raise aiohttp.ClientError(f"HTTP {r.status}")
+            data = await r.content.read(limit + 1)
+            ctype = r.headers.get("Content-Type", "application/octet-stream")
+        if len(data) > limit:
+            raise aiohttp.ClientError("larger than comfy.max_files_mb")
+        digest = hashlib.sha256(data).hexdigest()
+        bucket = st.bucket(route)
+        if bucket is not None:
+            b, prefix = bucket
+            owners = ",".join(quote(o, safe="") for o in sorted(f.owners))
+            await b.put(object_key(prefix, f.kind, f.subfolder, f.name), data, ctype, {"owners": owners})
+            st.files(route).copied(f, None, len(data), digest)
+        else:
+            st.files(route).copied(f, data, len(data), digest)
+    except (aiohttp.ClientError, OSError, TimeoutError, BucketError) as e:
+        f.failed = True
+        log.warning("[%s] could not copy an output off the node (%s): it is served from the node while it lives",
+                    node, e)
+    finally:
+        st.copies -= 1
+
+
+# --- /view ------------------------------------------------------------------------------------------
+
+def is_view(method: str, path: str) -> bool:
+    return method in ("GET", "HEAD") and path in VIEW_PATHS
+
+
+async def view(rt: Runtime, request: web.Request, route: str, subject: str,
+               request_id: str) -> web.StreamResponse | None:
+    """``/view`` from the route's files, or None to pass it on (an input the gateway never held:
+    one of the node's own, such as ComfyUI's example.png)."""
+    q = request.query
+    filename = q.get("filename")
+    if filename is None:
+        return None  # ComfyUI's 404; the node says so
+    if not filename or filename.startswith("/") or ".." in filename:
+        return web.Response(status=400, headers={"X-Request-Id": request_id})
+    kind = q.get("type", OUTPUT)
+    sub = clean_subfolder(q.get("subfolder", ""))
+    if sub is None:
+        return web.Response(status=403, headers={"X-Request-Id": request_id})
+    if kind not in KINDS or "/" in filename:
+        return None
+    st = files_state(rt)
+    files = st.files(route)
+    may = reader(rt, request, route, subject)
+    f = files.get(kind, sub, filename)
+    if f is None and kind == OUTPUT:
+        f = await _from_bucket(st, route, files, sub, filename)
+    if f is None:
+        # Outputs and previews come only from the route's record (ComfyUI's 404 for what is not
+        # there); an input it never held may be one of the node's own files.
+        return None if kind == INPUT else _not_found(request_id)
+    if not may(f):
+        return _not_found(request_id)
+    files.use(f)
+    if f.data is not None:
+        return web.Response(body=f.data, headers=_file_headers(f.name, None, request_id))
+    if f.in_bucket:
+        return await _stream_bucket(request, st, route, f, request_id)
+    if f.node is not None:
+        return await _stream_node(rt, request, f, request_id)
+    return _not_found(request_id)
+
+
+def _not_found(request_id: str) -> web.Response:
+    return web.Response(status=404, headers={"X-Request-Id": request_id})
+
+
+def _file_headers(name: str, ctype: str | None, request_id: str) -> CIMultiDict[str]:
+    ctype = ctype or mimetypes.guess_type(name)[0] or "application/octet-stream"
+    if ctype in DOWNLOAD_ONLY:
+        ctype = "application/octet-stream"
+    return CIMultiDict({"Content-Type": ctype, "Content-Disposition": f'filename="{name}"',
+                        "X-Request-Id": request_id, "Server": SERVER})
+
+
+async def _from_bucket(st: FilesState, route: str, files: RouteFiles, sub: str, name: str) -> RouteFile | None:
+    """An output the record forgot (a restart, the index's bound) but the bucket keeps."""
+    bucket = st.bucket(route)
+    if bucket is None:
+        return None
+    b, prefix = bucket
+    try:
+        r = await b.open(object_key(prefix, OUTPUT, sub, name), "HEAD")
+    except BucketError as e:
+        log.warning("[%s] bucket: %s", route, e)
+        return None
+    if r is None:
+        return None
+    owners = {unquote(o) for o in unquote(r.headers.get("x-amz-meta-owners", "")).split(",") if o}
+    size = int(r.headers.get("Content-Length", "0") or 0)
+    r.release()
+    return files.known(OUTPUT, sub, name, owners, size)
+
+
+async def _stream_bucket(request: web.Request, st: FilesState, route: str, f: RouteFile,
+                         request_id: str) -> web.StreamResponse:
+    bucket = st.bucket(route)
+    if bucket is None:
+        return _not_found(request_id)
+    b, prefix = bucket
+    try:
+        r = await b.open(object_key(prefix, f.kind, f.subfolder, f.name), "GET")
+    except BucketError as e:
+        log.warning("[%s] bucket: %s", route, e)
+        return web.Response(status=502, headers={"X-Request-Id": request_id})
+    if r is None:
+        return _not_found(request_id)
+    try:
+        headers = _file_headers(f.name, r.headers.get("Content-Type"), request_id)
+        resp, _ = await stream_back(request, r, headers)
+        return resp
+    finally:
+        r.release()
+
+
+async def _stream_node(rt: Runtime, request: web.Request, f: RouteFile, request_id: str) -> web.StreamResponse:
+    """A file only its node has yet (a copy under way, or a preview): from the node while it lives."""
+    assert f.node is not None
+    ns = rt.scheduler.nodes.get(f.node)
+    if ns is None:
+        return _not_found(request_id)
+    keep = [(k, v) for k, v in request.query.items() if k not in ("filename", "subfolder", "type")]
+    query = urlencode([("filename", f.node_name), ("subfolder", f.subfolder), ("type", f.kind), *keep])
+    try:
+        async with rt.session(f.node).get(f"{ns.cfg.url}/view?{query}", headers=ns.cfg.headers,
+                                          timeout=aiohttp.ClientTimeout(total=COPY_SEC)) as r:
+            if r.status != 200:
+                return _not_found(request_id)
+            resp, _ = await stream_back(request, r, _file_headers(f.name, r.headers.get("Content-Type"),
+                                                                  request_id))
+            return resp
+    except ConnectionResetError:
+        raise  # the client left
+    except (aiohttp.ClientError, OSError, TimeoutError):
+        return _not_found(request_id)  # the node is gone, and so is the file: what ComfyUI would say
