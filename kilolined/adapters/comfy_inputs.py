@@ -206,8 +206,11 @@ async def deliver(rt: Runtime, lease: Lease, needed: list[RouteFile], request_id
         form.add_field("subfolder", f.subfolder)
         form.add_field("type", f.kind)
         form.add_field("overwrite", "true")  # the route's name is the file: never "name (1)" on the node
+        payload = form()
+        # The node sessions send no Content-Type of their own (runtime.py): the multipart one is ours.
+        sent = {**headers, "Content-Type": payload.content_type}
         try:
-            async with session.post(lease.target.url + "/upload/image", data=form, headers=headers,
+            async with session.post(lease.target.url + "/upload/image", data=payload, headers=sent,
                                     timeout=aiohttp.ClientTimeout(total=DELIVER_SEC, sock_connect=10)) as r:
                 status = r.status
                 await r.read()

@@ -1,0 +1,227 @@
+"""One ComfyUI over two nodes: inputs follow the prompt, outputs leave the node (SPEC §16), end to
+end over loopback with two fake ComfyUI nodes of one slot each."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+from typing import Any
+
+import aiohttp
+import pytest
+from aiohttp import web
+from conftest import ADMIN, auth, base_config, wait_until
+
+from kilolined.fakegpu.comfy_graph import make_png
+
+ASYNC = {"X-KiloLine-Mode": "async"}
+
+
+def img2img(image: str, prefix: str = "ComfyUI") -> dict[str, Any]:
+    return {
+        "1": {"class_type": "LoadImage", "inputs": {"image": image}},
+        "2": {"class_type": "ImageInvert", "inputs": {"image": ["1", 0]}},
+        "3": {"class_type": "SaveImage", "inputs": {"images": ["2", 0], "filename_prefix": prefix}},
+    }
+
+
+def two_nodes(a: Any, b: Any, **over: Any) -> dict[str, Any]:
+    cfg = base_config({"a": a.url, "b": b.url}, kind="comfyui", max_concurrency=1, **over)
+    cfg["routes"]["gen"].update(nodes=["a", "b"], standby=[])
+    return cfg
+
+
+async def upload(http: aiohttp.ClientSession, url: str, name: str, data: bytes, who: str = "alice",
+                 **fields: str) -> dict[str, Any]:
+    form = aiohttp.FormData()
+    form.add_field("image", data, filename=name, content_type="image/png")
+    for k, v in fields.items():
+        form.add_field(k, v)
+    async with http.post(url + "/gen/upload/image", data=form, headers=auth(who)) as r:
+        assert r.status == 200, await r.text()
+        return dict(await r.json())
+
+
+async def run_job(http: aiohttp.ClientSession, gw: Any, graph: dict[str, Any], who: str = "alice") -> dict[str, Any]:
+    """An async job to its end; its result (the history entry, in the route's names)."""
+    async with http.post(gw.url + "/gen/prompt", json={"prompt": graph}, headers={**auth(who), **ASYNC}) as r:
+        assert r.status == 202, await r.text()
+        job_id = (await r.json())["job_id"]
+    await wait_until(lambda: gw.jobs.jobs[job_id].status in ("completed", "failed", "cancelled"), timeout=20)
+    job = gw.jobs.jobs[job_id]
+    assert job.status == "completed", job.events
+    assert job.result is not None
+    return dict(job.result.result)
+
+
+def images(result: dict[str, Any]) -> list[dict[str, Any]]:
+    return [img for out in result["outputs"].values() for img in out.get("images", [])]
+
+
+async def view(http: aiohttp.ClientSession, gw: Any, img: dict[str, Any], who: str = "alice") -> tuple[int, bytes]:
+    q = {"filename": img["filename"], "subfolder": img["subfolder"], "type": img["type"]}
+    async with http.get(gw.url + "/gen/view", params=q, headers=auth(who)) as r:
+        return r.status, await r.read()
+
+
+async def test_upload_is_held_and_answered_as_comfyui(fakegpus: Any, gateway: Any,
+                                                      http: aiohttp.ClientSession) -> None:
+    a = await fakegpus("comfyui")
+    b = await fakegpus("comfyui")
+    gw = await gateway(two_nodes(a, b))
+    png, other = make_png("cat"), make_png("dog")
+    assert await upload(http, gw.url, "cat.png", png) == {"name": "cat.png", "subfolder": "", "type": "input"}
+    # The same bytes again: the same file. Other bytes under the name: ComfyUI's "name (1)".
+    assert (await upload(http, gw.url, "cat.png", png))["name"] == "cat.png"
+    assert (await upload(http, gw.url, "cat.png", other))["name"] == "cat (1).png"
+    assert (await upload(http, gw.url, "cat.png", other, overwrite="true"))["name"] == "cat.png"
+    # Held by the gateway, not sent to a node at upload time.
+    assert a.backend.images == {} and b.backend.images == {}
+    status, body = await view(http, gw, {"filename": "cat (1).png", "subfolder": "", "type": "input"})
+    assert status == 200 and body == other
+    assert gw.rt.metrics.comfy_uploads.labels("gen").value == 4
+
+
+async def test_twenty_img2img_prompts_over_two_nodes(fakegpus: Any, gateway: Any,
+                                                     http: aiohttp.ClientSession) -> None:
+    a = await fakegpus("comfyui", steps=2, step_ms=10)
+    b = await fakegpus("comfyui", steps=2, step_ms=10)
+    gw = await gateway(two_nodes(a, b))
+    names = [(await upload(http, gw.url, f"in{i}.png", make_png(f"in{i}")))["name"] for i in range(20)]
+    results = await asyncio.gather(*(run_job(http, gw, img2img(n)) for n in names))
+    assert a.stats["served"] > 0 and b.stats["served"] > 0  # both nodes ran some
+    assert a.stats["served"] + b.stats["served"] == 20
+    outs = [img for res in results for img in images(res)]
+    # Both nodes numbered their outputs from 1: the route's names are all different.
+    assert len({o["filename"] for o in outs}) == 20
+    # Every output downloadable after both nodes are gone (copied off the node at the end).
+    await wait_until(lambda: gw.rt.adapter_state["comfyfiles"].copies == 0)
+    await a.kill()
+    await b.kill()
+    bodies = set()
+    for o in outs:
+        status, body = await view(http, gw, o)
+        assert status == 200 and body.startswith(b"\x89PNG")
+        bodies.add(body)
+    assert len(bodies) == 20
+
+
+async def test_sync_prompt_takes_its_input_to_the_node(fakegpus: Any, gateway: Any,
+                                                       http: aiohttp.ClientSession) -> None:
+    a = await fakegpus("comfyui")
+    b = await fakegpus("comfyui")
+    gw = await gateway(two_nodes(a, b))
+    name = (await upload(http, gw.url, "cat.png", make_png("cat")))["name"]
+    for _ in range(4):
+        async with http.post(gw.url + "/gen/prompt", json={"prompt": img2img(name)}, headers=auth()) as r:
+            assert r.status == 200, await r.text()
+    await wait_until(lambda: a.stats["served"] + b.stats["served"] == 4)
+    # Delivered once per node that ran one.
+    assert ("input", "", "cat.png") in a.backend.images and ("input", "", "cat.png") in b.backend.images
+    # A name the gateway does not hold goes as it is: the node answers ComfyUI's validation error.
+    async with http.post(gw.url + "/gen/prompt", json={"prompt": img2img("nope.png")}, headers=auth()) as r:
+        assert r.status == 400
+        body = await r.json()
+    assert body["error"]["type"] == "prompt_outputs_failed_validation"
+    assert body["node_errors"]["1"]["errors"][0]["details"] == "image - Invalid image file: nope.png"
+
+
+async def test_primary_killed_mid_prompt_completes_on_standby_with_its_input(
+        fakegpus: Any, gateway: Any, http: aiohttp.ClientSession) -> None:
+    a = await fakegpus("comfyui", steps=200, step_ms=20)
+    b = await fakegpus("comfyui", steps=2, step_ms=10)
+    cfg = base_config({"a": a.url, "b": b.url}, kind="comfyui", max_concurrency=1)  # b is the standby
+    gw = await gateway(cfg)
+    name = (await upload(http, gw.url, "cat.png", make_png("cat")))["name"]
+    async with http.post(gw.url + "/gen/prompt", json={"prompt": img2img(name)}, headers={**auth(), **ASYNC}) as r:
+        job_id = (await r.json())["job_id"]
+    await wait_until(lambda: a.stats["running"] == 1)
+    assert ("input", "", "cat.png") in a.backend.images and b.backend.images == {}
+    await a.kill()
+    await wait_until(lambda: gw.jobs.jobs[job_id].status in ("completed", "failed"), timeout=15)
+    job = gw.jobs.jobs[job_id]
+    assert job.status == "completed", job.events
+    assert ("input", "", "cat.png") in b.backend.images and b.stats["served"] == 1
+    status, _ = await view(http, gw, images(job.result.result)[0])
+    assert status == 200
+
+
+async def test_a_key_cannot_view_another_keys_output(fakegpus: Any, gateway: Any,
+                                                     http: aiohttp.ClientSession) -> None:
+    a = await fakegpus("comfyui", steps=2, step_ms=10)
+    b = await fakegpus("comfyui", steps=2, step_ms=10)
+    gw = await gateway(two_nodes(a, b))
+    name = (await upload(http, gw.url, "cat.png", make_png("cat")))["name"]
+    res = await run_job(http, gw, img2img(name))
+    out = images(res)[0]
+    await wait_until(lambda: gw.rt.adapter_state["comfyfiles"].copies == 0)
+    assert (await view(http, gw, out))[0] == 200
+    assert (await view(http, gw, out, who="bob"))[0] == 404
+    assert (await view(http, gw, {"filename": name, "subfolder": "", "type": "input"}, who="bob"))[0] == 404
+    # bob's prompt naming alice's upload does not get it delivered.
+    async with http.post(gw.url + "/gen/prompt", json={"prompt": img2img("cat.png")},
+                         headers=auth("bob")) as r:
+        assert r.status in (200, 400)
+
+
+async def test_data_url_input_is_held_and_delivered(fakegpus: Any, gateway: Any,
+                                                     http: aiohttp.ClientSession) -> None:
+    a = await fakegpus("comfyui", steps=2, step_ms=10)
+    b = await fakegpus("comfyui", steps=2, step_ms=10)
+    gw = await gateway(two_nodes(a, b))
+    png = make_png("inline")
+    url = "data:image/png;base64," + base64.b64encode(png).decode()
+    res = await run_job(http, gw, img2img(url))
+    sent = res["prompt"][2]["1"]["inputs"]["image"]
+    assert sent.startswith("kl_") and sent.endswith(".png")
+    assert any(img == png for (kind, _, _), img in {**a.backend.images, **b.backend.images}.items()
+               if kind == "input")
+
+
+@pytest.fixture
+async def origin() -> Any:
+    """A plain web server to fetch inputs from."""
+    app = web.Application()
+    png = make_png("fetched")
+    app.router.add_get("/img/cat.png", lambda _r: web.Response(body=png, content_type="image/png"))
+    app.router.add_get("/redirect", lambda _r: web.HTTPFound("/img/cat.png"))
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = runner.addresses[0][1]
+    yield f"http://127.0.0.1:{port}", png
+    await runner.cleanup()
+
+
+async def test_fetched_inputs_only_where_fetch_inputs_allows(fakegpus: Any, gateway: Any, origin: Any,
+                                                             http: aiohttp.ClientSession) -> None:
+    base, png = origin
+    a = await fakegpus("comfyui", steps=2, step_ms=10)
+    b = await fakegpus("comfyui", steps=2, step_ms=10)
+    cfg = two_nodes(a, b)
+    cfg["routes"]["gen"]["comfy"] = {"fetch_inputs": [base + "/img/*"]}
+    gw = await gateway(cfg)
+    res = await run_job(http, gw, img2img(base + "/img/cat.png"))
+    assert res["prompt"][2]["1"]["inputs"]["image"].startswith("kl_")
+    assert any(img == png for img in {**a.backend.images, **b.backend.images}.values())
+    # Outside the globs (a redirect too): passed on as it is, fetched by nobody.
+    for url in (base + "/redirect", base.replace("127.0.0.1", "localhost") + "/img/cat.png"):
+        async with http.post(gw.url + "/gen/prompt", json={"prompt": img2img(url)}, headers=auth()) as r:
+            assert r.status == 400
+            assert "Invalid image file: " + url in (await r.text())
+
+
+async def test_admin_state_shows_files(fakegpus: Any, gateway: Any, http: aiohttp.ClientSession) -> None:
+    a = await fakegpus("comfyui")
+    b = await fakegpus("comfyui")
+    gw = await gateway(two_nodes(a, b))
+    png = make_png("cat")
+    await upload(http, gw.url, "cat.png", png)
+    async with http.get(gw.url + "/admin/state", headers=ADMIN) as r:
+        state = await r.json()
+    assert state["routes"]["gen"]["comfy_files"] == {"files": 1, "bytes": len(png)}
+    async with http.get(gw.url + "/metrics", headers=ADMIN) as r:
+        text = await r.text()
+    assert f'kiloline_comfy_files_bytes{{route="gen"}} {float(len(png))}' in text
+    assert 'kiloline_comfy_uploads_total{route="gen"} 1.0' in text
