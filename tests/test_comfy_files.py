@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import socket
+import sys
+from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -158,10 +161,19 @@ async def test_a_key_cannot_view_another_keys_output(fakegpus: Any, gateway: Any
     assert (await view(http, gw, out))[0] == 200
     assert (await view(http, gw, out, who="bob"))[0] == 404
     assert (await view(http, gw, {"filename": name, "subfolder": "", "type": "input"}, who="bob"))[0] == 404
-    # bob's prompt naming alice's upload does not get it delivered.
+    # bob's prompt naming alice's upload: ComfyUI's answer for a file that is not there, although
+    # the node that ran alice's prompt has it.
     async with http.post(gw.url + "/gen/prompt", json={"prompt": img2img("cat.png")},
                          headers=auth("bob")) as r:
-        assert r.status in (200, 400)
+        assert r.status == 400
+        body = await r.json()
+    assert body["error"]["type"] == "prompt_outputs_failed_validation"
+    assert body["node_errors"]["1"] == {
+        "errors": [{"type": "custom_validation_failed", "message": "Custom validation failed for node",
+                    "details": "image - Invalid image file: cat.png", "extra_info": {"input_name": "image"}}],
+        "dependent_outputs": ["3"], "class_type": "LoadImage"}
+    assert a.stats["served"] + b.stats["served"] == 1
+    await wait_until(lambda: sum(gw.rt.scheduler.node_inflight.values()) == 0)  # the refusal freed its slot
 
 
 async def test_data_url_input_is_held_and_delivered(fakegpus: Any, gateway: Any,
@@ -225,3 +237,61 @@ async def test_admin_state_shows_files(fakegpus: Any, gateway: Any, http: aiohtt
         text = await r.text()
     assert f'kiloline_comfy_files_bytes{{route="gen"}} {float(len(png))}' in text
     assert 'kiloline_comfy_uploads_total{route="gen"} 1.0' in text
+
+
+# --- the bucket: a real S3-compatible server (moto's), checked with boto3 ------------------------
+
+@pytest.fixture
+async def moto() -> Any:
+    """moto's S3 server on a loopback port, with one bucket."""
+    boto3 = pytest.importorskip("boto3")
+    shutil = pytest.importorskip("shutil")
+    exe = shutil.which("moto_server") or str(Path(sys.executable).with_name("moto_server"))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = await asyncio.create_subprocess_exec(exe, "-H", "127.0.0.1", "-p", str(port),
+                                                stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL)
+    endpoint = f"http://127.0.0.1:{port}"
+    try:
+        async with aiohttp.ClientSession() as s:
+            async def up() -> bool:
+                try:
+                    async with s.get(endpoint + "/moto-api/") as r:
+                        return r.status < 500
+                except aiohttp.ClientError:
+                    return False
+            await wait_until(up, timeout=20, step=0.1)
+        client = boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1",
+                              aws_access_key_id="kl-test", aws_secret_access_key="kl-test-secret")
+        await asyncio.to_thread(client.create_bucket, Bucket="comfy-out")
+        yield endpoint, client
+    finally:
+        proc.terminate()
+        await proc.wait()
+
+
+async def test_outputs_go_to_the_bucket_and_are_served_from_it(fakegpus: Any, gateway: Any, moto: Any,
+                                                               http: aiohttp.ClientSession) -> None:
+    endpoint, client = moto
+    a = await fakegpus("comfyui", steps=2, step_ms=10)
+    b = await fakegpus("comfyui", steps=2, step_ms=10)
+    cfg = two_nodes(a, b)
+    cfg["routes"]["gen"]["comfy"] = {"store": {"s3": {
+        "endpoint": endpoint, "bucket": "comfy-out", "region": "us-east-1", "access_key": "kl-test",
+        "secret_key": "kl-test-secret", "prefix": "kl/"}}}
+    gw = await gateway(cfg)
+    name = (await upload(http, gw.url, "cat.png", make_png("cat")))["name"]
+    out = images(await run_job(http, gw, img2img(name)))[0]
+    await wait_until(lambda: gw.rt.adapter_state["comfyfiles"].copies == 0)
+    obj = await asyncio.to_thread(client.get_object, Bucket="comfy-out", Key=f"kl/gen/output/{out['filename']}")
+    data = obj["Body"].read()
+    assert data.startswith(b"\x89PNG") and obj["Metadata"]["owners"] == "alice"
+    assert obj["ContentType"] == "image/png"
+    await a.kill()
+    await b.kill()
+    assert await view(http, gw, out) == (200, data)
+    # Forgotten by the gateway (a restart): found in the bucket, still alice's only.
+    gw.rt.adapter_state["comfyfiles"].routes.clear()
+    assert (await view(http, gw, out, who="bob"))[0] == 404
+    assert await view(http, gw, out) == (200, data)

@@ -23,6 +23,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 import aiohttp
+import orjson
 from aiohttp import web
 
 from kilolined.adapters.comfy_files import (
@@ -44,6 +45,7 @@ from kilolined.wire.proxy import UpstreamFailed, node_lost
 
 log = logging.getLogger("kilolined")
 
+LOADS_IMAGE = frozenset({"LoadImage", "LoadImageMask"})  # their ``image`` names a file of the input directory
 UPLOAD_PATHS = ("/upload/image", "/upload/mask", "/api/upload/image", "/api/upload/mask")
 DELIVER_SEC = 60.0  # one input's upload to a node
 FETCH_SEC = 30.0  # one fetched input, whole
@@ -121,6 +123,42 @@ def decode_data_url(value: str) -> tuple[bytes, str] | None:
     return data, _ext(head[5:-7] or "application/octet-stream")
 
 
+def invalid_images(graph: dict[str, Any], refused: list[tuple[dict[str, Any], str]]) -> Failure:
+    """ComfyUI's 400 for LoadImage values that name no file it has (nodes.py VALIDATE_INPUTS as
+    execution.py reports it), for the nodes in ``refused``."""
+    node_errors: dict[str, Any] = {}
+    for nid, node in graph.items():
+        for bad, value in refused:
+            if node is bad:
+                node_errors[nid] = {"errors": [{"type": "custom_validation_failed",
+                                                "message": "Custom validation failed for node",
+                                                "details": f"image - Invalid image file: {value}",
+                                                "extra_info": {"input_name": "image"}}],
+                                    "dependent_outputs": _outputs_of(graph, nid), "class_type": node["class_type"]}
+    details = "\n".join(f"Custom validation failed for node: {e['errors'][0]['details']}" for e in node_errors.values())
+    body = {"error": {"type": "prompt_outputs_failed_validation", "message": "Prompt outputs failed validation",
+                      "details": details, "extra_info": {}}, "node_errors": node_errors}
+    return Failure("bad_request", "Prompt outputs failed validation", 400, orjson.dumps(body), "application/json")
+
+
+def _outputs_of(graph: dict[str, Any], nid: str) -> list[str]:
+    """The nodes downstream of ``nid`` that feed no other node (its prompt's outputs)."""
+    def links_to(node: Any) -> set[str]:
+        inputs = node.get("inputs") if isinstance(node, dict) else None
+        return {v[0] for v in (inputs.values() if isinstance(inputs, dict) else ())
+                if isinstance(v, list) and len(v) == 2 and isinstance(v[0], str)}
+    feeds = {n: links_to(node) for n, node in graph.items()}
+    down, todo = set(), [nid]
+    while todo:
+        cur = todo.pop()
+        for n, srcs in feeds.items():
+            if cur in srcs and n not in down:
+                down.add(n)
+                todo.append(n)
+    used = set().union(*feeds.values()) if feeds else set()
+    return sorted(n for n in down if n not in used)
+
+
 class PromptInputs:
     """The held files a prompt names, and its body with inline and fetched inputs renamed."""
 
@@ -130,13 +168,28 @@ class PromptInputs:
         self.files: RouteFiles = st.files(route)
         self.cfg = st.config(route)
         self.needed: list[RouteFile] = []
+        self.refused: list[tuple[dict[str, Any], str]] = []  # (LoadImage node, value) naming another key's file
         self.changed = False
+        self._body: dict[str, Any] | None = None  # the resolved body, once
+
+    async def for_node(self, lease: Lease, body: dict[str, Any], request_id: str) -> dict[str, Any]:
+        """The body to send to the lease's node, its held inputs delivered there. Resolved on the
+        first attempt, under its lease: a refusal then ends the request and frees the slot."""
+        if self._body is None:
+            self._body = await self.resolve(body)
+        await deliver(self.rt, lease, self.needed, request_id)
+        return self._body
 
     async def resolve(self, body: dict[str, Any]) -> dict[str, Any]:
+        """The body to send (``changed``: inline or fetched inputs renamed); ``needed`` lists the
+        held files it names. Raises Failure when it loads another key's input (ComfyUI's answer
+        for a file that is not there), and for an input that cannot be fetched or decoded."""
         graph = body.get("prompt")
         if not isinstance(graph, dict):
             return body
         new_graph = {nid: await self._node(node) for nid, node in graph.items()}
+        if self.refused:
+            raise invalid_images(graph, self.refused)
         return {**body, "prompt": new_graph} if self.changed else body
 
     async def _node(self, node: Any) -> Any:
@@ -144,7 +197,16 @@ class PromptInputs:
         if not isinstance(inputs, dict):
             return node
         new = {k: await self._value(v) if isinstance(v, str) else v for k, v in inputs.items()}
+        image = inputs.get("image")
+        if node.get("class_type") in LOADS_IMAGE and isinstance(image, str) and self._others(image):
+            self.refused.append((node, image))
         return {**node, "inputs": new} if new != inputs else node
+
+    def _others(self, value: str) -> bool:
+        """The value names a file the route holds for other keys only."""
+        kind, sub, name = annotated(value)
+        held = self.files.get(kind, sub, name) if valid_filename(name) else None
+        return held is not None and not self.cfg.shared and self.subject not in held.owners
 
     async def _value(self, value: str) -> str:
         inline = decode_data_url(value) if value.startswith("data:") else None

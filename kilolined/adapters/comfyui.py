@@ -28,11 +28,11 @@ from aiohttp import web
 
 from kilolined.adapters.base import Adapter, HttpAttempt
 from kilolined.adapters.comfy_control import ComfyState, NodeActivity, RelayWatch, comfy_state, control
-from kilolined.adapters.comfy_inputs import PromptInputs, deliver, is_upload, upload
+from kilolined.adapters.comfy_inputs import PromptInputs, is_upload, upload
 from kilolined.adapters.comfy_monitor import NodeMonitor
 from kilolined.adapters.comfy_node import NodeAPI, NodeError, all_ids, find_entry, lease_api, on_queue, stop_prompt
 from kilolined.adapters.comfy_progress import Progress
-from kilolined.adapters.comfy_store import RouteFile, is_view, prompt_finished, view
+from kilolined.adapters.comfy_store import is_view, prompt_finished, view
 from kilolined.core.outcome import Cancelled, Failure, Result
 from kilolined.ops.runtime import Runtime
 from kilolined.scheduling.lease import LeaseScope, Sink
@@ -357,14 +357,16 @@ class SyncWatch:
 class InputsFirst(HttpAttempt):
     """A sync prompt's attempt: the held inputs it names go to the lease's node first."""
 
-    __slots__ = ("needed",)
+    __slots__ = ("body", "inputs")
 
-    def __init__(self, scope: LeaseScope, ex: Exchange, needed: list[RouteFile]):
+    def __init__(self, scope: LeaseScope, ex: Exchange, body: dict[str, Any], inputs: PromptInputs):
         super().__init__(scope, ex)
-        self.needed = needed
+        self.body, self.inputs = body, inputs
 
     async def __call__(self, lease: Lease) -> UpstreamResponse:
-        await deliver(self.rt, lease, self.needed, self.ex.request_id)
+        sent = await self.inputs.for_node(lease, self.body, self.ex.request_id)
+        if self.inputs.changed:
+            self.ex.body_override = orjson.dumps(sent)
         return await super().__call__(lease)
 
 
@@ -403,13 +405,10 @@ class ComfyUIAdapter(Adapter):
             raise Failure("bad_request", "body must be a JSON object (ComfyUI API prompt)", 400)
         # Inline and fetched inputs become held files; every held input goes with each attempt.
         inputs = PromptInputs(rt, scope.ticket.route, scope.ticket.key)
-        body = await inputs.resolve(body)
-        if inputs.changed:
-            ex.body_override = orjson.dumps(body)
         if sink.mode == "sync":
-            return await self._serve_sync(rt, scope, ex, sink, inputs.needed)
+            return await self._serve_sync(rt, scope, ex, sink, body, inputs)
         progress = Progress(body.get("prompt"))
-        done = await scope.acquire(self._attempt(rt, ex, body, scope, sink, progress, inputs.needed))
+        done = await scope.acquire(self._attempt(rt, ex, body, scope, sink, progress, inputs))
         if not isinstance(done, Finished):
             # Out of retries and the node said 502/503/504: its answer is the job's (failed) result.
             up = done
@@ -447,9 +446,9 @@ class ComfyUIAdapter(Adapter):
             await sub.ws.close()
 
     async def _serve_sync(self, rt: Runtime, scope: LeaseScope, ex: Exchange, sink: Sink,
-                          needed: list[RouteFile]) -> None:
+                          body: dict[str, Any], inputs: PromptInputs) -> None:
         """Pass the POST through as generic; the slot stays until the prompt is done on the node."""
-        up = await scope.acquire(InputsFirst(scope, ex, needed) if needed else HttpAttempt(scope, ex))
+        up = await scope.acquire(InputsFirst(scope, ex, body, inputs))
         capture = bytearray()
         status = up.status
         await sink.deliver(scope, up, None, capture)
@@ -494,13 +493,13 @@ class ComfyUIAdapter(Adapter):
             prompt_finished(scope.rt, lease.route, lease.node, entry, scope.ticket.key)  # outputs leave the node
 
     def _attempt(self, rt: Runtime, ex: Exchange, body: dict[str, Any], scope: LeaseScope,
-                 sink: Sink, progress: Progress, needed: list[RouteFile]) -> Callable[[Lease], Awaitable[Finished]]:
+                 sink: Sink, progress: Progress, inputs: PromptInputs) -> Callable[[Lease], Awaitable[Finished]]:
         """Submit and follow the prompt to its end, all inside the lease scope's retry loop: a node
         lost before any output re-queues the prompt like a node that never answered."""
         async def attempt(lease: Lease) -> Finished:
             progress.attempt()
-            await deliver(rt, lease, needed, ex.request_id)  # this node's copy of the prompt's inputs
-            sub = await self._submit(rt, lease, ex, body, scope)
+            sent = await inputs.for_node(lease, body, ex.request_id)  # this node's copy of the prompt's inputs
+            sub = await self._submit(rt, lease, ex, sent, scope)
             state = comfy_state(rt)
             state.owners(lease.route).add(sub.prompt_id, scope.ticket.key, lease.node)
             # Timeout, cancel or error from here on: stop the prompt, and keep the slot until the
