@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import json
+import os
+import shutil
 import socket
 import sys
 from pathlib import Path
@@ -243,14 +246,16 @@ async def test_admin_state_shows_files(fakegpus: Any, gateway: Any, http: aiohtt
 
 @pytest.fixture
 async def moto() -> Any:
-    """moto's S3 server on a loopback port, with one bucket."""
+    """moto's S3 server on a loopback port, checking signatures: a user with S3 rights and one
+    bucket are made before it starts refusing unsigned or badly signed calls (its first
+    INITIAL_NO_AUTH_ACTION_COUNT actions)."""
     boto3 = pytest.importorskip("boto3")
-    shutil = pytest.importorskip("shutil")
     exe = shutil.which("moto_server") or str(Path(sys.executable).with_name("moto_server"))
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    proc = await asyncio.create_subprocess_exec(exe, "-H", "127.0.0.1", "-p", str(port),
+    env = {**os.environ, "INITIAL_NO_AUTH_ACTION_COUNT": "4"}
+    proc = await asyncio.create_subprocess_exec(exe, "-H", "127.0.0.1", "-p", str(port), env=env,
                                                 stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL)
     endpoint = f"http://127.0.0.1:{port}"
     try:
@@ -262,10 +267,21 @@ async def moto() -> Any:
                 except aiohttp.ClientError:
                     return False
             await wait_until(up, timeout=20, step=0.1)
-        client = boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1",
-                              aws_access_key_id="kl-test", aws_secret_access_key="kl-test-secret")
-        await asyncio.to_thread(client.create_bucket, Bucket="comfy-out")
-        yield endpoint, client
+
+        def setup() -> tuple[str, str, Any]:
+            root = {"endpoint_url": endpoint, "region_name": "us-east-1", "aws_access_key_id": "x",
+                    "aws_secret_access_key": "x"}
+            iam = boto3.client("iam", **root)
+            iam.create_user(UserName="kl")
+            key = iam.create_access_key(UserName="kl")["AccessKey"]
+            iam.put_user_policy(UserName="kl", PolicyName="s3", PolicyDocument=json.dumps({
+                "Version": "2012-10-17", "Statement": [{"Effect": "Allow", "Action": "s3:*", "Resource": "*"}]}))
+            client = boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1",
+                                  aws_access_key_id=key["AccessKeyId"], aws_secret_access_key=key["SecretAccessKey"])
+            client.create_bucket(Bucket="comfy-out")
+            return key["AccessKeyId"], key["SecretAccessKey"], client
+
+        yield endpoint, *await asyncio.to_thread(setup)
     finally:
         proc.terminate()
         await proc.wait()
@@ -273,13 +289,13 @@ async def moto() -> Any:
 
 async def test_outputs_go_to_the_bucket_and_are_served_from_it(fakegpus: Any, gateway: Any, moto: Any,
                                                                http: aiohttp.ClientSession) -> None:
-    endpoint, client = moto
+    endpoint, access_key, secret_key, client = moto
     a = await fakegpus("comfyui", steps=2, step_ms=10)
     b = await fakegpus("comfyui", steps=2, step_ms=10)
     cfg = two_nodes(a, b)
     cfg["routes"]["gen"]["comfy"] = {"store": {"s3": {
-        "endpoint": endpoint, "bucket": "comfy-out", "region": "us-east-1", "access_key": "kl-test",
-        "secret_key": "kl-test-secret", "prefix": "kl/"}}}
+        "endpoint": endpoint, "bucket": "comfy-out", "region": "us-east-1", "access_key": access_key,
+        "secret_key": secret_key, "prefix": "kl/"}}}
     gw = await gateway(cfg)
     name = (await upload(http, gw.url, "cat.png", make_png("cat")))["name"]
     out = images(await run_job(http, gw, img2img(name)))[0]

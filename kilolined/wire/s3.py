@@ -16,6 +16,7 @@ from datetime import UTC, datetime
 from urllib.parse import quote, urlsplit
 
 import aiohttp
+from yarl import URL
 
 ALGORITHM = "AWS4-HMAC-SHA256"
 EMPTY_SHA256 = hashlib.sha256(b"").hexdigest()
@@ -74,6 +75,7 @@ class Bucket:
     secret_key: str
 
     def url(self, key: str) -> str:
+        """Sent as it is signed (``encoded=True``): yarl would otherwise unquote ``%28`` and the like."""
         return f"{self.endpoint.rstrip('/')}/{self.bucket}/{quote(key, safe='/-_.~')}"
 
     def _signed(self, method: str, key: str, headers: dict[str, str], payload_sha256: str) -> dict[str, str]:
@@ -84,7 +86,7 @@ class Bucket:
         headers = {"Content-Type": content_type, **{f"x-amz-meta-{k}": meta_quote(v) for k, v in meta.items()}}
         headers = self._signed("PUT", key, headers, hashlib.sha256(data).hexdigest())
         try:
-            async with self.session.put(self.url(key), data=data, headers=headers,
+            async with self.session.put(URL(self.url(key), encoded=True), data=data, headers=headers,
                                         timeout=aiohttp.ClientTimeout(total=CALL_SEC)) as r:
                 if r.status != 200:
                     raise BucketError(f"PUT answered HTTP {r.status}")
@@ -95,7 +97,7 @@ class Bucket:
         """The object's response, to stream and release (None: no such object)."""
         headers = self._signed(method, key, {}, EMPTY_SHA256)
         try:
-            r = await self.session.request(method, self.url(key), headers=headers,
+            r = await self.session.request(method, URL(self.url(key), encoded=True), headers=headers,
                                            timeout=aiohttp.ClientTimeout(total=None, sock_connect=10,
                                                                          sock_read=CALL_SEC))
         except (aiohttp.ClientError, OSError, TimeoutError) as e:
