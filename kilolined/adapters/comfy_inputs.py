@@ -135,9 +135,10 @@ def invalid_images(graph: dict[str, Any], refused: list[tuple[dict[str, Any], st
                                                 "details": f"image - Invalid image file: {value}",
                                                 "extra_info": {"input_name": "image"}}],
                                     "dependent_outputs": _outputs_of(graph, nid), "class_type": node["class_type"]}
-    details = "\n".join(f"Custom validation failed for node: {e['errors'][0]['details']}" for e in node_errors.values())
+    # execution.py's top-level details list the output nodes' own reasons: none here (a LoadImage
+    # is never an output), so "" as ComfyUI sends it.
     body = {"error": {"type": "prompt_outputs_failed_validation", "message": "Prompt outputs failed validation",
-                      "details": details, "extra_info": {}}, "node_errors": node_errors}
+                      "details": "", "extra_info": {}}, "node_errors": node_errors}
     return Failure("bad_request", "Prompt outputs failed validation", 400, orjson.dumps(body), "application/json")
 
 

@@ -448,13 +448,26 @@ class ComfyBackend(Backend):
             subfolder, _, name = prefix.strip("/").rpartition("/")
             kind = "output"
         images = []
+        name = name or "ComfyUI"
+        counter = self._next_counter(kind, subfolder, name) if kind == "output" else self.image_counter + 1
         for index in range(max(1, min(batch, 16))):
-            self.image_counter += 1
-            filename = f"{name or 'ComfyUI'}_{self.image_counter:05}_.png"
+            self.image_counter = max(self.image_counter, counter)
+            filename = f"{name}_{counter:05}_.png"
+            counter += 1
             seed = f"{prompt.seq}/{prompt.prompt_id}/{node_id}/{index}/{self._loaded(prompt)}"
             self._store((kind, subfolder, filename), make_png(seed))
             images.append({"filename": filename, "subfolder": subfolder, "type": kind})
         return images
+
+    def _next_counter(self, kind: str, subfolder: str, prefix: str) -> int:
+        """folder_paths.get_save_image_path: one past the highest counter of ``prefix`` in the folder."""
+        found = [0]
+        for k, sub, filename in self.images:
+            head, _, rest = filename.partition(prefix + "_")
+            digits = rest.split("_")[0]
+            if k == kind and sub == subfolder and not head and digits.isdigit() and rest.endswith("_.png"):
+                found.append(int(digits))
+        return max(found) + 1
 
     def input_exists(self, value: str) -> bool:
         """folder_paths.exists_annotated_filepath: ``sub/name``, or ``name [output]`` and the like."""

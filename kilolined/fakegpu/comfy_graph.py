@@ -201,7 +201,9 @@ def validate(graph: Any, exists: Callable[[str], bool] = lambda _name: False,
                   "class_type": graph[nid]["class_type"]}
             for nid, errs in errors.items()
         }
-        details = "\n".join(f"{e['message']}: {e['details']}" for errs in errors.values() for e in errs)
+        # execution.py lists only the output nodes' own reasons: an upstream failure leaves it empty.
+        details = "\n".join(f"{e['message']}: {e['details']}" for nid, errs in errors.items() if nid in outputs
+                            for e in errs)
         return error_body("prompt_outputs_failed_validation", "Prompt outputs failed validation", details,
                           node_errors), [], []
     needed = set().union(*(_upstream(graph, o) for o in outputs))
