@@ -148,8 +148,13 @@ async def test_primary_killed_mid_prompt_completes_on_standby_with_its_input(
     job = gw.jobs.jobs[job_id]
     assert job.status == "completed", job.events
     assert ("input", "", "cat.png") in b.backend.images and b.stats["served"] == 1
-    status, _ = await view(http, gw, images(job.result.result)[0])
+    status, body = await view(http, gw, images(job.result.result)[0])
     assert status == 200
+    # The job's own file URL too, once the node that made it is gone.
+    await wait_until(lambda: gw.rt.adapter_state["comfyfiles"].copies == 0)
+    await b.kill()
+    async with http.get(gw.url + images(job.result.result)[0]["url"]) as r:
+        assert r.status == 200 and await r.read() == body
 
 
 async def test_a_key_cannot_view_another_keys_output(fakegpus: Any, gateway: Any,

@@ -17,7 +17,7 @@ import mimetypes
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from typing import Any
-from urllib.parse import quote, unquote, urlencode
+from urllib.parse import parse_qs, quote, unquote, urlencode
 
 import aiohttp
 from aiohttp import web
@@ -246,6 +246,22 @@ async def view(rt: Runtime, request: web.Request, route: str, subject: str,
     if f.node is not None:
         return await _stream_node(rt, request, f, request_id)
     return _not_found(request_id)
+
+
+async def job_file(rt: Runtime, request: web.Request, route: str, node: str, query: str,
+                   request_id: str) -> web.StreamResponse | None:
+    """A ComfyUI job's output file (``/v1/jobs/{id}/files/{n}``: the node and its /view query)
+    from the store once it was copied there; None while only the node has it."""
+    q = parse_qs(query)
+    kind, sub = q.get("type", [OUTPUT])[0], clean_subfolder(q.get("subfolder", [""])[0])
+    st = files_state(rt)
+    f = st.files(route).of_node(node, kind, sub, q.get("filename", [""])[0]) if sub is not None else None
+    if f is None or not f.stored:
+        return None
+    st.files(route).use(f)
+    if f.data is not None:
+        return web.Response(body=f.data, headers=_file_headers(f.name, None, request_id))
+    return await _stream_bucket(request, st, route, f, request_id)
 
 
 def _not_found(request_id: str) -> web.Response:
