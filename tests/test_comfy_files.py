@@ -124,6 +124,15 @@ async def test_sync_prompt_takes_its_input_to_the_node(fakegpus: Any, gateway: A
     await wait_until(lambda: a.stats["served"] + b.stats["served"] == 4)
     # Delivered once per node that ran one.
     assert ("input", "", "cat.png") in a.backend.images and ("input", "", "cat.png") in b.backend.images
+    # An inline input: the node gets the graph with the held file's name, and the file.
+    inline = "data:image/png;base64," + base64.b64encode(make_png("inline")).decode()
+    async with http.post(gw.url + "/gen/prompt", json={"prompt": img2img(inline)}, headers=auth()) as r:
+        assert r.status == 200, await r.text()
+        pid = (await r.json())["prompt_id"]
+    await wait_until(lambda: pid in a.backend.history or pid in b.backend.history)
+    entry = a.backend.history.get(pid) or b.backend.history[pid]
+    assert entry["status"]["status_str"] == "success"
+    assert entry["prompt"][2]["1"]["inputs"]["image"].startswith("kl_")
     # A name the gateway does not hold goes as it is: the node answers ComfyUI's validation error.
     async with http.post(gw.url + "/gen/prompt", json={"prompt": img2img("nope.png")}, headers=auth()) as r:
         assert r.status == 400

@@ -364,9 +364,12 @@ class InputsFirst(HttpAttempt):
         self.body, self.inputs = body, inputs
 
     async def __call__(self, lease: Lease) -> UpstreamResponse:
-        sent = await self.inputs.for_node(lease, self.body, self.ex.request_id)
+        ex = self.ex
+        sent = await self.inputs.for_node(lease, self.body, ex.request_id)
         if self.inputs.changed:
-            self.ex.body_override = orjson.dumps(sent)
+            # Only the graph is ours to change: whatever else the node is sent stays.
+            current = _json_object(ex.body_override if ex.body_override is not None else ex.body) or {}
+            ex.body_override = orjson.dumps({**current, "prompt": sent.get("prompt")})
         return await super().__call__(lease)
 
 
