@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import hashlib
 import json
 import os
 import shutil
@@ -325,3 +326,27 @@ async def test_outputs_go_to_the_bucket_and_are_served_from_it(fakegpus: Any, ga
     gw.rt.adapter_state["comfyfiles"].routes.clear()
     assert (await view(http, gw, out, who="bob"))[0] == 404
     assert await view(http, gw, out) == (200, data)
+
+
+async def test_mask_is_painted_on_a_node_and_held(fakegpus: Any, gateway: Any, http: aiohttp.ClientSession) -> None:
+    a = await fakegpus("comfyui")
+    b = await fakegpus("comfyui")
+    gw = await gateway(two_nodes(a, b))
+    photo, mask = make_png("photo"), make_png("mask")
+    await upload(http, gw.url, "photo.png", photo)
+    ref = json.dumps({"filename": "photo.png", "subfolder": "", "type": "input"})
+
+    async def mask_upload(who: str) -> aiohttp.ClientResponse:
+        form = aiohttp.FormData()
+        form.add_field("image", mask, filename="clipspace-mask-1.png", content_type="image/png")
+        form.add_field("original_ref", ref)
+        form.add_field("type", "input")
+        return await http.post(gw.url + "/gen/upload/mask", data=form, headers=auth(who))
+
+    async with await mask_upload("alice") as r:
+        assert r.status == 200 and await r.json() == {"name": "clipspace-mask-1.png", "subfolder": "", "type": "input"}
+    painted = make_png("mask:" + hashlib.sha256(photo).hexdigest() + hashlib.sha256(mask).hexdigest())
+    held = {"filename": "clipspace-mask-1.png", "subfolder": "", "type": "input"}
+    assert await view(http, gw, held) == (200, painted)
+    async with await mask_upload("bob") as r:
+        assert r.status == 404  # bob may not read alice's photo

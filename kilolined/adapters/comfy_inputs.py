@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import hashlib
 import logging
 import mimetypes
 from typing import Any
@@ -59,8 +60,9 @@ def is_upload(method: str, path: str) -> bool:
 
 async def upload(rt: Runtime, request: web.Request, route: str, subject: str, request_id: str) -> web.Response:
     """Held as ComfyUI's server.py image_upload would write it: the same fields, checks and answer.
-    ``/upload/mask`` is held as sent (ComfyUI pastes its alpha onto ``original_ref``; here the
-    painted image itself is the input)."""
+    ``/upload/mask`` pastes the mask's alpha onto the ``original_ref`` image, as ComfyUI does: a
+    live node of the route does the painting (the gateway reads no image format), with the
+    original delivered to it first; the result is held like an upload."""
     headers = {"X-Request-Id": request_id}
     files = files_state(rt).files(route)
     try:
@@ -78,12 +80,81 @@ async def upload(rt: Runtime, request: web.Request, route: str, subject: str, re
             or not valid_filename(image.filename):
         return web.Response(status=400, headers=headers)
     data = image.file.read()
+    if request.path.endswith("/upload/mask"):
+        painted = await _paint_mask(rt, route, subject, data, str(post.get("original_ref") or ""), request_id)
+        if isinstance(painted, web.Response):
+            return painted
+        data = painted
     if len(data) > files.max_bytes:
         return error_response(413, "payload_too_large", "upload larger than the route's comfy.max_files_mb",
                               request_id=request_id)
     f = files.upload(kind, sub, image.filename, data, subject, str(post.get("overwrite")) in ("true", "1"))
     rt.metrics.comfy_uploads.labels(route).inc()
     return web.json_response({"name": f.name, "subfolder": given_sub, "type": kind}, headers=headers)
+
+
+async def _paint_mask(rt: Runtime, route: str, subject: str, mask: bytes, ref: str,
+                      request_id: str) -> bytes | web.Response:
+    """The ``original_ref`` image with the mask's alpha, painted by a live node of the route;
+    ComfyUI's 400 for a ref it cannot use, 404 for an original the key may not read, 502 when no
+    node can paint it."""
+    st = files_state(rt)
+    files = st.files(route)
+    try:
+        original = orjson.loads(ref)
+    except orjson.JSONDecodeError:
+        return web.Response(status=400, headers={"X-Request-Id": request_id})
+    name = original.get("filename") if isinstance(original, dict) else None
+    if not isinstance(name, str) or not isinstance(original, dict):
+        return web.Response(status=400, headers={"X-Request-Id": request_id})
+    kind, sub, name = annotated(name) if name.endswith("]") else (
+        str(original.get("type") or "output"), clean_subfolder(str(original.get("subfolder") or "")), name)
+    held = files.get(kind, sub, name) if sub is not None and kind in KINDS and valid_filename(name) else None
+    if held is None or held.data is None or not (st.config(route).shared or subject in held.owners):
+        return web.Response(status=404, headers={"X-Request-Id": request_id})
+    now = rt.clock()
+    sched = rt.scheduler
+    rq = sched.routes.get(route)
+    for node in rq.all_nodes if rq is not None else ():
+        ns = sched.nodes.get(node)
+        if ns is None or not ns.available(now):
+            continue
+        try:
+            return await _painted_on(rt, node, held.data, mask, request_id)
+        except (aiohttp.ClientError, OSError, TimeoutError, ValueError, KeyError, TypeError) as e:
+            log.info("[%s] painting a mask: %s", node, type(e).__name__)
+    return error_response(502, "upstream_error", "no node of the route could paint the mask", request_id=request_id)
+
+
+async def _painted_on(rt: Runtime, node: str, original: bytes, mask: bytes, request_id: str) -> bytes:
+    """ComfyUI's own /upload/mask on ``node``, under names of ours in its input folder."""
+    ncfg = rt.scheduler.nodes[node].cfg
+    session, headers = rt.session(node), {"X-Request-Id": request_id, **ncfg.headers}
+    stem = hashlib.sha256(original + mask).hexdigest()[:32]
+    timeout = aiohttp.ClientTimeout(total=DELIVER_SEC, sock_connect=10)
+    for path, fields in (
+            ("/upload/image", {"image": (original, f"kl_orig_{stem}.png")}),
+            ("/upload/mask", {"image": (mask, f"kl_mask_{stem}.png"), "original_ref": orjson.dumps(
+                {"filename": f"kl_orig_{stem}.png", "subfolder": "", "type": "input"}).decode()})):
+        form = aiohttp.FormData()
+        for k, v in fields.items():
+            if isinstance(v, tuple):
+                form.add_field(k, v[0], filename=v[1], content_type="image/png")
+            else:
+                form.add_field(k, v)
+        form.add_field("type", "input")
+        form.add_field("overwrite", "true")
+        payload = form()
+        async with session.post(ncfg.url + path, data=payload, timeout=timeout,
+                                headers={**headers, "Content-Type": payload.content_type}) as r:
+            if r.status != 200:
+                raise aiohttp.ClientError(f"HTTP {r.status}")
+            answer = orjson.loads(await r.read())
+    query = {"filename": answer["name"], "subfolder": "", "type": "input"}
+    async with session.get(ncfg.url + "/view", params=query, headers=headers, timeout=timeout) as r:
+        if r.status != 200:
+            raise aiohttp.ClientError(f"HTTP {r.status}")
+        return await r.read()
 
 
 # --- the prompt's inputs ---------------------------------------------------------------------------

@@ -140,7 +140,7 @@ class ComfyBackend(Backend):
             ("POST", "/history", self.post_history),
             ("GET", "/view", self.view),
             ("POST", "/upload/image", self.upload_image),
-            ("POST", "/upload/mask", self.upload_image),  # simplified: stored like an image
+            ("POST", "/upload/mask", self.upload_mask),
             ("POST", "/interrupt", self.interrupt),
             ("GET", "/queue", self.get_queue),
             ("POST", "/queue", self.post_queue),
@@ -582,10 +582,30 @@ class ComfyBackend(Backend):
         return web.Response(body=data, content_type="image/png",
                             headers={"Content-Disposition": f'filename="{filename}"'})
 
-    async def upload_image(self, request: web.Request) -> web.Response:
-        """Multipart `image` (+ `type`, `subfolder`, `overwrite`); a same-named different file gets " (1)"."""
+    async def upload_mask(self, request: web.Request) -> web.Response:
+        """As /upload/image, the file written being the `original_ref` image with the mask's alpha:
+        here a PNG made of both (the fake paints nothing). ComfyUI writes nothing, and still
+        answers, when the original is not there."""
         try:
             post = await request.post()
+            ref = json.loads(str(post.get("original_ref")))
+        except ValueError:
+            return web.Response(status=400)
+        name = ref.get("filename") if isinstance(ref, dict) else None
+        if not isinstance(name, str) or not name or name.startswith("/") or ".." in name:
+            return web.Response(status=400)
+        original = self.images.get((str(ref.get("type", "output")), str(ref.get("subfolder", "")), name))
+        image = post.get("image")
+        mask = image.file.read() if isinstance(image, web.FileField) else b""
+        painted = None if original is None else make_png(
+            "mask:" + hashlib.sha256(original).hexdigest() + hashlib.sha256(mask).hexdigest())
+        return await self.upload_image(request, post, painted)
+
+    async def upload_image(self, request: web.Request, post: Any = None, painted: bytes | None = None,
+                           ) -> web.Response:
+        """Multipart `image` (+ `type`, `subfolder`, `overwrite`); a same-named different file gets " (1)"."""
+        try:
+            post = post if post is not None else await request.post()
         except ValueError:
             return web.Response(status=400)
         image = post.get("image")
@@ -595,7 +615,8 @@ class ComfyBackend(Backend):
         subfolder = str(post.get("subfolder", ""))
         if subfolder.startswith("/") or ".." in subfolder.split("/") or "/" in image.filename or ".." in image.filename:
             return web.Response(status=400)
-        data = image.file.read()
+        image.file.seek(0)
+        data = image.file.read() if painted is None else painted
         filename = image.filename
         if post.get("overwrite") not in ("true", "1"):
             stem, dot, ext = filename.rpartition(".") if "." in filename else (filename, "", "")
@@ -603,7 +624,8 @@ class ComfyBackend(Backend):
             while (found := self.images.get((str(kind), subfolder, filename))) is not None and found != data:
                 filename = f"{stem} ({n}){dot}{ext}"
                 n += 1
-        self._store((str(kind), subfolder, filename), data)
+        if painted is not None or request.path.endswith("/upload/image"):
+            self._store((str(kind), subfolder, filename), data)
         return web.json_response({"name": filename, "subfolder": subfolder, "type": kind})
 
     async def interrupt(self, request: web.Request) -> web.Response:
