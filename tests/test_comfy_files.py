@@ -19,6 +19,7 @@ import pytest
 from aiohttp import web
 from conftest import ADMIN, auth, base_config, wait_until
 
+from kilolined.adapters.comfy_store import executed_for_client
 from kilolined.fakegpu.comfy_graph import make_png
 
 ASYNC = {"X-KiloLine-Mode": "async"}
@@ -350,3 +351,25 @@ async def test_mask_is_painted_on_a_node_and_held(fakegpus: Any, gateway: Any, h
     assert await view(http, gw, held) == (200, painted)
     async with await mask_upload("bob") as r:
         assert r.status == 404  # bob may not read alice's photo
+
+
+async def test_an_output_named_before_its_copy_streams_from_its_node(fakegpus: Any, gateway: Any,
+                                                                     http: aiohttp.ClientSession) -> None:
+    a = await fakegpus("comfyui")
+    b = await fakegpus("comfyui")
+    gw = await gateway(two_nodes(a, b))
+    png = make_png("made on b")
+    a.backend.images[("output", "", "ComfyUI_00001_.png")] = make_png("a's own")
+    b.backend.images[("output", "", "ComfyUI_00001_.png")] = png
+    # What the route's socket tells a client when b's SaveImage ran (comfy_store.executed_for_client):
+    first = executed_for_client(gw.rt, "gen", "a", "alice", {"output": {"images": [
+        {"filename": "ComfyUI_00001_.png", "subfolder": "", "type": "output"}]}})
+    data = executed_for_client(gw.rt, "gen", "b", "alice", {"node": "9", "output": {"images": [
+        {"filename": "ComfyUI_00001_.png", "subfolder": "", "type": "output"}]}})
+    assert first["output"]["images"][0]["filename"] == "ComfyUI_00001_.png"
+    img = data["output"]["images"][0]
+    assert img["filename"] == "ComfyUI_00002_.png" and data["node"] == "9"
+    assert await view(http, gw, img) == (200, png)  # not copied yet: from b, under b's name
+    assert (await view(http, gw, img, who="bob"))[0] == 404
+    await b.kill()
+    assert (await view(http, gw, img))[0] == 404  # never copied, and its node is gone

@@ -23,7 +23,7 @@ import aiohttp
 from aiohttp import web
 from multidict import CIMultiDict
 
-from kilolined.adapters.comfy_files import INPUT, KINDS, OUTPUT, TEMP, RouteFile, RouteFiles, clean_subfolder, may_read
+from kilolined.adapters.comfy_files import KINDS, OUTPUT, TEMP, RouteFile, RouteFiles, clean_subfolder, may_read
 from kilolined.core.auth import presented_key
 from kilolined.core.config import ComfyConfig
 from kilolined.ops.runtime import Runtime
@@ -141,6 +141,20 @@ def _renamed(item: Any, files: RouteFiles, node: str, owner: str | None) -> Any:
     return {**item, "filename": files.route_filename(node, item["filename"], sub, kind, owner)}
 
 
+def executed_for_client(rt: Runtime, route: str, node: str, owner: str | None, data: dict[str, Any]) -> dict[str, Any]:
+    """An ``executed`` event's data from ``node`` as the route's client sees it: its files under
+    the route's names (named now: the client asks ``/view`` for them before the prompt ends)."""
+    out = data.get("output")
+    if out is None:
+        return data
+    return {**data, "output": rename_ui(out, files_state(rt).files(route), node, owner)}
+
+
+def history_for_client(rt: Runtime, route: str, node: str, owner: str | None, entry: dict[str, Any]) -> dict[str, Any]:
+    """A history entry of a prompt that ran on ``node``, its files under the route's names."""
+    return rename_outputs(entry, files_state(rt).files(route), node, owner)
+
+
 def output_files(entry: dict[str, Any]) -> list[tuple[str, str, str]]:
     """(kind, subfolder, node filename) of every output and preview a history entry lists."""
     found = []
@@ -233,9 +247,10 @@ async def view(rt: Runtime, request: web.Request, route: str, subject: str,
     if f is None and kind == OUTPUT:
         f = await _from_bucket(st, route, files, sub, filename)
     if f is None:
-        # Outputs and previews come only from the route's record (ComfyUI's 404 for what is not
-        # there); an input it never held may be one of the node's own files.
-        return None if kind == INPUT else _not_found(request_id)
+        # Outputs come only from the route's record (ComfyUI's 404 for what is not there); an
+        # input it never held may be one of the node's own files, a preview it was not told of
+        # one only a node has.
+        return _not_found(request_id) if kind == OUTPUT else None
     if not may(f):
         return _not_found(request_id)
     files.use(f)
