@@ -58,6 +58,8 @@ class FilesState:
     def files(self, route: str) -> RouteFiles:
         got = self.routes.get(route)
         if got is None:
+            for gone in [r for r in self.routes if r not in self.rt.cfg.routes]:
+                del self.routes[gone]  # a route removed by a reload takes its files with it
             got = self.routes[route] = RouteFiles(self.rt.clock)
         # A reload may change the bounds: read them at each use.
         got.max_bytes = int(self.config(route).max_files_mb * 1024 * 1024)
