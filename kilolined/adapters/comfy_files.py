@@ -166,6 +166,10 @@ class RouteFiles:
             return found
         return self._put(RouteFile(INPUT, "", name, {owner}, self.clock()), data, digest)
 
+    def adopt(self, kind: str, subfolder: str, name: str, data: bytes, digest: str, owners: set[str]) -> RouteFile:
+        """A held file another gateway of the cluster took (cluster/comfyfiles.py)."""
+        return self._put(RouteFile(kind, subfolder, name, set(owners), self.clock()), data, digest)
+
     # --- outputs and previews --------------------------------------------------------------
     def name_output(self, node: str, kind: str, subfolder: str, node_name: str, owner: str | None) -> RouteFile:
         """The route's file for a node's output or preview, named on first sight: the node's own

@@ -33,10 +33,11 @@ from kilolined.adapters.comfy_files import (
     RouteFile,
     RouteFiles,
     annotated,
+    clash_name,
     clean_subfolder,
     valid_filename,
 )
-from kilolined.adapters.comfy_store import files_state
+from kilolined.adapters.comfy_store import files_state, held, share
 from kilolined.core.errors import error_response
 from kilolined.core.hosts import parse_target, target_allowed
 from kilolined.core.outcome import Failure
@@ -88,9 +89,25 @@ async def upload(rt: Runtime, request: web.Request, route: str, subject: str, re
     if len(data) > files.max_bytes:
         return error_response(413, "payload_too_large", "upload larger than the route's comfy.max_files_mb",
                               request_id=request_id)
-    f = files.upload(kind, sub, image.filename, data, subject, str(post.get("overwrite")) in ("true", "1"))
+    overwrite = str(post.get("overwrite")) in ("true", "1")
+    if not overwrite:
+        await _known_names(rt, route, kind, sub, image.filename, data)
+    f = files.upload(kind, sub, image.filename, data, subject, overwrite)
+    await share(rt, route, f)
     rt.metrics.comfy_uploads.labels(route).inc()
     return web.json_response({"name": f.name, "subfolder": given_sub, "type": kind}, headers=headers)
+
+
+async def _known_names(rt: Runtime, route: str, kind: str, sub: str, name: str, data: bytes) -> None:
+    """Cluster mode: the names this upload may clash with, as the other gateways hold them, so it
+    is renamed as one ComfyUI would rename it (``cat (1).png``)."""
+    digest = hashlib.sha256(data).hexdigest()
+    cand, n = name, 1
+    while rt.comfy_shared is not None:
+        f = await held(rt, route, kind, sub, cand)
+        if f is None or f.sha256 == digest:
+            return
+        cand, n = clash_name(name, n), n + 1
 
 
 async def _paint_mask(rt: Runtime, route: str, subject: str, mask: bytes, ref: str,
@@ -99,7 +116,6 @@ async def _paint_mask(rt: Runtime, route: str, subject: str, mask: bytes, ref: s
     ComfyUI's 400 for a ref it cannot use, 404 for an original the key may not read, 502 when no
     node can paint it."""
     st = files_state(rt)
-    files = st.files(route)
     try:
         original = orjson.loads(ref)
     except orjson.JSONDecodeError:
@@ -109,8 +125,9 @@ async def _paint_mask(rt: Runtime, route: str, subject: str, mask: bytes, ref: s
         return web.Response(status=400, headers={"X-Request-Id": request_id})
     kind, sub, name = annotated(name) if name.endswith("]") else (
         str(original.get("type") or "output"), clean_subfolder(str(original.get("subfolder") or "")), name)
-    held = files.get(kind, sub, name) if sub is not None and kind in KINDS and valid_filename(name) else None
-    if held is None or held.data is None or not (st.config(route).shared or subject in held.owners):
+    found = await held(rt, route, kind, sub, name) if sub is not None and kind in KINDS and valid_filename(name) \
+        else None
+    if found is None or found.data is None or not (st.config(route).shared or subject in found.owners):
         return web.Response(status=404, headers={"X-Request-Id": request_id})
     now = rt.clock()
     sched = rt.scheduler
@@ -120,7 +137,7 @@ async def _paint_mask(rt: Runtime, route: str, subject: str, mask: bytes, ref: s
         if ns is None or not ns.available(now):
             continue
         try:
-            return await _painted_on(rt, node, held.data, mask, request_id)
+            return await _painted_on(rt, node, found.data, mask, request_id)
         except (aiohttp.ClientError, OSError, TimeoutError, ValueError, KeyError, TypeError) as e:
             log.info("[%s] painting a mask: %s", node, type(e).__name__)
     return error_response(502, "upstream_error", "no node of the route could paint the mask", request_id=request_id)
@@ -270,15 +287,15 @@ class PromptInputs:
             return node
         new = {k: await self._value(v) if isinstance(v, str) else v for k, v in inputs.items()}
         image = inputs.get("image")
-        if node.get("class_type") in LOADS_IMAGE and isinstance(image, str) and self._others(image):
+        if node.get("class_type") in LOADS_IMAGE and isinstance(image, str) and await self._others(image):
             self.refused.append((node, image))
         return {**node, "inputs": new} if new != inputs else node
 
-    def _others(self, value: str) -> bool:
+    async def _others(self, value: str) -> bool:
         """The value names a file the route holds for other keys only."""
         kind, sub, name = annotated(value)
-        held = self.files.get(kind, sub, name) if valid_filename(name) else None
-        return held is not None and not self.cfg.shared and self.subject not in held.owners
+        found = await held(self.rt, self.route, kind, sub, name) if valid_filename(name) else None
+        return found is not None and not self.cfg.shared and self.subject not in found.owners
 
     async def _value(self, value: str) -> str:
         inline = decode_data_url(value) if value.startswith("data:") else None
@@ -290,14 +307,15 @@ class PromptInputs:
             if len(data) > self.files.max_bytes:
                 raise Failure("payload_too_large", "an input is larger than the route's comfy.max_files_mb", 413)
             f = self.files.content(data, ext, self.subject)
+            await share(self.rt, self.route, f)
             self._need(f)
             self.changed = True
             return f.name
         kind, sub, name = annotated(value)
         if kind == INPUT and valid_filename(name):
-            held = self.files.get(INPUT, sub, name)
-            if held is not None and held.data is not None and (self.cfg.shared or self.subject in held.owners):
-                self._need(held)
+            found = await held(self.rt, self.route, INPUT, sub, name)
+            if found is not None and found.data is not None and (self.cfg.shared or self.subject in found.owners):
+                self._need(found)
         return value
 
     def _need(self, f: RouteFile) -> None:

@@ -24,6 +24,7 @@ from aiohttp import web
 from multidict import CIMultiDict
 
 from kilolined.adapters.comfy_files import KINDS, OUTPUT, TEMP, RouteFile, RouteFiles, clean_subfolder, may_read
+from kilolined.cluster.comfyfiles import SharedFile
 from kilolined.core.auth import presented_key
 from kilolined.core.config import ComfyConfig
 from kilolined.ops.runtime import Runtime
@@ -101,6 +102,25 @@ def files_state(rt: Runtime) -> FilesState:
     if not isinstance(st, FilesState):
         st = rt.adapter_state[STATE_KEY] = FilesState(rt)
     return st
+
+
+async def held(rt: Runtime, route: str, kind: str, subfolder: str, name: str) -> RouteFile | None:
+    """A held input (upload) by name: this gateway's, else (cluster mode) one another gateway took."""
+    files = files_state(rt).files(route)
+    f = files.get(kind, subfolder, name)
+    shared = rt.comfy_shared
+    if f is not None or shared is None or kind == OUTPUT:
+        return f
+    got = await shared.get(route, kind, subfolder, name)
+    return None if got is None else files.adopt(kind, subfolder, name, got.data, got.sha256, set(got.owners))
+
+
+async def share(rt: Runtime, route: str, f: RouteFile) -> None:
+    """Cluster mode: the held file for the other gateways too."""
+    shared = rt.comfy_shared
+    if shared is not None and f.data is not None:
+        await shared.put(route, f.kind, f.subfolder, f.name, SharedFile(f.data, f.sha256, frozenset(f.owners)),
+                         rt.cfg.jobs.result_ttl_sec)
 
 
 def object_key(prefix: str, kind: str, subfolder: str, name: str) -> str:
@@ -245,7 +265,7 @@ async def view(rt: Runtime, request: web.Request, route: str, subject: str,
     st = files_state(rt)
     files = st.files(route)
     may = reader(rt, request, route, subject)
-    f = files.get(kind, sub, filename)
+    f = await held(rt, route, kind, sub, filename)
     if f is None and kind == OUTPUT:
         f = await _from_bucket(st, route, files, sub, filename)
     if f is None:
