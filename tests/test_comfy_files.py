@@ -90,6 +90,27 @@ async def test_upload_is_held_and_answered_as_comfyui(fakegpus: Any, gateway: An
     assert gw.rt.metrics.comfy_uploads.labels("gen").value == 4
 
 
+async def test_an_upload_over_the_bound_is_refused(fakegpus: Any, gateway: Any, http: aiohttp.ClientSession,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    def no_disk(*_a: Any, **_k: Any) -> None:
+        raise AssertionError("an upload went to a temporary file")
+
+    monkeypatch.setattr(aiohttp.web_request, "SpooledTemporaryFile", no_disk)  # what request.post() spools to
+    a = await fakegpus("comfyui")
+    b = await fakegpus("comfyui")
+    cfg = two_nodes(a, b)
+    cfg["routes"]["gen"]["comfy"] = {"max_files_mb": 2}
+    gw = await gateway(cfg)
+    big = b"\x89PNG" + bytes(3 * 1024 * 1024)
+    form = aiohttp.FormData()
+    form.add_field("image", big, filename="big.png", content_type="image/png")
+    async with http.post(gw.url + "/gen/upload/image", data=form, headers=auth()) as r:
+        assert r.status == 413 and (await r.json())["error"]["type"] == "payload_too_large"
+    # 1.5 MB (past aiohttp's 1 MiB spool to disk): held, in memory.
+    assert (await upload(http, gw.url, "ok.png", big[: 3 * 1024 * 1024 // 2]))["name"] == "ok.png"
+    assert gw.rt.adapter_state["comfyfiles"].files("gen").held().files == 1
+
+
 async def test_twenty_img2img_prompts_over_two_nodes(fakegpus: Any, gateway: Any,
                                                      http: aiohttp.ClientSession) -> None:
     a = await fakegpus("comfyui", steps=2, step_ms=10)

@@ -66,36 +66,63 @@ async def upload(rt: Runtime, request: web.Request, route: str, subject: str, re
     original delivered to it first; the result is held like an upload."""
     headers = {"X-Request-Id": request_id}
     files = files_state(rt).files(route)
+    limit = min(files.max_bytes, int(rt.cfg.server.max_body_mb * 1024 * 1024))
     try:
-        post = await request.post()
-    except web.HTTPRequestEntityTooLarge:
-        return error_response(413, "payload_too_large", "upload larger than server.max_body_mb",
-                              request_id=request_id)
-    except ValueError:
+        post, image = await read_form(request, limit)
+    except TooLarge:
+        resp = error_response(413, "payload_too_large", "upload larger than the route's comfy.max_files_mb "
+                              "or server.max_body_mb", request_id=request_id)
+        resp.force_close()  # the rest of the body is not read
+        return resp
+    except (ValueError, AssertionError, aiohttp.ClientError):
         return web.Response(status=400, headers=headers)
-    image = post.get("image")
-    kind = str(post.get("type") or INPUT)
-    given_sub = str(post.get("subfolder", ""))
+    kind = post.get("type") or INPUT
+    given_sub = post.get("subfolder", "")
     sub = clean_subfolder(given_sub)
-    if not isinstance(image, web.FileField) or not image.filename or kind not in KINDS or sub is None \
-            or not valid_filename(image.filename):
+    if image is None or kind not in KINDS or sub is None or not valid_filename(image[0]):
         return web.Response(status=400, headers=headers)
-    data = image.file.read()
+    name, data = image
     if request.path.endswith("/upload/mask"):
-        painted = await _paint_mask(rt, route, subject, data, str(post.get("original_ref") or ""), request_id)
+        painted = await _paint_mask(rt, route, subject, data, post.get("original_ref", ""), request_id)
         if isinstance(painted, web.Response):
             return painted
         data = painted
-    if len(data) > files.max_bytes:
-        return error_response(413, "payload_too_large", "upload larger than the route's comfy.max_files_mb",
-                              request_id=request_id)
-    overwrite = str(post.get("overwrite")) in ("true", "1")
+        if len(data) > limit:
+            return error_response(413, "payload_too_large", "the painted mask is larger than the route's "
+                                  "comfy.max_files_mb", request_id=request_id)
+    overwrite = post.get("overwrite") in ("true", "1")
     if not overwrite:
-        await _known_names(rt, route, kind, sub, image.filename, data)
-    f = files.upload(kind, sub, image.filename, data, subject, overwrite)
+        await _known_names(rt, route, kind, sub, name, data)
+    f = files.upload(kind, sub, name, data, subject, overwrite)
     await share(rt, route, f)
     rt.metrics.comfy_uploads.labels(route).inc()
     return web.json_response({"name": f.name, "subfolder": given_sub, "type": kind}, headers=headers)
+
+
+class TooLarge(Exception):
+    pass
+
+
+async def read_form(request: web.Request, limit: int) -> tuple[dict[str, str], tuple[str, bytes] | None]:
+    """A multipart upload read into memory (aiohttp's ``post()`` spools files over 1 MiB to a
+    temporary file, and nothing of a client's goes to the gateway's disk): the text fields, and
+    the ``image`` file's (filename, bytes) if there is one. Raises TooLarge past ``limit``."""
+    fields: dict[str, str] = {}
+    image: tuple[str, bytes] | None = None
+    reader = await request.multipart()
+    while (part := await reader.next()) is not None:
+        if not isinstance(part, aiohttp.BodyPartReader):
+            continue  # a nested multipart: nothing ComfyUI reads
+        buf = bytearray()
+        while chunk := await part.read_chunk():
+            buf += chunk
+            if len(buf) > limit:
+                raise TooLarge
+        if part.name == "image" and part.filename:
+            image = (part.filename, bytes(buf))
+        elif part.name and part.filename is None:
+            fields[part.name] = buf.decode("utf-8", "replace")
+    return fields, image
 
 
 async def _known_names(rt: Runtime, route: str, kind: str, sub: str, name: str, data: bytes) -> None:
