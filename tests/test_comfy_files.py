@@ -394,3 +394,26 @@ async def test_an_output_named_before_its_copy_streams_from_its_node(fakegpus: A
     assert (await view(http, gw, img, who="bob"))[0] == 404
     await b.kill()
     assert (await view(http, gw, img))[0] == 404  # never copied, and its node is gone
+
+
+async def test_the_bucket_never_overwrites_a_file_under_the_same_name(fakegpus: Any, gateway: Any, moto: Any,
+                                                                     http: aiohttp.ClientSession) -> None:
+    """A name another gateway (or this one before a restart) gave to another key's file."""
+    endpoint, access_key, secret_key, client = moto
+    a = await fakegpus("comfyui", steps=2, step_ms=10)
+    cfg = base_config({"a": a.url}, kind="comfyui", max_concurrency=1)
+    cfg["routes"]["gen"]["comfy"] = {"store": {"s3": {"endpoint": endpoint, "bucket": "comfy-out",
+                                                      "access_key": access_key, "secret_key": secret_key}}}
+    gw = await gateway(cfg)
+    await asyncio.to_thread(client.put_object, Bucket="comfy-out", Key="gen/output/ComfyUI_00001_.png",
+                            Body=b"carol's", Metadata={"owners": "carol"})
+    name = (await upload(http, gw.url, "cat.png", make_png("cat")))["name"]
+    out = images(await run_job(http, gw, img2img(name)))[0]
+    assert out["filename"] == "ComfyUI_00001_.png"  # this gateway knew of no such file
+    await wait_until(lambda: gw.rt.adapter_state["comfyfiles"].copies == 0)
+    obj = await asyncio.to_thread(client.get_object, Bucket="comfy-out", Key="gen/output/ComfyUI_00001_.png")
+    assert obj["Body"].read() == b"carol's"
+    status, body = await view(http, gw, out)  # alice's own, from its node while it lives
+    assert status == 200 and body.startswith(b"\x89PNG")
+    assert (await view(http, gw, out, who="carol"))[0] == 404
+

@@ -29,7 +29,7 @@ from kilolined.core.auth import presented_key
 from kilolined.core.config import ComfyConfig
 from kilolined.ops.runtime import Runtime
 from kilolined.wire.proxy import SERVER, stream_back
-from kilolined.wire.s3 import Bucket, BucketError
+from kilolined.wire.s3 import Bucket, BucketError, ObjectExists
 
 log = logging.getLogger("kilolined")
 
@@ -232,6 +232,12 @@ async def _copy(rt: Runtime, route: str, node: str, f: RouteFile) -> None:
             st.files(route).copied(f, None, len(data), digest)
         else:
             st.files(route).copied(f, data, len(data), digest)
+    except ObjectExists:
+        # Another gateway, or this one before a restart, gave the name to another file (each
+        # names outputs from what it knows): that file is never replaced; this one is served
+        # from its node while it lives.
+        f.failed = True
+        log.warning("[%s] the route's bucket already has %s: not overwritten", node, f.name)
     except (aiohttp.ClientError, OSError, TimeoutError, BucketError) as e:
         f.failed = True
         log.warning("[%s] could not copy an output off the node (%s): it is served from the node while it lives",

@@ -27,6 +27,10 @@ class BucketError(Exception):
     """A bucket call failed (connection, timeout, or an unexpected status)."""
 
 
+class ObjectExists(BucketError):
+    """A PUT that must not overwrite found an object under its key (412)."""
+
+
 def _hmac(key: bytes, msg: str) -> bytes:
     return hmac.new(key, msg.encode(), hashlib.sha256).digest()
 
@@ -83,11 +87,15 @@ class Bucket:
                     datetime.now(UTC))
 
     async def put(self, key: str, data: bytes, content_type: str, meta: dict[str, str]) -> None:
-        headers = {"Content-Type": content_type, **{f"x-amz-meta-{k}": meta_quote(v) for k, v in meta.items()}}
+        """A new object; one already under ``key`` is never replaced (``If-None-Match: *``)."""
+        headers = {"Content-Type": content_type, "If-None-Match": "*",
+                   **{f"x-amz-meta-{k}": meta_quote(v) for k, v in meta.items()}}
         headers = self._signed("PUT", key, headers, hashlib.sha256(data).hexdigest())
         try:
             async with self.session.put(URL(self.url(key), encoded=True), data=data, headers=headers,
                                         timeout=aiohttp.ClientTimeout(total=CALL_SEC)) as r:
+                if r.status == 412:
+                    raise ObjectExists("an object is already under that name")
                 if r.status != 200:
                     raise BucketError(f"PUT answered HTTP {r.status}")
         except (aiohttp.ClientError, OSError, TimeoutError) as e:
