@@ -147,6 +147,14 @@ async def test_sync_prompt_takes_its_input_to_the_node(fakegpus: Any, gateway: A
     await wait_until(lambda: a.stats["served"] + b.stats["served"] == 4)
     # Delivered once per node that ran one.
     assert ("input", "", "cat.png") in a.backend.images and ("input", "", "cat.png") in b.backend.images
+    # A node that lost its files (a rented machine back with a fresh disk) is sent them again.
+    served = a.stats["served"] + b.stats["served"]
+    del a.backend.images[("input", "", "cat.png")]
+    del b.backend.images[("input", "", "cat.png")]
+    for _ in range(2):
+        async with http.post(gw.url + "/gen/prompt", json={"prompt": img2img(name)}, headers=auth()) as r:
+            assert r.status == 200, await r.text()
+    await wait_until(lambda: a.stats["served"] + b.stats["served"] == served + 2)
     # An inline input: the node gets the graph with the held file's name, and the file.
     inline = "data:image/png;base64," + base64.b64encode(make_png("inline")).decode()
     async with http.post(gw.url + "/gen/prompt", json={"prompt": img2img(inline)}, headers=auth()) as r:

@@ -368,6 +368,20 @@ class PromptInputs:
         return data, ext
 
 
+async def _still_there(session: aiohttp.ClientSession, lease: Lease, f: RouteFile, headers: dict[str, str]) -> bool:
+    """A delivered input is still on the node, at its size: a node that came back with a fresh
+    disk (a rented machine restarted) under the same name is sent it again."""
+    query = {"filename": f.name, "subfolder": f.subfolder, "type": f.kind}
+    try:
+        async with session.head(lease.target.url + "/view", params=query, headers=headers,
+                                timeout=aiohttp.ClientTimeout(total=10)) as r:
+            return r.status == 200 and r.content_length == f.size
+    except aiohttp.ClientConnectorError:
+        raise node_lost("connection refused") from None
+    except (aiohttp.ClientError, OSError, TimeoutError):
+        return False  # sent again: the upload says whether the node is there
+
+
 async def deliver(rt: Runtime, lease: Lease, needed: list[RouteFile], request_id: str) -> None:
     """Upload to the lease's node each held input it has not had with this content. A node that
     cannot take them fails like one that cannot take the prompt: the request is re-queued."""
@@ -377,8 +391,10 @@ async def deliver(rt: Runtime, lease: Lease, needed: list[RouteFile], request_id
     headers = {"X-Request-Id": request_id, **lease.target.headers}
     for f in needed:
         data = f.data
-        if data is None or st.was_delivered(lease.node, f):
+        if data is None:
             continue  # dropped since (bounded memory): the node says the input is missing
+        if st.was_delivered(lease.node, f) and await _still_there(session, lease, f, headers):
+            continue
         form = aiohttp.FormData()
         form.add_field("image", data, filename=f.name,
                        content_type=mimetypes.guess_type(f.name)[0] or "application/octet-stream")

@@ -154,7 +154,10 @@ class ComfyBackend(Backend):
         ]
         for prefix in ("", "/api"):
             for method, path, handler in routes:
-                app.router.add_route(method, prefix + path, handler)
+                if method == "GET":
+                    app.router.add_get(prefix + path, handler)  # and HEAD, as ComfyUI's routes.get
+                else:
+                    app.router.add_route(method, prefix + path, handler)
         # The jobs API exists under /api only.
         app.router.add_get("/api/jobs", self.list_jobs)
         app.router.add_post("/api/jobs/cancel", self.cancel_jobs)
