@@ -91,11 +91,6 @@ class FilesState:
         while len(self.delivered) > DELIVERED_MAX:
             self.delivered.popitem(last=False)
 
-    def forget_node(self, node: str) -> None:
-        """The node lost its files (it answered that an input we delivered is not there)."""
-        for k in [k for k in self.delivered if k[0] == node]:
-            del self.delivered[k]
-
 
 def files_state(rt: Runtime) -> FilesState:
     st = rt.adapter_state.get(STATE_KEY)
