@@ -52,6 +52,15 @@ def test_uploads_are_renamed_on_a_clash_and_bounded() -> None:
     assert files.held().files == 0 and files.held().bytes == 0
 
 
+def test_a_key_overwrites_only_its_own_files() -> None:
+    files = RouteFiles(Clock())
+    files.upload("input", "", "cat.png", b"alice's", "alice", False)
+    assert files.upload("input", "", "cat.png", b"bob's", "bob", True).name == "cat (1).png"
+    assert files.get("input", "", "cat.png").data == b"alice's"  # type: ignore[union-attr]
+    assert files.upload("input", "", "cat.png", b"alice's 2", "alice", True).name == "cat.png"
+    assert files.upload("input", "", "cat.png", b"bob's 2", "bob", True, shared=True).name == "cat.png"
+
+
 def test_a_file_used_lives_on_and_an_unknown_owner_reads_nothing() -> None:
     clock = Clock()
     files = RouteFiles(clock, ttl=60)

@@ -138,14 +138,17 @@ class RouteFiles:
         return Held(len(self._by_key), self._bytes)
 
     # --- inputs ------------------------------------------------------------------------------
-    def upload(self, kind: str, subfolder: str, name: str, data: bytes, owner: str, overwrite: bool) -> RouteFile:
+    def upload(self, kind: str, subfolder: str, name: str, data: bytes, owner: str, overwrite: bool,
+               shared: bool = False) -> RouteFile:
         """ComfyUI's /upload/image: the same name with other bytes becomes ``name (1)``, unless
-        ``overwrite``; the same name with the same bytes is the same file (a new owner joins it)."""
+        ``overwrite``; the same name with the same bytes is the same file (a new owner joins it).
+        A key overwrites only a file it owns (every file on a ``shared`` route): another key's
+        upload of the name is renamed instead, never replaced."""
         digest = hashlib.sha256(data).hexdigest()
         final, n = name, 1
-        while not overwrite:
+        while True:
             found = self.get(kind, subfolder, final)
-            if found is None:
+            if found is None or (overwrite and (shared or owner in found.owners)):
                 break
             if found.sha256 == digest and found.data is not None:
                 found.owners.add(owner)

@@ -91,9 +91,8 @@ async def upload(rt: Runtime, request: web.Request, route: str, subject: str, re
             return error_response(413, "payload_too_large", "the painted mask is larger than the route's "
                                   "comfy.max_files_mb", request_id=request_id)
     overwrite = post.get("overwrite") in ("true", "1")
-    if not overwrite:
-        await _known_names(rt, route, kind, sub, name, data)
-    f = files.upload(kind, sub, name, data, subject, overwrite)
+    await _known_names(rt, route, kind, sub, name, data)
+    f = files.upload(kind, sub, name, data, subject, overwrite, files_state(rt).config(route).shared)
     await share(rt, route, f)
     rt.metrics.comfy_uploads.labels(route).inc()
     return web.json_response({"name": f.name, "subfolder": given_sub, "type": kind}, headers=headers)
