@@ -173,7 +173,8 @@ async def test_non_gpu_endpoints_pass_a_held_slot(fakegpus: Any, gateway: Any, h
     form = aiohttp.FormData()
     form.add_field("image", b"\x89PNG\r\n\x1a\n", filename="x.png", content_type="image/png")
     async with http.post(gw.url + "/gen/upload/image", data=form, headers=auth()) as r:
-        assert r.status == 200 and r.headers.get("X-KiloLine-Node") == "c"
+        # Held by the gateway (docs/API.md "ComfyUI over several GPUs"), sent with the prompt that uses it.
+        assert r.status == 200 and "X-KiloLine-Node" not in r.headers
     assert fake.stats["running"] == 1  # all answered while the prompt still held the slot
     async with http.post(fake.url + "/interrupt", json={}):
         pass

@@ -28,16 +28,18 @@ from aiohttp import web
 
 from kilolined.adapters.base import Adapter, HttpAttempt
 from kilolined.adapters.comfy_control import ComfyState, NodeActivity, RelayWatch, comfy_state, control
+from kilolined.adapters.comfy_inputs import PromptInputs, is_upload, upload
 from kilolined.adapters.comfy_monitor import NodeMonitor
 from kilolined.adapters.comfy_node import NodeAPI, NodeError, all_ids, find_entry, lease_api, on_queue, stop_prompt
 from kilolined.adapters.comfy_progress import Progress
+from kilolined.adapters.comfy_store import is_view, prompt_finished, view
 from kilolined.core.outcome import Cancelled, Failure, Result
 from kilolined.ops.runtime import Runtime
 from kilolined.scheduling.lease import LeaseScope, Sink
 from kilolined.scheduling.queue import Lease, Rejected
 from kilolined.scheduling.speed import MS_STEP, Sample
 from kilolined.wire.proxy import RETRY_STATUSES, Exchange, Upstream, UpstreamFailed, node_lost
-from kilolined.wire.upstream import STALLED
+from kilolined.wire.upstream import STALLED, UpstreamResponse
 from kilolined.wire.wsproxy import connect_node_ws
 
 log = logging.getLogger("kilolined")
@@ -352,6 +354,25 @@ class SyncWatch:
                     await done
 
 
+class InputsFirst(HttpAttempt):
+    """A sync prompt's attempt: the held inputs it names go to the lease's node first."""
+
+    __slots__ = ("body", "inputs")
+
+    def __init__(self, scope: LeaseScope, ex: Exchange, body: dict[str, Any], inputs: PromptInputs):
+        super().__init__(scope, ex)
+        self.body, self.inputs = body, inputs
+
+    async def __call__(self, lease: Lease) -> UpstreamResponse:
+        ex = self.ex
+        sent = await self.inputs.for_node(lease, self.body, ex.request_id)
+        if self.inputs.changed:
+            # Only the graph is ours to change: whatever else the node is sent stays.
+            current = _json_object(ex.body_override if ex.body_override is not None else ex.body) or {}
+            ex.body_override = orjson.dumps({**current, "prompt": sent.get("prompt")})
+        return await super().__call__(lease)
+
+
 class ComfyUIAdapter(Adapter):
     kind = "comfyui"
 
@@ -365,6 +386,13 @@ class ComfyUIAdapter(Adapter):
 
     async def control(self, rt: Runtime, request: web.Request, route: str, path: str, subject: str,
                       request_id: str) -> web.StreamResponse | None:
+        # The route's files (comfy_inputs.py, comfy_store.py): held and served by the gateway.
+        if is_upload(request.method, path):
+            return await upload(rt, request, route, subject, request_id)
+        if is_view(request.method, path):
+            answer = await view(rt, request, route, subject, request_id)
+            if answer is not None:
+                return answer
         return await control(rt, request, route, path, subject, request_id)
 
     def relay_watch(self, rt: Runtime, node: str, request: web.Request) -> RelayWatch | None:
@@ -375,13 +403,15 @@ class ComfyUIAdapter(Adapter):
     async def serve(self, rt: Runtime, scope: LeaseScope, ex: Exchange, sink: Sink) -> None:
         if not is_prompt(ex):
             return await super().serve(rt, scope, ex, sink)
-        if sink.mode == "sync":
-            return await self._serve_sync(rt, scope, ex, sink)
         body = _json_object(ex.body)
         if body is None:
             raise Failure("bad_request", "body must be a JSON object (ComfyUI API prompt)", 400)
+        # Inline and fetched inputs become held files; every held input goes with each attempt.
+        inputs = PromptInputs(rt, scope.ticket.route, scope.ticket.key)
+        if sink.mode == "sync":
+            return await self._serve_sync(rt, scope, ex, sink, body, inputs)
         progress = Progress(body.get("prompt"))
-        done = await scope.acquire(self._attempt(rt, ex, body, scope, sink, progress))
+        done = await scope.acquire(self._attempt(rt, ex, body, scope, sink, progress, inputs))
         if not isinstance(done, Finished):
             # Out of retries and the node said 502/503: its answer is the job's (failed) result.
             up = done
@@ -403,6 +433,8 @@ class ComfyUIAdapter(Adapter):
             # Speed per sampler step: prompts of different step counts compare (speed.py).
             scope.samples = [Sample(MS_STEP, (rt.clock() - scope.dispatched_at) * 1000 / steps)]
         result, files = annotate_files(done.entry, lease.node, sink.file_url)
+        # Outputs leave the node (comfy_store.py); the result names them as the route does.
+        result = prompt_finished(rt, lease.route, lease.node, result, scope.ticket.key)
         scope.ok = True
         # /result serves the same view as output_ready.result: the URLs are how clients get files.
         sink.result(Result(200, "application/json", orjson.dumps(result), result=result, files=files))
@@ -416,9 +448,10 @@ class ComfyUIAdapter(Adapter):
         finally:
             await sub.ws.close()
 
-    async def _serve_sync(self, rt: Runtime, scope: LeaseScope, ex: Exchange, sink: Sink) -> None:
+    async def _serve_sync(self, rt: Runtime, scope: LeaseScope, ex: Exchange, sink: Sink,
+                          body: dict[str, Any], inputs: PromptInputs) -> None:
         """Pass the POST through as generic; the slot stays until the prompt is done on the node."""
-        up = await scope.acquire(HttpAttempt(scope, ex))
+        up = await scope.acquire(InputsFirst(scope, ex, body, inputs))
         capture = bytearray()
         status = up.status
         await sink.deliver(scope, up, None, capture)
@@ -451,23 +484,25 @@ class ComfyUIAdapter(Adapter):
     async def _hold(self, scope: LeaseScope, node: NodeAPI, monitor: NodeMonitor, prompt_id: str,
                     number: float | None, watch: SyncWatch | None) -> None:
         history = wait_history(node, prompt_id, number, SYNC_POLL_SEC, monitor)
+        lease = scope.lease
+        assert lease is not None
         try:
-            if watch is None:
-                await history
-            else:
-                await watch.until(history, scope)
+            entry = await history if watch is None else await watch.until(history, scope)
         except (NodeError, PromptLost) as e:
-            log.warning("[%s] lost track of a prompt (%s): slot freed", scope.lease.node if scope.lease else "?",
-                        e.reason)
+            log.warning("[%s] lost track of a prompt (%s): slot freed", lease.node, e.reason)
+            entry = None
         scope.done_with_node()
+        if entry is not None:
+            prompt_finished(scope.rt, lease.route, lease.node, entry, scope.ticket.key)  # outputs leave the node
 
     def _attempt(self, rt: Runtime, ex: Exchange, body: dict[str, Any], scope: LeaseScope,
-                 sink: Sink, progress: Progress) -> Callable[[Lease], Awaitable[Finished]]:
+                 sink: Sink, progress: Progress, inputs: PromptInputs) -> Callable[[Lease], Awaitable[Finished]]:
         """Submit and follow the prompt to its end, all inside the lease scope's retry loop: a node
         lost before any output re-queues the prompt like a node that never answered."""
         async def attempt(lease: Lease) -> Finished:
             progress.attempt()
-            sub = await self._submit(rt, lease, ex, body, scope)
+            sent = await inputs.for_node(lease, body, ex.request_id)  # this node's copy of the prompt's inputs
+            sub = await self._submit(rt, lease, ex, sent, scope)
             state = comfy_state(rt)
             state.owners(lease.route).add(sub.prompt_id, scope.ticket.key, lease.node)
             # Timeout, cancel or error from here on: stop the prompt, and keep the slot until the

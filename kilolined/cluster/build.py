@@ -14,6 +14,7 @@ from typing import Any
 import aiohttp
 import orjson
 
+from kilolined.cluster.comfyfiles import SharedInputs
 from kilolined.cluster.doubt import DoubtCheck
 from kilolined.cluster.jobs import ClusterJobs
 from kilolined.cluster.leader import LeaderLease
@@ -95,6 +96,7 @@ def build(rt: Runtime, jobs: Jobs) -> Cluster:
     rt.checks_here = leader.checks
     rt.rents_here = lambda: leader.state.is_leader(rt.clock())  # docs/FLEET.md: only the leader rents
     rt.node_sync = node_sync
+    rt.comfy_shared = SharedInputs(leases.redis, cfg.key_prefix)  # an upload here, its prompt elsewhere
     # Reaped slots in doubt: the leader asks their nodes whether they are free.
     doubt = DoubtCheck(leases, kind_of=lambda node: node_kind(rt, node),
                        fetch=lambda node, path: node_json(rt, node, path),

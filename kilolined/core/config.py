@@ -363,6 +363,33 @@ class MatchConfig(_Model):
         return None if v is None else [m.upper() for m in v]
 
 
+class S3StoreConfig(_Model):
+    """An S3-compatible bucket for a ComfyUI route's outputs (docs/CONFIG.md "comfy")."""
+
+    endpoint: Annotated[str, Field(pattern=r"^https?://[^/?#]+/?$")]  # scheme://host[:port]
+    bucket: Annotated[str, Field(pattern=r"^[a-z0-9][a-z0-9.\-]{1,61}[a-z0-9]$")]
+    region: str = "us-east-1"
+    access_key: str
+    secret_key: SecretStr
+    prefix: str = ""  # object keys: {prefix}{route}/{type}/{subfolder/}{filename}
+
+
+class ComfyStoreConfig(_Model):
+    s3: S3StoreConfig | None = None  # None: the gateway's memory
+
+
+class ComfyConfig(_Model):
+    """What a ``comfyui`` route keeps of its prompts' files (docs/API.md "ComfyUI over several GPUs")."""
+
+    #: memory for held inputs and (without a bucket) outputs, per route; the oldest go first
+    max_files_mb: Annotated[float, Field(gt=0)] = 1024
+    #: globs of http(s) URLs the gateway may fetch when a prompt names one as an input
+    fetch_inputs: list[str] = []
+    store: ComfyStoreConfig = ComfyStoreConfig()
+    #: every key sees every prompt and file of the route (one app backend with one key)
+    shared: bool = False
+
+
 class RouteConfig(_Model):
     path: str
     kind: Literal["generic", "comfyui", "openai"] = "generic"
@@ -391,6 +418,8 @@ class RouteConfig(_Model):
     affinity: Literal["off", "prefix", "session"] = "off"
     #: the unit the prefix index counts in: bytes of canonical prompt text per key
     affinity_block_bytes: Annotated[int, Field(ge=16, le=65536)] = 256
+    #: ComfyUI routes: held inputs, the output store, per-key files (docs/CONFIG.md "comfy")
+    comfy: ComfyConfig = ComfyConfig()
 
     @field_validator("affinity", mode="before")
     @classmethod

@@ -12,16 +12,14 @@ read a configured route's settings are skipped for it (``unless_adhoc``).
 
 from __future__ import annotations
 
-import fnmatch
-import ipaddress
-import re
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Protocol
 
 from aiohttp import web
 
 from kilolined.adapters.registry import adapter_for
 from kilolined.core.auth import presented_key
+from kilolined.core.hosts import parse_target, target_allowed
 from kilolined.modes.call import Call
 from kilolined.ops.adhoc import ADHOC_MAX_SLOTS, is_adhoc, route_name
 from kilolined.ops.runtime import Runtime
@@ -31,9 +29,6 @@ from kilolined.wire.proxy import client_ip, peer_trusted
 if TYPE_CHECKING:
     from kilolined.edge.context import Gateway
 
-# scheme://host[:port]: a name or IPv4 address, or an IPv6 literal in brackets (RFC 3986 §3.2.2)
-_TARGET = re.compile(r"(https?)://(?:([A-Za-z0-9.\-]+)|\[([0-9A-Fa-f:.]+)\])(?::([0-9]{1,5}))?")
-_V6_GLOB = re.compile(r"\[[^\]]*:[^\]]*\]")  # a bracket group with a ":" in an adhoc_targets glob
 #: request storage: (target, slots) of an ad-hoc request, for its admission stage
 _WANT: web.RequestKey[tuple[str, int]] = web.RequestKey("adhoc_target", tuple)
 
@@ -42,36 +37,6 @@ Stage = Callable[["Gateway", Call], "Awaitable[web.StreamResponse | None] | web.
 
 class HasRuntime(Protocol):
     rt: Runtime
-
-
-def parse_target(raw: str) -> str | None:
-    """The canonical ``scheme://host[:port]`` of an ``X-Target-Host`` value, or None if malformed.
-
-    An IPv6 literal is written in its compressed form (``[0:0::1]`` → ``[::1]``), so that a glob
-    naming an address matches however the client spells it; zone ids (``%eth0``) are refused."""
-    m = _TARGET.fullmatch(raw.strip().rstrip("/"))
-    if m is None:
-        return None
-    scheme, name, v6, port = m.groups()
-    if port is not None and not 0 < int(port) < 65536:
-        return None
-    if v6 is not None:
-        try:
-            host = f"[{ipaddress.IPv6Address(v6).compressed}]"
-        except ValueError:
-            return None
-    else:
-        host = name
-    return f"{scheme}://{host}" + (f":{port}" if port is not None else "")
-
-
-def target_allowed(patterns: Iterable[str], target: str) -> bool:
-    """A key's ``adhoc_targets`` glob matches the target.
-
-    In a glob ``[...]`` is a character class, so ``http://[::1]:*`` would never match the IPv6
-    literal it plainly names (and would let ``http://1:80`` through). A bracket group holding a
-    ``:`` is an IPv6 literal, never a class: in such a pattern brackets are matched as written."""
-    return any(fnmatch.fnmatchcase(target, p.replace("[", "[[]") if _V6_GLOB.search(p) else p) for p in patterns)
 
 
 def parse_slots(raw: str | None) -> int | None:

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import json
 import sys
 import time
@@ -37,6 +38,7 @@ from kilolined.fakegpu import comfy_jobs
 from kilolined.fakegpu.base import GIB, Job, is_int
 from kilolined.fakegpu.card import Backend
 from kilolined.fakegpu.comfy_graph import (
+    LOADS_IMAGE,
     NODES,
     canonical_uuid,
     error_body,
@@ -138,7 +140,7 @@ class ComfyBackend(Backend):
             ("POST", "/history", self.post_history),
             ("GET", "/view", self.view),
             ("POST", "/upload/image", self.upload_image),
-            ("POST", "/upload/mask", self.upload_image),  # simplified: stored like an image
+            ("POST", "/upload/mask", self.upload_mask),
             ("POST", "/interrupt", self.interrupt),
             ("GET", "/queue", self.get_queue),
             ("POST", "/queue", self.post_queue),
@@ -152,7 +154,10 @@ class ComfyBackend(Backend):
         ]
         for prefix in ("", "/api"):
             for method, path, handler in routes:
-                app.router.add_route(method, prefix + path, handler)
+                if method == "GET":
+                    app.router.add_get(prefix + path, handler)  # and HEAD, as ComfyUI's routes.get
+                else:
+                    app.router.add_route(method, prefix + path, handler)
         # The jobs API exists under /api only.
         app.router.add_get("/api/jobs", self.list_jobs)
         app.router.add_post("/api/jobs/cancel", self.cancel_jobs)
@@ -277,7 +282,7 @@ class ComfyBackend(Backend):
             return web.json_response(error_body("invalid_prompt_id", "prompt_id must be a valid UUID",
                                                 f"prompt_id: {prompt_id!r}"), status=400)
         graph = body["prompt"]
-        problem, outputs, order = validate(graph)
+        problem, outputs, order = validate(graph, self.input_exists)
         if problem is not None:
             return web.json_response(problem, status=400)
         extra_data = dict(body["extra_data"]) if isinstance(body.get("extra_data"), dict) else {}
@@ -446,12 +451,46 @@ class ComfyBackend(Backend):
             subfolder, _, name = prefix.strip("/").rpartition("/")
             kind = "output"
         images = []
+        name = name or "ComfyUI"
+        counter = self._next_counter(kind, subfolder, name) if kind == "output" else self.image_counter + 1
         for index in range(max(1, min(batch, 16))):
-            self.image_counter += 1
-            filename = f"{name or 'ComfyUI'}_{self.image_counter:05}_.png"
-            self._store((kind, subfolder, filename), make_png(f"{prompt.seq}/{prompt.prompt_id}/{node_id}/{index}"))
+            self.image_counter = max(self.image_counter, counter)
+            filename = f"{name}_{counter:05}_.png"
+            counter += 1
+            seed = f"{prompt.seq}/{prompt.prompt_id}/{node_id}/{index}/{self._loaded(prompt)}"
+            self._store((kind, subfolder, filename), make_png(seed))
             images.append({"filename": filename, "subfolder": subfolder, "type": kind})
         return images
+
+    def _next_counter(self, kind: str, subfolder: str, prefix: str) -> int:
+        """folder_paths.get_save_image_path: one past the highest counter of ``prefix`` in the folder."""
+        found = [0]
+        for k, sub, filename in self.images:
+            head, _, rest = filename.partition(prefix + "_")
+            digits = rest.split("_")[0]
+            if k == kind and sub == subfolder and not head and digits.isdigit() and rest.endswith("_.png"):
+                found.append(int(digits))
+        return max(found) + 1
+
+    def input_exists(self, value: str) -> bool:
+        """folder_paths.exists_annotated_filepath: ``sub/name``, or ``name [output]`` and the like."""
+        kind = "input"
+        for k in ("input", "output", "temp"):
+            if value.endswith(f" [{k}]"):
+                kind, value = k, value[: -len(k) - 3]
+                break
+        sub, _, name = value.rpartition("/")
+        return (kind, sub.strip("/"), name) in self.images
+
+    def _loaded(self, prompt: Prompt) -> str:
+        """What the prompt's LoadImage nodes read, so an img2img output depends on its input."""
+        found = []
+        for node in prompt.graph.values():
+            image = inputs_of(node).get("image") if node.get("class_type") in LOADS_IMAGE else None
+            if isinstance(image, str):
+                sub, _, name = image.rpartition("/")
+                found.append(hashlib.sha256(self.images.get(("input", sub, name), b"")).hexdigest()[:16])
+        return ",".join(found)
 
     def _store(self, key: tuple[str, str, str], data: bytes) -> None:
         if key not in self.images and len(self.images) >= IMAGE_CAP:
@@ -546,10 +585,30 @@ class ComfyBackend(Backend):
         return web.Response(body=data, content_type="image/png",
                             headers={"Content-Disposition": f'filename="{filename}"'})
 
-    async def upload_image(self, request: web.Request) -> web.Response:
-        """Multipart `image` (+ `type`, `subfolder`, `overwrite`); a same-named different file gets " (1)"."""
+    async def upload_mask(self, request: web.Request) -> web.Response:
+        """As /upload/image, the file written being the `original_ref` image with the mask's alpha:
+        here a PNG made of both (the fake paints nothing). ComfyUI writes nothing, and still
+        answers, when the original is not there."""
         try:
             post = await request.post()
+            ref = json.loads(str(post.get("original_ref")))
+        except ValueError:
+            return web.Response(status=400)
+        name = ref.get("filename") if isinstance(ref, dict) else None
+        if not isinstance(name, str) or not name or name.startswith("/") or ".." in name:
+            return web.Response(status=400)
+        original = self.images.get((str(ref.get("type", "output")), str(ref.get("subfolder", "")), name))
+        image = post.get("image")
+        mask = image.file.read() if isinstance(image, web.FileField) else b""
+        painted = None if original is None else make_png(
+            "mask:" + hashlib.sha256(original).hexdigest() + hashlib.sha256(mask).hexdigest())
+        return await self.upload_image(request, post, painted)
+
+    async def upload_image(self, request: web.Request, post: Any = None, painted: bytes | None = None,
+                           ) -> web.Response:
+        """Multipart `image` (+ `type`, `subfolder`, `overwrite`); a same-named different file gets " (1)"."""
+        try:
+            post = post if post is not None else await request.post()
         except ValueError:
             return web.Response(status=400)
         image = post.get("image")
@@ -559,7 +618,8 @@ class ComfyBackend(Backend):
         subfolder = str(post.get("subfolder", ""))
         if subfolder.startswith("/") or ".." in subfolder.split("/") or "/" in image.filename or ".." in image.filename:
             return web.Response(status=400)
-        data = image.file.read()
+        image.file.seek(0)
+        data = image.file.read() if painted is None else painted
         filename = image.filename
         if post.get("overwrite") not in ("true", "1"):
             stem, dot, ext = filename.rpartition(".") if "." in filename else (filename, "", "")
@@ -567,7 +627,8 @@ class ComfyBackend(Backend):
             while (found := self.images.get((str(kind), subfolder, filename))) is not None and found != data:
                 filename = f"{stem} ({n}){dot}{ext}"
                 n += 1
-        self._store((str(kind), subfolder, filename), data)
+        if painted is not None or request.path.endswith("/upload/image"):
+            self._store((str(kind), subfolder, filename), data)
         return web.json_response({"name": filename, "subfolder": subfolder, "type": kind})
 
     async def interrupt(self, request: web.Request) -> web.Response:

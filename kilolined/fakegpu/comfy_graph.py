@@ -9,6 +9,7 @@ import struct
 import sys
 import uuid
 import zlib
+from collections.abc import Callable
 from types import MappingProxyType
 from typing import Any, NamedTuple
 
@@ -43,6 +44,12 @@ NODES = MappingProxyType(
         "SaveImage": NodeSpec("image", (("images", "IMAGE"), ("filename_prefix", "STRING")), (), True),
         "PreviewImage": NodeSpec("image", (("images", "IMAGE"),), (), True),
         "FailNode": NodeSpec("testing", (("message", "STRING"),), ("*",), False),
+        # Weight-free image nodes (img2img without a model): LoadImage reads the input directory.
+        "LoadImage": NodeSpec("image", (("image", "COMBO"),), ("IMAGE", "MASK"), False),
+        "LoadImageMask": NodeSpec("mask", (("image", "COMBO"), ("channel", "COMBO")), ("MASK",), False),
+        "ImageInvert": NodeSpec("image", (("image", "IMAGE"),), ("IMAGE",), False),
+        "EmptyImage": NodeSpec("image", (("width", "INT"), ("height", "INT"), ("batch_size", "INT"),
+                                         ("color", "INT")), ("IMAGE",), False),
     }
 )
 
@@ -104,7 +111,12 @@ def _upstream(graph: dict[str, Any], node_id: str) -> set[str]:
     return seen
 
 
-def _node_errors(node_id: str, node: dict[str, Any], graph: dict[str, Any]) -> list[dict[str, Any]]:
+#: the LoadImage classes, whose ``image`` names a file of the node's input directory
+LOADS_IMAGE = frozenset({"LoadImage", "LoadImageMask"})
+
+
+def _node_errors(node_id: str, node: dict[str, Any], graph: dict[str, Any],
+                 exists: Callable[[str], bool]) -> list[dict[str, Any]]:
     class_type = node["class_type"]
 
     def err(kind: str, message: str, details: str) -> dict[str, Any]:
@@ -119,6 +131,11 @@ def _node_errors(node_id: str, node: dict[str, Any], graph: dict[str, Any]) -> l
         if src is not None and src not in graph:
             errors.append(err("bad_linked_input", "Bad linked input, the source node does not exist",
                               f"{name}, node '{src}'"))
+    image = inputs_of(node).get("image")
+    if class_type in LOADS_IMAGE and isinstance(image, str) and not exists(image):
+        # nodes.py LoadImage.VALIDATE_INPUTS, as execution.py reports a custom validation
+        errors.append({"type": "custom_validation_failed", "message": "Custom validation failed for node",
+                       "details": f"image - Invalid image file: {image}", "extra_info": {"input_name": "image"}})
     steps = inputs_of(node).get("steps")
     if class_type == "KSampler" and steps is not None and link(steps) is None:
         if not is_int(steps):
@@ -161,8 +178,10 @@ def _missing_node(graph: dict[str, Any]) -> dict[str, Any] | None:
     return None
 
 
-def validate(graph: Any) -> tuple[dict[str, Any] | None, list[str], list[str]]:
-    """Returns (the 400 body or None, output node ids, the nodes the outputs need, in execution order)."""
+def validate(graph: Any, exists: Callable[[str], bool] = lambda _name: False,
+             ) -> tuple[dict[str, Any] | None, list[str], list[str]]:
+    """Returns (the 400 body or None, output node ids, the nodes the outputs need, in execution order).
+    ``exists`` says whether a LoadImage value names a file the node has."""
     if not isinstance(graph, dict):
         return error_body("invalid_prompt", "The prompt must be an object of nodes"), [], []
     missing = _missing_node(graph)
@@ -171,7 +190,7 @@ def validate(graph: Any) -> tuple[dict[str, Any] | None, list[str], list[str]]:
     outputs = sorted((nid for nid, node in graph.items() if NODES[node["class_type"]].output_node), key=sort_key)
     if not outputs:
         return error_body("prompt_no_outputs", "Prompt has no outputs"), [], []
-    errors = {nid: errs for nid, node in graph.items() if (errs := _node_errors(nid, node, graph))}
+    errors = {nid: errs for nid, node in graph.items() if (errs := _node_errors(nid, node, graph, exists))}
     order, cyclic = _topo_order(graph)
     for nid in cyclic:
         errors.setdefault(nid, []).append({"type": "dependency_cycle", "message": "Dependency cycle detected",
@@ -182,7 +201,9 @@ def validate(graph: Any) -> tuple[dict[str, Any] | None, list[str], list[str]]:
                   "class_type": graph[nid]["class_type"]}
             for nid, errs in errors.items()
         }
-        details = "\n".join(f"{e['message']}: {e['details']}" for errs in errors.values() for e in errs)
+        # execution.py lists only the output nodes' own reasons: an upstream failure leaves it empty.
+        details = "\n".join(f"{e['message']}: {e['details']}" for nid, errs in errors.items() if nid in outputs
+                            for e in errs)
         return error_body("prompt_outputs_failed_validation", "Prompt outputs failed validation", details,
                           node_errors), [], []
     needed = set().union(*(_upstream(graph, o) for o in outputs))

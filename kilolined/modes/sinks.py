@@ -109,6 +109,11 @@ class SyncSink(Sink):
             cut_client(call.request)
             call.status = f.http_status or 502
             raise web.HTTPBadGateway() if f.type != "upstream_timeout" else web.HTTPGatewayTimeout()
+        if f.body is not None and f.http_status is not None and f.http_status < 500:
+            # A refusal in the backend's own shape (ComfyUI's validation error): the client's API.
+            call.status = f.http_status
+            return web.Response(status=f.http_status, body=f.body, content_type=f.content_type or "application/json",
+                                headers={"X-Request-Id": call.request_id})
         return call.error(f.http_status or 502, f.type, f.message, f.retry_after)
 
 

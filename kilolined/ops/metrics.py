@@ -257,6 +257,23 @@ class _RecordedCollector(Collector):
         return [m.family() for m in self._metrics]
 
 
+class _ComfyFiles(Collector):
+    """What ComfyUI routes hold of their prompts' files (docs/API.md "ComfyUI over several GPUs")."""
+
+    def __init__(self, metrics: Metrics):
+        self._metrics = metrics
+
+    def collect(self) -> Iterable[Metric]:
+        held = GaugeMetricFamily("kiloline_comfy_files_bytes", "Bytes of a ComfyUI route's files held in memory",
+                                 labels=["route"])
+        count = GaugeMetricFamily("kiloline_comfy_files", "Files a ComfyUI route's store knows", labels=["route"])
+        source = self._metrics.comfy_files_source
+        for route, files, nbytes in source() if source is not None else ():
+            held.add_metric([route], nbytes)
+            count.add_metric([route], files)
+        yield from (held, count)
+
+
 class Metrics:
     def __init__(self, rt: Callable[[], LiveState]):
         self.registry = CollectorRegistry(auto_describe=True)
@@ -284,10 +301,15 @@ class Metrics:
                                        "Predicted prefix hits whose node reported almost nothing reused",
                                        ["route", "node"])
         self.fleet_events = Recorded("counter", "kiloline_fleet_events", "Fleet events (docs/FLEET.md)", ["event"])
+        self.comfy_uploads = Recorded("counter", "kiloline_comfy_uploads",
+                                      "Files uploaded to a ComfyUI route's gateway", ["route"])
+        #: (route, files, bytes in memory) of ComfyUI routes' files, set by the adapter (comfy_store.py)
+        self.comfy_files_source: Callable[[], Iterable[tuple[str, int, int]]] | None = None
         r.register(_RecordedCollector([self.requests, self.queue_wait, self.upstream, self.ttft, self.rejections,
                                        self.failovers, self.reloads, self.tokens, self.prompt_tokens,
-                                       self.mispredictions, self.fleet_events]))
+                                       self.mispredictions, self.fleet_events, self.comfy_uploads]))
         r.register(_LiveGauges(rt))
+        r.register(_ComfyFiles(self))
         # The daemon's own process (CPU, memory, fds, start time), Python and its collector.
         ProcessCollector(registry=r)
         PlatformCollector(registry=r)

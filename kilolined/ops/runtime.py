@@ -16,6 +16,7 @@ from typing import Any
 
 import aiohttp
 
+from kilolined.cluster.comfyfiles import SharedInputs
 from kilolined.cluster.nodes import NodeSync
 from kilolined.cluster.view import ClusterView
 from kilolined.core.auth import KeyStore
@@ -134,6 +135,8 @@ class Runtime:
         self.cluster: ClusterView | None = None  # cluster mode: what /admin/state shows of it
         #: cluster mode: node transitions shared with the other gateways (kilolined/cluster/nodes.py)
         self.node_sync: NodeSync | None = None
+        #: cluster mode: ComfyUI inputs held for every gateway (kilolined/cluster/comfyfiles.py)
+        self.comfy_shared: SharedInputs | None = None
         #: whether this gateway runs the active health checks (cluster mode: the leader's job)
         self.checks_here: Callable[[], bool] = lambda: True
         self.scheduler.checks_here = lambda: self.checks_here()  # replaced by the cluster's leader

@@ -70,6 +70,13 @@ def state(rt: Runtime) -> dict[str, Any]:
         # What its nodes reported of the prompts (the dashboard's cached share); zeros until one did.
         cached, total = rt.metrics.prompt_tokens_of(n)
         r["prompt_tokens"] = {"cached": int(cached), "total": int(total)}
+        rcfg = rt.cfg.routes.get(n)
+        if rcfg is not None and rcfg.kind == "comfyui":
+            r["comfy_files"] = {"files": 0, "bytes": 0}  # the route's held inputs and outputs
+    source = rt.metrics.comfy_files_source
+    for n, files, held in source() if source is not None else ():
+        if n in routes:
+            routes[n]["comfy_files"] = {"files": files, "bytes": held}
     nodes: dict[str, Any] = {}
     for n, ns in sched.nodes.items():
         if n.startswith("adhoc:") or ns.retired:

@@ -1,0 +1,376 @@
+"""Where a ComfyUI route's files live: the runtime's record of each route's files
+(comfy_files.py), the route's bucket, the copy of a finished prompt's outputs, and ``/view``.
+
+When a prompt ends, every output its history lists (``type: output``) is copied from the node's
+``/view`` into the store: the gateway's memory (``comfy.max_files_mb``) or the route's bucket.
+``GET {path}/view`` is answered from the store whether or not the node lives; while a copy is
+not done yet (the web UI asks as soon as ``executed`` arrives), and for ``temp`` previews, the
+file streams from the node that made it. A key reads only its own files (ComfyUI's 404 for
+another key's), the admin key all, and every key on a ``comfy.shared`` route.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import mimetypes
+from collections import OrderedDict
+from collections.abc import Callable, Iterable
+from typing import Any
+from urllib.parse import parse_qs, quote, unquote, urlencode
+
+import aiohttp
+from aiohttp import web
+from multidict import CIMultiDict
+
+from kilolined.adapters.comfy_files import KINDS, OUTPUT, TEMP, RouteFile, RouteFiles, clean_subfolder, may_read
+from kilolined.cluster.comfyfiles import SharedFile
+from kilolined.core.auth import presented_key
+from kilolined.core.config import ComfyConfig
+from kilolined.ops.runtime import Runtime
+from kilolined.wire.proxy import SERVER, stream_back
+from kilolined.wire.s3 import Bucket, BucketError, ObjectExists
+
+log = logging.getLogger("kilolined")
+
+STATE_KEY = "comfyfiles"
+VIEW_PATHS = ("/view", "/api/view")
+COPY_SEC = 60.0  # one output's copy from its node
+DELIVERED_MAX = 50_000  # (node, file, sha256) deliveries remembered
+# ComfyUI's /view forces these to download rather than display (a file a node wrote is not a page of ours).
+DOWNLOAD_ONLY = frozenset({"text/html", "text/html-sandboxed", "application/xhtml+xml", "text/javascript", "text/css"})
+
+
+class FilesState:
+    """The ComfyUI files of one runtime: per route, its directory; per node, what was delivered."""
+
+    def __init__(self, rt: Runtime):
+        self.rt = rt
+        self.routes: dict[str, RouteFiles] = {}
+        #: (node, kind, subfolder, name, sha256) of inputs a node has: delivered once per node and content
+        self.delivered: OrderedDict[tuple[str, str, str, str, str], None] = OrderedDict()
+        self.copies = 0  # output copies in flight
+        rt.metrics.comfy_files_source = self.held
+
+    def config(self, route: str) -> ComfyConfig:
+        rcfg = self.rt.cfg.routes.get(route)
+        return rcfg.comfy if rcfg is not None else ComfyConfig()
+
+    def files(self, route: str) -> RouteFiles:
+        got = self.routes.get(route)
+        if got is None:
+            for gone in [r for r in self.routes if r not in self.rt.cfg.routes]:
+                del self.routes[gone]  # a route removed by a reload takes its files with it
+            got = self.routes[route] = RouteFiles(self.rt.clock)
+        # A reload may change the bounds: read them at each use.
+        got.max_bytes = int(self.config(route).max_files_mb * 1024 * 1024)
+        got.ttl = self.rt.cfg.jobs.result_ttl_sec
+        return got
+
+    def bucket(self, route: str) -> tuple[Bucket, str] | None:
+        """The route's bucket and its key prefix for this route's objects, or None (memory)."""
+        s3 = self.config(route).store.s3
+        if s3 is None:
+            return None
+        session = self.rt.session("comfy-bucket:" + route)
+        return (Bucket(session, s3.endpoint, s3.bucket, s3.region, s3.access_key, s3.secret_key.get_secret_value()),
+                f"{s3.prefix}{route}/")
+
+    def held(self) -> Iterable[tuple[str, int, int]]:
+        """(route, files, bytes in memory) of every configured route with files."""
+        for route, files in self.routes.items():
+            if route in self.rt.cfg.routes:
+                h = files.held()
+                yield route, h.files, h.bytes
+
+    def was_delivered(self, node: str, f: RouteFile) -> bool:
+        return (node, f.kind, f.subfolder, f.name, f.sha256) in self.delivered
+
+    def mark_delivered(self, node: str, f: RouteFile) -> None:
+        self.delivered[(node, f.kind, f.subfolder, f.name, f.sha256)] = None
+        while len(self.delivered) > DELIVERED_MAX:
+            self.delivered.popitem(last=False)
+
+
+def files_state(rt: Runtime) -> FilesState:
+    st = rt.adapter_state.get(STATE_KEY)
+    if not isinstance(st, FilesState):
+        st = rt.adapter_state[STATE_KEY] = FilesState(rt)
+    return st
+
+
+async def held(rt: Runtime, route: str, kind: str, subfolder: str, name: str) -> RouteFile | None:
+    """A held input (upload) by name: this gateway's, else (cluster mode) one another gateway took."""
+    files = files_state(rt).files(route)
+    f = files.get(kind, subfolder, name)
+    shared = rt.comfy_shared
+    if f is not None or shared is None or kind == OUTPUT:
+        return f
+    got = await shared.get(route, kind, subfolder, name)
+    return None if got is None else files.adopt(kind, subfolder, name, got.data, got.sha256, set(got.owners))
+
+
+async def share(rt: Runtime, route: str, f: RouteFile) -> None:
+    """Cluster mode: the held file for the other gateways too."""
+    shared = rt.comfy_shared
+    if shared is not None and f.data is not None:
+        await shared.put(route, f.kind, f.subfolder, f.name, SharedFile(f.data, f.sha256, frozenset(f.owners)),
+                         rt.cfg.jobs.result_ttl_sec)
+
+
+def object_key(prefix: str, kind: str, subfolder: str, name: str) -> str:
+    return f"{prefix}{kind}/{subfolder + '/' if subfolder else ''}{name}"
+
+
+def reader(rt: Runtime, request: web.Request, route: str, subject: str) -> Callable[[RouteFile], bool]:
+    """Whether the caller may read a file: its owner, the admin key, anyone on a shared route."""
+    shared = files_state(rt).config(route).shared
+    admin = rt.keys.is_admin(presented_key(request))
+    return lambda f: may_read(f, subject, admin, shared)
+
+
+# --- names in what clients see ------------------------------------------------------------------
+
+def rename_outputs(entry: dict[str, Any], files: RouteFiles, node: str, owner: str | None) -> dict[str, Any]:
+    """A history entry (or an ``executed`` output) with each file dict of type output or temp
+    under the route's name for it: what a client sees is the route's directory, never a node's."""
+    outputs = entry.get("outputs")
+    if not isinstance(outputs, dict):
+        return entry
+    return {**entry, "outputs": {nid: rename_ui(out, files, node, owner) for nid, out in outputs.items()}}
+
+
+def rename_ui(out: Any, files: RouteFiles, node: str, owner: str | None) -> Any:
+    """One node's UI output (``{"images": [{filename, subfolder, type}], …}``) under route names."""
+    if not isinstance(out, dict):
+        return out
+    return {k: [_renamed(item, files, node, owner) for item in items] if isinstance(items, list) else items
+            for k, items in out.items()}
+
+
+def _renamed(item: Any, files: RouteFiles, node: str, owner: str | None) -> Any:
+    if not isinstance(item, dict) or not isinstance(item.get("filename"), str):
+        return item
+    kind = item.get("type") or OUTPUT
+    sub = clean_subfolder(str(item.get("subfolder") or ""))
+    if kind not in (OUTPUT, TEMP) or sub is None:
+        return item
+    return {**item, "filename": files.route_filename(node, item["filename"], sub, kind, owner)}
+
+
+def executed_for_client(rt: Runtime, route: str, node: str, owner: str | None, data: dict[str, Any]) -> dict[str, Any]:
+    """An ``executed`` event's data from ``node`` as the route's client sees it: its files under
+    the route's names (named now: the client asks ``/view`` for them before the prompt ends)."""
+    out = data.get("output")
+    if out is None:
+        return data
+    return {**data, "output": rename_ui(out, files_state(rt).files(route), node, owner)}
+
+
+def history_for_client(rt: Runtime, route: str, node: str, owner: str | None, entry: dict[str, Any]) -> dict[str, Any]:
+    """A history entry of a prompt that ran on ``node``, its files under the route's names."""
+    return rename_outputs(entry, files_state(rt).files(route), node, owner)
+
+
+def output_files(entry: dict[str, Any]) -> list[tuple[str, str, str]]:
+    """(kind, subfolder, node filename) of every output and preview a history entry lists."""
+    found = []
+    outputs = entry.get("outputs")
+    for out in outputs.values() if isinstance(outputs, dict) else ():
+        for items in out.values() if isinstance(out, dict) else ():
+            for item in items if isinstance(items, list) else ():
+                if isinstance(item, dict) and isinstance(item.get("filename"), str):
+                    kind = item.get("type") or OUTPUT
+                    sub = clean_subfolder(str(item.get("subfolder") or ""))
+                    if kind in (OUTPUT, TEMP) and sub is not None:
+                        found.append((kind, sub, item["filename"]))
+    return found
+
+
+# --- the copy at the end of a prompt --------------------------------------------------------------
+
+def prompt_finished(rt: Runtime, route: str, node: str, entry: dict[str, Any], owner: str) -> dict[str, Any]:
+    """Name the finished prompt's files on the route, start copying its outputs off the node,
+    and return the entry as clients see it (route names)."""
+    st = files_state(rt)
+    files = st.files(route)
+    for kind, sub, name in output_files(entry):
+        f = files.name_output(node, kind, sub, name, owner)
+        if kind == OUTPUT and not f.stored:
+            st.copies += 1
+            rt.spawn(_copy(rt, route, node, f))
+    return rename_outputs(entry, files, node, owner)
+
+
+async def _copy(rt: Runtime, route: str, node: str, f: RouteFile) -> None:
+    st = files_state(rt)
+    try:
+        ns = rt.scheduler.nodes.get(node)
+        if ns is None:
+            raise aiohttp.ClientError("node gone")
+        limit = st.files(route).max_bytes
+        query = urlencode({"filename": f.node_name, "subfolder": f.subfolder, "type": f.kind})
+        async with rt.session(node).get(f"{ns.cfg.url}/view?{query}", headers=ns.cfg.headers,
+                                        timeout=aiohttp.ClientTimeout(total=COPY_SEC)) as r:
+            if r.status != 200:
+                raise aiohttp.ClientError(f"HTTP {r.status}")
+            data = await r.content.read(limit + 1)
+            ctype = r.headers.get("Content-Type", "application/octet-stream")
+        if len(data) > limit:
+            raise aiohttp.ClientError("larger than comfy.max_files_mb")
+        digest = hashlib.sha256(data).hexdigest()
+        bucket = st.bucket(route)
+        if bucket is not None:
+            b, prefix = bucket
+            owners = ",".join(quote(o, safe="") for o in sorted(f.owners))
+            await b.put(object_key(prefix, f.kind, f.subfolder, f.name), data, ctype, {"owners": owners})
+            st.files(route).copied(f, None, len(data), digest)
+        else:
+            st.files(route).copied(f, data, len(data), digest)
+    except ObjectExists:
+        # Another gateway, or this one before a restart, gave the name to another file (each
+        # names outputs from what it knows): that file is never replaced; this one is served
+        # from its node while it lives.
+        f.failed = True
+        log.warning("[%s] the route's bucket already has %s: not overwritten", node, f.name)
+    except (aiohttp.ClientError, OSError, TimeoutError, BucketError) as e:
+        f.failed = True
+        log.warning("[%s] could not copy an output off the node (%s): it is served from the node while it lives",
+                    node, e)
+    finally:
+        st.copies -= 1
+
+
+# --- /view ------------------------------------------------------------------------------------------
+
+def is_view(method: str, path: str) -> bool:
+    return method in ("GET", "HEAD") and path in VIEW_PATHS
+
+
+async def view(rt: Runtime, request: web.Request, route: str, subject: str,
+               request_id: str) -> web.StreamResponse | None:
+    """``/view`` from the route's files, or None to pass it on (an input the gateway never held:
+    one of the node's own, such as ComfyUI's example.png)."""
+    q = request.query
+    filename = q.get("filename")
+    if filename is None:
+        return None  # ComfyUI's 404; the node says so
+    if not filename or filename.startswith("/") or ".." in filename:
+        return web.Response(status=400, headers={"X-Request-Id": request_id})
+    kind = q.get("type", OUTPUT)
+    sub = clean_subfolder(q.get("subfolder", ""))
+    if sub is None:
+        return web.Response(status=403, headers={"X-Request-Id": request_id})
+    if kind not in KINDS or "/" in filename:
+        return None
+    st = files_state(rt)
+    files = st.files(route)
+    may = reader(rt, request, route, subject)
+    f = await held(rt, route, kind, sub, filename)
+    if f is None and kind == OUTPUT:
+        f = await _from_bucket(st, route, files, sub, filename)
+    if f is None:
+        # Outputs come only from the route's record (ComfyUI's 404 for what is not there); an
+        # input it never held may be one of the node's own files, a preview it was not told of
+        # one only a node has.
+        return _not_found(request_id) if kind == OUTPUT else None
+    if not may(f):
+        return _not_found(request_id)
+    files.use(f)
+    if f.data is not None:
+        return web.Response(body=f.data, headers=_file_headers(f.name, None, request_id))
+    if f.in_bucket:
+        return await _stream_bucket(request, st, route, f, request_id)
+    if f.node is not None:
+        return await _stream_node(rt, request, f, request_id)
+    return _not_found(request_id)
+
+
+async def job_file(rt: Runtime, request: web.Request, route: str, node: str, query: str,
+                   request_id: str) -> web.StreamResponse | None:
+    """A ComfyUI job's output file (``/v1/jobs/{id}/files/{n}``: the node and its /view query)
+    from the store once it was copied there; None while only the node has it."""
+    q = parse_qs(query)
+    kind, sub = q.get("type", [OUTPUT])[0], clean_subfolder(q.get("subfolder", [""])[0])
+    st = files_state(rt)
+    f = st.files(route).of_node(node, kind, sub, q.get("filename", [""])[0]) if sub is not None else None
+    if f is None or not f.stored:
+        return None
+    st.files(route).use(f)
+    if f.data is not None:
+        return web.Response(body=f.data, headers=_file_headers(f.name, None, request_id))
+    return await _stream_bucket(request, st, route, f, request_id)
+
+
+def _not_found(request_id: str) -> web.Response:
+    return web.Response(status=404, headers={"X-Request-Id": request_id})
+
+
+def _file_headers(name: str, ctype: str | None, request_id: str) -> CIMultiDict[str]:
+    ctype = ctype or mimetypes.guess_type(name)[0] or "application/octet-stream"
+    if ctype in DOWNLOAD_ONLY:
+        ctype = "application/octet-stream"
+    return CIMultiDict({"Content-Type": ctype, "Content-Disposition": f'filename="{name}"',
+                        "X-Request-Id": request_id, "Server": SERVER})
+
+
+async def _from_bucket(st: FilesState, route: str, files: RouteFiles, sub: str, name: str) -> RouteFile | None:
+    """An output the record forgot (a restart, the index's bound) but the bucket keeps."""
+    bucket = st.bucket(route)
+    if bucket is None:
+        return None
+    b, prefix = bucket
+    try:
+        r = await b.open(object_key(prefix, OUTPUT, sub, name), "HEAD")
+    except BucketError as e:
+        log.warning("[%s] bucket: %s", route, e)
+        return None
+    if r is None:
+        return None
+    owners = {unquote(o) for o in unquote(r.headers.get("x-amz-meta-owners", "")).split(",") if o}
+    size = int(r.headers.get("Content-Length", "0") or 0)
+    r.release()
+    return files.known(OUTPUT, sub, name, owners, size)
+
+
+async def _stream_bucket(request: web.Request, st: FilesState, route: str, f: RouteFile,
+                         request_id: str) -> web.StreamResponse:
+    bucket = st.bucket(route)
+    if bucket is None:
+        return _not_found(request_id)
+    b, prefix = bucket
+    try:
+        r = await b.open(object_key(prefix, f.kind, f.subfolder, f.name), "GET")
+    except BucketError as e:
+        log.warning("[%s] bucket: %s", route, e)
+        return web.Response(status=502, headers={"X-Request-Id": request_id})
+    if r is None:
+        return _not_found(request_id)
+    try:
+        headers = _file_headers(f.name, r.headers.get("Content-Type"), request_id)
+        resp, _ = await stream_back(request, r, headers)
+        return resp
+    finally:
+        r.release()
+
+
+async def _stream_node(rt: Runtime, request: web.Request, f: RouteFile, request_id: str) -> web.StreamResponse:
+    """A file only its node has yet (a copy under way, or a preview): from the node while it lives."""
+    assert f.node is not None
+    ns = rt.scheduler.nodes.get(f.node)
+    if ns is None:
+        return _not_found(request_id)
+    keep = [(k, v) for k, v in request.query.items() if k not in ("filename", "subfolder", "type")]
+    query = urlencode([("filename", f.node_name), ("subfolder", f.subfolder), ("type", f.kind), *keep])
+    try:
+        async with rt.session(f.node).get(f"{ns.cfg.url}/view?{query}", headers=ns.cfg.headers,
+                                          timeout=aiohttp.ClientTimeout(total=COPY_SEC)) as r:
+            if r.status != 200:
+                return _not_found(request_id)
+            resp, _ = await stream_back(request, r, _file_headers(f.name, r.headers.get("Content-Type"),
+                                                                  request_id))
+            return resp
+    except ConnectionResetError:
+        raise  # the client left
+    except (aiohttp.ClientError, OSError, TimeoutError):
+        return _not_found(request_id)  # the node is gone, and so is the file: what ComfyUI would say

@@ -1,0 +1,183 @@
+#!/usr/bin/env python3
+"""One ComfyUI over two REAL ComfyUI servers: inputs follow the prompt, outputs leave the node.
+
+Starts a gateway in this process with one ``comfyui`` route over the two servers (one slot each)
+and measures what docs/API.md "ComfyUI over several GPUs" promises:
+  1. N img2img prompts (upload through the gateway, then LoadImage → ImageInvert → SaveImage), as
+     async jobs: how many complete, on which node;
+  2. the node running a slow prompt killed mid-prompt (a KLSlowProgress step between LoadImage and
+     SaveImage; scripts/real_backends_setup.sh writes that node) → where the prompt completes;
+  3. every output of 1 and 2 downloaded through ``/view`` after both servers are killed;
+  4. a second key's ``/view`` of the first key's output.
+
+Each server needs its own files (as two GPUs have): ``--input-directory``, ``--output-directory``,
+``--temp-directory``, ``--user-directory`` and ``--database-url``. Give their pids to be killed:
+
+    python scripts/check_comfy_files_real.py --node http://127.0.0.1:18188 --pid PID_A \\
+        --node http://127.0.0.1:18189 --pid PID_B
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import hashlib
+import os
+import signal
+import sys
+import time
+import zlib
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import orjson
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from kilolined.core.config import parse_config
+from kilolined.edge.server import Server
+
+KEYS = {"alice": "kl_alice_real_check_key_0000000000", "bob": "kl_bob_real_check_key_000000000000"}
+
+
+def png(seed: str, size: int = 16) -> bytes:
+    d = hashlib.sha256(seed.encode()).digest()
+    rows = b"".join(b"\x00" + bytes((d[(x + y) % 32] + x * 7) % 256 for x in range(size * 3)) for y in range(size))
+
+    def chunk(tag: bytes, data: bytes) -> bytes:
+        return len(data).to_bytes(4, "big") + tag + data + zlib.crc32(tag + data).to_bytes(4, "big")
+
+    head = size.to_bytes(4, "big") * 2 + bytes([8, 2, 0, 0, 0])
+    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", head) + chunk(b"IDAT", zlib.compress(rows)) + chunk(b"IEND", b"")
+
+
+def config(nodes: list[str]) -> str:
+    names = [f"n{i}" for i in range(len(nodes))]
+    lines = ["server: {listen: '127.0.0.1:0'}", "keys:"]
+    lines += [f"  {k}: {{key: {v}}}" for k, v in KEYS.items()]
+    lines += ["nodes:"] + [f"  {n}: {{url: '{u}', health: {{path: /system_stats}}}}" for n, u in zip(names, nodes,
+                                                                                                  strict=True)]
+    lines += ["routes:", "  comfy:", "    path: /comfy", "    kind: comfyui", "    max_concurrency: 1",
+              f"    nodes: [{', '.join(names)}]",
+              "    request_timeout_sec: 120", "    queue_timeout_sec: 300"]
+    return "\n".join(lines) + "\n"
+
+
+def img2img(image: str, slow_ms: int = 0) -> dict[str, Any]:
+    g: dict[str, Any] = {"1": {"class_type": "LoadImage", "inputs": {"image": image}},
+                         "2": {"class_type": "ImageInvert", "inputs": {"image": ["1", 0]}},
+                         "3": {"class_type": "SaveImage", "inputs": {"images": ["2", 0], "filename_prefix": "kl"}}}
+    if slow_ms:
+        g["4"] = {"class_type": "KLSlowProgress", "inputs": {"steps": 40, "step_ms": slow_ms, "seed": 1,
+                                                              "image": ["2", 0]}}
+        g["3"]["inputs"]["images"] = ["4", 0]
+    return g
+
+
+async def start(cfg: str) -> Server:
+    srv = Server(parse_config(cfg, env={}), hashlib.sha256(cfg.encode()).hexdigest(), "", watch=False)
+    await srv.start()
+    return srv
+
+
+def auth(who: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {KEYS[who]}"}
+
+
+async def upload(http: aiohttp.ClientSession, base: str, name: str, data: bytes) -> str:
+    form = aiohttp.FormData()
+    form.add_field("image", data, filename=name, content_type="image/png")
+    async with http.post(base + "/comfy/upload/image", data=form, headers=auth("alice")) as r:
+        assert r.status == 200, await r.text()
+        return str((await r.json())["name"])
+
+
+async def job(http: aiohttp.ClientSession, base: str, srv: Server, graph: dict[str, Any]) -> Any:
+    async with http.post(base + "/comfy/prompt", json={"prompt": graph},
+                         headers={**auth("alice"), "X-KiloLine-Mode": "async"}) as r:
+        assert r.status == 202, await r.text()
+        jid = (await r.json())["job_id"]
+    jobs = srv.gateway.jobs
+    while jobs.jobs[jid].status not in ("completed", "failed", "cancelled"):
+        await asyncio.sleep(0.1)
+    return jobs.jobs[jid]
+
+
+def outputs(j: Any) -> list[dict[str, Any]]:
+    res = j.result.result if j.result is not None and j.result.result is not None else {}
+    return [i for out in res.get("outputs", {}).values() for i in out.get("images", [])]
+
+
+async def view(http: aiohttp.ClientSession, base: str, img: dict[str, Any], who: str = "alice") -> tuple[int, bytes]:
+    q = {k: img[k] for k in ("filename", "subfolder", "type")}
+    async with http.get(base + "/comfy/view", params=q, headers=auth(who)) as r:
+        return r.status, await r.read()
+
+
+async def copies_done(srv: Server) -> None:
+    while srv.rt.adapter_state.get("comfyfiles") is not None and srv.rt.adapter_state["comfyfiles"].copies:
+        await asyncio.sleep(0.05)
+
+
+def node_of(j: Any) -> str:
+    """The node a job was last dispatched to (its ``dispatched`` events)."""
+    found = "?"
+    for _, name, raw in j.events:
+        if name == "dispatched":
+            data = orjson.loads(raw.decode().split("data: ", 1)[1])
+            found = data.get("node", found)
+    return found
+
+
+async def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--node", action="append", required=True, help="a ComfyUI's URL (two)")
+    ap.add_argument("--pid", action="append", type=int, required=True, help="its pid, to kill it (same order)")
+    ap.add_argument("--prompts", type=int, default=20)
+    args = ap.parse_args()
+    pids = {f"n{i}": pid for i, pid in enumerate(args.pid)}
+    srv = await start(config(args.node))
+    base = f"http://127.0.0.1:{srv.port}"
+    async with aiohttp.ClientSession() as http:
+        # 1. N img2img prompts over both nodes.
+        t0 = time.monotonic()
+        names = [await upload(http, base, f"in{i}.png", png(f"in{i}")) for i in range(args.prompts)]
+        done = await asyncio.gather(*(job(http, base, srv, img2img(n)) for n in names))
+        ok = [j for j in done if j.status == "completed"]
+        on: dict[str, int] = {}
+        for j in ok:
+            on[node_of(j)] = on.get(node_of(j), 0) + 1
+        print(f"1. {len(ok)}/{len(done)} img2img prompts completed in {time.monotonic() - t0:.1f}s, by node {on}")
+        for j in done:
+            if j.status != "completed":
+                print("   failed:", j.events[-1][2][:300])
+        imgs = [i for j in ok for i in outputs(j)]
+        print(f"   {len(imgs)} outputs, {len({i['filename'] for i in imgs})} distinct route names")
+
+        # 2. the node running a slow prompt killed mid-prompt: re-queued to the other one, with its input.
+        name = await upload(http, base, "failover.png", png("failover"))
+        task = asyncio.ensure_future(job(http, base, srv, img2img(name, slow_ms=100)))
+        await asyncio.sleep(2.0)
+        first = node_of(srv.gateway.jobs.jobs[list(srv.gateway.jobs.jobs)[-1]])
+        os.kill(pids[first], signal.SIGKILL)
+        j = await task
+        print(f"2. {first} killed mid-prompt: job {j.status} on {node_of(j)}; events {[e[1] for e in j.events]}")
+        imgs += outputs(j)
+        await copies_done(srv)
+
+        # 3. every output after both servers are gone.
+        for n, pid in pids.items():
+            if n != first:
+                os.kill(pid, signal.SIGKILL)
+        await asyncio.sleep(0.5)
+        got = [await view(http, base, i) for i in imgs]
+        good = sum(s == 200 and b.startswith(b"\x89PNG") for s, b in got)
+        print(f"3. after both servers were killed: {good}/{len(got)} outputs downloadable through /view")
+        # 4. another key.
+        print(f"4. bob's /view of alice's outputs: {sorted({(await view(http, base, i, 'bob'))[0] for i in imgs})}")
+    await srv.shutdown()
+
+
+if __name__ == "__main__":
+    asyncio.run(main())
