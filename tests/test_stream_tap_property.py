@@ -37,8 +37,8 @@ events = st.fixed_dictionaries(
     optional={"usage": st.one_of(st.none(), st.fixed_dictionaries({"total_tokens": st.integers(0, 99)})),
               "timings": st.fixed_dictionaries({"predicted_n": st.integers(0, 9)}),
               'a "delta': st.just({"content": "y"})})  # a key that ends in a quoted "delta"
-usage_only = st.builds(lambda n, more: {"id": "chatcmpl-1", "choices": [], "usage": {"prompt_tokens": 3, "total_tokens": n},
-                                       **more},
+usage_only = st.builds(lambda n, more: {"id": "chatcmpl-1", "choices": [],
+                                       "usage": {"prompt_tokens": 3, "total_tokens": n}, **more},
                        st.integers(0, 99),
                        # llama.cpp moves its timings onto the usage chunk when usage is asked for
                        st.sampled_from([{}, {"model": "m"}, {"timings": {"predicted_n": 4}}]))

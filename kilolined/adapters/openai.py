@@ -53,9 +53,10 @@ COMPLETION_PATHS = ("/v1/chat/completions", "/chat/completions", "/v1/completion
 _DATA_LINE = re.compile(rb"^[ \t\r\x0b\x0c]*data:(.*)$", re.M)
 # A choice's delta whose first member is its text, as vLLM, llama.cpp and SGLang write every token
 # (JSON from a serializer: no blanks, no key twice; a read with a ``\u`` escape is parsed, as a key
-# may be spelled with one). Found with no backslash before it (its first quote then opens a key: a quote inside a string is escaped) and
-# followed by anything but the closing quote, the text is not empty: the event is a content chunk,
-# known without parsing it. Other shapes (Ollama's role first, reasoning, tool calls) are parsed.
+# may be spelled with one). Found with no backslash before it (its first quote then opens a key: a
+# quote inside a string is escaped) and followed by anything but the closing quote, the text is not
+# empty: the event is a content chunk, known without parsing it. Other shapes (Ollama's role first,
+# reasoning, tool calls) are parsed.
 _DELTA_CONTENT = b'"delta":{"content":"'
 
 

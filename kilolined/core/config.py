@@ -111,6 +111,10 @@ class ServerConfig(_Model):
     tls: TLSConfig | None = None
     trusted_proxies: list[str] = []
     max_body_mb: Annotated[float, Field(gt=0)] = 64
+    # Bodies of waiting requests held in memory, in total and per key (kilolined/scheduling/bodies.py):
+    # a request that would have to wait past them is refused (503 / 429 queue_full).
+    max_queued_body_mb: Annotated[float, Field(gt=0)] = 1024
+    max_queued_body_mb_per_key: Annotated[float, Field(gt=0)] = 256
     shutdown_grace_sec: Sec = 30
     heartbeat_sec: PosSec = 10
     state_dir: str | None = None

@@ -3,8 +3,9 @@ request's prompt.
 
 Pure: no I/O, no clock. The gateway cannot see a node's KV cache, so it keeps its own guess: the
 canonical text of each request (its model, then every chat message as ``role``, NUL, content;
-or a completion's prompt; at most 128 KiB and 256 messages of it) is cut into blocks, and block i's key is a 64-bit hash of block i and
-key i-1 (the first seeded by route and model), so one key names the whole prefix up to it. Each
+or a completion's prompt; at most 128 KiB and 256 messages of it) is cut into blocks, and block
+i's key is a 64-bit hash of block i and key i-1 (the first seeded by route and model), so one key
+names the whole prefix up to it. Each
 node keeps a bounded LRU of the keys dispatched to it; a request's match on a node is the number
 of its leading keys found there. Recording at dispatch, not at the answer, makes a prefix that a
 node is still prefilling a hit there: the next request with it goes where it will be warm.
