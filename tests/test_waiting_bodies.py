@@ -10,6 +10,8 @@ from typing import Any
 from conftest import auth, base_config, wait_until
 
 from kilolined.ops import views
+from kilolined.scheduling.bodies import MB, WaitingBodies
+from kilolined.scheduling.queue import Ticket
 
 KIB = 1024
 BODY = b'{"pad": "' + b"x" * (300 * KIB) + b'"}'  # 300 KiB
@@ -65,3 +67,18 @@ async def test_waiting_bodies_are_bounded_per_key_and_in_total(fakegpus, gateway
     assert (await waiting[0])[0] == 200
     assert gw.rt.scheduler.bodies.total == 0
     running[1].cancel()
+
+
+def test_a_body_alone_larger_than_a_bound_may_still_wait_when_nothing_else_does() -> None:
+    """The bounds are on memory parked: max_body_mb caps one body, and a key (or the gateway)
+    with nothing waiting always queues one, whatever its size; the count is undone once."""
+    b = WaitingBodies(total_limit=4 * MB, per_key_limit=1 * MB)
+    big = Ticket(1, "r", "alice", 0, 0.0, body=3 * MB)
+    assert b.refusal("alice", big.body) is None
+    b.hold(big)
+    b.hold(big)  # once, however often
+    assert b.refusal("alice", 1)[0] == 429  # type: ignore[index]
+    assert b.refusal("bob", 1 * MB) is None and b.refusal("bob", 1 * MB + 1)[0] == 503  # type: ignore[index]
+    b.release(big)
+    b.release(big)
+    assert b.total == 0 and not b.by_key and b.refusal("alice", 5 * MB) is None
