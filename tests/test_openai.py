@@ -110,7 +110,8 @@ async def test_comfy_status_answers_while_the_queue_is_full(fakegpus, gateway, h
 async def test_shipped_example_route_reaches_a_v1_only_server(fakegpus, gateway, http) -> None:
     """The fake serves only /v1/... (as vLLM): the node's url is its root, the route keeps /v1."""
     shipped = parse_config(Path(__file__).parent.parent.joinpath("etc/kiloline.yaml").read_text(),
-                           env={"KILOLINE_ADMIN_KEY": "a" * 32, "ALICE_KEY": "b" * 32, "BOB_KEY": "c" * 32})
+                           env={"KILOLINE_ADMIN_KEY": "kl_example_admin_7f3a9c", "ALICE_KEY": "kl_example_alice_e41b8d",
+                                "BOB_KEY": "kl_example_bob_20c5a6"})
     assert shipped.routes["llm"].path == "/v1" and shipped.routes["llm"].strips_path is False
     assert shipped.routes["comfy"].strips_path is True
     fake = await fakegpus("openai", step_ms=1)
