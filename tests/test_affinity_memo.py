@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 
 from kilolined.scheduling.affinity import (
     MAX_INDEXED_BYTES,
+    MAX_INDEXED_MESSAGES,
     KeyMemo,
     PrefixIndex,
     canonical,
@@ -26,14 +27,15 @@ from kilolined.scheduling.affinity import (
 
 def plain_text(data: dict[str, Any]) -> bytes:
     """The model, NUL, the tools' JSON and NUL if any, then each chat message's role, NUL, its
-    text parts in order, NUL; or a completion's prompt (its JSON if not a string); 128 KiB at most."""
+    text parts in order, NUL; or a completion's prompt (its JSON if not a string); 128 KiB and the
+    first 256 entries of ``messages`` at most."""
     model = data.get("model")
     text = (model if isinstance(model, str) else "").encode() + b"\0"
     if data.get("tools") is not None:
         text += orjson.dumps(data["tools"]) + b"\0"
     messages = data.get("messages")
     if isinstance(messages, list):
-        for m in messages:
+        for m in messages[:MAX_INDEXED_MESSAGES]:
             if not isinstance(m, dict):
                 continue
             role, content = m.get("role"), m.get("content")

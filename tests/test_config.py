@@ -102,7 +102,7 @@ def test_defaults() -> None:
 
 
 def test_key_defaults_no_budget_no_rate() -> None:
-    cfg = parse_config(dump(minimal(keys={"k": {"key": "kl_secret_0000000000"}})), env={})
+    cfg = parse_config(dump(minimal(keys={"k": {"key": "kl_7f3a9c_e41b8d20"}})), env={})
     k = cfg.keys["k"]
     assert k.routes == ["*"] and k.rate is None and k.budget is None and k.priority == 0
     assert k.adhoc_targets == []
@@ -133,8 +133,8 @@ def test_node_url_trailing_slash_and_route_path_normalised() -> None:
 
 def test_env_var_expanded() -> None:
     text = dump(minimal(keys={"k": {"key": "${MY_KEY}"}}))
-    cfg = parse_config(text, env={"MY_KEY": "kl_hello_00000000000"})
-    assert cfg.keys["k"].key == "kl_hello_00000000000"
+    cfg = parse_config(text, env={"MY_KEY": "kl_7f3a9c_e41b8d20"})
+    assert cfg.keys["k"].key == "kl_7f3a9c_e41b8d20"
 
 
 def test_missing_env_var_names_the_variable_and_path() -> None:

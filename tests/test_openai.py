@@ -110,7 +110,8 @@ async def test_comfy_status_answers_while_the_queue_is_full(fakegpus, gateway, h
 async def test_shipped_example_route_reaches_a_v1_only_server(fakegpus, gateway, http) -> None:
     """The fake serves only /v1/... (as vLLM): the node's url is its root, the route keeps /v1."""
     shipped = parse_config(Path(__file__).parent.parent.joinpath("etc/kiloline.yaml").read_text(),
-                           env={"KILOLINE_ADMIN_KEY": "a" * 32, "ALICE_KEY": "b" * 32, "BOB_KEY": "c" * 32})
+                           env={"KILOLINE_ADMIN_KEY": "kl_example_admin_7f3a9c", "ALICE_KEY": "kl_example_alice_e41b8d",
+                                "BOB_KEY": "kl_example_bob_20c5a6"})
     assert shipped.routes["llm"].path == "/v1" and shipped.routes["llm"].strips_path is False
     assert shipped.routes["comfy"].strips_path is True
     fake = await fakegpus("openai", step_ms=1)
@@ -167,8 +168,11 @@ async def test_stream_without_include_usage_counts_prompt_and_completion(fakegpu
     datas = [ln[5:].strip() for ln in text.splitlines() if ln.startswith("data:")]
     assert datas[-1] == "[DONE]"
     chunks = [orjson.loads(d) for d in datas[:-1]]
-    assert all(ch["choices"] for ch in chunks), "the usage chunk the client did not ask for is cut"
-    assert "".join(ch["choices"][0]["delta"].get("content", "") for ch in chunks) == "The quick brown fox"
+    assert not any(ch.get("usage") for ch in chunks), "the usage the client did not ask for is cut"
+    # ... and what the node put beside it stays: its timings, on a chunk of their own
+    *tokens, last = chunks
+    assert last["choices"] == [] and last["timings"]["predicted_n"] == 4
+    assert "".join(ch["choices"][0]["delta"].get("content", "") for ch in tokens) == "The quick brown fox"
     assert "\n\n\n" not in text  # the cut event leaves no stray blank line
     assert gw.rt.budgets.usage("alice", time.time())["tokens"] == 3 + 4
 
@@ -189,7 +193,8 @@ async def test_a_streamed_job_result_has_no_usage_chunk_the_client_did_not_ask_f
         await asyncio.sleep(0.05)
     datas = [ln[5:].strip() for ln in text.splitlines() if ln.startswith("data:")]
     assert datas and datas[-1] == "[DONE]", text
-    assert all(orjson.loads(d)["choices"] for d in datas[:-1]), "the usage chunk is not the client's"
+    assert not any(orjson.loads(d).get("usage") for d in datas[:-1]), "the usage is not the client's"
+    assert "timings" in orjson.loads(datas[-2]), "the node's timings are"
     assert gw.rt.budgets.usage("alice", time.time())["tokens"] == 3 + 4
 
 
@@ -271,11 +276,16 @@ def test_llama_timings_count_cached_prompt_tokens() -> None:
 
 
 @pytest.mark.parametrize("cut", [1, 7, 40, 200, 10_000])
-def test_usage_stripper_cuts_only_the_usage_event(cut: int) -> None:
+def test_usage_stripper_cuts_only_the_usage(cut: int) -> None:
+    """The usage the gateway asked for goes; llama.cpp's timings, on the same chunk, stay."""
     stream = CONTENT + LLAMA_USAGE + b"data: [DONE]\n\n"
     s = UsageStripper()
     out = b"".join(s.feed(stream[i:i + cut]) for i in range(0, len(stream), cut)) + s.flush()
-    assert out == CONTENT + b"data: [DONE]\n\n"
+    assert out == CONTENT + (b'data: {"choices":[],"object":"chat.completion.chunk",'
+                             b'"timings":{"cache_n":16,"prompt_n":1,"predicted_n":4}}\n\n') + b"data: [DONE]\n\n"
+    # a usage chunk with nothing but the envelope goes whole, blank line included
+    bare = b'data: {"id":"c","object":"chat.completion.chunk","created":1,"model":"m","choices":[],"usage":{}}\n\n'
+    assert UsageStripper().feed(CONTENT + bare + b"data: [DONE]\n\n") == CONTENT + b"data: [DONE]\n\n"
     # a chunk that carries "usage": null with content is the client's and stays
     kept = b'data: {"choices":[{"index":0,"delta":{"content":"x"}}],"usage":null}\n\n'
     assert UsageStripper().feed(kept) == kept

@@ -1,9 +1,10 @@
 """The relay's per-token path (``relay_tap`` → ``StreamParser.pass_on``): a whole standard content
 event is counted from its bytes, without a JSON parse. Whatever the servers' spellings (vLLM's
 compact JSON, Ollama's role first, OpenAI's ``"usage": null`` on every token, llama.cpp's timings,
-a serializer with blanks or ``\\u`` escapes, text that quotes the keys it looks for) and however the
-stream is cut into reads, it reads what a full parse of every data line reads (content chunks,
-usage, timings) and passes on exactly what a line-by-line cut of the gateway's usage chunk leaves."""
+a serializer with blanks or ``\\u`` escapes, keys spelled with them, text that quotes the keys it
+looks for) and however the stream is cut into reads, it reads what a full parse of every data line
+reads (content chunks, usage, timings) and passes on exactly what a line-by-line cut of the
+gateway's usage leaves (the node's own fields of that chunk stay)."""
 
 from __future__ import annotations
 
@@ -36,10 +37,23 @@ events = st.fixed_dictionaries(
     optional={"usage": st.one_of(st.none(), st.fixed_dictionaries({"total_tokens": st.integers(0, 99)})),
               "timings": st.fixed_dictionaries({"predicted_n": st.integers(0, 9)}),
               'a "delta': st.just({"content": "y"})})  # a key that ends in a quoted "delta"
-usage_only = st.builds(lambda n: {"id": "chatcmpl-1", "choices": [], "usage": {"prompt_tokens": 3, "total_tokens": n}},
-                       st.integers(0, 99))
+usage_only = st.builds(lambda n, more: {"id": "chatcmpl-1", "choices": [],
+                                       "usage": {"prompt_tokens": 3, "total_tokens": n}, **more},
+                       st.integers(0, 99),
+                       # llama.cpp moves its timings onto the usage chunk when usage is asked for
+                       st.sampled_from([{}, {"model": "m"}, {"timings": {"predicted_n": 4}}]))
+
+
+def escaped_keys(d: Any) -> bytes:
+    """A serializer that spells the keys ``usage`` and ``timings`` with ``\\u`` escapes (JSON
+    allows any character so spelled): the same document to every parser."""
+    return (orjson.dumps(d).replace(b'"usage":', b'"\\u0075sage":')
+            .replace(b'"timings":', b'"timin\\u0067s":'))
+
+
 spellings = st.sampled_from([orjson.dumps, lambda d: json.dumps(d).encode(),
-                             lambda d: json.dumps(d, separators=(",", ":")).encode()])
+                             lambda d: json.dumps(d, separators=(",", ":")).encode(), escaped_keys])
+ENVELOPE = {"id", "object", "created", "model", "choices", "usage"}
 
 
 @st.composite
@@ -56,7 +70,8 @@ def sse_events(draw: Any) -> bytes:
 
 def reference(stream: bytes) -> tuple[int, Any, Any, bytes]:
     """The whole stream at once, one line at a time: every data line parsed on its own, and what
-    is left once each usage-only event (with the blank line after it) is cut out."""
+    is left once the usage of each usage-only event is cut out: the event goes (with the blank
+    line after it) when only the envelope is left of it, else it stays without its usage."""
     chunks, usage, timings = 0, None, None
     kept, drop_blank = [], False
     for line in stream.split(b"\n")[:-1]:
@@ -76,7 +91,11 @@ def reference(stream: bytes) -> tuple[int, Any, Any, bytes]:
             if isinstance(ev.get("usage"), dict):
                 usage = ev["usage"]
                 if ev.get("choices") == []:
-                    drop_blank = True
+                    rest = {k: v for k, v in ev.items() if k != "usage"}
+                    if set(rest) <= ENVELOPE:
+                        drop_blank = True
+                        continue
+                    kept.append(b"data: " + orjson.dumps(rest) + b"\n")
                     continue
             cs = ev.get("choices")
             if isinstance(cs, list) and any(
@@ -167,3 +186,15 @@ def test_relay_tap_without_a_parser_feeds_the_observer_and_cuts_usage() -> None:
     tap = relay_tap(Seen(), UsageStripper())
     assert tap(VLLM_TOKEN) + tap(usage) + tap(b"data: [DONE]\n\n") == VLLM_TOKEN + b"data: [DONE]\n\n"
     assert b"".join(seen) == VLLM_TOKEN + usage + b"data: [DONE]\n\n"
+
+
+def test_a_usage_key_spelled_with_an_escape_is_read_and_cut() -> None:
+    """``"\\u0075sage"`` is ``"usage"`` to the client's parser: the per-token path reads it (it
+    counts against the budget) and the cut takes a usage-only chunk so spelled."""
+    token = VLLM_TOKEN.replace(b'"choices"', b'"\\u0075sage":{"total_tokens":604},"choices"')
+    p = StreamParser()
+    tap = relay_tap(p, UsageStripper())
+    tap(b": ping\n\n")
+    assert tap(token) == token and p.usage == {"total_tokens": 604} and p.chunks == 1
+    usage = b'data: {"id":"chatcmpl-1","choices":[],"\\u0075sage":{"total_tokens":604}}\n\n'
+    assert tap(usage) == b"" and tap(b"data: [DONE]\n\n") == b"data: [DONE]\n\n"

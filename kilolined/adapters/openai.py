@@ -2,7 +2,7 @@
 
 Streams pass through unbuffered; on the way we read ``usage`` into token budgets and metrics,
 and time the first token. A stream's usage is asked of the node (``stream_options.include_usage``
-is added to the body; the extra chunk is cut out again for a client that did not ask for it);
+is added to the body; what that added is cut out again for a client that did not ask for it);
 llama.cpp's ``timings`` count when a server sends no usage; without either, each content chunk
 counts as one token (an estimate: servers send one token per chunk by default).
 
@@ -53,11 +53,19 @@ COMPLETION_PATHS = ("/v1/chat/completions", "/chat/completions", "/v1/completion
 # payload keeps its own blanks (JSON allows them; a CR of a CRLF line end is one).
 _DATA_LINE = re.compile(rb"^[ \t\r\x0b\x0c]*data:(.*)$", re.M)
 # A choice's delta whose first member is its text, as vLLM, llama.cpp and SGLang write every token
-# (JSON from a serializer: no blanks, keys never spelled with escapes, no key twice). Found with no
-# backslash before it (its first quote then opens a key: a quote inside a string is escaped) and
-# followed by anything but the closing quote, the text is not empty: the event is a content chunk,
-# known without parsing it. Other shapes (Ollama's role first, reasoning, tool calls) are parsed.
+# (JSON from a serializer: no blanks, no key twice; a read with a ``\u`` escape is parsed, as a key
+# may be spelled with one). Found with no backslash before it (its first quote then opens a key: a
+# quote inside a string is escaped) and followed by anything but the closing quote, the text is not
+# empty: the event is a content chunk, known without parsing it. Other shapes (Ollama's role first,
+# reasoning, tool calls) are parsed.
 _DELTA_CONTENT = b'"delta":{"content":"'
+
+
+def _escaped(chunk: bytes | bytearray) -> bool:
+    """The bytes hold a ``\\u`` escape: a key may be spelled with one (``"\\u0075sage"`` is
+    ``"usage"`` to any JSON parser, the node's client included), so a search for a key's plain
+    spelling proves nothing. The letters of ``usage`` and ``timings`` have no other escape."""
+    return chunk.find(b"\\u") >= 0
 
 
 def _null_usage(chunk: bytes, at: int) -> bool:
@@ -85,6 +93,24 @@ def wants_stream(ex: Exchange) -> bool:
 def _asks_usage(data: dict[str, Any]) -> bool:
     opts = data.get("stream_options")
     return isinstance(opts, dict) and opts.get("include_usage") is True
+
+
+def flag_error(data: dict[str, Any]) -> str | None:
+    """Why the body's stream switches are refused: ``stream`` and ``stream_options.include_usage``
+    must be JSON's true or false (or null, or absent). The gateway reads them strictly and a
+    lax server (vLLM's pydantic takes ``"true"`` and ``1``) would read a string or a number as
+    true: it would stream without the usage the gateway asks for, and a token budget would count
+    none of the prompt. OpenAI's API answers such a body 400 too."""
+    if not _flag(data.get("stream")):
+        return '"stream" must be true or false'
+    opts = data.get("stream_options")
+    if isinstance(opts, dict) and not _flag(opts.get("include_usage")):
+        return '"stream_options.include_usage" must be true or false'
+    return None
+
+
+def _flag(v: Any) -> bool:
+    return v is None or v is True or v is False
 
 
 def gateway_added_usage(ex: Exchange) -> bool:
@@ -140,8 +166,11 @@ def usage_count(v: Any) -> int | None:
 
 
 class UsageStripper:
-    """Cuts the usage-only chunk (``"choices": []`` with ``usage``) out of an SSE stream whose
-    client did not ask for it; every other byte passes as it came, flushed per line."""
+    """Cuts what the gateway added to an SSE stream whose client did not ask for usage: the
+    ``usage`` of the usage-only chunk (``"choices": []``), and the chunk itself when nothing but
+    OpenAI's envelope is left of it. What else the node put there stays: llama.cpp moves its
+    ``timings`` onto that chunk when asked for usage. Every other byte passes as it came, flushed
+    per line."""
 
     __slots__ = ("buf", "drop_blank")
 
@@ -152,7 +181,8 @@ class UsageStripper:
     def feed(self, chunk: bytes) -> bytes:
         # ``find``, not ``in``: bytes' ``in`` tries its operand as an integer first, and builds and
         # drops a formatted TypeError per call, as dear as the search (the per-token path).
-        if not self.buf and not self.drop_blank and chunk.find(b'"usage"') < 0 and chunk.endswith(b"\n"):
+        if (not self.buf and not self.drop_blank and chunk.find(b'"usage"') < 0 and chunk.endswith(b"\n")
+                and not _escaped(chunk)):
             return chunk  # the common case: no usage in sight, whole lines
         self.buf += chunk
         *lines, rest = self.buf.split(b"\n")
@@ -163,10 +193,13 @@ class UsageStripper:
                 self.drop_blank = False  # the blank line that ended the dropped event
                 continue
             self.drop_blank = False
-            if line.startswith(b"data:") and _usage_only(line[5:]):
+            kept = _without_usage(line[5:]) if line.startswith(b"data:") else None
+            if kept is None:
+                out += line + b"\n"
+            elif kept:
+                out += b"data: " + kept + (b"\r\n" if line.endswith(b"\r") else b"\n")
+            else:
                 self.drop_blank = True
-                continue
-            out += line + b"\n"
         return bytes(out)
 
     def flush(self) -> bytes:
@@ -174,14 +207,27 @@ class UsageStripper:
         return rest
 
 
-def _usage_only(payload: bytes | bytearray) -> bool:
-    if payload.find(b'"usage"') < 0:
-        return False
+#: what every chunk of a stream carries (OpenAI's, and the servers' own): a usage-only chunk that
+#: holds nothing more is the gateway's alone, and goes whole
+ENVELOPE = frozenset(("id", "object", "created", "model", "system_fingerprint", "service_tier", "obfuscation",
+                      "choices", "usage"))
+
+
+def _without_usage(payload: bytes | bytearray) -> bytes | None:
+    """A data payload as the client gets it: None when it is not a usage-only chunk (it passes as
+    it came); else the chunk without its ``usage``, or b"" when only the envelope would be left."""
+    if payload.find(b'"usage"') < 0 and not _escaped(payload):
+        return None
     try:
         ev = orjson.loads(payload)
     except orjson.JSONDecodeError:
-        return False
-    return isinstance(ev, dict) and ev.get("choices") == [] and isinstance(ev.get("usage"), dict)
+        return None
+    if not (isinstance(ev, dict) and ev.get("choices") == [] and isinstance(ev.get("usage"), dict)):
+        return None
+    if ENVELOPE.issuperset(ev):
+        return b""
+    del ev["usage"]
+    return orjson.dumps(ev)
 
 
 class StreamParser(Observer):
@@ -205,7 +251,8 @@ class StreamParser(Observer):
         cuts out (see ``relay_tap``).
 
         The per-token path: one whole standard content event in the read (``data: {…}`` and the
-        blank line that ends it), nothing held back, no usage or timings in its bytes. It is
+        blank line that ends it), nothing held back, no usage or timings in its bytes (and no
+        ``\\u`` escape that could spell them). It is
         counted from its bytes, with no JSON parse (``_DELTA_CONTENT``); a read of several whole
         events takes it event by event; any other read takes the full path (``_feed``), which
         parses every data payload."""
@@ -213,7 +260,8 @@ class StreamParser(Observer):
         if (self.stream and not self.buf and chunk[:5] == b"data:" and chunk[-1] == 10
                 and chunk.find(b"\n") == len(chunk) - 2 and (i := chunk.find(_DELTA_CONTENT)) > 5
                 and chunk[i - 1] != 92 and chunk[i + 20] != 34 and chunk.find(b'"timings"') < 0
-                and ((u := chunk.find(b'"usage"')) < 0 or _null_usage(chunk, u))):
+                and ((u := chunk.find(b'"usage"')) < 0 or _null_usage(chunk, u))
+                and chunk.find(b"\\u") < 0):  # _escaped, inline: the per-token path
             if self.first_at is None:
                 self.first_at = time.monotonic()
             self.chunks += 1
@@ -410,6 +458,9 @@ class OpenAIAdapter(Adapter):
         data = request_json(ex)
         if data is None:
             raise Rejected(400, "bad_request", "body must be a JSON object")
+        refused = flag_error(data)
+        if refused is not None:
+            raise Rejected(400, "bad_request", refused)
         if gateway_added_usage(ex):
             # Without it a stream tells no prompt tokens (the SDK's default): budgets would not hold.
             opts = data.get("stream_options")

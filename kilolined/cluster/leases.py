@@ -200,19 +200,24 @@ class ClusterLeases:
 
     # --- the LeaseStore calls ---------------------------------------------------------------
     def admit(self, route: str, key: str, priority: int, now: float, *, pinned_node: str | None = None,
-              cost: float = 0.0, model: str | None = None, affinity: Affinity | None = None) -> Ticket:
+              cost: float = 0.0, model: str | None = None, affinity: Affinity | None = None,
+              body: int = 0) -> Ticket:
         # Which nodes serve the model holds in Redis too (the ticket's "only"), and so do warm and
         # prefix/session affinity (its "warm" and "aff"); collation is per gateway (docs/CLUSTER.md).
         if not self.view.redis_up:
             t = self.sched.admit(route, key, priority, now, pinned_node=pinned_node, cost=cost, model=model,
-                                 affinity=affinity)
+                                 affinity=affinity, body=body)
             self._local.add(t)
             return t
         rq = self.sched.routes[route]
         self.sched.check_servable(rq, pinned_node, cost, model)
         # Redis chooses the node here, by the rule this gateway's index feeds it (_affinity, at settle).
         t = Ticket(next(self._seq), route, key, priority, now, pinned_node=pinned_node, cost=cost, model=model,
-                   affinity=affinity)
+                   affinity=affinity, body=body)
+        # Whether it waits is Redis's answer: the bodies bound counts it as waiting from here (this
+        # gateway holds the body) until it is granted or leaves (_untrack).
+        self.sched.check_body(rq, t, now)
+        self.sched.bodies.hold(t)
         t.deadline = now + rq.cfg.queue_timeout_sec
         return t
 
@@ -259,6 +264,8 @@ class ClusterLeases:
         self._depth[t.route] = int(res[1])
         if int(res[2]):
             self._pos[tid] = int(res[2])
+        if t.state == WAITING:  # (a re-admitted ticket's too; a grant below ends it)
+            self.sched.bodies.hold(t)
         self._grants(res[3:])
         return t
 
@@ -301,6 +308,7 @@ class ClusterLeases:
         t.requeues += 1
         t.state = WAITING
         t.lease = None
+        self.sched.bodies.hold(t)  # waiting again, in Redis's queue, with its body here
         t.deadline = now + self.sched.routes[t.route].cfg.queue_timeout_sec
         heapq.heappush(self._deadlines, (t.deadline, t.seq, t))
         tid = self._tid[t]
@@ -786,6 +794,7 @@ class ClusterLeases:
         return tid
 
     def _untrack(self, t: Ticket) -> str | None:
+        self.sched.bodies.release(t)
         tid = self._tid.pop(t, None)
         if tid is not None:
             self._tickets.pop(tid, None)

@@ -17,6 +17,8 @@ from typing import Annotated, Any, Literal, TypeVar, get_args
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator, model_validator
 
+from kilolined.core.keystrength import MIN_KEY_BITS, key_bits
+
 NotifyEvent = Literal[
     "node_down",
     "node_up",
@@ -111,6 +113,10 @@ class ServerConfig(_Model):
     tls: TLSConfig | None = None
     trusted_proxies: list[str] = []
     max_body_mb: Annotated[float, Field(gt=0)] = 64
+    # Bodies of waiting requests held in memory, in total and per key (kilolined/scheduling/bodies.py):
+    # a request that would have to wait past them is refused (503 / 429 queue_full).
+    max_queued_body_mb: Annotated[float, Field(gt=0)] = 1024
+    max_queued_body_mb_per_key: Annotated[float, Field(gt=0)] = 256
     shutdown_grace_sec: Sec = 30
     heartbeat_sec: PosSec = 10
     state_dir: str | None = None
@@ -193,6 +199,9 @@ class _Secret(_Model):
             raise ValueError(f"shorter than {MIN_KEY_CHARS} characters (anyone can guess it): {_KEYGEN_HINT}")
         if v and hashlib.sha256(v.encode()).hexdigest() in WEAK_DIGESTS:
             raise ValueError(f"is a well-known word (anyone can guess it): {_KEYGEN_HINT}")
+        if v and key_bits(v, WELL_KNOWN_KEYS) < MIN_KEY_BITS:
+            raise ValueError("has too little entropy (repeats, runs like 1234 or abcd, well-known words: "
+                             f"anyone can guess it): {_KEYGEN_HINT}")
         return v
 
     def digest(self) -> str | None:

@@ -455,7 +455,7 @@ def _ticket(gw: Gateway, call: Call) -> Ticket | web.StreamResponse:
     affinity = affinity_of(ex, call.route_name, rcfg, rt.scheduler.key_memo) if rcfg.affinity != "off" else None
     try:
         return rt.admit(call.route_name, call.subject, priority, pinned_node=call.pinned_node,
-                        cost=call.cost or 0.0, model=call.model, affinity=affinity)
+                        cost=call.cost or 0.0, model=call.model, affinity=affinity, body=len(ex.body))
     except Rejected as r:
         rt.metrics.rejections.labels(call.route, r.type).inc()
         return call.rejected(r)

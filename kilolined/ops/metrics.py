@@ -225,10 +225,9 @@ class Recorded:
         counted: float = sum(c.value for c in self._children.values())
         return counted
 
-    def sum_where(self, label: str, value: str) -> dict[tuple[str, ...], float]:
-        """A counter's values whose ``label`` is ``value``, by their label values."""
-        i = self.labelnames.index(label)
-        return {k: c.value for k, c in self._children.items() if k[i] == value}
+    def values(self) -> dict[tuple[str, ...], float]:
+        """A counter's values by their label values."""
+        return {k: c.value for k, c in self._children.items()}
 
     def family(self) -> Metric:
         names = list(self.labelnames)
@@ -317,11 +316,14 @@ class Metrics:
         Gauge("kiloline_build_info", "The running kilolined's version (always 1)", ["version"],
               registry=r).labels(__version__).set(1)
 
-    def prompt_tokens_of(self, route: str) -> tuple[float, float]:
-        """(cached, all) prompt tokens the nodes of ``route`` reported."""
-        rows = self.prompt_tokens.sum_where("route", route)
-        cached = sum(v for k, v in rows.items() if k[2] == "true")
-        return cached, sum(rows.values())
+    def prompt_tokens_by_route(self) -> dict[str, tuple[float, float]]:
+        """(cached, all) prompt tokens the nodes of each route reported, in one pass over the
+        label sets (one pass per route would be quadratic in the routes)."""
+        out: dict[str, tuple[float, float]] = {}
+        for (route, _node, cached), v in self.prompt_tokens.values().items():
+            c, t = out.get(route, (0.0, 0.0))
+            out[route] = (c + v if cached == "true" else c, t + v)
+        return out
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

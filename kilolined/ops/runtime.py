@@ -194,6 +194,7 @@ class Runtime:
         """Swap config into the scheduler and stores. Pure bookkeeping: cannot fail half-way."""
         now = self.clock()
         sched = self.scheduler
+        sched.bodies.configure(cfg.server.max_queued_body_mb, cfg.server.max_queued_body_mb_per_key)
         old_nodes = sched.nodes
         all_nodes = {**cfg.nodes, **{n: p.cfg for n, p in self.pool_nodes.items()}}
         for name, ncfg in all_nodes.items():
@@ -436,9 +437,10 @@ class Runtime:
         self.scheduler.dispatch(now)
 
     def admit(self, route: str, key: str, priority: int, *, pinned_node: str | None = None,
-              cost: float = 0.0, model: str | None = None, affinity: Affinity | None = None) -> Ticket:
+              cost: float = 0.0, model: str | None = None, affinity: Affinity | None = None,
+              body: int = 0) -> Ticket:
         return self.leases.admit(route, key, priority, self.clock(), pinned_node=pinned_node, cost=cost,
-                                 model=model, affinity=affinity)
+                                 model=model, affinity=affinity, body=body)
 
     # --- node results -------------------------------------------------------------------
     def node_success(self, node: str, trial: bool) -> None:

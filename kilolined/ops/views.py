@@ -36,15 +36,26 @@ def route_snapshot(sched: Scheduler, rq: RouteQueue, now: float) -> dict[str, An
     }
 
 
-def node_slots(sched: Scheduler, ns: NodeState, now: float) -> tuple[int, int]:
-    """(usable now, configured) slots of a node summed over its routes; slow start makes the
+def routes_by_node(sched: Scheduler) -> dict[str, list[RouteQueue]]:
+    """Each node's live routes, from one pass over the routes: a snapshot asks it of every node,
+    and a pass over every route per node is quadratic (seconds for thousands of routes, with the
+    event loop and /healthz blocked meanwhile)."""
+    out: dict[str, list[RouteQueue]] = {}
+    for rq in sched.routes.values():
+        if not rq.retired:
+            for n in dict.fromkeys(rq.all_nodes):  # a node named twice in a route counts once
+                out.setdefault(n, []).append(rq)
+    return out
+
+
+def node_slots(ns: NodeState, routes: list[RouteQueue], now: float) -> tuple[int, int]:
+    """(usable now, configured) slots of a node summed over its ``routes``; slow start makes the
     first smaller than the second for a while after a recovery."""
     slots = full = 0
-    for rq in sched.routes.values():
-        if ns.name in rq.all_nodes and not rq.retired:
-            # effective() first: it is what ends a finished slow start.
-            slots += ns.effective(rq.cfg.max_concurrency, now)
-            full += rq.cfg.max_concurrency
+    for rq in routes:
+        # effective() first: it is what ends a finished slow start.
+        slots += ns.effective(rq.cfg.max_concurrency, now)
+        full += rq.cfg.max_concurrency
     cap = ns.cfg.max_concurrency
     if cap is not None:
         slots = min(slots, ns.effective(cap, now))
@@ -66,9 +77,10 @@ def state(rt: Runtime) -> dict[str, Any]:
     sched = rt.scheduler
     routes = {n: route_snapshot(sched, rq, now) for n, rq in sched.routes.items()
               if not n.startswith("adhoc:") and not rq.retired}
+    prompt_tokens = rt.metrics.prompt_tokens_by_route()
     for n, r in routes.items():
         # What its nodes reported of the prompts (the dashboard's cached share); zeros until one did.
-        cached, total = rt.metrics.prompt_tokens_of(n)
+        cached, total = prompt_tokens.get(n, (0.0, 0.0))
         r["prompt_tokens"] = {"cached": int(cached), "total": int(total)}
         rcfg = rt.cfg.routes.get(n)
         if rcfg is not None and rcfg.kind == "comfyui":
@@ -78,10 +90,11 @@ def state(rt: Runtime) -> dict[str, Any]:
         if n in routes:
             routes[n]["comfy_files"] = {"files": files, "bytes": held}
     nodes: dict[str, Any] = {}
+    by_node = routes_by_node(sched)
     for n, ns in sched.nodes.items():
         if n.startswith("adhoc:") or ns.retired:
             continue
-        slots, full = node_slots(sched, ns, now)
+        slots, full = node_slots(ns, by_node.get(n, []), now)
         left = slow_start_left(ns, now) if slots < full else None
         nodes[n] = {**ns.snapshot(now), "inflight": sched.node_inflight.get(n, 0), "slots": slots,
                     "latency_ms": list(ns.latencies[-20:]),

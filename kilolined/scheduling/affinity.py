@@ -3,8 +3,9 @@ request's prompt.
 
 Pure: no I/O, no clock. The gateway cannot see a node's KV cache, so it keeps its own guess: the
 canonical text of each request (its model, then every chat message as ``role``, NUL, content;
-or a completion's prompt) is cut into blocks, and block i's key is a 64-bit hash of block i and
-key i-1 (the first seeded by route and model), so one key names the whole prefix up to it. Each
+or a completion's prompt; at most 128 KiB and 256 messages of it) is cut into blocks, and block
+i's key is a 64-bit hash of block i and key i-1 (the first seeded by route and model), so one key
+names the whole prefix up to it. Each
 node keeps a bounded LRU of the keys dispatched to it; a request's match on a node is the number
 of its leading keys found there. Recording at dispatch, not at the answer, makes a prefix that a
 node is still prefilling a hit there: the next request with it goes where it will be warm.
@@ -40,6 +41,11 @@ import orjson
 
 #: the most bytes of one request's canonical text that are indexed
 MAX_INDEXED_BYTES = 128 * 1024
+#: the most entries of a request's ``messages`` that are indexed (the first ones). The byte bound
+#: alone lets a request of tiny messages cost a step per message (~2 µs each in ``KeyMemo``, over
+#: 10,000 of them in 128 KiB, and without end for entries that are not messages): more CPU than
+#: the rest of the request. Past 256 messages the prefix already names the conversation.
+MAX_INDEXED_MESSAGES = 256
 #: keys kept per node (8-byte keys in an ordered dict: a few MiB at most)
 DEFAULT_INDEX_KEYS = 32768
 #: a predicted hit whose node reports less than this share of the prompt reused was a misprediction
@@ -97,7 +103,7 @@ def _text(content: Any, out: list[bytes]) -> None:
 def canonical(data: dict[str, Any]) -> bytes:
     """The text a request's prompt is indexed by: its model, tools as their JSON, then for chat
     every message as ``role``, NUL, content (text parts in order); for completions the prompt.
-    Cut at MAX_INDEXED_BYTES."""
+    Cut at MAX_INDEXED_MESSAGES messages and MAX_INDEXED_BYTES."""
     model = data.get("model")
     out: list[bytes] = [model.encode() if isinstance(model, str) else b"", b"\0"]
     tools = data.get("tools")
@@ -107,7 +113,7 @@ def canonical(data: dict[str, Any]) -> bytes:
     messages = data.get("messages")
     size = 0
     if isinstance(messages, list):
-        for m in messages:
+        for m in messages[:MAX_INDEXED_MESSAGES]:
             if not isinstance(m, dict):
                 continue
             before = len(out)
@@ -282,7 +288,7 @@ class KeyMemo:
             entries.move_to_end(probe)
         messages = data.get("messages")
         if isinstance(messages, list):
-            for m in messages:
+            for m in messages[:MAX_INDEXED_MESSAGES]:
                 if step.size >= MAX_INDEXED_BYTES:
                     break  # the rest would be cut anyway
                 try:

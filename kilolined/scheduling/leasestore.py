@@ -15,8 +15,10 @@ from kilolined.scheduling.queue import Lease, Ticket
 
 class LeaseStore(Protocol):
     def admit(self, route: str, key: str, priority: int, now: float, *, pinned_node: str | None = None,
-              cost: float = 0.0, model: str | None = None, affinity: Affinity | None = None) -> Ticket:
-        """Queue a request of this cost, for this model (raises Rejected); it may hold a lease at once."""
+              cost: float = 0.0, model: str | None = None, affinity: Affinity | None = None,
+              body: int = 0) -> Ticket:
+        """Queue a request of this cost, for this model, with ``body`` bytes of body held while it
+        waits (raises Rejected); it may hold a lease at once."""
         ...
 
     def cancel(self, t: Ticket) -> bool:

@@ -28,6 +28,7 @@ from typing import Any, Protocol
 from kilolined.core.config import NodeConfig, RouteConfig
 from kilolined.scheduling import affinity as aff
 from kilolined.scheduling.affinity import Affinity, KeyMemo, PrefixIndex
+from kilolined.scheduling.bodies import WaitingBodies
 from kilolined.scheduling.nodes import NodeState
 
 WAITING, LEASED, DONE, FAILED = "waiting", "leased", "done", "failed"
@@ -70,6 +71,8 @@ class Ticket:
     swap_bypassed_at: float | None = None  # when it was first collated past
     affinity: Affinity | None = None  # its prefix keys or session key (routes with ``affinity``)
     cached: int | None = None  # prompt tokens its node reported reused (the access log's cached=)
+    body: int = 0  # bytes of its request's body, held in memory while it waits (bodies.py)
+    body_held: bool = False  # counted in Scheduler.bodies now
 
     def wake(self) -> None:
         if self.on_wake is not None:
@@ -371,6 +374,8 @@ class Scheduler:
         self._deadlines: list[tuple[float, int, Ticket]] = []
         #: whether this gateway's own health checks run (cluster mode: only the leader's do)
         self.checks_here: Callable[[], bool] = lambda: True
+        #: the bodies of waiting requests, per key and in total (server.max_queued_body_mb*)
+        self.bodies = WaitingBodies()
 
     # -- capacity --------------------------------------------------------------------------
     def can_take(self, rq: RouteQueue, node: str, now: float, cost: float = 0.0) -> bool:
@@ -748,8 +753,10 @@ class Scheduler:
         cost: float = 0.0,
         model: str | None = None,
         affinity: Affinity | None = None,
+        body: int = 0,
     ) -> Ticket:
-        """Queue a request (raises Rejected); it may be leased at once by the dispatch inside."""
+        """Queue a request (raises Rejected); it may be leased at once by the dispatch inside.
+        ``body``: the bytes of its body, held in memory while it waits (bodies.py)."""
         rq = self.routes[route]
         cfg = rq.cfg
         self.check_servable(rq, pinned_node, cost, model)
@@ -761,13 +768,14 @@ class Scheduler:
                 self.retry_after(rq, now),
             )
         t = Ticket(next(self._seq), route, key, priority, now, pinned_node=pinned_node, on_wake=on_wake, cost=cost,
-                   model=model, affinity=affinity)
+                   model=model, affinity=affinity, body=body)
         # A free slot and nobody ahead: straight through, even when max_queue_depth is 0.
         if not rq.waiting:
             node = self.choose_node(rq, t, now)
             if node is not None:
                 self.grant(rq, t, node, now)
                 return t
+        self.check_body(rq, t, now)
         if len(rq.waiting) >= cfg.max_queue_depth:
             if cfg.drop_policy == "drop_oldest" and rq.waiting:
                 victim = min(rq.waiting.order(now), key=lambda x: (x.enqueued_at, x.seq))
@@ -789,17 +797,26 @@ class Scheduler:
         self.dispatch(now)
         return t
 
+    def check_body(self, rq: RouteQueue, t: Ticket, now: float) -> None:
+        """Refuse (Rejected) a request whose body may not wait: its key's waiting bodies, or all
+        of them, would pass their bound (bodies.py)."""
+        refused = self.bodies.refusal(t.key, t.body)
+        if refused is not None:
+            raise Rejected(refused[0], "queue_full", refused[1], self.retry_after(rq, now))
+
     def enqueue(self, rq: RouteQueue, t: Ticket, now: float, front: bool) -> None:
         t.state = WAITING
         t.lease = None
         t.deadline = now + rq.cfg.queue_timeout_sec
         rq.waiting.push(t, front=front)
         rq.by_key[t.key] += 1
+        self.bodies.hold(t)
         heapq.heappush(self._deadlines, (t.deadline, t.seq, t))
 
     def _unqueue(self, rq: RouteQueue, t: Ticket) -> bool:
         if not rq.waiting.remove(t):
             return False
+        self.bodies.release(t)
         rq.by_key[t.key] -= 1
         if rq.by_key[t.key] <= 0:
             del rq.by_key[t.key]
@@ -880,6 +897,7 @@ class Scheduler:
         if t.affinity is not None:
             self._affine_dispatch(rq, t, node)
         lease = Lease(t, rq.name, node, now, trial, rq.target(node, ns.cfg), cost=t.cost, swap=swap)
+        self.bodies.release(t)  # leased: no longer waiting (a cluster grant too)
         rq.inflight[node] += 1
         self.node_inflight[node] += 1
         if t.cost:
