@@ -37,7 +37,7 @@ from kilolined.scheduling.affinity import (
 )
 from kilolined.scheduling.costs import choices, prompt_tokens
 from kilolined.scheduling.lease import LeaseScope, Sink
-from kilolined.scheduling.limits import seconds_to_midnight
+from kilolined.scheduling.limits import period_word, seconds_to_period_end
 from kilolined.scheduling.queue import Lease, Rejected
 from kilolined.scheduling.speed import llm_samples
 from kilolined.wire.proxy import Exchange, Observer
@@ -465,8 +465,9 @@ class OpenAIAttempt(HttpAttempt):
         wall = time.time()
         got = await self.rt.limits.reserve_tokens(self.key, budget, self.estimate, wall)
         if got is None:
-            raise Failure("budget_exhausted", f"daily budget tokens_per_day cannot hold this request "
-                          f"(about {self.estimate} tokens)", 429, retry_after=seconds_to_midnight(wall))
+            period = budget.period if budget is not None else "day"
+            raise Failure("budget_exhausted", f"{period_word(period)} budget tokens_per_day cannot hold this request "
+                          f"(about {self.estimate} tokens)", 429, retry_after=seconds_to_period_end(period, wall))
         self.reserved = got
 
     def unreserve(self) -> None:

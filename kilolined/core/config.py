@@ -218,6 +218,9 @@ class RateConfig(_Model):
 
 
 class BudgetConfig(_Model):
+    # The window the limits below count over: the UTC day, or the UTC calendar month (the names
+    # keep "per_day" for the default).
+    period: Literal["day", "month"] = "day"
     requests_per_day: Annotated[int, Field(ge=0)] | None = None
     tokens_per_day: Annotated[int, Field(ge=0)] | None = None
     gpu_seconds_per_day: Annotated[float, Field(ge=0)] | None = None

@@ -37,7 +37,7 @@ from kilolined.modes.runner import run
 from kilolined.modes.sinks import StreamSink, SyncSink
 from kilolined.ops.runtime import Runtime
 from kilolined.scheduling.costs import CostTooLarge, UnitError, request_cost, request_units
-from kilolined.scheduling.limits import Taken, Verdict, seconds_to_midnight
+from kilolined.scheduling.limits import Taken, Verdict, period_word, seconds_to_period_end
 from kilolined.scheduling.queue import Rejected, Ticket
 from kilolined.scheduling.routing import describe, head_holds, holds
 from kilolined.wire import expect
@@ -266,7 +266,9 @@ def _limits_verdict(rt: Runtime, call: Call, rate: RateConfig | None, wall: floa
         return None
     if spent:
         rt.metrics.rejections.labels(call.route, "budget_exhausted").inc()
-        return call.error(429, "budget_exhausted", f"daily budget {spent} exhausted", seconds_to_midnight(wall))
+        period = call.principal.cfg.budget.period if call.principal.cfg.budget is not None else "day"
+        return call.error(429, "budget_exhausted", f"{period_word(period)} budget {spent} exhausted",
+                          seconds_to_period_end(period, wall))
     call.budget_taken = True
     return None
 

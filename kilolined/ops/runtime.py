@@ -229,6 +229,8 @@ class Runtime:
             self.metrics.queue_wait.labels(name)
         self.keys = KeyStore(cfg)
         self.limiter.forget_except(set(cfg.keys))
+        self.budgets.periods = {k: c.budget.period for k, c in cfg.keys.items()
+                                if c.budget is not None and c.budget.period != "day"}
         self.cfg = cfg
         self.speed.lift_unwatched()
         self._gc(now)
