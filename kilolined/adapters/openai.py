@@ -293,6 +293,25 @@ class StreamParser(Observer):
                 return min(cached, prompt), max(0, prompt - cached)
         return None
 
+    def token_split(self) -> tuple[int, int]:
+        """(prompt, completion) tokens of the answer, for the bill: the usage's ``prompt_tokens``
+        and ``completion_tokens`` (``input_tokens``/``output_tokens`` in Anthropic's words), else
+        llama.cpp's timings, else the content chunks as completion; what a usage gives only as a
+        total is completion past its prompt. Bounded as ``tokens``."""
+        u = self.usage
+        if u:
+            prompt = usage_count(u.get("prompt_tokens", u.get("input_tokens"))) or 0
+            completion = usage_count(u.get("completion_tokens", u.get("output_tokens")))
+            if completion is None:
+                completion = max(0, (usage_count(u.get("total_tokens")) or 0) - prompt)
+        elif self.timings:
+            t = self.timings
+            prompt = (usage_count(t.get("cache_n")) or 0) + (usage_count(t.get("prompt_n")) or 0)
+            completion = usage_count(t.get("predicted_n")) or 0
+        else:
+            prompt, completion = 0, self.chunks
+        return min(MAX_USAGE_TOKENS, prompt), min(MAX_USAGE_TOKENS, completion)
+
     def tokens(self) -> int:
         """The answer's tokens: usage, else llama.cpp timings, else content chunks; never negative
         and never more than MAX_USAGE_TOKENS, whatever the node claims."""
@@ -349,6 +368,8 @@ class UsageObserver(StreamParser):
             first = max(0.0, self.first_at - self._dispatched_wall()) if self.stream and self.first_at else None
             self.scope.samples = llm_samples(elapsed, first, self.usage, self.timings) or None
         tokens = self.tokens()
+        if self.scope is not None:
+            self.scope.tokens = self.token_split()  # charged to the bill with the lease's GPU time
         if self.first_at is not None:
             self.rt.metrics.ttft.labels(self.route).observe(max(0.0, self.first_at - self._dispatched_wall()))
         if tokens:
@@ -409,6 +430,8 @@ class OpenAIAdapter(Adapter):
 
     async def serve(self, rt: Runtime, scope: LeaseScope, ex: Exchange, sink: Sink) -> None:
         data = request_json(ex) if is_completion(ex) else None
+        if scope.model is None and data is not None and isinstance(data.get("model"), str):
+            scope.model = data["model"]  # the bill's model, on a route that does not route by it
         attempt = OpenAIAttempt(scope, ex, estimate_tokens(data) if data is not None else 0)
         try:
             up = await scope.acquire(attempt)

@@ -220,6 +220,18 @@ class SharedLimits:
         if tokens or gpu_seconds:
             self._queue(key, wall, tokens=tokens, gpu=gpu_seconds)
 
+    async def spent(self, key: str, wall: float) -> dict[str, float]:
+        """The cluster's count of the key's window; this gateway's own while Redis does not answer."""
+        if self.redis_up():
+            try:
+                row = await self._redis.hmget(f"{self.prefix}bu:{key}:{self.budgets.label(key, wall)}",
+                                              ["requests", "tokens", "gpu"])
+            except (RedisError, OSError):
+                pass
+            else:
+                return dict(zip(FIELDS, (float(_s(v or 0)) for v in row), strict=True))
+        return dict(self.budgets.usage(key, wall))
+
     # --- the writer ---------------------------------------------------------------------------
     def _queue(self, key: str, wall: float | None, *, requests: int = 0, tokens: int = 0, gpu: float = 0.0,
                unreserve: int = 0) -> None:

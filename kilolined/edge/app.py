@@ -26,7 +26,7 @@ from kilolined.adapters.openai import affinity_of, wants_stream
 from kilolined.adapters.registry import adapter_for
 from kilolined.core.auth import presented_key
 from kilolined.core.config import RateConfig, RouteConfig
-from kilolined.edge import admin, jobs_api, targets
+from kilolined.edge import admin, jobs_api, targets, usage_api
 from kilolined.edge import guard as edge
 from kilolined.edge.connection import settle_expect
 from kilolined.edge.context import GW, RT, Gateway
@@ -546,6 +546,7 @@ def build_app(gw: Gateway) -> web.Application:
     app[RT] = gw.rt
     admin.add_routes(app)
     jobs_api.add_routes(app)
+    usage_api.add_routes(app)
     proxy = handler(gw, PROXY_PIPELINE, route="proxy")
     # "100 Continue" is the pipeline's to say, once auth and limits passed (kilolined/wire/expect.py)
     app.router.add_route("*", "/v1/proxy", proxy, expect_handler=expect.defer)

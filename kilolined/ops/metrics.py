@@ -276,6 +276,9 @@ class Metrics:
         for result in ("ok", "error"):
             self.reloads.labels(result)
         self.tokens = Recorded("counter", "kiloline_tokens", "LLM tokens by route and key", ["route", "key"])
+        self.gpu_seconds = Recorded("counter", "kiloline_gpu_seconds",
+                                    "Seconds leases held a node (the bill's GPU time), by route and key",
+                                    ["route", "key"])
         # What the nodes report of the prompt (llama.cpp timings, OpenAI cached_tokens) (docs/CONFIG.md#affinity).
         self.prompt_tokens = Recorded("counter", "kiloline_prompt_tokens",
                                       "Prompt tokens the nodes reported, cached (reused) or not",
@@ -286,7 +289,7 @@ class Metrics:
         self.fleet_events = Recorded("counter", "kiloline_fleet_events", "Fleet events (docs/FLEET.md)", ["event"])
         r.register(_RecordedCollector([self.requests, self.queue_wait, self.upstream, self.ttft, self.rejections,
                                        self.failovers, self.reloads, self.tokens, self.prompt_tokens,
-                                       self.mispredictions, self.fleet_events]))
+                                       self.mispredictions, self.fleet_events, self.gpu_seconds]))
         r.register(_LiveGauges(rt))
         # The daemon's own process (CPU, memory, fds, start time), Python and its collector.
         ProcessCollector(registry=r)

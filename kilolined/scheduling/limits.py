@@ -338,6 +338,10 @@ class LimitStore(Protocol):
         """What a request spent."""
         ...
 
+    async def spent(self, key: str, wall: float) -> dict[str, float]:
+        """What the key spent of its budgets in its current window (requests, tokens, gpu_seconds)."""
+        ...
+
 
 class LocalLimits:
     """This gateway's own buckets and counters decide: every call is plain and in memory."""
@@ -369,3 +373,6 @@ class LocalLimits:
 
     def add(self, key: str, wall: float, *, tokens: int = 0, gpu_seconds: float = 0.0) -> None:
         self.budgets.add(key, wall, tokens=tokens, gpu_seconds=gpu_seconds)
+
+    async def spent(self, key: str, wall: float) -> dict[str, float]:
+        return dict(self.budgets.usage(key, wall))
