@@ -39,7 +39,7 @@ NO_MODEL = "-"  # a request that names no model (ComfyUI, generic routes)
 NO_KEY = "-"  # a request on an ``auth: none`` route
 
 Row = tuple[str, str, str, str]  # (day, key, route, model)
-_DAY = re.compile(r"\d{4}-\d{2}-\d{2}")
+_DAY = re.compile(r"[0-9]{4}-[0-9]{2}-[0-9]{2}")  # ASCII digits only
 
 
 def utc_day(wall: float) -> str:
