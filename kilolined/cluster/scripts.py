@@ -772,7 +772,7 @@ return {ok, tostring(tokens)}
 #: ``P br:<key>`` hash (gateway instance -> tokens it holds reserved for its dispatched
 #: requests; a dead gateway's entry no longer counts and is dropped by the next reservation).
 
-#: ARGV: P, key id, UTC day, requests_per_day, tokens_per_day, gpu_seconds_per_day (-1: none)
+#: ARGV: P, key id, window (UTC day or month), requests_per_day, tokens_per_day, gpu_seconds_per_day (-1: none)
 #: -> {spent budget's name or '', requests, tokens, gpu} (checked and the request counted at once)
 BUDGET_TAKE = r"""
 local k = ARGV[1]..'bu:'..ARGV[2]..':'..ARGV[3]
@@ -790,7 +790,7 @@ end
 return {spent, tostring(req), tostring(tok), tostring(gpu)}
 """
 
-#: ARGV: P, ME (gateway instance), key id, UTC day, tokens, tokens_per_day
+#: ARGV: P, ME (gateway instance), key id, window, tokens, tokens_per_day
 #: -> {1 reserved | 0 does not fit, tokens spent, tokens reserved by the live gateways}
 BUDGET_RESERVE = r"""
 local P, ME, key = ARGV[1], ARGV[2], ARGV[3]
@@ -814,7 +814,7 @@ redis.call('HINCRBY', rk, ME, n)
 return {1, tostring(spent), tostring(held + n)}
 """
 
-#: ARGV: P, ME, then (key id, UTC day, requests, tokens, gpu seconds, tokens unreserved) per key
+#: ARGV: P, ME, then (key id, window, requests, tokens, gpu seconds, tokens unreserved) per key
 #: -> {requests, tokens, gpu, ...} spent after, per key (usage counted and its reservation ended
 #: in one step, so a budget never looks emptier than it is between the two)
 BUDGET_SETTLE = r"""
