@@ -88,3 +88,10 @@ def test_period_is_checked_with_file_and_line() -> None:
     ok = parse_config(text.replace("week", "month"), env={})
     assert ok.keys["alice"].budget is not None and ok.keys["alice"].budget.period == "month"
     assert parse_config(text.replace("      period: week\n", ""), env={}).keys["alice"].budget.period == "day"  # type: ignore[union-attr]
+
+
+def test_a_route_cannot_take_the_usage_path() -> None:
+    text = "nodes:\n  gpu: {url: 'http://127.0.0.1:8188'}\nroutes:\n  gen: {path: /v1/usage, nodes: [gpu]}\n"
+    with pytest.raises(ConfigError) as ei:
+        parse_config(text, env={})
+    assert any("routes.gen.path: '/v1/usage' is reserved by the gateway" in e for e in ei.value.errors)

@@ -677,7 +677,7 @@ def route_rules(routes: dict[str, RouteConfig]) -> list[str]:
             errs.append(f"routes.{name}.standby: {sorted(both)} also listed in nodes")
         if r.path in paths:
             errs.extend(_shared_path(name, r, paths[r.path], routes))
-        elif r.path.startswith("/v1/jobs") or r.path.startswith("/admin") or r.path == "/v1/proxy":
+        elif r.path.startswith("/v1/jobs") or r.path.startswith("/admin") or r.path in ("/v1/proxy", "/v1/usage"):
             errs.append(f"routes.{name}.path: {r.path!r} is reserved by the gateway")
         else:
             paths[r.path] = name
