@@ -14,6 +14,8 @@ from typing import Any
 from conftest import ADMIN, KEYS, auth, base_config
 from openai import AsyncOpenAI
 
+from kilolined.core.config import NodeConfig
+from kilolined.ops.runtime import PoolNode
 from kilolined.scheduling.bill import utc_day
 
 MESSAGES = [{"role": "user", "content": "say something please"}]
@@ -151,3 +153,20 @@ async def test_usage_refuses_bad_queries_and_strangers(fakegpus, gateway, http, 
         status, body, h = await _get(http, gw.url + path, headers)
         assert status == 401 and body["error"]["type"] == "unauthorized", (path, headers)
         assert "WWW-Authenticate" in h
+
+
+async def test_a_rented_node_bills_at_its_own_price(fakegpus, gateway, http, tmp_path: Path) -> None:
+    """A fleet node's ``price_per_hour``, not ``cost.gpu_hourly_usd``, prices its GPU seconds."""
+    a, b, c = [await fakegpus("openai", step_ms=1) for _ in range(3)]
+    gw = await gateway(bill_cfg(a, b, tmp_path / "state"))
+    gw.rt.set_pool_node("p-7", PoolNode(pool="p", cfg=NodeConfig(url=c.url), routes=("other",), provider="vastai",
+                                        instance_id="7", price_per_hour=36.0))
+    async with http.post(gw.url + "/admin/nodes/b/drain", headers=ADMIN) as r:
+        assert r.status == 200
+    llm = AsyncOpenAI(base_url=gw.url + "/b/v1", api_key=KEYS["bob"], max_retries=0, timeout=30)
+    await llm.chat.completions.create(model="fake-llm", messages=MESSAGES, max_tokens=2)
+    assert c.stats["served"] == 1
+    _, body, _ = await _get(http, gw.url + "/admin/usage?group_by=key", ADMIN)
+    [row] = body["rows"]
+    assert row["key"] == "bob" and row["gpu_seconds"] > 0
+    assert abs(row["cost_usd"] - row["gpu_seconds"] * 36.0 / 3600) < 1e-5
