@@ -9,6 +9,8 @@ import math
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kilolined.scheduling.bill import (
     OTHER_MODEL,
@@ -107,3 +109,22 @@ def test_query_parameters() -> None:
 def test_cost_needs_a_price() -> None:
     assert gpu_cost(3600, 0.45) == pytest.approx(0.45)
     assert gpu_cost(3600, None) == 0 and gpu_cost(10, -1) == 0 and gpu_cost(10, math.inf) == 0
+
+
+@settings(max_examples=150, deadline=None)
+@given(adds=st.lists(st.tuples(st.integers(0, 5), st.sampled_from("abcd"), st.sampled_from("xy"),
+                               st.sampled_from(["m1", "m2", "m3", None])), min_size=1, max_size=80),
+       max_rows=st.integers(1, 12), max_models=st.integers(1, 3))
+def test_the_bill_stays_bounded_and_today_loses_nothing(adds: list[tuple[int, str, str, str | None]],
+                                                        max_rows: int, max_models: int) -> None:
+    """Whatever arrives (days moving forward), the rows stay within the cap (plus one overflow row),
+    and every request of the newest day is still counted."""
+    b = Bill(None, max_rows=max_rows, max_models=max_models)
+    day = 0
+    for step, key, route, model in adds:
+        day += step
+        b.add(T0 + day * DAY, key, route, model, requests=1)
+        assert len(b.rows) <= max_rows + 1
+    today = b._today(T0 + day * DAY)
+    newest = sum(1 for i in range(len(adds)) if sum(a[0] for a in adds[:i + 1]) == day)
+    assert sum(v[0] for k, v in b.rows.items() if k[0] == today) == newest
