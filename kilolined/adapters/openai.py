@@ -368,8 +368,8 @@ class UsageObserver(StreamParser):
             first = max(0.0, self.first_at - self._dispatched_wall()) if self.stream and self.first_at else None
             self.scope.samples = llm_samples(elapsed, first, self.usage, self.timings) or None
         tokens = self.tokens()
-        if self.scope is not None:
-            self.scope.tokens = self.token_split()  # charged to the bill with the lease's GPU time
+        if self.lease is not None:
+            self.lease.ticket.tokens = self.token_split()  # charged to the bill with the lease's GPU time
         if self.first_at is not None:
             self.rt.metrics.ttft.labels(self.route).observe(max(0.0, self.first_at - self._dispatched_wall()))
         if tokens:
@@ -430,8 +430,6 @@ class OpenAIAdapter(Adapter):
 
     async def serve(self, rt: Runtime, scope: LeaseScope, ex: Exchange, sink: Sink) -> None:
         data = request_json(ex) if is_completion(ex) else None
-        if scope.model is None and data is not None and isinstance(data.get("model"), str):
-            scope.model = data["model"]  # the bill's model, on a route that does not route by it
         attempt = OpenAIAttempt(scope, ex, estimate_tokens(data) if data is not None else 0)
         try:
             up = await scope.acquire(attempt)
@@ -445,6 +443,11 @@ class OpenAIAdapter(Adapter):
             return None
         usage = UsageObserver(rt, rt.route_label(scope.route), scope.key, scope.dispatched_at, scope)
         return Tee(usage, self._progress(ex, sink)) if sink.reports_progress else usage
+
+    def named_model(self, ex: Exchange) -> str | None:
+        data = request_json(ex)
+        model = data.get("model") if data is not None else None
+        return model if isinstance(model, str) else None
 
     @staticmethod
     def _progress(ex: Exchange, sink: Sink) -> Observer | None:

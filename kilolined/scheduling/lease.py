@@ -181,8 +181,8 @@ class LeaseScope:
     """
 
     __slots__ = ("_aborts", "_armed", "_deadline", "_due", "_hold", "_rerouted", "_revoked", "_target", "_task",
-                 "dispatched_at", "handed_over", "key", "lease", "listener", "model", "ok", "rt", "samples", "size",
-                 "started", "state", "ticket", "tokens", "writing")
+                 "dispatched_at", "handed_over", "key", "lease", "listener", "ok", "rt", "samples", "size",
+                 "started", "state", "ticket", "writing")
 
     def __init__(self, rt: Runtime, ticket: Ticket, listener: Sink, key: str | None):
         self.rt, self.ticket, self.listener, self.key = rt, ticket, listener, key
@@ -203,10 +203,6 @@ class LeaseScope:
         self.started = False
         #: set when this scope's release handed its slot straight to a waiting request
         self.handed_over = False
-        #: the bill's model (the one the request names; its adapter may say), and the answer's
-        #: (prompt, completion) tokens once its usage is read: charged with the GPU time at release
-        self.model: str | None = ticket.model
-        self.tokens: tuple[int, int] = (0, 0)
         self._aborts: list[Callable[[], Coroutine[Any, Any, Any]]] = []
         self._deadline: float | None = None  # the current lease's expiry (loop time)
         self._due: float | None = None  # when the armed expiry fires: past _deadline by the attempt's grace
@@ -560,20 +556,25 @@ class LeaseScope:
             t = self.ticket
             rt.speed.measured(lease.node, lease.route, t.model, held, t.cost, self.samples)
         rt.stats.gpu_seconds += held
-        route = rt.route_label(lease.route)
-        rt.metrics.upstream.labels(route, lease.node).observe(held)
-        wall = time.time()
+        rt.metrics.upstream.labels(rt.route_label(lease.route), lease.node).observe(held)
         if self.key is not None:
-            rt.limits.add(self.key, wall, gpu_seconds=held)
-        # The bill: one request that ran on a node (once, however often it was re-queued), its
-        # tokens, and the time this lease held the node at the node's price.
-        rt.metrics.gpu_seconds.labels(route, self.key or "-").inc(held)
-        rt.bill.add(wall, self.key, route, self.model, requests=1, prompt_tokens=self.tokens[0],
-                    completion_tokens=self.tokens[1], gpu_seconds=held,
-                    cost_usd=gpu_cost(held, rt.price_per_hour(lease.node)))
+            rt.limits.add(self.key, time.time(), gpu_seconds=held)
+        self._bill(lease, held)
         # A freed slot changes no node state, hence no route mode: dispatching is all there is to
         # do (node events and the pump call wake() for the rest).
         self.handed_over = bool(rt.leases.dispatch(now))
+
+
+    def _bill(self, lease: Lease, held: float) -> None:
+        """The request on the bill, once, however often it was re-queued: its tokens, and the time
+        this lease held the node at the node's price (kilolined/scheduling/bill.py)."""
+        rt, t = self.rt, self.ticket
+        route = rt.route_label(lease.route)
+        rt.metrics.gpu_seconds.labels(route, self.key or "-").inc(held)
+        prompt, completion = t.tokens
+        cost = gpu_cost(held, rt.price_per_hour(lease.node))
+        rt.bill.add(time.time(), self.key, route, t.model or t.named_model, requests=1, prompt_tokens=prompt,
+                    completion_tokens=completion, gpu_seconds=held, cost_usd=cost)
 
 
 async def _bounded(coro: Coroutine[Any, Any, Any]) -> None:

@@ -70,6 +70,8 @@ class Ticket:
     swap_bypassed_at: float | None = None  # when it was first collated past
     affinity: Affinity | None = None  # its prefix keys or session key (routes with ``affinity``)
     cached: int | None = None  # prompt tokens its node reported reused (the access log's cached=)
+    named_model: str | None = None  # the model its body names, for the bill (``model`` is set where it routes)
+    tokens: tuple[int, int] = (0, 0)  # (prompt, completion) tokens its node reported, for the bill
 
     def wake(self) -> None:
         if self.on_wake is not None:
