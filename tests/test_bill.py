@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import pytest
 from conftest import ADMIN, KEYS, auth, base_config
 from openai import AsyncOpenAI
 
@@ -170,3 +171,21 @@ async def test_a_rented_node_bills_at_its_own_price(fakegpus, gateway, http, tmp
     [row] = body["rows"]
     assert row["key"] == "bob" and row["gpu_seconds"] > 0
     assert abs(row["cost_usd"] - row["gpu_seconds"] * 36.0 / 3600) < 1e-5
+
+
+async def test_anthropic_messages_are_on_the_bill(fakegpus, gateway, http, tmp_path: Path) -> None:
+    """Anthropic Messages on an openai route: its usage (input/output tokens) is on the bill as
+    OpenAI's is, with the model the request names."""
+    pytest.importorskip("kilolined.adapters.anthropic")  # the Messages surface of the openai kind
+    from anthropic import AsyncAnthropic
+
+    fake = await fakegpus("openai", step_ms=1)
+    gw = await gateway(base_config({"o": fake.url}, kind="openai", path="/v1"))
+    claude = AsyncAnthropic(base_url=gw.url, api_key=KEYS["alice"], max_retries=0, timeout=30)
+    one = await claude.messages.create(model="claude-x", messages=MESSAGES, max_tokens=4)  # type: ignore[arg-type]
+    async with claude.messages.stream(model="claude-x", messages=MESSAGES, max_tokens=3) as s:  # type: ignore[arg-type]
+        two = await s.get_final_message()
+    _, body, _ = await _get(http, gw.url + "/admin/usage?group_by=key,model", ADMIN)
+    lines = [(r["key"], r["model"], r["requests"], r["prompt_tokens"], r["completion_tokens"]) for r in body["rows"]]
+    assert lines == [("alice", "claude-x", 2, one.usage.input_tokens + two.usage.input_tokens,
+                      one.usage.output_tokens + two.usage.output_tokens)]
