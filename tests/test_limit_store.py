@@ -162,3 +162,22 @@ async def test_gpu_seconds_spend_their_own_budget(store: Store) -> None:
 
     await store.eventually("the GPU seconds spent refuse the next request", refused)
     assert (await store.take("bob", budget))[1] is None  # another key's budget is untouched
+
+
+async def test_a_month_budget_counts_across_the_days_of_its_month(store: Store) -> None:
+    """``period: month``: one window from the 1st to the last day (UTC), here and in Redis alike."""
+    store.budgets.periods["alice"] = "month"
+    budget = BudgetConfig(requests_per_day=2, period="month")
+    may3, may31, june1 = 1_904_040_000.0, 1_906_502_400.0 - 1, 1_906_502_400.0 + 1  # 2030-05-03, -05-31, -06-01
+
+    async def take(wall: float) -> str | None:
+        got = store.limits.take("alice", "gen", None, "alice", budget, wall)
+        return (got if isinstance(got, tuple) else await got)[1]
+
+    assert [await take(may3), await take(may31), await take(may31)] == [None, None, "requests_per_day"]
+    assert (await store.limits.spent("alice", may31))["requests"] == 2
+    assert await take(june1) is None  # a new month, a new budget
+    assert (await store.limits.spent("alice", june1))["requests"] == 1
+    if store.redis is not None:
+        assert sorted(await store.redis.keys(f"{PREFIX}bu:alice:*")) == [f"{PREFIX}bu:alice:2030-05".encode(),
+                                                                        f"{PREFIX}bu:alice:2030-06".encode()]

@@ -203,8 +203,9 @@ def test_budget_file_holds_counters_only(tmp_path: Path) -> None:
     b.add("alice", wall(2024, 5, 1), requests=1)
     b.save()
     data = json.loads((tmp_path / "budgets.json").read_text())
-    assert set(data) == {"day", "used"}
+    assert set(data) == {"day", "used", "windows"}
     assert set(data["used"]["alice"]) == {"requests", "tokens", "gpu_seconds"}
+    assert data["windows"] == {"alice": "2024-05-01"}
 
 
 @pytest.mark.parametrize("garbage", [b"{not json", b"[1, 2, 3]", b'{"day": "x", "used": {"a": 5}}', b"", b"\xff\xfe"])

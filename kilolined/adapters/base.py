@@ -39,6 +39,10 @@ class Adapter:
     def observer(self, rt: Runtime, ex: Exchange, scope: LeaseScope, sink: Sink) -> Observer | None:
         return None
 
+    def named_model(self, ex: Exchange) -> str | None:
+        """The model the request names (its line of the bill); None for a kind whose requests name none."""
+        return None
+
     def relay_watch(self, rt: Runtime, node: str, request: web.Request) -> RelayWatch | None:
         """What hears a client's websocket relayed from ``node`` (ComfyUI: its progress), or None."""
         return None

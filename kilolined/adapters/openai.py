@@ -38,7 +38,7 @@ from kilolined.scheduling.affinity import (
 from kilolined.scheduling.anthropic_body import chat_view, is_messages_path
 from kilolined.scheduling.costs import choices, prompt_tokens
 from kilolined.scheduling.lease import LeaseScope, Sink
-from kilolined.scheduling.limits import seconds_to_midnight
+from kilolined.scheduling.limits import period_word, seconds_to_period_end
 from kilolined.scheduling.queue import Lease, Rejected
 from kilolined.scheduling.speed import llm_samples
 from kilolined.wire.proxy import Exchange, Observer
@@ -350,6 +350,25 @@ class StreamParser(Observer):
                 return min(cached, prompt), max(0, prompt - cached)
         return None
 
+    def token_split(self) -> tuple[int, int]:
+        """(prompt, completion) tokens of the answer, for the bill: the usage's ``prompt_tokens``
+        and ``completion_tokens`` (``input_tokens``/``output_tokens`` in Anthropic's words), else
+        llama.cpp's timings, else the content chunks as completion; what a usage gives only as a
+        total is completion past its prompt. Bounded as ``tokens``."""
+        u = self.usage
+        if u:
+            prompt = usage_count(u.get("prompt_tokens", u.get("input_tokens"))) or 0
+            completion = usage_count(u.get("completion_tokens", u.get("output_tokens")))
+            if completion is None:
+                completion = max(0, (usage_count(u.get("total_tokens")) or 0) - prompt)
+        elif self.timings:
+            t = self.timings
+            prompt = (usage_count(t.get("cache_n")) or 0) + (usage_count(t.get("prompt_n")) or 0)
+            completion = usage_count(t.get("predicted_n")) or 0
+        else:
+            prompt, completion = 0, self.chunks
+        return min(MAX_USAGE_TOKENS, prompt), min(MAX_USAGE_TOKENS, completion)
+
     def tokens(self) -> int:
         """The answer's tokens: usage, else llama.cpp timings, else content chunks; never negative
         and never more than MAX_USAGE_TOKENS, whatever the node claims."""
@@ -406,6 +425,8 @@ class UsageObserver(StreamParser):
             first = max(0.0, self.first_at - self._dispatched_wall()) if self.stream and self.first_at else None
             self.scope.samples = llm_samples(elapsed, first, self.usage, self.timings) or None
         tokens = self.tokens()
+        if self.lease is not None:
+            self.lease.ticket.tokens = self.token_split()  # charged to the bill with the lease's GPU time
         if self.first_at is not None:
             self.rt.metrics.ttft.labels(self.route).observe(max(0.0, self.first_at - self._dispatched_wall()))
         if tokens:
@@ -487,6 +508,11 @@ class OpenAIAdapter(Adapter):
         usage = UsageObserver(rt, rt.route_label(scope.route), scope.key, scope.dispatched_at, scope)
         return Tee(usage, self._progress(ex, sink)) if sink.reports_progress else usage
 
+    def named_model(self, ex: Exchange) -> str | None:
+        data = request_json(ex)
+        model = data.get("model") if data is not None else None
+        return model if isinstance(model, str) else None
+
     @staticmethod
     def _progress(ex: Exchange, sink: Sink) -> Observer | None:
         """step_progress of a streamed job: generated chunks against max_tokens."""
@@ -529,8 +555,9 @@ class OpenAIAttempt(HttpAttempt):
         wall = time.time()
         got = await self.rt.limits.reserve_tokens(self.key, budget, self.estimate, wall)
         if got is None:
-            raise Failure("budget_exhausted", f"daily budget tokens_per_day cannot hold this request "
-                          f"(about {self.estimate} tokens)", 429, retry_after=seconds_to_midnight(wall))
+            period = budget.period if budget is not None else "day"
+            raise Failure("budget_exhausted", f"{period_word(period)} budget tokens_per_day cannot hold this request "
+                          f"(about {self.estimate} tokens)", 429, retry_after=seconds_to_period_end(period, wall))
         self.reserved = got
 
     def unreserve(self) -> None:

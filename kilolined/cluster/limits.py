@@ -32,7 +32,7 @@ from kilolined.cluster import scripts
 from kilolined.cluster.split import share
 from kilolined.cluster.wire import Wire
 from kilolined.core.config import BudgetConfig, RateConfig
-from kilolined.scheduling.limits import Budgets, RateLimiter, Taken, Verdict, spent_amount, utc_day
+from kilolined.scheduling.limits import Budgets, RateLimiter, Taken, Verdict, spent_amount
 from kilolined.wire.tasks import cancel_until_done
 
 log = logging.getLogger("kilolined")
@@ -143,7 +143,7 @@ class SharedLimits:
     async def take_request(self, key: str, budget: BudgetConfig | None, wall: float) -> str | None:
         if budget is None:
             return None
-        day = utc_day(wall)
+        day = self.budgets.label(key, wall)  # the key's budget window: a day or a month
         if self.redis_up():
             try:
                 res = await self._eval(self._take, [self.prefix, key, day, _limit(budget.requests_per_day),
@@ -169,7 +169,7 @@ class SharedLimits:
         """As Budgets.reserve_tokens, against the cluster's spent and reserved tokens."""
         if budget is None or budget.tokens_per_day is None:
             return 0
-        day = utc_day(wall)
+        day = self.budgets.label(key, wall)
         if self.redis_up():
             call = asyncio.ensure_future(self._eval(self._reserve, [self.prefix, self.inst, key, day, tokens,
                                                              budget.tokens_per_day]))
@@ -220,12 +220,24 @@ class SharedLimits:
         if tokens or gpu_seconds:
             self._queue(key, wall, tokens=tokens, gpu=gpu_seconds)
 
+    async def spent(self, key: str, wall: float) -> dict[str, float]:
+        """The cluster's count of the key's window; this gateway's own while Redis does not answer."""
+        if self.redis_up():
+            try:
+                row = await self._redis.hmget(f"{self.prefix}bu:{key}:{self.budgets.label(key, wall)}",
+                                              ["requests", "tokens", "gpu"])
+            except (RedisError, OSError):
+                pass
+            else:
+                return dict(zip(FIELDS, (float(_s(v or 0)) for v in row), strict=True))
+        return dict(self.budgets.usage(key, wall))
+
     # --- the writer ---------------------------------------------------------------------------
     def _queue(self, key: str, wall: float | None, *, requests: int = 0, tokens: int = 0, gpu: float = 0.0,
                unreserve: int = 0) -> None:
         # An unreservation is not of a day: it joins the key's pending entry if it has one.
-        day = utc_day(wall) if wall is not None else next(
-            (d for k, d in self._pending if k == key), self.budgets.day or "-")
+        day = self.budgets.label(key, wall) if wall is not None else next(
+            (d for k, d in self._pending if k == key), self.budgets.windows.get(key, "-"))
         p = self._pending.setdefault((key, day), [0, 0, 0.0, 0])
         p[0] += requests
         p[1] += tokens
@@ -294,22 +306,26 @@ class SharedLimits:
             if not self.redis_up():
                 continue
             wall = time.time()
-            day = utc_day(wall)
             names = keys()
+            days = [self.budgets.label(key, wall) for key in names]
             try:
                 async with self._redis.pipeline(transaction=False) as pipe:
-                    for key in names:
+                    for key, day in zip(names, days, strict=True):
                         pipe.hmget(f"{self.prefix}bu:{key}:{day}", "requests", "tokens", "gpu")
                     rows = await pipe.execute()
             except (RedisError, OSError):
                 continue
-            for key, row in zip(names, rows, strict=True):
+            for key, day, row in zip(names, days, rows, strict=True):
                 self._note(key, day, [v or 0 for v in row], wall)
 
     def _note(self, key: str, day: str, usage: list[Any], wall: float | None) -> None:
         """Remember the cluster's usage of the key and this gateway's own beside it."""
-        local = self.budgets.usage(key, wall) if wall is not None else self.budgets.used.get(key)
-        if local is None or self.budgets.day != day:
+        if wall is not None:
+            local: dict[str, float] | None = self.budgets.usage(key, wall)
+            here: str | None = self.budgets.label(key, wall)
+        else:
+            local, here = self.budgets.used.get(key), self.budgets.windows.get(key)
+        if local is None or here != day:
             return
         cluster = dict(zip(FIELDS, (float(_s(v) or 0) for v in usage), strict=True))
         self._seen[key] = Seen(day, cluster, dict(local))
@@ -317,7 +333,7 @@ class SharedLimits:
     def _split(self, key: str, budget: BudgetConfig, wall: float) -> BudgetConfig:
         local_now = dict(self.budgets.usage(key, wall))
         seen = self._seen.get(key)
-        if seen is not None and seen.day != utc_day(wall):
+        if seen is not None and seen.day != self.budgets.label(key, wall):
             seen = None
         return split_budget(budget, seen, local_now, self.gateway_id, self.peers())
 

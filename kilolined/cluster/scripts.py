@@ -39,7 +39,7 @@ Keys, all under the prefix P (a single Redis primary; Redis Cluster sharding is 
   P routes        set    routes seen
   P seq           string lease id counter
   P b:<subj>|<r>  hash   a token bucket: tokens, ts
-  P bu:<key>:<d>  hash   a key's budget spent on UTC day d: requests, tokens, gpu
+  P bu:<key>:<d>  hash   a key's budget spent in window d (UTC day or month): requests, tokens, gpu
   P br:<key>      hash   gateway instance -> tokens it holds reserved for the key
 Grants for another gateway are published on ``P grant:<inst>`` as "tid lid node"; the caller's
 own grants come back in the script's answer. A ticket dropped by ``drop_oldest`` travels the
@@ -767,11 +767,12 @@ redis.call('PEXPIRE', k, math.ceil(cap / per_ms) + 60000)
 return {ok, tostring(tokens)}
 """
 
-#: Budgets, per key and UTC day: ``P bu:<key>:<day>`` hash (requests, tokens, gpu: spent) and
+#: Budgets, per key and window (a UTC day, or a UTC month for a key whose budget counts per
+#: month; kept 40 days, past the longest window): ``P bu:<key>:<window>`` hash (requests, tokens, gpu: spent) and
 #: ``P br:<key>`` hash (gateway instance -> tokens it holds reserved for its dispatched
 #: requests; a dead gateway's entry no longer counts and is dropped by the next reservation).
 
-#: ARGV: P, key id, UTC day, requests_per_day, tokens_per_day, gpu_seconds_per_day (-1: none)
+#: ARGV: P, key id, window (UTC day or month), requests_per_day, tokens_per_day, gpu_seconds_per_day (-1: none)
 #: -> {spent budget's name or '', requests, tokens, gpu} (checked and the request counted at once)
 BUDGET_TAKE = r"""
 local k = ARGV[1]..'bu:'..ARGV[2]..':'..ARGV[3]
@@ -784,12 +785,12 @@ elseif lt >= 0 and tok >= lt then spent = 'tokens_per_day'
 elseif lg >= 0 and gpu >= lg then spent = 'gpu_seconds_per_day' end
 if spent == '' then
   req = redis.call('HINCRBY', k, 'requests', 1)
-  redis.call('EXPIRE', k, 172800)
+  redis.call('EXPIRE', k, 3456000)
 end
 return {spent, tostring(req), tostring(tok), tostring(gpu)}
 """
 
-#: ARGV: P, ME (gateway instance), key id, UTC day, tokens, tokens_per_day
+#: ARGV: P, ME (gateway instance), key id, window, tokens, tokens_per_day
 #: -> {1 reserved | 0 does not fit, tokens spent, tokens reserved by the live gateways}
 BUDGET_RESERVE = r"""
 local P, ME, key = ARGV[1], ARGV[2], ARGV[3]
@@ -813,7 +814,7 @@ redis.call('HINCRBY', rk, ME, n)
 return {1, tostring(spent), tostring(held + n)}
 """
 
-#: ARGV: P, ME, then (key id, UTC day, requests, tokens, gpu seconds, tokens unreserved) per key
+#: ARGV: P, ME, then (key id, window, requests, tokens, gpu seconds, tokens unreserved) per key
 #: -> {requests, tokens, gpu, ...} spent after, per key (usage counted and its reservation ended
 #: in one step, so a budget never looks emptier than it is between the two)
 BUDGET_SETTLE = r"""
@@ -830,7 +831,7 @@ for i = 3, #ARGV, 6 do
   end
   if tok ~= 0 then redis.call('HINCRBY', k, 'tokens', tok) end
   if gpu ~= 0 then redis.call('HINCRBYFLOAT', k, 'gpu', ARGV[i + 4]) end
-  if req ~= 0 or tok ~= 0 or gpu ~= 0 then redis.call('EXPIRE', k, 172800) end
+  if req ~= 0 or tok ~= 0 or gpu ~= 0 then redis.call('EXPIRE', k, 3456000) end
   if un > 0 then
     local rk = P..'br:'..key
     if redis.call('HINCRBY', rk, ME, -un) <= 0 then redis.call('HDEL', rk, ME) end

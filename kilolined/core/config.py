@@ -227,6 +227,9 @@ class RateConfig(_Model):
 
 
 class BudgetConfig(_Model):
+    # The window the limits below count over: the UTC day, or the UTC calendar month (the names
+    # keep "per_day" for the default).
+    period: Literal["day", "month"] = "day"
     requests_per_day: Annotated[int, Field(ge=0)] | None = None
     tokens_per_day: Annotated[int, Field(ge=0)] | None = None
     gpu_seconds_per_day: Annotated[float, Field(ge=0)] | None = None
@@ -743,7 +746,7 @@ def route_rules(routes: dict[str, RouteConfig]) -> list[str]:
             errs.append(f"routes.{name}.standby: {sorted(both)} also listed in nodes")
         if r.path in paths:
             errs.extend(_shared_path(name, r, paths[r.path], routes))
-        elif r.path.startswith("/v1/jobs") or r.path.startswith("/admin") or r.path == "/v1/proxy":
+        elif r.path.startswith("/v1/jobs") or r.path.startswith("/admin") or r.path in ("/v1/proxy", "/v1/usage"):
             errs.append(f"routes.{name}.path: {r.path!r} is reserved by the gateway")
         else:
             paths[r.path] = name

@@ -28,7 +28,7 @@ from kilolined.adapters.registry import adapter_for
 from kilolined.core.auth import presented_key
 from kilolined.core.config import RateConfig, RouteConfig
 from kilolined.core.forms import AUDIO_FORM_PATHS, FormError, form_field, is_multipart
-from kilolined.edge import admin, jobs_api, targets
+from kilolined.edge import admin, jobs_api, targets, usage_api
 from kilolined.edge import guard as edge
 from kilolined.edge.connection import settle_expect
 from kilolined.edge.context import GW, RT, Gateway
@@ -42,7 +42,7 @@ from kilolined.modes.sinks import StreamSink, SyncSink
 from kilolined.ops.runtime import Runtime
 from kilolined.scheduling.anthropic_body import is_anthropic_path
 from kilolined.scheduling.costs import CostTooLarge, UnitError, request_cost, request_units
-from kilolined.scheduling.limits import Taken, Verdict, seconds_to_midnight
+from kilolined.scheduling.limits import Taken, Verdict, period_word, seconds_to_period_end
 from kilolined.scheduling.queue import Rejected, Ticket
 from kilolined.scheduling.routing import describe, head_holds, holds, routes_serving_elsewhere
 from kilolined.wire import expect
@@ -289,7 +289,9 @@ def _limits_verdict(rt: Runtime, call: Call, rate: RateConfig | None, wall: floa
         return None
     if spent:
         rt.metrics.rejections.labels(call.route, "budget_exhausted").inc()
-        return call.error(429, "budget_exhausted", f"daily budget {spent} exhausted", seconds_to_midnight(wall))
+        period = call.principal.cfg.budget.period if call.principal.cfg.budget is not None else "day"
+        return call.error(429, "budget_exhausted", f"{period_word(period)} budget {spent} exhausted",
+                          seconds_to_period_end(period, wall))
     call.budget_taken = True
     return None
 
@@ -641,6 +643,7 @@ def build_app(gw: Gateway) -> web.Application:
     app[RT] = gw.rt
     admin.add_routes(app)
     jobs_api.add_routes(app)
+    usage_api.add_routes(app)
     proxy = handler(gw, PROXY_PIPELINE, route="proxy")
     # "100 Continue" is the pipeline's to say, once auth and limits passed (kilolined/wire/expect.py)
     app.router.add_route("*", "/v1/proxy", proxy, expect_handler=expect.defer)

@@ -27,6 +27,8 @@ async def run(rt: Runtime, ticket: Ticket, ex: Exchange, adapter: Adapter, sink:
     outcome: str | None = "ok"
     try:
         scope = LeaseScope(rt, ticket, sink, key)
+        if ticket.model is None:
+            ticket.named_model = adapter.named_model(ex)  # the bill's model where the route does not route by it
         try:
             if sink.tick_sec is not None:
                 await sink.begin(scope)  # a stream that must queue says so at once

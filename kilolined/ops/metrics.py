@@ -292,6 +292,9 @@ class Metrics:
         for result in ("ok", "error"):
             self.reloads.labels(result)
         self.tokens = Recorded("counter", "kiloline_tokens", "LLM tokens by route and key", ["route", "key"])
+        self.gpu_seconds = Recorded("counter", "kiloline_gpu_seconds",
+                                    "Seconds leases held a node (the bill's GPU time), by route and key",
+                                    ["route", "key"])
         # What the nodes report of the prompt (llama.cpp timings, OpenAI cached_tokens) (docs/CONFIG.md#affinity).
         self.prompt_tokens = Recorded("counter", "kiloline_prompt_tokens",
                                       "Prompt tokens the nodes reported, cached (reused) or not",
@@ -306,7 +309,7 @@ class Metrics:
         self.comfy_files_source: Callable[[], Iterable[tuple[str, int, int]]] | None = None
         r.register(_RecordedCollector([self.requests, self.queue_wait, self.upstream, self.ttft, self.rejections,
                                        self.failovers, self.reloads, self.tokens, self.prompt_tokens,
-                                       self.mispredictions, self.fleet_events, self.comfy_uploads]))
+                                       self.mispredictions, self.fleet_events, self.comfy_uploads, self.gpu_seconds]))
         r.register(_LiveGauges(rt))
         r.register(_ComfyFiles(self))
         # The daemon's own process (CPU, memory, fds, start time), Python and its collector.

@@ -28,6 +28,7 @@ from kilolined.ops.metrics import Metrics
 from kilolined.ops.speedwatch import SpeedWatch
 from kilolined.ops.stats import Stats
 from kilolined.scheduling.affinity import Affinity
+from kilolined.scheduling.bill import Bill
 from kilolined.scheduling.leasestore import LeaseStore
 from kilolined.scheduling.limits import Budgets, LimitStore, LocalLimits, RateLimiter
 from kilolined.scheduling.nodes import SPEED_HARD, SPEED_STALLED, NodeState
@@ -148,6 +149,8 @@ class Runtime:
         #: where limits are decided and usage charged: these buckets and counters, or (cluster
         #: mode) the Redis store every gateway shares, which keeps them as its local view
         self.limits: LimitStore = LocalLimits(self.limiter, self.budgets, clock)
+        #: what each key spent per route, model and day (/admin/usage, /v1/usage), saved beside the budgets
+        self.bill = Bill(cfg.server.state_dir)
         self.keys = KeyStore(cfg)
         self.router = Router({})
         self.feed = Feed()
@@ -233,6 +236,8 @@ class Runtime:
             self.metrics.queue_wait.labels(name)
         self.keys = KeyStore(cfg)
         self.limiter.forget_except(set(cfg.keys))
+        self.budgets.periods = {k: c.budget.period for k, c in cfg.keys.items()
+                                if c.budget is not None and c.budget.period != "day"}
         self.cfg = cfg
         self.speed.lift_unwatched()
         self._gc(now)
@@ -365,6 +370,8 @@ class Runtime:
         self.deadlines.close()
         with contextlib.suppress(OSError):
             self.budgets.save()
+        with contextlib.suppress(OSError):
+            self.bill.save()
 
     def spawn(self, coro: Coroutine[Any, Any, Any]) -> asyncio.Task[Any]:
         """Background task owned by the Runtime (cancelled at stop, never garbage-collected early)."""
@@ -389,8 +396,9 @@ class Runtime:
                     last_save = now
                     try:
                         self.budgets.save()
+                        self.bill.save()
                     except OSError as e:
-                        log.warning("could not save budgets: %s", e)
+                        log.warning("could not save budgets or usage: %s", e)
             except Exception:  # the pump must never die: it is what makes time pass for the queue
                 log.exception("pump")
 
@@ -533,6 +541,11 @@ class Runtime:
 
     def notify(self, event: str, text: str, node: str | None) -> None:
         self.alert(event, text, node)
+
+    def price_per_hour(self, node: str) -> float | None:
+        """What the node costs an hour: a rented node's own price, else ``cost.gpu_hourly_usd``."""
+        pn = self.pool_nodes.get(node)
+        return pn.price_per_hour if pn is not None else self.cfg.cost.gpu_hourly_usd
 
     @staticmethod
     def route_label(route: str) -> str:

@@ -28,6 +28,7 @@ from aiohttp import web
 
 from kilolined.core.outcome import Failure, Result
 from kilolined.ops.runtime import Runtime
+from kilolined.scheduling.bill import gpu_cost
 from kilolined.scheduling.queue import LEASED, WAITING, Lease, Rejected, Target, Ticket
 from kilolined.scheduling.speed import Sample
 from kilolined.wire.proxy import Observer, Upstream, UpstreamFailed
@@ -575,9 +576,22 @@ class LeaseScope:
         rt.metrics.upstream.labels(rt.route_label(lease.route), lease.node).observe(held)
         if self.key is not None:
             rt.limits.add(self.key, time.time(), gpu_seconds=held)
+        self._bill(lease, held)
         # A freed slot changes no node state, hence no route mode: dispatching is all there is to
         # do (node events and the pump call wake() for the rest).
         self.handed_over = bool(rt.leases.dispatch(now))
+
+
+    def _bill(self, lease: Lease, held: float) -> None:
+        """The request on the bill, once, however often it was re-queued: its tokens, and the time
+        this lease held the node at the node's price (kilolined/scheduling/bill.py)."""
+        rt, t = self.rt, self.ticket
+        route = rt.route_label(lease.route)
+        rt.metrics.gpu_seconds.labels(route, self.key or "-").inc(held)
+        prompt, completion = t.tokens
+        cost = gpu_cost(held, rt.price_per_hour(lease.node))
+        rt.bill.add(time.time(), self.key, route, t.model or t.named_model, requests=1, prompt_tokens=prompt,
+                    completion_tokens=completion, gpu_seconds=held, cost_usd=cost)
 
 
 async def _bounded(coro: Coroutine[Any, Any, Any]) -> None:

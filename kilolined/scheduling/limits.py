@@ -1,4 +1,4 @@
-"""Token buckets (rate limits) and daily budgets, as pure logic with ``now`` passed in.
+"""Token buckets (rate limits) and budgets per day or month, as pure logic with ``now`` passed in.
 
 Budgets are the only state that touches disk, and only as counters (never payloads): a small
 JSON file under ``server.state_dir`` written atomically, so a restart does not reset a day.
@@ -111,22 +111,53 @@ def utc_day(wall: float) -> str:
     return dt.datetime.fromtimestamp(wall, dt.UTC).strftime("%Y-%m-%d")
 
 
+def utc_month(wall: float) -> str:
+    return dt.datetime.fromtimestamp(wall, dt.UTC).strftime("%Y-%m")
+
+
+def period_label(period: str, wall: float) -> str:
+    """The budget window ``wall`` falls in: ``2026-12-06`` (period ``day``) or ``2026-12`` (``month``)."""
+    return utc_month(wall) if period == "month" else utc_day(wall)
+
+
 def seconds_to_midnight(wall: float) -> int:
     d = dt.datetime.fromtimestamp(wall, dt.UTC)
     midnight = (d + dt.timedelta(days=1)).replace(hour=0, minute=0, second=0, microsecond=0)
     return max(1, math.ceil((midnight - d).total_seconds()))
 
 
+def seconds_to_period_end(period: str, wall: float) -> int:
+    """Until the budget window ends (a spent budget's Retry-After): midnight UTC, or the first of
+    the next month at midnight UTC."""
+    if period != "month":
+        return seconds_to_midnight(wall)
+    d = dt.datetime.fromtimestamp(wall, dt.UTC)
+    first = d.replace(day=1, hour=0, minute=0, second=0, microsecond=0)
+    nxt = (first + dt.timedelta(days=32)).replace(day=1)
+    return max(1, math.ceil((nxt - d).total_seconds()))
+
+
+def period_word(period: str) -> str:
+    return "monthly" if period == "month" else "daily"
+
+
 class Budgets:
-    """Per-key counters for the current UTC day: requests, tokens, GPU seconds."""
+    """Per-key counters for the key's current window (its budget's ``period``: the UTC day by
+    default, or the UTC month): requests, tokens, GPU seconds."""
 
     FIELDS = ("requests", "tokens", "gpu_seconds")
 
-    def __init__(self, state_dir: str | None):
+    def __init__(self, state_dir: str | None, periods: dict[str, str] | None = None):
         self.path = Path(state_dir) / "budgets.json" if state_dir else None
-        self.day = ""
+        #: key id -> "month" for the keys whose budgets count per month (set at each config
+        #: apply); every other key counts per UTC day
+        self.periods: dict[str, str] = dict(periods or {})
+        self.day = ""  # today's label (written to the file for a reader; each key has its own window)
         self._day_no = -1
+        self._month = ""
         self.used: dict[str, dict[str, float]] = {}
+        #: key id -> the window its ``used`` counts (a day or a month label)
+        self.windows: dict[str, str] = {}
         #: tokens promised to dispatched requests whose usage has not arrived (memory only: a
         #: restart ends those requests too)
         self.reserved: dict[str, int] = {}
@@ -138,28 +169,45 @@ class Budgets:
             return
         try:
             data = orjson.loads(self.path.read_bytes())
-            self.day = str(data.get("day", ""))
-            self.used = {k: {f: float(v.get(f, 0)) for f in self.FIELDS} for k, v in data["used"].items()}
+            day = str(data.get("day", ""))
+            used = {k: {f: float(v.get(f, 0)) for f in self.FIELDS} for k, v in data["used"].items()}
+            windows = data.get("windows") or {}
+            # A file without windows counted every key per day, on its "day".
+            self.windows = {k: str(windows.get(k, day)) for k in used}
+            self.used, self.day = used, day
         except (OSError, ValueError, KeyError, AttributeError, TypeError):
-            # A corrupt counter file must not stop the gateway; it costs at most one day of counts.
-            self.day, self.used = "", {}
+            # A corrupt counter file must not stop the gateway; it costs at most one window of counts.
+            self.day, self.used, self.windows = "", {}, {}
 
     def _roll(self, wall: float) -> None:
         # POSIX time has no leap seconds: wall // 86400 is the UTC day number, and cheap
-        # (this runs twice per request); the date string is built only when it changes.
+        # (this runs several times per request); the labels are built only when it changes.
         day_no = int(wall // 86400)
         if day_no == self._day_no:
             return
         self._day_no = day_no
-        day = utc_day(wall)
-        if day != self.day:
-            self.day = day
-            self.used = {}
+        self.day = utc_day(wall)
+        self._month = self.day[:7]
+
+    def label(self, key: str, wall: float) -> str:
+        """The window the key's counters are in at ``wall``."""
+        if int(wall // 86400) != self._day_no:
+            self._roll(wall)
+        return self._month if self.periods.get(key) == "month" else self.day
+
+    def _counters(self, key: str, wall: float) -> dict[str, float] | None:
+        """The key's counters for its current window; a past window's are dropped first."""
+        u = self.used.get(key)
+        if u is not None and self.windows.get(key) != self.label(key, wall):
+            del self.used[key]
+            self.windows.pop(key, None)
             self.dirty = True
+            return None
+        return u
 
     def usage(self, key: str, wall: float) -> dict[str, float]:
-        self._roll(wall)
-        return self.used.get(key, dict.fromkeys(self.FIELDS, 0.0))
+        u = self._counters(key, wall)
+        return u if u is not None else dict.fromkeys(self.FIELDS, 0.0)
 
     def exhausted(self, key: str, budget: BudgetConfig | None, wall: float) -> str | None:
         """Which budget is spent, or None."""
@@ -184,18 +232,16 @@ class Budgets:
 
     def give_back_request(self, key: str, wall: float) -> None:
         """A request counted by take_request was refused later (bad body, full queue)."""
-        self._roll(wall)
-        u = self.used.get(key)
+        u = self._counters(key, wall)
         if u is not None and u["requests"] >= 1:
             u["requests"] -= 1
             self.dirty = True
 
     def add(self, key: str, wall: float, *, requests: int = 0, tokens: int = 0, gpu_seconds: float = 0) -> None:
-        if int(wall // 86400) != self._day_no:
-            self._roll(wall)
-        u = self.used.get(key)
+        u = self._counters(key, wall)
         if u is None:
             u = self.used[key] = dict.fromkeys(self.FIELDS, 0.0)
+            self.windows[key] = self.label(key, wall)
         # Usage only ever spends: a negative or non-finite amount (a node's odd usage report, a
         # clock step) must never refill a budget. ``0 < x < inf`` is spent_amount's test inline
         # (False for zero, negatives, NaN and ±inf): each request adds here three times, and
@@ -239,7 +285,13 @@ class Budgets:
         if self.path is None or not self.dirty:
             return
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        data = orjson.dumps({"day": self.day, "used": self.used})
+        # Counters of a window that is over are dropped, not written (a key removed from the
+        # config, or not seen since its window ended).
+        current = {self.day, self._month}
+        for k in [k for k, w in self.windows.items() if w not in current]:
+            self.used.pop(k, None)
+            del self.windows[k]
+        data = orjson.dumps({"day": self.day, "used": self.used, "windows": self.windows})
         fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=".budgets.")
         try:
             with os.fdopen(fd, "wb") as f:
@@ -286,6 +338,10 @@ class LimitStore(Protocol):
         """What a request spent."""
         ...
 
+    async def spent(self, key: str, wall: float) -> dict[str, float]:
+        """What the key spent of its budgets in its current window (requests, tokens, gpu_seconds)."""
+        ...
+
 
 class LocalLimits:
     """This gateway's own buckets and counters decide: every call is plain and in memory."""
@@ -317,3 +373,6 @@ class LocalLimits:
 
     def add(self, key: str, wall: float, *, tokens: int = 0, gpu_seconds: float = 0.0) -> None:
         self.budgets.add(key, wall, tokens=tokens, gpu_seconds=gpu_seconds)
+
+    async def spent(self, key: str, wall: float) -> dict[str, float]:
+        return dict(self.budgets.usage(key, wall))

@@ -73,6 +73,8 @@ class Ticket:
     cached: int | None = None  # prompt tokens its node reported reused (the access log's cached=)
     body: int = 0  # bytes of its request's body, held in memory while it waits (bodies.py)
     body_held: bool = False  # counted in Scheduler.bodies now
+    named_model: str | None = None  # the model its body names, for the bill (``model`` is set where it routes)
+    tokens: tuple[int, int] = (0, 0)  # (prompt, completion) tokens its node reported, for the bill
 
     def wake(self) -> None:
         if self.on_wake is not None:
