@@ -179,6 +179,22 @@ async def test_a_queued_stream_pings_until_its_node_answers_and_the_sdk_reads_it
     await c.close()
 
 
+@pytest.mark.parametrize("flag", ["true", 1, 0, "false"])
+async def test_a_stream_flag_that_is_not_a_json_boolean_is_refused_in_anthropics_shape(fakegpus, gateway, http,
+                                                                                       flag: Any) -> None:
+    """A lax node (vLLM's pydantic) reads "true" or 1 as true: the gateway refuses it before it
+    reaches the node or the budget, in Anthropic's error shape."""
+    fake = await fakegpus("openai")
+    gw = await gateway(llm_cfg(fake))
+    body = {"model": "m", "max_tokens": 3, "messages": MESSAGES, "stream": flag}
+    async with http.post(gw.url + "/v1/messages", json=body, headers=auth("alice")) as r:
+        assert r.status == 400
+        got = await r.json()
+    assert got["type"] == "error" and got["error"]["type"] == "invalid_request_error"
+    assert "stream" in got["error"]["message"]
+    assert fake.stats["served"] == 0
+
+
 async def test_a_queued_request_timing_out_is_a_503_overloaded_error(fakegpus, gateway, http) -> None:
     fake = await fakegpus("openai", step_ms=100)
     gw = await gateway(llm_cfg(fake, queue_timeout_sec=0.5))

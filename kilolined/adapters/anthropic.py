@@ -140,8 +140,15 @@ class MessagesAdapter(OpenAIAdapter):
     """An ``openai`` route's adapter for a request to its Messages endpoint (registry.py)."""
 
     def prepare(self, ex: Exchange) -> None:
-        if is_messages(ex) and request_json(ex) is None:
+        if not is_messages(ex):
+            return
+        data = request_json(ex)
+        if data is None:
             raise Rejected(400, "bad_request", "body must be a JSON object")
+        # As on the OpenAI paths: a lax server reads "true" as true and streams what the gateway
+        # would not read as a stream (its usage, so the token budget, would be missed).
+        if data.get("stream") not in (None, True, False) or data.get("stream").__class__ is int:
+            raise Rejected(400, "bad_request", '"stream" must be true or false')
 
     def estimate(self, ex: Exchange) -> int:
         data = request_json(ex) if is_messages(ex) else None
