@@ -272,6 +272,8 @@ class Metrics:
                                    ["route", "reason"])
         self.failovers = Recorded("counter", "kiloline_failovers",
                                   "Requests re-queued or sent to a standby after a node failure", ["route"])
+        self.continuations = Recorded("counter", "kiloline_stream_continuations",
+                                      "Streams sent on to another node after theirs failed mid-answer", ["route"])
         self.reloads = Recorded("counter", "kiloline_reloads", "Config reloads", ["result"])
         for result in ("ok", "error"):
             self.reloads.labels(result)
@@ -285,7 +287,7 @@ class Metrics:
                                        ["route", "node"])
         self.fleet_events = Recorded("counter", "kiloline_fleet_events", "Fleet events (docs/FLEET.md)", ["event"])
         r.register(_RecordedCollector([self.requests, self.queue_wait, self.upstream, self.ttft, self.rejections,
-                                       self.failovers, self.reloads, self.tokens, self.prompt_tokens,
+                                       self.failovers, self.continuations, self.reloads, self.tokens, self.prompt_tokens,
                                        self.mispredictions, self.fleet_events]))
         r.register(_LiveGauges(rt))
         # The daemon's own process (CPU, memory, fds, start time), Python and its collector.

@@ -70,6 +70,7 @@ class Ticket:
     swap_bypassed_at: float | None = None  # when it was first collated past
     affinity: Affinity | None = None  # its prefix keys or session key (routes with ``affinity``)
     cached: int | None = None  # prompt tokens its node reported reused (the access log's cached=)
+    continued: int = 0  # times its stream went on on another node after its node failed mid-answer
 
     def wake(self) -> None:
         if self.on_wake is not None:

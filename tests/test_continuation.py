@@ -1,0 +1,123 @@
+"""Streams that survive their node (docs/API.md "Streams that survive their node").
+
+Two simulated GPUs answer greedily (the same words for the same context), so an answer cut after k
+words and continued from them is checkable against the uninterrupted one. The first node is
+killed after at least ten chunks reached the client; the client's stream must go on on the other
+node under the same id, model and created, with no chunk repeated or lost at the seam.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import aiohttp
+import pytest
+from conftest import auth, base_config, wait_until
+from test_comfyui import SSE, inflight
+
+from kilolined.fakegpu.openai import reply_text
+
+STEPS = 30
+
+
+def chat(max_tokens: int | None = STEPS, usage: bool = True, **extra: Any) -> dict[str, Any]:
+    body: dict[str, Any] = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": True, **extra}
+    if max_tokens is not None:
+        body["max_tokens"] = max_tokens
+    if usage:
+        body["stream_options"] = {"include_usage": True}
+    return body
+
+
+def config(fakes: dict[str, str], **over: Any) -> dict[str, Any]:
+    cfg = base_config(fakes, kind="openai", max_concurrency=1, **over)
+    cfg["routes"]["gen"]["nodes"] = list(fakes)  # every node a primary: the continuation has one to go to
+    cfg["routes"]["gen"]["standby"] = []
+    return cfg
+
+
+async def two(fakegpus: Any, gateway: Any, **over: Any) -> tuple[Any, dict[str, Any], Any]:
+    a = await fakegpus("openai", steps=STEPS, step_ms=25)
+    b = await fakegpus("openai", steps=STEPS, step_ms=25)
+    fakes = {"a": a, "b": b}
+    gw = await gateway(config({n: f.url for n, f in fakes.items()}, **over))
+    return gw, fakes, a
+
+
+class Stream:
+    """A client's SSE stream, line by line: its events and its comments."""
+
+    def __init__(self) -> None:
+        self.events: list[dict[str, Any]] = []
+        self.comments: list[str] = []
+        self.done = False
+        self.node = ""
+
+    @property
+    def content(self) -> list[dict[str, Any]]:
+        return [e for e in self.events if e.get("choices") and (e["choices"][0].get("delta", {}).get("content")
+                                                                 or e["choices"][0].get("text"))]
+
+    @property
+    def text(self) -> str:
+        return "".join(e["choices"][0].get("delta", {}).get("content") or e["choices"][0].get("text") or ""
+                       for e in self.content)
+
+    @property
+    def errors(self) -> list[dict[str, Any]]:
+        return [e for e in self.events if "error" in e]
+
+
+async def stream(http: aiohttp.ClientSession, url: str, body: dict[str, Any], fakes: dict[str, Any],
+                 kill_after: int | None = 10, path: str = "/gen/v1/chat/completions") -> Stream:
+    """Read a stream; once ``kill_after`` content chunks arrived, kill the node that serves it."""
+    got = Stream()
+    killed = False
+    async with http.post(url + path, json=body, headers=auth()) as r:
+        assert r.status == 200, await r.text()
+        got.node = r.headers.get("X-KiloLine-Node", "")
+        async for raw in r.content:
+            line = raw.decode().rstrip("\r\n")
+            if line.startswith(":"):
+                got.comments.append(line)
+            elif line == "data: [DONE]":
+                got.done = True
+            elif line.startswith("data:"):
+                got.events.append(json.loads(line[5:]))
+                if kill_after is not None and not killed and len(got.content) >= kill_after:
+                    killed = True
+                    await fakes[got.node].kill()
+    return got
+
+
+def max_held(fakes: dict[str, Any]) -> int:
+    return max(f.stats["max_concurrent"] for f in fakes.values())
+
+
+async def test_a_stream_cut_by_its_node_goes_on_on_another(fakegpus: Any, gateway: Any,
+                                                             http: aiohttp.ClientSession) -> None:
+    gw, fakes, _ = await two(fakegpus, gateway)
+    got = await stream(http, gw.url, chat(), fakes)
+    assert not got.errors, got.errors
+    assert got.done
+    # The whole answer, as the node would have written it uninterrupted: nothing lost or repeated.
+    assert got.text == reply_text(STEPS)
+    assert len(got.content) == STEPS
+    # One stream to the client: one id, model and created throughout.
+    assert {e["id"] for e in got.events} == {got.events[0]["id"]}
+    assert {e["model"] for e in got.events} == {"m"}
+    assert {e["created"] for e in got.events} == {got.events[0]["created"]}
+    other = "b" if got.node == "a" else "a"
+    assert f": continued on {other}" in got.comments
+    # The role came once, at the start.
+    assert sum(1 for e in got.events if e.get("choices") and "role" in e["choices"][0].get("delta", {})) == 1
+    # usage: what the client received, summed over the two nodes.
+    usage = [e["usage"] for e in got.events if e.get("usage")]
+    assert len(usage) == 1 and usage[0]["completion_tokens"] == STEPS
+    assert usage[0]["total_tokens"] == usage[0]["prompt_tokens"] + STEPS
+    finish = [e["choices"][0]["finish_reason"] for e in got.events if e.get("choices")]
+    assert finish[-1] == "length" and finish.count("length") == 1
+    assert max_held(fakes) == 1
+    assert gw.rt.metrics.continuations.labels("gen").value == 1
+    await wait_until(lambda: inflight(gw) == 0)
