@@ -30,8 +30,11 @@ def chat(max_tokens: int | None = STEPS, usage: bool = True, **extra: Any) -> di
     return body
 
 
-def config(fakes: dict[str, str], **over: Any) -> dict[str, Any]:
+def config(fakes: dict[str, str], stall_sec: float | None = None, **over: Any) -> dict[str, Any]:
     cfg = base_config(fakes, kind="openai", max_concurrency=1, **over)
+    if stall_sec is not None:
+        for node in cfg["nodes"].values():
+            node["slow"] = {"stall_sec": stall_sec}
     cfg["routes"]["gen"]["nodes"] = list(fakes)  # every node a primary: the continuation has one to go to
     cfg["routes"]["gen"]["standby"] = []
     return cfg
@@ -120,4 +123,89 @@ async def test_a_stream_cut_by_its_node_goes_on_on_another(fakegpus: Any, gatewa
     assert finish[-1] == "length" and finish.count("length") == 1
     assert max_held(fakes) == 1
     assert gw.rt.metrics.continuations.labels("gen").value == 1
+    await wait_until(lambda: inflight(gw) == 0)
+
+
+def sse_text(body: bytes) -> Stream:
+    """A stream's bytes as a client reads them (a job's result)."""
+    got = Stream()
+    for line in body.decode().split("\n"):
+        if line.startswith(":"):
+            got.comments.append(line)
+        elif line == "data: [DONE]":
+            got.done = True
+        elif line.startswith("data:"):
+            got.events.append(json.loads(line[5:]))
+    return got
+
+
+async def test_an_sse_job_cut_by_its_node_continues_instead_of_starting_over(
+        fakegpus: Any, gateway: Any, http: aiohttp.ClientSession) -> None:
+    gw, fakes, _ = await two(fakegpus, gateway)
+    events: list[tuple[str, dict[str, Any]]] = []
+    killed = ""
+    async with http.post(gw.url + "/gen/v1/chat/completions", json=chat(usage=False), headers=SSE) as r:
+        assert r.status == 200
+        name = "message"
+        async for raw in r.content:
+            line = raw.decode().rstrip("\r\n")
+            if line.startswith("event:"):
+                name = line[6:].strip()
+            elif line.startswith("data:"):
+                data = json.loads(line[5:])
+                events.append((name, data))
+                if name == "step_progress" and data["step"] >= 10 and not killed:
+                    killed = [d for n, d in events if n == "dispatched"][-1]["node"]
+                    await fakes[killed].kill()
+                if name in ("failed", "output_ready"):
+                    break
+    assert killed
+    assert events[-1][0] == "output_ready", events[-1]
+    rerouted = [d for n, d in events if n == "rerouted"]
+    assert len(rerouted) == 1 and rerouted[0]["from_node"] == killed, rerouted
+    async with http.get(gw.url + events[-1][1]["result_url"]) as r:
+        got = sse_text(await r.read())
+    # The whole answer: the words before the cut, then the other node's, nothing twice.
+    assert got.text == reply_text(STEPS)
+    assert got.done and not got.errors
+    assert {e["id"] for e in got.events} == {got.events[0]["id"]}
+    assert f": continued on {rerouted[0]['to_node']}" in got.comments
+    # The usage chunk the gateway asked for is not the client's.
+    assert not [e for e in got.events if e.get("usage")]
+    assert max_held(fakes) == 1
+    await wait_until(lambda: inflight(gw) == 0)
+
+
+async def test_a_stream_that_stalls_goes_on_on_another_node(fakegpus: Any, gateway: Any,
+                                                            http: aiohttp.ClientSession) -> None:
+    gw, fakes, _ = await two(fakegpus, gateway, stall_sec=0.4)
+    got = Stream()
+    frozen = ""
+    async with http.post(gw.url + "/gen/v1/chat/completions", json=chat(), headers=auth()) as r:
+        async for raw in r.content:
+            line = raw.decode().rstrip("\r\n")
+            if line.startswith(":"):
+                got.comments.append(line)
+            elif line.startswith("data: {"):
+                got.events.append(json.loads(line[5:]))
+                if len(got.content) >= 10 and not frozen:
+                    frozen = r.headers["X-KiloLine-Node"]
+                    fakes[frozen].set_control(drip_ms=60_000)  # the GPU freezes: silence, no reset
+    assert frozen and not got.errors, got.errors
+    assert got.text == reply_text(STEPS)
+    assert any(c.startswith(": continued on ") for c in got.comments)
+    assert max_held(fakes) == 1
+    for f in fakes.values():
+        f.set_control(drip_ms=0)
+    await wait_until(lambda: inflight(gw) == 0)
+
+
+async def test_continue_streams_off_ends_the_stream_as_before(fakegpus: Any, gateway: Any,
+                                                              http: aiohttp.ClientSession) -> None:
+    gw, fakes, _ = await two(fakegpus, gateway, continue_streams=False)
+    got = await stream(http, gw.url, chat(), fakes)
+    assert len(got.errors) == 1 and "mid-response" in got.errors[0]["error"]["message"]
+    assert got.done and len(got.content) < STEPS and not got.comments
+    assert sum(f.stats["served"] for f in fakes.values()) == 0  # the other node never saw it
+    assert gw.rt.metrics.continuations.labels("gen").value == 0
     await wait_until(lambda: inflight(gw) == 0)

@@ -50,21 +50,24 @@ def wanted(scope: LeaseScope, ex: Exchange) -> bool:
     return data is not None and data.get("stream") is True
 
 
-def _retries_left(scope: LeaseScope, reason: str) -> bool:
-    """Within ``retry_on_failover`` re-queues, and not a stream that stalled on two nodes."""
+def _retries_left(scope: LeaseScope, reason: str, judged: bool) -> bool:
+    """Within ``retry_on_failover`` re-queues, and not a stream that stalled on two nodes
+    (``judged``: the scope already counted this failure's stall)."""
     route = scope.rt.scheduler.routes.get(scope.route)
     if route is None or scope.ticket.requeues >= route.cfg.retry_on_failover:
         return False
-    return not (reason.startswith(STALLED) and scope.stalls >= STALLS_MAX)
+    stalled = reason.startswith(STALLED)
+    return not (stalled and scope.stalls + (0 if judged else 1) >= STALLS_MAX)
 
 
-def plan(scope: LeaseScope, ex: Exchange, keeper: StreamKeeper, reason: str) -> bool:
+def plan(scope: LeaseScope, ex: Exchange, keeper: StreamKeeper, reason: str, judged: bool = True) -> bool:
     """Decide whether the stream cut by ``reason`` goes on on another node. If so, the node's
     body becomes the continuation (``ex.body_override``) and ``keeper`` passes the next node's
-    events through the seam; False: the stream ends as it would without continuations."""
+    events through the seam; False: the stream ends as it would without continuations.
+    ``judged``: the scope has given its verdict on the failure already (the sync stream's)."""
     t = keeper.cut()
     data = _body(ex)
-    if data is None or not _retries_left(scope, reason):
+    if data is None or not _retries_left(scope, reason, judged):
         return False
     body = continuation_body(data, t, ex.tail.split("?", 1)[0].endswith(_CHAT_PATHS))
     if body is None:
