@@ -13,7 +13,8 @@ from typing import Any
 
 import aiohttp
 import pytest
-from conftest import auth, base_config, wait_until
+from conftest import KEYS, auth, base_config, wait_until
+from openai import AsyncOpenAI
 from test_comfyui import SSE, inflight
 
 from kilolined.fakegpu.openai import reply_text
@@ -209,3 +210,110 @@ async def test_continue_streams_off_ends_the_stream_as_before(fakegpus: Any, gat
     assert sum(f.stats["served"] for f in fakes.values()) == 0  # the other node never saw it
     assert gw.rt.metrics.continuations.labels("gen").value == 0
     await wait_until(lambda: inflight(gw) == 0)
+
+
+async def three(fakegpus: Any, gateway: Any, **over: Any) -> tuple[Any, dict[str, Any]]:
+    fakes = {n: await fakegpus("openai", steps=STEPS, step_ms=25) for n in ("a", "b", "c")}
+    gw = await gateway(config({n: f.url for n, f in fakes.items()}, **over))
+    return gw, fakes
+
+
+async def kill_each(http: aiohttp.ClientSession, url: str, fakes: dict[str, Any], every: int) -> Stream:
+    """A stream whose serving node is killed each time ``every`` more chunks arrived."""
+    got = Stream()
+    killed: set[str] = set()
+    async with http.post(url + "/gen/v1/chat/completions", json=chat(), headers=auth()) as r:
+        node = r.headers["X-KiloLine-Node"]
+        async for raw in r.content:
+            line = raw.decode().rstrip("\r\n")
+            if line.startswith(":"):
+                got.comments.append(line)
+                if line.startswith(": continued on "):
+                    node = line.removeprefix(": continued on ")
+            elif line == "data: [DONE]":
+                got.done = True
+            elif line.startswith("data: {"):
+                got.events.append(json.loads(line[5:]))
+                if len(got.content) % every == 0 and node not in killed:
+                    killed.add(node)
+                    await fakes[node].kill()
+    return got
+
+
+@pytest.mark.parametrize("retries", [1, 2])
+async def test_at_most_retry_on_failover_continuations(fakegpus: Any, gateway: Any, http: aiohttp.ClientSession,
+                                                        retries: int) -> None:
+    gw, fakes = await three(fakegpus, gateway, retry_on_failover=retries)
+    got = await kill_each(http, gw.url, fakes, every=10)
+    seams = [c for c in got.comments if c.startswith(": continued on ")]
+    assert gw.rt.metrics.continuations.labels("gen").value == len(seams) == retries
+    if retries == 1:
+        # The second cut finds no retry left: the stream ends with the error, as without continuations.
+        assert len(got.errors) == 1 and got.text == reply_text(20)
+    else:
+        assert not got.errors and got.text == reply_text(STEPS)
+        assert {e["id"] for e in got.events} == {got.events[0]["id"]}
+    assert got.done and max_held(fakes) == 1
+    await wait_until(lambda: inflight(gw) == 0)
+
+
+async def test_the_openai_sdk_reads_one_uninterrupted_stream(fakegpus: Any, gateway: Any) -> None:
+    gw, fakes, _ = await two(fakegpus, gateway)
+    llm = AsyncOpenAI(base_url=gw.url + "/gen/v1", api_key=KEYS["alice"], max_retries=0, timeout=30)
+    chunks = []
+    killed = False
+    stream = await llm.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}],
+                                               max_completion_tokens=STEPS, stream=True,
+                                               stream_options={"include_usage": True})
+    async for chunk in stream:
+        chunks.append(chunk)
+        if len([c for c in chunks if c.choices and c.choices[0].delta.content]) == 12 and not killed:
+            killed = True
+            await fakes[[n for n, f in fakes.items() if f.stats["running"]][0]].kill()
+    assert killed
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == reply_text(STEPS)
+    assert {c.id for c in chunks} == {chunks[0].id} and {c.created for c in chunks} == {chunks[0].created}
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == STEPS
+    assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == ["length"]
+    assert max_held(fakes) == 1
+
+
+async def test_a_legacy_completion_continues_from_its_prompt(fakegpus: Any, gateway: Any,
+                                                             http: aiohttp.ClientSession) -> None:
+    gw, fakes, _ = await two(fakegpus, gateway)
+    body = {"model": "m", "prompt": "Once upon a time", "max_tokens": STEPS, "stream": True}
+    got = await stream(http, gw.url, body, fakes, path="/gen/v1/completions")
+    assert not got.errors and got.done
+    # The fake goes on from the prompt's four words; the continuation's prompt held 4 + k of them.
+    assert got.text == reply_text(STEPS, start=4)
+    assert {e["id"] for e in got.events} == {got.events[0]["id"]}
+    assert any(c.startswith(": continued on ") for c in got.comments)
+    assert not [e for e in got.events if e.get("usage")]  # the client did not ask for usage
+    assert max_held(fakes) == 1
+
+
+async def test_the_fake_continues_a_final_assistant_message_as_llama_cpp_does(
+        fakegpus: Any, http: aiohttp.ClientSession) -> None:
+    # llama.cpp (tools/server/server-common.cpp, server-task.cpp; docs/BACKENDS.md has what the
+    # real server answered): with the flag only the new text streams; without it a trailing
+    # assistant message is still continued but the first delta repeats it; both flags true is a 400.
+    fake = await fakegpus("openai", steps=STEPS)
+    said = reply_text(4)
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": said}]
+
+    async def first_and_text(**flags: Any) -> tuple[dict[str, Any], str]:
+        body = {"model": "m", "messages": messages, "stream": True, "max_tokens": 3, **flags}
+        async with http.post(fake.url + "/v1/chat/completions", json=body) as r:
+            got = sse_text(await r.read())
+        return got.content[0]["choices"][0]["delta"], got.text
+
+    delta, text = await first_and_text(continue_final_message=True, add_generation_prompt=False)
+    assert delta == {"role": "assistant", "content": reply_text(1, start=4)} and text == reply_text(3, start=4)
+    delta, text = await first_and_text()
+    assert delta["content"] == said + reply_text(1, start=4) and text == said + reply_text(3, start=4)
+    async with http.post(fake.url + "/v1/chat/completions",
+                         json={"model": "m", "messages": messages, "continue_final_message": True}) as r:
+        assert r.status == 400
+        assert (await r.json())["error"]["message"] == \
+            "Cannot set both add_generation_prompt and continue_final_message to true."
