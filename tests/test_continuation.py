@@ -269,7 +269,7 @@ async def test_the_openai_sdk_reads_one_uninterrupted_stream(fakegpus: Any, gate
         chunks.append(chunk)
         if len([c for c in chunks if c.choices and c.choices[0].delta.content]) == 12 and not killed:
             killed = True
-            await fakes[[n for n, f in fakes.items() if f.stats["running"]][0]].kill()
+            await fakes[next(n for n, f in fakes.items() if f.stats["running"])].kill()
     assert killed
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert text == reply_text(STEPS)

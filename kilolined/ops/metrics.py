@@ -287,8 +287,8 @@ class Metrics:
                                        ["route", "node"])
         self.fleet_events = Recorded("counter", "kiloline_fleet_events", "Fleet events (docs/FLEET.md)", ["event"])
         r.register(_RecordedCollector([self.requests, self.queue_wait, self.upstream, self.ttft, self.rejections,
-                                       self.failovers, self.continuations, self.reloads, self.tokens, self.prompt_tokens,
-                                       self.mispredictions, self.fleet_events]))
+                                       self.failovers, self.continuations, self.reloads, self.tokens,
+                                       self.prompt_tokens, self.mispredictions, self.fleet_events]))
         r.register(_LiveGauges(rt))
         # The daemon's own process (CPU, memory, fds, start time), Python and its collector.
         ProcessCollector(registry=r)

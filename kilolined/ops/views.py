@@ -70,6 +70,9 @@ def state(rt: Runtime) -> dict[str, Any]:
         # What its nodes reported of the prompts (the dashboard's cached share); zeros until one did.
         cached, total = rt.metrics.prompt_tokens_of(n)
         r["prompt_tokens"] = {"cached": int(cached), "total": int(total)}
+        # Streams that survive their node (docs/API.md): continued on another node since start.
+        r["continue_streams"] = sched.routes[n].cfg.continue_streams
+        r["continuations"] = int(rt.metrics.continuations.labels(rt.route_label(n)).value)
     nodes: dict[str, Any] = {}
     for n, ns in sched.nodes.items():
         if n.startswith("adhoc:") or ns.retired:
