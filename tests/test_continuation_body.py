@@ -98,3 +98,14 @@ def test_the_seam_keeps_the_first_identity_drops_the_opener_and_sums_usage() -> 
 
 def _last_end(data: bytes) -> int:
     return data.rfind(b"\n\n") + 2
+
+
+def test_before_any_text_the_request_goes_again_as_it_came() -> None:
+    body = continuation_body(CHAT, Transcript.read(event("", role=True)), chat=True)
+    assert body is not None and body["messages"] == CHAT["messages"] and body["max_tokens"] == 10
+    assert "continue_final_message" not in body
+    # Nothing reached the client: the next node's opener is the client's first event, role and all.
+    keeper = StreamKeeper()
+    keeper.continue_through(Seam(Transcript.read(b""), node="b"))
+    out = keeper.feed(event("", role=True) + event("The"))
+    assert b'"role":"assistant"' in out

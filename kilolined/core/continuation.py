@@ -129,8 +129,9 @@ def _less(limit: Any, used: int) -> int | None:
 def continuation_body(data: dict[str, Any], t: Transcript, chat: bool) -> dict[str, Any] | None:
     """The request that continues ``data``'s answer after ``t``; None when it cannot be continued
     (not a stream, several choices, tool calls or reasoning, a prompt of token ids, no budget left,
-    a trailing assistant message the client did not ask to continue)."""
-    if data.get("stream") is not True or t.opaque or t.finished or not t.text:
+    a trailing assistant message the client did not ask to continue). Before any text there is
+    nothing to continue: the request is sent again as it came (the seam keeps the stream one)."""
+    if data.get("stream") is not True or t.opaque or t.finished:
         return None
     if data.get("n", 1) not in (1, None) or data.get("best_of", 1) not in (1, None) or data.get("echo") is True:
         return None
@@ -145,6 +146,8 @@ def continuation_body(data: dict[str, Any], t: Transcript, chat: bool) -> dict[s
     # that did not ask, as for the first node).
     opts = data.get("stream_options")
     body["stream_options"] = {**(opts if isinstance(opts, dict) else {}), "include_usage": True}
+    if not t.text:
+        return body
     if not chat:
         prompt = data.get("prompt")
         if isinstance(prompt, str):
@@ -205,7 +208,7 @@ class Seam:
         if isinstance(usage, dict):
             ev["usage"] = self._summed(usage)
         choices = ev.get("choices")
-        if isinstance(choices, list) and not self._opened:
+        if isinstance(choices, list) and not self._opened and b.id is not None:  # the client had an event
             for c in choices:
                 delta = c.get("delta") if isinstance(c, dict) else None
                 if isinstance(delta, dict):

@@ -282,6 +282,9 @@ class JobSink(Sink):
         self.job.last_position = None
 
     def progress(self, step: int | float, total: int | float) -> None:
+        seam = self.keeper.seam if self.keeper is not None else None
+        if seam is not None:
+            step += seam.before.tokens  # a continued stream counts on from what came before its seam
         pct = max(0, min(100, int(step * 100 // total)))
         self.job.emit("step_progress", {"step": step, "total": total, "pct": pct})
 
