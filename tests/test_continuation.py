@@ -15,7 +15,7 @@ import aiohttp
 import pytest
 from conftest import KEYS, auth, base_config, wait_until
 from openai import AsyncOpenAI
-from test_comfyui import SSE, inflight
+from test_comfyui import ASYNC, SSE, inflight
 
 from kilolined.fakegpu.openai import reply_text
 
@@ -173,8 +173,35 @@ async def test_an_sse_job_cut_by_its_node_continues_instead_of_starting_over(
     assert f": continued on {rerouted[0]['to_node']}" in got.comments
     # The usage chunk the gateway asked for is not the client's.
     assert not [e for e in got.events if e.get("usage")]
+    # Progress counts on from the seam: it never goes back.
+    steps = [d["step"] for n, d in events if n == "step_progress"]
+    assert steps == sorted(steps) and steps[-1] == STEPS, steps
     assert max_held(fakes) == 1
     await wait_until(lambda: inflight(gw) == 0)
+
+
+async def test_an_async_job_cut_by_its_node_completes_with_the_whole_text(
+        fakegpus: Any, gateway: Any, http: aiohttp.ClientSession) -> None:
+    gw, fakes, _ = await two(fakegpus, gateway)
+    async with http.post(gw.url + "/gen/v1/chat/completions", json=chat(), headers=ASYNC) as r:
+        assert r.status == 202
+        accepted = await r.json()
+    job = gw.jobs.jobs[accepted["job_id"]]
+
+    def steps() -> list[int]:
+        return [json.loads(f.split(b"data: ", 1)[1])["step"] for _, n, f in job.events if n == "step_progress"]
+
+    await wait_until(lambda: bool(steps()) and steps()[-1] >= 10)
+    killed = job.node
+    await fakes[killed].kill()
+    await wait_until(lambda: job.status in ("completed", "failed"))
+    assert job.status == "completed", job.error
+    async with http.get(gw.url + accepted["result_url"]) as r:
+        got = sse_text(await r.read())
+    assert got.text == reply_text(STEPS) and got.done and not got.errors
+    usage = [e["usage"] for e in got.events if e.get("usage")]
+    assert len(usage) == 1 and usage[0]["completion_tokens"] == STEPS
+    assert job.node != killed and max_held(fakes) == 1
 
 
 async def test_a_stream_that_stalls_goes_on_on_another_node(fakegpus: Any, gateway: Any,
