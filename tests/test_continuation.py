@@ -9,6 +9,7 @@ node under the same id, model and created, with no chunk repeated or lost at the
 from __future__ import annotations
 
 import json
+import logging
 from typing import Any
 
 import aiohttp
@@ -18,6 +19,7 @@ from openai import AsyncOpenAI
 from test_comfyui import ASYNC, SSE, inflight
 
 from kilolined.fakegpu.openai import reply_text
+from kilolined.ops import views
 
 STEPS = 30
 
@@ -99,8 +101,9 @@ def max_held(fakes: dict[str, Any]) -> int:
     return max(f.stats["max_concurrent"] for f in fakes.values())
 
 
-async def test_a_stream_cut_by_its_node_goes_on_on_another(fakegpus: Any, gateway: Any,
-                                                             http: aiohttp.ClientSession) -> None:
+async def test_a_stream_cut_by_its_node_goes_on_on_another(fakegpus: Any, gateway: Any, http: aiohttp.ClientSession,
+                                                             caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger="kilolined.access")
     gw, fakes, _ = await two(fakegpus, gateway)
     got = await stream(http, gw.url, chat(), fakes)
     assert not got.errors, got.errors
@@ -123,7 +126,12 @@ async def test_a_stream_cut_by_its_node_goes_on_on_another(fakegpus: Any, gatewa
     finish = [e["choices"][0]["finish_reason"] for e in got.events if e.get("choices")]
     assert finish[-1] == "length" and finish.count("length") == 1
     assert max_held(fakes) == 1
+    # Counted, and shown where an operator looks.
     assert gw.rt.metrics.continuations.labels("gen").value == 1
+    assert views.state(gw.rt)["routes"]["gen"]["continuations"] == 1
+    await wait_until(lambda: any(r.name == "kilolined.access" for r in caplog.records))
+    line = next(r.getMessage() for r in caplog.records if r.name == "kilolined.access")
+    assert f" {other} sync 200 " in line and line.endswith(" continued=1"), line
     await wait_until(lambda: inflight(gw) == 0)
 
 

@@ -96,6 +96,13 @@ def test_the_seam_keeps_the_first_identity_drops_the_opener_and_sums_usage() -> 
     assert Transcript.read(bytes(keeper.sent)).text == "The quick"
 
 
+def test_crlf_framed_events_pass_whole() -> None:
+    keeper = StreamKeeper()
+    crlf = event("The").replace(b"\n", b"\r\n")
+    assert keeper.feed(crlf[:-3]) == b"" and keeper.feed(crlf[-3:]) == crlf
+    assert Transcript.read(bytes(keeper.sent)).text == "The"
+
+
 def _last_end(data: bytes) -> int:
     return data.rfind(b"\n\n") + 2
 

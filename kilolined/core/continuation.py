@@ -260,10 +260,11 @@ class StreamKeeper:
     noted: bool = True  # the seam's note went out (it goes before the continuation's first bytes)
 
     def feed(self, data: bytes) -> bytes:
+        """What the client gets of ``data`` now (the per-token path: one whole event in, out as it came)."""
         if self.part:
             data, self.part = self.part + data, b""
-        end = _event_end(data)
-        if end < len(data):
+        if data[-2:] != b"\n\n":  # a piece that ends inside an event (or CRLF-framed): cut at the last end
+            end = _event_end(data)
             data, self.part = data[:end], data[end:]
         if self.seam is not None:
             data = self.seam.rewrite(data) if data else data
