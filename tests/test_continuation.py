@@ -352,3 +352,26 @@ async def test_the_fake_continues_a_final_assistant_message_as_llama_cpp_does(
         assert r.status == 400
         assert (await r.json())["error"]["message"] == \
             "Cannot set both add_generation_prompt and continue_final_message to true."
+
+
+async def test_a_node_that_will_not_continue_ends_the_stream_as_before(fakegpus: Any, gateway: Any,
+                                                                       http: aiohttp.ClientSession) -> None:
+    # The next node answers the continuation with a 400 (a server that refuses
+    # continue_final_message): the client's stream ends with the first node's failure.
+    gw, fakes, _ = await two(fakegpus, gateway)
+    got = Stream()
+    async with http.post(gw.url + "/gen/v1/chat/completions", json=chat(), headers=auth()) as r:
+        node = r.headers["X-KiloLine-Node"]
+        async for raw in r.content:
+            line = raw.decode().rstrip("\r\n")
+            if line.startswith("data: {"):
+                got.events.append(json.loads(line[5:]))
+                if len(got.content) == 10 and not got.errors:
+                    fakes["b" if node == "a" else "a"].set_control(fail_status=400)
+                    await fakes[node].kill()
+            elif line == "data: [DONE]":
+                got.done = True
+    assert got.done and len(got.errors) == 1, got.errors
+    assert got.errors[0]["error"]["message"] == f"node {node} failed: node lost (connection dropped mid-response)"
+    assert got.text == reply_text(len(got.content)) and len(got.content) < STEPS
+    await wait_until(lambda: inflight(gw) == 0)
