@@ -308,8 +308,9 @@ async def test_node_error_after_the_200_is_told_in_openai_shape(fakegpus, gatewa
 
 
 async def test_node_dying_mid_stream_ends_with_error_then_done(fakegpus, gateway, http) -> None:
+    # With continue_streams off; on, the stream goes on on another node (test_continuation.py).
     fake = await fakegpus("openai", step_ms=100)
-    gw = await gateway(llm_cfg(fake))
+    gw = await gateway(llm_cfg(fake, continue_streams=False))
     body = {"model": "fake-llm", "messages": MESSAGES, "stream": True, "max_tokens": 30}
     async with http.post(gw.url + "/v1/chat/completions", json=body, headers=auth()) as r:
         assert r.status == 200

@@ -1,4 +1,5 @@
-"""A node lost after its answer began: the request fails (no replay), and what the client is told
+"""A node lost after its answer began, on a route with ``continue_streams: false`` (on, a stream
+goes on on another node: test_continuation.py): the request fails (no replay), and what the client is told
 names the node and what happened — "node n failed: node lost (…)" — never an exception class or an
 address (Failure.mid_response). The node's breaker hears of it once, through the lease scope.
 """
@@ -18,7 +19,8 @@ CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_toke
 async def test_an_sse_job_whose_node_dies_mid_answer_fails_in_words(fakegpus: Any, gateway: Any,
                                                                    http: aiohttp.ClientSession) -> None:
     fake = await fakegpus("openai", steps=40, step_ms=50)
-    gw = await gateway(base_config({"n": fake.url}, kind="openai", max_concurrency=1, retry_on_failover=1))
+    gw = await gateway(base_config({"n": fake.url}, kind="openai", max_concurrency=1, retry_on_failover=1,
+                                   continue_streams=False))
     events: list[tuple[str, dict[str, Any]]] = []
     killed = False
     async with http.post(gw.url + "/gen/v1/chat/completions", json=CHAT, headers=SSE) as r:

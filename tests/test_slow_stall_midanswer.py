@@ -1,11 +1,12 @@
 """A stream that stalls after its first bytes (tokens came, then silence for ``slow.stall_sec``).
 
 What reached the client decides what happens:
-- sync: the node's bytes were relayed as they came, so nothing can be replayed: the stream ends
-  with the error (OpenAI's shape) and the node's breaker opens;
+- sync: the node's bytes were relayed as they came, so nothing can be replayed: with
+  ``continue_streams: false`` the stream ends with the error (OpenAI's shape) and the node's
+  breaker opens (on, it goes on on another node: test_continuation.py);
 - sse and async jobs: the client gets only gateway events (``step_progress`` counts chunks, never
-  their bytes) and the result at the end, so no byte of the answer reached it: the job is
-  re-queued to another node (``rerouted``, reason "stalled") and completes there.
+  their bytes) and the result at the end: the job is re-queued to another node (``rerouted``,
+  reason "stalled"), which continues the answer, and completes there.
 In every mode the stalled node is out at once and no slot or result reservation is left behind.
 """
 
@@ -25,11 +26,11 @@ BREAKER = {"consecutive_failures": 3, "open_sec": 60, "slow_start_sec": 0}
 BODY = {"model": "fake-llm", "messages": MESSAGES, "stream": True, "max_tokens": 50}
 
 
-async def setup(fakegpus: Any, gateway: Any) -> tuple[Any, Any, Any]:
+async def setup(fakegpus: Any, gateway: Any, **route: Any) -> tuple[Any, Any, Any]:
     # 50 tokens of 100 ms: the answer streams for 5 s unless the node freezes first
     stuck = await fakegpus("openai", step_ms=100)
     fine = await fakegpus("openai", step_ms=20)
-    cfg = base_config({"s": stuck.url, "f": fine.url}, kind="openai", path="/v1", max_concurrency=1)
+    cfg = base_config({"s": stuck.url, "f": fine.url}, kind="openai", path="/v1", max_concurrency=1, **route)
     for n in ("s", "f"):
         cfg["nodes"][n].update(slow={"stall_sec": 0.5}, breaker=BREAKER)
     return stuck, fine, await gateway(cfg)  # s is the primary, f its standby
@@ -83,7 +84,7 @@ async def test_a_job_whose_stream_stalls_mid_answer_is_requeued(fakegpus: Any, g
     done = next(d for n, d in events if n == "output_ready")
     assert done["http_status"] == 200 and done["content_type"].startswith("text/event-stream"), done
     async with http.get(gw.url + done["result_url"]) as r:
-        result = await r.read()  # f's whole answer, never a piece of s's
+        result = await r.read()  # s's words, then f's continuation of them: one stream
     assert result.count(b'"role"') == 1 and result.rstrip().endswith(b"data: [DONE]"), result
     assert fine.stats["served"] == 1
     ns = gw.rt.scheduler.nodes["s"]
@@ -97,7 +98,7 @@ async def test_a_job_whose_stream_stalls_mid_answer_is_requeued(fakegpus: Any, g
 
 async def test_a_sync_stream_that_stalls_mid_answer_ends_with_the_error(fakegpus: Any, gateway: Any,
                                                            http: aiohttp.ClientSession) -> None:
-    stuck, fine, gw = await setup(fakegpus, gateway)
+    stuck, fine, gw = await setup(fakegpus, gateway, continue_streams=False)
     got = bytearray()
     async with http.post(gw.url + "/v1/chat/completions", json=BODY, headers=auth()) as r:
         assert r.status == 200

@@ -23,6 +23,7 @@ from typing import Any
 
 import orjson
 
+from kilolined.adapters import continuation
 from kilolined.adapters.base import Adapter, HttpAttempt, Tee
 from kilolined.core.config import RouteConfig
 from kilolined.core.outcome import Failure
@@ -497,7 +498,8 @@ class OpenAIAdapter(Adapter):
         attempt = OpenAIAttempt(scope, ex, self.estimate(ex))
         try:
             up = await scope.acquire(attempt)
-            await sink.deliver(scope, up, self.observer(rt, ex, scope, sink))
+            # A stream may go on on another node if its node fails mid-answer (continuation.py).
+            await continuation.deliver(rt, scope, ex, sink, up, lambda: self.observer(rt, ex, scope, sink), attempt)
         finally:
             # The usage (if any) was counted when the answer ended: the promise is over.
             attempt.unreserve()

@@ -417,6 +417,9 @@ class RouteConfig(_Model):
     rate: RateConfig | None = None
     auth: Literal["required", "none"] = "required"
     retry_on_failover: Annotated[int, Field(ge=0)] = 1
+    #: an ``openai`` stream whose node fails mid-answer goes on on another node (docs/API.md
+    #: "Streams that survive their node"); off: it ends as any other stream cut by its node
+    continue_streams: bool = True
     expected_duration_sec: Annotated[float, Field(gt=0)] | None = None
     unqueued_paths: list[str] | None = None
     cost: RequestCostConfig | None = None

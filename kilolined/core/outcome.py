@@ -15,6 +15,9 @@ from kilolined.scheduling.queue import Rejected
 class Failure(Exception):
     """The request failed after admission (or was refused by the queue while it waited)."""
 
+    #: set when the node failed after its answer began (``mid_response``): what happened
+    cut: str | None = None
+
     def __init__(self, type_: str, message: str, http_status: int | None = None, body: bytes | None = None,
                  content_type: str | None = None, retry_after: float | None = None):
         super().__init__(message)
@@ -33,7 +36,9 @@ class Failure(Exception):
         """The node failed after its answer had begun (bytes read, or sent on to the client): no
         re-queue is possible. ``reason`` names what happened ("node lost (connection dropped
         mid-response)"), never an exception class or an address."""
-        return cls("upstream_error", f"node {node} failed: {reason}", 502)
+        f = cls("upstream_error", f"node {node} failed: {reason}", 502)
+        f.cut = reason
+        return f
 
     @classmethod
     def rejected(cls, r: Rejected) -> Failure:

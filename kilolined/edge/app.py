@@ -611,6 +611,8 @@ def log_access(gw: Gateway, call: Call) -> None:
         rec["affinity"] = a.outcome
     if t is not None and t.cached is not None:
         rec["cached"] = t.cached
+    if t is not None and t.continued:
+        rec["continued"] = t.continued  # its stream went on on another node (docs/API.md)
     write_access(gw, rec)
 
 
@@ -632,6 +634,7 @@ def write_access(gw: Gateway, rec: dict[str, object]) -> None:
         + ("" if swap is None else " swap=true" if swap else " swap=false")
         + (" affinity=%(affinity)s" if "affinity" in rec else "")
         + (" cached=%(cached)d" if "cached" in rec else "")
+        + (" continued=%(continued)d" if "continued" in rec else "")
         + (" job=%(job)s" if "job" in rec else ""),
         rec,
     )

@@ -18,6 +18,15 @@ It also serves Anthropic's `POST /v1/messages` as llama-server does (shapes in `
 with the same GPU work, cache and usage as a chat completion, and OpenAI's
 `POST /v1/audio/transcriptions` (a multipart form with `file` and `model`) as vLLM does.
 
+It answers greedily, as a server with temperature 0 does: its model writes `WORDS` in turn, and
+the next word depends only on how many words the answer already holds, so an answer cut after k
+words and continued from them is the uninterrupted answer. It continues a final assistant message
+as llama.cpp and vLLM do (`continue_final_message: true, add_generation_prompt: false`, only the
+new text streamed; the two both true is a 400) and, like llama.cpp, also without them, when its
+first delta repeats the whole prefix. `POST /v1/completions` continues its prompt the same way
+(the prompt's words count) and writes 16 tokens unless `max_tokens` says otherwise, as OpenAI's
+legacy API does.
+
 It caches prompts as llama.cpp does (`prompt_cache.py`): the part of a prompt it has not seen
 costs `prefill_ms_per_1k` of GPU time per 1000 tokens before the first token, and every answer
 reports what was reused as llama-server reports it: `usage.prompt_tokens_details.cached_tokens`
@@ -30,6 +39,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -86,8 +96,38 @@ def presented_key(request: web.Request) -> str | None:
     return request.headers.get("X-Api-Key")
 
 
-def reply_text(tokens: int) -> str:
-    return "".join(WORDS[i % len(WORDS)] for i in range(tokens))
+COMPLETION_TOKENS = 16  # what OpenAI's legacy completions write without max_tokens
+# The fake's words, as it counts them to know where an answer stands: a word with the blanks
+# before it, or one mark.
+_WORD = re.compile(r"\s*\w+|\s*[^\w\s]")
+
+
+def reply_text(tokens: int, start: int = 0) -> str:
+    return "".join(WORDS[i % len(WORDS)] for i in range(start, start + tokens))
+
+
+def words_in(text: str) -> int:
+    """How many of the fake's words ``text`` holds: where an answer that begins with it stands."""
+    return len(_WORD.findall(text))
+
+
+def continued(body: dict[str, Any], messages: list[Any]) -> tuple[str | None, bool] | web.Response:
+    """The final assistant message to continue (None: a new answer) and whether the first delta
+    repeats it; or llama.cpp's 400 for a body it refuses."""
+    flag = body.get("continue_final_message") is True
+    if flag and body.get("add_generation_prompt", True) is True:
+        return openai_error(400, "Cannot set both add_generation_prompt and continue_final_message to true.")
+    last = messages[-1] if isinstance(messages[-1], dict) else {}
+    if last.get("role") != "assistant":
+        return None, False
+    if last.get("tool_calls"):
+        return openai_error(400, "Cannot continue an assistant message that contains tool calls.")
+    if not flag and len(messages) >= 2 and isinstance(messages[-2], dict) and messages[-2].get("role") == "assistant":
+        return openai_error(400, "Cannot have 2 or more assistant messages at the end of the list.")
+    content = last.get("content")
+    # llama.cpp prefills a trailing assistant message even when not asked to; only the flag keeps
+    # its first delta from repeating it.
+    return (content if isinstance(content, str) else ""), not flag
 
 
 class OpenAIBackend(Backend):
@@ -103,6 +143,7 @@ class OpenAIBackend(Backend):
 
     def add_routes(self, app: web.Application) -> None:
         app.router.add_post("/v1/chat/completions", self.chat)
+        app.router.add_post("/v1/completions", self.complete)
         app.router.add_post("/v1/messages", self.messages)
         app.router.add_post("/v1/audio/transcriptions", self.transcribe)
         app.router.add_get("/running", self.running)
@@ -205,6 +246,11 @@ class OpenAIBackend(Backend):
         max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
         if max_tokens is not None and not (is_int(max_tokens) and max_tokens >= 1):
             return openai_error(400, "max_tokens must be an integer >= 1.", "max_tokens")
+        cont = continued(body, messages)
+        if isinstance(cont, web.Response):
+            return cont
+        prefix, echo = cont
+        start = words_in(prefix) if prefix is not None else 0
         tokens = prompt_tokens(messages)
         if len(tokens) >= gpu.ctx_size:  # llama.cpp compares the prompt alone, `>=`
             return context_exceeded(len(tokens), gpu.ctx_size)
@@ -218,14 +264,16 @@ class OpenAIBackend(Backend):
         call = _Call(
             id=f"chatcmpl-{uuid.uuid4().hex[:24]}",
             model=body["model"] if isinstance(body.get("model"), str) else MODEL_ID,
-            tokens=max_tokens if max_tokens is not None else gpu.steps,
-            prompt_tokens=len(tokens),
+            # Without max_tokens the answer ends on its own after `steps` words, however many of
+            # them a continued message already held.
+            tokens=max_tokens if max_tokens is not None else max(0, gpu.steps - start),
+            prompt_tokens=len(tokens), start=start, echo=prefix if echo and prefix else "",
             # Hitting max_tokens is what "length" means; without it the fake stops on its own.
             finish_reason="length" if max_tokens is not None else "stop",
             include_usage=isinstance(stream_options, dict) and stream_options.get("include_usage") is True,
             prefill_ms_per_1k=gpu.prefill_ms_per_1k,
         )
-        job = gpu.begin_job(KV_GB_PER_TOKEN * (len(tokens) + (max_tokens if max_tokens is not None else gpu.steps)))
+        job = gpu.begin_job(KV_GB_PER_TOKEN * (len(tokens) + call.tokens))
         # One model per process unless it swaps: llama-server ignores the request's `model`.
         cache_model = call.model if gpu.models else MODEL_ID
         hit = self.prompt_cache.lookup(cache_model, tokens)
@@ -247,6 +295,55 @@ class OpenAIBackend(Backend):
         finally:
             gpu.end_job(job, outcome)
             self._keep(cache_model, call, tokens, hit)
+
+    async def complete(self, request: web.Request) -> web.StreamResponse:
+        """OpenAI's legacy `POST /v1/completions` (llama.cpp and vLLM serve it): the prompt goes on,
+        from as many words as it holds."""
+        gpu = self.gpu
+        gated = await gpu.gate(request)
+        if gated is not None:
+            return gated
+        try:
+            body = await read_json(request)
+        except ValueError:
+            return openai_error(400, "We could not parse the JSON body of your request.")
+        prompt = body.get("prompt") if isinstance(body, dict) else None
+        if isinstance(prompt, list) and len(prompt) == 1:
+            prompt = prompt[0]
+        if not isinstance(body, dict) or not isinstance(prompt, str):
+            return openai_error(400, "'prompt' must be a string.", "prompt")
+        max_tokens = body.get("max_tokens", COMPLETION_TOKENS)
+        if not (is_int(max_tokens) and max_tokens >= 1):
+            return openai_error(400, "max_tokens must be an integer >= 1.", "max_tokens")
+        tokens = message_tokens("", prompt)
+        if len(tokens) >= gpu.ctx_size:
+            return context_exceeded(len(tokens), gpu.ctx_size)
+        stream_options = body.get("stream_options")
+        call = _Call(id=f"cmpl-{uuid.uuid4().hex[:24]}",
+                     model=body["model"] if isinstance(body.get("model"), str) else MODEL_ID,
+                     tokens=max_tokens, prompt_tokens=len(tokens), finish_reason="length",
+                     include_usage=isinstance(stream_options, dict) and stream_options.get("include_usage") is True,
+                     prefill_ms_per_1k=gpu.prefill_ms_per_1k, start=words_in(prompt), legacy=True)
+        job = gpu.begin_job(KV_GB_PER_TOKEN * (len(tokens) + call.tokens))
+        hit = self.prompt_cache.lookup(MODEL_ID, tokens)
+        call.cache_n = hit.cached
+        outcome: str | None = None
+        try:
+            await self._prefill(job, call)
+            if body.get("stream") is True:
+                resp, delivered = await self._stream(request, job, call)
+            else:
+                for _ in range(call.tokens):
+                    if not await gpu.work(job, gpu.step_ms / 1000):
+                        break
+                    call.generated += 1
+                resp = openai_error(500, gpu.oom_message()) if job.failed else web.json_response(call.completion())
+                delivered = await gpu.respond(request, resp)
+            outcome = "ok" if delivered else None
+            return resp
+        finally:
+            gpu.end_job(job, outcome)
+            self.prompt_cache.release(hit)
 
     async def messages(self, request: web.Request) -> web.StreamResponse:
         """Anthropic's `POST /v1/messages` as llama-server answers it (fakegpu/anthropic.py): the
@@ -361,7 +458,7 @@ class OpenAIBackend(Backend):
         if not call.prefilled:
             self.prompt_cache.release(hit)
             return
-        said = message_tokens("assistant", reply_text(call.generated))
+        said = message_tokens("assistant", reply_text(call.generated, call.start))
         self.prompt_cache.save(model, tokens + said, hit)
 
     async def _stream(self, request: web.Request, job: Job, call: _Call) -> tuple[web.StreamResponse, bool]:
@@ -381,10 +478,7 @@ class OpenAIBackend(Backend):
                     break
                 call.generated += 1
                 await gpu.drip()
-                delta = {"content": WORDS[index % len(WORDS)]}
-                if index == 0:
-                    delta = {"role": "assistant", **delta}
-                await send(call.chunk(delta, None))
+                await send(call.piece(index))
             if job.failed:
                 # vLLM reports a mid-stream failure as an error object in a data line.
                 await send({"error": {"message": gpu.oom_message(), "type": "server_error", "param": None,
@@ -392,10 +486,9 @@ class OpenAIBackend(Backend):
             else:
                 # llama.cpp puts `timings` on the last chunk only: the usage chunk when asked for.
                 timings = {"timings": call.timings()}
-                await send({**call.chunk({}, call.finish_reason), **({} if call.include_usage else timings)})
+                await send({**call.last(), **({} if call.include_usage else timings)})
                 if call.include_usage:
-                    await send({**call.base("chat.completion.chunk"), "choices": [], "usage": call.usage(),
-                                **timings})
+                    await send({**call.base(call.chunk_object), "choices": [], "usage": call.usage(), **timings})
             await resp.write(b"data: [DONE]\n\n")
             await resp.write_eof()
         except ConnectionResetError:
@@ -414,6 +507,9 @@ class _Call:
     finish_reason: str
     include_usage: bool
     prefill_ms_per_1k: float = 0.0
+    start: int = 0  # words the answer already held (a continued message, a completion's prompt)
+    echo: str = ""  # what the first delta repeats (llama.cpp's prefill without continue_final_message)
+    legacy: bool = False  # a legacy completion (`text` choices), not a chat
     cache_n: int = 0  # prompt tokens reused from the prompt cache
     generated: int = 0  # completion tokens made so far
     prefilled: bool = False
@@ -455,15 +551,36 @@ class _Call:
             "predicted_per_second": round(1000 * steps / predicted_ms, 3) if steps and predicted_ms > 0 else 0.0,
         }
 
+    @property
+    def chunk_object(self) -> str:
+        return "text_completion" if self.legacy else "chat.completion.chunk"
+
     def chunk(self, delta: dict[str, Any], finish_reason: str | None) -> dict[str, Any]:
-        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
-        out = {**self.base("chat.completion.chunk"), "choices": [choice]}
+        if self.legacy:
+            choice = {"index": 0, "text": delta.get("content", ""), "logprobs": None, "finish_reason": finish_reason}
+        else:
+            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+        out = {**self.base(self.chunk_object), "choices": [choice]}
         if self.include_usage:  # the spec: every other chunk carries "usage": null
             out["usage"] = None
         return out
 
+    def piece(self, index: int) -> dict[str, Any]:
+        """The chunk of the ``index``-th word this call writes."""
+        delta = {"content": WORDS[(self.start + index) % len(WORDS)]}
+        if index == 0:
+            delta = {"role": "assistant", "content": self.echo + delta["content"]}
+        return self.chunk(delta, None)
+
+    def last(self) -> dict[str, Any]:
+        return self.chunk({}, self.finish_reason)
+
     def completion(self) -> dict[str, Any]:
-        choice = {"index": 0, "message": {"role": "assistant", "content": reply_text(self.tokens)},
+        text = reply_text(self.tokens, self.start)
+        if self.legacy:
+            choice = {"index": 0, "text": text, "finish_reason": self.finish_reason, "logprobs": None}
+            return {**self.base("text_completion"), "choices": [choice], "usage": self.usage()}
+        choice = {"index": 0, "message": {"role": "assistant", "content": self.echo + text},
                   "finish_reason": self.finish_reason, "logprobs": None}
         return {**self.base("chat.completion"), "choices": [choice], "usage": self.usage(),
                 "timings": self.timings()}

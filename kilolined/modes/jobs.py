@@ -24,10 +24,12 @@ import aiohttp
 import orjson
 from aiohttp import web
 
+from kilolined.adapters import continuation
 from kilolined.adapters.base import Adapter
 from kilolined.adapters.openai import UsageStripper, gateway_added_usage
 from kilolined.core.auth import Principal, presented_key
 from kilolined.core.config import JobsConfig
+from kilolined.core.continuation import StreamKeeper
 from kilolined.core.outcome import Cancelled, Failure, Result
 from kilolined.modes.call import Call
 from kilolined.modes.runner import run
@@ -233,7 +235,7 @@ class Job:
 class JobSink(Sink):
     """The sse/async client modes: the request's moves become job events, its answer the result."""
 
-    __slots__ = ("adapter", "answer", "ex", "failure", "job", "lost", "memory", "mode", "res", "rt")
+    __slots__ = ("adapter", "answer", "ex", "failure", "job", "keeper", "lost", "memory", "mode", "res", "rt")
     reports_progress = True
     reads_answer = True
     gone = "cancelled"
@@ -252,6 +254,8 @@ class JobSink(Sink):
         self.failure: Failure | None = None
         #: (from node, reason) of a job carried on from a lost gateway: said at its next dispatch
         self.lost = lost
+        #: the answer so far of a stream that may be continued on another node (continuation.py)
+        self.keeper: StreamKeeper | None = None
 
     def dispatched(self, lease: Lease, queue_wait: float) -> None:
         job, rt = self.job, self.rt
@@ -261,6 +265,7 @@ class JobSink(Sink):
         job.node = lease.node
         job.swap = lease.swap
         job.status = "running"
+        continuation.seam_at(self.keeper, lease)
         if job.started_at is None:
             job.started_at = time.time()
             job.started_mono = rt.clock()
@@ -277,6 +282,9 @@ class JobSink(Sink):
         self.job.last_position = None
 
     def progress(self, step: int | float, total: int | float) -> None:
+        seam = self.keeper.seam if self.keeper is not None else None
+        if seam is not None:
+            step += seam.before.tokens  # a continued stream counts on from what came before its seam
         pct = max(0, min(100, int(step * 100 // total)))
         self.job.emit("step_progress", {"step": step, "total": total, "pct": pct})
 
@@ -287,6 +295,8 @@ class JobSink(Sink):
         answered; the adapter's observer hears the answer as it arrives (usage, progress)."""
         adapter, ex = self.adapter, self.ex
         obs = adapter.observer(self.rt, ex, scope, self) if adapter is not None and ex is not None else None
+        if self.keeper is None and ex is not None and continuation.wanted(scope, ex):
+            self.keeper = StreamKeeper()
         self.answer = None
         self.answer = (up, await self._read(scope, up, obs, under_attempt=True))
 
@@ -307,15 +317,20 @@ class JobSink(Sink):
         arrive (the reservation ends with the job)."""
         memory = self.memory or ResultMemory(self.rt.cfg.jobs.max_results_mb)  # outside a store: its own result only
         job = self.job
-        memory.release(job)  # an earlier attempt's bytes are gone
+        memory.release(job)  # an earlier attempt's bytes are gone (a continued stream's are held again)
         ok = False
+        keeper = self.keeper if under_attempt else None
         try:
+            if keeper is not None and keeper.seam is not None and not continuation.is_stream(up):
+                # The node would not continue the stream (a server that knows no continue_final_message).
+                raise Failure.upstream(f"node {job.node or '-'} could not continue the stream "
+                                       f"(HTTP {up.status})", False)
             # The usage chunk the gateway asked for on the client's behalf is not part of its result.
             strip = UsageStripper() if self.ex is not None and gateway_added_usage(self.ex) else None
             declared = _content_length(up)
             if declared is not None and not memory.hold(job, declared):
                 raise ResultTooLarge(memory.refusal(declared))
-            body = await _read_result(up, lambda size: memory.hold(job, size), obs, strip)
+            body = await _read_result(up, lambda size: memory.hold(job, size), obs, strip, keeper)
             scope.size = len(body)
             ok = up.status < 500
             scope.ok = ok
@@ -326,6 +341,14 @@ class JobSink(Sink):
             raise Failure.upstream(str(e), False) from None
         except (aiohttp.ClientError, TimeoutError, UpstreamFailed) as e:
             memory.release(job)
+            if keeper is not None and self.ex is not None and (isinstance(e, Stalled) or not isinstance(
+                    e, TimeoutError | UpstreamFailed)):
+                reason = mid_response(e)
+                if continuation.plan(scope, self.ex, keeper, reason, judged=False):
+                    # The scope's verdict and re-queue, as for a node that never answered; the next
+                    # attempt sends the continuation, and its answer is read on after the seam.
+                    raise UpstreamFailed(reason, answered=isinstance(e, Stalled)) from None
+                self.keeper = StreamKeeper()  # a stream started over (if at all) keeps nothing of this one
             if under_attempt and isinstance(e, Stalled):
                 # The scope's verdict on "stalled: …" opens the breaker, and it re-queues the job.
                 raise UpstreamFailed(str(e), answered=True) from None
@@ -365,22 +388,31 @@ def _content_length(up: Upstream) -> int | None:
 
 
 async def _read_result(up: Upstream, hold: Callable[[int], bool], obs: Observer | None,
-                       strip: UsageStripper | None) -> bytes:
+                       strip: UsageStripper | None, keeper: StreamKeeper | None = None) -> bytes:
     """The answer's bytes; ``hold(size)`` reserves room for ``size`` bytes before they are kept
-    (ResultTooLarge when it cannot)."""
-    buf = bytearray()
+    (ResultTooLarge when it cannot). With a ``keeper`` (a stream that may be continued) the bytes
+    go through it and the answer is all it kept: the text before a seam, then the continuation."""
+    buf = keeper.sent if keeper is not None else bytearray()
     async for chunk in up.content.iter_any():
         if obs is not None:
             obs.feed(chunk)
         kept = strip.feed(chunk) if strip is not None else chunk
+        if keeper is not None:
+            kept = keeper.feed(kept)
+            if not hold(len(buf)):
+                raise ResultTooLarge("result larger than what jobs.max_results_mb has left")
+            continue
         if not hold(len(buf) + len(kept)):
             raise ResultTooLarge("result larger than what jobs.max_results_mb has left")
         buf += kept
-    if strip is not None:
-        rest = strip.flush()
-        if not hold(len(buf) + len(rest)):
-            raise ResultTooLarge("result larger than what jobs.max_results_mb has left")
+    rest = strip.flush() if strip is not None else b""
+    if keeper is not None:
+        keeper.feed(rest)
+        keeper.flush()
+    else:
         buf += rest
+    if not hold(len(buf)):
+        raise ResultTooLarge("result larger than what jobs.max_results_mb has left")
     return bytes(buf)
 
 

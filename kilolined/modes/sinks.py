@@ -12,6 +12,7 @@ The job sink lives with the jobs (``jobs.py``).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from types import TracebackType
 
 import aiohttp
@@ -21,6 +22,7 @@ from aiohttp.client_exceptions import ClientConnectionResetError
 from multidict import CIMultiDict
 
 from kilolined.adapters.openai import UsageStripper, gateway_added_usage, relay_tap
+from kilolined.core.continuation import StreamKeeper
 from kilolined.core.outcome import Failure, Result
 from kilolined.modes.call import Call
 from kilolined.ops.runtime import Runtime
@@ -120,7 +122,7 @@ class SyncSink(Sink):
 class StreamSink(SyncSink):
     """``"stream": true`` on an openai route (docs/API.md "OpenAI streams")."""
 
-    __slots__ = ("stream", "strip", "tick_sec")
+    __slots__ = ("keeper", "stream", "strip", "tick_sec")
 
     def __init__(self, rt: Runtime, call: Call):
         super().__init__(rt, call)
@@ -129,11 +131,17 @@ class StreamSink(SyncSink):
         # The usage chunk the gateway asked for on the client's behalf is not the client's.
         ex = call.exchange
         self.strip = UsageStripper() if ex is not None and gateway_added_usage(ex) else None
-
+        #: what went out, kept while the stream may be continued on another node (continuation.py)
+        self.keeper: StreamKeeper | None = None
 
     @property
     def started(self) -> bool:
         return self.stream is not None or super().started
+
+    def keep_stream(self) -> StreamKeeper:
+        if self.keeper is None:
+            self.keeper = StreamKeeper()
+        return self.keeper
 
     async def begin(self, scope: LeaseScope) -> None:
         """Before the wait: a request that has to queue gets its 200 and a first comment at once."""
@@ -217,7 +225,7 @@ class StreamSink(SyncSink):
         gateway asked for cut out. Through aiohttp's writer until the response head has gone
         out with a piece; then, on our own client (chunked, uncompressed), each piece is written
         from the node connection's callback (``UpstreamResponse.relay``)."""
-        call, strip = self.call, self.strip
+        call, strip, keeper = self.call, self.strip, self.keeper
         request = call.request
         writer = request.writer
         direct = (isinstance(up, UpstreamResponse) and getattr(writer, "chunked", False) is True
@@ -227,6 +235,8 @@ class StreamSink(SyncSink):
             if obs is not None:
                 obs.feed(chunk)
             out = strip.feed(chunk) if strip is not None else chunk
+            if keeper is not None:
+                out = keeper.feed(out)  # whole events only, and through the seam after one
             if out:
                 # _write's flag inline: one coroutine less per relayed chunk
                 scope.writing = True
@@ -246,6 +256,8 @@ class StreamSink(SyncSink):
             if tr is None:
                 raise ClientConnectionResetError("Cannot write to closing transport")  # as aiohttp's writer
             tap = relay_tap(obs, strip)
+            if keeper is not None:
+                tap = _kept(tap, keeper)
 
             def push(data: bytes) -> bool:
                 # The per-token path: the observer and the usage cut in one call, one write.
@@ -269,7 +281,10 @@ class StreamSink(SyncSink):
                     scope.writing = False
 
             await up.relay(push, drain)
-        if strip is not None and (rest := strip.flush()):
+        rest = strip.flush() if strip is not None else b""
+        if keeper is not None:
+            rest = keeper.feed(rest) + keeper.flush()
+        if rest:
             await _write(scope, resp, rest)
             call.bytes_out += len(rest)
 
@@ -283,6 +298,15 @@ class StreamSink(SyncSink):
         except (ConnectionError, RuntimeError):
             pass
         return self.stream
+
+
+def _kept(tap: Callable[[bytes], bytes], keeper: StreamKeeper) -> Callable[[bytes], bytes]:
+    """``tap``, then ``keeper`` (a stream that may be continued: whole events, the seam)."""
+
+    def kept(data: bytes) -> bytes:
+        return keeper.feed(tap(data))
+
+    return kept
 
 
 class _Relaying:

@@ -288,6 +288,8 @@ class Metrics:
                                    ["route", "reason"])
         self.failovers = Recorded("counter", "kiloline_failovers",
                                   "Requests re-queued or sent to a standby after a node failure", ["route"])
+        self.continuations = Recorded("counter", "kiloline_stream_continuations",
+                                      "Streams sent on to another node after theirs failed mid-answer", ["route"])
         self.reloads = Recorded("counter", "kiloline_reloads", "Config reloads", ["result"])
         for result in ("ok", "error"):
             self.reloads.labels(result)
@@ -308,8 +310,9 @@ class Metrics:
         #: (route, files, bytes in memory) of ComfyUI routes' files, set by the adapter (comfy_store.py)
         self.comfy_files_source: Callable[[], Iterable[tuple[str, int, int]]] | None = None
         r.register(_RecordedCollector([self.requests, self.queue_wait, self.upstream, self.ttft, self.rejections,
-                                       self.failovers, self.reloads, self.tokens, self.prompt_tokens,
-                                       self.mispredictions, self.fleet_events, self.comfy_uploads, self.gpu_seconds]))
+                                       self.failovers, self.continuations, self.reloads, self.tokens,
+                                       self.prompt_tokens, self.mispredictions, self.fleet_events, self.comfy_uploads,
+                                       self.gpu_seconds]))
         r.register(_LiveGauges(rt))
         r.register(_ComfyFiles(self))
         # The daemon's own process (CPU, memory, fds, start time), Python and its collector.

@@ -233,6 +233,7 @@ class Runtime:
         for name in cfg.routes:
             # Counters exist at 0 from the start, so dashboards and alerts see "none yet", not "absent".
             self.metrics.failovers.labels(name)
+            self.metrics.continuations.labels(name)
             self.metrics.queue_wait.labels(name)
         self.keys = KeyStore(cfg)
         self.limiter.forget_except(set(cfg.keys))

@@ -82,6 +82,9 @@ def state(rt: Runtime) -> dict[str, Any]:
         # What its nodes reported of the prompts (the dashboard's cached share); zeros until one did.
         cached, total = prompt_tokens.get(n, (0.0, 0.0))
         r["prompt_tokens"] = {"cached": int(cached), "total": int(total)}
+        # Streams that survive their node (docs/API.md): continued on another node since start.
+        r["continue_streams"] = sched.routes[n].cfg.continue_streams
+        r["continuations"] = int(rt.metrics.continuations.labels(rt.route_label(n)).value)
         rcfg = rt.cfg.routes.get(n)
         if rcfg is not None and rcfg.kind == "comfyui":
             r["comfy_files"] = {"files": 0, "bytes": 0}  # the route's held inputs and outputs

@@ -26,6 +26,7 @@ from typing import Any, Protocol, TypeVar
 
 from aiohttp import web
 
+from kilolined.core.continuation import StreamKeeper
 from kilolined.core.outcome import Failure, Result
 from kilolined.ops.runtime import Runtime
 from kilolined.scheduling.bill import gpu_cost
@@ -104,6 +105,11 @@ class Sink(Protocol):
     def progress(self, step: int | float, total: int | float) -> None:
         return None
 
+    def keep_stream(self) -> StreamKeeper | None:
+        """Keep what goes out of the answer from now on, so that a stream cut by its node can be
+        continued on another (core/continuation.py); None: this sink cannot (plain sync)."""
+        return None
+
     async def fail(self, f: Failure) -> web.StreamResponse | None:
         """Tell the client the request failed; the sync modes return the response."""
 
@@ -136,7 +142,7 @@ S_RELEASED = "released"
 TRANSITIONS: dict[str, frozenset[str]] = {
     S_WAITING: frozenset((S_ATTEMPTING, S_RELEASED)),
     S_ATTEMPTING: frozenset((S_HELD, S_WAITING, S_EXPIRED, S_RELEASED)),
-    S_HELD: frozenset((S_DETACHED, S_EXPIRED, S_RELEASED)),
+    S_HELD: frozenset((S_WAITING, S_DETACHED, S_EXPIRED, S_RELEASED)),
     S_DETACHED: frozenset((S_EXPIRED, S_RELEASED)),
     S_EXPIRED: frozenset((S_RELEASED,)),
     S_RELEASED: frozenset(),
@@ -165,6 +171,7 @@ class LeaseScope:
         attempting ─▶ waiting      the node failed before any byte: re-queued
         attempting ─▶ expired      the deadline (plus the attempt's grace) passed
         attempting ─▶ released     the attempt raised (a bug, a cancel, out of retries)
+        held       ─▶ waiting      the node failed mid-stream: re-queued to continue it (``continue_elsewhere``)
         held       ─▶ detached     the lease outlives the handler (``hold``)
         held       ─▶ expired      the deadline passed while the answer was passed on
         held       ─▶ released     the scope ended: the slot is given back
@@ -357,6 +364,17 @@ class LeaseScope:
             self._rerouted = (lease.node, failure.reason)
             self._requeue(lease, lost=not failure.answered)
             lease = await self._wait()
+
+    def continue_elsewhere(self, reason: str) -> None:
+        """The node failed after its answer began (the verdict is given: ``node_failed`` with
+        ``mid_body``), and the answer is to go on on another node (a stream continued, docs/API.md
+        "Streams that survive their node"): back to the head of the queue, as a re-queue, which
+        it counts as; the next ``acquire`` runs the continuation."""
+        lease = self.lease
+        assert lease is not None and self.state == S_HELD
+        log.warning("⚡ [%s] %s — stream continued elsewhere (%s)", lease.node, reason, lease.route)
+        self._rerouted = (lease.node, reason)
+        self._requeue(lease, lost=True)
 
     async def _wait(self) -> Lease:
         t = self.ticket

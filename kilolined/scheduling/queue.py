@@ -75,6 +75,7 @@ class Ticket:
     body_held: bool = False  # counted in Scheduler.bodies now
     named_model: str | None = None  # the model its body names, for the bill (``model`` is set where it routes)
     tokens: tuple[int, int] = (0, 0)  # (prompt, completion) tokens its node reported, for the bill
+    continued: int = 0  # times its stream went on on another node after its node failed mid-answer
 
     def wake(self) -> None:
         if self.on_wake is not None:
