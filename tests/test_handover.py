@@ -30,6 +30,9 @@ class Recorder:
         self.events.append(f"{self.name} on {lease.node}")
         return "up"
 
+    def named_model(self, ex: Any) -> str | None:
+        return None
+
 
 async def run(rt: Any, ticket: Ticket, name: str, events: list[str]) -> None:
     await runner.run(rt, ticket, cast(Exchange, None), cast(Any, Recorder(name, events)), Quiet(), None, "r")
