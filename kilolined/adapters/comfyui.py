@@ -27,10 +27,11 @@ import orjson
 from aiohttp import web
 
 from kilolined.adapters.base import Adapter, HttpAttempt
-from kilolined.adapters.comfy_control import ComfyState, NodeActivity, RelayWatch, comfy_state, control
+from kilolined.adapters.comfy_control import ComfyState, NodeActivity, comfy_state, control
 from kilolined.adapters.comfy_monitor import NodeMonitor
 from kilolined.adapters.comfy_node import NodeAPI, NodeError, all_ids, find_entry, lease_api, on_queue, stop_prompt
 from kilolined.adapters.comfy_progress import Progress
+from kilolined.adapters.comfy_record import ABSENT, PromptOwners
 from kilolined.core.outcome import Cancelled, Failure, Result
 from kilolined.ops.runtime import Runtime
 from kilolined.scheduling.lease import LeaseScope, Sink
@@ -48,7 +49,7 @@ CONNECT_SEC = 10.0  # ws handshake; a node that cannot open a socket this fast i
 DRAIN_SEC = 1.5  # cancel: wait this long for the node to confirm the interrupt
 SUCCESS_GRACE_SEC = 2.0  # after execution_success, wait this long for the final `executing: null`
 POLL_SEC = 0.5  # job fallback when the socket dropped
-WATCH_SEC = 0.5  # a sync prompt's stall watch looks again this often (a relayed socket may open or close)
+WATCH_SEC = 0.5  # a sync prompt's stall watch looks again this often (the monitor may drop or come back)
 SYNC_POLL_SEC = 0.25  # sync hold while the node's monitor socket is down: the slot is freed this much late at worst
 MONITOR_FALLBACK_SEC = 2.0  # with the monitor up, look at history this often anyway (a missed frame)
 NODE_LOST = "node lost while running the prompt"
@@ -273,16 +274,6 @@ def _quiet_left(activity: NodeActivity | None, node: str, stall: float | None, n
     return max(0.001, (now if last is None else last) + stall - now)
 
 
-def _client_id(body: dict[str, Any] | None) -> tuple[bool, str | None]:
-    """(whether ComfyUI broadcasts the prompt's progress, the client id it sends it to otherwise).
-    An absent or null ``client_id`` broadcasts; any other value targets that socket alone (one
-    that is not a string, or empty, reaches no socket at all)."""
-    raw = body.get("client_id") if body is not None else None
-    if raw is None:
-        return True, None
-    return False, raw if isinstance(raw, str) and raw else None
-
-
 async def _runs(node: NodeAPI, prompt_id: str) -> bool:
     """The node says it is running the prompt now (not queued behind another, not ended)."""
     try:
@@ -298,25 +289,22 @@ def _prompt_number(data: dict[str, Any] | None) -> float | None:
 
 
 class SyncWatch:
-    """The stall watch of a sync-mode prompt (docs/CONFIG.md "Slow nodes"). Its progress frames go
-    to the client's own socket, so the gateway sees them only when ComfyUI broadcasts them (no
-    ``client_id``: the node's monitor socket hears them) or when that socket is relayed through
-    the gateway from this node. While it sees them, the node's activity (any frame from it,
-    ``NodeActivity``) is the clock; while it cannot, the silence does not count. Silent for
-    ``stall_sec`` while the node says the prompt runs (``GET /queue``): a stall."""
+    """The stall watch of a sync-mode prompt (docs/CONFIG.md "Slow nodes"). The prompt was sent
+    under the gateway's client id, so its progress frames reach the node's monitor socket. While
+    that socket is connected, the node's activity (any frame from it, ``NodeActivity``) is the
+    clock; while it is not, the silence does not count. Silent for ``stall_sec`` while the node
+    says the prompt runs (``GET /queue``): a stall."""
 
-    __slots__ = ("api", "broadcast", "client_id", "monitor", "node", "prompt_id", "stall", "state")
+    __slots__ = ("api", "monitor", "node", "prompt_id", "stall", "state")
 
     def __init__(self, state: ComfyState, node: str, api: NodeAPI, monitor: NodeMonitor, prompt_id: str,
-                 broadcast: bool, client_id: str | None, stall: float):
+                 stall: float):
         self.state, self.node, self.api, self.monitor = state, node, api, monitor
-        self.prompt_id, self.broadcast, self.client_id, self.stall = prompt_id, broadcast, client_id, stall
+        self.prompt_id, self.stall = prompt_id, stall
 
     def sees(self) -> bool:
         """Whether the prompt's progress frames reach the gateway now."""
-        if self.broadcast:
-            return self.monitor.connected
-        return self.client_id is not None and self.state.relayed(self.node, self.client_id)
+        return self.monitor.connected
 
     async def until(self, history: Coroutine[Any, Any, T], scope: LeaseScope) -> T:
         """Await ``history`` (the prompt's end); raise Failure on a stall, with the node's
@@ -363,13 +351,9 @@ class ComfyUIAdapter(Adapter):
 
     has_control = True
 
-    async def control(self, rt: Runtime, request: web.Request, route: str, path: str, subject: str,
+    async def control(self, rt: Runtime, request: web.Request, route: str, path: str, subject: str | None,
                       request_id: str) -> web.StreamResponse | None:
         return await control(rt, request, route, path, subject, request_id)
-
-    def relay_watch(self, rt: Runtime, node: str, request: web.Request) -> RelayWatch | None:
-        # A client's /ws through the gateway: the node's frames on it are a sync prompt's progress.
-        return RelayWatch(comfy_state(rt), node, request.query.get("clientId"))
 
     # --- one prompt, in every mode ------------------------------------------------------------
     async def serve(self, rt: Runtime, scope: LeaseScope, ex: Exchange, sink: Sink) -> None:
@@ -397,6 +381,7 @@ class ComfyUIAdapter(Adapter):
         assert lease is not None
         scope.done_with_node()
         await done.sub.ws.close()
+        comfy_state(rt).owners(lease.route).end(done.sub.prompt_id, done.entry)
         _check_status(done.entry)
         steps = progress.steps_ran()
         if steps > 0:
@@ -417,7 +402,18 @@ class ComfyUIAdapter(Adapter):
             await sub.ws.close()
 
     async def _serve_sync(self, rt: Runtime, scope: LeaseScope, ex: Exchange, sink: Sink) -> None:
-        """Pass the POST through as generic; the slot stays until the prompt is done on the node."""
+        """Pass the POST through as generic; the slot stays until the prompt is done on the node.
+
+        The node is sent the gateway's own client id (comfy_hub.py): the prompt's events reach
+        the node's monitor, and from there the client's socket on the gateway, whichever node
+        runs it; the client's own client_id is kept in the route's record."""
+        state = comfy_state(rt)
+        body = _json_object(ex.body_override if ex.body_override is not None else ex.body)
+        if body is None:
+            raise Failure("bad_request", "body must be a JSON object (ComfyUI API prompt)", 400)
+        given = body.get("client_id", ABSENT)
+        ex.body_override = orjson.dumps({**body, "client_id": state.hub_id})
+        await state.ready(scope.route)
         up = await scope.acquire(HttpAttempt(scope, ex))
         capture = bytearray()
         status = up.status
@@ -428,16 +424,17 @@ class ComfyUIAdapter(Adapter):
             return
         lease = scope.lease
         assert lease is not None
-        state = comfy_state(rt)
-        state.owners(lease.route).add(prompt_id, scope.ticket.key, lease.node)
+        number = _prompt_number(data)
+        owners = state.owners(lease.route)
+        owners.add(prompt_id, scope.ticket.key, lease.node, number, given)
+        state.hub.status(lease.node)  # the route's queue grew
         node = lease_api(rt, lease, ex.request_id)
-        monitor, number = state.monitor(lease.node), _prompt_number(data)
+        monitor = state.monitor(lease.node)
         # Past request_timeout_sec (or on a stall) the prompt is interrupted before the slot is freed.
         scope.on_abort(lambda: self._stop_sync(node, monitor, prompt_id, number))
         slow = lease.target.node.slow
-        watch = SyncWatch(state, lease.node, node, monitor, prompt_id, *_client_id(_json_object(ex.body)),
-                          slow.stall_sec) if slow is not None else None
-        scope.hold(self._hold(scope, node, monitor, prompt_id, number, watch))
+        watch = SyncWatch(state, lease.node, node, monitor, prompt_id, slow.stall_sec) if slow is not None else None
+        scope.hold(self._hold(scope, node, monitor, prompt_id, number, watch, owners))
 
     @staticmethod
     async def _stop_sync(node: NodeAPI, monitor: NodeMonitor, prompt_id: str, number: float | None) -> None:
@@ -449,16 +446,16 @@ class ComfyUIAdapter(Adapter):
                     await wait_history(node, prompt_id, number, SYNC_POLL_SEC, monitor)
 
     async def _hold(self, scope: LeaseScope, node: NodeAPI, monitor: NodeMonitor, prompt_id: str,
-                    number: float | None, watch: SyncWatch | None) -> None:
+                    number: float | None, watch: SyncWatch | None, owners: PromptOwners) -> None:
         history = wait_history(node, prompt_id, number, SYNC_POLL_SEC, monitor)
+        entry = None
         try:
-            if watch is None:
-                await history
-            else:
-                await watch.until(history, scope)
+            entry = await (history if watch is None else watch.until(history, scope))
         except (NodeError, PromptLost) as e:
             log.warning("[%s] lost track of a prompt (%s): slot freed", scope.lease.node if scope.lease else "?",
                         e.reason)
+        finally:
+            owners.end(prompt_id, entry)
         scope.done_with_node()
 
     def _attempt(self, rt: Runtime, ex: Exchange, body: dict[str, Any], scope: LeaseScope,
@@ -469,32 +466,41 @@ class ComfyUIAdapter(Adapter):
             progress.attempt()
             sub = await self._submit(rt, lease, ex, body, scope)
             state = comfy_state(rt)
-            state.owners(lease.route).add(sub.prompt_id, scope.ticket.key, lease.node)
+            owners = state.owners(lease.route)
+            owners.add(sub.prompt_id, scope.ticket.key, lease.node, sub.number, body.get("client_id", ABSENT))
             # Timeout, cancel or error from here on: stop the prompt, and keep the slot until the
             # GPU has really stopped (interrupts land between steps); the scope runs this first.
             scope.on_abort(lambda: self._stop(sub, sink))
             try:
-                async with asyncio.timeout_at(sub.deadline):
-                    await self._watch(sink, sub, progress, activity=state.activity, node=lease.node)
-                    entry = await wait_history(sub.node, sub.prompt_id, sub.number, POLL_SEC,
-                                               state.monitor(lease.node), look_first=True)
-            except PromptStalled as e:
-                await self._stalled(scope, sub, sink, e.reason)
-            except TimeoutError:
-                raise Failure.upstream(f"node {lease.node} did not finish within {sub.timeout:g}s", True) from None
-            except (NodeError, PromptLost) as e:
-                log.warning("[%s] %s: %s", lease.node, NODE_LOST, e.reason)
-                if sub.output_seen:
-                    scope.node_failed(e.reason, mid_body=True)
-                    raise Failure.mid_response(lease.node, f"{NODE_LOST} (after its first output)") from None
-                scope.done_with_node()  # nothing left there to stop
-                await sub.ws.close()
-                # A node that answered without the prompt restarted and is back; one that does
-                # not answer is lost, and gets the prompt again only once seen alive.
-                raise UpstreamFailed(NODE_LOST, answered=isinstance(e, PromptLost)) from None
-            return Finished(sub, entry)
+                return await self._follow_to_end(state, lease, scope, sub, sink, progress)
+            except BaseException:
+                owners.end(sub.prompt_id, None)  # no entry: it failed, was stopped or moves on
+                raise
 
         return attempt
+
+    async def _follow_to_end(self, state: ComfyState, lease: Lease, scope: LeaseScope, sub: Submitted, sink: Sink,
+                             progress: Progress) -> Finished:
+        try:
+            async with asyncio.timeout_at(sub.deadline):
+                await self._watch(sink, sub, progress, activity=state.activity, node=lease.node)
+                entry = await wait_history(sub.node, sub.prompt_id, sub.number, POLL_SEC,
+                                           state.monitor(lease.node), look_first=True)
+        except PromptStalled as e:
+            await self._stalled(scope, sub, sink, e.reason)
+        except TimeoutError:
+            raise Failure.upstream(f"node {lease.node} did not finish within {sub.timeout:g}s", True) from None
+        except (NodeError, PromptLost) as e:
+            log.warning("[%s] %s: %s", lease.node, NODE_LOST, e.reason)
+            if sub.output_seen:
+                scope.node_failed(e.reason, mid_body=True)
+                raise Failure.mid_response(lease.node, f"{NODE_LOST} (after its first output)") from None
+            scope.done_with_node()  # nothing left there to stop
+            await sub.ws.close()
+            # A node that answered without the prompt restarted and is back; one that does
+            # not answer is lost, and gets the prompt again only once seen alive.
+            raise UpstreamFailed(NODE_LOST, answered=isinstance(e, PromptLost)) from None
+        return Finished(sub, entry)
 
     async def _stalled(self, scope: LeaseScope, sub: Submitted, sink: Sink, reason: str) -> None:
         """The node stopped moving on our prompt: interrupt it, then re-queue the request (the

@@ -41,41 +41,19 @@ NOTIFY_EVENTS: tuple[NotifyEvent, ...] = get_args(NotifyEvent)
 
 # Paths that are list/status/static endpoints per kind: forwarded without a slot (docs/API.md#route-kinds).
 DEFAULT_UNQUEUED: dict[str, list[str]] = {
-    "comfyui": [
-        "/system_stats",
-        "/history*",
-        "/view*",
-        "/object_info*",
-        "/embeddings",
-        "/extensions",
-        "GET /queue",
-        "GET /prompt",
-        "/ws",
-        # Not GPU work either (measured on ComfyUI 0.19): the frontend's feature probe, uploads
-        # (every LoadImage workflow uploads first), user files, internals, the jobs list.
-        "/features",
-        "/upload/*",
-        "/userdata*",
-        "/internal/*",
-        "/api/system_stats",
-        "/api/history*",
-        "/api/view*",
-        "/api/object_info*",
-        "/api/embeddings",
-        "/api/extensions",
-        "GET /api/queue",
-        "GET /api/prompt",
-        "/api/ws",
-        "/api/features",
-        "/api/upload/*",
-        "/api/userdata*",
-        "/api/internal/*",
-        "GET /api/jobs*",
-    ],
+    # Only a prompt is GPU work (GPU_WORK below): the web UI's files and its metadata, history,
+    # files, uploads, user data and the socket are answered at once, whatever renders.
+    "comfyui": ["*"],
     # Model lists and health: never GPU work (the SDK's models.retrieve is /v1/models/{id}); the
     # /models forms are what a route with strip_path: true sees.
     "openai": ["/v1/models", "/v1/models/*", "/health", "/v1/health", "/models", "/models/*"],
     "generic": [],
+}
+
+# Requests that take a slot whatever a route's unqueued_paths say: on a comfyui route a prompt is
+# the GPU's work, and a glob that matched it would let it skip the queue and every limit.
+GPU_WORK: dict[str, frozenset[tuple[str, str]]] = {
+    "comfyui": frozenset({("POST", "/prompt"), ("POST", "/api/prompt")}),
 }
 
 DISCOVER = "discover"  # nodes.*.models: ask the node's GET /v1/models
@@ -361,6 +339,13 @@ class MatchConfig(_Model):
         return None if v is None else [m.upper() for m in v]
 
 
+class ComfyConfig(_Model):
+    """``routes.<r>.comfy``: one ComfyUI over the route's nodes (docs/API.md "ComfyUI over several GPUs")."""
+
+    #: one tenant: every key sees, hears and stops every prompt of the route (one app backend)
+    shared: bool = False
+
+
 class RouteConfig(_Model):
     path: str
     kind: Literal["generic", "comfyui", "openai"] = "generic"
@@ -389,6 +374,7 @@ class RouteConfig(_Model):
     affinity: Literal["off", "prefix", "session"] = "off"
     #: the unit the prefix index counts in: bytes of canonical prompt text per key
     affinity_block_bytes: Annotated[int, Field(ge=16, le=65536)] = 256
+    comfy: ComfyConfig = ComfyConfig()
 
     @field_validator("affinity", mode="before")
     @classmethod

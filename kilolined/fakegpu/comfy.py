@@ -33,7 +33,7 @@ from urllib.parse import urlsplit
 
 from aiohttp import WSMsgType, web
 
-from kilolined.fakegpu import comfy_jobs
+from kilolined.core import comfy_jobs
 from kilolined.fakegpu.base import GIB, Job, is_int
 from kilolined.fakegpu.card import Backend
 from kilolined.fakegpu.comfy_graph import (
@@ -610,32 +610,19 @@ class ComfyBackend(Backend):
 
     # ----------------------------------------------------------------- the jobs API (/api/jobs)
 
-    def _jobs(self) -> list[dict[str, Any]]:
-        return ([comfy_jobs.from_queue(p.queue_item(), comfy_jobs.IN_PROGRESS) for p in self.running]
-                + [comfy_jobs.from_queue(p.queue_item(), comfy_jobs.PENDING) for p in self.pending]
-                + [comfy_jobs.from_history(pid, entry) for pid, entry in self.history.items()])
+    def _queues(self) -> tuple[list[list[Any]], list[list[Any]]]:
+        pending = sorted(self.pending, key=lambda p: (p.number, p.seq))
+        return [p.queue_item() for p in self.running], [p.queue_item() for p in pending]
 
     async def list_jobs(self, request: web.Request) -> web.Response:
-        query = request.query
-        wanted = {s for s in query.get("status", "").split(",") if s} or set(comfy_jobs.STATUSES)
-        try:
-            offset = max(int(query.get("offset", "0")), 0)
-            limit = int(query["limit"]) if "limit" in query else None
-        except ValueError:
-            return web.json_response({"error": "limit and offset must be integers"}, status=400)
-        jobs = [job for job in self._jobs() if job["status"] in wanted]
-        jobs.sort(key=lambda job: job.get("create_time") or 0, reverse=query.get("sort_order", "desc") != "asc")
-        return web.json_response(comfy_jobs.page(jobs, offset, limit))
+        running, pending = self._queues()
+        status, body = comfy_jobs.listing(running, pending, list(self.history.items()), request.query)
+        return web.json_response(body, status=status)
 
     async def get_job(self, request: web.Request) -> web.Response:
-        job_id = request.match_info["job_id"]
-        for prompt, status in [*((p, comfy_jobs.IN_PROGRESS) for p in self.running),
-                               *((p, comfy_jobs.PENDING) for p in self.pending)]:
-            if prompt.prompt_id == job_id:
-                return web.json_response(comfy_jobs.from_queue(prompt.queue_item(), status))
-        if job_id in self.history:
-            return web.json_response(comfy_jobs.from_history(job_id, self.history[job_id], include_outputs=True))
-        return web.json_response({"error": "Job not found"}, status=404)
+        job = comfy_jobs.find(request.match_info["job_id"], *self._queues(), self.history)
+        return web.json_response(job if job is not None else {"error": "Job not found"},
+                                 status=200 if job is not None else 404)
 
     def _cancel(self, job_id: Any) -> bool:
         running = [p for p in self.running if p.prompt_id == job_id]

@@ -20,6 +20,7 @@ import orjson
 from aiohttp import web
 from multidict import CIMultiDict
 
+from kilolined.wire.redirects import keep_prefix
 from kilolined.wire.upstream import ConnectFailed, NodePool, Stalled, UpstreamResponse
 
 HOP_BY_HOP = frozenset(
@@ -242,9 +243,12 @@ def response_headers(up: Upstream, node_url: str, route_path: str) -> CIMultiDic
                 for t in v.split(","):  # a loop, not a generator: one token per node answer, mostly
                     listed.add(t.strip().lower())
             continue
-        if lk in ("location", "content-location") and v.startswith(node_url):
-            # Redirects must not reveal the node: point them back through the route.
-            v = route_path.rstrip("/") + (v[len(node_url) :] or "/")
+        if lk in ("location", "content-location"):
+            if v.startswith(node_url):
+                # Redirects must not reveal the node: point them back through the route.
+                v = route_path.rstrip("/") + (v[len(node_url) :] or "/")
+            else:
+                v = keep_prefix(v, route_path)
         out.add(k, v)
     for name in listed - STRIP_RESPONSE:  # "Connection: keep-alive" (most nodes): nothing more to drop
         out.popall(name, None)

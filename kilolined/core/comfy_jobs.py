@@ -7,6 +7,7 @@ one adds its execution times, the error and a preview; `None` fields are left ou
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 PENDING, IN_PROGRESS, COMPLETED, FAILED, CANCELLED = "pending", "in_progress", "completed", "failed", "cancelled"
@@ -85,3 +86,58 @@ def page(jobs: list[dict[str, Any]], offset: int, limit: int | None) -> dict[str
     chosen = jobs[offset:] if limit is None else jobs[offset:offset + limit]
     return {"jobs": chosen, "pagination": {"offset": offset, "limit": limit, "total": len(jobs),
                                            "has_more": offset + len(chosen) < len(jobs)}}
+
+
+def listing(running: list[list[Any]], pending: list[list[Any]], history: list[tuple[str, dict[str, Any]]],
+            query: Mapping[str, str]) -> tuple[int, dict[str, Any]]:
+    """``GET /api/jobs`` over queue items and history entries: (HTTP status, body), with ComfyUI's
+    filters (``status``, ``workflow_id``), sorting (``sort_by`` created_at|execution_duration,
+    ``sort_order``) and paging (``limit``, ``offset``), and its 400s for bad values."""
+    wanted = [s.strip().lower() for s in query.get("status", "").split(",") if s.strip()] or list(STATUSES)
+    bad = [s for s in wanted if s not in STATUSES]
+    if bad:
+        return 400, {"error": f"Invalid status value(s): {', '.join(bad)}. Valid values: {', '.join(STATUSES)}"}
+    sort_by, order = query.get("sort_by", "created_at").lower(), query.get("sort_order", "desc").lower()
+    if sort_by not in ("created_at", "execution_duration"):
+        return 400, {"error": "sort_by must be 'created_at' or 'execution_duration'"}
+    if order not in ("asc", "desc"):
+        return 400, {"error": "sort_order must be 'asc' or 'desc'"}
+    limit = None
+    if "limit" in query:
+        try:
+            limit = int(query["limit"])
+        except ValueError:
+            return 400, {"error": "limit must be an integer"}
+        if limit <= 0:
+            return 400, {"error": "limit must be a positive integer"}
+    try:
+        offset = max(int(query.get("offset", "0")), 0)
+    except ValueError:
+        return 400, {"error": "offset must be an integer"}
+    jobs = ([from_queue(item, IN_PROGRESS) for item in running] if IN_PROGRESS in wanted else []) \
+        + ([from_queue(item, PENDING) for item in pending] if PENDING in wanted else [])
+    jobs += [job for pid, entry in history if (job := from_history(pid, entry))["status"] in wanted]
+    workflow = query.get("workflow_id")
+    if workflow:
+        jobs = [job for job in jobs if job.get("workflow_id") == workflow]
+
+    def key(job: dict[str, Any]) -> float:
+        if sort_by == "execution_duration":
+            start, end = job.get("execution_start_time", 0), job.get("execution_end_time", 0)
+            return float(end - start) if end and start else 0.0
+        return float(job.get("create_time", 0))
+
+    jobs.sort(key=key, reverse=order == "desc")
+    return 200, page(jobs, offset, limit)
+
+
+def find(job_id: str, running: list[list[Any]], pending: list[list[Any]],
+         history: Mapping[str, dict[str, Any]]) -> dict[str, Any] | None:
+    """``GET /api/jobs/{id}``: a finished job (with its outputs) first, then a running or queued one."""
+    if job_id in history:
+        return from_history(job_id, history[job_id], include_outputs=True)
+    for items, status in ((running, IN_PROGRESS), (pending, PENDING)):
+        for item in items:
+            if len(item) > 1 and item[1] == job_id:
+                return from_queue(item, status)
+    return None
