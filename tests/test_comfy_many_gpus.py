@@ -365,3 +365,21 @@ async def test_a_nodes_root_relative_redirect_keeps_the_prefix(redirector: str, 
         async with http.request(method, gw.url + "/gen/old", headers=auth(), allow_redirects=False) as r:
             assert r.status == 302, (method, await r.text())
             assert r.headers["Location"] == "/gen/login?next=/x" and r.headers["Content-Location"] == "/gen/here"
+
+
+async def test_a_failed_prompt_reaches_its_client_without_the_nodes_traceback(
+        fakegpus: Any, gateway: Any, http: aiohttp.ClientSession) -> None:
+    _, _, gw = await two_nodes(fakegpus, gateway)
+    failing = graph(3, 1)
+    failing["8"] = {"class_type": "FailNode", "inputs": {"message": "sampler exploded", "x": ["3", 0]}}
+    async with http.ws_connect(gw.url + "/gen/ws?clientId=mine", headers=auth()) as ws:
+        await ws.receive_json(timeout=5)
+        pid = (await post(http, gw, {"prompt": failing, "client_id": "mine"}))["prompt_id"]
+        frames = await hear(ws, {pid})
+    error = next(d for k, d in frames if k == "execution_error")
+    assert error["exception_message"] == "sampler exploded\n" and "traceback" not in error
+    entry = (await get(http, gw, f"/history/{pid}", auth()))[pid]
+    assert entry["status"]["status_str"] == "error"
+    assert [m for m in entry["status"]["messages"] if m[0] == "execution_error"][0][1] == error
+    job = await get(http, gw, f"/api/jobs/{pid}", auth())
+    assert job["status"] == "failed" and "traceback" not in job["execution_error"]

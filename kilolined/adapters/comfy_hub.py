@@ -30,7 +30,7 @@ import aiohttp
 import orjson
 from aiohttp import web
 
-from kilolined.adapters.comfy_record import PromptOwners, Viewer
+from kilolined.adapters.comfy_record import PromptOwners, Viewer, without_traceback
 
 log = logging.getLogger("kilolined")
 
@@ -210,6 +210,8 @@ class Hub:
             del self.current[node]
         if found is None:
             return None
+        if kind == "execution_error" and "traceback" in data:
+            raw = orjson.dumps({"type": kind, "data": without_traceback(data)}).decode()
         self._deliver(found, raw)
         return pid
 

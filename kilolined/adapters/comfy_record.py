@@ -127,6 +127,21 @@ def as_given(item: list[Any], p: Prompt) -> list[Any]:
     return out
 
 
-def entry_as_given(entry: dict[str, Any], p: Prompt) -> dict[str, Any]:
+def without_traceback(data: dict[str, Any]) -> dict[str, Any]:
+    """An ``execution_error`` without the node's traceback: its frames name the node's files and
+    code, which clients have no use for (the message and the failing node stay)."""
+    return {k: v for k, v in data.items() if k != "traceback"}
+
+
+def entry_as_given(entry: dict[str, Any], p: Prompt | None) -> dict[str, Any]:
+    """A history entry as the client knows its prompt (``p``, when it is in the record), without
+    tracebacks."""
     item = entry.get("prompt")
-    return {**entry, "prompt": as_given(item, p)} if isinstance(item, list) else entry
+    out = {**entry, "prompt": as_given(item, p)} if isinstance(item, list) and p is not None else dict(entry)
+    status = entry.get("status")
+    messages = status.get("messages") if isinstance(status, dict) else None
+    if isinstance(status, dict) and isinstance(messages, list):
+        out["status"] = {**status, "messages": [
+            [m[0], without_traceback(m[1])] if isinstance(m, list) and len(m) == 2 and isinstance(m[1], dict) else m
+            for m in messages]}
+    return out

@@ -31,7 +31,7 @@ from kilolined.adapters.comfy_control import ComfyState, NodeActivity, comfy_sta
 from kilolined.adapters.comfy_monitor import NodeMonitor
 from kilolined.adapters.comfy_node import NodeAPI, NodeError, all_ids, find_entry, lease_api, on_queue, stop_prompt
 from kilolined.adapters.comfy_progress import Progress
-from kilolined.adapters.comfy_record import ABSENT, PromptOwners
+from kilolined.adapters.comfy_record import ABSENT, PromptOwners, entry_as_given, without_traceback
 from kilolined.core.outcome import Cancelled, Failure, Result
 from kilolined.ops.runtime import Runtime
 from kilolined.scheduling.lease import LeaseScope, Sink
@@ -172,29 +172,13 @@ def _number(v: Any) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
-def _clean(data: dict[str, Any]) -> dict[str, Any]:
-    """An execution_error without the node's traceback: its frames name the node's files and
-    code, which clients have no use for (the message and the failing node stay)."""
-    return {k: v for k, v in data.items() if k != "traceback"}
-
-
-def _clean_entry(entry: dict[str, Any]) -> dict[str, Any]:
-    status = entry.get("status")
-    if not isinstance(status, dict):
-        return entry
-    messages = status.get("messages")
-    if not isinstance(messages, list):
-        return entry
-    clean = [[m[0], _clean(m[1])] if isinstance(m, list) and len(m) == 2 and isinstance(m[1], dict) else m
-             for m in messages]
-    return {**entry, "status": {**status, "messages": clean}}
 
 
 def _execution_failed(data: dict[str, Any]) -> Failure:
     message = data.get("exception_message")
     if not isinstance(message, str) or not message:
         message = f"{data.get('node_type') or 'a node'} failed on the node"
-    body = orjson.dumps({"type": "execution_error", "data": _clean(data)})
+    body = orjson.dumps({"type": "execution_error", "data": without_traceback(data)})
     return Failure("upstream_error", message.strip()[:2000], 500, body, "application/json")
 
 
@@ -210,7 +194,7 @@ def _check_status(entry: dict[str, Any]) -> None:
                 raise Cancelled("interrupted on the node")
             if m[0] == "execution_error":
                 raise _execution_failed(m[1])
-    raise Failure("upstream_error", "the prompt failed on the node", 500, orjson.dumps(_clean_entry(entry)),
+    raise Failure("upstream_error", "the prompt failed on the node", 500, orjson.dumps(entry_as_given(entry, None)),
                   "application/json")
 
 
