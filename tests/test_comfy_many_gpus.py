@@ -380,6 +380,6 @@ async def test_a_failed_prompt_reaches_its_client_without_the_nodes_traceback(
     assert error["exception_message"] == "sampler exploded\n" and "traceback" not in error
     entry = (await get(http, gw, f"/history/{pid}", auth()))[pid]
     assert entry["status"]["status_str"] == "error"
-    assert [m for m in entry["status"]["messages"] if m[0] == "execution_error"][0][1] == error
+    assert next(m for m in entry["status"]["messages"] if m[0] == "execution_error")[1] == error
     job = await get(http, gw, f"/api/jobs/{pid}", auth())
     assert job["status"] == "failed" and "traceback" not in job["execution_error"]

@@ -1,8 +1,9 @@
 """ComfyUI's `/api/jobs` records, built from queue items and history entries (no I/O).
 
-The shapes follow ComfyUI's own normalisation: a queued or running prompt is
-`{id, status, priority, create_time, outputs_count: 0, previewable_outputs_count: 0}`, a finished
-one adds its execution times, the error and a preview; `None` fields are left out.
+The shapes follow ComfyUI 0.19's own normalisation (tests/test_comfy_real_shapes.py runs its code
+on the same records): a queued or running prompt is `{id, status, priority, create_time,
+outputs_count: 0}`, a finished one adds its execution times, the error and a preview; `None`
+fields are left out.
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ from typing import Any
 PENDING, IN_PROGRESS, COMPLETED, FAILED, CANCELLED = "pending", "in_progress", "completed", "failed", "cancelled"
 STATUSES = (PENDING, IN_PROGRESS, COMPLETED, FAILED, CANCELLED)
 PREVIEWABLE = frozenset({"images", "video", "audio", "3d", "text"})
+THREE_D = (".obj", ".fbx", ".gltf", ".glb", ".usdz")  # 3D files: previewable whatever their media type
+TEXT_PREVIEW_MAX = 1024
 
 
 def _pruned(record: dict[str, Any]) -> dict[str, Any]:
@@ -31,28 +34,73 @@ def from_queue(item: list[Any], status: str) -> dict[str, Any]:
     number, prompt_id, _, extra_data, _ = item
     return _pruned({"id": prompt_id, "status": status, "priority": number,
                     "create_time": extra_data.get("create_time"), "outputs_count": 0,
-                    "previewable_outputs_count": 0, "workflow_id": _workflow_id(extra_data)})
+                    "workflow_id": _workflow_id(extra_data)})
 
 
-def _outputs_summary(outputs: dict[str, Any]) -> tuple[int, int, dict[str, Any] | None]:
-    count = previewable = 0
+def _three_d(name: Any) -> bool:
+    return isinstance(name, str) and name.lower().endswith(THREE_D)
+
+
+def _previewable(media_type: str, item: dict[str, Any]) -> bool:
+    fmt = item.get("format") or ""
+    return media_type in PREVIEWABLE or (isinstance(fmt, str) and fmt.startswith(("video/", "audio/"))) \
+        or _three_d(item.get("filename") or "")
+
+
+def _as_file(item: Any) -> dict[str, Any] | None:
+    """An output list item as a file dict: dicts as they are, a 3D file's bare name made one."""
+    if isinstance(item, dict):
+        return item
+    if _three_d(item):
+        return {"filename": item, "type": "output", "subfolder": "", "mediaType": "3d"}
+    return None
+
+
+def _outputs_summary(outputs: dict[str, Any]) -> tuple[int, dict[str, Any] | None]:
+    """(how many outputs, the one the UI previews): the first previewable output of type
+    ``output``, else the first previewable one (a text output's first words included)."""
+    count = 0
     preview: dict[str, Any] | None = None
     fallback: dict[str, Any] | None = None
     for node_id, node_outputs in outputs.items():
         for media_type, items in node_outputs.items() if isinstance(node_outputs, dict) else ():
-            for item in items if isinstance(items, list) else ():
-                if not isinstance(item, dict):
+            if media_type == "animated" or not isinstance(items, list):
+                continue
+            for raw in items:
+                item = _as_file(raw)
+                if item is None:
+                    if media_type == "text":  # a text output: counted, and a preview of last resort
+                        count += 1
+                        if preview is None and fallback is None:
+                            text = (raw[0] if raw else "") if isinstance(raw, tuple) else str(raw)
+                            cut = {"content": text[:TEXT_PREVIEW_MAX]}
+                            if len(text) > TEXT_PREVIEW_MAX:
+                                cut["truncated"] = True
+                            fallback = {**cut, "nodeId": node_id, "mediaType": media_type}
                     continue
                 count += 1
-                if media_type not in PREVIEWABLE:
+                if preview is not None or not _previewable(media_type, item):
                     continue
-                previewable += 1
-                enriched = {**item, "nodeId": node_id, "mediaType": media_type}
-                if item.get("type") == "output" and preview is None:
+                enriched = {**item, "nodeId": node_id}
+                enriched.setdefault("mediaType", media_type)
+                if item.get("type") == "output":
                     preview = enriched
                 elif fallback is None:
                     fallback = enriched
-    return count, previewable, preview or fallback
+    return count, preview or fallback
+
+
+def _outputs(outputs: dict[str, Any]) -> dict[str, Any]:
+    """A job's ``outputs``: None items left out, a 3D file's bare name made a file dict."""
+    out: dict[str, Any] = {}
+    for node_id, node_outputs in outputs.items():
+        if not isinstance(node_outputs, dict):
+            out[node_id] = node_outputs
+            continue
+        out[node_id] = {media: items if media == "animated" or not isinstance(items, list)
+                        else [_as_file(i) or i for i in items if i is not None]
+                        for media, items in node_outputs.items()}
+    return out
 
 
 def from_history(prompt_id: str, entry: dict[str, Any], include_outputs: bool = False) -> dict[str, Any]:
@@ -61,7 +109,10 @@ def from_history(prompt_id: str, entry: dict[str, Any], include_outputs: bool = 
     status_info = entry.get("status") or {}
     started = ended = error = None
     interrupted = False
-    for event, data in status_info.get("messages", []):
+    for message in status_info.get("messages", []):
+        if not (isinstance(message, (list, tuple)) and len(message) >= 2 and isinstance(message[1], dict)):
+            continue
+        event, data = message[0], message[1]
         if event == "execution_start":
             started = data.get("timestamp")
         elif event in ("execution_success", "execution_error", "execution_interrupted"):
@@ -69,13 +120,13 @@ def from_history(prompt_id: str, entry: dict[str, Any], include_outputs: bool = 
             error = data if event == "execution_error" else error
             interrupted = interrupted or event == "execution_interrupted"
     status = (CANCELLED if interrupted else FAILED) if status_info.get("status_str") == "error" else COMPLETED
-    count, previewable, preview = _outputs_summary(entry.get("outputs", {}))
+    outputs = entry.get("outputs", {})
+    count, preview = _outputs_summary(outputs)
     job = _pruned({"id": prompt_id, "status": status, "priority": number, "create_time": extra_data.get("create_time"),
                    "execution_start_time": started, "execution_end_time": ended, "execution_error": error,
-                   "outputs_count": count, "previewable_outputs_count": previewable, "preview_output": preview,
-                   "workflow_id": _workflow_id(extra_data)})
+                   "outputs_count": count, "preview_output": preview, "workflow_id": _workflow_id(extra_data)})
     if include_outputs:
-        job["outputs"] = entry.get("outputs", {})
+        job["outputs"] = _outputs(outputs)
         job["execution_status"] = status_info
         job["workflow"] = {"prompt": graph, "extra_data": extra_data}
     return job
