@@ -111,7 +111,7 @@ class ComfyState:
         return EVERYONE if subject is None or (rcfg is not None and rcfg.comfy.shared) else Viewer(subject)
 
     async def ready(self, route: str) -> None:
-        """Start the monitors of the route's live nodes and wait (briefly) until they listen: a
+        """Start the monitors of the route's nodes and wait (briefly, once) until they listen: a
         prompt sent before its node's monitor listens would have its first events lost."""
         rq = self.rt.scheduler.routes.get(route)
         if rq is None:
@@ -120,7 +120,9 @@ class ComfyState:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + MONITOR_WAIT_SEC
         for mon in mons:
-            while not mon.connected and mon.running and loop.time() < deadline:
+            # Only a monitor's first attempt is waited for: a node whose socket fails costs no
+            # prompt a wait (its events are lost until the monitor connects again).
+            while not mon.tried and mon.running and loop.time() < deadline:
                 await mon.changed(mon.version, deadline - loop.time())
 
     def monitor(self, node: str) -> NodeMonitor:

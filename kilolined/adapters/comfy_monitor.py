@@ -54,7 +54,7 @@ class NodeMonitor:
     between the look and the wait, because the version is read first."""
 
     __slots__ = ("_alive", "_connect", "_heard", "_on_frame", "_waiters", "client_id", "connected", "name", "task",
-                 "version")
+                 "tried", "version")
 
     def __init__(self, name: str, connect: Connect, alive: Callable[[], bool],
                  heard: Callable[[], None] | None = None, client_id: str | None = None,
@@ -68,6 +68,7 @@ class NodeMonitor:
         self._on_frame = on_frame  # hears every frame first (comfy_hub.py: the clients' sockets)
         self.version = 0
         self.connected = False
+        self.tried = False  # its first connection attempt has ended (in a socket or a failure)
         self._waiters: set[asyncio.Future[None]] = set()
         self.task: asyncio.Task[Any] | None = None
 
@@ -108,6 +109,9 @@ class NodeMonitor:
                 raise
             except Exception as e:  # refused, handshake, timeout: the node is down or restarting
                 log.debug("[%s] monitor socket: %s", self.name, type(e).__name__)
+                if not self.tried:
+                    self.tried = True
+                    self._bump()  # whoever waits for the first attempt stops waiting
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, BACKOFF_MAX_SEC)
                 continue
@@ -117,7 +121,7 @@ class NodeMonitor:
             except (ConnectionError, RuntimeError):
                 await ws.close()
                 continue
-            self.connected = True
+            self.connected = self.tried = True
             self._bump()  # whatever happened while we were away: look again
             try:
                 await self._follow(ws)
