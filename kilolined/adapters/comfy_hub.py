@@ -22,6 +22,7 @@ import contextlib
 import logging
 import struct
 import uuid
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -30,7 +31,7 @@ import aiohttp
 import orjson
 from aiohttp import web
 
-from kilolined.adapters.comfy_record import PromptOwners, Viewer, without_traceback
+from kilolined.adapters.comfy_record import EVERYONE, PromptOwners, Viewer, without_traceback
 
 log = logging.getLogger("kilolined")
 
@@ -173,10 +174,17 @@ class Hub:
 
     # --- the node side ---------------------------------------------------------------------------
     def status(self, node: str) -> None:
-        """The node's queue moved: every client of its routes hears its own count."""
+        """The node's queue moved: every client of its routes hears its own count (one pass over
+        the route's record, not one per client)."""
         for route in self._routes_of(node):
-            for client in self.clients.get(route, ()):
-                client.send(status_frame(self.remaining(route, client.viewer)))
+            clients = self.clients.get(route)
+            if not clients:
+                continue
+            waiting = Counter(p.subject for p in self._owners(route).waiting(EVERYONE).values())
+            total = sum(waiting.values())
+            for client in clients:
+                subject = client.viewer.subject
+                client.send(status_frame(total if subject is None else waiting[subject]))
 
     def routes_of_prompt(self, node: str, prompt_id: str) -> list[str]:
         return [r for r in self._routes_of(node)
