@@ -383,3 +383,26 @@ async def test_a_failed_prompt_reaches_its_client_without_the_nodes_traceback(
     assert next(m for m in entry["status"]["messages"] if m[0] == "execution_error")[1] == error
     job = await get(http, gw, f"/api/jobs/{pid}", auth())
     assert job["status"] == "failed" and "traceback" not in job["execution_error"]
+
+
+async def test_clearing_the_history_forgets_only_your_own(fakegpus: Any, gateway: Any,
+                                                          http: aiohttp.ClientSession) -> None:
+    a, b, gw = await two_nodes(fakegpus, gateway)
+    mine = (await post(http, gw, {"prompt": graph(2, 1)}, who="alice"))["prompt_id"]
+    theirs = (await post(http, gw, {"prompt": graph(2, 2)}, who="bob"))["prompt_id"]
+
+    async def both_ended() -> bool:
+        return mine in await get(http, gw, "/history", auth("alice")) and \
+            theirs in await get(http, gw, "/history", auth("bob"))
+
+    await wait_until(both_ended)
+    for body in ({"clear": True}, {"delete": [mine]}):  # bob clears, then deletes alice's prompt
+        async with http.post(gw.url + "/gen/api/history", json=body, headers=auth("bob")) as r:
+            assert r.status == 200
+    assert await get(http, gw, "/history", auth("bob")) == {}
+    assert list(await get(http, gw, "/history", auth("alice"))) == [mine]
+    node = a if node_of(gw, mine) == "a" else b
+    assert mine in node.backend.history  # no node was told to clear
+    async with http.post(gw.url + "/gen/history", json={"delete": [mine]}, headers=auth("alice")) as r:
+        assert r.status == 200
+    assert await get(http, gw, "/history", auth("alice")) == {} and mine not in node.backend.history

@@ -1,11 +1,11 @@
 """ComfyUI's control endpoints behind the gateway: answered at once, and only for your own prompts.
 
-``POST /interrupt``, ``POST /queue`` (``delete``, ``clear``) and ``POST /api/jobs/{id}/cancel``
-are not GPU work: queued, they would arrive after the prompt they mean to stop. And on a shared
-node they act on everybody's prompts (``/interrupt {}`` stops whatever runs, ``clear`` empties
-the whole queue). Behind the gateway they act only on prompts that the same key submitted
-through it: the route keeps a bounded record of prompt_id → (key, node), written when a node
-accepts a prompt. A request about someone else's prompt gets ComfyUI's own answer for a prompt
+``POST /interrupt``, ``POST /queue`` (``delete``, ``clear``), ``POST /history`` (``delete``,
+``clear``) and ``POST /api/jobs/{id}/cancel`` are not GPU work: queued, they would arrive after
+the prompt they mean to stop. And on a shared node they act on everybody's prompts
+(``/interrupt {}`` stops whatever runs, ``clear`` empties the whole queue). Behind the gateway
+they act only on prompts that the same key submitted through it, as the route's record
+(comfy_record.py) has them. A request about someone else's prompt gets ComfyUI's own answer for a prompt
 that is not there (200, nothing done), so prompt ids of other keys cannot be probed. The admin
 key acts on every prompt, and so does every key of a ``comfy.shared`` route.
 
@@ -203,7 +203,7 @@ def action_of(method: str, path: str) -> str | None:
     if method != "POST":
         return None
     p = path.removeprefix("/api") if path.startswith("/api/") else path
-    if p in ("/interrupt", "/queue"):
+    if p in ("/interrupt", "/queue", "/history"):
         return p[1:]
     if path == "/api/jobs/cancel":
         return "cancel_many"
@@ -250,6 +250,8 @@ async def control(rt: Runtime, request: web.Request, route: str, path: str, subj
             await _interrupt(rt, owners, who, body.get("prompt_id"), path, request_id)
         elif action == "queue":
             await _queue(rt, owners, who, body, path, request_id)
+        elif action == "history":
+            await _history(rt, owners, viewer, body, path, request_id)
         elif action == "cancel":
             jid = path.split("/")[3]
             node = owners.node_of(jid, who)
@@ -344,3 +346,21 @@ async def _queue(rt: Runtime, owners: PromptOwners, subject: str | None, body: d
             if pending:
                 await api.post(path, {"delete": pending})
 
+
+async def _history(rt: Runtime, owners: PromptOwners, viewer: Viewer, body: dict[str, Any], path: str,
+                   request_id: str) -> None:
+    """``POST /history``: ``clear`` forgets the viewer's history, ``delete`` the listed prompts of
+    theirs. The route's history is the gateway's: a node is told to delete only the viewer's own
+    prompts, and never to clear (that would take everybody's)."""
+    ended = {pid: p.node for pid, p in owners.history(viewer)}
+    delete = body.get("delete")
+    gone = set(ended) if body.get("clear") else set()
+    if isinstance(delete, list):
+        gone |= {pid for pid in delete if isinstance(pid, str) and pid in ended}
+    by_node: dict[str, list[str]] = {}
+    for pid in sorted(gone):
+        owners.forget(pid)
+        if ended[pid] in rt.scheduler.nodes:
+            by_node.setdefault(ended[pid], []).append(pid)
+    for node, pids in by_node.items():
+        await node_api(rt, node, request_id).post(path, {"delete": pids})

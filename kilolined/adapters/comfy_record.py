@@ -98,6 +98,13 @@ class PromptOwners:
                 if (q := self._by_id.get(old)) is not None:
                     q.entry = None
 
+    def forget(self, prompt_id: str) -> None:
+        """Out of the history (``POST /history`` delete or clear); the owner is still known."""
+        p = self._by_id.get(prompt_id)
+        if p is not None:
+            p.entry = None
+        self._ended.pop(prompt_id, None)
+
     def waiting(self, viewer: Viewer) -> dict[str, Prompt]:
         """The viewer's prompts that have not ended (queued or running on a node)."""
         return {pid: p for pid, p in self._by_id.items() if not p.ended and viewer.sees(p)}
