@@ -139,6 +139,27 @@ async def test_one_socket_hears_the_prompts_of_both_nodes(fakegpus: Any, gateway
                if r["path"] == "/ws")
 
 
+async def test_the_socket_hears_the_keys_sse_prompts_too(fakegpus: Any, gateway: Any,
+                                                           http: aiohttp.ClientSession) -> None:
+    _, _, gw = await two_nodes(fakegpus, gateway)
+    async with http.ws_connect(gw.url + "/gen/ws?clientId=mine", headers=auth()) as ws, \
+            http.ws_connect(gw.url + "/gen/ws?clientId=mine", headers=auth("bob")) as bobs:
+        await ws.receive_json(timeout=5)
+        await bobs.receive_json(timeout=5)
+        async with http.post(gw.url + "/gen/prompt", json={"prompt": graph(4, 1), "client_id": "mine"},
+                             headers={**auth(), "X-KiloLine-Mode": "sse"}) as r:
+            body = await r.text()
+        pid = orjson.loads(body.split("event: output_ready\ndata: ", 1)[1].split("\n", 1)[0])["result"]["prompt"][1]
+        frames = await hear(ws, {pid})
+        kinds = kinds_of(frames, pid)
+        assert kinds[0] == "execution_start" and "execution_success" in kinds
+        assert [d["value"] for k, d in frames if k == "progress"] == [1, 2, 3, 4]
+        assert len([k for k, _ in frames if k == "binary"]) == 4  # the job socket's plain previews
+        with pytest.raises(TimeoutError):  # another key under the same client id hears nothing of it
+            while (await bobs.receive_json(timeout=0.3))["type"] == "status":
+                pass
+
+
 # --- one history, one queue, one jobs list ------------------------------------------------------
 
 async def test_history_queue_and_jobs_are_merged_over_the_nodes(fakegpus: Any, gateway: Any,

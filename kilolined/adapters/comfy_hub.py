@@ -104,6 +104,13 @@ def plain_preview(frame: bytes) -> bytes | None:
     return struct.pack(">II", PREVIEW, fmt) + frame[8 + size:]
 
 
+def _clean(kind: str, data: dict[str, Any], raw: str) -> str:
+    """The frame a client gets: an execution_error without the node's traceback."""
+    if kind == "execution_error" and "traceback" in data:
+        return orjson.dumps({"type": kind, "data": without_traceback(data)}).decode()
+    return raw
+
+
 def status_frame(remaining: int, sid: str | None = None) -> str:
     data: dict[str, Any] = {"status": {"exec_info": {"queue_remaining": remaining}}}
     if sid is not None:
@@ -218,16 +225,28 @@ class Hub:
             del self.current[node]
         if found is None:
             return None
-        if kind == "execution_error" and "traceback" in data:
-            raw = orjson.dumps({"type": kind, "data": without_traceback(data)}).decode()
-        self._deliver(found, raw)
+        self._deliver(found, _clean(kind, data, raw))
         return pid
 
-    def preview(self, node: str, frame: bytes) -> None:
-        pid = preview_prompt(frame) or self.current.get(node)
-        found = self.find(node, pid)
+    def relay(self, node: str, prompt_id: str, msg: aiohttp.WSMessage) -> None:
+        """A frame of an sse/async job's own socket, where every event is about its one prompt."""
+        found = self.find(node, prompt_id)
         if found is None:
             return
+        if msg.type == aiohttp.WSMsgType.BINARY:
+            self._preview_to(found, msg.data)
+            return
+        got = parse(msg.data) if msg.type == aiohttp.WSMsgType.TEXT else None
+        if got is None or got[0] in ("status", "feature_flags") or got[1].get("prompt_id", prompt_id) != prompt_id:
+            return
+        self._deliver(found, _clean(got[0], got[1], msg.data))
+
+    def preview(self, node: str, frame: bytes) -> None:
+        found = self.find(node, preview_prompt(frame) or self.current.get(node))
+        if found is not None:
+            self._preview_to(found, frame)
+
+    def _preview_to(self, found: tuple[str, str, str | None], frame: bytes) -> None:
         route, owner, target = found
         plain: bytes | None = None
         for client in self.clients.get(route, ()):

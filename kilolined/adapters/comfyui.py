@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import uuid
 from collections.abc import Awaitable, Callable, Coroutine
@@ -241,6 +242,7 @@ class Submitted:
     timeout: float
     stall_sec: float | None = None  # the node's slow.stall_sec: this long without a frame is a stall
     output_seen: bool = False  # an output node ran: the prompt cannot be re-run elsewhere for free
+    tell: Callable[[aiohttp.WSMessage], None] | None = None  # hands each frame to the key's own sockets
 
 
 @dataclass
@@ -452,6 +454,7 @@ class ComfyUIAdapter(Adapter):
             state = comfy_state(rt)
             owners = state.owners(lease.route)
             owners.add(sub.prompt_id, scope.ticket.key, lease.node, sub.number, body.get("client_id", ABSENT))
+            sub.tell = functools.partial(state.hub.relay, lease.node, sub.prompt_id)  # the client's /ws hears it
             # Timeout, cancel or error from here on: stop the prompt, and keep the slot until the
             # GPU has really stopped (interrupts land between steps); the scope runs this first.
             scope.on_abort(lambda: self._stop(sub, sink))
@@ -612,6 +615,8 @@ class ComfyUIAdapter(Adapter):
                 continue  # another of our prompts on this node moved meanwhile
             if activity is not None:
                 activity.seen(node, loop.time())
+            if sub.tell is not None and msg.type in (aiohttp.WSMsgType.TEXT, aiohttp.WSMsgType.BINARY):
+                sub.tell(msg)
             if msg.type == aiohttp.WSMsgType.BINARY:
                 continue  # previews carry no prompt id; nothing for us
             if msg.type != aiohttp.WSMsgType.TEXT:
