@@ -16,8 +16,9 @@ import pytest
 from conftest import auth, base_config, wait_until
 from test_comfyui import read_sse
 
-from kilolined.adapters.comfy_control import PromptOwners, action_of
+from kilolined.adapters.comfy_control import action_of
 from kilolined.adapters.comfy_progress import Progress
+from kilolined.adapters.comfy_record import EVERYONE, PromptOwners, Viewer
 from kilolined.ops.reload import reload_from_file
 
 SSE = {**auth(), "X-KiloLine-Mode": "sse"}
@@ -334,6 +335,21 @@ def test_prompt_owners_are_bounded_and_per_key() -> None:
     assert owners.node_of("a", "alice") is None  # the oldest was forgotten
     assert owners.node_of("c", "alice") == "n1" and owners.node_of("c", "bob") is None
     assert owners.mine("alice") == {"b": "n1", "c": "n1"} and owners.mine("bob") == {}
+
+
+def test_the_record_keeps_a_bounded_history_in_the_order_prompts_ended() -> None:
+    owners = PromptOwners(cap=4, entries_cap=2)
+    for pid in ("a", "b", "c", "d"):
+        owners.add(pid, "alice" if pid != "b" else "bob", "n1")
+    for pid in ("c", "a", "b", "d"):  # ended in this order
+        owners.end(pid, {"prompt": [0, pid, {}, {}, []]})
+    # only the last two entries are kept; the others' owners are still known
+    assert [pid for pid, _ in owners.history(EVERYONE)] == ["b", "d"]
+    assert [pid for pid, _ in owners.history(Viewer("alice"))] == ["d"]
+    assert owners.get("c") is not None and owners.get("c").entry is None  # type: ignore[union-attr]
+    assert owners.waiting(EVERYONE) == {}
+    owners.add("b", "bob", "n2")  # a reused id runs again: out of the history until it ends
+    assert [pid for pid, _ in owners.history(EVERYONE)] == ["d"] and list(owners.waiting(Viewer("bob"))) == ["b"]
 
 
 def test_control_paths() -> None:
