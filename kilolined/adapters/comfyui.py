@@ -5,10 +5,11 @@ with the HTTP answer would count HTTP calls, not GPU work. For jobs we submit th
 own ``client_id`` (one per attempt: a second socket with the same id steals the events), follow
 the node's ``/ws`` for that prompt id, hold the lease until the prompt is finished, then read
 ``/history/{prompt_id}``. Files in the result get gateway URLs that stream ``/view`` from the node
-that made them. In sync mode the request passes through as generic, and the lease is held until
-the history holds *this* submission's entry; the node's monitor socket (comfy_monitor.py) says
-when to look. A prompt whose node is lost before any output is re-queued by the lease scope.
-Control endpoints (/interrupt, POST /queue, job cancel) are comfy_control.py's.
+that made them. In sync mode the request passes through as generic (under the gateway's own
+client id, so that the node's monitor socket hears its events for the client's /ws: comfy_hub.py),
+and the lease is held until the history holds *this* submission's entry; the monitor says when to
+look. A prompt whose node is lost before any output is re-queued by the lease scope. Control
+endpoints, the route's history, queue and jobs views and its websocket are comfy_control.py's.
 """
 
 from __future__ import annotations
@@ -171,8 +172,6 @@ def _event(raw: str) -> tuple[str, dict[str, Any]] | None:
 
 def _number(v: Any) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool)
-
-
 
 
 def _execution_failed(data: dict[str, Any]) -> Failure:
