@@ -19,6 +19,7 @@ import asyncio
 import logging
 import uuid
 from typing import Any
+from urllib.parse import quote
 
 import aiohttp
 import orjson
@@ -173,7 +174,8 @@ class ComfyState:
         if node not in self.rt.scheduler.nodes:
             return None
         try:
-            return find_entry(await node_api(self.rt, node, "-").get_json("/history/" + pid), pid, number)
+            return find_entry(await node_api(self.rt, node, "-").get_json("/history/" + quote(pid, safe="")), pid,
+                              number)
         except NodeError:
             return None
 
