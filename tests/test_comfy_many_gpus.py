@@ -25,6 +25,8 @@ from aiohttp import web
 from conftest import ADMIN, auth, base_config, wait_until
 
 from kilolined.adapters.comfy_control import comfy_state
+from kilolined.adapters.comfy_hub import OUTBOX_MAX, OUTBOX_MAX_BYTES, Client
+from kilolined.adapters.comfy_record import Viewer
 from kilolined.wire.redirects import keep_prefix
 
 ENDS = ("execution_success", "execution_error", "execution_interrupted")
@@ -427,3 +429,13 @@ async def test_clearing_the_history_forgets_only_your_own(fakegpus: Any, gateway
     async with http.post(gw.url + "/gen/history", json={"delete": [mine]}, headers=auth("alice")) as r:
         assert r.status == 200
     assert await get(http, gw, "/history", auth("alice")) == {} and mine not in node.backend.history
+
+
+@pytest.mark.parametrize(("frames", "size"), [(OUTBOX_MAX + 1, 10), (3, OUTBOX_MAX_BYTES // 2)])
+def test_a_client_that_does_not_read_is_closed_not_buffered(frames: int, size: int) -> None:
+    client = Client(web.WebSocketResponse(), "gen", "x", Viewer("alice"))
+    for _ in range(frames):
+        client.send(b"\0" * size)
+    assert client.closing and client.outbox.qsize() == 1 and client.outbox.get_nowait() is None
+    client.send(b"more")  # nothing queued once it is closing
+    assert client.outbox.empty()

@@ -36,6 +36,7 @@ from kilolined.adapters.comfy_record import EVERYONE, PromptOwners, Viewer, with
 log = logging.getLogger("kilolined")
 
 OUTBOX_MAX = 1024  # frames waiting for a slow client; past that it is closed (it reconnects)
+OUTBOX_MAX_BYTES = 16 * 1024 * 1024  # and bytes (previews are images)
 CLIENT_MAX_MSG = 4 * 1024 * 1024
 HEARTBEAT_SEC = 30.0
 PREVIEW, PREVIEW_WITH_METADATA = 1, 4
@@ -52,15 +53,23 @@ class Client:
     viewer: Viewer
     metadata: bool = False  # asked for previews with metadata (binary type 4)
     outbox: asyncio.Queue[str | bytes | None] = field(default_factory=lambda: asyncio.Queue(OUTBOX_MAX))
+    queued: int = 0  # bytes in the outbox
+    closing: bool = False
 
     def send(self, frame: str | bytes) -> None:
-        try:
-            self.outbox.put_nowait(frame)
-        except asyncio.QueueFull:
-            log.info("a /ws client fell %d frames behind: closed", OUTBOX_MAX)
+        if self.closing:
+            return
+        self.queued += len(frame)
+        if self.queued <= OUTBOX_MAX_BYTES:
             with contextlib.suppress(asyncio.QueueFull):
-                self.outbox.get_nowait()
-                self.outbox.put_nowait(None)  # the writer closes it
+                self.outbox.put_nowait(frame)
+                return
+        log.info("a /ws client fell too far behind (%d frames, %d bytes): closed", self.outbox.qsize(), self.queued)
+        self.closing = True
+        while not self.outbox.empty():  # nothing more for it: the writer closes it next
+            self.outbox.get_nowait()
+        self.queued = 0
+        self.outbox.put_nowait(None)
 
     def hears(self, owner: str, target: str | None) -> bool:
         """Would ComfyUI send this client an event of a prompt by ``owner`` sent to ``target``?"""
@@ -168,6 +177,7 @@ class Hub:
         ws = client.ws
         while True:
             frame = await client.outbox.get()
+            client.queued -= len(frame) if frame is not None else 0
             try:
                 if frame is None:
                     await ws.close(code=aiohttp.WSCloseCode.POLICY_VIOLATION, message=b"too slow")
