@@ -439,3 +439,21 @@ def test_a_client_that_does_not_read_is_closed_not_buffered(frames: int, size: i
     assert client.closing and client.outbox.qsize() == 1 and client.outbox.get_nowait() is None
     client.send(b"more")  # nothing queued once it is closing
     assert client.outbox.empty()
+
+
+async def test_a_socket_opened_mid_render_is_told_which_node_runs(fakegpus: Any, gateway: Any,
+                                                                  http: aiohttp.ClientSession) -> None:
+    a, b, gw = await two_nodes(fakegpus, gateway)
+    pid = (await post(http, gw, {"prompt": graph(2000, 1), "client_id": "page"}))["prompt_id"]
+    await wait_until(lambda: a.stats["running"] + b.stats["running"] == 1)
+    await wait_until(lambda: any(comfy_state(gw.rt).hub.executing.values()))
+    async with http.ws_connect(gw.url + "/gen/ws?clientId=page", headers=auth()) as ws, \
+            http.ws_connect(gw.url + "/gen/ws?clientId=other", headers=auth()) as other:
+        assert (await ws.receive_json(timeout=5))["data"]["status"]["exec_info"]["queue_remaining"] == 1
+        assert await ws.receive_json(timeout=5) == {"type": "executing",
+                                                    "data": {"node": "3", "display_node": "3", "prompt_id": pid}}
+        await other.receive_json(timeout=5)
+        with pytest.raises(TimeoutError):  # not its prompt: it hears of nothing
+            await other.receive_json(timeout=0.3)
+    async with http.post(gw.url + "/gen/interrupt", json={}, headers=auth()) as r:
+        assert r.status == 200

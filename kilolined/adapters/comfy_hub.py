@@ -135,6 +135,7 @@ class Hub:
         self._routes_of = routes_of  # node → the routes it serves
         self.clients: dict[str, set[Client]] = {}  # route → its sockets
         self.current: dict[str, str] = {}  # node → the prompt it runs now (for frames that name none)
+        self.executing: dict[str, str] = {}  # node → its last `executing` frame of a prompt still running
 
     # --- the client side -------------------------------------------------------------------------
     def remaining(self, route: str, viewer: Viewer) -> int:
@@ -148,6 +149,7 @@ class Hub:
         await ws.prepare(request)
         client = Client(ws, route, request.query.get("clientId") or uuid.uuid4().hex, viewer)
         client.send(status_frame(self.remaining(route, viewer), client.client_id))
+        self._now_executing(client)
         self.clients.setdefault(route, set()).add(client)
         writer = asyncio.ensure_future(self._write(client))
         try:
@@ -171,6 +173,14 @@ class Hub:
             with contextlib.suppress(asyncio.CancelledError):
                 await writer
         return ws
+
+    def _now_executing(self, client: Client) -> None:
+        """As ComfyUI tells a socket that (re)connects under the id of the running prompt which
+        node runs (a page reloaded mid-render shows it again)."""
+        for node, raw in self.executing.items():
+            found = self.find(node, self.current.get(node))
+            if found is not None and found[0] == client.route and client.hears(found[1], found[2]):
+                client.send(raw)
 
     @staticmethod
     async def _write(client: Client) -> None:
@@ -233,6 +243,9 @@ class Hub:
         ended = kind in ENDED or (kind == "executing" and data.get("node", "") is None)
         if ended and self.current.get(node) == pid:
             del self.current[node]
+            self.executing.pop(node, None)
+        elif kind == "executing" and isinstance(pid, str) and self.current.get(node) == pid:
+            self.executing[node] = raw
         if found is None:
             return None
         self._deliver(found, _clean(kind, data, raw))
