@@ -465,7 +465,7 @@ class ComfyUIAdapter(Adapter):
     async def _hold(self, scope: LeaseScope, ex: Exchange, state: ComfyState, owners: PromptOwners,
                     prompt_id: str, number: float | None, again: InputsFirst) -> None:
         """Keep the slot until the prompt's history entry is on its node. A node lost before the
-        prompt's first output did no work anyone saw: the prompt is re-queued (SPEC §3.4), sent
+        prompt's first output did no work anyone saw: the prompt is re-queued (docs/API.md "Nodes and failover"), sent
         to the next node under the same prompt id with its inputs, and held there — the client,
         which has its answer already, follows it by that id on /ws and /history."""
         rt = scope.rt
