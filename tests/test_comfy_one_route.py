@@ -11,7 +11,7 @@ from typing import Any
 import aiohttp
 import orjson
 import pytest
-from conftest import auth, base_config, wait_until
+from conftest import ADMIN, auth, base_config, wait_until
 
 from kilolined.adapters.comfy_control import comfy_state
 from kilolined.fakegpu.comfy_graph import make_png
@@ -156,3 +156,27 @@ async def test_primary_killed_mid_prompt_completes_on_the_standby_under_its_prom
     status, data = await view(http, gw, history_images(entry)[0])
     assert status == 200 and data == b.backend.images[("output", "", "kl_00001_.png")]
     await wait_until(lambda: sum(gw.rt.scheduler.node_inflight.values()) == 0)
+
+
+async def test_the_admin_key_reads_every_keys_files_and_uploads_none(
+        fakegpus: Any, gateway: Any, http: aiohttp.ClientSession) -> None:
+    a = await fakegpus("comfyui", steps=2, step_ms=10)
+    gw = await gateway(base_config({"a": a.url}, kind="comfyui", max_concurrency=1))
+    png = make_png("cat")
+    name = await upload(http, gw, "cat.png", png)
+    async with http.post(gw.url + "/gen/prompt", json={"prompt": img2img(name)}, headers=auth()) as r:
+        pid = (await r.json())["prompt_id"]
+    await wait_until(lambda: comfy_state(gw.rt).owners("gen").get(pid).entry is not None)  # type: ignore[union-attr]
+    entry = (await get(http, gw, f"/history/{pid}"))[pid]
+    out = history_images(entry)[0]
+    q = {"filename": out["filename"], "subfolder": out["subfolder"], "type": "output"}
+    for who, want in ((ADMIN, 200), (auth("bob"), 404)):
+        async with http.get(gw.url + "/gen/view", params=q, headers=who) as r:
+            assert r.status == want
+    async with http.get(gw.url + "/gen/view", params={"filename": name, "type": "input"}, headers=ADMIN) as r:
+        assert r.status == 200 and await r.read() == png
+    form = aiohttp.FormData()
+    form.add_field("image", png, filename="admin.png", content_type="image/png")
+    async with http.post(gw.url + "/gen/upload/image", data=form, headers=ADMIN) as r:
+        assert r.status == 403
+        assert (await r.json())["error"]["type"] == "forbidden"
