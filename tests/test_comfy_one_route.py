@@ -127,7 +127,8 @@ async def test_primary_killed_mid_prompt_completes_on_the_standby_under_its_prom
                 answer = await r.json()
             pid, number = answer["prompt_id"], answer["number"]
         else:
-            r = await http.post(gw.url + "/gen/prompt", json=body, headers={**auth(), **(SSE if mode == "sse" else ASYNC)})
+            mode_header = SSE if mode == "sse" else ASYNC
+            r = await http.post(gw.url + "/gen/prompt", json=body, headers={**auth(), **mode_header})
             assert r.status == (200 if mode == "sse" else 202)
             reader = asyncio.ensure_future(r.read())  # an sse client reads its stream to the end
             await wait_until(lambda: len(owners.mine(None)) == 1)
