@@ -465,9 +465,10 @@ class ComfyUIAdapter(Adapter):
     async def _hold(self, scope: LeaseScope, ex: Exchange, state: ComfyState, owners: PromptOwners,
                     prompt_id: str, number: float | None, again: InputsFirst) -> None:
         """Keep the slot until the prompt's history entry is on its node. A node lost before the
-        prompt's first output did no work anyone saw: the prompt is re-queued (docs/API.md "Nodes and failover"), sent
-        to the next node under the same prompt id with its inputs, and held there — the client,
-        which has its answer already, follows it by that id on /ws and /history."""
+        prompt's first output did no work anyone saw: the prompt is re-queued (docs/API.md "Nodes
+        and failover"), sent to the next node under the same prompt id with its inputs, and held
+        there — the client, which has its answer already, follows it by that id on /ws and
+        /history."""
         rt = scope.rt
         entry = None
         try:
@@ -492,7 +493,7 @@ class ComfyUIAdapter(Adapter):
                         log.warning("[%s] %s (%s): slot freed", lease.node, NODE_LOST, e.reason)
                         return
                     log.warning("[%s] %s (%s): re-queued", lease.node, NODE_LOST, e.reason)
-                number = await self._resubmit(scope, ex, again, prompt_id)
+                number = await self._resubmit(scope, ex, again, prompt_id, owners)
                 moved = scope.lease
                 assert moved is not None
                 owners.moved(prompt_id, moved.node, number)
@@ -504,12 +505,19 @@ class ComfyUIAdapter(Adapter):
             prompt_finished(rt, lease.route, lease.node, entry, scope.ticket.key)  # outputs leave the node
 
     @staticmethod
-    async def _resubmit(scope: LeaseScope, ex: Exchange, again: InputsFirst, prompt_id: str) -> float | None:
+    async def _resubmit(scope: LeaseScope, ex: Exchange, again: InputsFirst, prompt_id: str,
+                        owners: PromptOwners) -> float | None:
         """Send a re-queued sync prompt to the node the scope leases next, under its prompt id;
         returns the queue number that node gave it (which history entry is this run's)."""
         current = _json_object(ex.body_override) if ex.body_override is not None else None
         ex.body_override = orjson.dumps({**(current or {}), "prompt_id": prompt_id})
-        up = await scope.acquire(again)
+
+        async def attempt(lease: Lease) -> UpstreamResponse:
+            # Its node in the record before the POST: the node's first events reach the client.
+            owners.moved(prompt_id, lease.node, None)
+            return await again(lease)
+
+        up = await scope.acquire(attempt)
         scope.detach()
         try:
             answer, cut = await _read_body(up, ERROR_BODY_MAX)
