@@ -1,7 +1,8 @@
 """One ComfyUI over two fake nodes, files and prompts together (docs/API.md "ComfyUI over several
 GPUs"): the names a client sees are the route's everywhere (``executed`` on /ws, /history,
-/api/jobs, /view), and a prompt whose node dies mid-run completes on the standby with its
-uploaded input, under its prompt id, in every mode."""
+/api/jobs, /view); a prompt whose node dies mid-run completes on the standby with its uploaded
+input, under its prompt id, in every mode; the admin key reads files and uploads none; a node's
+events that arrive before its prompt's answer still reach the client."""
 
 from __future__ import annotations
 
@@ -11,9 +12,12 @@ from typing import Any
 import aiohttp
 import orjson
 import pytest
+from aiohttp import web
 from conftest import ADMIN, auth, base_config, wait_until
 
 from kilolined.adapters.comfy_control import comfy_state
+from kilolined.adapters.comfy_hub import Client, Hub
+from kilolined.adapters.comfy_record import PromptOwners, Viewer
 from kilolined.fakegpu.comfy_graph import make_png
 
 SSE = {"X-KiloLine-Mode": "sse"}
@@ -181,3 +185,20 @@ async def test_the_admin_key_reads_every_keys_files_and_uploads_none(
     async with http.post(gw.url + "/gen/upload/image", data=form, headers=ADMIN) as r:
         assert r.status == 403
         assert (await r.json())["error"]["type"] == "forbidden"
+
+
+def test_events_a_node_sends_before_the_prompts_answer_reach_its_client_once_it_is_recorded() -> None:
+    owners = PromptOwners()
+    hub = Hub(lambda route: owners, lambda node: ["gen"], lambda route, node, owner, data: data)
+    client = Client(web.WebSocketResponse(), "gen", "mine", Viewer("alice"))
+    hub.clients["gen"] = {client}
+    start = {"type": "execution_start", "data": {"prompt_id": "p1", "timestamp": 1}}
+    other = {"type": "execution_start", "data": {"prompt_id": "p2", "timestamp": 1}}
+    for doc in (start, other):  # ComfyUI began before its POST answer reached the gateway
+        hub.event("a", doc["type"], doc["data"], orjson.dumps(doc).decode())
+    assert client.outbox.empty()
+    owners.add("p1", "alice", "a", 1, "mine")
+    hub.claim("a", "p1")
+    assert orjson.loads(client.outbox.get_nowait()) == start and client.outbox.empty()
+    hub.claim("a", "p1")  # once
+    assert client.outbox.empty()

@@ -10,6 +10,10 @@ everyone on a ``comfy.shared`` route or for the admin key — and the ``client_i
 under the prompt ids it was given. ``status`` is the route's: the viewer's own prompts not yet
 ended, whatever node holds them.
 
+A node may start a prompt before its answer to the POST reached the gateway: its frames about a
+prompt the record does not know yet are kept (a few per node) until the record learns it
+(``claim``), then handed on in order.
+
 Previews: the monitor asks for ComfyUI's previews with metadata (binary type 4, which name their
 prompt), so each goes to the right client; a client that did not ask for them (no
 ``feature_flags``) gets the plain form (type 1) that ComfyUI would have sent it.
@@ -22,7 +26,7 @@ import contextlib
 import logging
 import struct
 import uuid
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -35,6 +39,7 @@ from kilolined.adapters.comfy_record import EVERYONE, PromptOwners, Viewer, with
 
 log = logging.getLogger("kilolined")
 
+UNCLAIMED_MAX = 64  # per node: text frames about a prompt before the record knew it (its POST's answer was in flight)
 OUTBOX_MAX = 1024  # frames waiting for a slow client; past that it is closed (it reconnects)
 OUTBOX_MAX_BYTES = 16 * 1024 * 1024  # and bytes (previews are images)
 CLIENT_MAX_MSG = 4 * 1024 * 1024
@@ -146,6 +151,8 @@ class Hub:
         self.clients: dict[str, set[Client]] = {}  # route → its sockets
         self.current: dict[str, str] = {}  # node → the prompt it runs now (for frames that name none)
         self.executing: dict[str, str] = {}  # node → its last `executing` frame of a prompt still running
+        #: node → (prompt id, kind, data, raw) of frames that named a prompt the record did not know yet
+        self.unclaimed: dict[str, deque[tuple[str, str, dict[str, Any], str]]] = {}
 
     # --- the client side -------------------------------------------------------------------------
     def remaining(self, route: str, viewer: Viewer) -> int:
@@ -257,9 +264,30 @@ class Hub:
         elif kind == "executing" and isinstance(pid, str) and self.current.get(node) == pid:
             self.executing[node] = raw
         if found is None:
+            if isinstance(data.get("prompt_id"), str):
+                # A node may run a prompt before its POST's answer reached the gateway: kept until
+                # the record knows the prompt (``claim``), pushed out by newer ones.
+                held = self.unclaimed.setdefault(node, deque(maxlen=UNCLAIMED_MAX))
+                held.append((data["prompt_id"], kind, data, raw))
             return None
         self._deliver(found, self._clean(node, found, kind, data, raw))
         return pid
+
+    def claim(self, node: str, prompt_id: str) -> None:
+        """The record has just learnt that ``prompt_id`` runs on ``node``: what the node already
+        said of it goes to its listeners now, in order."""
+        frames = self.unclaimed.get(node)
+        found = self.find(node, prompt_id) if frames else None
+        if frames is None or found is None:
+            return
+        rest: deque[tuple[str, str, dict[str, Any], str]] = deque(maxlen=UNCLAIMED_MAX)
+        for frame in frames:
+            pid, kind, data, raw = frame
+            if pid == prompt_id:
+                self._deliver(found, self._clean(node, found, kind, data, raw))
+            else:
+                rest.append(frame)
+        self.unclaimed[node] = rest
 
     def relay(self, node: str, prompt_id: str, msg: aiohttp.WSMessage) -> None:
         """A frame of an sse/async job's own socket, where every event is about its one prompt."""

@@ -450,6 +450,7 @@ class ComfyUIAdapter(Adapter):
         assert lease is not None
         owners = state.owners(lease.route)
         owners.add(prompt_id, scope.ticket.key, lease.node, _prompt_number(data), given)
+        state.hub.claim(lease.node, prompt_id)  # what the node said of it before its answer came
         state.hub.status(lease.node)  # the route's queue grew
         scope.hold(self._hold(scope, ex, state, owners, prompt_id, _prompt_number(data), again))
 
