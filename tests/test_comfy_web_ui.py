@@ -48,6 +48,8 @@ async def test_the_web_ui_runs_prompts_on_both_nodes(fakegpus: Any, gateway: Any
     for pid, p in prompts.items():
         assert p["progress"] == list(range(1, 9)), pid
         assert p["image"].startswith(gw.url + "/gen/api/view?filename=")
+    # Both nodes wrote ComfyUI_00001_.png: the page was told two names, each its prompt's file.
+    assert len({p["image"] for p in prompts.values()}) == 2
     await page.until("[...document.querySelectorAll('#prompts img.image')]"
                      ".every(i => i.complete && i.naturalWidth > 0)", "both images shown")
     assert await page.js("return window.comfyPage.previews;") == 16
