@@ -121,7 +121,8 @@ async def test_sse_progress_output_and_file(fakegpus: Any, gateway: Any, http: a
 
 async def test_async_job_and_non_prompt_paths(fakegpus: Any, gateway: Any, http: aiohttp.ClientSession) -> None:
     fake = await fakegpus("comfyui", step_ms=20)
-    gw = await gateway(base_config({"c": fake.url}, kind="comfyui", max_concurrency=1))
+    # An operator's unqueued_paths replace the default (where only a prompt takes a slot).
+    gw = await gateway(base_config({"c": fake.url}, kind="comfyui", max_concurrency=1, unqueued_paths=["/view*"]))
     job_id = await async_job(http, gw.url + "/gen/api/prompt", {"prompt": graph(3)})
     await wait_until(lambda: fake.stats["served"] == 1)
     await wait_until(lambda: inflight(gw) == 0)

@@ -16,8 +16,9 @@ import pytest
 from conftest import auth, base_config, wait_until
 from test_comfyui import read_sse
 
-from kilolined.adapters.comfy_control import PromptOwners, action_of
+from kilolined.adapters.comfy_control import action_of
 from kilolined.adapters.comfy_progress import Progress
+from kilolined.adapters.comfy_record import EVERYONE, PromptOwners, Viewer
 from kilolined.ops.reload import reload_from_file
 
 SSE = {**auth(), "X-KiloLine-Mode": "sse"}
@@ -166,10 +167,13 @@ async def test_non_gpu_endpoints_pass_a_held_slot(fakegpus: Any, gateway: Any, h
     fake = await fakegpus("comfyui", step_ms=20)
     gw = await gateway(base_config({"c": fake.url}, kind="comfyui", max_concurrency=1, queue_timeout_sec=3))
     await _busy(http, gw, fake)
-    for path in ("/features", "/api/features", "/api/jobs", "/api/jobs?limit=1", "/userdata?dir=workflows"):
+    for path in ("/features", "/api/features", "/userdata?dir=workflows"):
         async with http.get(gw.url + "/gen" + path, headers=auth()) as r:
             assert r.status != 503, path  # a queued request would time out behind the prompt
             assert r.headers.get("X-KiloLine-Node") == "c", path
+    for path in ("/api/jobs", "/api/jobs?limit=1"):  # the gateway's own answer, over every node
+        async with http.get(gw.url + "/gen" + path, headers=auth()) as r:
+            assert r.status == 200 and [j["status"] for j in (await r.json())["jobs"]] == ["in_progress"], path
     form = aiohttp.FormData()
     form.add_field("image", b"\x89PNG\r\n\x1a\n", filename="x.png", content_type="image/png")
     async with http.post(gw.url + "/gen/upload/image", data=form, headers=auth()) as r:
@@ -332,6 +336,21 @@ def test_prompt_owners_are_bounded_and_per_key() -> None:
     assert owners.node_of("a", "alice") is None  # the oldest was forgotten
     assert owners.node_of("c", "alice") == "n1" and owners.node_of("c", "bob") is None
     assert owners.mine("alice") == {"b": "n1", "c": "n1"} and owners.mine("bob") == {}
+
+
+def test_the_record_keeps_a_bounded_history_in_the_order_prompts_ended() -> None:
+    owners = PromptOwners(cap=4, entries_cap=2)
+    for pid in ("a", "b", "c", "d"):
+        owners.add(pid, "alice" if pid != "b" else "bob", "n1")
+    for pid in ("c", "a", "b", "d"):  # ended in this order
+        owners.end(pid, {"prompt": [0, pid, {}, {}, []]})
+    # only the last two entries are kept; the others' owners are still known
+    assert [pid for pid, _ in owners.history(EVERYONE)] == ["b", "d"]
+    assert [pid for pid, _ in owners.history(Viewer("alice"))] == ["d"]
+    assert owners.get("c") is not None and owners.get("c").entry is None  # type: ignore[union-attr]
+    assert owners.waiting(EVERYONE) == {}
+    owners.add("b", "bob", "n2")  # a reused id runs again: out of the history until it ends
+    assert [pid for pid, _ in owners.history(EVERYONE)] == ["d"] and list(owners.waiting(Viewer("bob"))) == ["b"]
 
 
 def test_control_paths() -> None:

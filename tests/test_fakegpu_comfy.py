@@ -331,8 +331,10 @@ async def test_comfy_jobs_api(make_gpu: MakeGPU, http: aiohttp.ClientSession) ->
     pending = await submit(http, gpu, graph(5, seed=3))
     async with http.get(gpu.url + "/api/jobs") as r:
         listing = await r.json()
-    assert [(j["id"], j["status"]) for j in listing["jobs"]] == [
-        (pending, "pending"), (running, "in_progress"), (done, "completed")]
+    # newest first (two prompts of the same millisecond keep ComfyUI's order: running, pending)
+    got = [(j["id"], j["status"]) for j in listing["jobs"]]
+    assert sorted(got[:2]) == sorted([(pending, "pending"), (running, "in_progress")])
+    assert got[2] == (done, "completed")
     assert listing["pagination"] == {"offset": 0, "limit": None, "total": 3, "has_more": False}
     async with http.get(gpu.url + "/api/jobs", params={"status": "completed", "limit": "1"}) as r:
         page = await r.json()

@@ -9,7 +9,7 @@ import pytest
 from conftest import KEYS, base_config
 from hostile import HostileNode, NodeConn, exchange
 
-from kilolined.wire.node_urls import links_to_route, to_route
+from kilolined.wire.node_urls import for_client, links_to_route, to_route
 
 
 @pytest.mark.parametrize("url, node_url, route, want", [
@@ -33,7 +33,22 @@ def test_to_route(url: str, node_url: str, route: str, want: str) -> None:
 def test_links_to_route_rewrites_each_target_that_points_at_the_node() -> None:
     value = '<http://node:8000/v1/x?page=2>; rel="next", </y>; rel=prev, <https://cdn.example/z>; rel=preload'
     assert links_to_route(value, "http://node:8000", "/gen") == \
-        '</gen/v1/x?page=2>; rel="next", </y>; rel=prev, <https://cdn.example/z>; rel=preload'
+        '</gen/v1/x?page=2>; rel="next", </gen/y>; rel=prev, <https://cdn.example/z>; rel=preload'
+
+
+@pytest.mark.parametrize("url, node_url, route, want", [
+    ("http://node:8000/x", "http://node:8000", "/gen", "/gen/x"),  # the node's own URL: once, not /gen/gen/x
+    ("/x?y=1", "http://node:8000", "/gen", "/gen/x?y=1"),  # root-relative: under the prefix
+    ("/gen/x", "http://node:8000", "/gen", "/gen/gen/x"),  # the node knows no prefix: /gen/x is its own path
+    ("/base/x", "http://node:8000/base", "/gen", "/gen/x"),  # under the node's base path: as its absolute URL
+    ("/other", "http://node:8000/base", "/gen", "/gen/other"),
+    ("/x", "http://node:8000", "/", "/x"),  # strip_path: false forwards the whole path
+    ("//cdn.example/x", "http://node:8000", "/gen", "//cdn.example/x"),  # another host
+    ("next", "http://node:8000", "/gen", "next"),  # relative: the client resolves it
+    ("https://elsewhere.example/x", "http://node:8000", "/gen", "https://elsewhere.example/x"),
+])
+def test_for_client_rewrites_each_url_once(url: str, node_url: str, route: str, want: str) -> None:
+    assert for_client(url, node_url, route) == want
 
 
 async def test_link_and_location_headers_never_name_the_node(gateway: Any) -> None:

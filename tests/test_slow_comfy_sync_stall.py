@@ -1,11 +1,10 @@
 """A sync-mode ComfyUI prompt that stops moving on its node (docs/CONFIG.md "Slow nodes").
 
-Its progress goes to the client's own socket, so the gateway watches it when it sees that
-progress: the client's /ws is relayed through the gateway from the node, or the prompt has no
-``client_id`` (ComfyUI broadcasts its progress, and the node's monitor socket hears it). Silent for
-``stall_sec`` while the node runs it: the prompt is interrupted there, the breaker opens (speed
-state "stalled"), the slot is freed. The client already had its answer (the prompt id): it sees
-the interrupt on its socket. A prompt whose progress the gateway cannot see is not judged.
+The gateway sends every prompt under its own client id, so the node's monitor socket hears its
+progress whatever client_id the client gave (the client hears it on the gateway's /ws). Silent
+for ``stall_sec`` while the node runs it: the prompt is interrupted there, the breaker opens
+(speed state "stalled"), the slot is freed. The client already had its answer (the prompt id): it
+sees the interrupt on its socket. While the monitor is down the silence is not judged.
 """
 
 from __future__ import annotations
@@ -52,7 +51,7 @@ async def stalled(http: aiohttp.ClientSession, gw: Any, node: Any) -> None:
     assert node.stats["max_concurrent"] <= 1
 
 
-async def test_a_stalled_prompt_whose_socket_is_relayed_is_interrupted(fakegpus: Any, gateway: Any,
+async def test_a_stalled_prompt_is_interrupted_and_its_client_hears_it(fakegpus: Any, gateway: Any,
                                                                        http: aiohttp.ClientSession) -> None:
     # a step of 20 ms × 10,000: the sampler starts, then nothing comes for minutes
     node, gw = await one_node(fakegpus, gateway, 0.5, spare=True, step_ms=20, slowdown=10_000)
@@ -66,7 +65,7 @@ async def test_a_stalled_prompt_whose_socket_is_relayed_is_interrupted(fakegpus:
         assert msg["data"]["prompt_id"] == pid
     # Nothing kept once the socket and the prompt are gone.
     state = comfy_state(gw.rt)
-    await wait_until(lambda: not state.relays, timeout=10)
+    await wait_until(lambda: not state.hub.clients, timeout=10)
     assert len(state.activity) == 0
 
 
@@ -79,7 +78,7 @@ async def test_a_stalled_prompt_without_client_id_is_interrupted(fakegpus: Any, 
     assert len(comfy_state(gw.rt).activity) == 0
 
 
-async def test_a_relayed_prompt_that_keeps_moving_is_no_stall(fakegpus: Any, gateway: Any,
+async def test_a_prompt_that_keeps_moving_is_no_stall(fakegpus: Any, gateway: Any,
                                                               http: aiohttp.ClientSession) -> None:
     # 25 steps of 100 ms: it runs well past stall_sec, but a frame comes every step (stall_sec
     # is 10 steps: room for a loaded box).
@@ -95,10 +94,10 @@ async def test_a_relayed_prompt_that_keeps_moving_is_no_stall(fakegpus: Any, gat
 
 
 @pytest.mark.parametrize("client_id", ["elsewhere", ""])
-async def test_a_prompt_whose_progress_the_gateway_cannot_see_is_not_judged(
+async def test_a_prompt_for_a_socket_nobody_opened_is_still_watched_and_not_a_stall(
         fakegpus: Any, gateway: Any, http: aiohttp.ClientSession, client_id: str) -> None:
-    # Its frames go to a socket that is not relayed here ("" reaches no socket at all): 15 steps
-    # of 100 ms look like silence from the gateway, and must not be called a stall.
+    # Its client listens nowhere ("" names no socket at all): the node still sends its frames to
+    # the gateway's id, so 15 steps of 100 ms are progress, not silence.
     node, gw = await one_node(fakegpus, gateway, 0.3, step_ms=100)
     pid = await submit(http, gw, {"prompt": graph(15), "client_id": client_id})
 
@@ -140,11 +139,11 @@ def test_node_activity_lives_from_the_first_watcher_to_the_last() -> None:
     assert len(act) == 0
 
 
-async def test_a_relay_learns_the_client_id_comfyui_gave_it(fakegpus: Any, gateway: Any,
-                                                            http: aiohttp.ClientSession) -> None:
+async def test_a_socket_without_client_id_is_given_one(fakegpus: Any, gateway: Any,
+                                                      http: aiohttp.ClientSession) -> None:
     _, gw = await one_node(fakegpus, gateway, 5.0, step_ms=20)
     state = comfy_state(gw.rt)
     async with http.ws_connect(gw.url + "/gen/ws", headers=auth()) as ws:
         sid = (await ws.receive_json(timeout=5))["data"]["sid"]
-        await wait_until(lambda: state.relayed("c", sid), timeout=5)
-    await wait_until(lambda: not state.relays, timeout=10)
+        assert len(sid) == 32 and [c.client_id for c in state.hub.clients["gen"]] == [sid]
+    await wait_until(lambda: not state.hub.clients, timeout=10)

@@ -17,7 +17,6 @@ from kilolined.scheduling.lease import LeaseScope, Sink
 from kilolined.scheduling.queue import Lease
 from kilolined.wire.proxy import RETRY_STATUSES, Exchange, Observer, UpstreamFailed, open_upstream
 from kilolined.wire.upstream import Stalled, UpstreamResponse
-from kilolined.wire.wsproxy import RelayWatch
 
 log = logging.getLogger("kilolined")
 
@@ -30,10 +29,11 @@ class Adapter:
     def prepare(self, ex: Exchange) -> None:
         """Validate or rewrite the request before it is queued; raise Rejected(400) to refuse it."""
 
-    async def control(self, rt: Runtime, request: web.Request, route: str, path: str, subject: str,
+    async def control(self, rt: Runtime, request: web.Request, route: str, path: str, subject: str | None,
                       request_id: str) -> web.StreamResponse | None:
-        """Answer at once, without a slot, a request that must never queue (ComfyUI's /interrupt);
-        None lets it go on through the pipeline."""
+        """Answer at once, without a slot, a request that must never queue (ComfyUI's /interrupt,
+        its history and its websocket); None lets it go on through the pipeline. ``subject``
+        None is the admin key."""
         return None
 
     def observer(self, rt: Runtime, ex: Exchange, scope: LeaseScope, sink: Sink) -> Observer | None:
@@ -41,10 +41,6 @@ class Adapter:
 
     def named_model(self, ex: Exchange) -> str | None:
         """The model the request names (its line of the bill); None for a kind whose requests name none."""
-        return None
-
-    def relay_watch(self, rt: Runtime, node: str, request: web.Request) -> RelayWatch | None:
-        """What hears a client's websocket relayed from ``node`` (ComfyUI: its progress), or None."""
         return None
 
     async def serve(self, rt: Runtime, scope: LeaseScope, ex: Exchange, sink: Sink) -> None:

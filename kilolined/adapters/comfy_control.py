@@ -1,60 +1,47 @@
 """ComfyUI's control endpoints behind the gateway: answered at once, and only for your own prompts.
 
-``POST /interrupt``, ``POST /queue`` (``delete``, ``clear``) and ``POST /api/jobs/{id}/cancel``
-are not GPU work: queued, they would arrive after the prompt they mean to stop. And on a shared
-node they act on everybody's prompts (``/interrupt {}`` stops whatever runs, ``clear`` empties
-the whole queue). Behind the gateway they act only on prompts that the same key submitted
-through it: the route keeps a bounded record of prompt_id → (key, node), written when a node
-accepts a prompt. A request about someone else's prompt gets ComfyUI's own answer for a prompt
-that is not there (200, nothing done), so prompt ids of other keys cannot be probed.
+``POST /interrupt``, ``POST /queue`` (``delete``, ``clear``), ``POST /history`` (``delete``,
+``clear``) and ``POST /api/jobs/{id}/cancel`` are not GPU work: queued, they would arrive after
+the prompt they mean to stop. And on a shared node they act on everybody's prompts
+(``/interrupt {}`` stops whatever runs, ``clear`` empties the whole queue). Behind the gateway
+they act only on prompts that the same key submitted through it, as the route's record
+(comfy_record.py) has them. A request about someone else's prompt gets ComfyUI's own answer for a prompt
+that is not there (200, nothing done), so prompt ids of other keys cannot be probed. The admin
+key acts on every prompt, and so does every key of a ``comfy.shared`` route.
 
-The per-runtime ComfyUI state (this record and the monitor sockets) lives here too.
+The read views (comfy_views.py) and the websocket (comfy_hub.py) are dispatched from here too,
+and the per-runtime ComfyUI state lives here: the routes' records, the node monitors, the hub.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
-from collections import OrderedDict
+import uuid
 from typing import Any
+from urllib.parse import quote
 
 import aiohttp
 import orjson
 from aiohttp import web
 
+from kilolined.adapters.comfy_hub import ENDED, Hub, parse
 from kilolined.adapters.comfy_monitor import Monitors, NodeMonitor
-from kilolined.adapters.comfy_node import NodeAPI, NodeError, all_ids, node_api
+from kilolined.adapters.comfy_node import NodeAPI, NodeError, all_ids, find_entry, node_api
+from kilolined.adapters.comfy_record import EVERYONE, PromptOwners, Viewer
+from kilolined.adapters.comfy_store import executed_for_client
+from kilolined.adapters.comfy_views import Views, view_of
 from kilolined.core.errors import error_response
 from kilolined.ops.runtime import Runtime
 from kilolined.wire import expect
 
 log = logging.getLogger("kilolined")
 
-OWNERS_MAX = 10_000  # prompts remembered per route (the oldest are forgotten first)
 WS_MAX_MSG = 64 * 1024 * 1024
 STATE_KEY = "comfyui"
-
-
-class PromptOwners:
-    """prompt_id → (subject, node) of one route, bounded, most recent last."""
-
-    def __init__(self, cap: int = OWNERS_MAX):
-        self.cap = cap
-        self._by_id: OrderedDict[str, tuple[str, str]] = OrderedDict()
-
-    def add(self, prompt_id: str, subject: str, node: str) -> None:
-        self._by_id[prompt_id] = (subject, node)
-        self._by_id.move_to_end(prompt_id)
-        while len(self._by_id) > self.cap:
-            self._by_id.popitem(last=False)
-
-    def node_of(self, prompt_id: Any, subject: str) -> str | None:
-        """The node of ``prompt_id`` if ``subject`` submitted it, else None."""
-        got = self._by_id.get(prompt_id) if isinstance(prompt_id, str) else None
-        return got[1] if got is not None and got[0] == subject else None
-
-    def mine(self, subject: str) -> dict[str, str]:
-        return {pid: node for pid, (who, node) in self._by_id.items() if who == subject}
+MONITOR_WAIT_SEC = 2.0  # a client's socket or a prompt waits this long at most for the nodes' monitors
+FEATURES_FALLBACK = {"supports_preview_metadata": True}
 
 
 class NodeActivity:
@@ -98,53 +85,6 @@ class NodeActivity:
         return len(self._last)
 
 
-class RelayWatch:
-    """A client's /ws relayed from ``node`` (wsproxy.proxy_websocket): every frame from the node
-    is a sign of its life, and while it is open the client id it listens under (its
-    ``clientId``, else the ``sid`` of the node's first ``status``) has a sync prompt's progress
-    pass through the gateway, so that prompt can be watched for a stall."""
-
-    __slots__ = ("_asked", "_loop", "_open", "client_id", "node", "state")
-
-    def __init__(self, state: ComfyState, node: str, client_id: str | None):
-        self.state, self.node = state, node
-        self.client_id = client_id or None
-        self._asked = self.client_id is not None  # ComfyUI names the socket in its first frame otherwise
-        self._open = False
-        self._loop = asyncio.get_running_loop()
-
-    def opened(self) -> None:
-        self._open = True
-        if self.client_id is not None:
-            self.state.relay_opened(self.node, self.client_id)
-
-    def frame(self, data: str | bytes) -> None:
-        self.state.activity.seen(self.node, self._loop.time())
-        if not self._asked and isinstance(data, str):
-            self._asked = True
-            sid = _sid(data)
-            if sid is not None:
-                self.client_id = sid
-                if self._open:
-                    self.state.relay_opened(self.node, sid)
-
-    def closed(self) -> None:
-        if self._open and self.client_id is not None:
-            self.state.relay_closed(self.node, self.client_id)
-        self._open = False
-
-
-def _sid(raw: str) -> str | None:
-    """The client id ComfyUI gave a socket without one: its first frame's ``status.sid``."""
-    try:
-        msg = orjson.loads(raw)
-    except orjson.JSONDecodeError:
-        return None
-    data = msg.get("data") if isinstance(msg, dict) and msg.get("type") == "status" else None
-    sid = data.get("sid") if isinstance(data, dict) else None
-    return sid if isinstance(sid, str) and sid else None
-
-
 class ComfyState:
     """What the ComfyUI adapter keeps across requests of one runtime."""
 
@@ -153,28 +93,41 @@ class ComfyState:
         self.monitors = Monitors(rt.spawn)
         self.routes: dict[str, PromptOwners] = {}
         self.activity = NodeActivity()
-        #: (node, client id) → the client's sockets relayed from that node now
-        self.relays: dict[tuple[str, str], int] = {}
-
-    def relay_opened(self, node: str, client_id: str) -> None:
-        self.relays[node, client_id] = self.relays.get((node, client_id), 0) + 1
-
-    def relay_closed(self, node: str, client_id: str) -> None:
-        left = self.relays.get((node, client_id), 0) - 1
-        if left > 0:
-            self.relays[node, client_id] = left
-        else:
-            self.relays.pop((node, client_id), None)
-
-    def relayed(self, node: str, client_id: str) -> bool:
-        """A socket listening as ``client_id`` is relayed through the gateway from ``node`` now."""
-        return (node, client_id) in self.relays
+        #: the client id every prompt is sent under, on every node: the monitors listen as it
+        self.hub_id = f"kilolined-monitor-{uuid.uuid4().hex}"
+        self.hub = Hub(self.owners, self.routes_of, functools.partial(executed_for_client, rt))
 
     def owners(self, route: str) -> PromptOwners:
         got = self.routes.get(route)
         if got is None:
             got = self.routes[route] = PromptOwners()
         return got
+
+    def routes_of(self, node: str) -> list[str]:
+        """The routes whose record may hold prompts on ``node`` (its routes now, and any that has one)."""
+        sched = self.rt.scheduler.routes
+        return [r for r in self.routes if r in sched and node in sched[r].all_nodes] or \
+            [r for r, o in self.routes.items() if any(p.node == node for p in o.waiting(EVERYONE).values())]
+
+    def viewer(self, route: str, subject: str | None) -> Viewer:
+        """Whose prompts ``subject`` sees on ``route`` (None: the admin key)."""
+        rcfg = self.rt.cfg.routes.get(route)
+        return EVERYONE if subject is None or (rcfg is not None and rcfg.comfy.shared) else Viewer(subject)
+
+    async def ready(self, route: str) -> None:
+        """Start the monitors of the route's nodes and wait (briefly, once) until they listen: a
+        prompt sent before its node's monitor listens would have its first events lost."""
+        rq = self.rt.scheduler.routes.get(route)
+        if rq is None:
+            return
+        mons = [self.monitor(n) for n in rq.all_nodes if n in self.rt.scheduler.nodes]
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + MONITOR_WAIT_SEC
+        for mon in mons:
+            # Only a monitor's first attempt is waited for: a node whose socket fails costs no
+            # prompt a wait (its events are lost until the monitor connects again).
+            while not mon.tried and mon.running and loop.time() < deadline:
+                await mon.changed(mon.version, deadline - loop.time())
 
     def monitor(self, node: str) -> NodeMonitor:
         rt = self.rt
@@ -192,7 +145,59 @@ class ComfyState:
         def heard() -> None:
             self.activity.seen(node, asyncio.get_running_loop().time())
 
-        return self.monitors.get(node, lambda: NodeMonitor(node, connect, alive, heard))
+        async def frame(msg: aiohttp.WSMessage) -> None:
+            await self._frame(node, msg)
+
+        return self.monitors.get(node, lambda: NodeMonitor(node, connect, alive, heard, self.hub_id, frame))
+
+    async def _frame(self, node: str, msg: aiohttp.WSMessage) -> None:
+        """One frame of ``node``'s monitor: the record learns how its prompts end, then the hub
+        hands it on. A prompt's final ``executing`` (sent after ComfyUI wrote its history) waits
+        for its entry, so a client that reads ``/history`` on it finds the prompt there."""
+        if msg.type == aiohttp.WSMsgType.BINARY:
+            self.hub.preview(node, msg.data)
+            return
+        got = parse(msg.data)
+        if got is None:
+            return
+        kind, data = got
+        pid = data.get("prompt_id")
+        if kind == "executed" and isinstance(pid, str):
+            for route in self.hub.routes_of_prompt(node, pid):
+                p = self.owners(route).get(pid)
+                assert p is not None
+                p.output_seen = True  # lost from here on, it is not re-run elsewhere
+        if isinstance(pid, str) and (kind in ENDED or (kind == "executing" and data.get("node", "") is None)):
+            for route in self.hub.routes_of_prompt(node, pid):
+                owners = self.owners(route)
+                p = owners.get(pid)
+                assert p is not None
+                if kind == "executing" and p.entry is None:
+                    owners.end(pid, await self._entry(node, pid, p.node_number))
+                else:
+                    p.ended = True
+        self.hub.event(node, kind, data, msg.data)
+
+    async def _entry(self, node: str, pid: str, number: float | None) -> dict[str, Any] | None:
+        if node not in self.rt.scheduler.nodes:
+            return None
+        try:
+            return find_entry(await node_api(self.rt, node, "-").get_json("/history/" + quote(pid, safe="")), pid,
+                              number)
+        except NodeError:
+            return None
+
+    async def features(self, route: str) -> Any:
+        """A live node's ``/features`` (the web UI reads its upload limit there)."""
+        rq = self.rt.scheduler.routes.get(route)
+        for node in (self.rt.scheduler.usable(rq, self.rt.clock()) or rq.all_nodes) if rq is not None else ():
+            try:
+                got = await node_api(self.rt, node, "-").get_json("/features")
+            except NodeError:
+                continue
+            if isinstance(got, dict):
+                return got
+        return FEATURES_FALLBACK
 
 
 def comfy_state(rt: Runtime) -> ComfyState:
@@ -208,7 +213,7 @@ def action_of(method: str, path: str) -> str | None:
     if method != "POST":
         return None
     p = path.removeprefix("/api") if path.startswith("/api/") else path
-    if p in ("/interrupt", "/queue"):
+    if p in ("/interrupt", "/queue", "/history"):
         return p[1:]
     if path == "/api/jobs/cancel":
         return "cancel_many"
@@ -218,9 +223,27 @@ def action_of(method: str, path: str) -> str | None:
     return None
 
 
-async def control(rt: Runtime, request: web.Request, route: str, path: str, subject: str,
+def is_socket(request: web.Request, path: str) -> bool:
+    return request.method == "GET" and path in ("/ws", "/api/ws") and \
+        request.headers.get("Upgrade", "").lower() == "websocket"
+
+
+async def control(rt: Runtime, request: web.Request, route: str, path: str, subject: str | None,
                   request_id: str) -> web.StreamResponse | None:
-    """The answer to a control request, or None when ``path`` is not one."""
+    """The answer to a control request, a read view or the websocket, or None when ``path`` is
+    none of them. ``subject`` None: the admin key (sees and acts on every prompt)."""
+    state = comfy_state(rt)
+    viewer = state.viewer(route, subject)
+    headers = {"X-Request-Id": request_id}
+    if is_socket(request, path):
+        await state.ready(route)
+        return await state.hub.serve(request, route, viewer, lambda: state.features(route), headers)
+    view = view_of(request.method, path)
+    if view is not None:
+        handler, arg = view
+        resp = await handler(Views(rt, route, state.owners(route), viewer, request_id), request, arg)
+        resp.headers.update(headers)
+        return resp
     action = action_of(request.method, path)
     if action is None:
         return None
@@ -234,35 +257,57 @@ async def control(rt: Runtime, request: web.Request, route: str, path: str, subj
     except orjson.JSONDecodeError:
         body = None
     body = body if isinstance(body, dict) else {}
-    owners = comfy_state(rt).owners(route)
-    headers = {"X-Request-Id": request_id}
+    owners = state.owners(route)
+    who = viewer.subject
     try:
         if action == "interrupt":
-            await _interrupt(rt, owners, subject, body.get("prompt_id"), path, request_id)
+            await _interrupt(rt, owners, who, body.get("prompt_id"), path, request_id)
         elif action == "queue":
-            await _queue(rt, owners, subject, body, path, request_id)
+            await _queue(rt, owners, who, body, path, request_id)
+        elif action == "history":
+            await _history(rt, owners, viewer, body, path, request_id)
         elif action == "cancel":
             jid = path.split("/")[3]
-            node = owners.node_of(jid, subject)
+            node = owners.node_of(jid, who)
             if node is None or node not in rt.scheduler.nodes:
                 return web.json_response({"cancelled": False}, headers=headers)
             status, answer, ctype = await node_api(rt, node, request_id).post(path, {})
+            if status in (404, 405):  # a build without the cancel endpoint (0.19.3): interrupt or dequeue
+                return web.json_response({"cancelled": await _cancel(rt, node, jid, request_id)}, headers=headers)
             return web.Response(status=status, body=answer, headers={**headers, "Content-Type": ctype})
         else:
             ids = body.get("job_ids")
             if not isinstance(ids, list):
                 return web.json_response({"error": "job_ids must be a list"}, status=400, headers=headers)
             cancelled = False
-            for node, pids in _by_node(rt, owners, subject, ids).items():
+            for node, pids in _by_node(rt, owners, who, ids).items():
                 status, answer, _ = await node_api(rt, node, request_id).post(path, {"job_ids": pids})
-                cancelled |= status == 200 and b"true" in answer
+                if status in (404, 405):
+                    for pid in pids:
+                        cancelled |= await _cancel(rt, node, pid, request_id)
+                else:
+                    cancelled |= status == 200 and b"true" in answer
             return web.json_response({"cancelled": cancelled}, headers=headers)
     except NodeError as e:
         return error_response(502, "upstream_error", e.reason, request_id=request_id)
     return web.Response(status=200, headers=headers)
 
 
-def _by_node(rt: Runtime, owners: PromptOwners, subject: str, ids: list[Any]) -> dict[str, list[str]]:
+async def _cancel(rt: Runtime, node: str, pid: str, request_id: str) -> bool:
+    """Cancel one prompt where the node has no jobs API: interrupt it if it runs, else dequeue it."""
+    api = node_api(rt, node, request_id)
+    queue = await api.get_json("/queue")
+    queue = queue if isinstance(queue, dict) else {}
+    if pid in all_ids(queue.get("queue_running")):
+        await api.post("/interrupt", {"prompt_id": pid})
+        return True
+    if pid in all_ids(queue.get("queue_pending")):
+        await api.post("/queue", {"delete": [pid]})
+        return True
+    return False
+
+
+def _by_node(rt: Runtime, owners: PromptOwners, subject: str | None, ids: list[Any]) -> dict[str, list[str]]:
     out: dict[str, list[str]] = {}
     for pid in ids:
         node = owners.node_of(pid, subject)
@@ -271,7 +316,7 @@ def _by_node(rt: Runtime, owners: PromptOwners, subject: str, ids: list[Any]) ->
     return out
 
 
-async def _queues(rt: Runtime, owners: PromptOwners, subject: str,
+async def _queues(rt: Runtime, owners: PromptOwners, subject: str | None,
                   request_id: str) -> list[tuple[NodeAPI, dict[str, Any], set[str]]]:
     """(node, its /queue, the subject's prompt ids on it) for every node holding one of them."""
     nodes: dict[str, set[str]] = {}
@@ -289,7 +334,7 @@ async def _queues(rt: Runtime, owners: PromptOwners, subject: str,
     return out
 
 
-async def _interrupt(rt: Runtime, owners: PromptOwners, subject: str, prompt_id: Any, path: str,
+async def _interrupt(rt: Runtime, owners: PromptOwners, subject: str | None, prompt_id: Any, path: str,
                      request_id: str) -> None:
     if prompt_id:
         node = owners.node_of(prompt_id, subject)
@@ -303,7 +348,7 @@ async def _interrupt(rt: Runtime, owners: PromptOwners, subject: str, prompt_id:
                 await api.post(path, {"prompt_id": pid})
 
 
-async def _queue(rt: Runtime, owners: PromptOwners, subject: str, body: dict[str, Any], path: str,
+async def _queue(rt: Runtime, owners: PromptOwners, subject: str | None, body: dict[str, Any], path: str,
                  request_id: str) -> None:
     delete = body.get("delete")
     if isinstance(delete, list):
@@ -315,3 +360,21 @@ async def _queue(rt: Runtime, owners: PromptOwners, subject: str, body: dict[str
             if pending:
                 await api.post(path, {"delete": pending})
 
+
+async def _history(rt: Runtime, owners: PromptOwners, viewer: Viewer, body: dict[str, Any], path: str,
+                   request_id: str) -> None:
+    """``POST /history``: ``clear`` forgets the viewer's history, ``delete`` the listed prompts of
+    theirs. The route's history is the gateway's: a node is told to delete only the viewer's own
+    prompts, and never to clear (that would take everybody's)."""
+    ended = {pid: p.node for pid, p in owners.history(viewer)}
+    delete = body.get("delete")
+    gone = set(ended) if body.get("clear") else set()
+    if isinstance(delete, list):
+        gone |= {pid for pid in delete if isinstance(pid, str) and pid in ended}
+    by_node: dict[str, list[str]] = {}
+    for pid in sorted(gone):
+        owners.forget(pid)
+        if ended[pid] in rt.scheduler.nodes:
+            by_node.setdefault(ended[pid], []).append(pid)
+    for node, pids in by_node.items():
+        await node_api(rt, node, request_id).post(path, {"delete": pids})

@@ -31,6 +31,9 @@ MAX_MSG = 64 * 1024 * 1024  # previews are broadcast too
 WAKE = frozenset({"status", "execution_success", "execution_error", "execution_interrupted"})
 
 Connect = Callable[[str], Awaitable[aiohttp.ClientWebSocketResponse]]
+OnFrame = Callable[[aiohttp.WSMessage], Awaitable[None]]
+# The monitor's first frame: ComfyUI then sends previews with their prompt id (binary type 4).
+FEATURES = orjson.dumps({"type": "feature_flags", "data": {"supports_preview_metadata": True}}).decode()
 
 
 def wakes(raw: str) -> bool:
@@ -50,17 +53,22 @@ class NodeMonitor:
     """``v = mon.version; <look at the node>; await mon.changed(v, fallback)`` — no change is lost
     between the look and the wait, because the version is read first."""
 
-    __slots__ = ("_alive", "_connect", "_heard", "_waiters", "client_id", "connected", "name", "task", "version")
+    __slots__ = ("_alive", "_connect", "_heard", "_on_frame", "_waiters", "client_id", "connected", "name", "task",
+                 "tried", "version")
 
     def __init__(self, name: str, connect: Connect, alive: Callable[[], bool],
-                 heard: Callable[[], None] | None = None):
+                 heard: Callable[[], None] | None = None, client_id: str | None = None,
+                 on_frame: OnFrame | None = None):
         self.name = name
         self._connect = connect
         self._alive = alive
         self._heard = heard  # told of every frame: the node is alive (the stall watch's clock)
-        self.client_id = f"kilolined-monitor-{uuid.uuid4().hex}"
+        #: the gateway's prompts are sent to the node under this id: their events come here too
+        self.client_id = client_id or f"kilolined-monitor-{uuid.uuid4().hex}"
+        self._on_frame = on_frame  # hears every frame first (comfy_hub.py: the clients' sockets)
         self.version = 0
         self.connected = False
+        self.tried = False  # its first connection attempt has ended (in a socket or a failure)
         self._waiters: set[asyncio.Future[None]] = set()
         self.task: asyncio.Task[Any] | None = None
 
@@ -101,11 +109,19 @@ class NodeMonitor:
                 raise
             except Exception as e:  # refused, handshake, timeout: the node is down or restarting
                 log.debug("[%s] monitor socket: %s", self.name, type(e).__name__)
+                if not self.tried:
+                    self.tried = True
+                    self._bump()  # whoever waits for the first attempt stops waiting
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, BACKOFF_MAX_SEC)
                 continue
             backoff = BACKOFF_MIN_SEC
-            self.connected = True
+            try:
+                await ws.send_str(FEATURES)
+            except (ConnectionError, RuntimeError):
+                await ws.close()
+                continue
+            self.connected = self.tried = True
             self._bump()  # whatever happened while we were away: look again
             try:
                 await self._follow(ws)
@@ -124,6 +140,13 @@ class NodeMonitor:
                 return  # closed or broken: reconnect
             if self._heard is not None:
                 self._heard()
+            if self._on_frame is not None:
+                try:
+                    await self._on_frame(msg)
+                except asyncio.CancelledError:
+                    raise
+                except Exception:  # one bad frame must not end the node's monitor
+                    log.exception("[%s] monitor frame", self.name)
             if msg.type == aiohttp.WSMsgType.TEXT and wakes(msg.data):
                 self._bump()
 

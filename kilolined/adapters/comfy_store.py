@@ -25,7 +25,6 @@ from multidict import CIMultiDict
 
 from kilolined.adapters.comfy_files import KINDS, OUTPUT, TEMP, RouteFile, RouteFiles, clean_subfolder, may_read
 from kilolined.cluster.comfyfiles import SharedFile
-from kilolined.core.auth import presented_key
 from kilolined.core.config import ComfyConfig
 from kilolined.ops.runtime import Runtime
 from kilolined.wire.proxy import SERVER, stream_back
@@ -122,11 +121,11 @@ def object_key(prefix: str, kind: str, subfolder: str, name: str) -> str:
     return f"{prefix}{kind}/{subfolder + '/' if subfolder else ''}{name}"
 
 
-def reader(rt: Runtime, request: web.Request, route: str, subject: str) -> Callable[[RouteFile], bool]:
-    """Whether the caller may read a file: its owner, the admin key, anyone on a shared route."""
+def reader(rt: Runtime, route: str, subject: str | None) -> Callable[[RouteFile], bool]:
+    """Whether the caller may read a file: its owner, the admin key (``subject`` None), anyone on
+    a shared route."""
     shared = files_state(rt).config(route).shared
-    admin = rt.keys.is_admin(presented_key(request))
-    return lambda f: may_read(f, subject, admin, shared)
+    return lambda f: subject is None or may_read(f, subject, False, shared)
 
 
 # --- names in what clients see ------------------------------------------------------------------
@@ -247,7 +246,7 @@ def is_view(method: str, path: str) -> bool:
     return method in ("GET", "HEAD") and path in VIEW_PATHS
 
 
-async def view(rt: Runtime, request: web.Request, route: str, subject: str,
+async def view(rt: Runtime, request: web.Request, route: str, subject: str | None,
                request_id: str) -> web.StreamResponse | None:
     """``/view`` from the route's files, or None to pass it on (an input the gateway never held:
     one of the node's own, such as ComfyUI's example.png)."""
@@ -265,7 +264,7 @@ async def view(rt: Runtime, request: web.Request, route: str, subject: str,
         return None
     st = files_state(rt)
     files = st.files(route)
-    may = reader(rt, request, route, subject)
+    may = reader(rt, route, subject)
     f = await held(rt, route, kind, sub, filename)
     if f is None and kind == OUTPUT:
         f = await _from_bucket(st, route, files, sub, filename)

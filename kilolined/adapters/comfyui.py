@@ -5,16 +5,18 @@ with the HTTP answer would count HTTP calls, not GPU work. For jobs we submit th
 own ``client_id`` (one per attempt: a second socket with the same id steals the events), follow
 the node's ``/ws`` for that prompt id, hold the lease until the prompt is finished, then read
 ``/history/{prompt_id}``. Files in the result get gateway URLs that stream ``/view`` from the node
-that made them. In sync mode the request passes through as generic, and the lease is held until
-the history holds *this* submission's entry; the node's monitor socket (comfy_monitor.py) says
-when to look. A prompt whose node is lost before any output is re-queued by the lease scope.
-Control endpoints (/interrupt, POST /queue, job cancel) are comfy_control.py's.
+that made them. In sync mode the request passes through as generic (under the gateway's own
+client id, so that the node's monitor socket hears its events for the client's /ws: comfy_hub.py),
+and the lease is held until the history holds *this* submission's entry; the monitor says when to
+look. A prompt whose node is lost before any output is re-queued by the lease scope. Control
+endpoints, the route's history, queue and jobs views and its websocket are comfy_control.py's.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import uuid
 from collections.abc import Awaitable, Callable, Coroutine
@@ -27,12 +29,14 @@ import orjson
 from aiohttp import web
 
 from kilolined.adapters.base import Adapter, HttpAttempt
-from kilolined.adapters.comfy_control import ComfyState, NodeActivity, RelayWatch, comfy_state, control
+from kilolined.adapters.comfy_control import ComfyState, NodeActivity, comfy_state, control
 from kilolined.adapters.comfy_inputs import PromptInputs, is_upload, upload
 from kilolined.adapters.comfy_monitor import NodeMonitor
 from kilolined.adapters.comfy_node import NodeAPI, NodeError, all_ids, find_entry, lease_api, on_queue, stop_prompt
 from kilolined.adapters.comfy_progress import Progress
+from kilolined.adapters.comfy_record import ABSENT, PromptOwners, entry_as_given, without_traceback
 from kilolined.adapters.comfy_store import is_view, prompt_finished, view
+from kilolined.core.errors import error_response
 from kilolined.core.outcome import Cancelled, Failure, Result
 from kilolined.ops.runtime import Runtime
 from kilolined.scheduling.lease import LeaseScope, Sink
@@ -50,7 +54,7 @@ CONNECT_SEC = 10.0  # ws handshake; a node that cannot open a socket this fast i
 DRAIN_SEC = 1.5  # cancel: wait this long for the node to confirm the interrupt
 SUCCESS_GRACE_SEC = 2.0  # after execution_success, wait this long for the final `executing: null`
 POLL_SEC = 0.5  # job fallback when the socket dropped
-WATCH_SEC = 0.5  # a sync prompt's stall watch looks again this often (a relayed socket may open or close)
+WATCH_SEC = 0.5  # a sync prompt's stall watch looks again this often (the monitor may drop or come back)
 SYNC_POLL_SEC = 0.25  # sync hold while the node's monitor socket is down: the slot is freed this much late at worst
 MONITOR_FALLBACK_SEC = 2.0  # with the monitor up, look at history this often anyway (a missed frame)
 NODE_LOST = "node lost while running the prompt"
@@ -173,29 +177,11 @@ def _number(v: Any) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
-def _clean(data: dict[str, Any]) -> dict[str, Any]:
-    """An execution_error without the node's traceback: its frames name the node's files and
-    code, which clients have no use for (the message and the failing node stay)."""
-    return {k: v for k, v in data.items() if k != "traceback"}
-
-
-def _clean_entry(entry: dict[str, Any]) -> dict[str, Any]:
-    status = entry.get("status")
-    if not isinstance(status, dict):
-        return entry
-    messages = status.get("messages")
-    if not isinstance(messages, list):
-        return entry
-    clean = [[m[0], _clean(m[1])] if isinstance(m, list) and len(m) == 2 and isinstance(m[1], dict) else m
-             for m in messages]
-    return {**entry, "status": {**status, "messages": clean}}
-
-
 def _execution_failed(data: dict[str, Any]) -> Failure:
     message = data.get("exception_message")
     if not isinstance(message, str) or not message:
         message = f"{data.get('node_type') or 'a node'} failed on the node"
-    body = orjson.dumps({"type": "execution_error", "data": _clean(data)})
+    body = orjson.dumps({"type": "execution_error", "data": without_traceback(data)})
     return Failure("upstream_error", message.strip()[:2000], 500, body, "application/json")
 
 
@@ -211,7 +197,7 @@ def _check_status(entry: dict[str, Any]) -> None:
                 raise Cancelled("interrupted on the node")
             if m[0] == "execution_error":
                 raise _execution_failed(m[1])
-    raise Failure("upstream_error", "the prompt failed on the node", 500, orjson.dumps(_clean_entry(entry)),
+    raise Failure("upstream_error", "the prompt failed on the node", 500, orjson.dumps(entry_as_given(entry, None)),
                   "application/json")
 
 
@@ -258,6 +244,7 @@ class Submitted:
     timeout: float
     stall_sec: float | None = None  # the node's slow.stall_sec: this long without a frame is a stall
     output_seen: bool = False  # an output node ran: the prompt cannot be re-run elsewhere for free
+    tell: Callable[[aiohttp.WSMessage], None] | None = None  # hands each frame to the key's own sockets
 
 
 @dataclass
@@ -275,16 +262,6 @@ def _quiet_left(activity: NodeActivity | None, node: str, stall: float | None, n
     return max(0.001, (now if last is None else last) + stall - now)
 
 
-def _client_id(body: dict[str, Any] | None) -> tuple[bool, str | None]:
-    """(whether ComfyUI broadcasts the prompt's progress, the client id it sends it to otherwise).
-    An absent or null ``client_id`` broadcasts; any other value targets that socket alone (one
-    that is not a string, or empty, reaches no socket at all)."""
-    raw = body.get("client_id") if body is not None else None
-    if raw is None:
-        return True, None
-    return False, raw if isinstance(raw, str) and raw else None
-
-
 async def _runs(node: NodeAPI, prompt_id: str) -> bool:
     """The node says it is running the prompt now (not queued behind another, not ended)."""
     try:
@@ -300,25 +277,22 @@ def _prompt_number(data: dict[str, Any] | None) -> float | None:
 
 
 class SyncWatch:
-    """The stall watch of a sync-mode prompt (docs/CONFIG.md "Slow nodes"). Its progress frames go
-    to the client's own socket, so the gateway sees them only when ComfyUI broadcasts them (no
-    ``client_id``: the node's monitor socket hears them) or when that socket is relayed through
-    the gateway from this node. While it sees them, the node's activity (any frame from it,
-    ``NodeActivity``) is the clock; while it cannot, the silence does not count. Silent for
-    ``stall_sec`` while the node says the prompt runs (``GET /queue``): a stall."""
+    """The stall watch of a sync-mode prompt (docs/CONFIG.md "Slow nodes"). The prompt was sent
+    under the gateway's client id, so its progress frames reach the node's monitor socket. While
+    that socket is connected, the node's activity (any frame from it, ``NodeActivity``) is the
+    clock; while it is not, the silence does not count. Silent for ``stall_sec`` while the node
+    says the prompt runs (``GET /queue``): a stall."""
 
-    __slots__ = ("api", "broadcast", "client_id", "monitor", "node", "prompt_id", "stall", "state")
+    __slots__ = ("api", "monitor", "node", "prompt_id", "stall", "state")
 
     def __init__(self, state: ComfyState, node: str, api: NodeAPI, monitor: NodeMonitor, prompt_id: str,
-                 broadcast: bool, client_id: str | None, stall: float):
+                 stall: float):
         self.state, self.node, self.api, self.monitor = state, node, api, monitor
-        self.prompt_id, self.broadcast, self.client_id, self.stall = prompt_id, broadcast, client_id, stall
+        self.prompt_id, self.stall = prompt_id, stall
 
     def sees(self) -> bool:
         """Whether the prompt's progress frames reach the gateway now."""
-        if self.broadcast:
-            return self.monitor.connected
-        return self.client_id is not None and self.state.relayed(self.node, self.client_id)
+        return self.monitor.connected
 
     async def until(self, history: Coroutine[Any, Any, T], scope: LeaseScope) -> T:
         """Await ``history`` (the prompt's end); raise Failure on a stall, with the node's
@@ -384,20 +358,21 @@ class ComfyUIAdapter(Adapter):
 
     has_control = True
 
-    async def control(self, rt: Runtime, request: web.Request, route: str, path: str, subject: str,
+    async def control(self, rt: Runtime, request: web.Request, route: str, path: str, subject: str | None,
                       request_id: str) -> web.StreamResponse | None:
         # The route's files (comfy_inputs.py, comfy_store.py): held and served by the gateway.
+        # ``subject`` None is the admin key: it reads every key's files but owns none (it sends
+        # no prompt an upload could serve).
         if is_upload(request.method, path):
+            if subject is None:
+                return error_response(403, "forbidden", "the admin key reads and stops prompts here; it sends none",
+                                      request_id=request_id)
             return await upload(rt, request, route, subject, request_id)
         if is_view(request.method, path):
             answer = await view(rt, request, route, subject, request_id)
             if answer is not None:
                 return answer
         return await control(rt, request, route, path, subject, request_id)
-
-    def relay_watch(self, rt: Runtime, node: str, request: web.Request) -> RelayWatch | None:
-        # A client's /ws through the gateway: the node's frames on it are a sync prompt's progress.
-        return RelayWatch(comfy_state(rt), node, request.query.get("clientId"))
 
     # --- one prompt, in every mode ------------------------------------------------------------
     async def serve(self, rt: Runtime, scope: LeaseScope, ex: Exchange, sink: Sink) -> None:
@@ -427,6 +402,7 @@ class ComfyUIAdapter(Adapter):
         assert lease is not None
         scope.done_with_node()
         await done.sub.ws.close()
+        comfy_state(rt).owners(lease.route).end(done.sub.prompt_id, done.entry)
         _check_status(done.entry)
         steps = progress.steps_ran()
         if steps > 0:
@@ -450,8 +426,19 @@ class ComfyUIAdapter(Adapter):
 
     async def _serve_sync(self, rt: Runtime, scope: LeaseScope, ex: Exchange, sink: Sink,
                           body: dict[str, Any], inputs: PromptInputs) -> None:
-        """Pass the POST through as generic; the slot stays until the prompt is done on the node."""
-        up = await scope.acquire(InputsFirst(scope, ex, body, inputs))
+        """Pass the POST through as generic; the slot stays until the prompt is done on the node.
+
+        The node is sent the gateway's own client id (comfy_hub.py): the prompt's events reach
+        the node's monitor, and from there the client's socket on the gateway, whichever node
+        runs it; the client's own client_id is kept in the route's record. The held inputs the
+        prompt names go to the node first (``InputsFirst``), on every attempt."""
+        state = comfy_state(rt)
+        current = _json_object(ex.body_override) if ex.body_override is not None else body
+        given = body.get("client_id", ABSENT)
+        ex.body_override = orjson.dumps({**(current or body), "client_id": state.hub_id})
+        await state.ready(scope.route)
+        again = InputsFirst(scope, ex, body, inputs)
+        up = await scope.acquire(again)
         capture = bytearray()
         status = up.status
         await sink.deliver(scope, up, None, capture)
@@ -461,16 +448,11 @@ class ComfyUIAdapter(Adapter):
             return
         lease = scope.lease
         assert lease is not None
-        state = comfy_state(rt)
-        state.owners(lease.route).add(prompt_id, scope.ticket.key, lease.node)
-        node = lease_api(rt, lease, ex.request_id)
-        monitor, number = state.monitor(lease.node), _prompt_number(data)
-        # Past request_timeout_sec (or on a stall) the prompt is interrupted before the slot is freed.
-        scope.on_abort(lambda: self._stop_sync(node, monitor, prompt_id, number))
-        slow = lease.target.node.slow
-        watch = SyncWatch(state, lease.node, node, monitor, prompt_id, *_client_id(_json_object(ex.body)),
-                          slow.stall_sec) if slow is not None else None
-        scope.hold(self._hold(scope, node, monitor, prompt_id, number, watch))
+        owners = state.owners(lease.route)
+        owners.add(prompt_id, scope.ticket.key, lease.node, _prompt_number(data), given)
+        state.hub.claim(lease.node, prompt_id)  # what the node said of it before its answer came
+        state.hub.status(lease.node)  # the route's queue grew
+        scope.hold(self._hold(scope, ex, state, owners, prompt_id, _prompt_number(data), again))
 
     @staticmethod
     async def _stop_sync(node: NodeAPI, monitor: NodeMonitor, prompt_id: str, number: float | None) -> None:
@@ -481,55 +463,126 @@ class ComfyUIAdapter(Adapter):
                 async with asyncio.timeout(DRAIN_SEC):
                     await wait_history(node, prompt_id, number, SYNC_POLL_SEC, monitor)
 
-    async def _hold(self, scope: LeaseScope, node: NodeAPI, monitor: NodeMonitor, prompt_id: str,
-                    number: float | None, watch: SyncWatch | None) -> None:
-        history = wait_history(node, prompt_id, number, SYNC_POLL_SEC, monitor)
-        lease = scope.lease
-        assert lease is not None
+    async def _hold(self, scope: LeaseScope, ex: Exchange, state: ComfyState, owners: PromptOwners,
+                    prompt_id: str, number: float | None, again: InputsFirst) -> None:
+        """Keep the slot until the prompt's history entry is on its node. A node lost before the
+        prompt's first output did no work anyone saw: the prompt is re-queued (docs/API.md "Nodes
+        and failover"), sent to the next node under the same prompt id with its inputs, and held
+        there — the client, which has its answer already, follows it by that id on /ws and
+        /history."""
+        rt = scope.rt
+        entry = None
         try:
-            entry = await history if watch is None else await watch.until(history, scope)
-        except (NodeError, PromptLost) as e:
-            log.warning("[%s] lost track of a prompt (%s): slot freed", lease.node, e.reason)
-            entry = None
+            while True:
+                lease = scope.lease
+                assert lease is not None
+                node, monitor = lease_api(rt, lease, ex.request_id), state.monitor(lease.node)
+                # Past request_timeout_sec (or on a stall) the prompt is interrupted before the slot is freed.
+                scope.on_abort(functools.partial(self._stop_sync, node, monitor, prompt_id, number))
+                slow = lease.target.node.slow
+                watch = SyncWatch(state, lease.node, node, monitor, prompt_id, slow.stall_sec) \
+                    if slow is not None else None
+                history = wait_history(node, prompt_id, number, SYNC_POLL_SEC, monitor)
+                try:
+                    entry = await (history if watch is None else watch.until(history, scope))
+                    break
+                except (NodeError, PromptLost) as e:
+                    scope.done_with_node()  # nothing left there to stop
+                    p = owners.get(prompt_id)
+                    if p is None or p.output_seen or \
+                            not scope.requeue_held(NODE_LOST, lost=not isinstance(e, PromptLost)):
+                        log.warning("[%s] %s (%s): slot freed", lease.node, NODE_LOST, e.reason)
+                        return
+                    log.warning("[%s] %s (%s): re-queued", lease.node, NODE_LOST, e.reason)
+                number = await self._resubmit(scope, ex, again, prompt_id, owners)
+                moved = scope.lease
+                assert moved is not None
+                owners.moved(prompt_id, moved.node, number)
+                state.hub.status(moved.node)
+        finally:
+            owners.end(prompt_id, entry)
         scope.done_with_node()
         if entry is not None:
-            prompt_finished(scope.rt, lease.route, lease.node, entry, scope.ticket.key)  # outputs leave the node
+            prompt_finished(rt, lease.route, lease.node, entry, scope.ticket.key)  # outputs leave the node
+
+    @staticmethod
+    async def _resubmit(scope: LeaseScope, ex: Exchange, again: InputsFirst, prompt_id: str,
+                        owners: PromptOwners) -> float | None:
+        """Send a re-queued sync prompt to the node the scope leases next, under its prompt id;
+        returns the queue number that node gave it (which history entry is this run's)."""
+        current = _json_object(ex.body_override) if ex.body_override is not None else None
+        ex.body_override = orjson.dumps({**(current or {}), "prompt_id": prompt_id})
+
+        async def attempt(lease: Lease) -> UpstreamResponse:
+            # Its node in the record before the POST: the node's first events reach the client.
+            owners.moved(prompt_id, lease.node, None)
+            return await again(lease)
+
+        up = await scope.acquire(attempt)
+        scope.detach()
+        try:
+            answer, cut = await _read_body(up, ERROR_BODY_MAX)
+        except (aiohttp.ClientError, OSError, TimeoutError):
+            answer, cut = b"", True
+        finally:
+            up.release()
+        data = _json_object(answer) if up.status == 200 and not cut else None
+        if data is None or data.get("prompt_id") != prompt_id:
+            lease = scope.lease
+            raise Failure.upstream(f"node {lease.node if lease else '-'} did not take the re-queued prompt "
+                                   f"(HTTP {up.status}): {_error_message(answer, up.status)}", False)
+        return _prompt_number(data)
 
     def _attempt(self, rt: Runtime, ex: Exchange, body: dict[str, Any], scope: LeaseScope,
                  sink: Sink, progress: Progress, inputs: PromptInputs) -> Callable[[Lease], Awaitable[Finished]]:
         """Submit and follow the prompt to its end, all inside the lease scope's retry loop: a node
         lost before any output re-queues the prompt like a node that never answered."""
+        first: list[str] = []  # the prompt id of the first attempt: a re-queued prompt keeps it
+
         async def attempt(lease: Lease) -> Finished:
             progress.attempt()
             sent = await inputs.for_node(lease, body, ex.request_id)  # this node's copy of the prompt's inputs
+            if first:
+                sent = {**sent, "prompt_id": first[0]}
             sub = await self._submit(rt, lease, ex, sent, scope)
+            first[:1] = [sub.prompt_id]
             state = comfy_state(rt)
-            state.owners(lease.route).add(sub.prompt_id, scope.ticket.key, lease.node)
+            owners = state.owners(lease.route)
+            owners.add(sub.prompt_id, scope.ticket.key, lease.node, sub.number, body.get("client_id", ABSENT))
+            sub.tell = functools.partial(state.hub.relay, lease.node, sub.prompt_id)  # the client's /ws hears it
             # Timeout, cancel or error from here on: stop the prompt, and keep the slot until the
             # GPU has really stopped (interrupts land between steps); the scope runs this first.
             scope.on_abort(lambda: self._stop(sub, sink))
             try:
-                async with asyncio.timeout_at(sub.deadline):
-                    await self._watch(sink, sub, progress, activity=state.activity, node=lease.node)
-                    entry = await wait_history(sub.node, sub.prompt_id, sub.number, POLL_SEC,
-                                               state.monitor(lease.node), look_first=True)
-            except PromptStalled as e:
-                await self._stalled(scope, sub, sink, e.reason)
-            except TimeoutError:
-                raise Failure.upstream(f"node {lease.node} did not finish within {sub.timeout:g}s", True) from None
-            except (NodeError, PromptLost) as e:
-                log.warning("[%s] %s: %s", lease.node, NODE_LOST, e.reason)
-                if sub.output_seen:
-                    scope.node_failed(e.reason, mid_body=True)
-                    raise Failure.mid_response(lease.node, f"{NODE_LOST} (after its first output)") from None
-                scope.done_with_node()  # nothing left there to stop
-                await sub.ws.close()
-                # A node that answered without the prompt restarted and is back; one that does
-                # not answer is lost, and gets the prompt again only once seen alive.
-                raise UpstreamFailed(NODE_LOST, answered=isinstance(e, PromptLost)) from None
-            return Finished(sub, entry)
+                return await self._follow_to_end(state, lease, scope, sub, sink, progress)
+            except BaseException:
+                owners.end(sub.prompt_id, None)  # no entry: it failed, was stopped or moves on
+                raise
 
         return attempt
+
+    async def _follow_to_end(self, state: ComfyState, lease: Lease, scope: LeaseScope, sub: Submitted, sink: Sink,
+                             progress: Progress) -> Finished:
+        try:
+            async with asyncio.timeout_at(sub.deadline):
+                await self._watch(sink, sub, progress, activity=state.activity, node=lease.node)
+                entry = await wait_history(sub.node, sub.prompt_id, sub.number, POLL_SEC,
+                                           state.monitor(lease.node), look_first=True)
+        except PromptStalled as e:
+            await self._stalled(scope, sub, sink, e.reason)
+        except TimeoutError:
+            raise Failure.upstream(f"node {lease.node} did not finish within {sub.timeout:g}s", True) from None
+        except (NodeError, PromptLost) as e:
+            log.warning("[%s] %s: %s", lease.node, NODE_LOST, e.reason)
+            if sub.output_seen:
+                scope.node_failed(e.reason, mid_body=True)
+                raise Failure.mid_response(lease.node, f"{NODE_LOST} (after its first output)") from None
+            scope.done_with_node()  # nothing left there to stop
+            await sub.ws.close()
+            # A node that answered without the prompt restarted and is back; one that does
+            # not answer is lost, and gets the prompt again only once seen alive.
+            raise UpstreamFailed(NODE_LOST, answered=isinstance(e, PromptLost)) from None
+        return Finished(sub, entry)
 
     async def _stalled(self, scope: LeaseScope, sub: Submitted, sink: Sink, reason: str) -> None:
         """The node stopped moving on our prompt: interrupt it, then re-queue the request (the
@@ -657,6 +710,8 @@ class ComfyUIAdapter(Adapter):
                 continue  # another of our prompts on this node moved meanwhile
             if activity is not None:
                 activity.seen(node, loop.time())
+            if sub.tell is not None and msg.type in (aiohttp.WSMsgType.TEXT, aiohttp.WSMsgType.BINARY):
+                sub.tell(msg)
             if msg.type == aiohttp.WSMsgType.BINARY:
                 continue  # previews carry no prompt id; nothing for us
             if msg.type != aiohttp.WSMsgType.TEXT:

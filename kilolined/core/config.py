@@ -45,41 +45,19 @@ NOTIFY_EVENTS: tuple[NotifyEvent, ...] = get_args(NotifyEvent)
 
 # Paths that are list/status/static endpoints per kind: forwarded without a slot (docs/API.md#route-kinds).
 DEFAULT_UNQUEUED: dict[str, list[str]] = {
-    "comfyui": [
-        "/system_stats",
-        "/history*",
-        "/view*",
-        "/object_info*",
-        "/embeddings",
-        "/extensions",
-        "GET /queue",
-        "GET /prompt",
-        "/ws",
-        # Not GPU work either (measured on ComfyUI 0.19): the frontend's feature probe, uploads
-        # (every LoadImage workflow uploads first), user files, internals, the jobs list.
-        "/features",
-        "/upload/*",
-        "/userdata*",
-        "/internal/*",
-        "/api/system_stats",
-        "/api/history*",
-        "/api/view*",
-        "/api/object_info*",
-        "/api/embeddings",
-        "/api/extensions",
-        "GET /api/queue",
-        "GET /api/prompt",
-        "/api/ws",
-        "/api/features",
-        "/api/upload/*",
-        "/api/userdata*",
-        "/api/internal/*",
-        "GET /api/jobs*",
-    ],
+    # Only a prompt is GPU work (GPU_WORK below): the web UI's files and its metadata, history,
+    # files, uploads, user data and the socket are answered at once, whatever renders.
+    "comfyui": ["*"],
     # Model lists and health: never GPU work (the SDK's models.retrieve is /v1/models/{id}); the
     # /models forms are what a route with strip_path: true sees.
     "openai": ["/v1/models", "/v1/models/*", "/health", "/v1/health", "/models", "/models/*"],
     "generic": [],
+}
+
+# Requests that take a slot whatever a route's unqueued_paths say: on a comfyui route a prompt is
+# the GPU's work, and a glob that matched it would let it skip the queue and every limit.
+GPU_WORK: dict[str, frozenset[tuple[str, str]]] = {
+    "comfyui": frozenset({("POST", "/prompt"), ("POST", "/api/prompt")}),
 }
 
 DISCOVER = "discover"  # nodes.*.models: ask the node's GET /v1/models

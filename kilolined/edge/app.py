@@ -26,9 +26,9 @@ from aiohttp import web
 from kilolined.adapters.openai import affinity_of, wants_stream
 from kilolined.adapters.registry import adapter_for
 from kilolined.core.auth import presented_key
-from kilolined.core.config import RateConfig, RouteConfig
+from kilolined.core.config import GPU_WORK, RateConfig, RouteConfig
 from kilolined.core.forms import AUDIO_FORM_PATHS, FormError, form_field, is_multipart
-from kilolined.edge import admin, jobs_api, targets, usage_api
+from kilolined.edge import admin, jobs_api, page, targets, usage_api
 from kilolined.edge import guard as edge
 from kilolined.edge.connection import settle_expect
 from kilolined.edge.context import GW, RT, Gateway
@@ -60,6 +60,9 @@ Stage = Callable[[Gateway, Call], "Awaitable[web.StreamResponse | None] | web.St
 
 
 def unqueued(rcfg: RouteConfig, method: str, path: str) -> bool:
+    gpu_work = GPU_WORK.get(rcfg.kind)
+    if gpu_work is not None and (method, path) in gpu_work:
+        return False
     for pat in rcfg.unqueued:
         if " " in pat:
             m, p = pat.split(" ", 1)
@@ -100,10 +103,14 @@ def check_open(gw: Gateway, call: Call) -> web.StreamResponse | None:
 def resolve_path(gw: Gateway, call: Call) -> web.StreamResponse | None:
     """The longest route prefix; the rest of the raw path (an encoded "?" or "/" stays as sent)."""
     rt = gw.rt
-    match = rt.router.match(call.request.rel_url.raw_path)
+    match = rt.router.match(call.request.rel_url.raw_path) or page.referred_route(rt.router, rt.cfg.routes,
+                                                                                 call.request)
     if match is None:
         return call.error(404, "not_found", f"no route for {call.request.path}")
     names, tail = match
+    redirect = page.slash_redirect(rt.cfg.routes[names[0]], call.request)
+    if redirect is not None:
+        return redirect
     call.route_name = names[0]
     call.kind = rt.cfg.routes[names[0]].kind  # the same for every route of a path
     if len(names) > 1 or rt.cfg.routes[names[0]].match is not None:
@@ -128,8 +135,11 @@ def authenticate(gw: Gateway, call: Call) -> web.StreamResponse | None:
     request = call.request
     rcfg = rt.scheduler.routes[call.route_name].cfg
     if call.principal is None and rcfg.auth == "required":
-        call.principal = rt.keys.lookup(presented_key(request))
-        if call.principal is None:
+        presented = presented_key(request)
+        call.principal = rt.keys.lookup(presented)
+        if call.principal is None and rcfg.kind == "comfyui" and rt.keys.is_admin(presented):
+            call.admin = True  # sees every key's prompts (docs/API.md "ComfyUI over several GPUs")
+        elif call.principal is None:
             rt.metrics.rejections.labels(call.route, "unauthorized").inc()
             return call.error(401, "unauthorized", "missing or unknown API key")
     # On a shared path the route is known only once its body is read: choose_route checks it then.
@@ -143,8 +153,8 @@ def authenticate(gw: Gateway, call: Call) -> web.StreamResponse | None:
         return call.error(403, "forbidden", f"key {call.principal.key_id!r} may use no route of {call.request.path!r}")
     call.client_ip = client_ip(request, rt.cfg.server.trusted_proxies)
     call.trusted_peer = peer_trusted(request, rt.cfg.server.trusted_proxies)
-    call.subject = call.principal.key_id if call.principal else f"ip:{call.client_ip}"
-    call.key = call.principal.key_id if call.principal else "-"
+    call.subject = call.principal.key_id if call.principal else "admin" if call.admin else f"ip:{call.client_ip}"
+    call.key = call.principal.key_id if call.principal else "admin" if call.admin else "-"
     return None
 
 
@@ -169,11 +179,13 @@ def pass_unqueued(gw: Gateway, call: Call) -> Awaitable[web.StreamResponse | Non
 
 async def _control_or_unqueued(gw: Gateway, call: Call) -> web.StreamResponse | None:
     # Control endpoints (ComfyUI's /interrupt, POST /queue): the adapter answers them itself.
-    ctl = await call.adapter.control(gw.rt, call.request, call.route_name, call.unqueued_path, call.subject,
-                                     call.request_id)
+    ctl = await call.adapter.control(gw.rt, call.request, call.route_name, call.unqueued_path,
+                                     None if call.admin else call.subject, call.request_id)
     if ctl is not None:
         return ctl
     answer = _unqueued_answer(gw, call)
+    if answer is None and call.admin:
+        return call.error(403, "forbidden", "the admin key reads and stops prompts here; it sends none")
     return None if answer is None else await answer
 
 

@@ -31,8 +31,7 @@ async def forward_unqueued(rt: Runtime, call: Call, rcfg: RouteConfig) -> web.St
         try:
             return await proxy_websocket(
                 call.request, rt.session(node), ns.cfg.url + tail, {"X-Request-Id": call.request_id, **ns.cfg.headers},
-                response_headers={"X-Request-Id": call.request_id, "X-KiloLine-Node": node},
-                watch=call.adapter.relay_watch(rt, node, call.request))
+                response_headers={"X-Request-Id": call.request_id, "X-KiloLine-Node": node})
         except UpstreamFailed as e:
             return _failed(call, node, e)
     if call.request.can_read_body:

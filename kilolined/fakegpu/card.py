@@ -100,6 +100,7 @@ class Card:
         drift_pct_per_hour: float = 0.0,
         prefill_ms_per_1k: float = 0.0,
         prompt_cache_tokens: int = 32768,
+        previews: bool = False,
     ) -> None:
         if not (is_number(vram_gb) and vram_gb > 0 and is_number(job_vram_gb) and job_vram_gb >= 0):
             raise ValueError("vram_gb must be > 0 and job_vram_gb >= 0")
@@ -142,6 +143,7 @@ class Card:
         self.api_key = api_key or None  # openai: the key the node requires (llama.cpp --api-key)
         self.ctx_size = ctx_size  # openai: context window in tokens (llama.cpp -c)
         self.progress_min_sec = float(progress_min_sec)  # comfyui: ProgressBar throttle
+        self.previews = bool(previews)  # comfyui: a preview per sampler step (--preview-method auto)
         self.prefill_ms_per_1k = float(prefill_ms_per_1k)  # openai: GPU time per 1000 uncached prompt tokens
         self.prompt_cache_tokens = prompt_cache_tokens  # openai: prompt cache bound, in tokens (0: none)
         self.knobs = Knobs()

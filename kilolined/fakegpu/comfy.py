@@ -25,6 +25,7 @@ import asyncio
 import contextlib
 import hashlib
 import json
+import struct
 import sys
 import time
 import uuid
@@ -34,7 +35,7 @@ from urllib.parse import urlsplit
 
 from aiohttp import WSMsgType, web
 
-from kilolined.fakegpu import comfy_jobs
+from kilolined.core import comfy_jobs
 from kilolined.fakegpu.base import GIB, Job, is_int
 from kilolined.fakegpu.card import Backend
 from kilolined.fakegpu.comfy_graph import (
@@ -48,6 +49,7 @@ from kilolined.fakegpu.comfy_graph import (
     signatures,
     validate,
 )
+from kilolined.fakegpu.comfy_page import add_page_routes
 from kilolined.scheduling.costs import megapixels
 
 if TYPE_CHECKING:
@@ -115,6 +117,7 @@ class ComfyBackend(Backend):
     def __init__(self, gpu: Card) -> None:
         super().__init__(gpu)
         self.sockets: dict[str, web.WebSocketResponse] = {}
+        self.preview_metadata: set[str] = set()  # client ids that asked for previews with metadata
         self.pending: list[Prompt] = []
         self.running: list[Prompt] = []
         self.history: dict[str, dict[str, Any]] = {}
@@ -122,7 +125,7 @@ class ComfyBackend(Backend):
         self.cache: dict[str, dict[str, Any] | None] = {}  # node signature -> its UI output
         self.tasks: set[asyncio.Task[None]] = set()
         # ComfyUI sends every event through one queue and one publisher task: that is its order.
-        self.outbox: asyncio.Queue[tuple[str, dict[str, Any], str | None]] = asyncio.Queue()
+        self.outbox: asyncio.Queue[tuple[str, dict[str, Any] | bytes, str | None]] = asyncio.Queue()
         self.publisher: asyncio.Task[None] | None = None
         self.number = 0
         self.seq = 0
@@ -158,6 +161,7 @@ class ComfyBackend(Backend):
                     app.router.add_get(prefix + path, handler)  # and HEAD, as ComfyUI's routes.get
                 else:
                     app.router.add_route(method, prefix + path, handler)
+        add_page_routes(app)  # the web UI's files: no /api form
         # The jobs API exists under /api only.
         app.router.add_get("/api/jobs", self.list_jobs)
         app.router.add_post("/api/jobs/cancel", self.cancel_jobs)
@@ -206,13 +210,14 @@ class ComfyBackend(Backend):
         self.outbox = asyncio.Queue()
         self.running.clear()
         self.sockets.clear()
+        self.preview_metadata.clear()
         self.history.clear()
         self.cache.clear()
         self.number = 0
 
     # ----------------------------------------------------------------- messages
 
-    def emit(self, kind: str, data: dict[str, Any], sid: str | None) -> None:
+    def emit(self, kind: str, data: dict[str, Any] | bytes, sid: str | None) -> None:
         """ComfyUI's send_sync: `sid` None means every socket."""
         self.outbox.put_nowait((kind, data, sid))
         if self.publisher is None or self.publisher.done():
@@ -225,11 +230,14 @@ class ComfyBackend(Backend):
             for ws in targets:
                 await self._send(ws, kind, data)
 
-    async def _send(self, ws: web.WebSocketResponse, kind: str, data: dict[str, Any]) -> None:
+    async def _send(self, ws: web.WebSocketResponse, kind: str, data: dict[str, Any] | bytes) -> None:
         if ws.closed:
             return
         try:
-            await ws.send_str(json.dumps({"type": kind, "data": data}))
+            if isinstance(data, bytes):
+                await ws.send_bytes(data)
+            else:
+                await ws.send_str(json.dumps({"type": kind, "data": data}))
         except (ConnectionError, RuntimeError):
             pass  # the socket went away; ComfyUI just drops the message too
 
@@ -433,6 +441,20 @@ class ComfyBackend(Backend):
             last_time, last_value = now, value
             self._progress_state(prompt, node_id, "running", value, steps)
             self.emit("progress", {"value": value, "max": steps, "prompt_id": pid, "node": node_id}, prompt.client_id)
+            if gpu.previews and prompt.client_id:
+                self._preview(prompt, node_id, value)
+
+    def _preview(self, prompt: Prompt, node_id: str, step: int) -> None:
+        """A sampler step's preview to the prompt's client only, as ComfyUI sends it: binary type 4
+        (metadata naming the prompt) to a socket that asked for it, else type 1 (format, image)."""
+        image = make_png(f"preview/{prompt.prompt_id}/{node_id}/{step}")
+        if prompt.client_id in self.preview_metadata:
+            meta = json.dumps({"node_id": node_id, "prompt_id": prompt.prompt_id, "display_node_id": node_id,
+                               "parent_node_id": None, "real_node_id": node_id, "image_type": "image/png"}).encode()
+            frame = struct.pack(">II", 4, len(meta)) + meta + image
+        else:
+            frame = struct.pack(">II", 1, 2) + image  # PREVIEW_IMAGE, PNG
+        self.emit("preview", frame, prompt.client_id)
 
     def _output(self, prompt: Prompt, node_id: str) -> None:
         ui = {"images": self._make_images(prompt, node_id)}
@@ -516,6 +538,7 @@ class ComfyBackend(Backend):
         ws = web.WebSocketResponse()
         await ws.prepare(request)
         self.sockets[client_id] = ws  # a second socket with this id replaces the first
+        self.preview_metadata.discard(client_id)  # and starts without feature flags
         try:
             status = {"exec_info": {"queue_remaining": self.queue_remaining()}}
             await self._send(ws, "status", {"status": status, "sid": client_id})
@@ -530,11 +553,15 @@ class ComfyBackend(Backend):
                     message = json.loads(msg.data)
                     # Only a first frame negotiates features, as in ComfyUI.
                     if first and isinstance(message, dict) and message.get("type") == "feature_flags":
+                        flags = message.get("data")
+                        if isinstance(flags, dict) and flags.get("supports_preview_metadata") is True:
+                            self.preview_metadata.add(client_id)
                         await self._send(ws, "feature_flags", dict(FEATURES))
                 first = False
         finally:
             if self.sockets.get(client_id) is ws:
                 del self.sockets[client_id]
+                self.preview_metadata.discard(client_id)
         return ws
 
     # ----------------------------------------------------------------- other endpoints
@@ -671,32 +698,19 @@ class ComfyBackend(Backend):
 
     # ----------------------------------------------------------------- the jobs API (/api/jobs)
 
-    def _jobs(self) -> list[dict[str, Any]]:
-        return ([comfy_jobs.from_queue(p.queue_item(), comfy_jobs.IN_PROGRESS) for p in self.running]
-                + [comfy_jobs.from_queue(p.queue_item(), comfy_jobs.PENDING) for p in self.pending]
-                + [comfy_jobs.from_history(pid, entry) for pid, entry in self.history.items()])
+    def _queues(self) -> tuple[list[list[Any]], list[list[Any]]]:
+        pending = sorted(self.pending, key=lambda p: (p.number, p.seq))
+        return [p.queue_item() for p in self.running], [p.queue_item() for p in pending]
 
     async def list_jobs(self, request: web.Request) -> web.Response:
-        query = request.query
-        wanted = {s for s in query.get("status", "").split(",") if s} or set(comfy_jobs.STATUSES)
-        try:
-            offset = max(int(query.get("offset", "0")), 0)
-            limit = int(query["limit"]) if "limit" in query else None
-        except ValueError:
-            return web.json_response({"error": "limit and offset must be integers"}, status=400)
-        jobs = [job for job in self._jobs() if job["status"] in wanted]
-        jobs.sort(key=lambda job: job.get("create_time") or 0, reverse=query.get("sort_order", "desc") != "asc")
-        return web.json_response(comfy_jobs.page(jobs, offset, limit))
+        running, pending = self._queues()
+        status, body = comfy_jobs.listing(running, pending, list(self.history.items()), request.query)
+        return web.json_response(body, status=status)
 
     async def get_job(self, request: web.Request) -> web.Response:
-        job_id = request.match_info["job_id"]
-        for prompt, status in [*((p, comfy_jobs.IN_PROGRESS) for p in self.running),
-                               *((p, comfy_jobs.PENDING) for p in self.pending)]:
-            if prompt.prompt_id == job_id:
-                return web.json_response(comfy_jobs.from_queue(prompt.queue_item(), status))
-        if job_id in self.history:
-            return web.json_response(comfy_jobs.from_history(job_id, self.history[job_id], include_outputs=True))
-        return web.json_response({"error": "Job not found"}, status=404)
+        job = comfy_jobs.find(request.match_info["job_id"], *self._queues(), self.history)
+        return web.json_response(job if job is not None else {"error": "Job not found"},
+                                 status=200 if job is not None else 404)
 
     def _cancel(self, job_id: Any) -> bool:
         running = [p for p in self.running if p.prompt_id == job_id]

@@ -49,6 +49,7 @@ class Call:
     route_choices: tuple[str, ...] = ()  # routes sharing the path whose match may hold (routing.py)
     model: str | None = None  # the body's model, read when the route's nodes declare models (models.py)
     swap: bool | None = None  # its node had to load the model; None when the node has no model state
+    admin: bool = False  # the admin key on a comfyui route: reads and stops every prompt, sends none
 
     @property
     def key_id(self) -> str | None:

@@ -143,7 +143,7 @@ TRANSITIONS: dict[str, frozenset[str]] = {
     S_WAITING: frozenset((S_ATTEMPTING, S_RELEASED)),
     S_ATTEMPTING: frozenset((S_HELD, S_WAITING, S_EXPIRED, S_RELEASED)),
     S_HELD: frozenset((S_WAITING, S_DETACHED, S_EXPIRED, S_RELEASED)),
-    S_DETACHED: frozenset((S_EXPIRED, S_RELEASED)),
+    S_DETACHED: frozenset((S_WAITING, S_EXPIRED, S_RELEASED)),
     S_EXPIRED: frozenset((S_RELEASED,)),
     S_RELEASED: frozenset(),
 }
@@ -175,6 +175,7 @@ class LeaseScope:
         held       ─▶ detached     the lease outlives the handler (``hold``)
         held       ─▶ expired      the deadline passed while the answer was passed on
         held       ─▶ released     the scope ended: the slot is given back
+        detached   ─▶ waiting      the held work's node failed before it did visible work: re-queued
         detached   ─▶ expired      the deadline passed while the hold waited
         detached   ─▶ released     the hold ended
         expired    ─▶ released     the cleanups ran; the slot is given back
@@ -375,6 +376,26 @@ class LeaseScope:
         log.warning("⚡ [%s] %s — stream continued elsewhere (%s)", lease.node, reason, lease.route)
         self._rerouted = (lease.node, reason)
         self._requeue(lease, lost=True)
+
+    def requeue_held(self, reason: str, lost: bool) -> bool:
+        """(In a ``hold``) the node failed the work the lease was kept for, before the work did
+        anything its client can see (a ComfyUI prompt lost before any output, after the HTTP
+        answer that named it): the verdict on the node, then back to the head of the queue as a
+        re-queue, which it counts as. False when the re-queues are spent (the hold ends as it
+        is). After True, ``acquire`` runs the work's next attempt and ``detach`` keeps it held."""
+        lease = self.lease
+        assert lease is not None and self.state == S_DETACHED
+        self.node_failed(reason)
+        if self.ticket.requeues >= lease.target.route.retry_on_failover:
+            return False
+        log.warning("⚡ [%s] %s — re-queued (%s)", lease.node, reason, lease.route)
+        self._rerouted = (lease.node, reason)
+        self._requeue(lease, lost=lost)
+        return True
+
+    def detach(self) -> None:
+        """(In a ``hold``) the re-queued work's new lease is held by the same hold."""
+        self._to(S_DETACHED)
 
     async def _wait(self) -> Lease:
         t = self.ticket

@@ -4,14 +4,18 @@ A node names its own address in ``Location`` (a redirect), ``Content-Location`` 
 (pagination, preload hints). Relayed as sent, they would hand the client the GPU's address,
 which it cannot reach and must not learn. As nginx's ``proxy_redirect default`` does for
 ``Location``, a URL that starts with the node's URL (its scheme, host, port and base path) is
-rewritten to the same resource under the route's path; any other URL passes as sent. Bodies
-are not rewritten (docs/API.md "Forwarding").
+rewritten to the same resource under the route's path. A root-relative URL (``/x``) means the
+node's own origin too, which the client knows only as the route: it gets the route's prefix
+(wire/redirects.py). ``for_client`` is the one rewrite each URL gets; any other URL passes as
+sent. Bodies are not rewritten (docs/API.md "Forwarding").
 """
 
 from __future__ import annotations
 
 import functools
 import re
+
+from kilolined.wire.redirects import keep_prefix
 
 _DEFAULT_PORT = {"http": "80", "https": "443"}
 _LINK_TARGET = re.compile(r"<([^>]*)>")  # RFC 8288: each link's target between angle brackets
@@ -47,8 +51,26 @@ def to_route(url: str, node_url: str, route_path: str) -> str:
     return url
 
 
+def _origin(node_url: str) -> str:
+    """``scheme://host:port`` of the node's URL (no userinfo, no base path)."""
+    scheme, _, rest = node_url.partition("://")
+    return f"{scheme}://{rest.partition('/')[0].rsplit('@', 1)[-1]}"
+
+
+def for_client(url: str, node_url: str, route_path: str) -> str:
+    """A URL of the node's ``Location``, ``Content-Location`` or a ``Link`` target as the client
+    must see it, rewritten once: the node's own absolute URL through the route (``to_route``); a
+    root-relative path under the node's base path the same way, any other one under the route's
+    prefix (``keep_prefix``); anything else as sent."""
+    if not url.startswith("/") or url.startswith("//"):
+        return to_route(url, node_url, route_path)
+    absolute = _origin(node_url) + url
+    routed = to_route(absolute, node_url, route_path)
+    return routed if routed is not absolute else keep_prefix(url, route_path)
+
+
 def links_to_route(value: str, node_url: str, route_path: str) -> str:
-    """A ``Link`` header with every target that points at the node rewritten by ``to_route``."""
+    """A ``Link`` header with every target rewritten by ``for_client``."""
     if "<" not in value:
         return value
-    return _LINK_TARGET.sub(lambda m: f"<{to_route(m.group(1), node_url, route_path)}>", value)
+    return _LINK_TARGET.sub(lambda m: f"<{for_client(m.group(1), node_url, route_path)}>", value)

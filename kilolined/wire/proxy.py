@@ -20,7 +20,7 @@ import orjson
 from aiohttp import web
 from multidict import CIMultiDict
 
-from kilolined.wire.node_urls import links_to_route, to_route
+from kilolined.wire.node_urls import for_client, links_to_route
 from kilolined.wire.upstream import ConnectFailed, HeadTooLarge, NodePool, Stalled, UpstreamResponse
 
 HOP_BY_HOP = frozenset(
@@ -270,8 +270,8 @@ def response_headers(up: Upstream, node_url: str, route_path: str) -> CIMultiDic
                     listed.add(t.strip().lower())
             continue
         if lk in ("location", "content-location"):
-            # Redirects must not reveal the node: point them back through the route.
-            v = to_route(v, node_url, route_path)
+            # Redirects must not reveal the node, nor leave the route: back through the route.
+            v = for_client(v, node_url, route_path)
         elif lk == "link":
             v = links_to_route(v, node_url, route_path)
         out.add(k, v)

@@ -1,4 +1,5 @@
-"""WebSocket pass-through for unqueued paths (ComfyUI's ``/ws``): frames both ways, closes mirrored.
+"""WebSocket pass-through for unqueued paths: frames both ways, closes mirrored. (A comfyui
+route's ``/ws`` is the gateway's own socket instead: adapters/comfy_hub.py.)
 
 The node's socket is opened first, so a node that refuses or is unreachable gives the client a
 plain HTTP error (via UpstreamFailed) instead of an accepted socket that closes at once. The
@@ -12,7 +13,6 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Mapping
-from typing import Protocol
 
 import aiohttp
 import orjson
@@ -35,17 +35,6 @@ STRIP_WS = STRIP_REQUEST | {
 }
 _NO_STATUS = 1005  # the peer closed without a code: a normal close
 _UNSENDABLE = {_NO_STATUS, WSCloseCode.ABNORMAL_CLOSURE, 1015}  # reserved: never in a close frame
-
-
-class RelayWatch(Protocol):
-    """Hears a relayed socket's life from the node's side (ComfyUI: the node's activity, which
-    client ids listen through the gateway). Called on the relay's hot path: keep it cheap."""
-
-    def opened(self) -> None: ...
-
-    def frame(self, data: str | bytes) -> None: ...
-
-    def closed(self) -> None: ...
 
 
 def upstream_ws_headers(request: web.BaseRequest, node_headers: Mapping[str, str]) -> dict[str, str]:
@@ -71,19 +60,14 @@ def _close_code(code: int | None, abnormal: int) -> int:
 
 
 async def _pump(src: web.WebSocketResponse | aiohttp.ClientWebSocketResponse,
-                dst: web.WebSocketResponse | aiohttp.ClientWebSocketResponse, watch: RelayWatch | None = None) -> None:
-    """Copy text and binary frames until src closes (pings are answered by each side itself);
-    ``watch`` hears each one first."""
+                dst: web.WebSocketResponse | aiohttp.ClientWebSocketResponse) -> None:
+    """Copy text and binary frames until src closes (pings are answered by each side itself)."""
     while True:
         msg = await src.receive()
         try:
             if msg.type == WSMsgType.TEXT:
-                if watch is not None:
-                    watch.frame(msg.data)
                 await dst.send_str(msg.data)
             elif msg.type == WSMsgType.BINARY:
-                if watch is not None:
-                    watch.frame(msg.data)
                 await dst.send_bytes(msg.data)
             elif msg.type in (WSMsgType.CLOSE, WSMsgType.CLOSING, WSMsgType.CLOSED, WSMsgType.ERROR):
                 return
@@ -114,13 +98,11 @@ async def connect_node_ws(session: aiohttp.ClientSession, url: str, headers: Map
 
 async def proxy_websocket(request: web.Request, session: aiohttp.ClientSession, url: str,
                           headers: dict[str, str], *,
-                          response_headers: Mapping[str, str] | None = None,
-                          watch: RelayWatch | None = None) -> web.WebSocketResponse:
+                          response_headers: Mapping[str, str] | None = None) -> web.WebSocketResponse:
     """Pipe the client's websocket to ``url`` on the node; returns when either side has closed.
 
     ``headers`` are the node's (sent as given, after the client's filtered ones). Raises
     UpstreamFailed when the node's socket cannot be opened; the error holds no node address.
-    ``watch`` hears the node's frames while the relay is open.
     """
     if not web.WebSocketResponse().can_prepare(request).ok:
         # Checked before dialling the node: a broken handshake must not cost an upstream socket.
@@ -143,20 +125,13 @@ async def proxy_websocket(request: web.Request, session: aiohttp.ClientSession, 
         await upstream.close()
         raise
 
-    if watch is not None:
-        watch.opened()
-    try:
-        await _relay(client, upstream, watch)
-    finally:
-        if watch is not None:
-            watch.closed()  # even when cancelled while closing
+    await _relay(client, upstream)
     return client
 
 
-async def _relay(client: web.WebSocketResponse, upstream: aiohttp.ClientWebSocketResponse,
-                 watch: RelayWatch | None) -> None:
+async def _relay(client: web.WebSocketResponse, upstream: aiohttp.ClientWebSocketResponse) -> None:
     to_node = asyncio.create_task(_pump(client, upstream))
-    to_client = asyncio.create_task(_pump(upstream, client, watch))
+    to_client = asyncio.create_task(_pump(upstream, client))
     node_first = False
     try:
         done, _ = await asyncio.wait({to_node, to_client}, return_when=asyncio.FIRST_COMPLETED)

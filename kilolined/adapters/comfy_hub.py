@@ -1,0 +1,331 @@
+"""One websocket for a ComfyUI route: ``{path}/ws?clientId=X`` is a socket to the gateway, fed by
+every node of the route.
+
+The gateway sends every prompt to its node with its own client id (the same on every node), so
+the node's monitor socket (comfy_monitor.py), which listens under that id, receives every event
+of every prompt the gateway sent there: ``execution_*``, ``executing``, ``progress``,
+``progress_state``, ``executed`` and the binary previews. The hub hands each event to the client
+sockets that the prompt's sender would have heard it on in ComfyUI (the sender's key — or
+everyone on a ``comfy.shared`` route or for the admin key — and the ``client_id`` it sent),
+under the prompt ids it was given. ``status`` is the route's: the viewer's own prompts not yet
+ended, whatever node holds them.
+
+A node may start a prompt before its answer to the POST reached the gateway: its frames about a
+prompt the record does not know yet are kept (a few per node) until the record learns it
+(``claim``), then handed on in order.
+
+Previews: the monitor asks for ComfyUI's previews with metadata (binary type 4, which name their
+prompt), so each goes to the right client; a client that did not ask for them (no
+``feature_flags``) gets the plain form (type 1) that ComfyUI would have sent it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import struct
+import uuid
+from collections import Counter, deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+import orjson
+from aiohttp import web
+
+from kilolined.adapters.comfy_record import EVERYONE, PromptOwners, Viewer, without_traceback
+
+log = logging.getLogger("kilolined")
+
+UNCLAIMED_MAX = 64  # per node: text frames about a prompt before the record knew it (its POST's answer was in flight)
+OUTBOX_MAX = 1024  # frames waiting for a slow client; past that it is closed (it reconnects)
+OUTBOX_MAX_BYTES = 16 * 1024 * 1024  # and bytes (previews are images)
+CLIENT_MAX_MSG = 4 * 1024 * 1024
+HEARTBEAT_SEC = 30.0
+PREVIEW, PREVIEW_WITH_METADATA = 1, 4
+FORMATS = {"image/jpeg": 1, "image/png": 2}  # type-1 previews: uint32 format, then the image
+# Events ComfyUI sends about one prompt: they go where the prompt's sender listens.
+ENDED = frozenset({"execution_success", "execution_error", "execution_interrupted"})
+
+
+@dataclass(eq=False)
+class Client:
+    ws: web.WebSocketResponse
+    route: str
+    client_id: str
+    viewer: Viewer
+    metadata: bool = False  # asked for previews with metadata (binary type 4)
+    outbox: asyncio.Queue[str | bytes | None] = field(default_factory=lambda: asyncio.Queue(OUTBOX_MAX))
+    queued: int = 0  # bytes in the outbox
+    closing: bool = False
+
+    def send(self, frame: str | bytes) -> None:
+        if self.closing:
+            return
+        self.queued += len(frame)
+        if self.queued <= OUTBOX_MAX_BYTES:
+            with contextlib.suppress(asyncio.QueueFull):
+                self.outbox.put_nowait(frame)
+                return
+        log.info("a /ws client fell too far behind (%d frames, %d bytes): closed", self.outbox.qsize(), self.queued)
+        self.closing = True
+        while not self.outbox.empty():  # nothing more for it: the writer closes it next
+            self.outbox.get_nowait()
+        self.queued = 0
+        self.outbox.put_nowait(None)
+
+    def hears(self, owner: str, target: str | None) -> bool:
+        """Would ComfyUI send this client an event of a prompt by ``owner`` sent to ``target``?"""
+        if self.viewer.subject is not None and self.viewer.subject != owner:
+            return False
+        return target is None or target == self.client_id
+
+
+def parse(raw: str) -> tuple[str, dict[str, Any]] | None:
+    try:
+        msg = orjson.loads(raw)
+    except orjson.JSONDecodeError:
+        return None
+    if not isinstance(msg, dict) or not isinstance(msg.get("type"), str) or not isinstance(msg.get("data"), dict):
+        return None
+    return msg["type"], msg["data"]
+
+
+def preview_prompt(frame: bytes) -> str | None:
+    """The prompt id in a type-4 preview's metadata, if any."""
+    if len(frame) < 8 or struct.unpack(">I", frame[:4])[0] != PREVIEW_WITH_METADATA:
+        return None
+    size = struct.unpack(">I", frame[4:8])[0]
+    try:
+        meta = orjson.loads(frame[8:8 + size])
+    except orjson.JSONDecodeError:
+        return None
+    pid = meta.get("prompt_id") if isinstance(meta, dict) else None
+    return pid if isinstance(pid, str) else None
+
+
+def plain_preview(frame: bytes) -> bytes | None:
+    """A type-4 preview as ComfyUI sends it to a client without metadata (type 1 + format)."""
+    size = struct.unpack(">I", frame[4:8])[0]
+    try:
+        meta = orjson.loads(frame[8:8 + size])
+    except orjson.JSONDecodeError:
+        return None
+    mime = meta.get("image_type") if isinstance(meta, dict) else None
+    fmt = FORMATS.get(mime, 1) if isinstance(mime, str) else 1
+    return struct.pack(">II", PREVIEW, fmt) + frame[8 + size:]
+
+
+#: (route, node, owner, an ``executed`` event's data) → the data with its files under the route's
+#: names (comfy_store.py): the name the web UI asks ``/view`` for at once
+Executed = Callable[[str, str, str, dict[str, Any]], dict[str, Any]]
+
+
+def _clean(kind: str, data: dict[str, Any], raw: str, executed: Callable[[dict[str, Any]], dict[str, Any]]) -> str:
+    """The frame a client gets: an execution_error without the node's traceback, an ``executed``
+    event naming its files as the route does."""
+    if kind == "execution_error" and "traceback" in data:
+        return orjson.dumps({"type": kind, "data": without_traceback(data)}).decode()
+    if kind == "executed":
+        return orjson.dumps({"type": kind, "data": executed(data)}).decode()
+    return raw
+
+
+def status_frame(remaining: int, sid: str | None = None) -> str:
+    data: dict[str, Any] = {"status": {"exec_info": {"queue_remaining": remaining}}}
+    if sid is not None:
+        data["sid"] = sid
+    return orjson.dumps({"type": "status", "data": data}).decode()
+
+
+class Hub:
+    """The client sockets of one runtime's ComfyUI routes, and where each node's frames go."""
+
+    def __init__(self, owners: Callable[[str], PromptOwners], routes_of: Callable[[str], list[str]],
+                 executed: Executed):
+        self._owners = owners  # route → its record
+        self._routes_of = routes_of  # node → the routes it serves
+        self._executed = executed
+        self.clients: dict[str, set[Client]] = {}  # route → its sockets
+        self.current: dict[str, str] = {}  # node → the prompt it runs now (for frames that name none)
+        self.executing: dict[str, str] = {}  # node → its last `executing` frame of a prompt still running
+        #: node → (prompt id, kind, data, raw) of frames that named a prompt the record did not know yet
+        self.unclaimed: dict[str, deque[tuple[str, str, dict[str, Any], str]]] = {}
+
+    # --- the client side -------------------------------------------------------------------------
+    def remaining(self, route: str, viewer: Viewer) -> int:
+        return len(self._owners(route).waiting(viewer))
+
+    async def serve(self, request: web.Request, route: str, viewer: Viewer,
+                    features: Callable[[], Any], headers: dict[str, str]) -> web.WebSocketResponse:
+        ws = web.WebSocketResponse(autoping=True, heartbeat=HEARTBEAT_SEC, max_msg_size=CLIENT_MAX_MSG)
+        for k, v in headers.items():
+            ws.headers[k] = v
+        await ws.prepare(request)
+        client = Client(ws, route, request.query.get("clientId") or uuid.uuid4().hex, viewer)
+        client.send(status_frame(self.remaining(route, viewer), client.client_id))
+        self._now_executing(client)
+        self.clients.setdefault(route, set()).add(client)
+        writer = asyncio.ensure_future(self._write(client))
+        try:
+            first = True
+            async for msg in ws:
+                if msg.type != aiohttp.WSMsgType.TEXT:
+                    continue
+                got = parse(msg.data) if first else None
+                first = False
+                if got is not None and got[0] == "feature_flags":
+                    # As ComfyUI: only a first frame negotiates; the answer is the node's own flags.
+                    client.metadata = got[1].get("supports_preview_metadata") is True
+                    client.send(orjson.dumps({"type": "feature_flags", "data": await features()}).decode())
+        finally:
+            group = self.clients.get(route)
+            if group is not None:
+                group.discard(client)
+                if not group:
+                    del self.clients[route]
+            writer.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await writer
+        return ws
+
+    def _now_executing(self, client: Client) -> None:
+        """As ComfyUI tells a socket that (re)connects under the id of the running prompt which
+        node runs (a page reloaded mid-render shows it again)."""
+        for node, raw in self.executing.items():
+            found = self.find(node, self.current.get(node))
+            if found is not None and found[0] == client.route and client.hears(found[1], found[2]):
+                client.send(raw)
+
+    @staticmethod
+    async def _write(client: Client) -> None:
+        ws = client.ws
+        while True:
+            frame = await client.outbox.get()
+            client.queued -= len(frame) if frame is not None else 0
+            try:
+                if frame is None:
+                    await ws.close(code=aiohttp.WSCloseCode.POLICY_VIOLATION, message=b"too slow")
+                    return
+                if isinstance(frame, bytes):
+                    await ws.send_bytes(frame)
+                else:
+                    await ws.send_str(frame)
+            except (ConnectionError, RuntimeError):
+                return
+
+    # --- the node side ---------------------------------------------------------------------------
+    def status(self, node: str) -> None:
+        """The node's queue moved: every client of its routes hears its own count (one pass over
+        the route's record, not one per client)."""
+        for route in self._routes_of(node):
+            clients = self.clients.get(route)
+            if not clients:
+                continue
+            waiting = Counter(p.subject for p in self._owners(route).waiting(EVERYONE).values())
+            total = sum(waiting.values())
+            for client in clients:
+                subject = client.viewer.subject
+                client.send(status_frame(total if subject is None else waiting[subject]))
+
+    def routes_of_prompt(self, node: str, prompt_id: str) -> list[str]:
+        return [r for r in self._routes_of(node)
+                if (p := self._owners(r).get(prompt_id)) is not None and p.node == node]
+
+    def find(self, node: str, prompt_id: str | None) -> tuple[str, str, str | None] | None:
+        """(route, owner, target) of a prompt the gateway sent to ``node``."""
+        if prompt_id is None:
+            return None
+        for route in self._routes_of(node):
+            p = self._owners(route).get(prompt_id)
+            if p is not None and p.node == node:
+                return route, p.subject, p.target()
+        return None
+
+    def event(self, node: str, kind: str, data: dict[str, Any], raw: str) -> str | None:
+        """Hand one text frame of ``node`` on; returns the prompt id it is about, if one of ours."""
+        if kind == "status":
+            self.status(node)
+            return None
+        if kind == "feature_flags":
+            return None  # the node's answer to the monitor
+        pid = data.get("prompt_id")
+        if not isinstance(pid, str):
+            pid = self.current.get(node)  # `executing` on reconnect, custom nodes' events
+        if kind == "execution_start" and isinstance(pid, str):
+            self.current[node] = pid
+        found = self.find(node, pid)
+        ended = kind in ENDED or (kind == "executing" and data.get("node", "") is None)
+        if ended and self.current.get(node) == pid:
+            del self.current[node]
+            self.executing.pop(node, None)
+        elif kind == "executing" and isinstance(pid, str) and self.current.get(node) == pid:
+            self.executing[node] = raw
+        if found is None:
+            if isinstance(data.get("prompt_id"), str):
+                # A node may run a prompt before its POST's answer reached the gateway: kept until
+                # the record knows the prompt (``claim``), pushed out by newer ones.
+                held = self.unclaimed.setdefault(node, deque(maxlen=UNCLAIMED_MAX))
+                held.append((data["prompt_id"], kind, data, raw))
+            return None
+        self._deliver(found, self._clean(node, found, kind, data, raw))
+        return pid
+
+    def claim(self, node: str, prompt_id: str) -> None:
+        """The record has just learnt that ``prompt_id`` runs on ``node``: what the node already
+        said of it goes to its listeners now, in order."""
+        frames = self.unclaimed.get(node)
+        found = self.find(node, prompt_id) if frames else None
+        if frames is None or found is None:
+            return
+        rest: deque[tuple[str, str, dict[str, Any], str]] = deque(maxlen=UNCLAIMED_MAX)
+        for frame in frames:
+            pid, kind, data, raw = frame
+            if pid == prompt_id:
+                self._deliver(found, self._clean(node, found, kind, data, raw))
+            else:
+                rest.append(frame)
+        self.unclaimed[node] = rest
+
+    def relay(self, node: str, prompt_id: str, msg: aiohttp.WSMessage) -> None:
+        """A frame of an sse/async job's own socket, where every event is about its one prompt."""
+        found = self.find(node, prompt_id)
+        if found is None:
+            return
+        if msg.type == aiohttp.WSMsgType.BINARY:
+            self._preview_to(found, msg.data)
+            return
+        got = parse(msg.data) if msg.type == aiohttp.WSMsgType.TEXT else None
+        if got is None or got[0] in ("status", "feature_flags") or got[1].get("prompt_id", prompt_id) != prompt_id:
+            return
+        self._deliver(found, self._clean(node, found, got[0], got[1], msg.data))
+
+    def preview(self, node: str, frame: bytes) -> None:
+        found = self.find(node, preview_prompt(frame) or self.current.get(node))
+        if found is not None:
+            self._preview_to(found, frame)
+
+    def _preview_to(self, found: tuple[str, str, str | None], frame: bytes) -> None:
+        route, owner, target = found
+        plain: bytes | None = None
+        for client in self.clients.get(route, ()):
+            if not client.hears(owner, target):
+                continue
+            if client.metadata or struct.unpack(">I", frame[:4])[0] != PREVIEW_WITH_METADATA:
+                client.send(frame)
+            else:
+                plain = plain if plain is not None else plain_preview(frame)
+                if plain is not None:
+                    client.send(plain)
+
+    def _clean(self, node: str, found: tuple[str, str, str | None], kind: str, data: dict[str, Any], raw: str) -> str:
+        route, owner, _ = found
+        return _clean(kind, data, raw, lambda d: self._executed(route, node, owner, d))
+
+    def _deliver(self, found: tuple[str, str, str | None], raw: str) -> None:
+        route, owner, target = found
+        for client in self.clients.get(route, ()):
+            if client.hears(owner, target):
+                client.send(raw)

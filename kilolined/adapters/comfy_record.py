@@ -1,0 +1,174 @@
+"""The gateway's own record of a ComfyUI route's prompts: who sent each one, where it runs, what
+the client was told, and its history entry once it ended (no I/O).
+
+Every prompt that reaches a node through the gateway is written here when the node accepts it.
+The route's history, queue, jobs and websocket are answered from this record, merged over its
+nodes, in ComfyUI's shapes, as the client knows its prompts: under the ``number`` and the
+``client_id`` it sent (the node was sent the gateway's own client id: comfy_hub.py).
+
+Who sees what (``Viewer``): a key its own prompts, the admin key and a ``comfy.shared`` route
+everyone's. A prompt of another key is answered as ComfyUI answers a prompt that is not there.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+OWNERS_MAX = 10_000  # prompts remembered per route (the oldest are forgotten first)
+ENTRIES_MAX = 2_000  # history entries kept per route (ComfyUI's own cap is 10,000, of small entries)
+ABSENT: Any = object()  # the client sent no client_id
+
+
+@dataclass(slots=True)
+class Prompt:
+    subject: str
+    node: str
+    number: float | None = None  # the queue number the client was given
+    client_id: Any = ABSENT  # the client's own client_id (the node was sent the gateway's)
+    entry: dict[str, Any] | None = None  # its history entry as the node wrote it, once ended
+    ended: bool = False
+    output_seen: bool = False  # an output node ran (``executed``): it cannot be re-run elsewhere for free
+    node_number: float | None = None  # the number its node gave it (another after a re-queue)
+
+    def __post_init__(self) -> None:
+        if self.node_number is None:
+            self.node_number = self.number
+
+    def target(self) -> str | None:
+        """The client socket ComfyUI would send this prompt's events to ("" names none); None
+        when ComfyUI would broadcast them (no client_id, or null)."""
+        if self.client_id is ABSENT or self.client_id is None:
+            return None
+        return self.client_id if isinstance(self.client_id, str) else ""
+
+
+@dataclass(frozen=True, slots=True)
+class Viewer:
+    """Whose prompts a request sees: one subject's, or (``subject`` None) everyone's."""
+
+    subject: str | None
+
+    def sees(self, p: Prompt) -> bool:
+        return self.subject is None or p.subject == self.subject
+
+
+EVERYONE = Viewer(None)
+
+
+@dataclass
+class PromptOwners:
+    """prompt_id → Prompt of one route, bounded, most recent last; ``ended`` in the order they ended."""
+
+    cap: int = OWNERS_MAX
+    entries_cap: int = ENTRIES_MAX
+    _by_id: OrderedDict[str, Prompt] = field(default_factory=OrderedDict)
+    _ended: OrderedDict[str, None] = field(default_factory=OrderedDict)
+
+    def add(self, prompt_id: str, subject: str, node: str, number: float | None = None,
+            client_id: Any = ABSENT) -> Prompt:
+        p = self._by_id[prompt_id] = Prompt(subject, node, number, client_id)
+        self._by_id.move_to_end(prompt_id)
+        self._ended.pop(prompt_id, None)  # a reused id runs again
+        while len(self._by_id) > self.cap:
+            old, _ = self._by_id.popitem(last=False)
+            self._ended.pop(old, None)
+        return p
+
+    def moved(self, prompt_id: str, node: str, node_number: float | None) -> None:
+        """A re-queued prompt runs on ``node`` now (``node_number`` in its queue), under the id,
+        number and client id the client was given."""
+        p = self._by_id.get(prompt_id)
+        if p is not None:
+            p.node, p.node_number, p.ended, p.entry = node, node_number, False, None
+
+    def get(self, prompt_id: Any) -> Prompt | None:
+        return self._by_id.get(prompt_id) if isinstance(prompt_id, str) else None
+
+    def node_of(self, prompt_id: Any, subject: str | None) -> str | None:
+        """The node of ``prompt_id`` if ``subject`` may act on it (None: anyone), else None."""
+        p = self.get(prompt_id)
+        return p.node if p is not None and Viewer(subject).sees(p) else None
+
+    def mine(self, subject: str | None) -> dict[str, str]:
+        viewer = Viewer(subject)
+        return {pid: p.node for pid, p in self._by_id.items() if viewer.sees(p)}
+
+    def end(self, prompt_id: str, entry: dict[str, Any] | None) -> None:
+        """The prompt ended (with its history entry, when there is one)."""
+        p = self._by_id.get(prompt_id)
+        if p is None:
+            return
+        p.ended = True
+        if entry is not None:
+            p.entry = entry
+            self._ended[prompt_id] = None
+            self._ended.move_to_end(prompt_id)
+            while len(self._ended) > self.entries_cap:
+                old, _ = self._ended.popitem(last=False)
+                if (q := self._by_id.get(old)) is not None:
+                    q.entry = None
+
+    def forget(self, prompt_id: str) -> None:
+        """Out of the history (``POST /history`` delete or clear); the owner is still known."""
+        p = self._by_id.get(prompt_id)
+        if p is not None:
+            p.entry = None
+        self._ended.pop(prompt_id, None)
+
+    def waiting(self, viewer: Viewer) -> dict[str, Prompt]:
+        """The viewer's prompts that have not ended (queued or running on a node)."""
+        return {pid: p for pid, p in self._by_id.items() if not p.ended and viewer.sees(p)}
+
+    def history(self, viewer: Viewer) -> Iterator[tuple[str, Prompt]]:
+        """The viewer's ended prompts with an entry, oldest end first (ComfyUI's history order)."""
+        for pid in self._ended:
+            p = self._by_id[pid]
+            if p.entry is not None and viewer.sees(p):
+                yield pid, p
+
+
+def as_given(item: list[Any], p: Prompt) -> list[Any]:
+    """A queue item or history ``prompt`` (``[number, id, prompt, extra_data, outputs]``) as the
+    client knows it: its number, its own client_id."""
+    if len(item) < 4:
+        return item
+    out = list(item)
+    if p.number is not None:
+        out[0] = p.number
+    extra = dict(out[3]) if isinstance(out[3], dict) else {}
+    if p.client_id is ABSENT:
+        extra.pop("client_id", None)
+    else:
+        extra["client_id"] = p.client_id
+    out[3] = extra
+    return out
+
+
+def without_traceback(data: dict[str, Any]) -> dict[str, Any]:
+    """An ``execution_error`` without the node's traceback: its frames name the node's files and
+    code, which clients have no use for (the message and the failing node stay)."""
+    return {k: v for k, v in data.items() if k != "traceback"}
+
+
+#: (node, owner, entry) → the entry with its files under the route's names (comfy_store.py)
+Names = Callable[[str, str, dict[str, Any]], dict[str, Any]]
+
+
+def entry_as_given(entry: dict[str, Any], p: Prompt | None, names: Names | None = None) -> dict[str, Any]:
+    """A history entry as the client knows its prompt (``p``, when it is in the record): its
+    number and client id, its files under the route's ``names`` (what ``/view`` serves), without
+    tracebacks."""
+    if p is not None and names is not None:
+        entry = names(p.node, p.subject, entry)
+    item = entry.get("prompt")
+    out = {**entry, "prompt": as_given(item, p)} if isinstance(item, list) and p is not None else dict(entry)
+    status = entry.get("status")
+    messages = status.get("messages") if isinstance(status, dict) else None
+    if isinstance(status, dict) and isinstance(messages, list):
+        out["status"] = {**status, "messages": [
+            [m[0], without_traceback(m[1])] if isinstance(m, list) and len(m) == 2 and isinstance(m[1], dict) else m
+            for m in messages]}
+    return out

@@ -1,0 +1,145 @@
+"""ComfyUI's read endpoints of a route, answered by the gateway: one history, one queue, one jobs
+list over every node, from the route's record (comfy_record.py), in ComfyUI's shapes.
+
+- ``GET /history``, ``/history/{id}``: the viewer's ended prompts, in the order they ended; an
+  entry the record has not read yet (the prompt ended a moment ago) is asked of its node.
+- ``GET /queue``: the queues of the nodes that hold the viewer's prompts, kept to those prompts.
+- ``GET /prompt``: ``queue_remaining`` over the route (the viewer's prompts not yet ended).
+- ``GET /api/jobs``, ``/api/jobs/{id}``: ComfyUI's jobs records of the same (core/comfy_jobs.py).
+Each answers in ``/x`` and ``/api/x`` form. Another key's prompt is a prompt that is not there.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+from collections.abc import Awaitable, Callable
+from typing import Any
+from urllib.parse import quote
+
+from aiohttp import web
+
+from kilolined.adapters.comfy_node import NodeAPI, NodeError, find_entry, node_api
+from kilolined.adapters.comfy_record import Names, Prompt, PromptOwners, Viewer, as_given, entry_as_given
+from kilolined.adapters.comfy_store import history_for_client
+from kilolined.core import comfy_jobs
+from kilolined.ops.runtime import Runtime
+
+View = Callable[["Views", web.Request, str], Awaitable[web.Response]]
+
+
+def view_of(method: str, path: str) -> tuple[View, str] | None:
+    """The view that answers ``method path``, and the path's argument (a prompt id), or None."""
+    if method != "GET":
+        return None
+    plain = path[4:] if path.startswith("/api/") else path
+    if plain == "/history":
+        return Views.history, ""
+    if plain.startswith("/history/") and plain.count("/") == 2 and len(plain) > 9:
+        return Views.history_item, plain[9:]
+    if plain == "/queue":
+        return Views.queue, ""
+    if plain == "/prompt":
+        return Views.prompt, ""
+    if path == "/api/jobs":
+        return Views.jobs, ""
+    if path.startswith("/api/jobs/") and path.count("/") == 3 and len(path) > 10:
+        return Views.job, path[10:]
+    return None
+
+
+class Views:
+    def __init__(self, rt: Runtime, route: str, owners: PromptOwners, viewer: Viewer, request_id: str):
+        self.rt, self.owners, self.viewer, self.request_id = rt, owners, viewer, request_id
+        self.names: Names = functools.partial(history_for_client, rt, route)  # the route's file names
+
+    def _given(self, entry: dict[str, Any], p: Prompt) -> dict[str, Any]:
+        return entry_as_given(entry, p, self.names)
+
+    def _api(self, node: str) -> NodeAPI | None:
+        return node_api(self.rt, node, self.request_id) if node in self.rt.scheduler.nodes else None
+
+    async def _entry(self, pid: str, p: Prompt) -> dict[str, Any] | None:
+        """The prompt's history entry: the record's, else its node's if it has ended there."""
+        if p.entry is not None or p.ended:
+            return p.entry
+        api = self._api(p.node)
+        if api is None:
+            return None
+        try:
+            entry = find_entry(await api.get_json("/history/" + quote(pid, safe="")), pid, p.node_number)
+        except NodeError:
+            return None
+        if entry is not None:
+            self.owners.end(pid, entry)
+        return entry
+
+    async def _queues(self) -> tuple[list[list[Any]], list[list[Any]]]:
+        """(running, pending) items of the viewer's prompts over every node that holds one."""
+        waiting = self.owners.waiting(self.viewer)
+        nodes = sorted({p.node for p in waiting.values()})
+        apis = [(n, api) for n in nodes if (api := self._api(n)) is not None]
+        got = await asyncio.gather(*(api.get_json("/queue") for _, api in apis), return_exceptions=True)
+        running: list[list[Any]] = []
+        pending: list[list[Any]] = []
+        for (node, _), queue in zip(apis, got, strict=True):
+            if not isinstance(queue, dict):
+                if isinstance(queue, BaseException) and not isinstance(queue, Exception):
+                    raise queue
+                continue  # a node that does not answer holds nothing we can show
+            for items, out in ((queue.get("queue_running"), running), (queue.get("queue_pending"), pending)):
+                for item in items if isinstance(items, list) else ():
+                    p = waiting.get(item[1]) if isinstance(item, list) and len(item) > 1 else None
+                    if p is not None and p.node == node:
+                        out.append(as_given(item, p))
+        pending.sort(key=lambda item: item[0] if isinstance(item[0], (int, float)) else 0)
+        return running, pending
+
+    def _history(self) -> list[tuple[str, dict[str, Any]]]:
+        return [(pid, self._given(p.entry, p)) for pid, p in self.owners.history(self.viewer)
+                if p.entry is not None]
+
+    # --- the views -----------------------------------------------------------------------------
+    async def history(self, request: web.Request, _: str) -> web.Response:
+        items = self._history()
+        try:
+            max_items = int(request.query["max_items"]) if "max_items" in request.query else None
+            offset = int(request.query.get("offset", "-1"))
+        except ValueError:
+            return web.json_response({"error": "max_items and offset must be integers"}, status=400)
+        # ComfyUI's paging: a negative offset with max_items means "the last max_items".
+        if offset < 0:
+            offset = max(len(items) - max_items, 0) if max_items is not None else 0
+        end = offset + max_items if max_items is not None else None
+        return web.json_response(dict(items[offset:end]))
+
+    async def history_item(self, request: web.Request, pid: str) -> web.Response:
+        p = self.owners.get(pid)
+        entry = await self._entry(pid, p) if p is not None and self.viewer.sees(p) else None
+        return web.json_response({pid: self._given(entry, p)} if entry is not None and p is not None else {})
+
+    async def queue(self, request: web.Request, _: str) -> web.Response:
+        running, pending = await self._queues()
+        return web.json_response({"queue_running": running, "queue_pending": pending})
+
+    async def prompt(self, request: web.Request, _: str) -> web.Response:
+        return web.json_response({"exec_info": {"queue_remaining": len(self.owners.waiting(self.viewer))}})
+
+    async def jobs(self, request: web.Request, _: str) -> web.Response:
+        running, pending = await self._queues()
+        status, body = comfy_jobs.listing(running, pending, self._history(), request.query)
+        return web.json_response(body, status=status)
+
+    async def job(self, request: web.Request, pid: str) -> web.Response:
+        p = self.owners.get(pid)
+        job = None
+        if p is not None and self.viewer.sees(p):
+            entry = await self._entry(pid, p)
+            if entry is not None:
+                job = comfy_jobs.find(pid, [], [], {pid: self._given(entry, p)})
+            else:
+                running, pending = await self._queues()
+                job = comfy_jobs.find(pid, running, pending, {})
+        if job is None:
+            return web.json_response({"error": "Job not found"}, status=404)
+        return web.json_response(job)
