@@ -57,7 +57,7 @@ async def test_only_a_node_serving_the_model_is_granted_it(redis_server: RedisSe
         assert x.backend.asked == [] and y.backend.asked == ["b"] * 20  # type: ignore[attr-defined]
         assert y.stats["max_concurrent"] <= 2
         status, body = await chat(s, gateways[1], "zeta")
-        assert status == 404 and body["error"]["type"] == "not_found" and "'zeta'" in body["error"]["message"]
+        assert status == 404 and body["error"]["type"] == "model_not_found" and "'zeta'" in body["error"]["message"]
 
 
 async def warm_of(s: aiohttp.ClientSession, gw: GatewayProc, node: str) -> list[str] | None:

@@ -191,7 +191,7 @@ def test_a_model_no_node_serves_is_404_at_admission() -> None:
     s = sched([node("x", models=["a"]), node("y", models=["b"])])
     with pytest.raises(Rejected) as e:
         admit(s, "zeta")
-    assert e.value.status == 404 and e.value.type == "not_found" and "'zeta'" in e.value.message
+    assert e.value.status == 404 and e.value.type == "model_not_found" and "'zeta'" in e.value.message
     assert not s.routes["llm"].waiting
 
 
@@ -278,7 +278,7 @@ def test_collation_keeps_every_bound_and_every_slot_rule(steps: list[tuple[str, 
             try:
                 tickets.append(admit(s, arg, now, key=f"k{extra}", cost=float(extra + 1) if costed else 0.0))
             except Rejected as r:
-                assert r.type == "not_found" and arg == "d" and not two_nodes  # only y serves d
+                assert r.type == "model_not_found" and arg == "d" and not two_nodes  # only y serves d
                 continue
         elif kind == "finish":
             running = leased(tickets)

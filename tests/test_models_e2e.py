@@ -58,7 +58,7 @@ async def test_discover_reads_the_nodes_models_and_what_it_holds_loaded(
     await wait_until(discovered)
     assert (await node_state(http, gw, "box"))["warm_models"] == 1
     status, body, _ = await post(http, gw, chat("zeta"))
-    assert status == 404 and body["error"]["type"] == "not_found" and "'zeta'" in body["error"]["message"]
+    assert status == 404 and body["error"]["type"] == "model_not_found" and "'zeta'" in body["error"]["message"]
     assert gpu.backend.asked == []  # type: ignore[attr-defined]
     assert (await post(http, gw, chat("b")))[0] == 200
     assert gpu.stats["swaps"] == 1 and (await node_state(http, gw, "box"))["warm"] == ["b"]
@@ -106,7 +106,7 @@ async def test_a_model_no_node_lists_is_404_at_admission(fakegpus: Any, gateway:
     y: FakeGPU = await fakegpus("openai", models=["c"], **FAST)
     gw = await gateway(models_config({"x": (x.url, ["a", "b"]), "y": (y.url, ["c"])}))
     status, body, _ = await post(http, gw, chat("llama3.3:70b"))
-    assert status == 404 and body["error"]["type"] == "not_found"
+    assert status == 404 and body["error"]["type"] == "model_not_found"
     assert "llama3.3:70b" in body["error"]["message"] and "llm" in body["error"]["message"]
     assert x.requests == [] or all(r["path"] != "/v1/chat/completions" for r in x.requests)
     status, _, node = await post(http, gw, chat("c"))

@@ -26,6 +26,7 @@ import orjson
 from kilolined.adapters.base import Adapter, HttpAttempt, Tee
 from kilolined.core.config import RouteConfig
 from kilolined.core.outcome import Failure
+from kilolined.core.rewrite import cost_of
 from kilolined.ops.runtime import Runtime
 from kilolined.scheduling.affinity import (
     REUSED_AT_LEAST,
@@ -302,6 +303,17 @@ class StreamParser(Observer):
                 return min(cached, prompt), max(0, prompt - cached)
         return None
 
+    def split(self) -> tuple[int, int]:
+        """(prompt, completion) tokens of the answer, as ``tokens`` reads them (content chunks
+        count as completion)."""
+        u, t = self.usage, self.timings
+        if u:
+            return usage_count(u.get("prompt_tokens")) or 0, usage_count(u.get("completion_tokens")) or 0
+        if t:
+            return ((usage_count(t.get("cache_n")) or 0) + (usage_count(t.get("prompt_n")) or 0),
+                    usage_count(t.get("predicted_n")) or 0)
+        return 0, self.chunks
+
     def tokens(self) -> int:
         """The answer's tokens: usage, else llama.cpp timings, else content chunks; never negative
         and never more than MAX_USAGE_TOKENS, whatever the node claims."""
@@ -352,6 +364,9 @@ class UsageObserver(StreamParser):
         super().done(ok)
         if self.lease is not None:
             self._reuse(self.lease)
+            price = self.lease.target.node.price_per_mtok
+            if price is not None:  # a hosted API's bill (docs/CONFIG.md#overflow)
+                self.lease.ticket.usd = cost_of(self.split(), price)
         if ok and self.scope is not None:
             elapsed = self.rt.clock() - self.dispatched
             # a JSON answer's first byte is its last: only a stream tells the time to first token

@@ -1,6 +1,6 @@
 """The aiohttp application and the request pipeline, written once as a list of stages.
 
-    open → route → auth → mode → unqueued → [match] → limits → body → model → cost → admit ─▶ runner (lease scope)
+    open → route → auth → mode → unqueued → [match] → limits → body → rewrite → model → cost → admit ─▶ runner
 
 ``[match]``: on a path that several routes share, the body is read before the limits, to pick
 the route whose ``match`` holds (its limits, queue and errors are then the request's).
@@ -27,6 +27,7 @@ from kilolined.adapters.registry import adapter_for
 from kilolined.core.auth import presented_key
 from kilolined.core.config import RateConfig, RouteConfig
 from kilolined.core.forms import AUDIO_FORM_PATHS, FormError, form_field, is_multipart
+from kilolined.core.rewrite import aliased, rewrite_body
 from kilolined.edge import admin, jobs_api, targets
 from kilolined.edge import guard as edge
 from kilolined.edge.connection import settle_expect
@@ -177,7 +178,8 @@ async def _control_or_unqueued(gw: Gateway, call: Call) -> web.StreamResponse | 
 
 def _unqueued_answer(gw: Gateway, call: Call) -> Awaitable[web.StreamResponse] | None:
     rcfg = gw.rt.scheduler.routes[call.route_name].cfg
-    if call.route_choices and call.kind == "openai" and is_models_list(call.request.method, call.unqueued_path):
+    if call.kind == "openai" and (call.route_choices or renames_models(gw.rt, rcfg)) and \
+            is_models_list(call.request.method, call.unqueued_path):
         found = gw.rt.router.match(call.request.rel_url.raw_path)
         return models_union(gw.rt, call, found[0] if found else call.route_choices)
     if call.pinned_node is None and unqueued(rcfg, call.request.method, call.unqueued_path):
@@ -221,7 +223,7 @@ async def _choose_route(gw: Gateway, call: Call) -> web.StreamResponse | None:
             return request_units(rcfg.cost, rcfg.kind, ex.method, ex.tail, ex.body, headers)
 
         try:
-            if holds(rcfg.match, ex.method, headers, model, units):
+            if holds(rcfg.match, ex.method, headers, aliased(rcfg.rewrite, model), units):
                 chosen = name
                 break
         except CostTooLarge as e:
@@ -348,6 +350,43 @@ def doc_model(ex: Exchange) -> str | None:
     return None
 
 
+def renames_models(rt: Runtime, rcfg: RouteConfig) -> bool:
+    """The route, or a node of it, has a rewrite: the request's model is read and may be renamed."""
+    if rcfg.rewrite is not None:
+        return True
+    nodes = rt.scheduler.nodes
+    return any(n in nodes and nodes[n].cfg.rewrite is not None
+               for n in (*rcfg.nodes, *rcfg.standby, *rcfg.overflow_nodes))
+
+
+def rewrite_request(gw: Gateway, call: Call) -> web.StreamResponse | None:
+    """The route's rewrite (docs/CONFIG.md#rewriting-requests), before the request is routed: the
+    body the node gets (its node's rewrite follows at dispatch), and the model it is routed by.
+    The client's name is kept for the answer. A rewritten body is checked again by the adapter
+    (a rewrite that makes it invalid is 400, as the client's own would be)."""
+    ex = call.exchange
+    if ex is None or call.route_name.startswith("adhoc:"):
+        return None
+    rcfg = gw.rt.scheduler.routes[call.route_name].cfg
+    if not renames_models(gw.rt, rcfg):
+        return None
+    rw = rcfg.rewrite
+    try:
+        asked = call.model if call.model is not None else doc_model(ex)
+        new = rewrite_body(ex.body, ex.body_doc(), ex.request.headers.get("Content-Type"), rw) if rw else None
+    except FormError as e:
+        return call.error(400, "bad_request", str(e))
+    if new is not None:
+        ex.body, ex.body_override = new, None
+        try:
+            call.adapter.prepare(ex)
+        except Rejected as r:
+            return call.rejected(Rejected(r.status, r.type, f"after the route's rewrite: {r.message}"))
+    call.asked_model = asked
+    call.model = aliased(rw, asked)
+    return None
+
+
 def is_audio_form(ex: Exchange) -> bool:
     """A request to OpenAI's audio endpoints, whose form must name its model."""
     return ex.method == "POST" and ex.tail.split("?", 1)[0].endswith(AUDIO_FORM_PATHS)
@@ -363,7 +402,8 @@ def name_model(gw: Gateway, call: Call) -> web.StreamResponse | None:
     sched = gw.rt.scheduler
     rq = sched.routes[call.route_name]
     audio = is_audio_form(ex)
-    if not audio and not any(n in sched.nodes and sched.nodes[n].cfg.models is not None for n in rq.all_nodes):
+    if not audio and not any(n in sched.nodes and sched.nodes[n].cfg.models is not None
+                                for n in (*rq.all_nodes, *rq.cfg.overflow_nodes)):
         return None
     try:
         call.model = doc_model(ex)
@@ -464,7 +504,7 @@ def _admitted(gw: Gateway, call: Call, ticket: Ticket,
 
 
 PIPELINE: Sequence[Stage] = (check_open, resolve_path, authenticate, choose_mode, pass_unqueued, choose_route,
-                             check_limits, read_exchange, name_model, price, admit)
+                             check_limits, read_exchange, rewrite_request, name_model, price, admit)
 # An ad-hoc target's route is made at admission only (targets.py): the stages before it that read
 # a configured route's settings are skipped for it.
 PROXY_PIPELINE: Sequence[Stage] = (check_open, targets.resolve_target, targets.unless_adhoc(authenticate), choose_mode,
@@ -557,6 +597,8 @@ def log_access(gw: Gateway, call: Call) -> None:
         rec["affinity"] = a.outcome
     if t is not None and t.cached is not None:
         rec["cached"] = t.cached
+    if t is not None and t.usd is not None:
+        rec["usd"] = round(t.usd, 6)
     if gw.log_json:
         access_log.info(orjson.dumps(rec).decode())
     else:
@@ -565,7 +607,8 @@ def log_access(gw: Gateway, call: Call) -> None:
             "dur=%(duration_ms)dms bytes=%(bytes)d" + (" cost=%(cost)g" if call.cost is not None else "")
             + ("" if call.swap is None else " swap=true" if call.swap else " swap=false")
             + (" affinity=%(affinity)s" if "affinity" in rec else "")
-            + (" cached=%(cached)d" if "cached" in rec else ""),
+            + (" cached=%(cached)d" if "cached" in rec else "")
+            + (" usd=%(usd)g" if "usd" in rec else ""),
             rec,
         )
 

@@ -49,6 +49,8 @@ class Call:
     route_choices: tuple[str, ...] = ()  # routes sharing the path whose match may hold (routing.py)
     model: str | None = None  # the body's model, read when the route's nodes declare models (models.py)
     swap: bool | None = None  # its node had to load the model; None when the node has no model state
+    #: the model the client named, when a rewrite may rename it: the answer carries this name
+    asked_model: str | None = None
 
     @property
     def key_id(self) -> str | None:

@@ -1,0 +1,123 @@
+"""Rewriting requests end to end (docs/CONFIG.md#rewriting-requests): an alias reaches its node
+under the served name and answers under the client's (sync and stream, with the official
+`openai` SDK), default/set/strip reach the node as configured, a node's own rewrite follows the
+route's, `/v1/models` lists the aliases, a model no node serves is 404 `model_not_found`.
+Over loopback sockets to the fake OpenAI server, which keeps the bodies it got."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import aiohttp
+import openai
+import pytest
+from conftest import KEYS, auth, base_config
+
+from kilolined.fakegpu import FakeGPU
+
+FAST = {"steps": 3, "step_ms": 2}
+
+
+def llm_config(nodes: dict[str, str], **route: Any) -> dict[str, Any]:
+    cfg = base_config(nodes)
+    cfg["routes"] = {"llm": {"path": "/v1", "kind": "openai", "nodes": list(nodes), "max_concurrency": 2,
+                             "queue_timeout_sec": 30, "request_timeout_sec": 30, **route}}
+    return cfg
+
+
+def chat(model: str, **extra: Any) -> dict[str, Any]:
+    return {"model": model, "messages": [{"role": "user", "content": "hi"}], **extra}
+
+
+def bodies(gpu: FakeGPU) -> list[dict[str, Any]]:
+    return gpu.backend.bodies  # type: ignore[attr-defined,no-any-return]
+
+
+async def test_an_alias_reaches_the_node_under_the_served_name_and_answers_under_the_clients(
+        fakegpus: Any, gateway: Any) -> None:
+    gpu = await fakegpus("openai", models=["qwen2.5-7b"], **FAST)
+    cfg = llm_config({"box": gpu.url}, rewrite={"model": {"gpt-4o-mini": "qwen2.5-7b"}})
+    cfg["nodes"]["box"]["models"] = ["qwen2.5-7b"]
+    gw = await gateway(cfg)
+    client = openai.AsyncOpenAI(base_url=gw.url + "/v1", api_key=KEYS["alice"], max_retries=0)
+    answer = await client.chat.completions.create(model="gpt-4o-mini", messages=[{"role": "user", "content": "hi"}])
+    assert answer.model == "gpt-4o-mini" and answer.choices[0].message.content
+    stream = await client.chat.completions.create(model="gpt-4o-mini", stream=True,
+                                                  messages=[{"role": "user", "content": "hi"}])
+    chunks = [c async for c in stream]
+    assert chunks and {c.model for c in chunks} == {"gpt-4o-mini"}
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    # The node was sent its own name both times (the fake refuses a model it does not list).
+    assert [b["model"] for b in bodies(gpu)] == ["qwen2.5-7b", "qwen2.5-7b"]
+    listed = {m.id async for m in client.models.list()}
+    assert listed == {"qwen2.5-7b", "gpt-4o-mini"}
+    with pytest.raises(openai.NotFoundError) as e:
+        await client.chat.completions.create(model="gpt-5", messages=[{"role": "user", "content": "hi"}])
+    assert e.value.status_code == 404 and "'gpt-5'" in str(e.value)
+    assert len(bodies(gpu)) == 2  # never sent to a node that does not serve it
+    await client.close()
+
+
+async def test_default_set_and_strip_reach_the_node_as_configured(fakegpus: Any, gateway: Any,
+                                                                  http: aiohttp.ClientSession) -> None:
+    gpu = await fakegpus("openai", **FAST)
+    gw = await gateway(llm_config({"box": gpu.url}, rewrite={
+        "default": {"max_tokens": 2}, "set": {"temperature": 0.6}, "strip": ["logit_bias", "user"]}))
+    for body in (chat("m", user="u1", logit_bias={"1": 5}, temperature=1.5),
+                 chat("m", max_tokens=3, temperature=0.6)):
+        async with http.post(gw.url + "/v1/chat/completions", json=body, headers=auth()) as r:
+            assert r.status == 200, await r.text()
+    first, second = bodies(gpu)
+    assert first == {**chat("m"), "max_tokens": 2, "temperature": 0.6}
+    assert second == {**chat("m"), "max_tokens": 3, "temperature": 0.6}  # the client's own max_tokens stays
+
+
+async def test_a_nodes_rewrite_applies_after_the_routes(fakegpus: Any, gateway: Any,
+                                                        http: aiohttp.ClientSession) -> None:
+    gpu = await fakegpus("openai", **FAST)
+    cfg = llm_config({"box": gpu.url}, rewrite={"model": {"gpt-4o": "qwen"}, "set": {"temperature": 0.6}})
+    cfg["nodes"]["box"]["rewrite"] = {"model": {"qwen": "Qwen/Qwen2.5-32B-Instruct"}, "set": {"temperature": 0.2}}
+    gw = await gateway(cfg)
+    async with http.post(gw.url + "/v1/chat/completions", json=chat("gpt-4o"), headers=auth()) as r:
+        assert r.status == 200
+        assert (await r.json())["model"] == "gpt-4o"
+    assert bodies(gpu) == [{**chat("Qwen/Qwen2.5-32B-Instruct"), "temperature": 0.2}]
+    async with http.get(gw.url + "/v1/models", headers=auth()) as r:
+        assert {m["id"] for m in (await r.json())["data"]} == {"qwen", "gpt-4o"}
+
+
+async def test_a_multipart_forms_model_is_renamed(fakegpus: Any, gateway: Any, http: aiohttp.ClientSession) -> None:
+    gpu = await fakegpus("openai", models=["large-v3"], **FAST)
+    cfg = llm_config({"box": gpu.url}, rewrite={"model": {"whisper-1": "large-v3"}})
+    cfg["nodes"]["box"]["models"] = ["large-v3"]
+    gw = await gateway(cfg)
+    form = aiohttp.FormData()
+    form.add_field("model", "whisper-1")
+    form.add_field("file", b"RIFF" + bytes(40), filename="a.wav", content_type="audio/wav")
+    async with http.post(gw.url + "/v1/audio/transcriptions", data=form, headers=auth()) as r:
+        assert r.status == 200, await r.text()
+    assert gpu.backend.asked == ["large-v3"]  # type: ignore[attr-defined]
+
+
+async def test_a_rewrite_that_makes_the_body_invalid_is_400(fakegpus: Any, gateway: Any,
+                                                            http: aiohttp.ClientSession) -> None:
+    gpu = await fakegpus("openai", **FAST)
+    gw = await gateway(llm_config({"box": gpu.url}, rewrite={"set": {"n": "two"}},
+                                  cost={"unit": "json:/n", "per_unit": 1}))
+    async with http.post(gw.url + "/v1/chat/completions", json=chat("m", n=1), headers=auth()) as r:
+        body = await r.json()
+    # The cost is read from the body the node would get: the rewrite's "two" is no number.
+    assert r.status == 400 and body["error"]["type"] == "bad_request" and "/n" in body["error"]["message"]
+    assert bodies(gpu) == []
+
+
+async def test_a_model_no_node_of_the_route_serves_is_404_model_not_found(
+        fakegpus: Any, gateway: Any, http: aiohttp.ClientSession) -> None:
+    gpu = await fakegpus("openai", models=["a"], **FAST)
+    cfg = llm_config({"box": gpu.url}, rewrite={"model": {"alias": "a"}})
+    cfg["nodes"]["box"]["models"] = ["a"]
+    gw = await gateway(cfg)
+    async with http.post(gw.url + "/v1/chat/completions", json=chat("zeta"), headers=auth()) as r:
+        body = await r.json()
+    assert r.status == 404 and body["error"]["type"] == "model_not_found" and "'zeta'" in body["error"]["message"]
+    assert bodies(gpu) == []
