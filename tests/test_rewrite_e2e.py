@@ -6,12 +6,14 @@ Over loopback sockets to the fake OpenAI server, which keeps the bodies it got."
 
 from __future__ import annotations
 
+import asyncio
+import logging
 from typing import Any
 
 import aiohttp
 import openai
 import pytest
-from conftest import KEYS, auth, base_config
+from conftest import ADMIN, KEYS, auth, base_config, wait_until
 
 from kilolined.fakegpu import FakeGPU
 
@@ -121,3 +123,77 @@ async def test_a_model_no_node_of_the_route_serves_is_404_model_not_found(
         body = await r.json()
     assert r.status == 404 and body["error"]["type"] == "model_not_found" and "'zeta'" in body["error"]["message"]
     assert bodies(gpu) == []
+
+
+# --- overflow to a hosted API (docs/CONFIG.md#overflow) ------------------------------------------
+
+CLOUD_KEY = "sk-cloud-0000000000000000"
+
+
+async def overflow_gateway(fakegpus: Any, gateway: Any, when: float, local_steps: int,
+                           **route: Any) -> tuple[Any, FakeGPU, FakeGPU]:
+    """A local node (one slot, ``local_steps`` × 50 ms a request) and a "cloud" that wants its own
+    key and knows the model by its own name, as overflow for ``when`` seconds."""
+    local = await fakegpus("openai", steps=local_steps, step_ms=50)
+    cloud = await fakegpus("openai", models=["provider/qwen-72b"], api_key=CLOUD_KEY, **FAST)
+    cfg = llm_config({"local": local.url, "cloud": cloud.url}, max_concurrency=1,
+                     overflow={"nodes": ["cloud"], "when_wait_sec": when}, **route)
+    cfg["routes"]["llm"]["nodes"] = ["local"]
+    cfg["nodes"]["cloud"].update(headers={"Authorization": f"Bearer {CLOUD_KEY}"},
+                                 rewrite={"model": {"qwen": "provider/qwen-72b"}},
+                                 price_per_mtok={"input": 0.5, "output": 1.5})
+    return await gateway(cfg), local, cloud
+
+
+async def ask(http: aiohttp.ClientSession, gw: Any) -> tuple[str, dict[str, Any]]:
+    async with http.post(gw.url + "/v1/chat/completions", json=chat("qwen"), headers=auth()) as r:
+        assert r.status == 200, await r.text()
+        return r.headers["X-KiloLine-Node"], await r.json()
+
+
+async def test_a_primary_busy_longer_than_when_wait_sec_overflows_to_the_cloud(
+        fakegpus: Any, gateway: Any, http: aiohttp.ClientSession, caplog: pytest.LogCaptureFixture) -> None:
+    gw, local, cloud = await overflow_gateway(fakegpus, gateway, when=0.2, local_steps=40)  # 2 s on the gpu
+    caplog.set_level(logging.INFO, logger="kilolined.access")
+    first = asyncio.create_task(ask(http, gw))
+    await wait_until(lambda: len(bodies(local)) == 1)
+    node, body = await ask(http, gw)
+    assert node == "cloud" and body["model"] == "qwen"
+    assert [b["model"] for b in bodies(cloud)] == ["provider/qwen-72b"]  # its name, with its key (else 401)
+    assert (await first)[0] == "local"
+    line = next(r.getMessage() for r in caplog.records if " cloud " in r.getMessage())
+    usage = body["usage"]
+    usd = (usage["prompt_tokens"] * 0.5 + usage["completion_tokens"] * 1.5) / 1e6
+    assert f"usd={usd:g}" in line
+
+
+async def test_a_primary_freed_within_when_wait_sec_keeps_the_request(
+        fakegpus: Any, gateway: Any, http: aiohttp.ClientSession) -> None:
+    gw, local, cloud = await overflow_gateway(fakegpus, gateway, when=20, local_steps=4)  # 0.2 s on the gpu
+    first = asyncio.create_task(ask(http, gw))
+    await wait_until(lambda: len(bodies(local)) == 1)
+    assert (await ask(http, gw))[0] == "local"
+    assert (await first)[0] == "local"
+    for _ in range(3):  # the primary free: never the cloud
+        assert (await ask(http, gw))[0] == "local"
+    assert bodies(cloud) == []
+
+
+async def test_an_estimate_beyond_when_wait_sec_overflows_at_once(
+        fakegpus: Any, gateway: Any, http: aiohttp.ClientSession) -> None:
+    # The gpu is busy 1 s, under the 5 s bound; the route expects 60 s a request: the estimate decides.
+    gw, local, cloud = await overflow_gateway(fakegpus, gateway, when=5, local_steps=20, expected_duration_sec=60)
+    assert cloud.url
+    first = asyncio.create_task(ask(http, gw))
+    await wait_until(lambda: len(bodies(local)) == 1)
+    assert (await ask(http, gw))[0] == "cloud"
+    assert (await first)[0] == "local"
+
+
+async def test_with_the_primary_down_the_cloud_takes_it(fakegpus: Any, gateway: Any,
+                                                        http: aiohttp.ClientSession) -> None:
+    gw, local, cloud = await overflow_gateway(fakegpus, gateway, when=30, local_steps=2)
+    async with http.post(gw.url + "/admin/nodes/local/drain", headers=ADMIN) as r:
+        assert r.status == 200
+    assert (await ask(http, gw))[0] == "cloud"
+    assert bodies(local) == [] and len(bodies(cloud)) == 1
