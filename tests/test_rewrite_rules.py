@@ -66,6 +66,9 @@ def test_any_cut_of_the_stream_gives_the_same_bytes(cuts: list[int]) -> None:
     at = [0, *sorted(set(cuts)), len(STREAM)]
     out = b"".join(r.feed(STREAM[a:b]) for a, b in itertools.pairwise(at)) + r.flush()
     assert out == renamed_whole()
+    r = ModelRename('gpt-4o "mini"', sse=True)
+    tap = r.after(lambda chunk: chunk)  # the relay's per-token path
+    assert b"".join(tap(STREAM[a:b]) for a, b in itertools.pairwise(at)) + r.flush() == renamed_whole()
 
 
 def test_a_json_body_is_renamed_at_its_end() -> None:

@@ -12,6 +12,7 @@ where a ``"model"`` member is in sight.
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from typing import Any
 
 import orjson
@@ -81,17 +82,32 @@ class ModelRename:
 
     A stream (SSE) is renamed per ended line, the rest of a line held until it ends (a node
     writes whole events, so nothing is held in practice); a JSON body is held whole (up to
-    MAX_HELD) and renamed at its end."""
+    MAX_HELD) and renamed at its end. Once a member is seen, its exact spelling (``"model":"x"``,
+    the node's name as the node writes it) is replaced by one C call per piece: outside a JSON
+    string such bytes can only be that member, as every quote inside a string is escaped."""
 
-    __slots__ = ("held", "name", "sse")
+    __slots__ = ("held", "member", "name", "repl", "sse", "to")
 
     def __init__(self, client_model: str, sse: bool):
-        self.name = b'\\1' + orjson.dumps(client_model).replace(b"\\", b"\\\\")
+        self.name = orjson.dumps(client_model)
+        self.repl = b"\\1" + self.name.replace(b"\\", b"\\\\")  # a literal for re.sub
         self.sse = sse
         self.held = b""
+        self.member: bytes | None = None  # the member as the node spells it, once seen
+        self.to = b""
 
     def rename(self, data: bytes) -> bytes:
-        return _MEMBER.sub(self.name, data) if data.find(b'"model"') >= 0 else data
+        member = self.member
+        if member is not None and (n := data.count(member)) and n == data.count(b'"model"'):
+            return data.replace(member, self.to)  # every member spelled as before (the per-token case)
+        if data.find(b'"model"') < 0:
+            return data
+        m = _MEMBER.search(data)
+        if m is None:
+            return data
+        head = m.group(1)[1:]
+        self.member, self.to = m.group(0)[1:], head + self.name
+        return _MEMBER.sub(self.repl, data)
 
     def feed(self, chunk: bytes) -> bytes:
         if self.held:
@@ -101,10 +117,26 @@ class ModelRename:
                 return chunk  # not an answer that names a model: pass it on
             self.held = chunk
             return b""
-        if chunk[-1:] != b"\n":
+        if chunk and chunk[-1] != 10:  # a line not ended yet: held until it is
             end = chunk.rfind(b"\n") + 1
             chunk, self.held = chunk[:end], chunk[end:]
         return self.rename(chunk)
+
+    def after(self, tap: Callable[[bytes], bytes]) -> Callable[[bytes], bytes]:
+        """``tap``, then ``feed``, as one call: the relay's per-token path (a whole line whose
+        members are spelled as before takes one C replace, no other call)."""
+        feed, rename = self.feed, self.rename
+
+        def renamed(chunk: bytes) -> bytes:
+            out = tap(chunk)
+            if self.held or not out or out[-1] != 10:
+                return feed(out)
+            member = self.member
+            if member is not None and (n := out.count(member)) and n == out.count(b'"model"'):
+                return out.replace(member, self.to)
+            return rename(out)
+
+        return renamed
 
     def flush(self) -> bytes:
         rest, self.held = self.held, b""

@@ -12,7 +12,6 @@ The job sink lives with the jobs (``jobs.py``).
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from types import TracebackType
 
 import aiohttp
@@ -267,7 +266,7 @@ class StreamSink(SyncSink):
                 raise ClientConnectionResetError("Cannot write to closing transport")  # as aiohttp's writer
             tap = relay_tap(obs, strip)
             if rename is not None:
-                tap = _then(tap, rename.feed)
+                tap = rename.after(tap)
 
             def push(data: bytes) -> bool:
                 # The per-token path: the observer and the usage cut in one call, one write.
@@ -308,10 +307,6 @@ class StreamSink(SyncSink):
         except (ConnectionError, RuntimeError):
             pass
         return self.stream
-
-
-def _then(tap: Callable[[bytes], bytes], then: Callable[[bytes], bytes]) -> Callable[[bytes], bytes]:
-    return lambda chunk: then(tap(chunk))
 
 
 async def _renamed(request: web.Request, up: Upstream, headers: CIMultiDict[str], obs: Observer | None,
