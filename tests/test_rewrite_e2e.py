@@ -11,6 +11,7 @@ import logging
 from typing import Any
 
 import aiohttp
+import anthropic
 import openai
 import pytest
 from conftest import ADMIN, KEYS, auth, base_config, wait_until
@@ -57,6 +58,33 @@ async def test_an_alias_reaches_the_node_under_the_served_name_and_answers_under
         await client.chat.completions.create(model="gpt-5", messages=[{"role": "user", "content": "hi"}])
     assert e.value.status_code == 404 and "'gpt-5'" in str(e.value)
     assert len(bodies(gpu)) == 2  # never sent to a node that does not serve it
+    await client.close()
+
+
+async def test_an_alias_answers_under_the_clients_name_in_jobs_and_anthropic_messages(
+        fakegpus: Any, gateway: Any, http: aiohttp.ClientSession) -> None:
+    gpu = await fakegpus("openai", **FAST)
+    gw = await gateway(llm_config({"box": gpu.url}, rewrite={"model": {"claude-haiku": "qwen", "gpt-4o": "qwen"}}))
+    async with http.post(gw.url + "/v1/chat/completions", json=chat("gpt-4o"),
+                         headers={**auth(), "Prefer": "respond-async"}) as r:
+        assert r.status == 202
+        job = await r.json()
+    for _ in range(200):
+        async with http.get(gw.url + job["result_url"]) as r:
+            if r.status == 200:
+                assert (await r.json())["model"] == "gpt-4o"
+                break
+        await asyncio.sleep(0.02)
+    else:
+        raise AssertionError("the job never completed")
+    client = anthropic.AsyncAnthropic(base_url=gw.url, api_key=KEYS["alice"], max_retries=0)
+    msg = await client.messages.create(model="claude-haiku", max_tokens=3, messages=[{"role": "user", "content": "hi"}])
+    assert msg.model == "claude-haiku"
+    async with client.messages.stream(model="claude-haiku", max_tokens=3,
+                                      messages=[{"role": "user", "content": "hi"}]) as stream:
+        final = await stream.get_final_message()
+    assert final.model == "claude-haiku"
+    assert [b["model"] for b in bodies(gpu)] == ["qwen"]  # the chat completion; /v1/messages is another handler
     await client.close()
 
 
