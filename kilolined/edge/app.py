@@ -42,7 +42,7 @@ from kilolined.ops.runtime import Runtime
 from kilolined.scheduling.anthropic_body import is_anthropic_path
 from kilolined.scheduling.costs import CostTooLarge, UnitError, request_cost, request_units
 from kilolined.scheduling.limits import Taken, Verdict, seconds_to_midnight
-from kilolined.scheduling.queue import Rejected, Ticket
+from kilolined.scheduling.queue import Rejected, RouteQueue, Ticket
 from kilolined.scheduling.routing import describe, head_holds, holds
 from kilolined.wire import expect
 from kilolined.wire.proxy import SERVER, Exchange, client_ip, peer_trusted, request_id
@@ -178,8 +178,8 @@ async def _control_or_unqueued(gw: Gateway, call: Call) -> web.StreamResponse | 
 
 def _unqueued_answer(gw: Gateway, call: Call) -> Awaitable[web.StreamResponse] | None:
     rcfg = gw.rt.scheduler.routes[call.route_name].cfg
-    if call.kind == "openai" and (call.route_choices or renames_models(gw.rt, rcfg)) and \
-            is_models_list(call.request.method, call.unqueued_path):
+    if call.kind == "openai" and is_models_list(call.request.method, call.unqueued_path) and \
+            (call.route_choices or renames_models(gw.rt, gw.rt.scheduler.routes[call.route_name])):
         found = gw.rt.router.match(call.request.rel_url.raw_path)
         return models_union(gw.rt, call, found[0] if found else call.route_choices)
     if call.pinned_node is None and unqueued(rcfg, call.request.method, call.unqueued_path):
@@ -350,13 +350,14 @@ def doc_model(ex: Exchange) -> str | None:
     return None
 
 
-def renames_models(rt: Runtime, rcfg: RouteConfig) -> bool:
-    """The route, or a node of it, has a rewrite: the request's model is read and may be renamed."""
-    if rcfg.rewrite is not None:
-        return True
-    nodes = rt.scheduler.nodes
-    return any(n in nodes and nodes[n].cfg.rewrite is not None
-               for n in (*rcfg.nodes, *rcfg.standby, *rcfg.overflow_nodes))
+def renames_models(rt: Runtime, rq: RouteQueue) -> bool:
+    """The route, or a node of it, has a rewrite: the request's model is read and may be renamed.
+    Asked once per config (the route keeps the answer until its next reload)."""
+    if rq.renames is None:
+        rcfg, nodes = rq.cfg, rt.scheduler.nodes
+        rq.renames = rcfg.rewrite is not None or any(
+            n in nodes and nodes[n].cfg.rewrite is not None for n in (*rcfg.nodes, *rcfg.standby, *rcfg.overflow_nodes))
+    return rq.renames
 
 
 def rewrite_request(gw: Gateway, call: Call) -> web.StreamResponse | None:
@@ -367,10 +368,10 @@ def rewrite_request(gw: Gateway, call: Call) -> web.StreamResponse | None:
     ex = call.exchange
     if ex is None or call.route_name.startswith("adhoc:"):
         return None
-    rcfg = gw.rt.scheduler.routes[call.route_name].cfg
-    if not renames_models(gw.rt, rcfg):
+    rq = gw.rt.scheduler.routes[call.route_name]
+    if not renames_models(gw.rt, rq):
         return None
-    rw = rcfg.rewrite
+    rw = rq.cfg.rewrite
     try:
         asked = call.model if call.model is not None else doc_model(ex)
         new = rewrite_body(ex.body, ex.body_doc(), ex.request.headers.get("Content-Type"), rw) if rw else None

@@ -303,6 +303,8 @@ class RouteQueue:
         #: node -> the Target its last grant made: the next grant reuses it while both configs
         #: are still the very same objects (a reload replaces them), one frozen object less per grant
         self.targets: dict[str, Target] = {}
+        #: whether the route or one of its nodes rewrites the model (edge/app.py): asked once per config
+        self.renames: bool | None = None
 
     def target(self, node: str, cfg: NodeConfig) -> Target:
         """Where a grant on ``node`` (whose config is ``cfg``) sends its request: the route's and
@@ -316,6 +318,7 @@ class RouteQueue:
         old = self.cfg
         self.cfg = cfg
         self.targets = {}  # nodes the route no longer has are not kept
+        self.renames = None  # (every reload configures every route: a node's rewrite counts anew)
         if old.strategy != cfg.strategy or old.queue_timeout_sec != cfg.queue_timeout_sec:
             tickets = list(self.waiting.order(now))
             self.waiting = make_order(cfg)
