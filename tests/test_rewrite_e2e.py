@@ -224,3 +224,19 @@ async def test_with_the_primary_down_the_cloud_takes_it(fakegpus: Any, gateway: 
         assert r.status == 200
     assert (await ask(http, gw))[0] == "cloud"
     assert bodies(local) == [] and len(bodies(cloud)) == 1
+
+
+async def test_a_rewrite_added_by_a_reload_applies_to_the_next_request(fakegpus: Any, gateway: Any,
+                                                                       http: aiohttp.ClientSession) -> None:
+    gpu = await fakegpus("openai", **FAST)
+    cfg = llm_config({"box": gpu.url})
+    gw = await gateway(cfg)
+    async with http.post(gw.url + "/v1/chat/completions", json=chat("gpt-4o"), headers=auth()) as r:
+        assert (await r.json())["model"] == "gpt-4o"
+    cfg["nodes"]["box"]["rewrite"] = {"model": {"gpt-4o": "qwen"}}  # a node's rewrite: the route's answer changes too
+    gw.write_config(cfg)
+    async with http.post(gw.url + "/admin/reload", headers=ADMIN) as r:
+        assert r.status == 200, await r.text()
+    async with http.post(gw.url + "/v1/chat/completions", json=chat("gpt-4o"), headers=auth()) as r:
+        assert (await r.json())["model"] == "gpt-4o"
+    assert [b["model"] for b in bodies(gpu)] == ["gpt-4o", "qwen"]
