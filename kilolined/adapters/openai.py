@@ -303,16 +303,24 @@ class StreamParser(Observer):
                 return min(cached, prompt), max(0, prompt - cached)
         return None
 
-    def split(self) -> tuple[int, int]:
-        """(prompt, completion) tokens of the answer, as ``tokens`` reads them (content chunks
-        count as completion)."""
-        u, t = self.usage, self.timings
+    def token_split(self) -> tuple[int, int]:
+        """(prompt, completion) tokens of the answer, for the bill: the usage's ``prompt_tokens``
+        and ``completion_tokens`` (``input_tokens``/``output_tokens`` in Anthropic's words), else
+        llama.cpp's timings, else the content chunks as completion; what a usage gives only as a
+        total is completion past its prompt. Bounded as ``tokens``."""
+        u = self.usage
         if u:
-            return usage_count(u.get("prompt_tokens")) or 0, usage_count(u.get("completion_tokens")) or 0
-        if t:
-            return ((usage_count(t.get("cache_n")) or 0) + (usage_count(t.get("prompt_n")) or 0),
-                    usage_count(t.get("predicted_n")) or 0)
-        return 0, self.chunks
+            prompt = usage_count(u.get("prompt_tokens", u.get("input_tokens"))) or 0
+            completion = usage_count(u.get("completion_tokens", u.get("output_tokens")))
+            if completion is None:
+                completion = max(0, (usage_count(u.get("total_tokens")) or 0) - prompt)
+        elif self.timings:
+            t = self.timings
+            prompt = (usage_count(t.get("cache_n")) or 0) + (usage_count(t.get("prompt_n")) or 0)
+            completion = usage_count(t.get("predicted_n")) or 0
+        else:
+            prompt, completion = 0, self.chunks
+        return min(MAX_USAGE_TOKENS, prompt), min(MAX_USAGE_TOKENS, completion)
 
     def tokens(self) -> int:
         """The answer's tokens: usage, else llama.cpp timings, else content chunks; never negative
@@ -366,7 +374,7 @@ class UsageObserver(StreamParser):
             self._reuse(self.lease)
             price = self.lease.target.node.price_per_mtok
             if price is not None:  # a hosted API's bill (docs/CONFIG.md#overflow)
-                self.lease.ticket.usd = cost_of(self.split(), price)
+                self.lease.ticket.usd = cost_of(self.token_split(), price)
         if ok and self.scope is not None:
             elapsed = self.rt.clock() - self.dispatched
             # a JSON answer's first byte is its last: only a stream tells the time to first token

@@ -308,6 +308,14 @@ class PriceConfig(_Model):
     output: Annotated[float, Field(ge=0)] = 0
 
 
+class OverflowConfig(_Model):
+    """Nodes (a hosted API) that take a request only when no primary or standby can within
+    ``when_wait_sec``, or none is up (docs/CONFIG.md#overflow)."""
+
+    nodes: Annotated[list[str], Field(min_length=1)]
+    when_wait_sec: Sec = 30
+
+
 class NodeConfig(_Model):
     url: str
     label: str | None = None
@@ -398,14 +406,6 @@ class MatchConfig(_Model):
         return None if v is None else [m.upper() for m in v]
 
 
-class OverflowConfig(_Model):
-    """Nodes (a hosted API) that take a request only when no primary or standby can within
-    ``when_wait_sec``, or none is up (docs/CONFIG.md#overflow)."""
-
-    nodes: Annotated[list[str], Field(min_length=1)]
-    when_wait_sec: Sec = 30
-
-
 class RouteConfig(_Model):
     path: str
     kind: Literal["generic", "comfyui", "openai"] = "generic"
@@ -428,18 +428,14 @@ class RouteConfig(_Model):
     #: times a head that would make its node swap models may be passed for a request warm there
     max_swap_bypass: Annotated[int, Field(ge=0)] = 4
     match: MatchConfig | None = None  # several routes on one path: the first whose match holds
+    rewrite: RewriteConfig | None = None  # aliases and parameters, before matching and routing
+    overflow: OverflowConfig | None = None
     #: cut ``path`` off before forwarding (nginx's proxy_pass with a URI); None = the kind's default
     strip_path: bool | None = None
     #: send a request where its prompt's prefix (or its session) was sent before (docs/CONFIG.md#affinity)
     affinity: Literal["off", "prefix", "session"] = "off"
     #: the unit the prefix index counts in: bytes of canonical prompt text per key
     affinity_block_bytes: Annotated[int, Field(ge=16, le=65536)] = 256
-    rewrite: RewriteConfig | None = None  # aliases and parameters, before matching and routing
-    overflow: OverflowConfig | None = None
-
-    @property
-    def overflow_nodes(self) -> list[str]:
-        return self.overflow.nodes if self.overflow is not None else []
 
     @field_validator("affinity", mode="before")
     @classmethod
@@ -465,6 +461,10 @@ class RouteConfig(_Model):
         if self.strip_path is not None:
             return self.strip_path
         return not (self.kind == "openai" and self.path.endswith("/v1"))
+
+    @property
+    def overflow_nodes(self) -> list[str]:
+        return self.overflow.nodes if self.overflow is not None else []
 
 
 class TelegramConfig(_Model):

@@ -24,15 +24,15 @@ from aiohttp import web
 
 from kilolined.adapters.openai import affinity_of, wants_stream
 from kilolined.adapters.registry import adapter_for
+from kilolined.core import rewrite
 from kilolined.core.auth import presented_key
 from kilolined.core.config import RateConfig, RouteConfig
 from kilolined.core.forms import AUDIO_FORM_PATHS, FormError, form_field, is_multipart
-from kilolined.core.rewrite import aliased, rewrite_body
 from kilolined.edge import admin, jobs_api, targets
 from kilolined.edge import guard as edge
 from kilolined.edge.connection import settle_expect
 from kilolined.edge.context import GW, RT, Gateway
-from kilolined.edge.models_list import is_models_list, models_union
+from kilolined.edge.models_list import is_models_list, with_names
 from kilolined.edge.unqueued import forward_unqueued
 from kilolined.modes.anthropic_sink import AnthropicStreamSink
 from kilolined.modes.call import Call
@@ -42,7 +42,7 @@ from kilolined.ops.runtime import Runtime
 from kilolined.scheduling.anthropic_body import is_anthropic_path
 from kilolined.scheduling.costs import CostTooLarge, UnitError, request_cost, request_units
 from kilolined.scheduling.limits import Taken, Verdict, seconds_to_midnight
-from kilolined.scheduling.queue import Rejected, RouteQueue, Ticket
+from kilolined.scheduling.queue import Rejected, Ticket
 from kilolined.scheduling.routing import describe, head_holds, holds
 from kilolined.wire import expect
 from kilolined.wire.proxy import SERVER, Exchange, client_ip, peer_trusted, request_id
@@ -179,9 +179,9 @@ async def _control_or_unqueued(gw: Gateway, call: Call) -> web.StreamResponse | 
 def _unqueued_answer(gw: Gateway, call: Call) -> Awaitable[web.StreamResponse] | None:
     rcfg = gw.rt.scheduler.routes[call.route_name].cfg
     if call.kind == "openai" and is_models_list(call.request.method, call.unqueued_path) and \
-            (call.route_choices or renames_models(gw.rt, gw.rt.scheduler.routes[call.route_name])):
+            (call.route_choices or renames_models(gw.rt, call.route_name)):
         found = gw.rt.router.match(call.request.rel_url.raw_path)
-        return models_union(gw.rt, call, found[0] if found else call.route_choices)
+        return with_names(gw.rt, call, found[0] if found else call.route_choices)
     if call.pinned_node is None and unqueued(rcfg, call.request.method, call.unqueued_path):
         return forward_unqueued(gw.rt, call, rcfg)
     return None
@@ -223,7 +223,7 @@ async def _choose_route(gw: Gateway, call: Call) -> web.StreamResponse | None:
             return request_units(rcfg.cost, rcfg.kind, ex.method, ex.tail, ex.body, headers)
 
         try:
-            if holds(rcfg.match, ex.method, headers, aliased(rcfg.rewrite, model), units):
+            if holds(rcfg.match, ex.method, headers, rewrite.aliased(rcfg.rewrite, model), units):
                 chosen = name
                 break
         except CostTooLarge as e:
@@ -350,9 +350,10 @@ def doc_model(ex: Exchange) -> str | None:
     return None
 
 
-def renames_models(rt: Runtime, rq: RouteQueue) -> bool:
+def renames_models(rt: Runtime, route: str) -> bool:
     """The route, or a node of it, has a rewrite: the request's model is read and may be renamed.
     Asked once per config (the route keeps the answer until its next reload)."""
+    rq = rt.scheduler.routes[route]
     if rq.renames is None:
         rcfg, nodes = rq.cfg, rt.scheduler.nodes
         rq.renames = rcfg.rewrite is not None or any(
@@ -368,13 +369,12 @@ def rewrite_request(gw: Gateway, call: Call) -> web.StreamResponse | None:
     ex = call.exchange
     if ex is None or call.route_name.startswith("adhoc:"):
         return None
-    rq = gw.rt.scheduler.routes[call.route_name]
-    if not renames_models(gw.rt, rq):
+    if not renames_models(gw.rt, call.route_name):
         return None
-    rw = rq.cfg.rewrite
+    rw = gw.rt.scheduler.routes[call.route_name].cfg.rewrite
     try:
         asked = call.model if call.model is not None else doc_model(ex)
-        new = rewrite_body(ex.body, ex.body_doc(), ex.request.headers.get("Content-Type"), rw) if rw else None
+        new = rewrite.rewrite_body(ex.body, ex.body_doc(), ex.request.headers.get("Content-Type"), rw) if rw else None
     except FormError as e:
         return call.error(400, "bad_request", str(e))
     if new is not None:
@@ -384,7 +384,7 @@ def rewrite_request(gw: Gateway, call: Call) -> web.StreamResponse | None:
         except Rejected as r:
             return call.rejected(Rejected(r.status, r.type, f"after the route's rewrite: {r.message}"))
     call.asked_model = asked
-    call.model = aliased(rw, asked)
+    call.model = rewrite.aliased(rw, asked)
     return None
 
 

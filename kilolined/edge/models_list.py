@@ -1,6 +1,5 @@
-"""``GET {path}/models`` on a path that several OpenAI routes share, or on a route that renames
-models: the union of what their nodes serve (docs/CONFIG.md#routes-that-match-the-request) and
-the aliases of those models (docs/CONFIG.md#rewriting-requests), in the OpenAI list shape.
+"""``GET {path}/models`` on a path that several OpenAI routes share: the union of what their nodes
+serve (docs/CONFIG.md#routes-that-match-the-request), in the OpenAI list shape.
 
 Each node is asked its own ``/models`` (the same tail the client sent) at once, without a slot,
 unless it declares its ``models`` (docs/CONFIG.md#multi-model-nodes): those are its answer;
@@ -77,11 +76,28 @@ async def models_union(rt: Runtime, call: Call, routes: Sequence[str]) -> web.Re
     nodes: list[str] = []
     for name in routes:
         rq = rt.scheduler.routes[name]
-        nodes += [n for n in (*rq.all_nodes, *rq.cfg.overflow_nodes) if n not in nodes and n in rt.scheduler.nodes]
+        nodes += [n for n in rq.all_nodes if n not in nodes and n in rt.scheduler.nodes]
     answers = [a for a in await asyncio.gather(*(_ask(rt, n, call.tail) for n in nodes)) if a is not None]
     if not answers:
         return call.error(502, "upstream_error", "no node of this path answered its model list")
-    listed = merge(answers)
+    return web.json_response({"object": "list", "data": merge(answers)},
+                             headers={**call.headers, "X-Request-Id": call.request_id})
+
+
+async def with_names(rt: Runtime, call: Call, routes: Sequence[str]) -> web.Response:
+    """``models_union``, then what a client may also ask for on routes that rename models
+    (docs/CONFIG.md#rewriting-requests): the names the routes' overflow nodes take (their
+    ``rewrite.model``, never their provider's whole catalogue) and each route's aliases of a
+    listed model."""
+    resp = await models_union(rt, call, routes)
+    body = resp.body
+    if resp.status != 200 or not isinstance(body, bytes | bytearray):
+        return resp
+    listed = orjson.loads(body)["data"]
+    extra = [n for name in routes for n in rt.scheduler.routes[name].cfg.overflow_nodes if n in rt.scheduler.nodes]
+    if extra:
+        listed = merge([{"data": listed}, *[a for a in await asyncio.gather(*(_ask(rt, n, call.tail) for n in extra))
+                                             if a is not None]])
     for name in routes:
         rw = rt.scheduler.routes[name].cfg.rewrite
         if rw is not None:

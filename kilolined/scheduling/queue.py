@@ -66,11 +66,11 @@ class Ticket:
     cost: float = 0.0  # what it holds of a node's capacity while leased
     bypassed: int = 0  # requests dispatched ahead of it while it was the head (backfill)
     model: str | None = None  # the model it asks for (OpenAI "model"); None: any node of the route
+    usd: float | None = None  # what its answer cost on a node with price_per_mtok (the access log's usd=)
     swap_bypassed: int = 0  # requests collated ahead of it while it was the head
     swap_bypassed_at: float | None = None  # when it was first collated past
     affinity: Affinity | None = None  # its prefix keys or session key (routes with ``affinity``)
     cached: int | None = None  # prompt tokens its node reported reused (the access log's cached=)
-    usd: float | None = None  # what its answer cost on a node with price_per_mtok (the access log's usd=)
 
     def wake(self) -> None:
         if self.on_wake is not None:
