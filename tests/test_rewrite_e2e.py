@@ -224,6 +224,10 @@ async def test_with_the_primary_down_the_cloud_takes_it(fakegpus: Any, gateway: 
         assert r.status == 200
     assert (await ask(http, gw))[0] == "cloud"
     assert bodies(local) == [] and len(bodies(cloud)) == 1
+    # What a client may ask for: the local node's models and the names the cloud is sent, never
+    # the provider's own catalogue.
+    async with http.get(gw.url + "/v1/models", headers=auth()) as r:
+        assert sorted(m["id"] for m in (await r.json())["data"]) == ["fake-llm", "qwen"]
 
 
 async def test_a_rewrite_added_by_a_reload_applies_to_the_next_request(fakegpus: Any, gateway: Any,
