@@ -222,6 +222,8 @@ async def test_with_the_primary_down_the_cloud_takes_it(fakegpus: Any, gateway: 
     gw, local, cloud = await overflow_gateway(fakegpus, gateway, when=30, local_steps=2)
     async with http.post(gw.url + "/admin/nodes/local/drain", headers=ADMIN) as r:
         assert r.status == 200
+    async with http.get(gw.url + "/health") as r:
+        assert r.status == 200  # the route can still serve: through its overflow node
     assert (await ask(http, gw))[0] == "cloud"
     assert bodies(local) == [] and len(bodies(cloud)) == 1
     # What a client may ask for: the local node's models and the names the cloud is sent, never
