@@ -83,7 +83,8 @@ class SyncSink(Sink):
         with _Relaying(self, scope, up, obs) as ok:
             headers = self.headers_for(scope, up)
             rename = self.renamer(scope, sse=False) if call.asked_model is not None else None
-            if rename is not None and "json" in up.headers.get("Content-Type", ""):
+            if rename is not None and "json" in up.headers.get("Content-Type", "") and \
+                    up.content_length is not None and up.content_length <= MAX_HELD:
                 self.response, call.bytes_out = await _renamed(call.request, up, headers, obs, rename)
                 scope.size = call.bytes_out
                 ok[0] = scope.ok = up.status < 500
@@ -311,12 +312,12 @@ class StreamSink(SyncSink):
 
 async def _renamed(request: web.Request, up: Upstream, headers: CIMultiDict[str], obs: Observer | None,
                    rename: ModelRename) -> tuple[web.Response, int]:
-    """A JSON answer read whole (up to MAX_HELD) with the client's model name put back."""
+    """A JSON answer of a known length up to MAX_HELD, read whole, with the client's model name
+    put back (a longer one, or one of unknown length, streams as it came)."""
     body = await up.read()
     if obs is not None:
         obs.feed(body)
-    if len(body) <= MAX_HELD:
-        body = rename.rename(body)
+    body = rename.rename(body)
     headers["Server"] = SERVER
     return web.Response(status=up.status, reason=up.reason, headers=headers, body=body), len(body)
 

@@ -534,7 +534,7 @@ class Scheduler:
                 return t, node
             est = self.est_wait(rq, i, now)
             if est is not None and est > ov.when_wait_sec:
-                return None  # due by its place, yet no overflow node takes it: nor any later one
+                return None  # due by its place, yet no overflow node takes it now: the next pass looks again
         return None
 
     def _least_loaded(self, names: list[str], rq: RouteQueue, now: float, cost: float = 0.0,
