@@ -7,6 +7,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
 from kilolined.core.config import NodeConfig, RouteConfig
 from kilolined.scheduling.nodes import NodeState
 from kilolined.scheduling.queue import LEASED, WAITING, RouteQueue, Scheduler, Ticket, overflow_due
@@ -103,3 +106,36 @@ def test_max_concurrency_holds_on_the_overflow_node() -> None:
     s.nodes["gpu"].drained = True
     a, b = admit(s, 0.0), admit(s, 0.0)
     assert node_of(a) == "cloud" and b.state == WAITING
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(st.tuples(st.sampled_from(["admit", "release", "tick"]), st.floats(0, 20)), max_size=40),
+       st.sampled_from([None, 5.0, 60.0]), st.floats(0, 30))
+def test_the_overflow_never_takes_what_a_free_primary_could(steps: list[tuple[str, float]],
+                                                            expected: float | None, when: float) -> None:
+    """Whatever arrives, ends and waits: a request given to the overflow node found the primary
+    full (2 slots here), and had waited ``when`` or had an estimate that said it would."""
+    s = sched(when=when, expected_duration_sec=expected)
+    s.routes["llm"].cfg = s.routes["llm"].cfg.model_copy(update={"max_concurrency": 2})
+    now, running, on_cloud = 0.0, [], set()
+    for op, dt in steps:
+        now += dt
+        if op == "admit":
+            running.append(admit(s, now))
+        elif op == "release":
+            held = [t for t in running if t.lease is not None]
+            if held:
+                lease = held[0].lease
+                assert lease is not None
+                s.release(lease, now, service_time=dt)
+                running.remove(held[0])
+                s.dispatch(now)
+        else:
+            s.dispatch(now)
+        for t in running:
+            if node_of(t) != "cloud" or id(t) in on_cloud:
+                continue
+            on_cloud.add(id(t))  # granted in this step
+            assert s.routes["llm"].inflight["gpu"] == 2
+            # it waited the bound, or there was an estimate to say it would
+            assert now - t.enqueued_at >= when or s.routes["llm"].mean_service is not None
