@@ -17,6 +17,9 @@ and dumped after one load of N streams; give it a gap long enough that valgrind'
 not merge a stream's chunks into one read (the script reports the reads per chunk it saw).
 
     .venv/bin/python scripts/bench_tokens.py --callgrind --streams 20 --chunks 100 --gap-ms 100
+
+``--alias`` (with ``--callgrind``): the client asks for a name the route maps to the node's, so
+every chunk is renamed back on its way (what a model alias costs per token).
 """
 
 from __future__ import annotations
@@ -123,9 +126,18 @@ ROUTES = {"llm": {"path": "/v1", "kind": "openai", "nodes": ["gpu"], "max_concur
                   "max_queue_depth": 100000, "queue_timeout_sec": 600, "request_timeout_sec": 600}}
 
 
-async def one_stream(session: aiohttp.ClientSession, url: str) -> tuple[int, int]:
+#: ``--alias``: the client asks for this name, the route maps it to the node's ("bench"), and every
+#: chunk's ``model`` is given back the client's name on the way (docs/CONFIG.md#rewriting-requests)
+ALIAS = "gpt-4o-mini"
+
+
+def aliased(routes: dict[str, dict[str, object]]) -> dict[str, dict[str, object]]:
+    return {n: {**r, "rewrite": {"model": {ALIAS: "bench"}}} for n, r in routes.items()}
+
+
+async def one_stream(session: aiohttp.ClientSession, url: str, model: str = "bench") -> tuple[int, int]:
     """The content events one stream relayed, and the reads that brought them."""
-    body = {"model": "bench", "stream": True, "messages": [{"role": "user", "content": "hi"}]}
+    body = {"model": model, "stream": True, "messages": [{"role": "user", "content": "hi"}]}
     events = reads = 0
     async with session.post(url, json=body, headers=bl.API_HDR) as r:
         assert r.status == 200, (r.status, await r.text())
@@ -139,11 +151,11 @@ async def one_stream(session: aiohttp.ClientSession, url: str) -> tuple[int, int
     return events, reads
 
 
-async def load(url: str, streams: int) -> int:
+async def load(url: str, streams: int, model: str = "bench") -> int:
     conn = aiohttp.TCPConnector(limit=streams + 8)
     timeout = aiohttp.ClientTimeout(total=600)
     async with aiohttp.ClientSession(connector=conn, timeout=timeout) as s:
-        got = await asyncio.gather(*(one_stream(s, url) for _ in range(streams)))
+        got = await asyncio.gather(*(one_stream(s, url, model) for _ in range(streams)))
     events, reads = sum(g[0] for g in got), sum(g[1] for g in got)
     if streams >= 8:  # the measured loads, not the warm-ups
         print(f"  {events} events in {reads} client reads ({events / max(1, reads):.2f} per read)", flush=True)
@@ -190,11 +202,13 @@ def measure(pid: int, url: str, streams: int, chunks: int, perf: bool = False) -
     return (u1 - u0 + s1 - s0) / want * 1e6, (s1 - s0) / want * 1e6, t1 - t0
 
 
-def callgrind(wd: Path, node_port: int, streams: int, chunks: int) -> float:
+def callgrind(wd: Path, node_port: int, streams: int, chunks: int, alias: bool = False) -> float:
     """The gateway's instructions per relayed chunk, counted by callgrind over one load."""
     port = bl.free_port()
     path = wd / "gateway-callgrind.yaml"
-    bl.write_yaml(path, bl.gateway_config(port, {"gpu": f"http://127.0.0.1:{node_port}"}, ROUTES))
+    routes = aliased(ROUTES) if alias else ROUTES
+    model = ALIAS if alias else "bench"
+    bl.write_yaml(path, bl.gateway_config(port, {"gpu": f"http://127.0.0.1:{node_port}"}, routes))
     out = wd / "callgrind-tokens.out"
     cmd = ["valgrind", "--tool=callgrind", f"--callgrind-out-file={out}", "--dump-instr=no",
            bl.KILOLINED, "--log-format", "text", "run", "-c", str(path)]
@@ -203,9 +217,9 @@ def callgrind(wd: Path, node_port: int, streams: int, chunks: int) -> float:
     try:
         bl.wait_port(port, timeout=1800, proc=p)
         url = f"http://127.0.0.1:{port}/v1/chat/completions"
-        asyncio.run(load(url, 4))  # warm-up: connections, imports, first-use caches
+        asyncio.run(load(url, 4, model))  # warm-up: connections, imports, first-use caches
         subprocess.run(["callgrind_control", "-z", str(p.pid)], check=True, capture_output=True, timeout=600)
-        events = asyncio.run(load(url, streams))
+        events = asyncio.run(load(url, streams, model))
         subprocess.run(["callgrind_control", "-d", str(p.pid)], check=True, capture_output=True, timeout=600)
         p.send_signal(signal.SIGINT)
         p.wait(timeout=600)
@@ -265,6 +279,8 @@ def main() -> int:
                     help="count the gateway's instructions per chunk under callgrind instead (no nginx)")
     ap.add_argument("--perf", action="store_true",
                     help="also count each proxy's system calls per chunk (perf stat, raw_syscalls tracepoint)")
+    ap.add_argument("--alias", action="store_true",
+                    help="with --callgrind: the client asks for an alias, every chunk is renamed back")
     ap.add_argument("--serve-node", type=int, metavar="PORT", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.serve_node:
@@ -279,7 +295,7 @@ def main() -> int:
                             "--gap-ms", str(args.gap_ms)], "node", cpu=1)
         bl.wait_port(node_port, proc=node)
         if args.callgrind:
-            callgrind(wd, node_port, args.streams, args.chunks)
+            callgrind(wd, node_port, args.streams, args.chunks, args.alias)
             return 0
         gw, _ = bl.start_gateway(procs, bl.gateway_config(gw_port, {"gpu": f"http://127.0.0.1:{node_port}"}, ROUTES),
                               cpu=0)

@@ -1,6 +1,6 @@
 """docs/API.md "The APIs clients speak": every example there (curl and the official SDKs) runs as
-written against a gateway over the simulated llama.cpp server, with `http://gateway:8080` the
-test gateway's URL and `$KEY` a client key."""
+written against a gateway over the simulated llama.cpp server (its route with the alias of the
+section's own config), with `http://gateway:8080` the test gateway's URL and `$KEY` a client key."""
 
 from __future__ import annotations
 
@@ -31,7 +31,8 @@ def test_the_section_has_curl_and_sdk_examples_for_each_api() -> None:
     found = examples()
     assert [lang for lang, _ in found].count("python") >= 2 and [lang for lang, _ in found].count("sh") >= 3
     joined = "\n".join(code for _, code in found)
-    for what in ("/v1/messages", "anthropic.Anthropic", "/v1/audio/transcriptions", "audio.transcriptions", "/health"):
+    for what in ("/v1/messages", "anthropic.Anthropic", "/v1/audio/transcriptions", "audio.transcriptions", "/health",
+                 '"model": "gpt-4o-mini"', 'model="gpt-4o-mini"', "models.list()"):
         assert what in joined, what
 
 
@@ -39,7 +40,9 @@ def test_the_section_has_curl_and_sdk_examples_for_each_api() -> None:
 async def test_example_runs_against_the_gateway(index: int, fakegpus: Any, gateway: Any, tmp_path: Path) -> None:
     lang, code = examples()[index]
     fake = await fakegpus("openai", step_ms=1)
-    gw = await gateway(base_config({"o": fake.url}, kind="openai", path="/v1"))
+    cfg = base_config({"o": fake.url}, kind="openai", path="/v1", rewrite={"model": {"gpt-4o-mini": "qwen2.5-7b"}})
+    cfg["nodes"]["o"]["models"] = ["qwen2.5-7b", "whisper-1"]  # the fake takes any: the gateway routes by these
+    gw = await gateway(cfg)
     (tmp_path / "speech.wav").write_bytes(b"RIFF\x24\x00\x00\x00WAVEfmt " + bytes(64))
     code = code.replace("http://gateway:8080", gw.url)
     argv = ["bash", "-euo", "pipefail", "-c", code] if lang == "sh" else [sys.executable, "-c", code]
@@ -55,3 +58,8 @@ async def test_example_runs_against_the_gateway(index: int, fakegpus: Any, gatew
         assert '"type":"message"' in text.replace(" ", "")
     if "anthropic" in code:
         assert text.rstrip().endswith("authentication_error")
+    if "gpt-4o-mini" in code:  # the alias: the node is sent the served name, the client sees its own
+        sent = fake.backend.bodies  # type: ignore[attr-defined]
+        assert sent and {b["model"] for b in sent} == {"qwen2.5-7b"}
+        assert "qwen2.5-7b" in text and text.count("gpt-4o-mini") >= 2
+        assert '"model":"qwen2.5-7b"' not in text.replace(" ", "") and "qwen2.5-7b " not in text

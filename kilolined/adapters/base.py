@@ -12,10 +12,13 @@ import logging
 
 from aiohttp import web
 
+from kilolined.core.config import RewriteConfig
+from kilolined.core.forms import FormError
+from kilolined.core.rewrite import rewrite_body
 from kilolined.ops.runtime import Runtime
 from kilolined.scheduling.lease import LeaseScope, Sink
 from kilolined.scheduling.queue import Lease
-from kilolined.wire.proxy import RETRY_STATUSES, Exchange, Observer, UpstreamFailed, open_upstream
+from kilolined.wire.proxy import RETRY_STATUSES, Exchange, Observer, UpstreamFailed, open_upstream, parse_body
 from kilolined.wire.upstream import Stalled, UpstreamResponse
 
 log = logging.getLogger("kilolined")
@@ -68,7 +71,9 @@ class HttpAttempt:
     async def __call__(self, lease: Lease) -> UpstreamResponse:
         rt = self.rt
         target = lease.target
-        up = await open_upstream(rt.pool(lease.node), self.ex, target.url, target.headers, target.request_timeout_sec)
+        rw = target.node.rewrite
+        up = await open_upstream(rt.pool(lease.node), self.ex, target.url, target.headers, target.request_timeout_sec,
+                                 None if rw is None else node_body(self.ex, rw))
         if up.status in self.credential_statuses:
             up.release()
             log.error("✗ [%s] refused the gateway's credentials (HTTP %d): check nodes.%s.headers; "
@@ -94,6 +99,17 @@ class HttpAttempt:
         if sink.reads_answer:
             await sink.received(self.scope, up)  # a job's answer, read whole while it can still be re-queued
         return up
+
+
+def node_body(ex: Exchange, rw: RewriteConfig) -> bytes | None:
+    """What a node with its own rewrite is sent (docs/CONFIG.md#rewriting-requests): the route's
+    body with the node's rules applied after; None when they change nothing."""
+    sent = ex.body if ex.body_override is None else ex.body_override
+    doc = ex.body_doc() if ex.body_override is None else parse_body(sent)
+    try:
+        return rewrite_body(sent, doc, ex.request.headers.get("Content-Type"), rw)
+    except FormError:
+        return None  # the route's stage read this form already: it is one
 
 
 class Tee(Observer):

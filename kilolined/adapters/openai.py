@@ -27,6 +27,7 @@ from kilolined.adapters import continuation
 from kilolined.adapters.base import Adapter, HttpAttempt, Tee
 from kilolined.core.config import RouteConfig
 from kilolined.core.outcome import Failure
+from kilolined.core.rewrite import cost_of
 from kilolined.ops.runtime import Runtime
 from kilolined.scheduling.affinity import (
     REUSED_AT_LEAST,
@@ -420,6 +421,9 @@ class UsageObserver(StreamParser):
         super().done(ok)
         if self.lease is not None:
             self._reuse(self.lease)
+            price = self.lease.target.node.price_per_mtok
+            if price is not None:  # a hosted API's bill (docs/CONFIG.md#overflow)
+                self.lease.ticket.usd = cost_of(self.token_split(), price)
         if ok and self.scope is not None:
             elapsed = self.rt.clock() - self.dispatched
             # a JSON answer's first byte is its last: only a stream tells the time to first token

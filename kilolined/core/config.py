@@ -266,6 +266,46 @@ def _slow_off(v: Any) -> Any:
     return v
 
 
+class RewriteConfig(_Model):
+    """What the gateway changes in a request's JSON body (and a form's ``model`` field) before it
+    is matched and routed (docs/CONFIG.md#rewriting-requests): a route's first, then its node's."""
+
+    model: dict[str, str] = {}  # the name a client asks for -> the name the node is sent
+    default: dict[str, Any] = {}  # set when the client did not
+    set: dict[str, Any] = {}  # always
+    strip: list[str] = []  # removed
+
+    @model_validator(mode="after")
+    def _not_model(self) -> RewriteConfig:
+        for key in ("default", "set"):
+            if "model" in getattr(self, key):
+                raise ValueError(f"{key}: the model is renamed by rewrite.model, not {key}")
+        if "model" in self.strip:
+            raise ValueError("strip: the model cannot be removed (rewrite.model renames it)")
+        both = sorted(set(self.strip) & (set(self.set) | set(self.default)))
+        if both:
+            raise ValueError(f"strip: {', '.join(both)} also set (or defaulted): say one")
+        for alias, name in self.model.items():
+            if not alias.strip() or not name.strip():
+                raise ValueError("model: a model name may not be empty")
+        return self
+
+
+class PriceConfig(_Model):
+    """What a node's provider charges per million tokens (a hosted API), in the bill's currency."""
+
+    input: Annotated[float, Field(ge=0)] = 0
+    output: Annotated[float, Field(ge=0)] = 0
+
+
+class OverflowConfig(_Model):
+    """Nodes (a hosted API) that take a request only when no primary or standby can within
+    ``when_wait_sec``, or none is up (docs/CONFIG.md#overflow)."""
+
+    nodes: Annotated[list[str], Field(min_length=1)]
+    when_wait_sec: Sec = 30
+
+
 class NodeConfig(_Model):
     url: str
     label: str | None = None
@@ -279,6 +319,9 @@ class NodeConfig(_Model):
     #: the models it serves (a list, or "discover": its GET /v1/models); None = whatever it is asked
     models: list[str] | str | None = None
     warm_models: Annotated[int, Field(ge=1)] = 1  # models it keeps loaded at once (OLLAMA_MAX_LOADED_MODELS)
+    #: applied after its route's rewrite, on the request this node is sent (a hosted API's names)
+    rewrite: RewriteConfig | None = None
+    price_per_mtok: PriceConfig | None = None  # a hosted API's price: the usage's cost
 
     @field_validator("slow", mode="before")
     @classmethod
@@ -405,6 +448,8 @@ class RouteConfig(_Model):
     #: times a head that would make its node swap models may be passed for a request warm there
     max_swap_bypass: Annotated[int, Field(ge=0)] = 4
     match: MatchConfig | None = None  # several routes on one path: the first whose match holds
+    rewrite: RewriteConfig | None = None  # aliases and parameters, before matching and routing
+    overflow: OverflowConfig | None = None
     #: cut ``path`` off before forwarding (nginx's proxy_pass with a URI); None = the kind's default
     strip_path: bool | None = None
     #: send a request where its prompt's prefix (or its session) was sent before (docs/CONFIG.md#affinity)
@@ -438,6 +483,10 @@ class RouteConfig(_Model):
         if self.strip_path is not None:
             return self.strip_path
         return not (self.kind == "openai" and self.path.endswith("/v1"))
+
+    @property
+    def overflow_nodes(self) -> list[str]:
+        return self.overflow.nodes if self.overflow is not None else []
 
 
 class TelegramConfig(_Model):
@@ -658,6 +707,7 @@ class Config(_Model):
         providers = set(self.fleet.providers) if self.fleet else set()
         return [*reference_errors(set(self.nodes), refs, set(self.routes), {n: k.routes for n, k in self.keys.items()}),
                 *route_rules(self.routes), *key_rules(self.keys),
+                *rewrite_rules(self.nodes, self.routes, self.cluster is not None),
                 *fleet_rules(pools, providers, set(self.nodes), {n: r.nodes for n, r in self.routes.items()})]
 
 
@@ -736,6 +786,47 @@ def route_rules(routes: dict[str, RouteConfig]) -> list[str]:
                 (r.cost is None or r.cost.unit is None):
             errs.append(f"routes.{name}.match: min_units/max_units need a cost.unit on the route")
     return errs
+
+
+def rewrite_rules(nodes: dict[str, NodeConfig], routes: dict[str, RouteConfig], cluster: bool) -> list[str]:
+    """Aliases and overflow: an alias names a model some node of its route serves (when every
+    node there lists what it serves); an overflow node exists and is not also a primary or
+    standby; rewriting is for the kinds whose request is one HTTP body (openai, generic);
+    overflow needs one gateway (the cluster's scripts choose nodes without it)."""
+    errs: list[str] = []
+    for name, r in routes.items():
+        if r.rewrite is not None and r.kind == "comfyui":
+            errs.append(f"routes.{name}.rewrite: not for comfyui routes (openai and generic routes)")
+        if r.overflow is not None:
+            if cluster:
+                errs.append(f"routes.{name}.overflow: not available in cluster mode (one gateway only)")
+            for i, n in enumerate(r.overflow.nodes):
+                if n not in nodes:
+                    errs.append(f"routes.{name}.overflow.nodes.{i}: unknown node {n!r}")
+                elif n in r.nodes or n in r.standby:
+                    errs.append(f"routes.{name}.overflow.nodes.{i}: {n!r} is also in the route's "
+                                f"{'nodes' if n in r.nodes else 'standby'}")
+        members = [n for n in (*r.nodes, *r.standby, *r.overflow_nodes) if n in nodes]
+        served = [_serves(nodes[n]) for n in members]
+        if r.rewrite is None or not members or any(s is None for s in served):
+            continue  # a node takes any model, or says at run time: nothing to check here
+        for alias, target in r.rewrite.model.items():
+            if not any(target in s for s in served if s is not None):
+                errs.append(f"routes.{name}.rewrite.model.{alias}: {target!r} is served by no node of the route")
+    for name, nc in nodes.items():
+        if nc.rewrite is not None and isinstance(nc.models, list):
+            listed = nc.models
+            errs.extend(f"nodes.{name}.rewrite.model.{alias}: {target!r} is not in the node's models"
+                        for alias, target in nc.rewrite.model.items() if target not in listed)
+    return errs
+
+
+def _serves(n: NodeConfig) -> set[str] | None:
+    """The names a node serves under its route's names; None: any, or known only at run time."""
+    own = n.rewrite.model if n.rewrite is not None else {}
+    if isinstance(n.models, list):
+        return {*n.models, *(a for a, t in own.items() if t in n.models)}
+    return set(own) if own and n.models is None else None
 
 
 def key_rules(keys: dict[str, KeyConfig]) -> list[str]:

@@ -70,6 +70,24 @@ def form_field(body: bytes, content_type: str, name: str) -> str | None:
         at = nxt + 2
 
 
+def replace_field(body: bytes, content_type: str, name: str, values: dict[str, str]) -> bytes | None:
+    """The form with its first text field ``name`` replaced by ``values[its value]``; None when
+    the form has no such field or ``values`` does not name its value. FormError: no such form."""
+    old = form_field(body, content_type, name)
+    new = values.get(old) if old is not None else None
+    if new is None or old is None:
+        return None
+    delim = b"--" + boundary(content_type)
+    want = name.encode()
+    at = body.find(delim)
+    while True:  # form_field found it: the same walk ends at it
+        head_end = body.find(b"\r\n\r\n", at + len(delim))
+        nxt = body.find(b"\r\n" + delim, head_end + 4)
+        if _part_name(body[at + len(delim):head_end]) == want:
+            return body[:head_end + 4] + new.encode() + body[nxt:]
+        at = nxt + 2
+
+
 def _part_name(head: bytes) -> bytes | None:
     for line in head.split(b"\r\n"):
         key, _, value = line.partition(b":")

@@ -1,6 +1,6 @@
 """The aiohttp application and the request pipeline, written once as a list of stages.
 
-    open → route → auth → mode → unqueued → [match] → limits → body → model → cost → admit ─▶ runner (lease scope)
+    open → route → auth → mode → unqueued → [match] → limits → body → rewrite → model → cost → admit ─▶ runner
 
 ``[match]``: on a path that several routes share, the body is read before the limits, to pick
 the route whose ``match`` holds (its limits, queue and errors are then the request's).
@@ -25,6 +25,7 @@ from aiohttp import web
 
 from kilolined.adapters.openai import affinity_of, wants_stream
 from kilolined.adapters.registry import adapter_for
+from kilolined.core import rewrite
 from kilolined.core.auth import presented_key
 from kilolined.core.config import GPU_WORK, RateConfig, RouteConfig
 from kilolined.core.forms import AUDIO_FORM_PATHS, FormError, form_field, is_multipart
@@ -32,7 +33,7 @@ from kilolined.edge import admin, jobs_api, page, targets, usage_api
 from kilolined.edge import guard as edge
 from kilolined.edge.connection import settle_expect
 from kilolined.edge.context import GW, RT, Gateway
-from kilolined.edge.models_list import is_models_list, models_union
+from kilolined.edge.models_list import is_models_list, with_names
 from kilolined.edge.unqueued import forward_unqueued
 from kilolined.modes.anthropic_sink import AnthropicStreamSink
 from kilolined.modes.call import Call
@@ -191,9 +192,10 @@ async def _control_or_unqueued(gw: Gateway, call: Call) -> web.StreamResponse | 
 
 def _unqueued_answer(gw: Gateway, call: Call) -> Awaitable[web.StreamResponse] | None:
     rcfg = gw.rt.scheduler.routes[call.route_name].cfg
-    if call.route_choices and call.kind == "openai" and is_models_list(call.request.method, call.unqueued_path):
+    if call.kind == "openai" and is_models_list(call.request.method, call.unqueued_path) and \
+            (call.route_choices or renames_models(gw.rt, call.route_name)):
         found = gw.rt.router.match(call.request.rel_url.raw_path)
-        return models_union(gw.rt, call, found[0] if found else call.route_choices)
+        return with_names(gw.rt, call, found[0] if found else call.route_choices)
     if call.pinned_node is None and unqueued(rcfg, call.request.method, call.unqueued_path):
         return forward_unqueued(gw.rt, call, rcfg)
     return None
@@ -235,7 +237,7 @@ async def _choose_route(gw: Gateway, call: Call) -> web.StreamResponse | None:
             return request_units(rcfg.cost, rcfg.kind, ex.method, ex.tail, ex.body, headers)
 
         try:
-            if holds(rcfg.match, ex.method, headers, model, units):
+            if holds(rcfg.match, ex.method, headers, rewrite.aliased(rcfg.rewrite, model), units):
                 chosen = name
                 break
         except CostTooLarge as e:
@@ -246,7 +248,9 @@ async def _choose_route(gw: Gateway, call: Call) -> web.StreamResponse | None:
         return no_match(gw, call)
     found = rt.router.match(call.request.rel_url.raw_path)
     path_routes = found[0] if found is not None else call.route_choices
-    elsewhere = routes_serving_elsewhere(model, chosen, _model_lists(rt, path_routes)) if model else []
+    # under the name the chosen route sends it (an alias is served where the route's map points)
+    served = rewrite.aliased(rt.cfg.routes[chosen].rewrite, model)
+    elsewhere = routes_serving_elsewhere(served, chosen, _model_lists(rt, path_routes)) if served else []
     if model is not None and elsewhere:
         return call.error(404, "model_not_found",
                           f"model {model!r}: no node of route {chosen} (which this request matches) serves it; "
@@ -378,6 +382,44 @@ def doc_model(ex: Exchange) -> str | None:
     return None
 
 
+def renames_models(rt: Runtime, route: str) -> bool:
+    """The route, or a node of it, has a rewrite: the request's model is read and may be renamed.
+    Asked once per config (the route keeps the answer until its next reload)."""
+    rq = rt.scheduler.routes[route]
+    if rq.renames is None:
+        rcfg, nodes = rq.cfg, rt.scheduler.nodes
+        rq.renames = rcfg.rewrite is not None or any(
+            n in nodes and nodes[n].cfg.rewrite is not None for n in (*rcfg.nodes, *rcfg.standby, *rcfg.overflow_nodes))
+    return rq.renames
+
+
+def rewrite_request(gw: Gateway, call: Call) -> web.StreamResponse | None:
+    """The route's rewrite (docs/CONFIG.md#rewriting-requests), before the request is routed: the
+    body the node gets (its node's rewrite follows at dispatch), and the model it is routed by.
+    The client's name is kept for the answer. A rewritten body is checked again by the adapter
+    (a rewrite that makes it invalid is 400, as the client's own would be)."""
+    ex = call.exchange
+    if ex is None or call.route_name.startswith("adhoc:"):
+        return None
+    if not renames_models(gw.rt, call.route_name):
+        return None
+    rw = gw.rt.scheduler.routes[call.route_name].cfg.rewrite
+    try:
+        asked = call.model if call.model is not None else doc_model(ex)
+        new = rewrite.rewrite_body(ex.body, ex.body_doc(), ex.request.headers.get("Content-Type"), rw) if rw else None
+    except FormError as e:
+        return call.error(400, "bad_request", str(e))
+    if new is not None:
+        ex.body, ex.body_override = new, None
+        try:
+            call.adapter.prepare(ex)
+        except Rejected as r:
+            return call.rejected(Rejected(r.status, r.type, f"after the route's rewrite: {r.message}"))
+    call.asked_model = asked
+    call.model = rewrite.aliased(rw, asked)
+    return None
+
+
 def is_audio_form(ex: Exchange) -> bool:
     """A request to OpenAI's audio endpoints, whose form must name its model."""
     return ex.method == "POST" and ex.tail.split("?", 1)[0].endswith(AUDIO_FORM_PATHS)
@@ -393,7 +435,8 @@ def name_model(gw: Gateway, call: Call) -> web.StreamResponse | None:
     sched = gw.rt.scheduler
     rq = sched.routes[call.route_name]
     audio = is_audio_form(ex)
-    if not audio and not any(n in sched.nodes and sched.nodes[n].cfg.models is not None for n in rq.all_nodes):
+    if not audio and not any(n in sched.nodes and sched.nodes[n].cfg.models is not None
+                                for n in (*rq.all_nodes, *rq.cfg.overflow_nodes)):
         return None
     try:
         call.model = doc_model(ex)
@@ -505,7 +548,7 @@ def _admitted(gw: Gateway, call: Call, ticket: Ticket,
 
 
 PIPELINE: Sequence[Stage] = (check_open, resolve_path, authenticate, choose_mode, pass_unqueued, choose_route,
-                             check_limits, read_exchange, name_model, price, admit)
+                             check_limits, read_exchange, rewrite_request, name_model, price, admit)
 # An ad-hoc target's route is made at admission only (targets.py): the stages before it that read
 # a configured route's settings are skipped for it.
 PROXY_PIPELINE: Sequence[Stage] = (check_open, targets.resolve_target, targets.unless_adhoc(authenticate), choose_mode,
@@ -625,6 +668,8 @@ def log_access(gw: Gateway, call: Call) -> None:
         rec["cached"] = t.cached
     if t is not None and t.continued:
         rec["continued"] = t.continued  # its stream went on on another node (docs/API.md)
+    if t is not None and t.usd is not None:
+        rec["usd"] = round(t.usd, 6)  # what an overflow node's price_per_mtok made of its tokens
     write_access(gw, rec)
 
 
@@ -647,6 +692,7 @@ def write_access(gw: Gateway, rec: dict[str, object]) -> None:
         + (" affinity=%(affinity)s" if "affinity" in rec else "")
         + (" cached=%(cached)d" if "cached" in rec else "")
         + (" continued=%(continued)d" if "continued" in rec else "")
+        + (" usd=%(usd)g" if "usd" in rec else "")
         + (" job=%(job)s" if "job" in rec else ""),
         rec,
     )

@@ -13,7 +13,7 @@ answered.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import aiohttp
@@ -48,19 +48,38 @@ def merge(answers: Sequence[Any]) -> list[dict[str, Any]]:
     return list(seen.values())
 
 
+def _listing(ids: Sequence[str], owner: str) -> dict[str, Any]:
+    return {"data": [{"id": m, "object": "model", "owned_by": owner} for m in ids]}
+
+
 async def _ask(rt: Runtime, node: str, tail: str) -> Any:
     ns = rt.scheduler.nodes[node]
+    names = ns.cfg.rewrite.model if ns.cfg.rewrite is not None else {}
+    if names and ns.cfg.models is None:
+        # A hosted API's names are its rewrite.model: what the gateway sends it (its own catalog is not asked).
+        return _listing(list(names), node)
     if isinstance(ns.cfg.models, list):
         # Declared models (docs/CONFIG.md#multi-model-nodes) are what the gateway routes by: say those.
-        return {"data": [{"id": m, "object": "model", "owned_by": node} for m in ns.cfg.models]}
+        return with_aliases(_listing(ns.cfg.models, node), names, node)
     try:
         async with rt.session(node).get(ns.cfg.url + tail, headers=ns.cfg.headers,
                                         timeout=aiohttp.ClientTimeout(total=ASK_SEC)) as r:
             if r.status != 200:
                 return None
-            return orjson.loads(await r.read())
+            return with_aliases(orjson.loads(await r.read()), names, node)
     except (aiohttp.ClientError, TimeoutError, orjson.JSONDecodeError):
         return None
+
+
+def with_aliases(answer: Any, aliases: Mapping[str, str], owner: str) -> Any:
+    """A model list with the aliases (client name -> served name) of the models it holds added
+    after them: what a client may ask for (docs/CONFIG.md#rewriting-requests). Pure."""
+    data = answer.get("data") if isinstance(answer, dict) else None
+    if not aliases or not isinstance(data, list):
+        return answer
+    held = {m["id"] for m in data if isinstance(m, dict) and isinstance(m.get("id"), str)}
+    extra = [{"id": a, "object": "model", "owned_by": owner} for a, t in aliases.items() if t in held and a not in held]
+    return {**answer, "data": data + extra}
 
 
 async def models_union(rt: Runtime, call: Call, routes: Sequence[str]) -> web.Response:
@@ -76,5 +95,27 @@ async def models_union(rt: Runtime, call: Call, routes: Sequence[str]) -> web.Re
                frozenset().union(*(ids(by_node.get(n)) for n in rt.scheduler.routes[name].all_nodes)))
               for name in routes]
     listed = [m for m in merge(answers) if may_ask(m["id"], served)]
+    return web.json_response({"object": "list", "data": listed},
+                             headers={**call.headers, "X-Request-Id": call.request_id})
+
+
+async def with_names(rt: Runtime, call: Call, routes: Sequence[str]) -> web.Response:
+    """``models_union``, then what a client may also ask for on routes that rename models
+    (docs/CONFIG.md#rewriting-requests): the names the routes' overflow nodes take (their
+    ``rewrite.model``, never their provider's whole catalogue) and each route's aliases of a
+    listed model."""
+    resp = await models_union(rt, call, routes)
+    body = resp.body
+    if resp.status != 200 or not isinstance(body, bytes | bytearray):
+        return resp
+    listed = orjson.loads(body)["data"]
+    extra = [n for name in routes for n in rt.scheduler.routes[name].cfg.overflow_nodes if n in rt.scheduler.nodes]
+    if extra:
+        listed = merge([{"data": listed}, *[a for a in await asyncio.gather(*(_ask(rt, n, call.tail) for n in extra))
+                                             if a is not None]])
+    for name in routes:
+        rw = rt.scheduler.routes[name].cfg.rewrite
+        if rw is not None:
+            listed = with_aliases({"data": listed}, rw.model, "kiloline")["data"]
     return web.json_response({"object": "list", "data": listed},
                              headers={**call.headers, "X-Request-Id": call.request_id})

@@ -138,6 +138,7 @@ class OpenAIBackend(Backend):
         self.loading: set[str] = set()
         self.swaps = 0
         self.asked: list[str] = []  # the model of each completion, in the order they came (tests read it)
+        self.bodies: list[dict[str, Any]] = []  # each chat completion's body as it came (tests read it)
         self._swap_lock = asyncio.Lock()  # one model loads at a time, as on one card
         self.prompt_cache = PromptCache(gpu.prompt_cache_tokens)
 
@@ -239,6 +240,7 @@ class OpenAIBackend(Backend):
             return openai_error(400, "We could not parse the JSON body of your request.")
         if not isinstance(body, dict):
             return openai_error(400, "The request body must be a JSON object.")
+        self.bodies.append(body)
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:
             return openai_error(400, "'messages' is a required property and must be a non-empty array.",

@@ -50,6 +50,8 @@ class Call:
     model: str | None = None  # the body's model, read when the route's nodes declare models (models.py)
     swap: bool | None = None  # its node had to load the model; None when the node has no model state
     admin: bool = False  # the admin key on a comfyui route: reads and stops every prompt, sends none
+    #: the model the client named, when a rewrite may rename it: the answer carries this name
+    asked_model: str | None = None
 
     @property
     def key_id(self) -> str | None:

@@ -31,6 +31,7 @@ from kilolined.core.auth import Principal, presented_key
 from kilolined.core.config import JobsConfig
 from kilolined.core.continuation import StreamKeeper
 from kilolined.core.outcome import Cancelled, Failure, Result
+from kilolined.core.rewrite import ModelRename, aliased
 from kilolined.modes.call import Call
 from kilolined.modes.runner import run
 from kilolined.ops.runtime import Runtime
@@ -171,6 +172,7 @@ class Job:
     status: str = "queued"
     node: str | None = None
     swap: bool | None = None  # its last dispatch made the node load the model (None: no model state)
+    asked_model: str | None = None  # the model the client named, when a rewrite may rename it
     http_status: int | None = None
     error: dict[str, str] | None = None
     queue_wait: float | None = None
@@ -310,6 +312,12 @@ class JobSink(Sink):
         ctype = up.headers.get("Content-Type", "application/octet-stream")
         if up.status >= 400:
             raise Failure("upstream_error", f"node answered HTTP {up.status}", up.status, body, ctype)
+        asked = self.job.asked_model
+        if asked is not None and scope.lease is not None and \
+                aliased(scope.lease.target.node.rewrite, self.job.ticket.model) != asked:
+            # The answer carries the name the client asked for (docs/CONFIG.md#rewriting-requests).
+            rename = ModelRename(asked, sse="text/event-stream" in ctype)
+            body = rename.feed(body) + rename.flush()
         self.res = Result(up.status, ctype, body)
 
     async def _read(self, scope: LeaseScope, up: Upstream, obs: Observer | None, under_attempt: bool) -> bytes:
@@ -544,6 +552,7 @@ class Jobs:
             access_token=secrets.token_urlsafe(24),
             route=ticket.route, route_label=rt.route_label(ticket.route), kind=call.kind,
             key=principal.key_id if principal else None, mode=call.mode, ticket=ticket, callback=callback,
+            asked_model=call.asked_model,
             base_url=(rt.cfg.server.public_url or "").rstrip("/"), store=self.store,
         )
         self.jobs[job.id] = job

@@ -24,6 +24,7 @@ from multidict import CIMultiDict
 from kilolined.adapters.openai import UsageStripper, gateway_added_usage, relay_tap
 from kilolined.core.continuation import StreamKeeper
 from kilolined.core.outcome import Failure, Result
+from kilolined.core.rewrite import MAX_HELD, ModelRename, aliased
 from kilolined.modes.call import Call
 from kilolined.ops.runtime import Runtime
 from kilolined.scheduling.lease import LeaseScope, Sink
@@ -83,6 +84,14 @@ class SyncSink(Sink):
         self.scope = scope
         with _Relaying(self, scope, up, obs) as ok:
             headers = self.headers_for(scope, up)
+            rename = self.renamer(scope, sse=False) if call.asked_model is not None else None
+            if rename is not None and "json" in up.headers.get("Content-Type", "") and \
+                    up.content_length is not None and up.content_length <= MAX_HELD:
+                self.response, call.bytes_out = await _renamed(call.request, up, headers, obs, rename)
+                scope.size = call.bytes_out
+                ok[0] = scope.ok = up.status < 500
+                self.outcome = "ok" if ok[0] else "upstream_error"
+                return
             # The usual small answer, whole already, is made here without a coroutine.
             whole = whole_answer(call.request, up, headers, obs, capture)
             self.response, call.bytes_out = (whole if whole is not None else
@@ -90,6 +99,15 @@ class SyncSink(Sink):
             scope.size = call.bytes_out
             ok[0] = scope.ok = up.status < 500
             self.outcome = "ok" if ok[0] else "upstream_error"
+
+    def renamer(self, scope: LeaseScope, sse: bool) -> ModelRename | None:
+        """What puts the client's model name back into the answer, when its node was sent another
+        (docs/CONFIG.md#rewriting-requests); None when the node got the client's own name."""
+        call = self.call
+        asked = call.asked_model
+        assert asked is not None and scope.lease is not None
+        sent = aliased(scope.lease.target.node.rewrite, call.model)
+        return None if sent == asked else ModelRename(asked, sse)
 
     def _relaying(self, scope: LeaseScope, up: Upstream, obs: Observer | None) -> _Relaying:
         """Around copying the node's answer to the client (every sink's one copy of it): see
@@ -203,6 +221,8 @@ class StreamSink(SyncSink):
                     # A node that ignored "stream": pass its JSON through as one data line.
                     if obs is not None:
                         obs.feed(body)
+                    if call.asked_model is not None and (rename := self.renamer(scope, sse=False)) is not None:
+                        body = rename.rename(body)
                     await _write(scope, resp, b"data: " + body.strip() + b"\n\ndata: [DONE]\n\n")
                     ok[0] = True
                 else:
@@ -226,6 +246,10 @@ class StreamSink(SyncSink):
         out with a piece; then, on our own client (chunked, uncompressed), each piece is written
         from the node connection's callback (``UpstreamResponse.relay``)."""
         call, strip, keeper = self.call, self.strip, self.keeper
+        # The client's model name in every event, when its node was sent another: off (None) on
+        # every stream whose route renames nothing, so the per-token path stays as it was.
+        # After the keeper: the seam's chunks take the first node's name, then the client's.
+        rename = self.renamer(scope, sse=True) if call.asked_model is not None else None
         request = call.request
         writer = request.writer
         direct = (isinstance(up, UpstreamResponse) and getattr(writer, "chunked", False) is True
@@ -237,6 +261,8 @@ class StreamSink(SyncSink):
             out = strip.feed(chunk) if strip is not None else chunk
             if keeper is not None:
                 out = keeper.feed(out)  # whole events only, and through the seam after one
+            if rename is not None:
+                out = rename.feed(out)
             if out:
                 # _write's flag inline: one coroutine less per relayed chunk
                 scope.writing = True
@@ -258,6 +284,8 @@ class StreamSink(SyncSink):
             tap = relay_tap(obs, strip)
             if keeper is not None:
                 tap = _kept(tap, keeper)
+            if rename is not None:
+                tap = rename.after(tap)
 
             def push(data: bytes) -> bool:
                 # The per-token path: the observer and the usage cut in one call, one write.
@@ -284,6 +312,8 @@ class StreamSink(SyncSink):
         rest = strip.flush() if strip is not None else b""
         if keeper is not None:
             rest = keeper.feed(rest) + keeper.flush()
+        if rename is not None:
+            rest = rename.feed(rest) + rename.flush()
         if rest:
             await _write(scope, resp, rest)
             call.bytes_out += len(rest)
@@ -307,6 +337,18 @@ def _kept(tap: Callable[[bytes], bytes], keeper: StreamKeeper) -> Callable[[byte
         return keeper.feed(tap(data))
 
     return kept
+
+
+async def _renamed(request: web.Request, up: Upstream, headers: CIMultiDict[str], obs: Observer | None,
+                   rename: ModelRename) -> tuple[web.Response, int]:
+    """A JSON answer of a known length up to MAX_HELD, read whole, with the client's model name
+    put back (a longer one, or one of unknown length, streams as it came)."""
+    body = await up.read()
+    if obs is not None:
+        obs.feed(body)
+    body = rename.rename(body)
+    headers["Server"] = SERVER
+    return web.Response(status=up.status, reason=up.reason, headers=headers, body=body), len(body)
 
 
 class _Relaying:

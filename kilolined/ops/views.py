@@ -139,11 +139,11 @@ def route_series(rt: Runtime) -> dict[str, tuple[int, int]]:
 
 
 def route_readiness(rt: Runtime) -> dict[str, bool]:
-    """Each configured route: whether some node of it (primary or standby) can take work now."""
+    """Each configured route: whether some node of it (primary, standby or overflow) can take work now."""
     now = rt.clock()
     sched = rt.scheduler
     return {n: any(sched.nodes[x].serving(now) or sched.nodes[x].available(now)
-                   for x in rq.all_nodes if x in sched.nodes)
+                   for x in (*rq.all_nodes, *rq.cfg.overflow_nodes) if x in sched.nodes)
             for n, rq in sched.routes.items() if not n.startswith("adhoc:") and not rq.retired}
 
 

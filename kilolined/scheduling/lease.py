@@ -628,7 +628,9 @@ class LeaseScope:
         route = rt.route_label(lease.route)
         rt.metrics.gpu_seconds.labels(route, self.key or "-").inc(held)
         prompt, completion = t.tokens
-        cost = gpu_cost(held, rt.price_per_hour(lease.node))
+        # GPU time at the node's hourly price, plus what an overflow node's price_per_mtok made of
+        # the tokens (ticket.usd, set where its usage was read)
+        cost = gpu_cost(held, rt.price_per_hour(lease.node)) + (t.usd or 0.0)
         rt.bill.add(time.time(), self.key, route, t.model or t.named_model, requests=1, prompt_tokens=prompt,
                     completion_tokens=completion, gpu_seconds=held, cost_usd=cost)
 

@@ -39,7 +39,14 @@ class ModelState:
         """Whether the node may take a request for ``model``. A request naming no model, a node
         declaring no models, and a discovering node that has not answered yet all say yes: the
         node itself is the judge then."""
-        if model is None or cfg.models is None:
+        if model is None:
+            return True
+        names = cfg.rewrite.model if cfg.rewrite is not None else None
+        if names:
+            if cfg.models is None:
+                return model in names  # a hosted API's names: what its rewrite.model maps
+            model = names.get(model, model)
+        if cfg.models is None:
             return True
         listed = cfg.models if isinstance(cfg.models, list) else self.discovered
         return listed is None or model in listed

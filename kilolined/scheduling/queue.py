@@ -67,6 +67,7 @@ class Ticket:
     cost: float = 0.0  # what it holds of a node's capacity while leased
     bypassed: int = 0  # requests dispatched ahead of it while it was the head (backfill)
     model: str | None = None  # the model it asks for (OpenAI "model"); None: any node of the route
+    usd: float | None = None  # what its answer cost on a node with price_per_mtok (the access log's usd=)
     swap_bypassed: int = 0  # requests collated ahead of it while it was the head
     swap_bypassed_at: float | None = None  # when it was first collated past
     affinity: Affinity | None = None  # its prefix keys or session key (routes with ``affinity``)
@@ -308,6 +309,8 @@ class RouteQueue:
         #: node -> the Target its last grant made: the next grant reuses it while both configs
         #: are still the very same objects (a reload replaces them), one frozen object less per grant
         self.targets: dict[str, Target] = {}
+        #: whether the route or one of its nodes rewrites the model (edge/app.py): asked once per config
+        self.renames: bool | None = None
 
     def target(self, node: str, cfg: NodeConfig) -> Target:
         """Where a grant on ``node`` (whose config is ``cfg``) sends its request: the route's and
@@ -321,6 +324,7 @@ class RouteQueue:
         old = self.cfg
         self.cfg = cfg
         self.targets = {}  # nodes the route no longer has are not kept
+        self.renames = None  # (every reload configures every route: a node's rewrite counts anew)
         if old.strategy != cfg.strategy or old.queue_timeout_sec != cfg.queue_timeout_sec:
             tickets = list(self.waiting.order(now))
             self.waiting = make_order(cfg)
@@ -471,8 +475,9 @@ class Scheduler:
         return now < lost_at + wait
 
     def choose_node(self, rq: RouteQueue, t: Ticket, now: float,
-                    blocked: frozenset[str] = frozenset()) -> str | None:
-        """Where ``t`` goes now, or None; ``blocked`` nodes are held for a head that was passed over."""
+                    blocked: frozenset[str] = frozenset(), position: int = 1) -> str | None:
+        """Where ``t`` goes now, or None; ``blocked`` nodes are held for a head that was passed over.
+        ``position``: its place in the queue, for the overflow tier's wait estimate."""
         model = t.model
         if t.pinned_node is not None:
             ok = (t.pinned_node not in blocked and self.can_take(rq, t.pinned_node, now, t.cost)
@@ -492,12 +497,53 @@ class Scheduler:
             # this request, or that does not serve its model, cannot be used for it.
             if any(n not in t.avoid and n in self.nodes and self.nodes[n].available(now)
                    and self.could_hold(self.nodes[n], t.cost) and self.serves(n, model) for n in group):
-                return None
+                return self._overflow(rq, t, now, blocked, position) if rq.cfg.overflow is not None else None
         # Every other node is gone: retrying where it failed beats failing outright, once that
         # node is known to be back.
-        return self._least_loaded([n for n in rq.all_nodes if n in t.avoid and n not in blocked
+        best = self._least_loaded([n for n in rq.all_nodes if n in t.avoid and n not in blocked
                                    and self.serves(n, model) and not self.barred(t, n, now)],
                                   rq, now, t.cost, model)
+        if best is not None or rq.cfg.overflow is None:
+            return best
+        return self._overflow(rq, t, now, blocked, position if self._local_up(rq, t, now) else None)
+
+    def _local_up(self, rq: RouteQueue, t: Ticket, now: float) -> bool:
+        """Some primary or standby is up and could ever take ``t`` (one that lost it, once back)."""
+        return any(n in self.nodes and self.nodes[n].available(now) and self.could_hold(self.nodes[n], t.cost)
+                   and self.serves(n, t.model) and not self.barred(t, n, now) for n in rq.all_nodes)
+
+    def _overflow(self, rq: RouteQueue, t: Ticket, now: float, blocked: frozenset[str],
+                  position: int | None) -> str | None:
+        """The overflow node ``t`` goes to now, or None (docs/CONFIG.md#overflow): the third tier,
+        after primaries and standbys, taken when ``overflow_due`` says so for a request at
+        ``position`` in the queue; at once when no primary or standby is up (``position`` None)."""
+        ov = rq.cfg.overflow
+        assert ov is not None
+        if position is not None and not overflow_due(now - t.enqueued_at, self.est_wait(rq, position, now),
+                                                     ov.when_wait_sec):
+            return None
+        return self._least_loaded([n for n in ov.nodes if n not in t.avoid and n not in blocked
+                                   and self.serves(n, t.model)], rq, now, t.cost, t.model)
+
+    def _overflow_later(self, rq: RouteQueue, head: Ticket, now: float) -> tuple[Ticket, str] | None:
+        """A ticket behind the head that the overflow tier takes now: one that has waited
+        ``when_wait_sec``, or whose place in the queue says it would. The estimate grows with the
+        place, so the scan ends at the first place beyond ``when_wait_sec`` (or at the queue's end
+        while nothing is measured)."""
+        ov = rq.cfg.overflow
+        assert ov is not None
+        if not any(self.can_take(rq, n, now) for n in ov.nodes):
+            return None
+        for i, t in enumerate(rq.waiting.order(now), 1):
+            if t is head or t.pinned_node is not None:
+                continue
+            node = self._overflow(rq, t, now, frozenset(), i if self._local_up(rq, t, now) else None)
+            if node is not None:
+                return t, node
+            est = self.est_wait(rq, i, now)
+            if est is not None and est > ov.when_wait_sec:
+                return None  # due by its place, yet no overflow node takes it now: the next pass looks again
+        return None
 
     def _least_loaded(self, names: list[str], rq: RouteQueue, now: float, cost: float = 0.0,
                       model: str | None = None) -> str | None:
@@ -739,7 +785,7 @@ class Scheduler:
             raise Rejected(422, "exceeds_capacity",
                            f"request costs {cost:g}, more than the largest capacity of route {rq.name}'s nodes "
                            f"({limit:g})")
-        nodes = [pinned_node] if pinned_node is not None else rq.all_nodes
+        nodes = [pinned_node] if pinned_node is not None else rq.all_nodes + rq.cfg.overflow_nodes
         # A route with no node at all (a fleet pool scaled to zero) waits for one: not refused.
         if model is not None and nodes and not any(self.serves(n, model) for n in nodes):
             raise Rejected(404, "model_not_found", f"no node of route {rq.name} serves model {model!r}")
@@ -941,7 +987,8 @@ class Scheduler:
                         head.swap_bypassed_at = now
                 else:
                     rq.waiting.remove(t)
-                    head.bypassed = min(head.bypassed + 1, rq.cfg.max_bypass)
+                    if node not in rq.cfg.overflow_nodes:  # the overflow tier takes no slot the head waits for
+                        head.bypassed = min(head.bypassed + 1, rq.cfg.max_bypass)
                 rq.by_key[t.key] -= 1
                 if rq.by_key[t.key] <= 0:
                     del rq.by_key[t.key]
@@ -971,6 +1018,8 @@ class Scheduler:
                 if t is not None:
                     return t, node, head, True
             return head, node, head, False
+        if rq.cfg.overflow is not None and (later := self._overflow_later(rq, head, now)) is not None:
+            return later[0], later[1], head, False
         if not self.costed(rq):
             return None
         blocked: frozenset[str] = frozenset()
@@ -1019,8 +1068,8 @@ class Scheduler:
             if rq.inflight[lease.node] <= 0:
                 del rq.inflight[lease.node]
             rq.capacity_used = rq.capacity_used - lease.cost if rq.inflight else 0.0  # 0 again: no float drift
-            if service_time is not None:
-                rq.observe(service_time)
+            if service_time is not None and lease.node not in rq.cfg.overflow_nodes:
+                rq.observe(service_time)  # the wait estimate is of the route's own nodes
         self.node_inflight[lease.node] -= 1
         if self.node_inflight[lease.node] <= 0:
             del self.node_inflight[lease.node]
@@ -1079,6 +1128,12 @@ class Scheduler:
                 changes.append((rq.name, rq.mode, mode))
                 rq.mode = mode
         return changes
+
+
+def overflow_due(waited: float, est_wait: float | None, when_wait_sec: float) -> bool:
+    """The overflow tier may take a request a primary or standby will take in time: it has waited
+    ``when_wait_sec``, or the wait estimate says it would (an unknown estimate says nothing)."""
+    return waited >= when_wait_sec or (est_wait is not None and est_wait > when_wait_sec)
 
 
 def avoided(t: Ticket, node: str, now: float, lost: bool) -> None:

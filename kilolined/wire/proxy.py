@@ -238,10 +238,13 @@ class Exchange:
 
 
 async def open_upstream(
-    pool: NodePool, ex: Exchange, node_url: str, node_headers: dict[str, str], timeout: float
+    pool: NodePool, ex: Exchange, node_url: str, node_headers: dict[str, str], timeout: float,
+    body: bytes | None = None,
 ) -> UpstreamResponse:
-    """Send the request and wait for the response headers. Raises UpstreamFailed on any failure."""
-    body = ex.body if ex.body_override is None else ex.body_override
+    """Send the request (``body``: this node's own, else the exchange's) and wait for the response
+    headers. Raises UpstreamFailed on any failure."""
+    if body is None:
+        body = ex.body if ex.body_override is None else ex.body_override
     try:
         return await pool.request(ex.method, ex.tail, ex.upstream_header_pairs(node_headers, node_url), body, timeout)
     except TimeoutError:
