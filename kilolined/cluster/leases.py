@@ -37,10 +37,10 @@ from redis.exceptions import RedisError
 from kilolined.cluster import scripts
 from kilolined.cluster.leader import Leadership
 from kilolined.cluster.persistence import access_error, shown
-from kilolined.cluster.split import alive, share
+from kilolined.cluster.split import alive
 from kilolined.cluster.view import ClusterView, Peer
 from kilolined.cluster.wire import Wire
-from kilolined.core.config import ClusterConfig, Config, ConfigError, NodeConfig, RouteConfig, split_listen
+from kilolined.core.config import ClusterConfig, Config, ConfigError, split_listen
 from kilolined.scheduling.affinity import Affinity
 from kilolined.scheduling.queue import (
     FAILED,
@@ -53,6 +53,7 @@ from kilolined.scheduling.queue import (
     avoided,
     ramped_capacity,
 )
+from kilolined.scheduling.share import WHOLE, share_of
 from kilolined.wire.tasks import cancel_all
 
 log = logging.getLogger("kilolined")
@@ -100,10 +101,8 @@ class ClusterLeases:
         self._barred: dict[Ticket, str] = {}  # waiting tickets a lost node may not take yet -> their "only"
         self._entries = itertools.count()  # _track's ids
         self._alone_from = 0.0  # while Redis is down: when this gateway's share starts (_degrade)
-        self._part = 0  # 1 while the share applies, 0 while nothing starts alone
         self._strays: set[str] = set()  # lease ids Redis counts for us that no request holds (one beat ago)
         self._restoring = False  # _restore is registering what we hold: nothing is dispatched alone meanwhile
-        self._full: dict[str, RouteConfig | NodeConfig] = {}  # configs cut to a share, by route/node
         self._forget: dict[str, str] = {}  # ad-hoc routes dropped here, not yet forgotten in Redis -> node ("")
         self._tasks: set[asyncio.Task[Any]] = set()
         self._sub_at: float | None = None  # when the grant channel was last subscribed (None: it is not)
@@ -330,7 +329,6 @@ class ClusterLeases:
         Redis (scripts.FORGET keeps them while any gateway queues or runs on it). While Redis is
         out of reach it is remembered, and forgotten there at the first heartbeat that reaches it."""
         self.sched.forget_route(route, node)
-        self._full.pop(route, None)
         self._forget[route] = node or ""
         while len(self._forget) > FORGET_PENDING_MAX:
             del self._forget[next(iter(self._forget))]  # the oldest: its few keys stay in Redis
@@ -529,7 +527,7 @@ class ClusterLeases:
             await asyncio.sleep(self.cfg.lease_ttl_sec / 3)
             try:
                 if not self.view.redis_up:
-                    if not self._part and self.view.reached and self.clock() >= self._alone_from:
+                    if not self.sched.share.part and self.view.reached and self.clock() >= self._alone_from:
                         self._cut(self.alive_peers())  # the first TTL of the outage is over: the share applies
                         self.sched.dispatch(self.clock())
                     assert self._redis is not None
@@ -651,29 +649,14 @@ class ClusterLeases:
         self.sched.dispatch(now)
 
     def _cut(self, others: list[str]) -> None:
-        """Cut every route's and node's slot counts to this gateway's share (Redis is down), from
-        the full configs, which ``_full`` keeps for when it is back."""
-        me = self.view.gateway_id
+        """This gateway's share of every slot count applies (Redis is down): an overlay the
+        scheduler reads (scheduling/share.py), so the configs, reloaded or made meanwhile (an
+        ad-hoc target), stay whole and hold again as they are once Redis is back."""
         # A gateway that never reached Redis knows no peer: a share of "all of it" would be a guess
         # that adds a whole N to whatever the others run. It queues until Redis answers. Nor does
         # anything start during the first TTL of an outage (_degrade).
         part = 1 if self.view.reached and self.clock() >= self._alone_from else 0
-        self._part = part
-        for name, rq in self.sched.routes.items():
-            full_r = self._full.setdefault("r:" + name, rq.cfg)
-            assert isinstance(full_r, RouteConfig)
-            rq.cfg = full_r.model_copy(update={"max_concurrency": part * share(full_r.max_concurrency, me, others)})
-        for name, ns in self.sched.nodes.items():
-            full_n = self._full.get("n:" + name, ns.cfg)
-            assert isinstance(full_n, NodeConfig)
-            upd: dict[str, Any] = {}
-            if full_n.max_concurrency is not None:
-                upd["max_concurrency"] = part * share(full_n.max_concurrency, me, others)
-            if full_n.capacity is not None:
-                upd["capacity"] = part * full_n.capacity / (len(others) + 1)  # a capacity is split evenly
-            if upd:
-                self._full["n:" + name] = full_n
-                ns.cfg = full_n.model_copy(update=upd)
+        self.sched.share = share_of(self.view.gateway_id, others, part)
 
     # --- reload (a runtime.Component) -------------------------------------------------------
     def prepare(self, cfg: Config) -> list[str]:
@@ -685,12 +668,9 @@ class ClusterLeases:
 
     def commit(self, cfg: Config) -> None:
         """A reload applied new route and node configs, whole. While Redis is down this
-        gateway's share is cut from those, and they are what holds once Redis is back."""
-        if self.view.redis_up:
-            return
-        self._full.clear()
-        self._cut(self.alive_peers())
-        self.sched.dispatch(self.clock())
+        gateway's share of those applies (the overlay reads them), and they hold once it is back."""
+        if not self.view.redis_up:
+            self.sched.dispatch(self.clock())
 
     def _adopt(self, t: Ticket) -> None:
         """The scheduler takes over a waiting ticket it did not make (Redis is down)."""
@@ -710,13 +690,7 @@ class ClusterLeases:
             held = await self._register_held()
         finally:
             self._restoring = False
-        for full_key, cfg in self._full.items():
-            kind, name = full_key.split(":", 1)
-            if kind == "r" and name in self.sched.routes:
-                self.sched.routes[name].cfg = cfg  # type: ignore[assignment]
-            elif kind == "n" and name in self.sched.nodes:
-                self.sched.nodes[name].cfg = cfg  # type: ignore[assignment]
-        self._full.clear()
+        self.sched.share = WHOLE
         self.view.redis_up = True
         waiting = sorted((t for t in self._local if t.state == WAITING), key=lambda x: x.seq)
         self._local.clear()
