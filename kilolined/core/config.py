@@ -274,6 +274,28 @@ def _slow_off(v: Any) -> Any:
     return v
 
 
+class BusyConfig(_Model):
+    """Where a node shows what it runs (docs/CLUSTER.md): GET ``path``, then the number at
+    ``json_pointer`` in its JSON (an array: its length) or the sum of a Prometheus ``metric``."""
+
+    path: Annotated[str, Field(pattern=r"^/")]
+    json_pointer: str | None = None
+    metric: Annotated[str, Field(pattern=r"^[a-zA-Z_:][a-zA-Z0-9_:]*$")] | None = None
+
+    @field_validator("json_pointer")
+    @classmethod
+    def _pointer(cls, v: str | None) -> str | None:
+        if v is not None and v != "" and not v.startswith("/"):
+            raise ValueError("a JSON pointer starts with / (RFC 6901), e.g. /num_running")
+        return v
+
+    @model_validator(mode="after")
+    def _one(self) -> BusyConfig:
+        if (self.json_pointer is None) == (self.metric is None):
+            raise ValueError("give exactly one of json_pointer or metric")
+        return self
+
+
 class NodeConfig(_Model):
     url: str
     label: str | None = None
@@ -287,6 +309,8 @@ class NodeConfig(_Model):
     #: the models it serves (a list, or "discover": its GET /v1/models); None = whatever it is asked
     models: list[str] | str | None = None
     warm_models: Annotated[int, Field(ge=1)] = 1  # models it keeps loaded at once (OLLAMA_MAX_LOADED_MODELS)
+    #: where it shows what it runs, for a server the gateway has no probe for (docs/CLUSTER.md)
+    busy: BusyConfig | None = None
 
     @field_validator("slow", mode="before")
     @classmethod
