@@ -38,7 +38,7 @@ from kilolined.cluster import scripts
 from kilolined.cluster.leader import Leadership
 from kilolined.cluster.persistence import access_error, shown
 from kilolined.cluster.split import alive
-from kilolined.cluster.view import ClusterView, Peer
+from kilolined.cluster.view import ClusterView, Lost, Peer
 from kilolined.cluster.wire import Wire
 from kilolined.core.config import ClusterConfig, Config, ConfigError, split_listen
 from kilolined.scheduling.affinity import Affinity
@@ -122,6 +122,7 @@ class ClusterLeases:
         # script decided arrive the same way, on a subscriber connection (_listen).
         self._wire = Wire(pool, CALL_TIMEOUT_SEC, scripts=[getattr(scripts, n) for n in (
             "ADMIT", "RELEASE", "REQUEUE", "CANCEL", "BEAT", "REGISTER", "POSITIONS", "DOUBTS", "DOUBT",
+            "FORGET_GATEWAY",
             "BUCKET", "BUDGET_TAKE", "BUDGET_RESERVE", "BUDGET_SETTLE")])
         #: the shared limits' scripts travel on it too (kilolined/cluster/limits.py)
         self.wire = self._wire
@@ -129,6 +130,8 @@ class ClusterLeases:
         #: cluster_degraded and cluster_restored
         self.leadership = Leadership(gateway_id, cfg.lease_ttl_sec)
         self._seen: dict[str, float] = {}  # other gateway id -> when it was last seen alive (our clock)
+        self._lost_known: set[str] = set()  # the lost gateways already alerted (cluster_gateway_lost)
+        self.view.forget = self.forget_gateway
         # The cluster's queues as the views see them (queue.WaitingElsewhere), re-read every
         # POSITIONS_SEC: waiting per route, per client key, and our tickets' positions by tid.
         self._depth: dict[str, int] = {}
@@ -161,7 +164,9 @@ class ClusterLeases:
         if self._redis is not None:
             if self.view.redis_up:
                 try:
-                    # Leave at once: our leases and waiting tickets go back now, not after the TTL.
+                    # Leave at once: our leases and waiting tickets go back now, not after the TTL,
+                    # and no share is reserved for us (we deregister: nothing runs here any more).
+                    await self._redis.delete(self.prefix + "gs:" + self.view.gateway_id)
                     await self._redis.zadd(self.prefix + "gw", {self.inst: 0})
                     await self._call("RELEASE", "")
                 except (RedisError, OSError):
@@ -184,7 +189,7 @@ class ClusterLeases:
         adopts Redis' epoch (a new one, behind the fence, when it came back empty). Returns the
         new lease ids in the order of ``held``."""
         args: list[str | int] = [int(self.cfg.lease_ttl_sec * 1000), self.view.gateway_id,
-                                 "," + "".join(p + "," for p in self._peers_at_loss), len(old), *old]
+                                 "," + "".join(p + "," for p in self._peers_at_loss), self._keep(), len(old), *old]
         for t in held:
             assert t.lease is not None
             args += [self._track(t), t.route, t.lease.node, self._order_key(t), repr(t.cost)]
@@ -554,8 +559,9 @@ class ClusterLeases:
                  and (full or tid in self._to_sweep)]
         views = {r: self._view(r) for r, rq in self.sched.routes.items() if not rq.retired}
         ttl_ms = int(self.cfg.lease_ttl_sec * 1000)
-        grants, lost, peers, reaped, held = await self._call("BEAT", ttl_ms, self.view.gateway_id, self.version(),
-                                               orjson.dumps(views).decode(), *stale)
+        grants, lost, peers, reaped, held, gone = await self._call(
+            "BEAT", ttl_ms, self.view.gateway_id, self.version(), orjson.dumps(views).decode(), self._counts_json(),
+            *stale)
         if int(reaped) and self._lid:
             self._revoke_all()
         self._to_sweep.difference_update(stale)
@@ -577,8 +583,53 @@ class ClusterLeases:
         self.view.peers = out
         for p in out:
             self._seen[p.id] = max(self._seen.get(p.id, -math.inf), now - p.last_seen_sec)
+        self._gone([_s(x) for x in gone])
         if self._forget:
             self._flush_forget()
+
+    def _counts_json(self) -> str:
+        """Its full slot counts: the BEAT script keeps its share of them among the gateways alive
+        (the same split _cut applies alone), reserved in Redis once its heartbeat lapses."""
+        return orjson.dumps({
+            "r": {r: rq.cfg.max_concurrency for r, rq in self.sched.routes.items() if not rq.retired},
+            "n": {n: ns.cfg.max_concurrency for n, ns in self.sched.nodes.items() if ns.cfg.max_concurrency is not None},
+        }).decode()
+
+    def _keep(self) -> str:
+        """The nodes where a request runs on without its connection (ComfyUI: its prompt stays
+        queued): a lease in doubt there is ended only by the node check, ",a,b,"."""
+        nodes = sorted({n for rq in self.sched.routes.values() if rq.cfg.kind == "comfyui" for n in rq.all_nodes})
+        return "," + "".join(n + "," for n in nodes)
+
+    def _gone(self, flat: list[str]) -> None:
+        """The gateways whose share Redis reserves: shown, and each alerted once (the leader's voice)."""
+        out = []
+        for i in range(0, len(flat), 3):
+            gid, age, raw = flat[i], int(flat[i + 1]) / 1000, orjson.loads(flat[i + 2])
+            out.append(Lost(gid, age, {"routes": {r: n for r, n in raw.get("r", {}).items() if n},
+                                       "nodes": {n: k for n, k in raw.get("n", {}).items() if k},
+                                       "capacity": raw.get("c", 0)}))
+        self.view.lost = out
+        for g in out:
+            if g.id not in self._lost_known:
+                held = ", ".join([f"{r} {n}/node" for r, n in sorted(g.reserved["routes"].items())]
+                                 + [f"node {n} {k}" for n, k in sorted(g.reserved["nodes"].items())]) or "nothing"
+                self._notify("cluster_gateway_lost", f"⚠ cluster: gateway {g.id} lost (no heartbeat): its share stays "
+                             f"reserved ({held}) until it comes back, or POST /admin/cluster/forget/{g.id}")
+        self._lost_known = {g.id for g in out}
+
+    async def forget_gateway(self, gid: str) -> str:
+        """An operator says gateway ``gid`` is gone for good (POST /admin/cluster/forget/{id}):
+        its reserved share goes, and its leases in doubt end where no prompt runs on without them.
+        Returns "forgotten", "alive" (it beats: nothing to forget) or "unknown"."""
+        res = await self._call("FORGET_GATEWAY", gid, self._keep())
+        verdict = _s(res[0])
+        self._grants(res[2:])
+        if verdict == "forgotten":
+            log.warning("⚠ cluster: gateway %s forgotten: its reserved share is free (%d leases in doubt ended)",
+                        gid, int(res[1]))
+            self.view.lost = [g for g in self.view.lost if g.id != gid]
+        return verdict
 
     def _release_strays(self, held_here: set[str]) -> None:
         """Leases Redis counts for us that no request here holds: granted to a ticket whose grant

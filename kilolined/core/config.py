@@ -29,6 +29,7 @@ NotifyEvent = Literal[
     "reload_failed",
     "cluster_degraded",  # cluster mode only (docs/CLUSTER.md)
     "cluster_restored",
+    "cluster_gateway_lost",
     "fleet_node_lost",  # fleet pools only (docs/FLEET.md)
     "fleet_node_rented",
     "fleet_node_ready",
