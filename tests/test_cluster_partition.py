@@ -96,7 +96,9 @@ async def test_a_partial_partition_runs_no_more_than_n_and_its_healing_blocks_no
             relay.sever()
             await until(lambda: _redis_is(cut, "down"), "the cut-off gateway never noticed")
             lost = await _lost_on(gateways[0])
-            assert [g["reserved"] for g in lost] == [{"routes": {"gen": 1}, "nodes": {}, "capacity": pytest.approx(1 / 3)}]
+            # Its share of N = 4 over three gateways (gw0 has 2, gw1 and gw2 1 each), and of a capacity.
+            assert [g["reserved"] for g in lost] == [{"routes": {"gen": 1}, "nodes": {},
+                                                      "capacity": pytest.approx(1 / 3)}]
             before = done["gw1"]
             await until(lambda: _done_at_least(done, "gw1", before + 4), "the cut-off gateway never ran alone", 30)
             relay.heal()

@@ -592,7 +592,8 @@ class ClusterLeases:
         (the same split _cut applies alone), reserved in Redis once its heartbeat lapses."""
         return orjson.dumps({
             "r": {r: rq.cfg.max_concurrency for r, rq in self.sched.routes.items() if not rq.retired},
-            "n": {n: ns.cfg.max_concurrency for n, ns in self.sched.nodes.items() if ns.cfg.max_concurrency is not None},
+            "n": {n: ns.cfg.max_concurrency for n, ns in self.sched.nodes.items()
+                  if ns.cfg.max_concurrency is not None},
         }).decode()
 
     def _keep(self) -> str:
