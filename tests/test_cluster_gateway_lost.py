@@ -9,7 +9,6 @@ its share stays reserved, as for any lost gateway, until it comes back or is for
 
 from __future__ import annotations
 
-import asyncio
 from pathlib import Path
 from typing import Any
 
