@@ -254,6 +254,17 @@ async def start_all(procs: list[GatewayProc]) -> None:
         await asyncio.sleep(0.1)
 
 
+async def forget(alive: GatewayProc, gateway_id: str) -> None:
+    """What an operator does for a gateway gone for good: once ``alive`` shows it lost (its share
+    reserved, docs/CLUSTER.md "Partitions"), POST /admin/cluster/forget/{id} frees that share."""
+    async def lost() -> bool:
+        return gateway_id in [g["id"] for g in (await alive.state())["cluster"]["lost"]]
+    await until(lost, f"{gateway_id} was never shown lost")
+    async with aiohttp.ClientSession() as s, s.post(f"{alive.url}/admin/cluster/forget/{gateway_id}",
+                                                    headers=ADMIN) as r:
+        assert r.status == 200, await r.text()
+
+
 def make_gateways(n: int, tmp: Path, redis_url: str, gpu_url: str, **kw: Any) -> list[GatewayProc]:
     out = []
     for i in range(n):
