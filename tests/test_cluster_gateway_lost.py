@@ -16,6 +16,7 @@ import aiohttp
 import pytest
 from cluster_harness import GatewayProc, RedisServer, gateways, make_gateways, redis_server, start_all, until
 from conftest import ADMIN, auth
+from fakes import FakeTelegram
 
 from kilolined.fakegpu import FakeGPU
 
@@ -24,6 +25,7 @@ __all__ = ["gateways", "redis_server"]  # fixtures
 N = 4
 TTL = 1.5
 JOBS = 12
+TOKEN = "123:abc"
 ASYNC = {"X-KiloLine-Mode": "async"}
 
 
@@ -49,12 +51,17 @@ async def test_a_killed_gateways_jobs_complete_through_the_others(
     options: dict[str, Any] = {"server": "vllm"} if server == "vllm" else {}
     gpu = FakeGPU(kind, vram_gb=1000, job_vram_gb=1, steps=10, step_ms=100, crash_sec=0.4, **options)
     await gpu.start()
+    tg = FakeTelegram(token=TOKEN)
+    await tg.__aenter__()
     try:
         # request_timeout_sec is far off: only the node (or the restart) can give the slots back in time.
         route: dict[str, Any] = {"kind": kind, "max_concurrency": N, "request_timeout_sec": 600, "retry_on_failover": 1}
         if kind == "openai":
             route["path"] = "/v1"
         gateways += make_gateways(3, tmp_path, redis_server.url, gpu.url, ttl=TTL, **route)
+        for g in gateways:
+            g.cfg["notify"] = {"telegram": {"bot_token": TOKEN, "chat_id": "-1001", "api_base": tg.url},
+                               "group_sec": 0.1, "min_interval_sec": 0}
         await start_all(gateways)
         dead, alive = gateways[2], gateways[0]
         async with aiohttp.ClientSession() as s:
@@ -77,8 +84,12 @@ async def test_a_killed_gateways_jobs_complete_through_the_others(
                 async with s.post(alive.url + "/admin/cluster/forget/gw1", headers=ADMIN) as r:
                     assert r.status == 409  # alive: it holds only what it runs
                 assert (await alive.state())["cluster"]["lost"] == []
+                # The leader said so once, naming it and what its reservation held.
+                said = [m["text"] for m in tg.messages if "gateway gw2 lost" in m["text"]]
+                assert len(said) == 1 and "gen 1/node" in said[0] and "forget/gw2" in said[0], tg.messages
         assert gpu.stats["max_concurrent"] <= N, gpu.stats
     finally:
+        await tg.__aexit__(None, None, None)
         await gpu.stop()
 
 

@@ -275,23 +275,6 @@ local function can_take(route, e, cost)
   return fits(e, cost)
 end
 
--- What the lost gateways' reservations may run on ``node`` (they may run it: a node check
--- counts it as theirs, not as a reaped lease's).
-local function reserved_on(node)
-  local res, n = reserved(), 0
-  for route, slots in pairs(res.r) do
-    local v = redis.call('GET', P..'v:'..route)
-    if v then
-      local view = cjson.decode(v)
-      for _, g in ipairs({view.p, view.s}) do
-        for _, e in ipairs(g) do if e[1] == node then n = n + slots end end
-      end
-    end
-  end
-  if res.n[node] then n = math.min(n, res.n[node]) end
-  return n
-end
-
 -- The leases in doubt of gateway ``gid`` end: granted to an instance that never heard of them
 -- (``inst``: that one's, on any node) or to an instance before it (on a node that cannot run
 -- them without their connection: not in ``keep``, ",a,b,").
@@ -1053,7 +1036,6 @@ for _, inst in ipairs(redis.call('ZRANGE', P..'gw', 0, -1)) do
     if (tonumber(lid) or 0) <= upto and redis.call('HGET', P..'l:'..lid, 'node') == node then live = live + 1 end
   end
 end
-live = live + reserved_on(node)  -- a lost gateway may be running its share there
 local held = redis.call('ZRANGE', P..'d:'..node, 0, -1)
 local freed = 0
 for i = 1, #held - math.max(0, busy - live) do
