@@ -16,7 +16,7 @@ import aiohttp
 import pytest
 from cluster_harness import GatewayProc, RedisServer, gateways, make_gateways, redis_server, start_all, until
 from conftest import ADMIN, auth
-from fakes import FakeTelegram
+from fakes import FakeTelegram, FakeWebhookReceiver
 
 from kilolined.fakegpu import FakeGPU
 
@@ -29,12 +29,12 @@ TOKEN = "123:abc"
 ASYNC = {"X-KiloLine-Mode": "async"}
 
 
-async def submit(s: aiohttp.ClientSession, gw: GatewayProc, kind: str) -> str:
+async def submit(s: aiohttp.ClientSession, gw: GatewayProc, kind: str, hook: str) -> str:
     if kind == "openai":
         url, body = gw.url + "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 10}
     else:
         url, body = gw.url + "/gen/generate", {"steps": 10, "step_ms": 100}
-    async with s.post(url, json=body, headers={**auth(), **ASYNC}) as r:
+    async with s.post(url, json=body, headers={**auth(), **ASYNC, "X-KiloLine-Callback": hook}) as r:
         assert r.status == 202, await r.text()
         return str((await r.json())["job_id"])
 
@@ -53,6 +53,8 @@ async def test_a_killed_gateways_jobs_complete_through_the_others(
     await gpu.start()
     tg = FakeTelegram(token=TOKEN)
     await tg.__aenter__()
+    hooks = FakeWebhookReceiver()
+    await hooks.__aenter__()
     try:
         # request_timeout_sec is far off: only the node (or the restart) can give the slots back in time.
         route: dict[str, Any] = {"kind": kind, "max_concurrency": N, "request_timeout_sec": 600, "retry_on_failover": 1}
@@ -62,10 +64,11 @@ async def test_a_killed_gateways_jobs_complete_through_the_others(
         for g in gateways:
             g.cfg["notify"] = {"telegram": {"bot_token": TOKEN, "chat_id": "-1001", "api_base": tg.url},
                                "group_sec": 0.1, "min_interval_sec": 0}
+            g.cfg["jobs"] = {"webhook_allow_private": True, "webhook_backoff_sec": [0.2, 0.2]}
         await start_all(gateways)
         dead, alive = gateways[2], gateways[0]
         async with aiohttp.ClientSession() as s:
-            jobs = [await submit(s, dead, kind) for _ in range(JOBS)]
+            jobs = [await submit(s, dead, kind, hooks.url()) for _ in range(JOBS)]
             await until(lambda: _running(gpu, N), "the jobs never filled the node")
             dead.kill9()  # while it holds every slot, with the rest of its jobs queued
             if restart:
@@ -73,6 +76,9 @@ async def test_a_killed_gateways_jobs_complete_through_the_others(
                 await dead.ready()
             for jid in jobs:
                 await until(lambda jid=jid: _status_in(s, alive, jid, {"completed"}), f"job {jid} never completed", 60)
+            await until(lambda: _delivered(hooks, len(jobs)), "a webhook never came", 30)
+            sent = sorted(d["json"]["job_id"] for d in hooks.deliveries if d["json"])
+            assert sent == sorted(jobs), sent  # each job's webhook once, whichever gateway ended it
             if not restart:
                 # Killed for good: its share (1 of 4) stays reserved, loudly, until an operator forgets it.
                 lost = (await alive.state())["cluster"]["lost"]
@@ -89,8 +95,13 @@ async def test_a_killed_gateways_jobs_complete_through_the_others(
                 assert len(said) == 1 and "gen 1/node" in said[0] and "forget/gw2" in said[0], tg.messages
         assert gpu.stats["max_concurrent"] <= N, gpu.stats
     finally:
+        await hooks.__aexit__(None, None, None)
         await tg.__aexit__(None, None, None)
         await gpu.stop()
+
+
+async def _delivered(hooks: FakeWebhookReceiver, n: int) -> bool:
+    return len([d for d in hooks.deliveries if d["json"]]) >= n
 
 
 async def _running(gpu: FakeGPU, n: int) -> bool:
