@@ -52,12 +52,28 @@ def render(state: dict[str, Any]) -> str:
     head = f"config {str(cfg.get('version', ''))[:12]}  uptime {state.get('uptime_sec', 0):.0f}s"
     if cfg.get("last_error"):
         head += "  LAST RELOAD FAILED: " + "; ".join(cfg["last_error"])[:200]
-    return "\n\n".join([
+    parts = [
         head,
         table(["ROUTE", "PATH", "KIND", "MODE", "QUEUED", "INFLIGHT", "EST WAIT", "ACTIVE"], routes),
         table(["NODE", "LABEL", "HEALTH", "BREAKER", "DRAINED", "INFLIGHT", "SLOW START", "CHECK", "LAST ERROR"],
               nodes),
-    ])
+    ]
+    lost = (state.get("cluster") or {}).get("lost") or []
+    if lost:
+        parts.append(lost_table(lost))
+    return "\n\n".join(parts)
+
+
+def lost_table(lost: list[dict[str, Any]]) -> str:
+    """Cluster mode: the gateways whose heartbeat lapsed, and the share Redis keeps reserved for them."""
+    rows = []
+    for g in lost:
+        res = g.get("reserved") or {}
+        held = [f"{r} {n}/node" for r, n in sorted((res.get("routes") or {}).items())]
+        held += [f"node {n} {k}" for n, k in sorted((res.get("nodes") or {}).items())]
+        rows.append([str(g.get("id", "")), f"{g.get('lost_sec', 0):.0f}s", ", ".join(held) or "-"])
+    return (table(["LOST GATEWAY", "SINCE", "RESERVED"], rows)
+            + "\nGone for good? POST /admin/cluster/forget/<gateway> frees its reserved share.")
 
 
 def url_for_listen(listen: str, tls: bool) -> str:

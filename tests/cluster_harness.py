@@ -81,6 +81,68 @@ class RedisServer:
         return aioredis.from_url(self.url, decode_responses=True)
 
 
+class Relay:
+    """A TCP relay between one gateway and Redis: ``sever`` cuts that gateway alone off (its
+    connections reset, new ones closed at once) while the others still reach Redis — a partial
+    partition; ``heal`` lets it through again. Runs in the test's event loop."""
+
+    def __init__(self, target_port: int):
+        self.target_port = target_port
+        self.port = 0
+        self.cut = False
+        self._server: asyncio.Server | None = None
+        self._open: set[asyncio.StreamWriter] = set()
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    async def start(self) -> None:
+        self._server = await asyncio.start_server(self._conn, "127.0.0.1", 0)
+        self.port = self._server.sockets[0].getsockname()[1]
+
+    async def stop(self) -> None:
+        self.sever()
+        if self._server is not None:
+            self._server.close()
+            await self._server.wait_closed()
+
+    def sever(self) -> None:
+        self.cut = True
+        for w in list(self._open):
+            w.transport.abort()
+        self._open.clear()
+
+    def heal(self) -> None:
+        self.cut = False
+
+    async def _conn(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        if self.cut:
+            writer.transport.abort()
+            return
+        try:
+            up_r, up_w = await asyncio.open_connection("127.0.0.1", self.target_port)
+        except OSError:
+            writer.transport.abort()
+            return
+        self._open |= {writer, up_w}
+        try:
+            await asyncio.gather(_pipe(reader, up_w), _pipe(up_r, writer))
+        finally:
+            self._open -= {writer, up_w}
+
+
+async def _pipe(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+    try:
+        while data := await r.read(65536):
+            w.write(data)
+            await w.drain()
+    except (OSError, asyncio.IncompleteReadError):
+        pass
+    finally:
+        w.transport.abort()
+
+
 async def until(pred: Callable[[], Awaitable[bool]], what: str, timeout: float = 20) -> None:
     """Poll an async condition until it holds; fail with ``what`` after ``timeout`` seconds."""
     deadline = time.monotonic() + timeout
@@ -190,6 +252,17 @@ async def start_all(procs: list[GatewayProc]) -> None:
             return
         assert time.monotonic() < deadline, states
         await asyncio.sleep(0.1)
+
+
+async def forget(alive: GatewayProc, gateway_id: str) -> None:
+    """What an operator does for a gateway gone for good: once ``alive`` shows it lost (its share
+    reserved, docs/CLUSTER.md "Partitions"), POST /admin/cluster/forget/{id} frees that share."""
+    async def lost() -> bool:
+        return gateway_id in [g["id"] for g in (await alive.state())["cluster"]["lost"]]
+    await until(lost, f"{gateway_id} was never shown lost")
+    async with aiohttp.ClientSession() as s, s.post(f"{alive.url}/admin/cluster/forget/{gateway_id}",
+                                                    headers=ADMIN) as r:
+        assert r.status == 200, await r.text()
 
 
 def make_gateways(n: int, tmp: Path, redis_url: str, gpu_url: str, **kw: Any) -> list[GatewayProc]:

@@ -18,13 +18,16 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+import orjson
 import pytest
 from cluster_harness import GatewayProc, RedisServer, gateways, make_gateways, redis_server, start_all, until
 from conftest import auth
 from fakes import FakeWebhookReceiver
+from prometheus_client.parser import text_string_to_metric_families
 from test_comfyui import graph as comfy_graph
 
-from kilolined.cluster.doubt import busy_of
+from kilolined.cluster.doubt import probes
+from kilolined.core.config import BusyConfig, ConfigError, parse_config
 from kilolined.fakegpu import FakeGPU
 
 __all__ = ["gateways", "redis_server"]  # fixtures
@@ -131,16 +134,92 @@ async def test_a_reaped_slot_the_node_cannot_show_is_granted_again_after_its_tim
         await gpu.stop()
 
 
-def test_busy_counts_what_each_kind_shows() -> None:
+def _read(kind: str, body: Any, busy: BusyConfig | None = None) -> int | None:
+    """What the probes for a route ``kind`` read from a node answering ``body`` at each path."""
+    for probe in probes(kind, busy):
+        text = body.get(probe.path) if isinstance(body, dict) and probe.path in body else None
+        if text is None:
+            continue
+        raw = text.encode() if isinstance(text, str) else orjson.dumps(text)
+        n = probe.read(raw)
+        if n is not None:
+            return n
+    return None
+
+
+def test_busy_counts_what_each_server_shows() -> None:
     q = {"queue_running": [[1, "a", {}, {}, []]], "queue_pending": [[2, "b", {}, {}, []], [3, "c", {}, {}, []]]}
-    assert busy_of("comfyui", q) == 3  # a pending prompt runs next: it holds its slot
-    assert busy_of("comfyui", {"queue_running": []}) is None
+    assert _read("comfyui", {"/queue": q}) == 3  # a pending prompt runs next: it holds its slot
+    assert _read("comfyui", {"/queue": {"queue_running": []}}) is None
     slots = [{"id": 0, "is_processing": True}, {"id": 1, "is_processing": False}, {"id": 2, "is_processing": True}]
-    assert busy_of("openai", slots) == 2
-    assert busy_of("openai", [{"id": 0, "state": 1}, {"id": 1, "state": 0}]) == 1  # older llama.cpp builds
-    assert busy_of("openai", {"error": {"code": 501}}) is None  # started with --no-slots
-    assert busy_of("openai", [{"id": 0}]) is None
-    assert busy_of("generic", {}) is None
+    assert _read("openai", {"/slots": slots}) == 2
+    assert _read("openai", {"/slots": [{"id": 0, "state": 1}, {"id": 1, "state": 0}]}) == 1  # older llama.cpp
+    assert _read("openai", {"/slots": {"error": {"code": 501}}}) is None  # started with --no-slots
+    assert _read("openai", {"/slots": [{"id": 0}]}) is None
+    assert _read("generic", {"/health": {}}) is None  # a generic node with no busy: cannot tell
+    # vLLM (two data-parallel engines), SGLang and TGI: what runs plus what is queued, over every sample.
+    vllm = ('# HELP vllm:num_requests_running Number of requests in model execution batches.\n'
+            '# TYPE vllm:num_requests_running gauge\n'
+            'vllm:num_requests_running{model_name="m",engine="0"} 2.0\n'
+            'vllm:num_requests_running{model_name="m",engine="1"} 1.0\n'
+            'vllm:num_requests_waiting{model_name="m",engine="0"} 1.0\n'
+            'vllm:num_requests_running_other 9\n')
+    assert _read("openai", {"/metrics": vllm}) == 4
+    assert _read("openai", {"/metrics": 'sglang:num_running_reqs{model_name="a b}"} 3\nsglang:num_queue_reqs 2\n'}) == 5
+    assert _read("generic", {"/metrics": "tgi_queue_size 1\ntgi_batch_current_size 4\n"}) == 5
+    assert _read("openai", {"/metrics": "process_cpu_seconds_total 3.0\n"}) is None  # metrics of nothing we know
+    # Any other server: nodes.<n>.busy names its number.
+    by_json = BusyConfig(path="/load", json_pointer="/engine/active")
+    assert _read("generic", {"/load": {"engine": {"active": 3}}}, by_json) == 3
+    assert _read("generic", {"/load": {"engine": {"active": ["a", "b"]}}}, by_json) == 2  # an array: its length
+    assert _read("generic", {"/load": {"engine": {}}}, by_json) is None
+    by_metric = BusyConfig(path="/stats", metric="my_inflight")
+    assert _read("generic", {"/stats": 'my_inflight{gpu="0"} 2\nmy_inflight{gpu="1"} 1\n'}, by_metric) == 3
+
+
+def located_errors(text: str) -> list[str]:
+    with pytest.raises(ConfigError) as ei:
+        parse_config(text, env={}, source=LOCATED)
+    return ei.value.errors
+
+
+LOCATED = "cfg.yaml"
+
+
+def test_busy_config_names_one_number() -> None:
+    errors = located_errors("nodes:\n  gpu:\n    url: 'http://127.0.0.1:8000'\n    busy:\n      path: /load\n"
+                            "routes:\n  gen: {path: /gen, nodes: [gpu]}\n")
+    assert errors == [f"{LOCATED}:4: nodes.gpu.busy: give exactly one of json_pointer or metric"], errors
+    errors = located_errors("nodes:\n  gpu:\n    url: 'http://127.0.0.1:8000'\n    busy:\n      path: /load\n"
+                            "      json_pointer: active\nroutes:\n  gen: {path: /gen, nodes: [gpu]}\n")
+    assert errors == [f"{LOCATED}:6: nodes.gpu.busy.json_pointer: a JSON pointer starts with / "
+                      "(RFC 6901), e.g. /num_running"], errors
+
+
+async def test_the_fake_vllm_shows_what_it_runs_as_vllm_does() -> None:
+    """The fake LLM node in vLLM's part answers GET /metrics with vLLM's own scheduler gauges: the
+    same names, type, help text and labels (vllm/v1/metrics/loggers.py), and no /slots."""
+    gpu = FakeGPU("openai", steps=30, step_ms=100, server="vllm")
+    await gpu.start()
+    try:
+        async with aiohttp.ClientSession() as s:
+            async with s.get(gpu.url + "/slots") as r:
+                assert r.status == 404
+            body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 30}
+            job = asyncio.ensure_future(s.post(gpu.url + "/v1/chat/completions", json=body))
+            await until(lambda: _running(gpu, 1), "the completion never ran")
+            async with s.get(gpu.url + "/metrics") as r:
+                assert r.headers["Content-Type"].startswith("text/plain")
+                text = await r.text()
+            (await job).close()
+        families = {f.name: f for f in text_string_to_metric_families(text)}
+        running = families["vllm:num_requests_running"]
+        assert running.type == "gauge" and running.documentation == "Number of requests in model execution batches."
+        assert [(x.labels, x.value) for x in running.samples] == [({"model_name": "fake-llm", "engine": "0"}, 1.0)]
+        assert families["vllm:num_requests_waiting"].documentation == "Number of requests waiting to be processed."
+        assert _read("openai", {"/metrics": text}) == 1
+    finally:
+        await gpu.stop()
 
 
 async def test_the_fake_llama_server_shows_its_slots() -> None:
@@ -155,7 +234,7 @@ async def test_the_fake_llama_server_shows_its_slots() -> None:
             job = asyncio.ensure_future(s.post(gpu.url + "/v1/chat/completions", json=body))
             await until(lambda: _running(gpu, 1), "the completion never ran")
             async with s.get(gpu.url + "/slots") as r:
-                assert busy_of("openai", await r.json()) == 1
+                assert _read("openai", {"/slots": await r.json()}) == 1
             (await job).close()
     finally:
         await gpu.stop()

@@ -14,7 +14,7 @@ from typing import Any
 import aiohttp
 import orjson
 import pytest
-from cluster_harness import GatewayProc, RedisServer, gateways, make_gateways, redis_server, start_all
+from cluster_harness import GatewayProc, RedisServer, forget, gateways, make_gateways, redis_server, start_all
 from conftest import auth
 from fakes import FakeWebhookReceiver
 from test_comfyui import PNG_SIGNATURE
@@ -175,6 +175,7 @@ async def test_kill9_of_the_gateway_running_a_job(redis_server: RedisServer, gat
                             echo="again"))["job_id"]
         await until_status(s, b, jid, {"running"})
         a.kill9()
+        await forget(b, "gw0")  # gone for good: its share and its slot on a node that cannot tell come back
         done = await until_status(s, b, jid, {"completed", "failed"})
         assert done["status"] == "completed", done
         async with s.get(f"{b.url}/v1/jobs/{jid}/result", headers=auth()) as r:
@@ -199,6 +200,7 @@ async def test_a_running_job_whose_gateway_died_goes_back_to_the_head(
         await until_status(s, b, cut, {"running"})
         waiting = [(await submit(s, b, steps=10, step_ms=100))["job_id"] for _ in range(3)]
         a.kill9()
+        await forget(b, "gw0")
         ended = {}
         for jid in [cut, *waiting]:
             ended[jid] = (await until_status(s, b, jid, {"completed", "failed"}, timeout=60))["finished_at"]
@@ -249,6 +251,7 @@ async def test_queued_jobs_of_a_dead_gateway_keep_their_place(redis_server: Redi
         later = (await submit(s, b, steps=1, step_ms=10))["job_id"]  # waits behind them, on B
         await until_status(s, b, mine[-1], {"queued"})
         a.kill9()
+        await forget(b, "gw0")  # its share (the one slot) is reserved until then
         j_mine = [await until_status(s, b, jid, {"completed"}) for jid in mine]
         j_later = await until_status(s, b, later, {"completed"})
         ev = await events(s, b, mine[0])
@@ -330,8 +333,10 @@ async def test_a_paused_gateway_that_comes_back_sends_no_second_webhook(
         tmp_path: Path) -> None:
     # SIGSTOP, not kill: A's heartbeat lapses, B carries the job on and finishes it; then A wakes
     # up, its own run is stopped (lease lost) — and the webhook still goes out once. A generic
-    # node cannot show its slot free: the carried job waits for A's request_timeout_sec.
-    gateways += make_gateways(2, tmp_path, redis_server.url, gpu.url, retry_on_failover=1, request_timeout_sec=6)
+    # node cannot show its slot free: A's slot stays in doubt until its request_timeout_sec, and
+    # A's share (2 of 4) stays reserved while it is frozen; B carries the job on in its own share.
+    gateways += make_gateways(2, tmp_path, redis_server.url, gpu.url, retry_on_failover=1, request_timeout_sec=6,
+                              max_concurrency=4)
     for g in gateways:
         g.cfg["jobs"] = {"webhook_allow_private": True, "webhook_backoff_sec": [0.2, 0.2]}
     await start_all(gateways)

@@ -130,15 +130,15 @@ async def test_a_closed_wire_refuses_calls(redis_server: RedisServer) -> None:
 
 
 async def _beat_tids(r: aioredis.Redis, sha: str) -> list[int]:
-    """How many ticket ids each BEAT in Redis' slow log carried (its arguments past the fixed six)."""
+    """How many ticket ids each BEAT in Redis' slow log carried (its arguments past the fixed seven)."""
     out = []
     for entry in await r.execute_command("SLOWLOG", "GET", -1, NEVER_DECODE=True):
         args = entry[3]
         if args[0].upper() == b"EVALSHA" and args[1].decode() == sha:
-            # EVALSHA sha numkeys epoch, then 6 ARGV; past 32 arguments the log says how many more
+            # EVALSHA sha numkeys epoch, then 7 ARGV; past 32 arguments the log says how many more
             more = args[-1].startswith(b"... (") and args[-1].endswith(b"more arguments)")
             extra = int(args[-1].split(b" ")[1].lstrip(b"(")) + 1 if more else 0
-            out.append(len(args) - 10 + extra - (1 if more else 0))
+            out.append(len(args) - 11 + extra - (1 if more else 0))
     return out
 
 

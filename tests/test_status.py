@@ -12,7 +12,7 @@ import pytest
 from conftest import ADMIN_KEY, base_config
 
 from kilolined.core.config import ConfigError
-from kilolined.status import listen_of, url_for_listen
+from kilolined.status import listen_of, render, url_for_listen
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -78,3 +78,12 @@ def test_listen_of_reads_only_the_server_section() -> None:
     with pytest.raises(ConfigError) as ei:
         listen_of("server: {listen: '${NOPE}'}\n", {})
     assert ei.value.errors == ["server.listen: environment variable NOPE is not set"]
+
+
+def test_status_lists_the_lost_gateways_and_what_to_do() -> None:
+    state = {"routes": {}, "nodes": {}, "cluster": {"lost": [
+        {"id": "gw1", "lost_sec": 42.4, "reserved": {"routes": {"gen": 1}, "nodes": {"gpu": 1}, "capacity": 0.5}}]}}
+    text = render(state)
+    assert "LOST GATEWAY" in text and "gw1" in text and "gen 1/node, node gpu 1" in text, text
+    assert "POST /admin/cluster/forget/<gateway>" in text
+    assert "LOST GATEWAY" not in render({"routes": {}, "nodes": {}, "cluster": {"lost": []}})

@@ -9,13 +9,11 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 import aiohttp
-import orjson
 
 from kilolined.cluster.comfyfiles import SharedInputs
-from kilolined.cluster.doubt import DoubtCheck
+from kilolined.cluster.doubt import DoubtCheck, Probe, probes
 from kilolined.cluster.jobs import ClusterJobs
 from kilolined.cluster.leader import LeaderLease
 from kilolined.cluster.leases import ClusterLeases, gateway_id
@@ -98,8 +96,8 @@ def build(rt: Runtime, jobs: Jobs) -> Cluster:
     rt.node_sync = node_sync
     rt.comfy_shared = SharedInputs(leases.redis, cfg.key_prefix)  # an upload here, its prompt elsewhere
     # Reaped slots in doubt: the leader asks their nodes whether they are free.
-    doubt = DoubtCheck(leases, kind_of=lambda node: node_kind(rt, node),
-                       fetch=lambda node, path: node_json(rt, node, path),
+    doubt = DoubtCheck(leases, probes_of=lambda node: node_probes(rt, node),
+                       fetch=lambda node, path: node_body(rt, node, path),
                        leader=lambda: leader.state.is_leader(rt.clock()), every_sec=cfg.lease_ttl_sec / 3)
     return Cluster(leases, limits, leader, node_sync, cluster_jobs, doubt,
                    budget_keys=lambda: [k for k, c in rt.cfg.keys.items() if c.budget is not None],
@@ -114,10 +112,16 @@ def node_kind(rt: Runtime, node: str) -> str | None:
     return None
 
 
-async def node_json(rt: Runtime, node: str, path: str) -> Any:
-    """GET ``path`` on the node (its own headers, e.g. llama.cpp's --api-key), as JSON."""
+def node_probes(rt: Runtime, node: str) -> list[Probe]:
+    """What to ask ``node`` about what it runs: its ``busy``, else by the kind of its route."""
+    ns = rt.scheduler.nodes.get(node)
+    return probes(node_kind(rt, node), ns.cfg.busy if ns is not None else None)
+
+
+async def node_body(rt: Runtime, node: str, path: str) -> bytes:
+    """GET ``path`` on the node (its own headers, e.g. llama.cpp's --api-key): the body of a 2xx."""
     ns = rt.scheduler.nodes[node]
     async with rt.session(node).get(ns.cfg.url.rstrip("/") + path, headers=ns.cfg.headers,
                                     timeout=aiohttp.ClientTimeout(total=CHECK_SEC)) as r:
         r.raise_for_status()
-        return orjson.loads(await r.read())
+        return await r.read()

@@ -1,17 +1,21 @@
 """Reaped slots in doubt: the leader asks their nodes whether they are free (docs/CLUSTER.md).
 
-A gateway frozen past ``lease_ttl_sec`` is reaped, but its requests may still run on the nodes.
-Its leases stay counted in Redis, *in doubt* (kilolined/cluster/scripts.py ``doubt``), until
-their route's ``request_timeout_sec`` since the grant has passed (the scripts' ``reap``) or the
-node itself shows the slots free, which this check asks where the kind can tell:
+A gateway frozen past ``lease_ttl_sec`` (or killed) is reaped, but its requests may still run on
+the nodes. Its leases stay counted in Redis, *in doubt* (kilolined/cluster/scripts.py ``doubt``),
+until their route's ``request_timeout_sec`` since the grant has passed (the scripts' ``reap``) or
+the node itself shows the slots free, which this check asks where the server can tell:
 
 - ComfyUI ``GET /queue``: every prompt in ``queue_running`` and ``queue_pending`` holds a slot
   (a pending one runs next);
-- llama.cpp ``GET /slots``: the slots with ``is_processing`` (older builds: ``state`` != 0).
+- llama.cpp ``GET /slots``: the slots with ``is_processing`` (older builds: ``state`` != 0);
+- vLLM, SGLang and TGI ``GET /metrics`` (Prometheus text): what they run plus what they queue
+  (a queued request runs next, as ComfyUI's pending prompt), see ``SERVER_METRICS``;
+- any other server where ``nodes.<n>.busy`` says: a JSON number or a metric.
 
-Anything else (generic, vLLM, a llama.cpp started with ``--no-slots``) cannot tell, so its slots
-wait for the timeout. ``busy_of`` is the pure part; ``DoubtCheck`` runs one round every
-``lease_ttl_sec / 3`` on the leader.
+A node that answers none of these (a generic node without ``busy``, a llama.cpp started with
+``--no-slots``, a vLLM with its stats off) cannot tell, so its slots wait for the timeout. The
+probes are pure (body in, count out); ``DoubtCheck`` runs one round every ``lease_ttl_sec / 3``
+on the leader.
 """
 
 from __future__ import annotations
@@ -19,49 +23,170 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any
 
+import orjson
 from redis.exceptions import RedisError
 
 from kilolined.cluster.leases import ClusterLeases
+from kilolined.core.config import BusyConfig
+from kilolined.scheduling.costs import json_pointer
 from kilolined.wire.tasks import cancel_until_done
 
 log = logging.getLogger("kilolined")
 
-#: where each kind shows what it runs
-PATHS = {"comfyui": "/queue", "openai": "/slots"}
+#: Each server's own metrics for the requests it runs and those it has queued (summed over every
+#: sample: a data-parallel server has one per engine), read from their sources:
+#: - vLLM: ``vllm:num_requests_running`` / ``vllm:num_requests_waiting``, gauges labelled
+#:   model_name and engine (vllm-project/vllm vllm/v1/metrics/loggers.py, PrometheusStatLogger,
+#:   at commit 005a810bc40f, the v1 engine);
+#: - SGLang: ``sglang:num_running_reqs`` / ``sglang:num_queue_reqs``, gauges
+#:   (sgl-project/sglang python/sglang/srt/metrics/collector.py, SchedulerMetricsCollector, at
+#:   commit 00ae9c1590d2; served with ``--enable-metrics``);
+#: - TGI: ``tgi_batch_current_size`` / ``tgi_queue_size``, gauges (huggingface/text-generation-
+#:   inference backends/v3/src/backend.rs and queue.rs, described in router/src/server.rs, at
+#:   3.3.6-dev0, commit db931fcf42da).
+SERVER_METRICS = (
+    ("vllm:num_requests_running", "vllm:num_requests_waiting"),
+    ("sglang:num_running_reqs", "sglang:num_queue_reqs"),
+    ("tgi_batch_current_size", "tgi_queue_size"),
+)
 
 
-def busy_of(kind: str, body: Any) -> int | None:
-    """The requests the node says it runs or holds (None: it cannot tell, or said nothing usable)."""
-    if kind == "comfyui" and isinstance(body, dict):
-        running, pending = body.get("queue_running"), body.get("queue_pending")
-        if not isinstance(running, list) or not isinstance(pending, list):
+@dataclass(frozen=True)
+class Probe:
+    """One way a node shows what it runs: GET ``path``; ``read`` counts it (None: nothing usable)."""
+
+    path: str
+    read: Callable[[bytes], int | None]
+
+
+def _json(body: bytes) -> Any:
+    try:
+        return orjson.loads(body)
+    except orjson.JSONDecodeError:
+        return None
+
+
+def comfy_queue(body: bytes) -> int | None:
+    q = _json(body)
+    if not isinstance(q, dict):
+        return None
+    running, pending = q.get("queue_running"), q.get("queue_pending")
+    if not isinstance(running, list) or not isinstance(pending, list):
+        return None
+    return len(running) + len(pending)
+
+
+def llama_slots(body: bytes) -> int | None:
+    slots = _json(body)
+    if not isinstance(slots, list):
+        return None  # --no-slots answers an error object
+    busy = 0
+    for slot in slots:
+        if not isinstance(slot, dict):
             return None
-        return len(running) + len(pending)
-    if kind == "openai" and isinstance(body, list):
-        busy = 0
-        for slot in body:
-            if not isinstance(slot, dict):
-                return None
-            if "is_processing" in slot:
-                busy += bool(slot["is_processing"])
-            elif "state" in slot:
-                busy += slot["state"] != 0
-            else:
-                return None
-        return busy
+        if "is_processing" in slot:
+            busy += bool(slot["is_processing"])
+        elif "state" in slot:
+            busy += slot["state"] != 0
+        else:
+            return None
+    return busy
+
+
+def metric_samples(text: str) -> dict[str, float]:
+    """Prometheus text exposition: each metric name -> the sum of its samples' values."""
+    out: dict[str, float] = {}
+    for raw in text.splitlines():
+        line = raw.strip()
+        if not line or line.startswith("#"):
+            continue
+        name, rest = _split_sample(line)
+        fields = rest.split()
+        if not name or not fields:
+            continue
+        try:
+            value = float(fields[0])
+        except ValueError:
+            continue
+        out[name] = out.get(name, 0.0) + value
+    return out
+
+
+def _split_sample(line: str) -> tuple[str, str]:
+    """(name, what follows its labels): a label value may hold spaces, braces and \" escapes."""
+    brace = line.find("{")
+    space = min((i for i in (line.find(" "), line.find("\t")) if i >= 0), default=-1)
+    if brace < 0 or (0 <= space < brace):
+        return (line[:space], line[space:]) if space >= 0 else (line, "")
+    quoted, i = False, brace + 1
+    while i < len(line):
+        c = line[i]
+        if c == "\\" and quoted:
+            i += 2
+            continue
+        if c == '"':
+            quoted = not quoted
+        elif c == "}" and not quoted:
+            return line[:brace], line[i + 1:]
+        i += 1
+    return "", ""
+
+
+def server_metrics(body: bytes) -> int | None:
+    """vLLM's, SGLang's or TGI's own count of what it runs and queues (SERVER_METRICS)."""
+    samples = metric_samples(body.decode("utf-8", "replace"))
+    for running, queued in SERVER_METRICS:
+        if running in samples:
+            return round(samples[running] + samples.get(queued, 0.0))
     return None
+
+
+def custom_probe(busy: BusyConfig) -> Probe:
+    """``nodes.<n>.busy``: the number at ``json_pointer`` (an array: its length) or a metric's sum."""
+    metric, pointer = busy.metric, busy.json_pointer
+
+    def read(body: bytes) -> int | None:
+        if metric is not None:
+            samples = metric_samples(body.decode("utf-8", "replace"))
+            return round(samples[metric]) if metric in samples else None
+        assert pointer is not None
+        found, v = json_pointer(_json(body), pointer)
+        if not found or isinstance(v, bool):
+            return None
+        if isinstance(v, list):
+            return len(v)
+        return round(v) if isinstance(v, int | float) and v >= 0 else None
+
+    return Probe(busy.path, read)
+
+
+COMFY = Probe("/queue", comfy_queue)
+SLOTS = Probe("/slots", llama_slots)
+METRICS = Probe("/metrics", server_metrics)
+
+
+def probes(kind: str | None, busy: BusyConfig | None) -> list[Probe]:
+    """What to ask a node of this route kind, in order; the first that counts answers."""
+    if busy is not None:
+        return [custom_probe(busy)]
+    if kind == "comfyui":
+        return [COMFY]
+    if kind == "openai":
+        return [SLOTS, METRICS]  # llama.cpp; else vLLM or SGLang
+    return [METRICS]  # TGI's own API is a generic route
 
 
 class DoubtCheck:
     """The leader's round: the nodes with leases in doubt are asked what they run."""
 
-    def __init__(self, leases: ClusterLeases, *, kind_of: Callable[[str], str | None],
-                 fetch: Callable[[str, str], Awaitable[Any]], leader: Callable[[], bool], every_sec: float):
+    def __init__(self, leases: ClusterLeases, *, probes_of: Callable[[str], list[Probe]],
+                 fetch: Callable[[str, str], Awaitable[bytes]], leader: Callable[[], bool], every_sec: float):
         self.leases = leases
-        self.kind_of = kind_of  # node -> the kind of the first route it serves (None: gone)
-        self.fetch = fetch  # (node, path) -> its JSON; raises when it does not answer
+        self.probes_of = probes_of  # node -> what to ask it (probes(), by its route kind and config)
+        self.fetch = fetch  # (node, path) -> the body of a 2xx; raises when it does not answer
         self.leader = leader
         self.every_sec = every_sec
         # The lease id counter read one round ago: the live leases granted by then have had a
@@ -103,15 +228,15 @@ class DoubtCheck:
                 log.info("cluster: node %s shows %d reaped slot(s) free: granted again", node, freed)
 
     async def _busy(self, node: str) -> int | None:
-        kind = self.kind_of(node)
-        path = PATHS.get(kind or "")
-        if path is None:
-            return None
-        try:
-            body = await self.fetch(node, path)
-        except asyncio.CancelledError:
-            raise
-        except Exception as e:  # a node that does not answer shows nothing free
-            log.debug("cluster: %s %s unreadable (%s)", node, path, type(e).__name__)
-            return None
-        return busy_of(kind or "", body)
+        for probe in self.probes_of(node):
+            try:
+                body = await self.fetch(node, probe.path)
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:  # a node that does not answer shows nothing free
+                log.debug("cluster: %s %s unreadable (%s)", node, probe.path, type(e).__name__)
+                continue
+            busy = probe.read(body)
+            if busy is not None:
+                return busy
+        return None

@@ -37,10 +37,10 @@ from redis.exceptions import RedisError
 from kilolined.cluster import scripts
 from kilolined.cluster.leader import Leadership
 from kilolined.cluster.persistence import access_error, shown
-from kilolined.cluster.split import alive, share
-from kilolined.cluster.view import ClusterView, Peer
+from kilolined.cluster.split import alive
+from kilolined.cluster.view import ClusterView, Lost, Peer
 from kilolined.cluster.wire import Wire
-from kilolined.core.config import ClusterConfig, Config, ConfigError, NodeConfig, RouteConfig, split_listen
+from kilolined.core.config import ClusterConfig, Config, ConfigError, split_listen
 from kilolined.scheduling.affinity import Affinity
 from kilolined.scheduling.queue import (
     FAILED,
@@ -53,6 +53,7 @@ from kilolined.scheduling.queue import (
     avoided,
     ramped_capacity,
 )
+from kilolined.scheduling.share import WHOLE, share_of
 from kilolined.wire.tasks import cancel_all
 
 log = logging.getLogger("kilolined")
@@ -100,10 +101,8 @@ class ClusterLeases:
         self._barred: dict[Ticket, str] = {}  # waiting tickets a lost node may not take yet -> their "only"
         self._entries = itertools.count()  # _track's ids
         self._alone_from = 0.0  # while Redis is down: when this gateway's share starts (_degrade)
-        self._part = 0  # 1 while the share applies, 0 while nothing starts alone
         self._strays: set[str] = set()  # lease ids Redis counts for us that no request holds (one beat ago)
         self._restoring = False  # _restore is registering what we hold: nothing is dispatched alone meanwhile
-        self._full: dict[str, RouteConfig | NodeConfig] = {}  # configs cut to a share, by route/node
         self._forget: dict[str, str] = {}  # ad-hoc routes dropped here, not yet forgotten in Redis -> node ("")
         self._tasks: set[asyncio.Task[Any]] = set()
         self._sub_at: float | None = None  # when the grant channel was last subscribed (None: it is not)
@@ -123,6 +122,7 @@ class ClusterLeases:
         # script decided arrive the same way, on a subscriber connection (_listen).
         self._wire = Wire(pool, CALL_TIMEOUT_SEC, scripts=[getattr(scripts, n) for n in (
             "ADMIT", "RELEASE", "REQUEUE", "CANCEL", "BEAT", "REGISTER", "POSITIONS", "DOUBTS", "DOUBT",
+            "FORGET_GATEWAY",
             "BUCKET", "BUDGET_TAKE", "BUDGET_RESERVE", "BUDGET_SETTLE")])
         #: the shared limits' scripts travel on it too (kilolined/cluster/limits.py)
         self.wire = self._wire
@@ -130,6 +130,8 @@ class ClusterLeases:
         #: cluster_degraded and cluster_restored
         self.leadership = Leadership(gateway_id, cfg.lease_ttl_sec)
         self._seen: dict[str, float] = {}  # other gateway id -> when it was last seen alive (our clock)
+        self._lost_known: set[str] = set()  # the lost gateways already alerted (cluster_gateway_lost)
+        self.view.forget = self.forget_gateway
         # The cluster's queues as the views see them (queue.WaitingElsewhere), re-read every
         # POSITIONS_SEC: waiting per route, per client key, and our tickets' positions by tid.
         self._depth: dict[str, int] = {}
@@ -162,7 +164,9 @@ class ClusterLeases:
         if self._redis is not None:
             if self.view.redis_up:
                 try:
-                    # Leave at once: our leases and waiting tickets go back now, not after the TTL.
+                    # Leave at once: our leases and waiting tickets go back now, not after the TTL,
+                    # and no share is reserved for us (we deregister: nothing runs here any more).
+                    await self._redis.delete(self.prefix + "gs:" + self.view.gateway_id)
                     await self._redis.zadd(self.prefix + "gw", {self.inst: 0})
                     await self._call("RELEASE", "")
                 except (RedisError, OSError):
@@ -185,7 +189,7 @@ class ClusterLeases:
         adopts Redis' epoch (a new one, behind the fence, when it came back empty). Returns the
         new lease ids in the order of ``held``."""
         args: list[str | int] = [int(self.cfg.lease_ttl_sec * 1000), self.view.gateway_id,
-                                 "," + "".join(p + "," for p in self._peers_at_loss), len(old), *old]
+                                 "," + "".join(p + "," for p in self._peers_at_loss), self._keep(), len(old), *old]
         for t in held:
             assert t.lease is not None
             args += [self._track(t), t.route, t.lease.node, self._order_key(t), repr(t.cost)]
@@ -338,7 +342,6 @@ class ClusterLeases:
         Redis (scripts.FORGET keeps them while any gateway queues or runs on it). While Redis is
         out of reach it is remembered, and forgotten there at the first heartbeat that reaches it."""
         self.sched.forget_route(route, node)
-        self._full.pop(route, None)
         self._forget[route] = node or ""
         while len(self._forget) > FORGET_PENDING_MAX:
             del self._forget[next(iter(self._forget))]  # the oldest: its few keys stay in Redis
@@ -537,7 +540,7 @@ class ClusterLeases:
             await asyncio.sleep(self.cfg.lease_ttl_sec / 3)
             try:
                 if not self.view.redis_up:
-                    if not self._part and self.view.reached and self.clock() >= self._alone_from:
+                    if not self.sched.share.part and self.view.reached and self.clock() >= self._alone_from:
                         self._cut(self.alive_peers())  # the first TTL of the outage is over: the share applies
                         self.sched.dispatch(self.clock())
                     assert self._redis is not None
@@ -564,8 +567,9 @@ class ClusterLeases:
                  and (full or tid in self._to_sweep)]
         views = {r: self._view(r) for r, rq in self.sched.routes.items() if not rq.retired}
         ttl_ms = int(self.cfg.lease_ttl_sec * 1000)
-        grants, lost, peers, reaped, held = await self._call("BEAT", ttl_ms, self.view.gateway_id, self.version(),
-                                               orjson.dumps(views).decode(), *stale)
+        grants, lost, peers, reaped, held, gone = await self._call(
+            "BEAT", ttl_ms, self.view.gateway_id, self.version(), orjson.dumps(views).decode(), self._counts_json(),
+            *stale)
         if int(reaped) and self._lid:
             self._revoke_all()
         self._to_sweep.difference_update(stale)
@@ -587,8 +591,54 @@ class ClusterLeases:
         self.view.peers = out
         for p in out:
             self._seen[p.id] = max(self._seen.get(p.id, -math.inf), now - p.last_seen_sec)
+        self._gone([_s(x) for x in gone])
         if self._forget:
             self._flush_forget()
+
+    def _counts_json(self) -> str:
+        """Its full slot counts: the BEAT script keeps its share of them among the gateways alive
+        (the same split _cut applies alone), reserved in Redis once its heartbeat lapses."""
+        return orjson.dumps({
+            "r": {r: rq.cfg.max_concurrency for r, rq in self.sched.routes.items() if not rq.retired},
+            "n": {n: ns.cfg.max_concurrency for n, ns in self.sched.nodes.items()
+                  if ns.cfg.max_concurrency is not None},
+        }).decode()
+
+    def _keep(self) -> str:
+        """The nodes where a request runs on without its connection (ComfyUI: its prompt stays
+        queued): a lease in doubt there is ended only by the node check, ",a,b,"."""
+        nodes = sorted({n for rq in self.sched.routes.values() if rq.cfg.kind == "comfyui" for n in rq.all_nodes})
+        return "," + "".join(n + "," for n in nodes)
+
+    def _gone(self, flat: list[str]) -> None:
+        """The gateways whose share Redis reserves: shown, and each alerted once (the leader's voice)."""
+        out = []
+        for i in range(0, len(flat), 3):
+            gid, age, raw = flat[i], int(flat[i + 1]) / 1000, orjson.loads(flat[i + 2])
+            out.append(Lost(gid, age, {"routes": {r: n for r, n in raw.get("r", {}).items() if n},
+                                       "nodes": {n: k for n, k in raw.get("n", {}).items() if k},
+                                       "capacity": raw.get("c", 0)}))
+        self.view.lost = out
+        for g in out:
+            if g.id not in self._lost_known:
+                held = ", ".join([f"{r} {n}/node" for r, n in sorted(g.reserved["routes"].items())]
+                                 + [f"node {n} {k}" for n, k in sorted(g.reserved["nodes"].items())]) or "nothing"
+                self._notify("cluster_gateway_lost", f"⚠ cluster: gateway {g.id} lost (no heartbeat): its share stays "
+                             f"reserved ({held}) until it comes back, or POST /admin/cluster/forget/{g.id}")
+        self._lost_known = {g.id for g in out}
+
+    async def forget_gateway(self, gid: str) -> str:
+        """An operator says gateway ``gid`` is gone for good (POST /admin/cluster/forget/{id}):
+        its reserved share goes, and its leases in doubt end where no prompt runs on without them.
+        Returns "forgotten", "alive" (it beats: nothing to forget) or "unknown"."""
+        res = await self._call("FORGET_GATEWAY", gid, self._keep())
+        verdict = _s(res[0])
+        self._grants(res[2:])
+        if verdict == "forgotten":
+            log.warning("⚠ cluster: gateway %s forgotten: its reserved share is free (%d leases in doubt ended)",
+                        gid, int(res[1]))
+            self.view.lost = [g for g in self.view.lost if g.id != gid]
+        return verdict
 
     def _release_strays(self, held_here: set[str]) -> None:
         """Leases Redis counts for us that no request here holds: granted to a ticket whose grant
@@ -659,29 +709,14 @@ class ClusterLeases:
         self.sched.dispatch(now)
 
     def _cut(self, others: list[str]) -> None:
-        """Cut every route's and node's slot counts to this gateway's share (Redis is down), from
-        the full configs, which ``_full`` keeps for when it is back."""
-        me = self.view.gateway_id
+        """This gateway's share of every slot count applies (Redis is down): an overlay the
+        scheduler reads (scheduling/share.py), so the configs, reloaded or made meanwhile (an
+        ad-hoc target), stay whole and hold again as they are once Redis is back."""
         # A gateway that never reached Redis knows no peer: a share of "all of it" would be a guess
         # that adds a whole N to whatever the others run. It queues until Redis answers. Nor does
         # anything start during the first TTL of an outage (_degrade).
         part = 1 if self.view.reached and self.clock() >= self._alone_from else 0
-        self._part = part
-        for name, rq in self.sched.routes.items():
-            full_r = self._full.setdefault("r:" + name, rq.cfg)
-            assert isinstance(full_r, RouteConfig)
-            rq.cfg = full_r.model_copy(update={"max_concurrency": part * share(full_r.max_concurrency, me, others)})
-        for name, ns in self.sched.nodes.items():
-            full_n = self._full.get("n:" + name, ns.cfg)
-            assert isinstance(full_n, NodeConfig)
-            upd: dict[str, Any] = {}
-            if full_n.max_concurrency is not None:
-                upd["max_concurrency"] = part * share(full_n.max_concurrency, me, others)
-            if full_n.capacity is not None:
-                upd["capacity"] = part * full_n.capacity / (len(others) + 1)  # a capacity is split evenly
-            if upd:
-                self._full["n:" + name] = full_n
-                ns.cfg = full_n.model_copy(update=upd)
+        self.sched.share = share_of(self.view.gateway_id, others, part)
 
     # --- reload (a runtime.Component) -------------------------------------------------------
     def prepare(self, cfg: Config) -> list[str]:
@@ -693,12 +728,9 @@ class ClusterLeases:
 
     def commit(self, cfg: Config) -> None:
         """A reload applied new route and node configs, whole. While Redis is down this
-        gateway's share is cut from those, and they are what holds once Redis is back."""
-        if self.view.redis_up:
-            return
-        self._full.clear()
-        self._cut(self.alive_peers())
-        self.sched.dispatch(self.clock())
+        gateway's share of those applies (the overlay reads them), and they hold once it is back."""
+        if not self.view.redis_up:
+            self.sched.dispatch(self.clock())
 
     def _adopt(self, t: Ticket) -> None:
         """The scheduler takes over a waiting ticket it did not make (Redis is down)."""
@@ -718,13 +750,7 @@ class ClusterLeases:
             held = await self._register_held()
         finally:
             self._restoring = False
-        for full_key, cfg in self._full.items():
-            kind, name = full_key.split(":", 1)
-            if kind == "r" and name in self.sched.routes:
-                self.sched.routes[name].cfg = cfg  # type: ignore[assignment]
-            elif kind == "n" and name in self.sched.nodes:
-                self.sched.nodes[name].cfg = cfg  # type: ignore[assignment]
-        self._full.clear()
+        self.sched.share = WHOLE
         self.view.redis_up = True
         waiting = sorted((t for t in self._local if t.state == WAITING), key=lambda x: x.seq)
         self._local.clear()

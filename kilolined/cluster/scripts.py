@@ -32,7 +32,13 @@ Keys, all under the prefix P (a single Redis primary; Redis Cluster sharding is 
   P in:<route>    hash   node -> leases of the route
   P nin           hash   node -> leases on the node (every route)
   P ncost         hash   node -> the costs of its leases (every route)
-  P l:<lid>       hash   route, node, gw, tid, cost, at (its grant, ms), d (1: in doubt)
+  P l:<lid>       hash   route, node, gw, tid, cost, at (its grant, ms), d (1: in doubt), g and i
+                         (in doubt: the gateway id and instance it was granted to)
+  P gs:<gid>      string a gateway's share (JSON {"r": {route: slots per node}, "n": {node: slots},
+                         "c": its part of a capacity}): what it would run alone if it lost Redis now,
+                         written at each heartbeat
+  P lost          hash   gateway id -> when its heartbeat lapsed (ms): its share is reserved (counted
+                         in use) until it registers again, deregisters or is forgotten
   P d:<node>      zset   the node's leases in doubt (reaped; their request may still run there)
                          -> when request_timeout_sec would have ended it (ms)
   P dn            set    nodes with leases in doubt
@@ -93,6 +99,30 @@ end
 local EPS = 1e-9
 local SCAN = 256  -- backfill looks this far down the order for a ticket that fits
 
+-- The shares of the gateways whose heartbeat lapsed, summed: counted as in use, since such a
+-- gateway may be cut off from Redis only and going on alone with its share (docs/CLUSTER.md
+-- "Partitions"). Read once per script, again after ``lost`` changes (unreserve).
+local RES = nil
+local function reserved()
+  if RES then return RES end
+  RES = {r = {}, n = {}, c = 0}
+  for _, gid in ipairs(redis.call('HKEYS', P..'lost')) do
+    local raw = redis.call('GET', P..'gs:'..gid)
+    if raw then
+      local g = cjson.decode(raw)
+      for route, n in pairs(g.r or {}) do RES.r[route] = (RES.r[route] or 0) + n end
+      for node, n in pairs(g.n or {}) do RES.n[node] = (RES.n[node] or 0) + n end
+      RES.c = RES.c + (tonumber(g.c) or 0)
+    end
+  end
+  return RES
+end
+
+local function unreserve(gid)
+  redis.call('HDEL', P..'lost', gid)
+  RES = nil
+end
+
 local function drop_lease(lid)
   local l = redis.call('HMGET', P..'l:'..lid, 'route', 'node', 'gw', 'tid', 'cost', 'd')
   if not l[1] then return false end
@@ -133,12 +163,12 @@ end
 -- lease is kept, counted as before, *in doubt* until the node shows the slot free (DOUBT) or the
 -- route's request_timeout_sec since its grant has passed (reap). Its ticket goes: a job is
 -- carried on elsewhere (cluster/jobs.py CLAIM), and waits for a slot like any other.
-local function doubt(lid, now)
+local function doubt(lid, now, gid, inst)
   local l = redis.call('HMGET', P..'l:'..lid, 'route', 'node', 'tid', 'at')
   if not l[1] then return end
   local v = redis.call('GET', P..'v:'..l[1])
   local tmo = (v and cjson.decode(v).t) or 600000
-  redis.call('HSET', P..'l:'..lid, 'd', 1, 'gw', '')
+  redis.call('HSET', P..'l:'..lid, 'd', 1, 'gw', '', 'g', gid, 'i', inst)
   redis.call('ZADD', P..'d:'..l[2], (tonumber(l[4] or '') or now) + tmo, lid)
   redis.call('SADD', P..'dn', l[2])
   if redis.call('HGET', P..'t:'..l[3], 'lease') == lid then redis.call('DEL', P..'t:'..l[3]) end
@@ -169,8 +199,23 @@ local function reap()
     if #ids > 0 then fence(now + ttl, ids) end
   end
   local dead = redis.call('ZRANGEBYSCORE', P..'gw', '-inf', now)
+  local live_ids = nil
   for _, inst in ipairs(dead) do
-    for _, lid in ipairs(redis.call('SMEMBERS', P..'gl:'..inst)) do doubt(lid, now) end
+    local gid = redis.call('HGET', P..'gi:'..inst, 'id') or ''
+    if gid ~= '' and redis.call('EXISTS', P..'gs:'..gid) == 1 then
+      -- Its share stays reserved, unless another instance of it is alive (it restarted).
+      if not live_ids then
+        live_ids = {}
+        for _, other in ipairs(redis.call('ZRANGEBYSCORE', P..'gw', '('..now, '+inf')) do
+          live_ids[redis.call('HGET', P..'gi:'..other, 'id') or ''] = true
+        end
+      end
+      if not live_ids[gid] then
+        redis.call('HSET', P..'lost', gid, now)
+        RES = nil
+      end
+    end
+    for _, lid in ipairs(redis.call('SMEMBERS', P..'gl:'..inst)) do doubt(lid, now, gid, inst) end
     for _, tid in ipairs(redis.call('SMEMBERS', P..'gt:'..inst)) do
       -- A waiting job keeps its place: the gateway that carries it on takes it over (cluster/jobs.py).
       local job = redis.call('HGET', P..'t:'..tid, 'job')
@@ -213,6 +258,7 @@ local function fits(e, cost)
   local now_cap = tonumber(e[4]) or -1
   if now_cap < 0 then return true end
   local used = tonumber(redis.call('HGET', P..'ncost', e[1]) or '0') or 0
+  used = used + reserved().c * (tonumber(e[5]) or now_cap)
   if used + cost <= now_cap + EPS then return true end
   return used <= EPS and cost <= (tonumber(e[5]) or now_cap) + EPS
 end
@@ -223,9 +269,25 @@ local function could_hold(e, cost)
 end
 
 local function can_take(route, e, cost)
-  if e[2] <= 0 or count(P..'in:'..route, e[1]) >= e[2] then return false end
-  if e[3] >= 0 and count(P..'nin', e[1]) >= e[3] then return false end
+  local res = reserved()
+  if e[2] <= 0 or count(P..'in:'..route, e[1]) + (res.r[route] or 0) >= e[2] then return false end
+  if e[3] >= 0 and count(P..'nin', e[1]) + (res.n[e[1]] or 0) >= e[3] then return false end
   return fits(e, cost)
+end
+
+-- The leases in doubt of gateway ``gid`` end: granted to an instance that never heard of them
+-- (``inst``: that one's, on any node) or to an instance before it (on a node that cannot run
+-- them without their connection: not in ``keep``, ",a,b,").
+local function end_doubts(gid, inst, keep)
+  local n = 0
+  for _, node in ipairs(redis.call('SMEMBERS', P..'dn')) do
+    local keeps = string.find(keep, ','..node..',', 1, true) ~= nil
+    for _, lid in ipairs(redis.call('ZRANGE', P..'d:'..node, 0, -1)) do
+      local l = redis.call('HMGET', P..'l:'..lid, 'g', 'i')
+      if l[1] == gid and (l[2] == inst or not keeps) and drop_lease(lid) then n = n + 1 end
+    end
+  end
+  return n
 end
 
 -- ``only`` (",a,b,", or "" for any): the nodes that serve the ticket's model (multi-model nodes).
@@ -649,6 +711,28 @@ end
 return 1
 """
 
+#: ARGV: P, ME, gateway id, keep (",a,b,", as REGISTER) -> {'forgotten'|'alive'|'unknown', leases ended, grants...}
+#: An operator says a lost gateway is gone for good: its reserved share goes, and its leases in
+#: doubt end except on the ``keep`` nodes, whose node check still asks.
+FORGET_GATEWAY = COMMON + r"""
+if stale() then return redis.error_reply('EPOCH Redis came back empty: register again') end
+reap()
+local gid, keep = ARGV[3], ARGV[4]
+if redis.call('HEXISTS', P..'lost', gid) == 0 then
+  for _, inst in ipairs(redis.call('ZRANGE', P..'gw', 0, -1)) do
+    if redis.call('HGET', P..'gi:'..inst, 'id') == gid then return {'alive', 0} end
+  end
+  return {'unknown', 0}
+end
+unreserve(gid)
+redis.call('DEL', P..'gs:'..gid)
+local ended = end_doubts(gid, '', keep)
+dispatch_all()
+local out = {'forgotten', ended}
+for _, g in ipairs(grants) do out[#out + 1] = g end
+return out
+"""
+
 #: ARGV: P, ME, tid -> {'cancelled'|'released'|'gone', grants...}
 CANCEL = COMMON + r"""
 if stale() then return redis.error_reply('EPOCH Redis came back empty: register again') end
@@ -669,9 +753,14 @@ for _, g in ipairs(grants) do out[#out + 1] = g end
 return out
 """
 
-#: ARGV: P, ME, ttl_ms, gateway_id, config_version, views (JSON {route: view}), tid...
-#: (tickets this gateway has waited on a while: their grants are re-read, a lost wake-up replaced)
-#: -> {{grants...}, {lost tids...}, {inst, id, version, age_ms, ...}, reaped (1|0), {lids it holds here}}
+#: ARGV: P, ME, ttl_ms, gateway_id, config_version, views (JSON {route: view}), counts (JSON {"r":
+#: {route: max_concurrency}, "n": {node: max_concurrency}}: its full slot counts), tid... (tickets
+#: this gateway has waited on a while: their grants are re-read, a lost wake-up replaced)
+#: Its share of those counts among the gateways alive now (⌊n / k⌋, the remainder to the lowest
+#: ids: what it runs alone if it loses Redis now, since it knows these peers from this answer on)
+#: is kept as ``P gs:<gid>``, reserved once its heartbeat lapses.
+#: -> {{grants...}, {lost tids...}, {inst, id, version, age_ms, ...}, reaped (1|0), {lids it holds here},
+#:     {gateway id, ms since it was lost, its share, ...}: the gateways whose share is reserved}
 BEAT = COMMON + r"""
 if stale() then return redis.error_reply('EPOCH Redis came back empty: register again') end
 redis.call('SET', P..'ttl', ARGV[3])
@@ -683,13 +772,14 @@ redis.call('ZADD', P..'gw', now + tonumber(ARGV[3]), ME)
 counted(ARGV[4])
 redis.call('HSET', P..'gi:'..ME, 'id', ARGV[4], 'version', ARGV[5], 'seen', now)
 reap()
+unreserve(ARGV[4])  -- it beats: not lost (a frozen one that woke)
 for route, view in pairs(cjson.decode(ARGV[6])) do
   redis.call('SET', P..'v:'..route, cjson.encode(view))
   redis.call('SADD', P..'routes', route)
 end
 dispatch_all()
 local lost = {}
-for i = 7, #ARGV do
+for i = 8, #ARGV do
   local st = redis.call('HMGET', P..'t:'..ARGV[i], 'state', 'lease', 'node', 'gw')
   if st[1] == 'l' and st[4] == ME then
     grants[#grants + 1] = ARGV[i]..' '..st[2]..' '..st[3]
@@ -700,19 +790,45 @@ for i = 7, #ARGV do
   end
 end
 local peers = {}
+local ids, seen_id = {}, {}
 for _, inst in ipairs(redis.call('ZRANGE', P..'gw', 0, -1)) do
   local g = redis.call('HMGET', P..'gi:'..inst, 'id', 'version', 'seen')
   peers[#peers + 1] = inst
   peers[#peers + 1] = g[1] or ''
   peers[#peers + 1] = g[2] or ''
   peers[#peers + 1] = tostring(now - (tonumber(g[3] or now) or now))
+  if g[1] and not seen_id[g[1]] then
+    seen_id[g[1]] = true
+    ids[#ids + 1] = g[1]
+  end
 end
-return {grants, lost, peers, reaped and 1 or 0, redis.call('SMEMBERS', P..'gl:'..ME)}
+table.sort(ids)
+local k, rank = #ids, 0
+for i, id in ipairs(ids) do if id == ARGV[4] then rank = i - 1 end end
+local function part(n) return math.floor(n / k) + ((rank < n % k) and 1 or 0) end
+local full = cjson.decode(ARGV[7])
+local mine = {r = {}, n = {}, c = 1 / k}
+for route, n in pairs(full.r or {}) do mine.r[route] = part(n) end
+for node, n in pairs(full.n or {}) do mine.n[node] = part(n) end
+redis.call('SET', P..'gs:'..ARGV[4], cjson.encode(mine))
+local gone = {}
+local lh = redis.call('HGETALL', P..'lost')
+for i = 1, #lh, 2 do
+  gone[#gone + 1] = lh[i]
+  gone[#gone + 1] = tostring(now - (tonumber(lh[i + 1]) or now))
+  gone[#gone + 1] = redis.call('GET', P..'gs:'..lh[i]) or '{}'
+end
+return {grants, lost, peers, reaped and 1 or 0, redis.call('SMEMBERS', P..'gl:'..ME), gone}
 """
 
 #: ARGV: P, ME, ttl_ms, gateway id, peers (",a,b,": the gateways it saw alive before it lost Redis),
-#: n, n lease ids it held before (dropped: they may still count here), then (tid, route, node, key,
-#: cost) per lease held now -> {epoch, lid...} in the same order.
+#: keep (",a,b,": the nodes where a request runs on without its connection: ComfyUI), n, n lease
+#: ids it held before (dropped: they may still count here), then (tid, route, node, key, cost) per
+#: lease held now -> {epoch, lid...} in the same order.
+#: Its reserved share (``P lost``) goes, and its leases in doubt end: those of this instance, which
+#: it does not hold (granted while it was cut off, it never heard of them), and those of an
+#: instance before it with the same id (a restart: their connections closed with that process)
+#: except on the ``keep`` nodes, whose node check still asks.
 #: A gateway's first call, and its first after it lost Redis: its leases count again, cluster-wide,
 #: in one step (released and registered at once: no grant between the two). On a Redis with no
 #: epoch (it came back empty, or the cluster's first start) a new epoch begins behind a fence.
@@ -730,16 +846,23 @@ if redis.call('EXISTS', P..'fence') == 1 then
   redis.call('SADD', P..'fence:want', gid)
   for id in string.gmatch(peers, '[^,]+') do redis.call('SADD', P..'fence:want', id) end
 end
+-- An instance before it with the same id (restarted within the TTL) is gone: reaped now.
+for _, inst in ipairs(redis.call('ZRANGE', P..'gw', 0, -1)) do
+  if inst ~= ME and redis.call('HGET', P..'gi:'..inst, 'id') == gid then redis.call('ZADD', P..'gw', 0, inst) end
+end
 reap()
 -- Its waiting tickets are queued again by the gateway itself (at the back, as after a loss):
 -- the copies Redis may still hold would be served twice.
 for _, tid in ipairs(redis.call('SMEMBERS', P..'gt:'..ME)) do unqueue(tid) end
-local n = tonumber(ARGV[6])
-for i = 7, 6 + n do drop_lease(ARGV[i]) end
+local keep = ARGV[6]
+local n = tonumber(ARGV[7])
+for i = 8, 7 + n do drop_lease(ARGV[i]) end
+unreserve(gid)
+end_doubts(gid, ME, keep)
 redis.call('ZADD', P..'gw', now + ttl, ME)
 redis.call('HSET', P..'gi:'..ME, 'id', gid, 'seen', now)
 local out = {e}
-for i = 7 + n, #ARGV, 5 do
+for i = 8 + n, #ARGV, 5 do
   local tid, route, node, key = ARGV[i], ARGV[i + 1], ARGV[i + 2], ARGV[i + 3]
   local cost = tonumber(ARGV[i + 4]) or 0
   redis.call('HSET', P..'t:'..tid, 'route', route, 'key', key, 'gw', ME, 'pin', '', 'avoid', ',',

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+from kilolined.scheduling.share import share_of
+
 
 def alive(peers: Iterable[tuple[str, float]], window_sec: float) -> list[str]:
     """Ids of the other gateways seen within ``window_sec`` (peers: (id, seconds since seen))."""
@@ -12,6 +14,4 @@ def alive(peers: Iterable[tuple[str, float]], window_sec: float) -> list[str]:
 
 def share(n: int, me: str, others: Iterable[str]) -> int:
     """This gateway's part of ``n``: ⌊n / k⌋ each, the remainder to the lowest gateway ids."""
-    ids = sorted({me, *others})
-    k = len(ids)
-    return n // k + (1 if ids.index(me) < n % k else 0)
+    return share_of(me, others).slots(n)

@@ -4,7 +4,7 @@ Plain data, written by the cluster lease store at each heartbeat, read by the vi
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -20,12 +20,29 @@ class Peer:
 
 
 @dataclass
+class Lost:
+    """A gateway whose heartbeat lapsed: its share stays reserved (counted as in use) in Redis."""
+
+    id: str
+    lost_sec: float
+    #: what its reservation holds: {"routes": {route: slots per node}, "nodes": {node: slots}, "capacity": part}
+    reserved: dict[str, Any]
+
+
+async def _no_forget(gateway_id: str) -> str:
+    return "unknown"
+
+
+@dataclass
 class ClusterView:
     gateway_id: str
     leader: str | None = None
     redis_up: bool = False
     reached: bool = False  # Redis answered this process once (until then it takes no slot: /healthz "degraded")
     peers: list[Peer] = field(default_factory=list)  # the *other* gateways, as of the last heartbeat
+    lost: list[Lost] = field(default_factory=list)  # the gateways whose share is reserved, as of then
+    #: POST /admin/cluster/forget/{id}: "forgotten" | "alive" | "unknown" (the lease store's)
+    forget: Callable[[str], Awaitable[str]] = _no_forget
 
     def state(self, config_version: str) -> dict[str, Any]:
         return {
@@ -34,6 +51,7 @@ class ClusterView:
             "redis": "up" if self.redis_up else "down",
             "peers": [{"id": p.id, "last_seen_sec": round(p.last_seen_sec, 1), "config_version": p.config_version,
                        "same_config": p.config_version == config_version} for p in self.peers],
+            "lost": [{"id": g.id, "lost_sec": round(g.lost_sec, 1), "reserved": g.reserved} for g in self.lost],
         }
 
 

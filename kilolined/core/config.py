@@ -31,6 +31,7 @@ NotifyEvent = Literal[
     "reload_failed",
     "cluster_degraded",  # cluster mode only (docs/CLUSTER.md)
     "cluster_restored",
+    "cluster_gateway_lost",
     "fleet_node_lost",  # fleet pools only (docs/FLEET.md)
     "fleet_node_rented",
     "fleet_node_ready",
@@ -306,6 +307,28 @@ class OverflowConfig(_Model):
     when_wait_sec: Sec = 30
 
 
+class BusyConfig(_Model):
+    """Where a node shows what it runs (docs/CLUSTER.md): GET ``path``, then the number at
+    ``json_pointer`` in its JSON (an array: its length) or the sum of a Prometheus ``metric``."""
+
+    path: Annotated[str, Field(pattern=r"^/")]
+    json_pointer: str | None = None
+    metric: Annotated[str, Field(pattern=r"^[a-zA-Z_:][a-zA-Z0-9_:]*$")] | None = None
+
+    @field_validator("json_pointer")
+    @classmethod
+    def _pointer(cls, v: str | None) -> str | None:
+        if v is not None and v != "" and not v.startswith("/"):
+            raise ValueError("a JSON pointer starts with / (RFC 6901), e.g. /num_running")
+        return v
+
+    @model_validator(mode="after")
+    def _one(self) -> BusyConfig:
+        if (self.json_pointer is None) == (self.metric is None):
+            raise ValueError("give exactly one of json_pointer or metric")
+        return self
+
+
 class NodeConfig(_Model):
     url: str
     label: str | None = None
@@ -322,6 +345,8 @@ class NodeConfig(_Model):
     #: applied after its route's rewrite, on the request this node is sent (a hosted API's names)
     rewrite: RewriteConfig | None = None
     price_per_mtok: PriceConfig | None = None  # a hosted API's price: the usage's cost
+    #: where it shows what it runs, for a server the gateway has no probe for (docs/CLUSTER.md)
+    busy: BusyConfig | None = None
 
     @field_validator("slow", mode="before")
     @classmethod

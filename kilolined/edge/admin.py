@@ -212,6 +212,23 @@ async def _history_sampler(app: web.Application) -> AsyncIterator[None]:
         await task
 
 
+async def forget_gateway(request: web.Request) -> web.Response:
+    """A lost gateway is gone for good: its share, reserved in Redis, is free (docs/CLUSTER.md)."""
+    if not is_admin(request):
+        return _denied()
+    cluster, gid = _rt(request).cluster, request.match_info["gateway_id"]
+    if cluster is None:
+        return error_response(404, "not_found", "not in cluster mode")
+    if not cluster.redis_up:
+        return error_response(503, "unavailable", "Redis is unreachable: nothing can be forgotten now")
+    verdict = await cluster.forget(gid)
+    if verdict == "alive":
+        return error_response(409, "conflict", f"gateway {gid} is alive: it holds only what it runs")
+    if verdict != "forgotten":
+        return error_response(404, "not_found", f"no lost gateway {gid}")
+    return _json({"forgotten": gid})
+
+
 def add_routes(app: web.Application) -> None:
     # each handler behind the edge: raw-path check, JSON errors (kilolined/edge/guard.py)
     app[HISTORY] = History(HISTORY_SERIES, span_sec=HISTORY_SPAN_SEC, step_sec=HISTORY_STEP_SEC,
@@ -228,5 +245,6 @@ def add_routes(app: web.Application) -> None:
     r.add_post("/admin/session", guard(new_session))
     r.add_post("/admin/reload", guard(reload))
     r.add_post(r"/admin/nodes/{name}/{op:drain|undrain}", guard(drain))
+    r.add_post("/admin/cluster/forget/{gateway_id}", guard(forget_gateway))
     r.add_get("/dashboard", guard(dashboard))
     r.add_get("/dashboard/", guard(dashboard))

@@ -27,6 +27,7 @@ from kilolined.fakegpu.base import Job, Knobs, is_int, is_number, read_json
 
 log = logging.getLogger("kilolined.fakegpu")
 
+SERVERS = ("llama.cpp", "vllm")  # what an openai card plays (its own status endpoints)
 REQUEST_LOG_SIZE = 100
 # How long a crash waits for the failing jobs to tell their clients before the process "dies".
 CRASH_FLUSH_SEC = 1.0
@@ -101,6 +102,7 @@ class Card:
         prefill_ms_per_1k: float = 0.0,
         prompt_cache_tokens: int = 32768,
         previews: bool = False,
+        server: str = "llama.cpp",
     ) -> None:
         if not (is_number(vram_gb) and vram_gb > 0 and is_number(job_vram_gb) and job_vram_gb >= 0):
             raise ValueError("vram_gb must be > 0 and job_vram_gb >= 0")
@@ -112,6 +114,8 @@ class Card:
             raise ValueError("ctx_size must be an int >= 1 and progress_min_sec a number >= 0")
         if capacity_mode not in ("fixed", "request"):
             raise ValueError("capacity_mode must be fixed or request")
+        if server not in SERVERS:
+            raise ValueError(f"server must be one of {', '.join(SERVERS)}")
         if not (is_number(swap_ms) and swap_ms >= 0 and is_int(warm_models) and warm_models >= 1):
             raise ValueError("swap_ms must be a number >= 0 and warm_models an int >= 1")
         if not (is_number(slowdown) and slowdown > 0 and is_number(slowdown_after_sec) and slowdown_after_sec >= 0
@@ -146,6 +150,7 @@ class Card:
         self.previews = bool(previews)  # comfyui: a preview per sampler step (--preview-method auto)
         self.prefill_ms_per_1k = float(prefill_ms_per_1k)  # openai: GPU time per 1000 uncached prompt tokens
         self.prompt_cache_tokens = prompt_cache_tokens  # openai: prompt cache bound, in tokens (0: none)
+        self.server = server  # openai: which server it plays, llama.cpp (GET /slots) or vLLM (GET /metrics)
         self.knobs = Knobs()
         self.started_at = int(time.time())
         self._running: set[Job] = set()

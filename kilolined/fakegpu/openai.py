@@ -46,6 +46,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Gauge, generate_latest
 
 from kilolined.fakegpu import anthropic
 from kilolined.fakegpu.base import is_int, read_json, sse_headers
@@ -67,7 +68,8 @@ ERROR_TYPES = {
     503: "unavailable_error",
 }
 # llama.cpp answers these without a key even when it was started with --api-key.
-PUBLIC_PATHS = frozenset({"/health", "/v1/health", "/models", "/v1/models", "/running"})
+# vLLM serves /metrics outside its --api-key too.
+PUBLIC_PATHS = frozenset({"/health", "/v1/health", "/models", "/v1/models", "/running", "/metrics"})
 
 
 def openai_error(status: int, message: str, param: str | None = None) -> web.Response:
@@ -148,7 +150,10 @@ class OpenAIBackend(Backend):
         app.router.add_post("/v1/messages", self.messages)
         app.router.add_post("/v1/audio/transcriptions", self.transcribe)
         app.router.add_get("/running", self.running)
-        app.router.add_get("/slots", self.slots)
+        if self.gpu.server == "vllm":
+            app.router.add_get("/metrics", self.metrics)  # and no /slots: vLLM has none
+        else:
+            app.router.add_get("/slots", self.slots)
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/v1/models/{model_id:.+}", self.model)
         app.router.add_get("/health", self.health)
@@ -180,6 +185,21 @@ class OpenAIBackend(Backend):
             {"id": i, "id_task": i if i < running else -1, "n_ctx": self.gpu.ctx_size, "speculative": False,
              "is_processing": i < running}
             for i in range(n)])
+
+    async def metrics(self, request: web.Request) -> web.Response:
+        """vLLM's `GET /metrics`, the scheduler gauges as its v1 engine registers them (Prometheus
+        client, labels model_name and engine; vllm/v1/metrics/loggers.py PrometheusStatLogger):
+        the requests running, and those waiting (none here: the card runs every request at once)."""
+        registry = CollectorRegistry()
+        labels = ("model_name", "engine")
+        running = Gauge("vllm:num_requests_running", "Number of requests in model execution batches.", labels,
+                        registry=registry, multiprocess_mode="mostrecent")
+        waiting = Gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.", labels,
+                        registry=registry, multiprocess_mode="mostrecent")
+        model = (self.gpu.models or [MODEL_ID])[0]
+        running.labels(model, "0").set(self.gpu.stats["running"])
+        waiting.labels(model, "0").set(0)
+        return web.Response(body=generate_latest(registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     async def load(self, model: str) -> bool:
         """Make `model` warm; returns whether that was a swap (it took `swap_ms`)."""

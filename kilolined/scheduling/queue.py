@@ -30,6 +30,7 @@ from kilolined.scheduling import affinity as aff
 from kilolined.scheduling.affinity import Affinity, KeyMemo, PrefixIndex
 from kilolined.scheduling.bodies import WaitingBodies
 from kilolined.scheduling.nodes import NodeState
+from kilolined.scheduling.share import WHOLE, Share
 
 WAITING, LEASED, DONE, FAILED = "waiting", "leased", "done", "failed"
 EPS = 1e-9  # costs are sums of floats: compare with a little slack
@@ -383,16 +384,18 @@ class Scheduler:
         self.checks_here: Callable[[], bool] = lambda: True
         #: the bodies of waiting requests, per key and in total (server.max_queued_body_mb*)
         self.bodies = WaitingBodies()
+        #: the part of every slot count this gateway may use (cluster mode, Redis down: its share)
+        self.share: Share = WHOLE
 
     # -- capacity --------------------------------------------------------------------------
     def can_take(self, rq: RouteQueue, node: str, now: float, cost: float = 0.0) -> bool:
         ns = self.nodes.get(node)
         if ns is None or not ns.available(now):
             return False
-        if rq.inflight[node] >= ns.effective(rq.cfg.max_concurrency, now):
+        if rq.inflight[node] >= ns.effective(self.share.slots(rq.cfg.max_concurrency), now):
             return False
         cap = ns.cfg.max_concurrency
-        if cap is not None and self.node_inflight[node] >= ns.effective(cap, now):
+        if cap is not None and self.node_inflight[node] >= ns.effective(self.share.slots(cap), now):
             return False
         return self.fits(ns, cost, now)
 
@@ -405,9 +408,9 @@ class Scheduler:
         if full is None:
             return True
         used = self.capacity_used.get(ns.name, 0.0)
-        if used + cost <= ramped_capacity(ns, now) + EPS:
+        if used + cost <= self.share.capacity(ramped_capacity(ns, now)) + EPS:
             return True
-        return used <= EPS and cost <= full + EPS
+        return used <= EPS and cost <= self.share.capacity(full) + EPS
 
     @staticmethod
     def could_hold(ns: NodeState | None, cost: float) -> bool:
@@ -442,9 +445,9 @@ class Scheduler:
         total = 0
         for n in self.usable(rq, now):
             ns = self.nodes[n]
-            s = ns.effective(rq.cfg.max_concurrency, now)
+            s = ns.effective(self.share.slots(rq.cfg.max_concurrency), now)
             if ns.cfg.max_concurrency is not None:
-                s = min(s, ns.effective(ns.cfg.max_concurrency, now))
+                s = min(s, ns.effective(self.share.slots(ns.cfg.max_concurrency), now))
             total += s
         return total
 
