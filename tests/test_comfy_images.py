@@ -190,3 +190,18 @@ def test_reload_reads_the_workflow_again(tmp_path: Path) -> None:
     assert v1 != v2  # the same config file, a new version: the reload applies it
     assert first.routes["gen"].templates["sd15"].graph["5"]["inputs"]["width"] == 512
     assert second.routes["gen"].templates["sd15"].graph["5"]["inputs"]["width"] == 768
+
+
+async def test_the_route_cost_reads_the_filled_workflow(fakegpus: Any, gateway: Any, tmp_path: Path) -> None:
+    node = await fakegpus("comfyui", steps=1, step_ms=5)
+    cfg = templated(base_config({"a": node.url}, kind="comfyui", cost={"per_unit": 1, "unit": "megapixels"}),
+                    tmp_path)
+    cfg["nodes"]["a"]["capacity"] = 1  # a megapixel at once
+    gw = await gateway(cfg)
+    sdk = client(gw)
+    small = await sdk.images.generate(model="sd15", prompt="x", size="512x512")  # 0.26 MP
+    assert small.data is not None and len(small.data) == 1
+    with pytest.raises(openai.UnprocessableEntityError) as big:
+        await sdk.images.generate(model="sd15", prompt="x", size="1024x1024", n=2)  # 2.1 MP
+    assert big.value.code == "exceeds_capacity"
+    await sdk.close()
