@@ -16,7 +16,7 @@ import aiohttp
 import openai
 import pytest
 import yaml
-from conftest import KEYS, auth, base_config
+from conftest import KEYS, auth, base_config, wait_until
 
 from kilolined.core.config import ConfigError, load_config, parse_config
 from kilolined.fakegpu.comfy_graph import make_png
@@ -204,4 +204,21 @@ async def test_the_route_cost_reads_the_filled_workflow(fakegpus: Any, gateway: 
     with pytest.raises(openai.UnprocessableEntityError) as big:
         await sdk.images.generate(model="sd15", prompt="x", size="1024x1024", n=2)  # 2.1 MP
     assert big.value.code == "exceeds_capacity"
+    await sdk.close()
+
+
+async def test_an_edit_whose_node_is_killed_completes_on_the_standby_with_its_image(
+        fakegpus: Any, gateway: Any, tmp_path: Path) -> None:
+    a = await fakegpus("comfyui", steps=200, step_ms=20)
+    b = await fakegpus("comfyui", steps=2, step_ms=5)
+    gw = await gateway(templated(base_config({"a": a.url, "b": b.url}, kind="comfyui", max_concurrency=1),
+                                 tmp_path))  # b: the standby
+    sdk = client(gw)
+    png = make_png("failover")
+    edit = asyncio.ensure_future(sdk.images.edit(model="invert", image=("p.png", png, "image/png"), prompt="x"))
+    await wait_until(lambda: a.stats["running"] == 1)
+    await a.kill()
+    got = await asyncio.wait_for(edit, 15)
+    assert got.data is not None and base64.b64decode(got.data[0].b64_json or "").startswith(b"\x89PNG")
+    assert b.stats["served"] == 1 and png in b.backend.images.values()
     await sdk.close()
