@@ -139,9 +139,11 @@ async def test_bad_value_is_400_naming_the_input_and_unknown_template_404(
             err = (await r.json())["error"]
             assert r.status == 400 and field in err["message"] and err["code"] == "bad_request", (body, err)
     # an input the template does not have
-    with pytest.raises(openai.BadRequestError) as bad:
-        await sdk.images.generate(model="invert", prompt="x", extra_body={"seed": 3})
-    assert "seed" in bad.value.message
+    for extra, field in (({"seed": 3}, "seed"), ({"size": "64x64"}, "size"), ({"n": 2}, "n")):
+        with pytest.raises(openai.BadRequestError) as bad:
+            await sdk.images.generate(model="invert", prompt="x", extra_body=extra)
+        assert bad.value.message.startswith(f"Error code: 400 - {field}: template 'invert' has no input"), \
+            bad.value.message
     with pytest.raises(openai.NotFoundError) as nf:
         await sdk.images.generate(model="dall-e-3", prompt="x")
     assert nf.value.code == "model_not_found" and "dall-e-3" in nf.value.message
@@ -164,6 +166,10 @@ def test_config_errors_name_the_file_and_line(tmp_path: Path) -> None:
     cfg["routes"]["gen"]["templates"]["sd15"]["inputs"] = {**TXT2IMG_INPUTS, "seed": "99.inputs.seed"}
     cfg["routes"]["gen"]["templates"]["invert"]["inputs"] = {"image": "10.inputs.picture"}
     cfg["routes"]["gen"]["templates"]["gone"] = {"workflow": "wf/missing.json"}
+    (tmp_path / "wf" / "ui.json").write_text(json.dumps({"nodes": [], "links": []}))  # the editor's own format
+    cfg["routes"]["gen"]["templates"]["ui"] = {"workflow": "wf/ui.json"}
+    cfg["routes"]["gen"]["templates"]["steps"] = {"workflow": "wf/txt2img.json", "inputs": {"steps": "3.inputs.steps"}}
+    cfg["routes"]["gen"]["templates"]["link"] = {"workflow": "wf/txt2img.json", "inputs": {"image": "3.inputs.model"}}
     path = tmp_path / "kiloline.yaml"
     path.write_text(yaml.safe_dump(cfg))
     with pytest.raises(ConfigError) as e:
@@ -173,6 +179,9 @@ def test_config_errors_name_the_file_and_line(tmp_path: Path) -> None:
     assert "routes.gen.templates.sd15.inputs.seed: the workflow has no node '99'" in text
     assert "routes.gen.templates.invert.inputs.image: node 10 (LoadImage) has no input 'picture'" in text
     assert "routes.gen.templates.gone.workflow: cannot read" in text
+    assert "routes.gen.templates.ui.workflow: " in text and "not a workflow in API format" in text
+    assert "routes.gen.templates.steps.inputs.steps: unknown field" in text
+    assert "routes.gen.templates.link.inputs.image: 3.inputs.model is a link" in text
     cfg["routes"]["gen"]["kind"] = "generic"
     with pytest.raises(ConfigError) as e:
         parse_config(yaml.safe_dump(cfg), env={})

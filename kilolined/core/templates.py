@@ -154,7 +154,8 @@ def fill(graph: Mapping[str, Any], template_slots: Mapping[str, Slot], values: M
         if slot is None:
             if field == "prompt" or (field == "n" and value in (1, "1")):
                 continue
-            raise BadValue(field, f"{field}: template {template!r} has no input for it")
+            asked = "size" if field in ("width", "height") else field  # what the client sent
+            raise BadValue(asked, f"{asked}: template {template!r} has no input for it")
         v = typed(field, slot, value)
         if isinstance(v, (int, float)) and not isinstance(v, bool):
             _bounded(field, v)
