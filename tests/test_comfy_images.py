@@ -17,6 +17,7 @@ import openai
 import pytest
 import yaml
 from conftest import KEYS, auth, base_config, wait_until
+from test_reload import admin_reload
 
 from kilolined.core.config import ConfigError, load_config, parse_config
 from kilolined.fakegpu.comfy_graph import make_png
@@ -188,17 +189,21 @@ def test_config_errors_name_the_file_and_line(tmp_path: Path) -> None:
     assert any("routes.gen.templates: only on comfyui routes" in x for x in e.value.errors)
 
 
-def test_reload_reads_the_workflow_again(tmp_path: Path) -> None:
-    cfg = templated(base_config({"a": "http://127.0.0.1:1"}, kind="comfyui"), tmp_path, relative=True)
-    path = tmp_path / "kiloline.yaml"
-    path.write_text(yaml.safe_dump(cfg))
-    first, v1 = load_config(path, env={})
-    changed = {**TXT2IMG, "5": {**TXT2IMG["5"], "inputs": {**TXT2IMG["5"]["inputs"], "width": 768}}}
-    (tmp_path / "wf" / "txt2img.json").write_text(json.dumps(changed))
-    second, v2 = load_config(path, env={})
-    assert v1 != v2  # the same config file, a new version: the reload applies it
-    assert first.routes["gen"].templates["sd15"].graph["5"]["inputs"]["width"] == 512
-    assert second.routes["gen"].templates["sd15"].graph["5"]["inputs"]["width"] == 768
+async def test_reload_reads_the_workflow_again(fakegpus: Any, gateway: Any, http: aiohttp.ClientSession,
+                                              tmp_path: Path) -> None:
+    node = await fakegpus("comfyui", steps=1, step_ms=5)
+    gw = await gateway(templated(base_config({"a": node.url}, kind="comfyui"), tmp_path))
+    sdk = client(gw)
+    await sdk.images.generate(model="sd15", prompt="x")
+    changed = {**TXT2IMG, "3": {**TXT2IMG["3"], "inputs": {**TXT2IMG["3"]["inputs"], "steps": 1, "cfg": 4.5}}}
+    (tmp_path / "wf" / "txt2img.json").write_text(json.dumps(changed))  # the config file is unchanged
+    status, _ = await admin_reload(http, gw.url)
+    assert status == 200
+    await sdk.images.generate(model="sd15", prompt="x", extra_body={"seed": 9})
+    before, after = graphs(node)[-2:]
+    assert "cfg" not in before["3"]["inputs"]
+    assert after["3"]["inputs"]["cfg"] == 4.5 and after["3"]["inputs"]["seed"] == 9
+    await sdk.close()
 
 
 async def test_the_route_cost_reads_the_filled_workflow(fakegpus: Any, gateway: Any, tmp_path: Path) -> None:
