@@ -133,12 +133,13 @@ async def test_bad_value_is_400_naming_the_input_and_unknown_template_404(
     sdk = client(gw)
     with pytest.raises(openai.BadRequestError) as bad:
         await sdk.images.generate(model="sd15", prompt="x", extra_body={"seed": "lucky"})
-    assert "seed" in bad.value.message
+    assert "seed" in bad.value.message and bad.value.param == "seed"
     for body, field in (({"size": "big"}, "size"), ({"n": 99}, "n"), ({"prompt": 5}, "prompt")):
         async with http.post(gw.url + "/gen/v1/images/generations", headers=auth(),
                              json={"model": "sd15", "prompt": "x", **body}) as r:
             err = (await r.json())["error"]
             assert r.status == 400 and field in err["message"] and err["code"] == "bad_request", (body, err)
+            assert err["param"] == field
     # an input the template does not have
     for extra, field in (({"seed": 3}, "seed"), ({"size": "64x64"}, "size"), ({"n": 2}, "n")):
         with pytest.raises(openai.BadRequestError) as bad:

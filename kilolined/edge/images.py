@@ -73,18 +73,19 @@ def fill_template(gw: Gateway, call: Call) -> web.StreamResponse | None:
     if template is None:
         known = ", ".join(sorted(templates)) or "none"
         return call.error(404, "model_not_found", f"model {model!r}: route {call.route} has no such template "
-                                                  f"(its templates: {known})")
+                                                  f"(its templates: {known})", param="model")
     fmt = doc.get("response_format") or "b64_json"
     if fmt not in RESPONSE_FORMATS:
-        return call.error(400, "bad_request", f"response_format: one of {', '.join(RESPONSE_FORMATS)}, not {fmt!r}")
+        return call.error(400, "bad_request", f"response_format: one of {', '.join(RESPONSE_FORMATS)}, not {fmt!r}",
+                          param="response_format")
     if not isinstance(doc.get("prompt"), str):
-        return call.error(400, "bad_request", "prompt: required, a string")
+        return call.error(400, "bad_request", "prompt: required, a string", param="prompt")
     if edit and "image" not in doc:
-        return call.error(400, "bad_request", "image: required, the image to edit")
+        return call.error(400, "bad_request", "image: required, the image to edit", param="image")
     try:
         graph = fill(template.graph, template.slots, request_values(doc), str(model))
     except BadValue as e:
-        return call.error(400, "bad_request", str(e))
+        return call.error(400, "bad_request", str(e), param=e.field)
     ex.body = orjson.dumps({"prompt": graph, ANSWER_KEY: {"response_format": fmt, "template": model}})
     ex.body_override = None
     return None

@@ -58,12 +58,13 @@ class Call:
     def key_id(self) -> str | None:
         return self.principal.key_id if self.principal is not None else None
 
-    def error(self, status: int, type_: str, message: str, retry_after: float | None = None) -> web.Response:
+    def error(self, status: int, type_: str, message: str, retry_after: float | None = None,
+              param: str | None = None) -> web.Response:
         if self.anthropic:
             return anthropic_error_response(status, type_, message, request_id=self.request_id,
                                             retry_after=retry_after, headers=self.headers)
         return error_response(status, type_, message, request_id=self.request_id, retry_after=retry_after,
-                              headers=self.headers, openai=self.kind == "openai" or self.images)
+                              headers=self.headers, openai=self.kind == "openai" or self.images, param=param)
 
     @property
     def images(self) -> bool:
