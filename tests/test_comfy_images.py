@@ -19,6 +19,7 @@ import yaml
 from conftest import KEYS, auth, base_config, wait_until
 from test_reload import admin_reload
 
+from kilolined.adapters.comfy_store import files_state
 from kilolined.core.config import ConfigError, load_config, parse_config
 from kilolined.fakegpu.comfy_graph import make_png
 
@@ -87,6 +88,14 @@ async def test_sdk_generate_b64_and_url_with_n_2(fakegpus: Any, gateway: Any, ht
     for d in by_url.data:
         assert d.url is not None and d.url.startswith(gw.url + "/gen/view?")
         async with http.get(d.url, headers=auth()) as r:
+            assert r.status == 200 and (await r.read()).startswith(b"\x89PNG")
+        async with http.get(d.url, headers=auth("bob")) as r:
+            assert r.status == 404  # another key's file
+    # The URLs outlive the node: the outputs were copied to the route's file store.
+    await wait_until(lambda: files_state(gw.rt).copies == 0)
+    await node.kill()
+    for d in by_url.data:
+        async with http.get(d.url or "", headers=auth()) as r:
             assert r.status == 200 and (await r.read()).startswith(b"\x89PNG")
     await sdk.close()
 
