@@ -5,6 +5,7 @@ section's own config), with `http://gateway:8080` the test gateway's URL and `$K
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import re
 import sys
@@ -13,6 +14,9 @@ from typing import Any
 
 import pytest
 from conftest import KEYS, base_config
+from test_comfy_images import INVERT, TXT2IMG, TXT2IMG_INPUTS
+
+from kilolined.fakegpu.comfy_graph import make_png
 
 API_MD = Path(__file__).resolve().parent.parent / "docs" / "API.md"
 SECTION = "## The APIs clients speak"
@@ -32,7 +36,8 @@ def test_the_section_has_curl_and_sdk_examples_for_each_api() -> None:
     assert [lang for lang, _ in found].count("python") >= 2 and [lang for lang, _ in found].count("sh") >= 3
     joined = "\n".join(code for _, code in found)
     for what in ("/v1/messages", "anthropic.Anthropic", "/v1/audio/transcriptions", "audio.transcriptions", "/health",
-                 '"model": "gpt-4o-mini"', 'model="gpt-4o-mini"', "models.list()"):
+                 '"model": "gpt-4o-mini"', 'model="gpt-4o-mini"', "models.list()", "/v1/images/generations",
+                 "/v1/images/edits", "images.generate", "images.edit"):
         assert what in joined, what
 
 
@@ -42,7 +47,16 @@ async def test_example_runs_against_the_gateway(index: int, fakegpus: Any, gatew
     fake = await fakegpus("openai", step_ms=1)
     cfg = base_config({"o": fake.url}, kind="openai", path="/v1", rewrite={"model": {"gpt-4o-mini": "qwen2.5-7b"}})
     cfg["nodes"]["o"]["models"] = ["qwen2.5-7b", "whisper-1"]  # the fake takes any: the gateway routes by these
+    # The images section's route: a fake ComfyUI with the section's two templates.
+    comfy = await fakegpus("comfyui", steps=1, step_ms=1)
+    cfg["nodes"]["c"] = {"url": comfy.url}
+    (tmp_path / "txt2img.json").write_text(json.dumps(TXT2IMG))
+    (tmp_path / "invert.json").write_text(json.dumps(INVERT))
+    cfg["routes"]["comfy"] = {"path": "/comfy", "kind": "comfyui", "nodes": ["c"], "templates": {
+        "sd15": {"workflow": str(tmp_path / "txt2img.json"), "inputs": TXT2IMG_INPUTS},
+        "invert": {"workflow": str(tmp_path / "invert.json"), "inputs": {"image": "10.inputs.image"}}}}
     gw = await gateway(cfg)
+    (tmp_path / "photo.png").write_bytes(make_png("photo"))
     (tmp_path / "speech.wav").write_bytes(b"RIFF\x24\x00\x00\x00WAVEfmt " + bytes(64))
     code = code.replace("http://gateway:8080", gw.url)
     argv = ["bash", "-euo", "pipefail", "-c", code] if lang == "sh" else [sys.executable, "-c", code]
@@ -52,6 +66,11 @@ async def test_example_runs_against_the_gateway(index: int, fakegpus: Any, gatew
     assert proc.returncode == 0, (code, out.decode(), err.decode())
     text = out.decode()
     assert text.strip(), code
+    if "/images/" in code:
+        assert text.count('"url":') == 1 and '"b64_json":' in text
+    if "images.generate" in code:
+        assert all((tmp_path / f"fox{i}.png").read_bytes().startswith(b"\x89PNG") for i in (0, 1))
+        assert gw.url + "/comfy/view?filename=" in text
     if "/health" in code:
         assert text.strip() == "200"
     if "/v1/messages" in code:

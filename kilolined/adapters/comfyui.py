@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import functools
 import logging
 import uuid
@@ -30,6 +31,7 @@ from aiohttp import web
 
 from kilolined.adapters.base import Adapter, HttpAttempt
 from kilolined.adapters.comfy_control import ComfyState, NodeActivity, comfy_state, control
+from kilolined.adapters.comfy_images import images_answer
 from kilolined.adapters.comfy_inputs import PromptInputs, is_upload, upload
 from kilolined.adapters.comfy_monitor import NodeMonitor
 from kilolined.adapters.comfy_node import NodeAPI, NodeError, all_ids, find_entry, lease_api, on_queue, stop_prompt
@@ -38,6 +40,7 @@ from kilolined.adapters.comfy_record import ABSENT, PromptOwners, entry_as_given
 from kilolined.adapters.comfy_store import is_view, prompt_finished, view
 from kilolined.core.errors import error_response
 from kilolined.core.outcome import Cancelled, Failure, Result
+from kilolined.core.templates import ANSWER_KEY, is_images
 from kilolined.ops.runtime import Runtime
 from kilolined.scheduling.lease import LeaseScope, Sink
 from kilolined.scheduling.queue import Lease, Rejected
@@ -377,6 +380,8 @@ class ComfyUIAdapter(Adapter):
     # --- one prompt, in every mode ------------------------------------------------------------
     async def serve(self, rt: Runtime, scope: LeaseScope, ex: Exchange, sink: Sink) -> None:
         if not is_prompt(ex):
+            if is_images(ex.method, ex.tail):
+                return await self._serve_images(rt, scope, ex, sink)
             return await super().serve(rt, scope, ex, sink)
         body = _json_object(ex.body)
         if body is None:
@@ -385,6 +390,36 @@ class ComfyUIAdapter(Adapter):
         inputs = PromptInputs(rt, scope.ticket.route, scope.ticket.key)
         if sink.mode == "sync":
             return await self._serve_sync(rt, scope, ex, sink, body, inputs)
+        lease, entry = await self._run_to_end(rt, scope, ex, body, sink, inputs)
+        result, files = annotate_files(entry, lease.node, sink.file_url)
+        # Outputs leave the node (comfy_store.py); the result names them as the route does.
+        result = prompt_finished(rt, lease.route, lease.node, result, scope.ticket.key)
+        scope.ok = True
+        # /result serves the same view as output_ready.result: the URLs are how clients get files.
+        sink.result(Result(200, "application/json", orjson.dumps(result), result=result, files=files))
+
+    async def _serve_images(self, rt: Runtime, scope: LeaseScope, ex: Exchange, sink: Sink) -> None:
+        """OpenAI's Images API, its workflow filled from the template at admission
+        (edge/images.py): run to its end as a job's prompt is, in every client mode, and answered
+        in OpenAI's shape with the outputs' bytes or their /view URLs (comfy_images.py)."""
+        doc = ex.body_doc()
+        answer = doc.get(ANSWER_KEY) if isinstance(doc, dict) else None
+        if not isinstance(answer, dict) or not isinstance(doc.get("prompt"), dict):
+            raise Failure("bad_request", "the request was not filled from a template", 400)
+        body = {"prompt": doc["prompt"]}
+        inputs = PromptInputs(rt, scope.ticket.route, scope.ticket.key)
+        # The node is sent a prompt: its path is ComfyUI's, whatever the client asked.
+        lease, entry = await self._run_to_end(rt, scope, dataclasses.replace(ex, tail=PROMPT_PATHS[0]), body,
+                                              sink, inputs)
+        shown = prompt_finished(rt, lease.route, lease.node, entry, scope.ticket.key)
+        images = await images_answer(rt, lease, entry, shown, answer.get("response_format"), ex)
+        scope.ok = True
+        sink.result(Result(200, "application/json", orjson.dumps(images), result=images))
+
+    async def _run_to_end(self, rt: Runtime, scope: LeaseScope, ex: Exchange, body: dict[str, Any], sink: Sink,
+                          inputs: PromptInputs) -> tuple[Lease, dict[str, Any]]:
+        """Submit the prompt and follow it to its end under the scope (queue, failover, stalls);
+        its lease and history entry (the node's names), the slot freed."""
         progress = Progress(body.get("prompt"))
         done = await scope.acquire(self._attempt(rt, ex, body, scope, sink, progress, inputs))
         if not isinstance(done, Finished):
@@ -408,12 +443,7 @@ class ComfyUIAdapter(Adapter):
         if steps > 0:
             # Speed per sampler step: prompts of different step counts compare (speed.py).
             scope.samples = [Sample(MS_STEP, (rt.clock() - scope.dispatched_at) * 1000 / steps)]
-        result, files = annotate_files(done.entry, lease.node, sink.file_url)
-        # Outputs leave the node (comfy_store.py); the result names them as the route does.
-        result = prompt_finished(rt, lease.route, lease.node, result, scope.ticket.key)
-        scope.ok = True
-        # /result serves the same view as output_ready.result: the URLs are how clients get files.
-        sink.result(Result(200, "application/json", orjson.dumps(result), result=result, files=files))
+        return lease, done.entry
 
     async def _stop(self, sub: Submitted, sink: Sink) -> None:
         try:

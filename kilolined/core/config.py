@@ -15,9 +15,19 @@ from pathlib import Path
 from typing import Annotated, Any, Literal, TypeVar, get_args
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    SecretStr,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from kilolined.core.keystrength import MIN_KEY_BITS, key_bits
+from kilolined.core.templates import IMAGES_PATHS, Slot, TemplateError, load_workflow, slots
 
 NotifyEvent = Literal[
     "node_down",
@@ -58,7 +68,7 @@ DEFAULT_UNQUEUED: dict[str, list[str]] = {
 # Requests that take a slot whatever a route's unqueued_paths say: on a comfyui route a prompt is
 # the GPU's work, and a glob that matched it would let it skip the queue and every limit.
 GPU_WORK: dict[str, frozenset[tuple[str, str]]] = {
-    "comfyui": frozenset({("POST", "/prompt"), ("POST", "/api/prompt")}),
+    "comfyui": frozenset({("POST", "/prompt"), ("POST", "/api/prompt"), *(("POST", p) for p in IMAGES_PATHS)}),
 }
 
 DISCOVER = "discover"  # nodes.*.models: ask the node's GET /v1/models
@@ -448,6 +458,41 @@ class ComfyConfig(_Model):
     shared: bool = False
 
 
+class TemplateConfig(_Model):
+    """A ComfyUI workflow behind OpenAI's Images API (docs/CONFIG.md "templates")."""
+
+    workflow: Annotated[str, Field(min_length=1)]  # API-format JSON; relative to the config file
+    inputs: dict[str, str] = {}  # Images API field -> "NODE.inputs.NAME"
+    #: the workflow and each field's typed input, read from the file at each load (reload reads it again)
+    _graph: dict[str, Any] = PrivateAttr(default_factory=dict)
+    _slots: dict[str, Slot] = PrivateAttr(default_factory=dict)
+    _digest: str = PrivateAttr(default="")
+
+    @property
+    def graph(self) -> dict[str, Any]:
+        return self._graph
+
+    @property
+    def slots(self) -> dict[str, Slot]:
+        return self._slots
+
+    def load(self, base: Path) -> str | None:
+        """Read and check the workflow file; the problem as ``key: message``, or None."""
+        path = base / self.workflow
+        try:
+            data = path.read_bytes()
+        except OSError as e:
+            return f"workflow: cannot read {str(path)!r}: {e.strerror or e}"
+        try:
+            self._graph = load_workflow(data)
+            self._slots = slots(self._graph, self.inputs)
+        except TemplateError as e:
+            msg = str(e)
+            return msg if msg.startswith("inputs.") else f"workflow: {path}: {msg}"
+        self._digest = hashlib.sha256(data).hexdigest()
+        return None
+
+
 class RouteConfig(_Model):
     path: str
     kind: Literal["generic", "comfyui", "openai"] = "generic"
@@ -483,6 +528,8 @@ class RouteConfig(_Model):
     affinity_block_bytes: Annotated[int, Field(ge=16, le=65536)] = 256
     #: ComfyUI routes: held inputs, the output store, per-key files (docs/CONFIG.md "comfy")
     comfy: ComfyConfig = ComfyConfig()
+    #: comfyui routes: workflows served as OpenAI's Images API, by template name (the request's model)
+    templates: dict[str, TemplateConfig] = {}
 
     @field_validator("affinity", mode="before")
     @classmethod
@@ -1152,6 +1199,7 @@ def _parse_text(text: str, env: dict[str, str], source: str | None) -> Config:
         problems.extend(raw_cross_check(raw))
     else:
         problems.extend(cfg.cross_check())
+        problems.extend(template_rules(cfg.routes, Path(source).parent if source is not None else Path.cwd()))
     if problems:
         located = []
         for line in problems:
@@ -1160,6 +1208,31 @@ def _parse_text(text: str, env: dict[str, str], source: str | None) -> Config:
         raise ConfigError(located)
     assert cfg is not None
     return cfg
+
+
+def template_rules(routes: dict[str, RouteConfig], base: Path) -> list[str]:
+    """Templates are for comfyui routes; each one's workflow file is read (again, at every load)
+    and its inputs found in it."""
+    errs: list[str] = []
+    for name, r in routes.items():
+        if r.templates and r.kind != "comfyui":
+            errs.append(f"routes.{name}.templates: only on comfyui routes")
+            continue
+        for t, tc in r.templates.items():
+            problem = tc.load(base)
+            if problem is not None:
+                errs.append(f"routes.{name}.templates.{t}.{problem}")
+    return errs
+
+
+def config_digest(cfg: Config, data: bytes) -> str:
+    """The version of a config: its bytes and its templates' workflow files (a changed workflow
+    is a new config for the reload)."""
+    h = hashlib.sha256(data)
+    for r in cfg.routes.values():
+        for tc in r.templates.values():
+            h.update(tc._digest.encode())
+    return h.hexdigest()
 
 
 def _located(source: str | None, line: int, path: str, message: str) -> str:
@@ -1176,7 +1249,8 @@ def load_config(path: str | Path, env: dict[str, str] | None = None) -> tuple[Co
         data = Path(path).read_bytes()
     except OSError as e:
         raise ConfigError([f"{path}: cannot read: {e.strerror or e}"]) from None
-    return parse_config(data, env, source=str(path)), hashlib.sha256(data).hexdigest()
+    cfg = parse_config(data, env, source=str(path))
+    return cfg, config_digest(cfg, data)
 
 
 def default_config_path(cli_path: str | None) -> str:

@@ -26,7 +26,7 @@ REASONS = {
 
 
 def error_body(type_: str, message: str, request_id: str, retry_after: float | None,
-               openai: bool = False) -> dict[str, object]:
+               openai: bool = False, param: str | None = None) -> dict[str, object]:
     err: dict[str, object] = {
         "type": type_,
         "message": message,
@@ -36,13 +36,13 @@ def error_body(type_: str, message: str, request_id: str, retry_after: float | N
     if openai:
         # OpenAI SDKs read error.code / error.param; the extra keys are harmless to ours.
         err["code"] = type_
-        err["param"] = None
+        err["param"] = param  # the request field at fault, where one is
     return {"error": err}
 
 
 def error_response(status: int, type_: str, message: str, *, request_id: str | None = None,
                    retry_after: float | None = None, headers: dict[str, str] | None = None,
-                   openai: bool = False) -> web.Response:
+                   openai: bool = False, param: str | None = None) -> web.Response:
     h = dict(headers or {})
     if not request_id:
         request_id = os.urandom(16).hex()  # every error carries one (callers pass the request's own)
@@ -53,7 +53,7 @@ def error_response(status: int, type_: str, message: str, *, request_id: str | N
         h["WWW-Authenticate"] = 'Bearer realm="kiloline"'
     return web.Response(
         status=status,
-        body=orjson.dumps(error_body(type_, message, request_id, retry_after, openai)),
+        body=orjson.dumps(error_body(type_, message, request_id, retry_after, openai, param)),
         content_type="application/json",
         headers=h,
     )

@@ -95,3 +95,38 @@ def _part_name(head: bytes) -> bytes | None:
             m = _NAME.search(value)
             return m.group(1) if m is not None else None
     return None
+
+
+def form_parts(body: bytes, content_type: str) -> dict[str, tuple[bytes, str | None]]:
+    """Every part of the form by name (the first of a name): its bytes and its Content-Type
+    (None for a text field that gives none). ``image[]`` is read as ``image`` (the SDKs' name for
+    a list of files). FormError when the body is no such form."""
+    delim = b"--" + boundary(content_type)
+    at = body.find(delim)
+    if at < 0:
+        raise FormError("multipart body without its boundary")
+    parts: dict[str, tuple[bytes, str | None]] = {}
+    while True:
+        start = at + len(delim)
+        if body.startswith(b"--", start):
+            return parts
+        head_end = body.find(b"\r\n\r\n", start)
+        if head_end < 0:
+            raise FormError("multipart part without the blank line after its headers")
+        nxt = body.find(b"\r\n" + delim, head_end + 4)
+        if nxt < 0:
+            raise FormError("multipart body without its closing boundary")
+        head = body[start:head_end]
+        name = _part_name(head)
+        if name is not None:
+            key = name.decode("utf-8", "replace").removesuffix("[]")
+            parts.setdefault(key, (body[head_end + 4:nxt], _part_type(head)))
+        at = nxt + 2
+
+
+def _part_type(head: bytes) -> str | None:
+    for line in head.split(b"\r\n"):
+        key, _, value = line.partition(b":")
+        if key.strip().lower() == b"content-type":
+            return value.strip().decode("latin-1")
+    return None

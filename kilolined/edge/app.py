@@ -1,6 +1,6 @@
 """The aiohttp application and the request pipeline, written once as a list of stages.
 
-    open → route → auth → mode → unqueued → [match] → limits → body → rewrite → model → cost → admit ─▶ runner
+    open → route → auth → mode → unqueued → [match] → limits → body → images → rewrite → model → cost → admit ─▶ runner
 
 ``[match]``: on a path that several routes share, the body is read before the limits, to pick
 the route whose ``match`` holds (its limits, queue and errors are then the request's).
@@ -33,6 +33,7 @@ from kilolined.edge import admin, jobs_api, page, targets, usage_api
 from kilolined.edge import guard as edge
 from kilolined.edge.connection import settle_expect
 from kilolined.edge.context import GW, RT, Gateway
+from kilolined.edge.images import fill_template
 from kilolined.edge.models_list import is_models_list, with_names
 from kilolined.edge.unqueued import forward_unqueued
 from kilolined.modes.anthropic_sink import AnthropicStreamSink
@@ -548,7 +549,7 @@ def _admitted(gw: Gateway, call: Call, ticket: Ticket,
 
 
 PIPELINE: Sequence[Stage] = (check_open, resolve_path, authenticate, choose_mode, pass_unqueued, choose_route,
-                             check_limits, read_exchange, rewrite_request, name_model, price, admit)
+                             check_limits, read_exchange, fill_template, rewrite_request, name_model, price, admit)
 # An ad-hoc target's route is made at admission only (targets.py): the stages before it that read
 # a configured route's settings are skipped for it.
 PROXY_PIPELINE: Sequence[Stage] = (check_open, targets.resolve_target, targets.unless_adhoc(authenticate), choose_mode,

@@ -14,6 +14,7 @@ from kilolined.adapters.base import Adapter
 from kilolined.adapters.generic import GenericAdapter
 from kilolined.core.auth import Principal
 from kilolined.core.errors import anthropic_error_response, error_response
+from kilolined.core.templates import is_images
 from kilolined.scheduling.queue import Rejected, Ticket
 from kilolined.wire.proxy import Exchange
 
@@ -57,12 +58,18 @@ class Call:
     def key_id(self) -> str | None:
         return self.principal.key_id if self.principal is not None else None
 
-    def error(self, status: int, type_: str, message: str, retry_after: float | None = None) -> web.Response:
+    def error(self, status: int, type_: str, message: str, retry_after: float | None = None,
+              param: str | None = None) -> web.Response:
         if self.anthropic:
             return anthropic_error_response(status, type_, message, request_id=self.request_id,
                                             retry_after=retry_after, headers=self.headers)
         return error_response(status, type_, message, request_id=self.request_id, retry_after=retry_after,
-                              headers=self.headers, openai=self.kind == "openai")
+                              headers=self.headers, openai=self.kind == "openai" or self.images, param=param)
+
+    @property
+    def images(self) -> bool:
+        """OpenAI's Images API on a comfyui route: its errors are in OpenAI's shape too."""
+        return self.kind == "comfyui" and is_images(self.request.method, self.unqueued_path)
 
     def rejected(self, r: Rejected) -> web.Response:
         return self.error(r.status, r.type, r.message, r.retry_after)

@@ -23,6 +23,7 @@ from typing import Any
 import orjson
 
 from kilolined.core.config import RequestCostConfig
+from kilolined.core.templates import is_images
 from kilolined.scheduling.anthropic_body import chat_view, is_messages_path
 
 # Requests that do GPU work and whose body the kind's units describe; the rest through the same
@@ -86,7 +87,7 @@ def _units(cfg: RequestCostConfig, method: str, path: str, body: bytes, headers:
         return header_number(headers, unit[len("header:"):])
     path = path.split("?", 1)[0]
     if unit == "megapixels":
-        if method != "POST" or path not in PROMPT_PATHS:
+        if method != "POST" or (path not in PROMPT_PATHS and not is_images(method, path)):
             return 0.0
         doc = json_body(body)
         graph = doc.get("prompt", doc) if isinstance(doc, dict) else None
