@@ -9,7 +9,7 @@ import math
 from pathlib import Path
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from kilolined.scheduling.bill import (
@@ -112,6 +112,7 @@ def test_cost_needs_a_price() -> None:
 
 
 @settings(max_examples=150, deadline=None)
+@example(adds=[(0, "a", "x", "m1"), (0, "a", "x", "m2"), (0, "a", "y", "m1")], max_rows=1, max_models=1)
 @given(adds=st.lists(st.tuples(st.integers(0, 5), st.sampled_from("abcd"), st.sampled_from("xy"),
                                st.sampled_from(["m1", "m2", "m3", None])), min_size=1, max_size=80),
        max_rows=st.integers(1, 12), max_models=st.integers(1, 3))

@@ -97,8 +97,10 @@ class Bill:
             return self._row(day, key, route, OTHER_MODEL)
         if len(self.rows) >= self.max_rows:
             self._drop_oldest_day(keep=day)
-            if len(self.rows) >= self.max_rows and model != OTHER_MODEL:
-                # Today alone fills the bill: what does not fit is counted on one row of the day.
+            overflow = (OTHER_MODEL, OTHER_MODEL, OTHER_MODEL)
+            if len(self.rows) >= self.max_rows and (key, route, model) != overflow:
+                # Today alone fills the bill: what does not fit is counted on one row of the day
+                # (a group's own "(other)" model row too: only the day's overflow row goes past the cap).
                 return self._row(day, OTHER_MODEL, OTHER_MODEL, OTHER_MODEL)
         r = self.rows[(day, key, route, model)] = [0.0] * len(FIELDS)
         self._models[group] = self._models.get(group, 0) + 1
