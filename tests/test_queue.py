@@ -9,7 +9,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kilolined.core.config import BreakerConfig, HealthConfig, NodeConfig, RequestCostConfig, RouteConfig
+from kilolined.core.config import BreakerConfig, CardConfig, HealthConfig, NodeConfig, RequestCostConfig, RouteConfig
 from kilolined.scheduling.nodes import NodeState
 from kilolined.scheduling.queue import (
     DONE,
@@ -548,10 +548,14 @@ def test_est_wait_and_retry_after_follow_service_times() -> None:
 
 KEYS = {"k1": 0, "k2": 2, "k3": 5}  # key -> priority (a key's priority is fixed, as in the config)
 NODE_NAMES = ["n1", "n2", "n3"]
+CARD = "gpu"  # n1 and n2 share it when the setup has a card (docs/CONFIG.md#cards)
+CARDS = [None, CardConfig(), CardConfig(max_concurrency=1), CardConfig(max_concurrency=2),
+         CardConfig(capacity=6.0), CardConfig(max_concurrency=3, capacity=10.0)]
 
 
 @st.composite
-def setups(draw: st.DrawFn) -> tuple[dict[str, RouteConfig], list[NodeState]]:
+def setups(draw: st.DrawFn) -> tuple[dict[str, RouteConfig], list[NodeState], dict[str, CardConfig]]:
+    card = draw(st.sampled_from(CARDS))
     nodes = []
     for n in NODE_NAMES:
         nodes.append(NodeState(n, NodeConfig(
@@ -561,6 +565,7 @@ def setups(draw: st.DrawFn) -> tuple[dict[str, RouteConfig], list[NodeState]]:
             health=HealthConfig(fall=1, rise=1),
             breaker=BreakerConfig(consecutive_failures=2, open_sec=3, max_open_sec=12,
                                   slow_start_sec=draw(st.sampled_from([0, 5]))),
+            card=CARD if card is not None and n != "n3" else None,
         )))
     layouts = [(["n1"], ["n3"]), (["n1", "n2"], ["n3"]), (["n2"], [])]
     routes = {}
@@ -577,7 +582,7 @@ def setups(draw: st.DrawFn) -> tuple[dict[str, RouteConfig], list[NodeState]]:
             cost=draw(st.sampled_from([None, RequestCostConfig(base=1)])),
             max_bypass=draw(st.sampled_from([0, 1, 8])),
         )
-    return routes, nodes
+    return routes, nodes, {} if card is None else {CARD: card}
 
 
 _OP_ARGS: dict[str, st.SearchStrategy[tuple[Any, ...]]] = {
@@ -612,8 +617,11 @@ class CheckedScheduler(Scheduler):
 class Model:
     """Drives a Scheduler like the Runtime does and checks its invariants after every step."""
 
-    def __init__(self, routes: dict[str, RouteConfig], nodes: list[NodeState]):
+    def __init__(self, routes: dict[str, RouteConfig], nodes: list[NodeState],
+                 cards: dict[str, CardConfig] | None = None):
         self.s = CheckedScheduler()
+        self.cards = cards or {}
+        self.s.cards.cfg = dict(self.cards)
         for ns in nodes:
             self.s.nodes[ns.name] = ns
         for name, cfg in routes.items():
@@ -632,6 +640,13 @@ class Model:
     def on_wake(self, t: Ticket) -> None:
         self.woken[t.seq] += 1
         self.wake_order.append(t)
+
+    def limit(self, node: str) -> float | None:
+        """The most ``node`` can hold: its capacity, or its card's when that is smaller."""
+        ncfg = self.s.nodes[node].cfg
+        card = self.cards.get(ncfg.card) if ncfg.card is not None else None
+        caps = [c for c in (ncfg.capacity, card.capacity if card is not None else None) if c is not None]
+        return min(caps) if caps else None
 
     def leased(self) -> list[Ticket]:
         return [t for t in self.tickets if t.state == LEASED]
@@ -655,7 +670,7 @@ class Model:
             try:
                 t = s.admit(route, op[2], KEYS[op[2]], now, on_wake=self.on_wake, cost=cost)
             except Rejected as r:
-                caps = [s.nodes[n].cfg.capacity for n in rq.all_nodes]
+                caps = [self.limit(n) for n in rq.all_nodes]
                 if r.type == "exceeds_capacity":
                     assert r.status == 422 and None not in caps and cost > max(caps)  # type: ignore[type-var]
                     return
@@ -776,6 +791,20 @@ class Model:
             assert capacity is None or node_cost[n] <= capacity + EPS, "in-flight cost above capacity"
         for name, rq in s.routes.items():
             assert abs(rq.capacity_used - route_cost[name]) < 1e-6
+        # cards: the leases on all of a card's nodes, counted exactly, never over its slots or capacity
+        card_leases: Counter[str] = Counter()
+        card_cost: Counter[str] = Counter()
+        for t in live:
+            assert t.lease is not None
+            card = s.nodes[t.lease.node].cfg.card
+            if card is not None:
+                card_leases[card] += 1
+                card_cost[card] += t.cost
+        assert {c: n for c, n in s.cards.inflight.items() if n} == dict(card_leases)
+        for c, cfg in self.cards.items():
+            assert abs(s.cards.used.get(c, 0.0) - card_cost[c]) < 1e-6
+            assert cfg.max_concurrency is None or card_leases[c] <= cfg.max_concurrency, "card over its slots"
+            assert cfg.capacity is None or card_cost[c] <= cfg.capacity + EPS, "card over its capacity"
             assert all(t.bypassed <= rq.cfg.max_bypass for t in self.tickets if t.route == name)
         # waiting tickets: each in exactly one queue, exactly once; counters agree
         for name, rq in s.routes.items():
@@ -841,6 +870,7 @@ class Model:
         for rq in s.routes.values():
             assert len(rq.waiting) == 0 and not +rq.by_key and not +rq.inflight
         assert not +s.node_inflight
+        assert not +s.cards.inflight and not s.cards.used, "a card still counts a released lease"
         for t in self.tickets:
             assert t.state in (DONE, FAILED)
             assert len(self.outcomes[t.seq]) == 1, (t, self.outcomes[t.seq])
@@ -851,7 +881,7 @@ class Model:
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(setup=setups(), ops=st.lists(OPS, min_size=30, max_size=200))
-def test_scheduler_invariants(setup: tuple[dict[str, RouteConfig], list[NodeState]],
+def test_scheduler_invariants(setup: tuple[dict[str, RouteConfig], list[NodeState], dict[str, CardConfig]],
                               ops: list[tuple[Any, ...]]) -> None:
     m = Model(*setup)
     for op in ops:
