@@ -2,8 +2,9 @@
 
 A ComfyUI server on 8188 and a TTS server on 5002 of one 4090 are two nodes with one budget of
 VRAM. Every lease on a node of a card counts against the card's ``max_concurrency`` and
-``capacity`` as well as against the node's and the route's. Pure bookkeeping, no clock: the
-scheduler (queue.py) asks ``room`` before it leases and counts with ``take`` and ``give``.
+``capacity`` as well as against the node's and the route's. Pure, no clock: the scheduler
+(queue.py) asks ``room`` before it leases, and writes the counts in its grant and release (the
+one writer of every slot count).
 """
 
 from __future__ import annotations
@@ -26,8 +27,8 @@ def has_room(cfg: CardConfig, inflight: int, used: float, cost: float) -> bool:
 class CardLoad:
     """The cards as configured, and what the leases on each one hold now: their number and costs.
 
-    Counts are by the card a lease was granted under, so a reload that moves a node to another
-    card, or removes a card, frees the old card as those leases end."""
+    Counts are by the card a lease was granted under (Scheduler.grant / release), so a reload that
+    moves a node to another card, or removes a card, frees the old card as those leases end."""
 
     def __init__(self) -> None:
         self.cfg: dict[str, CardConfig] = {}
@@ -43,20 +44,3 @@ class CardLoad:
     def capacity(self, card: str | None) -> float | None:
         cfg = self.cfg.get(card) if card is not None else None
         return None if cfg is None else cfg.capacity
-
-    def take(self, card: str | None, cost: float) -> None:
-        if card is None:
-            return
-        self.inflight[card] += 1
-        if cost:
-            self.used[card] = self.used.get(card, 0.0) + cost
-
-    def give(self, card: str | None, cost: float) -> None:
-        if card is None:
-            return
-        self.inflight[card] -= 1
-        if self.inflight[card] <= 0:
-            del self.inflight[card]
-            self.used.pop(card, None)  # 0 again: no float drift
-        elif cost:
-            self.used[card] -= cost

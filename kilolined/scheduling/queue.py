@@ -963,7 +963,10 @@ class Scheduler:
         if t.cost:
             rq.capacity_used += t.cost
             self.capacity_used[node] = self.capacity_used.get(node, 0.0) + t.cost
-        self.cards.take(lease.target.node.card, t.cost)  # released under the same card (a reload may move the node)
+        card = lease.target.node.card  # released under the same card (a reload may move the node)
+        if card is not None:
+            self.cards.inflight[card] += 1
+            self.cards.used[card] = self.cards.used.get(card, 0.0) + t.cost
         t.state = LEASED
         t.lease = lease
         return lease
@@ -1088,7 +1091,14 @@ class Scheduler:
             self.capacity_used.pop(lease.node, None)
         elif lease.cost:
             self.capacity_used[lease.node] -= lease.cost
-        self.cards.give(lease.target.node.card, lease.cost)
+        card = lease.target.node.card
+        if card is not None:
+            self.cards.inflight[card] -= 1
+            if self.cards.inflight[card] <= 0:
+                del self.cards.inflight[card]
+                self.cards.used.pop(card, None)  # 0 again: no float drift
+            else:
+                self.cards.used[card] -= lease.cost
         ns = self.nodes.get(lease.node)
         if ns is not None and lease.trial and ns.trial_in_flight:
             # The trial ended without a verdict (e.g. cancelled): let another one run.
