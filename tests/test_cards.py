@@ -146,6 +146,8 @@ async def test_a_card_is_live_on_reload_and_visible_in_state_and_metrics(
                     and st["routes"]["gen"]["queue_depth"] + st["routes"]["gen2"]["queue_depth"] >= 4)
 
     await wait_until(one_running_and_some_waiting)
+    st = await state(http, gw.url)
+    assert (st["nodes"]["a"]["slots"], st["routes"]["gen"]["slots"]) == (1, 1)  # 4 each, 1 on the card
     assert await metric(http, gw.url, "kiloline_card_inflight", "gpu") == 1
     assert await metric(http, gw.url, "kiloline_card_capacity_used", "gpu") == 4
     assert card.peak == 1

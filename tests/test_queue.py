@@ -342,6 +342,20 @@ def test_node_max_concurrency_caps_across_two_routes() -> None:
     assert t4.state == LEASED
 
 
+def test_a_card_caps_the_leases_of_its_nodes_and_the_slots_a_route_counts() -> None:
+    """Two servers on one GPU (docs/CONFIG.md#cards): their routes' slots are 2 + 2, the card's 3."""
+    s = make({"r1": rcfg(["a"], max_concurrency=2), "r2": rcfg(["a", "b"], max_concurrency=2)},
+             [node("a", card="gpu"), node("b", card="gpu")])
+    s.cards.cfg = {"gpu": CardConfig(max_concurrency=3)}
+    assert s.live_slots(s.routes["r2"], 0) == 3
+    ts = [admit(s, r, "k", now=i) for i, r in enumerate(["r1", "r2", "r2", "r1", "r2"])]
+    assert [t.state for t in ts] == [LEASED, LEASED, LEASED, WAITING, WAITING]
+    assert s.cards.inflight["gpu"] == 3
+    finish(s, ts[1], 5)  # the oldest waiting head across routes takes the card's freed slot
+    assert [t.state for t in ts[3:]] == [LEASED, WAITING]
+    assert s.cards.inflight["gpu"] == 3
+
+
 def test_least_in_flight_node_is_chosen() -> None:
     s = make({"r": rcfg(["a", "b"], max_concurrency=3), "other": rcfg(["a"], max_concurrency=3)},
              [node("a"), node("b")])

@@ -108,6 +108,7 @@ def state(rt: Runtime) -> dict[str, Any]:
         if n.startswith("adhoc:") or ns.retired:
             continue
         slots, full = node_slots(ns, by_node.get(n, []), now)
+        slots, full = sched.cards.slots(ns.cfg.card, slots), sched.cards.slots(ns.cfg.card, full)  # a card's cap
         left = slow_start_left(ns, now) if slots < full else None
         nodes[n] = {**ns.snapshot(now), "inflight": sched.node_inflight.get(n, 0), "slots": slots,
                     "latency_ms": list(ns.latencies[-20:]),

@@ -44,3 +44,9 @@ class CardLoad:
     def capacity(self, card: str | None) -> float | None:
         cfg = self.cfg.get(card) if card is not None else None
         return None if cfg is None else cfg.capacity
+
+    def slots(self, card: str | None, slots: int) -> int:
+        """Of ``slots`` on the nodes of ``card``, how many it lets run at once."""
+        cfg = self.cfg.get(card) if card is not None else None
+        cap = None if cfg is None else cfg.max_concurrency
+        return slots if cap is None else min(slots, cap)

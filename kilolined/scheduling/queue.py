@@ -450,14 +450,14 @@ class Scheduler:
         return [n for n in rq.cfg.standby if n in self.nodes and self.nodes[n].available(now)]
 
     def live_slots(self, rq: RouteQueue, now: float) -> int:
-        total = 0
+        per_card: Counter[str | None] = Counter()  # the nodes of one card share its slots
         for n in self.usable(rq, now):
             ns = self.nodes[n]
             s = ns.effective(rq.cfg.max_concurrency, now)
             if ns.cfg.max_concurrency is not None:
                 s = min(s, ns.effective(ns.cfg.max_concurrency, now))
-            total += s
-        return total
+            per_card[ns.cfg.card] += s
+        return sum(self.cards.slots(card, s) for card, s in per_card.items())
 
     def serves(self, node: str, model: str | None) -> bool:
         """The node may take a request for ``model`` (always, for a request naming none)."""
