@@ -356,6 +356,22 @@ def test_a_card_caps_the_leases_of_its_nodes_and_the_slots_a_route_counts() -> N
     assert s.cards.inflight["gpu"] == 3
 
 
+def test_a_lease_ends_on_the_card_it_began_on_whatever_a_reload_did() -> None:
+    """A reload moves node a to another card and drops the first: the lease still frees the card
+    it was counted on, and the new card counts only what begins after."""
+    s = make({"r": rcfg(["a"], max_concurrency=2)}, [node("a", card="old")])
+    s.cards.cfg = {"old": CardConfig(max_concurrency=1)}
+    t1 = admit(s, "r", "k", now=0)
+    s.nodes["a"].cfg = NodeConfig(url=s.nodes["a"].cfg.url, card="new")  # what Runtime._apply_state does
+    s.cards.cfg = {"new": CardConfig(max_concurrency=1)}
+    t2 = admit(s, "r", "k", now=1)
+    assert (t1.state, t2.state) == (LEASED, LEASED) and dict(s.cards.inflight) == {"old": 1, "new": 1}
+    finish(s, t1, 2)
+    assert dict(s.cards.inflight) == {"new": 1}
+    finish(s, t2, 3)
+    assert not s.cards.inflight and not s.cards.used
+
+
 def test_least_in_flight_node_is_chosen() -> None:
     s = make({"r": rcfg(["a", "b"], max_concurrency=3), "other": rcfg(["a"], max_concurrency=3)},
              [node("a"), node("b")])
