@@ -1,4 +1,4 @@
-"""``kilolined status``: /admin/state as two readable tables (routes, nodes)."""
+"""``kilolined status``: /admin/state as readable tables (routes, nodes, and cards when there are)."""
 
 from __future__ import annotations
 
@@ -48,6 +48,10 @@ def render(state: dict[str, Any]) -> str:
             "yes" if n.get("drained") else "no", f"{n.get('inflight', 0)}/{n.get('slots', 0)}",
             ramp_text(n), "-" if lat is None else f"{lat:.0f}ms", (n.get("last_error") or "")[:40],
         ])
+    cards = [[name, ",".join(c.get("nodes", [])) or "-",
+              f"{c.get('inflight', 0)}/{'-' if c.get('max_concurrency') is None else c['max_concurrency']}",
+              "-" if c.get("capacity") is None else f"{c.get('capacity_used', 0):g}/{c['capacity']:g}"]
+             for name, c in sorted(state.get("cards", {}).items())]
     cfg = state.get("config", {})
     head = f"config {str(cfg.get('version', ''))[:12]}  uptime {state.get('uptime_sec', 0):.0f}s"
     if cfg.get("last_error"):
@@ -57,6 +61,7 @@ def render(state: dict[str, Any]) -> str:
         table(["ROUTE", "PATH", "KIND", "MODE", "QUEUED", "INFLIGHT", "EST WAIT", "ACTIVE"], routes),
         table(["NODE", "LABEL", "HEALTH", "BREAKER", "DRAINED", "INFLIGHT", "SLOW START", "CHECK", "LAST ERROR"],
               nodes),
+        *([table(["CARD", "NODES", "INFLIGHT", "CAPACITY"], cards)] if cards else []),
     ]
     lost = (state.get("cluster") or {}).get("lost") or []
     if lost:

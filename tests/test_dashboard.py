@@ -344,3 +344,31 @@ async def test_a_multi_model_node_shows_what_it_has_loaded(fakegpus, gateway, ht
         assert r.status == 200
     await page.until(f"document.querySelector('{models}').dataset.warm === 'b'", "the swap to b")
     assert await page.text(models) == "loaded: b · serves a, b"
+
+
+async def test_nodes_on_one_card_show_what_the_card_holds(fakegpus, gateway, http, browser) -> None:
+    """Two servers on one GPU (docs/CONFIG.md#cards): each node's card says what runs on the card
+    over both, and that it is full; the line follows the request's end."""
+    a = await fakegpus(steps=400, step_ms=50)  # runs until the test lets it go
+    b = await fakegpus()
+    cfg = base_config({"a": a.url}, max_concurrency=2, cost={"base": 4})
+    cfg["routes"]["gen2"] = {**cfg["routes"]["gen"], "path": "/gen2", "nodes": ["b"]}
+    cfg["nodes"] = {"a": {"url": a.url, "card": "gpu"}, "b": {"url": b.url, "card": "gpu"}}
+    cfg["cards"] = {"gpu": {"max_concurrency": 1, "capacity": 8}}
+    gw = await gateway(cfg)
+    held = asyncio.create_task(http.post(gw.url + "/gen/generate", json={}, headers=auth()))
+    await wait_until(lambda: gw.rt.scheduler.cards.inflight["gpu"] == 1)
+    page = Page(browser)
+    await page.call(browser.get, gw.url + "/dashboard")
+    await page.until("!document.querySelector('#login').hidden", "the login form")
+    await page.type_into("#admin-key", ADMIN_KEY)
+    await page.click("#login-submit")
+    for node in ("a", "b"):
+        line = f'[data-node="{node}"] [data-field=card]'
+        await page.until(f"document.querySelector('{line}')?.dataset.full === '1'", f"{node}'s card full")
+        assert await page.text(line) == "card gpu: 1/1 in flight · 4/8 capacity"
+        assert await page.js(f"return document.querySelector('{line}').dataset.card") == "gpu"
+    held.cancel()  # the client goes: its lease ends, on the card too
+    line = '[data-node="b"] [data-field=card]'
+    await page.until(f"document.querySelector('{line}').dataset.full === ''", "the card free again")
+    assert await page.text(line) == "card gpu: 0/1 in flight · 0/8 capacity"

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kilolined.core.config import BreakerConfig, HealthConfig, NodeConfig, RequestCostConfig, RouteConfig
+from kilolined.core.config import BreakerConfig, CardConfig, HealthConfig, NodeConfig, RequestCostConfig, RouteConfig
 from kilolined.scheduling.nodes import NodeState
 from kilolined.scheduling.queue import (
     DONE,
@@ -342,6 +342,36 @@ def test_node_max_concurrency_caps_across_two_routes() -> None:
     assert t4.state == LEASED
 
 
+def test_a_card_caps_the_leases_of_its_nodes_and_the_slots_a_route_counts() -> None:
+    """Two servers on one GPU (docs/CONFIG.md#cards): their routes' slots are 2 + 2, the card's 3."""
+    s = make({"r1": rcfg(["a"], max_concurrency=2), "r2": rcfg(["a", "b"], max_concurrency=2)},
+             [node("a", card="gpu"), node("b", card="gpu")])
+    s.cards.cfg = {"gpu": CardConfig(max_concurrency=3)}
+    assert s.live_slots(s.routes["r2"], 0) == 3
+    ts = [admit(s, r, "k", now=i) for i, r in enumerate(["r1", "r2", "r2", "r1", "r2"])]
+    assert [t.state for t in ts] == [LEASED, LEASED, LEASED, WAITING, WAITING]
+    assert s.cards.inflight["gpu"] == 3
+    finish(s, ts[1], 5)  # the oldest waiting head across routes takes the card's freed slot
+    assert [t.state for t in ts[3:]] == [LEASED, WAITING]
+    assert s.cards.inflight["gpu"] == 3
+
+
+def test_a_lease_ends_on_the_card_it_began_on_whatever_a_reload_did() -> None:
+    """A reload moves node a to another card and drops the first: the lease still frees the card
+    it was counted on, and the new card counts only what begins after."""
+    s = make({"r": rcfg(["a"], max_concurrency=2)}, [node("a", card="old")])
+    s.cards.cfg = {"old": CardConfig(max_concurrency=1)}
+    t1 = admit(s, "r", "k", now=0)
+    s.nodes["a"].cfg = NodeConfig(url=s.nodes["a"].cfg.url, card="new")  # what Runtime._apply_state does
+    s.cards.cfg = {"new": CardConfig(max_concurrency=1)}
+    t2 = admit(s, "r", "k", now=1)
+    assert (t1.state, t2.state) == (LEASED, LEASED) and dict(s.cards.inflight) == {"old": 1, "new": 1}
+    finish(s, t1, 2)
+    assert dict(s.cards.inflight) == {"new": 1}
+    finish(s, t2, 3)
+    assert not s.cards.inflight and not s.cards.used
+
+
 def test_least_in_flight_node_is_chosen() -> None:
     s = make({"r": rcfg(["a", "b"], max_concurrency=3), "other": rcfg(["a"], max_concurrency=3)},
              [node("a"), node("b")])
@@ -548,10 +578,14 @@ def test_est_wait_and_retry_after_follow_service_times() -> None:
 
 KEYS = {"k1": 0, "k2": 2, "k3": 5}  # key -> priority (a key's priority is fixed, as in the config)
 NODE_NAMES = ["n1", "n2", "n3"]
+CARD = "gpu"  # n1 and n2 share it when the setup has a card (docs/CONFIG.md#cards)
+CARDS = [None, CardConfig(), CardConfig(max_concurrency=1), CardConfig(max_concurrency=2),
+         CardConfig(capacity=6.0), CardConfig(max_concurrency=3, capacity=10.0)]
 
 
 @st.composite
-def setups(draw: st.DrawFn) -> tuple[dict[str, RouteConfig], list[NodeState]]:
+def setups(draw: st.DrawFn) -> tuple[dict[str, RouteConfig], list[NodeState], dict[str, CardConfig]]:
+    card = draw(st.sampled_from(CARDS))
     nodes = []
     for n in NODE_NAMES:
         nodes.append(NodeState(n, NodeConfig(
@@ -561,6 +595,7 @@ def setups(draw: st.DrawFn) -> tuple[dict[str, RouteConfig], list[NodeState]]:
             health=HealthConfig(fall=1, rise=1),
             breaker=BreakerConfig(consecutive_failures=2, open_sec=3, max_open_sec=12,
                                   slow_start_sec=draw(st.sampled_from([0, 5]))),
+            card=CARD if card is not None and n != "n3" else None,
         )))
     layouts = [(["n1"], ["n3"]), (["n1", "n2"], ["n3"]), (["n2"], [])]
     routes = {}
@@ -577,7 +612,7 @@ def setups(draw: st.DrawFn) -> tuple[dict[str, RouteConfig], list[NodeState]]:
             cost=draw(st.sampled_from([None, RequestCostConfig(base=1)])),
             max_bypass=draw(st.sampled_from([0, 1, 8])),
         )
-    return routes, nodes
+    return routes, nodes, {} if card is None else {CARD: card}
 
 
 _OP_ARGS: dict[str, st.SearchStrategy[tuple[Any, ...]]] = {
@@ -612,8 +647,11 @@ class CheckedScheduler(Scheduler):
 class Model:
     """Drives a Scheduler like the Runtime does and checks its invariants after every step."""
 
-    def __init__(self, routes: dict[str, RouteConfig], nodes: list[NodeState]):
+    def __init__(self, routes: dict[str, RouteConfig], nodes: list[NodeState],
+                 cards: dict[str, CardConfig] | None = None):
         self.s = CheckedScheduler()
+        self.cards = cards or {}
+        self.s.cards.cfg = dict(self.cards)
         for ns in nodes:
             self.s.nodes[ns.name] = ns
         for name, cfg in routes.items():
@@ -632,6 +670,13 @@ class Model:
     def on_wake(self, t: Ticket) -> None:
         self.woken[t.seq] += 1
         self.wake_order.append(t)
+
+    def limit(self, node: str) -> float | None:
+        """The most ``node`` can hold: its capacity, or its card's when that is smaller."""
+        ncfg = self.s.nodes[node].cfg
+        card = self.cards.get(ncfg.card) if ncfg.card is not None else None
+        caps = [c for c in (ncfg.capacity, card.capacity if card is not None else None) if c is not None]
+        return min(caps) if caps else None
 
     def leased(self) -> list[Ticket]:
         return [t for t in self.tickets if t.state == LEASED]
@@ -655,7 +700,7 @@ class Model:
             try:
                 t = s.admit(route, op[2], KEYS[op[2]], now, on_wake=self.on_wake, cost=cost)
             except Rejected as r:
-                caps = [s.nodes[n].cfg.capacity for n in rq.all_nodes]
+                caps = [self.limit(n) for n in rq.all_nodes]
                 if r.type == "exceeds_capacity":
                     assert r.status == 422 and None not in caps and cost > max(caps)  # type: ignore[type-var]
                     return
@@ -776,6 +821,20 @@ class Model:
             assert capacity is None or node_cost[n] <= capacity + EPS, "in-flight cost above capacity"
         for name, rq in s.routes.items():
             assert abs(rq.capacity_used - route_cost[name]) < 1e-6
+        # cards: the leases on all of a card's nodes, counted exactly, never over its slots or capacity
+        card_leases: Counter[str] = Counter()
+        card_cost: Counter[str] = Counter()
+        for t in live:
+            assert t.lease is not None
+            card = s.nodes[t.lease.node].cfg.card
+            if card is not None:
+                card_leases[card] += 1
+                card_cost[card] += t.cost
+        assert {c: n for c, n in s.cards.inflight.items() if n} == dict(card_leases)
+        for c, cfg in self.cards.items():
+            assert abs(s.cards.used.get(c, 0.0) - card_cost[c]) < 1e-6
+            assert cfg.max_concurrency is None or card_leases[c] <= cfg.max_concurrency, "card over its slots"
+            assert cfg.capacity is None or card_cost[c] <= cfg.capacity + EPS, "card over its capacity"
             assert all(t.bypassed <= rq.cfg.max_bypass for t in self.tickets if t.route == name)
         # waiting tickets: each in exactly one queue, exactly once; counters agree
         for name, rq in s.routes.items():
@@ -841,6 +900,7 @@ class Model:
         for rq in s.routes.values():
             assert len(rq.waiting) == 0 and not +rq.by_key and not +rq.inflight
         assert not +s.node_inflight
+        assert not +s.cards.inflight and not s.cards.used, "a card still counts a released lease"
         for t in self.tickets:
             assert t.state in (DONE, FAILED)
             assert len(self.outcomes[t.seq]) == 1, (t, self.outcomes[t.seq])
@@ -851,7 +911,7 @@ class Model:
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(setup=setups(), ops=st.lists(OPS, min_size=30, max_size=200))
-def test_scheduler_invariants(setup: tuple[dict[str, RouteConfig], list[NodeState]],
+def test_scheduler_invariants(setup: tuple[dict[str, RouteConfig], list[NodeState], dict[str, CardConfig]],
                               ops: list[tuple[Any, ...]]) -> None:
     m = Model(*setup)
     for op in ops:

@@ -77,3 +77,24 @@ def test_a_down_node_is_not_ramping(tmp_path) -> None:
     rt.scheduler.nodes["a"].record_check(False, clock(), None, "refused")
     node = views.state(rt)["nodes"]["a"]
     assert node["health"] == "down" and not node["ramping"] and node["full_in_sec"] is None
+
+
+def test_a_card_shows_in_the_state_and_in_status(tmp_path) -> None:
+    """Two nodes on one card (docs/CONFIG.md#cards): the card's slots cap the node's, and status
+    prints the card with what it holds."""
+    cfg = base_config({"a": "http://127.0.0.1:9"}, max_concurrency=4, cost={"base": 2.5})
+    cfg["server"]["state_dir"] = str(tmp_path)
+    cfg["routes"]["gen2"] = {**cfg["routes"]["gen"], "path": "/gen2", "nodes": ["b"]}
+    cfg["nodes"] = {"a": {"url": "http://127.0.0.1:9", "card": "gpu"},
+                    "b": {"url": "http://127.0.0.1:10", "card": "gpu"}}
+    cfg["cards"] = {"gpu": {"max_concurrency": 3, "capacity": 8}}
+    clock = Clock()
+    rt = Runtime(parse_config(yaml.safe_dump(cfg), env={}), "v1", clock=clock)
+    rt.scheduler.admit("gen", "alice", 0, clock(), cost=2.5)
+    st = views.state(rt)
+    assert st["cards"] == {"gpu": {"max_concurrency": 3, "capacity": 8, "inflight": 1, "capacity_used": 2.5,
+                                   "nodes": ["a", "b"]}}
+    assert (st["nodes"]["a"]["slots"], st["nodes"]["a"]["card"]) == (3, "gpu")
+    lines = status.render(st).splitlines()
+    assert lines[-3].split() == ["CARD", "NODES", "INFLIGHT", "CAPACITY"]
+    assert lines[-1].split() == ["gpu", "a,b", "1/3", "2.5/8"]

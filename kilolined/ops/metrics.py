@@ -81,6 +81,14 @@ class _LiveGauges(Collector):
         cap = GaugeMetricFamily("kiloline_capacity", "A node's configured capacity (nodes that have one)",
                                 labels=["node"])
         used = GaugeMetricFamily("kiloline_capacity_used", "The costs of a node's leases in flight", labels=["node"])
+        # Cards (docs/CONFIG.md#cards): the leases on all of a card's nodes, and their costs.
+        card_infl = GaugeMetricFamily("kiloline_card_inflight", "Leases held on the nodes of a card",
+                                      labels=["card"])
+        card_used = GaugeMetricFamily("kiloline_card_capacity_used", "The costs of the leases on a card's nodes",
+                                      labels=["card"])
+        for c in sched.cards.cfg:
+            card_infl.add_metric([c], sched.cards.inflight.get(c, 0))
+            card_used.add_metric([c], sched.cards.used.get(c, 0.0))
         # Slow nodes (docs/CONFIG.md "nodes.<n>.slow"): each series' level, and whether it is out.
         speed = GaugeMetricFamily("kiloline_node_speed", "A node's peak-EWMA speed per route, in ms per unit",
                                   labels=["node", "route", "unit"])
@@ -136,7 +144,8 @@ class _LiveGauges(Collector):
                                     "Unix time the watcher last saw the config file change (absent: not since start)")
         if rt.file_changed_at is not None:
             changed.add_metric([], rt.file_changed_at)
-        yield from (depth, infl, slots, up, br, cap, used, swaps, decisions, speed, slow, ok, at, pending, changed)
+        yield from (depth, infl, slots, up, br, cap, used, card_infl, card_used, swaps, decisions, speed, slow, ok, at,
+                    pending, changed)
         if rt.fleet_view is not None:
             yield from _fleet_gauges(rt.fleet_view())
 

@@ -198,6 +198,7 @@ class Runtime:
         now = self.clock()
         sched = self.scheduler
         sched.bodies.configure(cfg.server.max_queued_body_mb, cfg.server.max_queued_body_mb_per_key)
+        sched.cards.cfg = dict(cfg.cards)  # leases already counted stay counted on their card
         old_nodes = sched.nodes
         all_nodes = {**cfg.nodes, **{n: p.cfg for n, p in self.pool_nodes.items()}}
         for name, ncfg in all_nodes.items():

@@ -63,6 +63,16 @@ def node_slots(ns: NodeState, routes: list[RouteQueue], now: float) -> tuple[int
     return slots, full
 
 
+def cards_snapshot(sched: Scheduler) -> dict[str, Any]:
+    """``cards`` of /admin/state (docs/CONFIG.md#cards): each card's limits, its nodes, and what the
+    leases on them hold now."""
+    load = sched.cards
+    return {c: {"max_concurrency": cfg.max_concurrency, "capacity": cfg.capacity,
+                "inflight": load.inflight.get(c, 0), "capacity_used": round(load.used.get(c, 0.0), 3),
+                "nodes": [n for n, ns in sched.nodes.items() if ns.cfg.card == c and not ns.retired]}
+            for c, cfg in load.cfg.items()}
+
+
 def slow_start_left(ns: NodeState, now: float) -> float | None:
     """Seconds until the node's slow start ends; None when it is not in one."""
     if ns.recovered_at is None:
@@ -98,6 +108,7 @@ def state(rt: Runtime) -> dict[str, Any]:
         if n.startswith("adhoc:") or ns.retired:
             continue
         slots, full = node_slots(ns, by_node.get(n, []), now)
+        slots, full = sched.cards.slots(ns.cfg.card, slots), sched.cards.slots(ns.cfg.card, full)  # a card's cap
         left = slow_start_left(ns, now) if slots < full else None
         nodes[n] = {**ns.snapshot(now), "inflight": sched.node_inflight.get(n, 0), "slots": slots,
                     "latency_ms": list(ns.latencies[-20:]),
@@ -106,6 +117,7 @@ def state(rt: Runtime) -> dict[str, Any]:
                     "full_in_sec": None if left is None else round(left, 1),
                     # Cost and capacity (docs/CONFIG.md#cost-and-capacity): None when the node has no capacity.
                     "capacity": ns.cfg.capacity, "capacity_used": round(sched.capacity_used.get(n, 0.0), 3),
+                    "card": ns.cfg.card,  # the GPU it shares with other nodes (docs/CONFIG.md#cards)
                     # Multi-model nodes (docs/CONFIG.md#multi-model-nodes): models null = it declares none.
                     "models": ns.models.listed(ns.cfg), "warm": list(ns.models.warm or ()),
                     "warm_models": ns.cfg.warm_models,
@@ -119,6 +131,7 @@ def state(rt: Runtime) -> dict[str, Any]:
         "config": rt.config_state(),
         "routes": routes,
         "nodes": nodes,
+        "cards": cards_snapshot(sched),
         "uptime_sec": round(now - rt.started_at, 1),
         # Beyond the documented fields, for the dashboard: rolling outcome counts and percentiles, and cost.
         "stats": rt.stats.snapshot(),

@@ -29,6 +29,7 @@ from kilolined.core.config import NodeConfig, RouteConfig
 from kilolined.scheduling import affinity as aff
 from kilolined.scheduling.affinity import Affinity, KeyMemo, PrefixIndex
 from kilolined.scheduling.bodies import WaitingBodies
+from kilolined.scheduling.cards import CardLoad
 from kilolined.scheduling.nodes import NodeState
 from kilolined.scheduling.share import WHOLE, Share
 
@@ -370,6 +371,8 @@ class Scheduler:
         self.nodes: dict[str, NodeState] = {}
         self.node_inflight: Counter[str] = Counter()
         self.capacity_used: dict[str, float] = {}  # node -> the costs of its leases
+        #: the cards (GPUs shared by several nodes) and their leases (docs/CONFIG.md#cards)
+        self.cards = CardLoad()
         self.swaps: Counter[str] = Counter()  # node -> dispatches that made it load a model
         self.indexes: dict[str, PrefixIndex] = {}  # node -> the prefix keys dispatched to it
         #: recent messages with their prefix keys: a prefix sent again is compared, not hashed again
@@ -397,7 +400,7 @@ class Scheduler:
         cap = ns.cfg.max_concurrency
         if cap is not None and self.node_inflight[node] >= ns.effective(self.share.slots(cap), now):
             return False
-        return self.fits(ns, cost, now)
+        return self.fits(ns, cost, now) and self.cards.room(ns.cfg.card, cost)
 
     def fits(self, ns: NodeState, cost: float, now: float) -> bool:
         """In-flight costs plus ``cost`` within the node's capacity (ramped during slow start).
@@ -412,10 +415,17 @@ class Scheduler:
             return True
         return used <= EPS and cost <= self.share.capacity(full) + EPS
 
-    @staticmethod
-    def could_hold(ns: NodeState | None, cost: float) -> bool:
+    def hold_limit(self, ns: NodeState) -> float | None:
+        """The most a node can hold at once: its capacity or its card's, the smaller (None: no limit)."""
+        caps = [c for c in (ns.cfg.capacity, self.cards.capacity(ns.cfg.card)) if c is not None]
+        return min(caps) if caps else None
+
+    def could_hold(self, ns: NodeState | None, cost: float) -> bool:
         """The node could ever take a request of this cost (no capacity: always)."""
-        return ns is not None and (ns.cfg.capacity is None or cost <= ns.cfg.capacity + EPS)
+        if ns is None:
+            return False
+        cap = self.hold_limit(ns)
+        return cap is None or cost <= cap + EPS
 
     def max_capacity(self, rq: RouteQueue, pinned_node: str | None = None) -> float | None:
         """The largest capacity of the route's nodes; None when one of them has none (no limit)."""
@@ -424,15 +434,16 @@ class Scheduler:
             ns = self.nodes.get(n)
             if ns is None:
                 continue
-            if ns.cfg.capacity is None:
+            cap = self.hold_limit(ns)
+            if cap is None:
                 return None
-            caps.append(ns.cfg.capacity)
+            caps.append(cap)
         return max(caps) if caps else None
 
     def costed(self, rq: RouteQueue) -> bool:
         """Whether costs can hold this route's tickets back (so backfill may be needed)."""
         return rq.cfg.cost is not None and any(
-            n in self.nodes and self.nodes[n].cfg.capacity is not None for n in rq.all_nodes)
+            n in self.nodes and self.hold_limit(self.nodes[n]) is not None for n in rq.all_nodes)
 
     def usable(self, rq: RouteQueue, now: float) -> list[str]:
         """Nodes the route would send new work to right now (primaries, else standbys)."""
@@ -442,14 +453,14 @@ class Scheduler:
         return [n for n in rq.cfg.standby if n in self.nodes and self.nodes[n].available(now)]
 
     def live_slots(self, rq: RouteQueue, now: float) -> int:
-        total = 0
+        per_card: Counter[str | None] = Counter()  # the nodes of one card share its slots
         for n in self.usable(rq, now):
             ns = self.nodes[n]
             s = ns.effective(self.share.slots(rq.cfg.max_concurrency), now)
             if ns.cfg.max_concurrency is not None:
                 s = min(s, ns.effective(self.share.slots(ns.cfg.max_concurrency), now))
-            total += s
-        return total
+            per_card[ns.cfg.card] += s
+        return sum(self.cards.slots(card, s) for card, s in per_card.items())
 
     def serves(self, node: str, model: str | None) -> bool:
         """The node may take a request for ``model`` (always, for a request naming none)."""
@@ -955,6 +966,10 @@ class Scheduler:
         if t.cost:
             rq.capacity_used += t.cost
             self.capacity_used[node] = self.capacity_used.get(node, 0.0) + t.cost
+        card = lease.target.node.card  # released under the same card (a reload may move the node)
+        if card is not None:
+            self.cards.inflight[card] += 1
+            self.cards.used[card] = self.cards.used.get(card, 0.0) + t.cost
         t.state = LEASED
         t.lease = lease
         return lease
@@ -1079,6 +1094,14 @@ class Scheduler:
             self.capacity_used.pop(lease.node, None)
         elif lease.cost:
             self.capacity_used[lease.node] -= lease.cost
+        card = lease.target.node.card
+        if card is not None:
+            self.cards.inflight[card] -= 1
+            if self.cards.inflight[card] <= 0:
+                del self.cards.inflight[card]
+                self.cards.used.pop(card, None)  # 0 again: no float drift
+            else:
+                self.cards.used[card] -= lease.cost
         ns = self.nodes.get(lease.node)
         if ns is not None and lease.trial and ns.trial_in_flight:
             # The trial ended without a verdict (e.g. cancelled): let another one run.
