@@ -139,6 +139,7 @@ class Hold:
     def __init__(self, http: aiohttp.ClientSession, base: str, max_tokens: int = 600):
         self.http, self.base, self.max_tokens = http, base, max_tokens
         self.started = asyncio.Event()
+        self.last_byte = 0.0
         self.task: asyncio.Task[None] | None = None
 
     async def _run(self) -> None:
@@ -148,7 +149,17 @@ class Hold:
                                   headers={"Authorization": f"Bearer {KEY}"}) as r:
             async for _ in r.content:
                 self.started.set()  # the first bytes: it holds the slot now
+                self.last_byte = time.monotonic()
         self.started.set()
+
+    def running(self) -> bool:
+        return self.task is not None and not self.task.done()
+
+    def queued_behind(self, first_at: float) -> bool:
+        """A stream whose first content came after this one's last byte waited for its slot (the
+        route has one): a queued stream's 200 and keep-alives go out at once, so it has no
+        X-KiloLine-Queue-Wait-Ms header to show it."""
+        return first_at >= self.last_byte
 
     async def __aenter__(self) -> Hold:
         self.task = asyncio.create_task(self._run())
@@ -197,22 +208,26 @@ async def openai_checks(table: Table, http: aiohttp.ClientSession, gw: str) -> N
         got = raw.parse()
         waited = wait_ms(raw.headers)
         text = got.choices[0].message.content or ""
-        return (f"model={got.model} waited={waited:.0f} ms text={text[:30]!r} usage={got.usage and got.usage.total_tokens}",
+        return (f"model={got.model} waited={waited:.0f} ms text={text[:30]!r} "
+                f"usage={got.usage and got.usage.total_tokens}",
                 got.model == SERVED and waited > 50 and bool(text))
 
     async def stream_queued() -> tuple[str, bool]:
-        async with Hold(http, gw + "/v1"):
-            chunks, models = [], set()
+        async with Hold(http, gw + "/v1") as hold:
+            chunks, models, first_at, usage = [], set(), 0.0, None
+            opened_while_busy = hold.running()
             stream = await sdk.chat.completions.create(model=SERVED, messages=msgs, max_tokens=8, stream=True,
                                                        stream_options={"include_usage": True})
-            usage = None
             async for c in stream:
                 models.add(c.model)
                 if c.choices and c.choices[0].delta.content:
+                    first_at = first_at or time.monotonic()
                     chunks.append(c.choices[0].delta.content)
                 usage = c.usage or usage
-        return (f"{len(chunks)} content chunks, models={sorted(models)}, usage={usage and usage.completion_tokens}",
-                bool(chunks) and models == {SERVED} and usage is not None)
+        queued = opened_while_busy and hold.queued_behind(first_at)
+        return (f"queued={queued}, {len(chunks)} content chunks, models={sorted(models)}, "
+                f"usage={usage and usage.completion_tokens}",
+                queued and bool(chunks) and models == {SERVED} and usage is not None)
 
     async def alias() -> tuple[str, bool]:
         got = await sdk.chat.completions.create(model=ALIAS, messages=msgs, max_tokens=8)
@@ -247,11 +262,17 @@ async def openai_checks(table: Table, http: aiohttp.ClientSession, gw: str) -> N
         async with Hold(http, gw + "/short/v1", max_tokens=1000):
             return await raises(openai.InternalServerError)(create(short))
 
-    await check(table, "openai: 401 bad key -> AuthenticationError", lambda: raises(openai.AuthenticationError)(create(bad)))
+    async def queue_timeout_stream() -> tuple[str, bool]:
+        async with Hold(http, gw + "/short/v1", max_tokens=1000):
+            return await raises(openai.APIError)(create(short, stream=True))
+
+    await check(table, "openai: 401 bad key -> AuthenticationError",
+                lambda: raises(openai.AuthenticationError)(create(bad)))
     await check(table, "openai: 401 bad key, stream -> AuthenticationError",
                 lambda: raises(openai.AuthenticationError)(create(bad, stream=True)))
     await check(table, "openai: 429 rate limit -> RateLimitError", rate)
     await check(table, "openai: 503 queue timeout -> InternalServerError", queue_timeout)
+    await check(table, "openai: queue timeout in a stream -> APIError", queue_timeout_stream)
     await check(table, "openai: 404 model_not_found -> NotFoundError",
                 lambda: raises(openai.NotFoundError)(create(sdk, model="no-such-model")))
     await check(table, "openai: 404 model_not_found, stream -> NotFoundError",
@@ -270,19 +291,26 @@ async def anthropic_checks(table: Table, http: aiohttp.ClientSession, gw: str) -
     async def create_queued() -> tuple[str, bool]:
         async with Hold(http, gw + "/v1"):
             raw = await sdk.messages.with_raw_response.create(model=SERVED, max_tokens=8, messages=msgs)
-        got = raw.parse()
+        got = await raw.parse()
         text = "".join(b.text for b in got.content if b.type == "text")
         waited = wait_ms(raw.headers)
         return (f"model={got.model} waited={waited:.0f} ms text={text[:30]!r} usage=in {got.usage.input_tokens}/"
                 f"out {got.usage.output_tokens}", waited > 50 and bool(text) and got.usage.output_tokens > 0)
 
     async def stream_queued() -> tuple[str, bool]:
-        async with Hold(http, gw + "/v1"):
+        async with Hold(http, gw + "/v1") as hold:
+            # A queued stream gets its 200 at once and Anthropic's `event: ping` while it waits.
+            opened_while_busy, kinds, first_at = hold.running(), [], 0.0
             async with sdk.messages.stream(model=SERVED, max_tokens=8, messages=msgs) as s:
-                texts = [t async for t in s.text_stream]
+                async for ev in s:
+                    kinds.append(ev.type)
+                    if ev.type == "text":
+                        first_at = first_at or time.monotonic()
                 final = await s.get_final_message()
-        return (f"{len(texts)} text deltas, stop={final.stop_reason}, usage out={final.usage.output_tokens}",
-                bool(texts) and final.usage.output_tokens > 0)
+        texts = kinds.count("text")
+        queued = opened_while_busy and hold.queued_behind(first_at)
+        return (f"queued={queued}, events {sorted(set(kinds))}, {texts} text deltas, stop={final.stop_reason}, "
+                f"usage out={final.usage.output_tokens}", queued and texts > 0 and final.usage.output_tokens > 0)
 
     async def alias() -> tuple[str, bool]:
         got = await sdk.messages.create(model=ALIAS, max_tokens=8, messages=msgs)
@@ -314,12 +342,18 @@ async def anthropic_checks(table: Table, http: aiohttp.ClientSession, gw: str) -
         async with Hold(http, gw + "/short/v1", max_tokens=1000):
             return await raises(anthropic.InternalServerError)(create(short))
 
+    async def queue_timeout_stream() -> tuple[str, bool]:
+        # the 200 went out while queued: the timeout comes as `event: error`, which the SDK raises
+        async with Hold(http, gw + "/short/v1", max_tokens=1000):
+            return await raises(anthropic.APIStatusError)(create(short, stream=True))
+
     await check(table, "anthropic: 401 bad key -> AuthenticationError",
                 lambda: raises(anthropic.AuthenticationError)(create(bad)))
     await check(table, "anthropic: 401 bad key, stream -> AuthenticationError",
                 lambda: raises(anthropic.AuthenticationError)(create(bad, stream=True)))
     await check(table, "anthropic: 429 rate limit -> RateLimitError", rate)
     await check(table, "anthropic: 503 queue timeout -> InternalServerError", queue_timeout)
+    await check(table, "anthropic: queue timeout in a stream (event: error) -> APIStatusError", queue_timeout_stream)
     await check(table, "anthropic: 404 model_not_found -> NotFoundError",
                 lambda: raises(anthropic.NotFoundError)(create(sdk, model="no-such-model")))
     await check(table, "anthropic: 404 model_not_found, stream -> NotFoundError",
@@ -386,7 +420,7 @@ async def guidellm_checks(table: Table, guidellm: str, gw: str, workdir: Path) -
                             for w in ("rivers", "lanterns", "harbors", "copper", "meadows")))
     report = workdir / "guidellm.json"
     cmd = [guidellm, "run", "--backend", f"kind=openai_http,target={gw}/v1,api_key={KEY},model={SERVED}",
-           "--profile", "kind=synchronous", "--constraint", "kind=max_requests,max_requests=5",
+           "--profile", "kind=synchronous", "--constraint", "kind=max_requests,count=5",
            "--data", f"kind=json_file,path={data}", "--output", f"kind=json,path={report}",
            "--disable-console-interactive"]
     rc, out, err = await run(cmd, 300)
