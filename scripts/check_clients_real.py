@@ -13,8 +13,9 @@ waits in the gateway's queue. Then drives the gateway with the clients people us
 - LiteLLM (``--litellm-python``: a Python with ``litellm`` installed; run as a subprocess):
   completion sync and stream, and an error;
 - guidellm (``--guidellm``: its CLI; run as a subprocess): a tiny synchronous benchmark;
-- with ``--comfy-url``: ``images.generate`` (openai SDK) over a ComfyUI workflow template on a real
-  ComfyUI (``--comfy-workflow``, API format, with a ``--comfy-prompt-input`` like ``6.inputs.text``).
+- with ``--comfy URL`` (a running ComfyUI): ``images.generate`` (openai SDK) over a template of
+  ComfyUI's own weight-free nodes (EmptyImage -> SaveImage), b64_json and url, and the route's
+  ``/v1/models`` listing the template.
 
 Prints a table (check, observed, PASS/FAIL); exit status 0 only when every check passed.
 
@@ -28,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import base64
 import hashlib
 import json
 import subprocess
@@ -59,6 +61,12 @@ ALIAS = "gpt-4o-mini"
 # A GBNF grammar makes the tiny model test every token at each step: a few ms per token, so a
 # "hold" request keeps the one slot long enough for another to queue behind it.
 GRAMMAR = "root ::= [ -~]+"
+# A workflow of ComfyUI's own weight-free nodes (no checkpoint needed): a solid image of the
+# request's size, n of them, its color the request's seed.
+BLANK = {"1": {"class_type": "EmptyImage", "inputs": {"width": 64, "height": 64, "batch_size": 1, "color": 0}},
+         "2": {"class_type": "SaveImage", "inputs": {"images": ["1", 0], "filename_prefix": "klclients"}}}
+BLANK_INPUTS = {"width": "1.inputs.width", "height": "1.inputs.height", "n": "1.inputs.batch_size",
+                "seed": "1.inputs.color"}
 
 
 def sha(s: str) -> str:
@@ -101,8 +109,7 @@ def gateway_config(llama_url: str, comfy: dict[str, Any] | None) -> dict[str, An
         nodes["comfy"] = {"url": comfy["url"], "health": {"path": "/system_stats", "interval_sec": 1}}
         routes["comfy"] = {"kind": "comfyui", "path": "/comfy", "nodes": ["comfy"], "max_concurrency": 1,
                            "queue_timeout_sec": 300, "request_timeout_sec": 300,
-                           "templates": {"txt2img": {"workflow": comfy["workflow"],
-                                                     "inputs": {"prompt": comfy["prompt_input"]}}}}
+                           "templates": {"blank": {"workflow": comfy["workflow"], "inputs": BLANK_INPUTS}}}
     return {"server": {"listen": "127.0.0.1:0", "heartbeat_sec": 1, "shutdown_grace_sec": 2, "access_log": False},
             "admin": {"key_sha256": sha(ADMIN), "public_metrics": True},
             "keys": {"client": {"key_sha256": sha(KEY), "routes": ["*"]},
@@ -452,22 +459,46 @@ def doc_totals(doc: Any) -> str:
 
 # --- ComfyUI ---------------------------------------------------------------------------------------
 
-async def comfy_checks(table: Table, gw: str) -> None:
+def png_size(png: bytes) -> tuple[int, int]:
+    return int.from_bytes(png[16:20], "big"), int.from_bytes(png[20:24], "big")  # IHDR width, height
+
+
+async def comfy_checks(table: Table, http: aiohttp.ClientSession, gw: str) -> None:
     sdk = openai.AsyncOpenAI(base_url=gw + "/comfy/v1", api_key=KEY, max_retries=0)
 
     async def generate() -> tuple[str, bool]:
-        got = await sdk.images.generate(model="txt2img", prompt="a red fox in the snow", response_format="b64_json")
-        import base64
+        got = await sdk.images.generate(model="blank", prompt="a red fox in the snow", n=2, size="48x32",
+                                        response_format="b64_json", extra_body={"seed": 255})
         pngs = [base64.b64decode(d.b64_json or "") for d in got.data or []]
-        return (f"{len(pngs)} image(s), {[len(p) for p in pngs]} bytes",
-                bool(pngs) and all(p.startswith(b"\x89PNG") for p in pngs))
+        sizes = [png_size(p) for p in pngs if p.startswith(b"\x89PNG")]
+        return f"{len(pngs)} PNGs, sizes {sizes}", sizes == [(48, 32), (48, 32)]
+
+    async def by_url() -> tuple[str, bool]:
+        got = await sdk.images.generate(model="blank", prompt="x", size="16x16", response_format="url")
+        urls = [d.url or "" for d in got.data or []]
+        pngs = []
+        for u in urls:
+            async with http.get(u, headers={"Authorization": f"Bearer {KEY}"}) as r:
+                pngs.append(await r.read() if r.status == 200 else b"")
+        sizes = [png_size(p) for p in pngs if p.startswith(b"\x89PNG")]
+        return f"{len(urls)} url(s) {[u.split('?')[0] for u in urls]}, fetched sizes {sizes}", sizes == [(16, 16)]
+
+    async def bad_value() -> tuple[str, bool]:
+        return await raises(openai.BadRequestError)(
+            lambda: sdk.images.generate(model="blank", prompt="x", extra_body={"seed": "lucky"}))
+
+    async def unknown() -> tuple[str, bool]:
+        return await raises(openai.NotFoundError)(lambda: sdk.images.generate(model="sdxl", prompt="x"))
 
     async def listed() -> tuple[str, bool]:
         ids = [m.id async for m in sdk.models.list()]
-        return f"{ids}", ids == ["txt2img"]
+        return f"{ids}", ids == ["blank"]
 
-    await check(table, "comfyui: /comfy/v1/models lists the templates", listed)
-    await check(table, "comfyui: images.generate (openai SDK) over a template", generate)
+    await check(table, "comfyui: images.generate n=2 b64_json (openai SDK)", generate)
+    await check(table, "comfyui: images.generate response_format=url, fetched", by_url)
+    await check(table, "comfyui: bad input value -> BadRequestError", bad_value)
+    await check(table, "comfyui: unknown template -> NotFoundError", unknown)
+    await check(table, "comfyui: GET /comfy/v1/models lists the templates", listed)
     await sdk.close()
 
 
@@ -478,9 +509,7 @@ async def main() -> int:
     ap.add_argument("--llama-port", type=int, default=18431)
     ap.add_argument("--litellm-python")
     ap.add_argument("--guidellm")
-    ap.add_argument("--comfy-url")
-    ap.add_argument("--comfy-workflow")
-    ap.add_argument("--comfy-prompt-input", default="6.inputs.text")
+    ap.add_argument("--comfy", metavar="URL", help="a running ComfyUI: check images.generate over it")
     ap.add_argument("--only", choices=["openai", "anthropic", "litellm", "guidellm", "comfy"], action="append")
     ap.add_argument("--markdown")
     a = ap.parse_args()
@@ -491,8 +520,10 @@ async def main() -> int:
                               "--port", str(a.llama_port), "--parallel", "1", "-c", "2048", "--threads", "1"],
                              stdout=log, stderr=subprocess.STDOUT)
     table = Table()
-    comfy = {"url": a.comfy_url, "workflow": str(Path(a.comfy_workflow).resolve()),
-             "prompt_input": a.comfy_prompt_input} if a.comfy_url and a.comfy_workflow else None
+    comfy = None
+    if a.comfy:
+        (workdir / "blank.json").write_text(json.dumps(BLANK))
+        comfy = {"url": a.comfy, "workflow": str(workdir / "blank.json")}
     srv: Server | None = None
     try:
         async with aiohttp.ClientSession() as http:
@@ -510,7 +541,7 @@ async def main() -> int:
             if "anthropic" in only:
                 await anthropic_checks(table, http, gw)
             if "comfy" in only and comfy is not None:
-                await comfy_checks(table, gw)
+                await comfy_checks(table, http, gw)
     finally:
         if srv is not None:
             await srv.shutdown()
