@@ -61,6 +61,7 @@ ALIAS = "gpt-4o-mini"
 # A GBNF grammar makes the tiny model test every token at each step: a few ms per token, so a
 # "hold" request keeps the one slot long enough for another to queue behind it.
 GRAMMAR = "root ::= [ -~]+"
+CLOUD_KEY, CLOUD_NAME, OVERFLOW_WAIT = "kl-cloud-node-key", "cloud-tiny", 2
 # A workflow of ComfyUI's own weight-free nodes (no checkpoint needed): a solid image of the
 # request's size, n of them, its color the request's seed.
 BLANK = {"1": {"class_type": "EmptyImage", "inputs": {"width": 64, "height": 64, "batch_size": 1, "color": 0}},
@@ -89,7 +90,7 @@ class Table:
         return "\n".join(out)
 
 
-def gateway_config(llama_url: str, comfy: dict[str, Any] | None) -> dict[str, Any]:
+def gateway_config(llama_url: str, cloud_url: str, comfy: dict[str, Any] | None) -> dict[str, Any]:
     health = {"path": "/health", "interval_sec": 1}
     one = {"kind": "openai", "max_concurrency": 1, "request_timeout_sec": 120}
     # `models: discover`: the gateway reads the server's /v1/models, so a model it does not serve is
@@ -99,11 +100,19 @@ def gateway_config(llama_url: str, comfy: dict[str, Any] | None) -> dict[str, An
                              # the route's prefix is cut and the node's url carries /v1
                              "llama-short": {"url": llama_url + "/v1", "health": {"path": "/models",
                                                                                    "interval_sec": 1}}}
+    # A second llama-server plays a hosted API: its own key (the client's never leaves the gateway)
+    # and its own name for the model.
+    nodes["llama-ovf"] = {"url": llama_url + "/v1", "health": {"path": "/models", "interval_sec": 1}}
+    nodes["cloud"] = {"url": cloud_url + "/v1", "headers": {"Authorization": f"Bearer {CLOUD_KEY}"},
+                      "rewrite": {"model": {SERVED: CLOUD_NAME}}, "price_per_mtok": {"input": 0.1, "output": 0.4},
+                      "health": {"path": "/models", "interval_sec": 1}}
     routes: dict[str, Any] = {
         "llm": {**one, "path": "/v1", "nodes": ["llama"], "queue_timeout_sec": 60,
                 "rewrite": {"model": {ALIAS: SERVED}}},
         "short": {**one, "path": "/short/v1", "nodes": ["llama-short"], "queue_timeout_sec": 1,
                   "strip_path": True},
+        "ovf": {**one, "path": "/ovf/v1", "nodes": ["llama-ovf"], "queue_timeout_sec": 60, "strip_path": True,
+                "overflow": {"nodes": ["cloud"], "when_wait_sec": OVERFLOW_WAIT}},
     }
     if comfy is not None:
         nodes["comfy"] = {"url": comfy["url"], "health": {"path": "/system_stats", "interval_sec": 1}}
@@ -215,7 +224,7 @@ async def openai_checks(table: Table, http: aiohttp.ClientSession, gw: str) -> N
         got = raw.parse()
         waited = wait_ms(raw.headers)
         text = got.choices[0].message.content or ""
-        return (f"model={got.model} waited={waited:.0f} ms text={text[:30]!r} "
+        return (f"model={got.model} waited={waited:.0f} ms text={len(text)} chars "
                 f"usage={got.usage and got.usage.total_tokens}",
                 got.model == SERVED and waited > 50 and bool(text))
 
@@ -288,6 +297,44 @@ async def openai_checks(table: Table, http: aiohttp.ClientSession, gw: str) -> N
         await c.close()
 
 
+# --- overflow to a "cloud" node ------------------------------------------------------------------
+
+async def overflow_checks(table: Table, http: aiohttp.ClientSession, gw: str, cloud_url: str) -> None:
+    sdk = openai.AsyncOpenAI(base_url=gw + "/ovf/v1", api_key=KEY, max_retries=0)
+    msgs: Any = [{"role": "user", "content": "Say hello"}]
+
+    async def ask() -> tuple[str, str, float]:
+        raw = await sdk.chat.completions.with_raw_response.create(model=SERVED, messages=msgs, max_tokens=8)
+        return raw.headers.get("x-kiloline-node", "?"), raw.parse().model, wait_ms(raw.headers)
+
+    async def cloud_needs_its_key() -> tuple[str, bool]:
+        async with http.post(cloud_url + "/v1/chat/completions", json={"model": CLOUD_NAME, "messages": msgs},
+                             headers={"Authorization": f"Bearer {KEY}"}) as r:
+            return f"the cloud server, asked with the client's key: HTTP {r.status}", r.status == 401
+
+    async def free() -> tuple[str, bool]:
+        node, model, waited = await ask()
+        return f"node={node} model={model} waited={waited:.0f} ms", node == "llama-ovf" and model == SERVED
+
+    async def within() -> tuple[str, bool]:
+        async with Hold(http, gw + "/ovf/v1", max_tokens=150):  # well under the bound
+            node, model, waited = await ask()
+        return f"node={node} model={model} waited={waited:.0f} ms", node == "llama-ovf" and waited > 0
+
+    async def beyond() -> tuple[str, bool]:
+        async with Hold(http, gw + "/ovf/v1", max_tokens=1800):  # several times the bound
+            node, model, waited = await ask()
+        return (f"node={node} model={model} (the cloud's own name is {CLOUD_NAME}) waited={waited:.0f} ms",
+                node == "cloud" and model == SERVED)
+
+    await check(table, "overflow: the cloud node refuses the client's key (it has its own)", cloud_needs_its_key)
+    await check(table, "overflow: a free primary takes the request", free)
+    await check(table, f"overflow: a wait under when_wait_sec {OVERFLOW_WAIT} stays on the primary", within)
+    await check(table, f"overflow: a wait beyond when_wait_sec {OVERFLOW_WAIT} goes to the cloud node, "
+                       "answered under the client's name", beyond)
+    await sdk.close()
+
+
 # --- anthropic SDK ---------------------------------------------------------------------------------
 
 async def anthropic_checks(table: Table, http: aiohttp.ClientSession, gw: str) -> None:
@@ -301,7 +348,7 @@ async def anthropic_checks(table: Table, http: aiohttp.ClientSession, gw: str) -
         got = await raw.parse()
         text = "".join(b.text for b in got.content if b.type == "text")
         waited = wait_ms(raw.headers)
-        return (f"model={got.model} waited={waited:.0f} ms text={text[:30]!r} usage=in {got.usage.input_tokens}/"
+        return (f"model={got.model} waited={waited:.0f} ms text={len(text)} chars usage=in {got.usage.input_tokens}/"
                 f"out {got.usage.output_tokens}", waited > 50 and bool(text) and got.usage.output_tokens > 0)
 
     async def stream_queued() -> tuple[str, bool]:
@@ -377,10 +424,12 @@ base, key, bad, model = sys.argv[1:5]
 out = {}
 r = litellm.completion(model="openai/" + model, api_base=base, api_key=key, max_tokens=8,
                        messages=[{"role": "user", "content": "Say hello"}])
-out["sync"] = {"model": r.model, "text": r.choices[0].message.content, "total_tokens": r.usage.total_tokens}
+out["sync"] = {"model": r.model, "text_chars": len(r.choices[0].message.content or ""),
+               "total_tokens": r.usage.total_tokens}
 chunks = [c for c in litellm.completion(model="openai/" + model, api_base=base, api_key=key, max_tokens=8,
                                         stream=True, messages=[{"role": "user", "content": "Say hello"}])]
-out["stream"] = {"chunks": len(chunks), "text": "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)}
+out["stream"] = {"chunks": len(chunks),
+                 "text_chars": len("".join(c.choices[0].delta.content or "" for c in chunks if c.choices))}
 for name, k, m in (("bad_key", bad, model), ("no_model", key, "no-such-model")):
     try:
         litellm.completion(model="openai/" + m, api_base=base, api_key=k, max_tokens=4, num_retries=0,
@@ -412,9 +461,9 @@ async def litellm_checks(table: Table, python: str, gw: str) -> None:
     got = json.loads(out.strip().splitlines()[-1])
     v = got["version"]
     table.add(f"litellm {v}: completion (alias {ALIAS})", json.dumps(got["sync"]),
-              bool(got["sync"]["text"]) and got["sync"]["total_tokens"] > 0)
+              got["sync"]["text_chars"] > 0 and got["sync"]["total_tokens"] > 0)
     table.add(f"litellm {v}: completion stream", json.dumps(got["stream"]),
-              got["stream"]["chunks"] > 1 and bool(got["stream"]["text"]))
+              got["stream"]["chunks"] > 1 and got["stream"]["text_chars"] > 0)
     table.add(f"litellm {v}: bad key -> AuthenticationError", json.dumps(got["bad_key"]),
               got["bad_key"]["exception"] == "AuthenticationError")
     table.add(f"litellm {v}: unknown model -> NotFoundError", json.dumps(got["no_model"]),
@@ -502,6 +551,9 @@ async def comfy_checks(table: Table, http: aiohttp.ClientSession, gw: str) -> No
     await sdk.close()
 
 
+CHECKS = ["openai", "overflow", "anthropic", "litellm", "guidellm", "comfy"]
+
+
 async def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--llama-server", required=True)
@@ -510,15 +562,19 @@ async def main() -> int:
     ap.add_argument("--litellm-python")
     ap.add_argument("--guidellm")
     ap.add_argument("--comfy", metavar="URL", help="a running ComfyUI: check images.generate over it")
-    ap.add_argument("--only", choices=["openai", "anthropic", "litellm", "guidellm", "comfy"], action="append")
+    ap.add_argument("--only", choices=CHECKS, action="append")
     ap.add_argument("--markdown")
     a = ap.parse_args()
-    only = set(a.only or ["openai", "anthropic", "litellm", "guidellm", "comfy"])
+    only = set(a.only or CHECKS)
     workdir = Path(tempfile.mkdtemp(prefix="kl-clients-"))
     log = (workdir / "llama-server.log").open("wb")
     llama = subprocess.Popen([a.llama_server, "-m", a.model, "--alias", SERVED, "--host", "127.0.0.1",
                               "--port", str(a.llama_port), "--parallel", "1", "-c", "2048", "--threads", "1"],
                              stdout=log, stderr=subprocess.STDOUT)
+    cloud_log = (workdir / "cloud-server.log").open("wb")
+    cloud = subprocess.Popen([a.llama_server, "-m", a.model, "--alias", CLOUD_NAME, "--api-key", CLOUD_KEY,
+                              "--host", "127.0.0.1", "--port", str(a.llama_port + 1), "--parallel", "1",
+                              "-c", "2048", "--threads", "1"], stdout=cloud_log, stderr=subprocess.STDOUT)
     table = Table()
     comfy = None
     if a.comfy:
@@ -528,12 +584,16 @@ async def main() -> int:
     try:
         async with aiohttp.ClientSession() as http:
             llama_url = f"http://127.0.0.1:{a.llama_port}"
+            cloud_url = f"http://127.0.0.1:{a.llama_port + 1}"
             await wait_up(http, llama_url + "/health")
-            srv = await start_gateway(gateway_config(llama_url, comfy), workdir)
+            await wait_up(http, cloud_url + "/health")
+            srv = await start_gateway(gateway_config(llama_url, cloud_url, comfy), workdir)
             gw = f"http://127.0.0.1:{srv.port}"
             await wait_up(http, gw + "/health")
             if "openai" in only:
                 await openai_checks(table, http, gw)
+            if "overflow" in only:
+                await overflow_checks(table, http, gw, cloud_url)
             if "litellm" in only and a.litellm_python:
                 await litellm_checks(table, a.litellm_python, gw)
             if "guidellm" in only and a.guidellm:
@@ -545,9 +605,11 @@ async def main() -> int:
     finally:
         if srv is not None:
             await srv.shutdown()
-        llama.terminate()
-        llama.wait()
+        for proc in (llama, cloud):
+            proc.terminate()
+            proc.wait()
         log.close()
+        cloud_log.close()
     md = table.markdown()
     print(md)
     if a.markdown:
