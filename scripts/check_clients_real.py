@@ -207,7 +207,7 @@ def raises(exc: type[BaseException]) -> Callable[[Callable[[], Awaitable[Any]]],
             await call()
         except Exception as e:
             status = getattr(e, "status_code", None)
-            return f"{type(e).__name__} (HTTP {status}): {str(e)[:140]}", isinstance(e, exc)
+            return f"{type(e).__name__} (HTTP {status}): {str(e)[:220]}", isinstance(e, exc)
         return "no exception", False
     return run
 
