@@ -246,3 +246,13 @@ async def test_an_edit_whose_node_is_killed_completes_on_the_standby_with_its_im
     assert got.data is not None and base64.b64decode(got.data[0].b64_json or "").startswith(b"\x89PNG")
     assert b.stats["served"] == 1 and png in b.backend.images.values()
     await sdk.close()
+
+
+async def test_models_list_names_the_templates(fakegpus: Any, gateway: Any, tmp_path: Path) -> None:
+    node = await fakegpus("comfyui", steps=1, step_ms=5)
+    gw = await gateway(templated(base_config({"a": node.url}, kind="comfyui"), tmp_path))
+    sdk = client(gw)
+    listed = await sdk.models.list()
+    assert sorted(m.id for m in listed.data) == ["invert", "sd15"]
+    assert all(m.object == "model" for m in listed.data)
+    await sdk.close()

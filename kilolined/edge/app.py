@@ -34,7 +34,7 @@ from kilolined.edge import guard as edge
 from kilolined.edge.connection import settle_expect
 from kilolined.edge.context import GW, RT, Gateway
 from kilolined.edge.images import fill_template
-from kilolined.edge.models_list import is_models_list, with_names
+from kilolined.edge.models_list import is_models_list, templates_list, with_names
 from kilolined.edge.unqueued import forward_unqueued
 from kilolined.modes.anthropic_sink import AnthropicStreamSink
 from kilolined.modes.call import Call
@@ -197,6 +197,8 @@ def _unqueued_answer(gw: Gateway, call: Call) -> Awaitable[web.StreamResponse] |
             (call.route_choices or renames_models(gw.rt, call.route_name)):
         found = gw.rt.router.match(call.request.rel_url.raw_path)
         return with_names(gw.rt, call, found[0] if found else call.route_choices)
+    if call.kind == "comfyui" and rcfg.templates and is_models_list(call.request.method, call.unqueued_path):
+        return templates_list(call, list(rcfg.templates))
     if call.pinned_node is None and unqueued(rcfg, call.request.method, call.unqueued_path):
         return forward_unqueued(gw.rt, call, rcfg)
     return None

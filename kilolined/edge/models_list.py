@@ -52,6 +52,13 @@ def _listing(ids: Sequence[str], owner: str) -> dict[str, Any]:
     return {"data": [{"id": m, "object": "model", "owned_by": owner} for m in ids]}
 
 
+async def templates_list(call: Call, templates: Sequence[str]) -> web.Response:
+    """``GET {path}/v1/models`` on a ``comfyui`` route with templates: the names the Images API
+    takes as ``model`` (docs/API.md "Images over ComfyUI workflows"), which no node knows of."""
+    return web.json_response({"object": "list", **_listing(sorted(templates), "kiloline")},
+                             headers={**call.headers, "X-Request-Id": call.request_id})
+
+
 async def _ask(rt: Runtime, node: str, tail: str) -> Any:
     ns = rt.scheduler.nodes[node]
     names = ns.cfg.rewrite.model if ns.cfg.rewrite is not None else {}
