@@ -8,7 +8,7 @@ several GPUs"):
   node a prompt is sent to (comfy_inputs.py);
 - **outputs** a node made get the route's name — the node's own while no other file of the
   route has it, else the next free one, numbered as ComfyUI numbers a clash — and their bytes
-  once copied (comfy_outputs.py), or a mark that they are in the route's bucket;
+  once copied (comfy_store.py), or a mark that they are in the route's bucket or Redis;
 - **temp** previews are only named: their bytes stay on the node that made them.
 
 Each file records the keys that own it (who uploaded it, whose prompt made it); only they (and
@@ -44,7 +44,7 @@ class RouteFile:
     data: bytes | None = None  # held in memory
     sha256: str = ""
     size: int = 0
-    in_bucket: bool = False  # its bytes are in the route's bucket
+    in_store: bool = False  # its bytes are in the route's bucket or (cluster mode) Redis
     node: str | None = None  # outputs and previews: the node that made it, under ``node_name``
     node_name: str = ""
     failed: bool = False  # the copy could not be made: only the node has it (while it lives)
@@ -55,7 +55,7 @@ class RouteFile:
 
     @property
     def stored(self) -> bool:
-        return self.data is not None or self.in_bucket
+        return self.data is not None or self.in_store
 
 
 @dataclass
@@ -195,20 +195,20 @@ class RouteFiles:
         return self.name_output(node, kind, subfolder, node_name, owner).name
 
     def copied(self, f: RouteFile, data: bytes | None, size: int, digest: str) -> None:
-        """The output's bytes are here (``data``) or in the bucket (``data`` None)."""
+        """The output's bytes are here (``data``) or in the bucket or Redis (``data`` None)."""
         if self._by_key.get(f.key) is not f:
             return  # dropped meanwhile
         f.sha256, f.size = digest, size
         if data is None:
-            f.in_bucket = True
+            f.in_store = True
             f.used = self.clock()
             self._by_key.move_to_end(f.key)
             return
         self._set_data(f, data)
 
     def known(self, kind: str, subfolder: str, name: str, owners: set[str], size: int) -> RouteFile:
-        """A file found in the bucket by name (after a restart, or dropped from this index)."""
-        f = RouteFile(kind, subfolder, name, set(owners), self.clock(), size=size, in_bucket=True)
+        """A file found in the bucket or Redis by name (after a restart, made through another gateway)."""
+        f = RouteFile(kind, subfolder, name, set(owners), self.clock(), size=size, in_store=True)
         self._add(f)
         return f
 
