@@ -81,3 +81,28 @@ async def test_outputs_in_redis_are_bounded_cluster_wide(redis_server: RedisServ
     redis = redis_server.client()
     assert 0 < int(await redis.get(f"{PREFIX}comfyout:gen:bytes")) <= 600
     await redis.aclose()
+
+
+async def test_two_gateways_never_give_one_name_to_two_outputs(redis_server: RedisServer, fakegpus: Any,
+                                                               gateway: Any, http: aiohttp.ClientSession) -> None:
+    """Each gateway's node writes kl_00001_.png: the route names are reserved in Redis, so the
+    second is kl_00002_.png and both are served, from either gateway, after their nodes are gone."""
+    a = await fakegpus("comfyui", steps=1, step_ms=5)
+    b = await fakegpus("comfyui", steps=1, step_ms=5)
+    gws = []
+    for gid, node in (("gw0", a), ("gw1", b)):
+        cfg = base_config({gid + "-node": node.url}, kind="comfyui", max_concurrency=1)
+        cfg["cluster"] = {"redis_url": redis_server.url, "gateway_id": gid, "lease_ttl_sec": 2, "key_prefix": PREFIX}
+        gws.append(await gateway(cfg))
+    outs, made = [], []
+    for gw, who in zip(gws, ("cat", "dog"), strict=True):
+        name = (await upload(http, gw.url, f"{who}.png", make_png(who)))["name"]
+        outs.append(images(await run_job(http, gw, img2img(name, prefix="kl")))[0])
+        await wait_until(lambda gw=gw: gw.rt.adapter_state["comfyfiles"].copies == 0)
+        made.append((await view(http, gw, outs[-1]))[1])
+    assert [o["filename"] for o in outs] == ["kl_00001_.png", "kl_00002_.png"]
+    assert made[0] != made[1]
+    await a.kill()
+    await b.kill()
+    for gw in gws:
+        assert [await view(http, gw, o) for o in outs] == [(200, made[0]), (200, made[1])]

@@ -30,7 +30,7 @@ from kilolined.adapters.comfy_hub import ENDED, Hub, parse
 from kilolined.adapters.comfy_monitor import Monitors, NodeMonitor
 from kilolined.adapters.comfy_node import NodeAPI, NodeError, all_ids, find_entry, node_api
 from kilolined.adapters.comfy_record import EVERYONE, PromptOwners, Viewer
-from kilolined.adapters.comfy_store import executed_for_client
+from kilolined.adapters.comfy_store import claim_names, executed_for_client
 from kilolined.adapters.comfy_views import Views, view_of
 from kilolined.core.errors import error_response
 from kilolined.ops.runtime import Runtime
@@ -150,6 +150,14 @@ class ComfyState:
 
         return self.monitors.get(node, lambda: NodeMonitor(node, connect, alive, heard, self.hub_id, frame))
 
+    async def tell(self, route: str, node: str, prompt_id: str, msg: aiohttp.WSMessage) -> None:
+        """A frame of an sse/async job's own socket to the hub: an ``executed`` event's outputs
+        are named (cluster-wide, comfy_store.claim_names) before a client sees the names."""
+        got = parse(msg.data) if msg.type == aiohttp.WSMsgType.TEXT else None
+        if got is not None and got[0] == "executed" and got[1].get("prompt_id", prompt_id) == prompt_id:
+            await claim_names(self.rt, route, node, {"outputs": {"-": got[1].get("output")}})
+        self.hub.relay(node, prompt_id, msg)
+
     async def _frame(self, node: str, msg: aiohttp.WSMessage) -> None:
         """One frame of ``node``'s monitor: the record learns how its prompts end, then the hub
         hands it on. A prompt's final ``executing`` (sent after ComfyUI wrote its history) waits
@@ -167,13 +175,17 @@ class ComfyState:
                 p = self.owners(route).get(pid)
                 assert p is not None
                 p.output_seen = True  # lost from here on, it is not re-run elsewhere
+                await claim_names(self.rt, route, node, {"outputs": {"-": data.get("output")}})
         if isinstance(pid, str) and (kind in ENDED or (kind == "executing" and data.get("node", "") is None)):
             for route in self.hub.routes_of_prompt(node, pid):
                 owners = self.owners(route)
                 p = owners.get(pid)
                 assert p is not None
                 if kind == "executing" and p.entry is None:
-                    owners.end(pid, await self._entry(node, pid, p.node_number))
+                    entry = await self._entry(node, pid, p.node_number)
+                    if entry is not None:
+                        await claim_names(self.rt, route, node, entry)  # named before /history shows it
+                    owners.end(pid, entry)
                 else:
                     p.ended = True
         self.hub.event(node, kind, data, msg.data)

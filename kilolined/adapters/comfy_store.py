@@ -37,6 +37,7 @@ log = logging.getLogger("kilolined")
 STATE_KEY = "comfyfiles"
 VIEW_PATHS = ("/view", "/api/view")
 COPY_SEC = 60.0  # one output's copy from its node
+CLAIM_TRIES = 1000  # names tried for one output before it is named by this gateway alone
 DELIVERED_MAX = 50_000  # (node, file, sha256) deliveries remembered
 # ComfyUI's /view forces these to download rather than display (a file a node wrote is not a page of ours).
 DOWNLOAD_ONLY = frozenset({"text/html", "text/html-sandboxed", "application/xhtml+xml", "text/javascript", "text/css"})
@@ -303,11 +304,37 @@ def output_files(entry: dict[str, Any]) -> list[tuple[str, str, str]]:
     return found
 
 
+async def claim_names(rt: Runtime, route: str, node: str, entry: dict[str, Any]) -> None:
+    """Cluster mode: the route names of an entry's outputs (a history entry, or ``{"outputs":
+    {id: an executed output}}``) reserved in Redis before any client sees them, so no two
+    gateways give one name to two files. Without Redis each gateway names from what it knows."""
+    shared = rt.comfy_shared
+    if shared is None:
+        return
+    files = files_state(rt).files(route)
+    for kind, sub, node_name in output_files(entry):
+        if kind != OUTPUT or files.of_node(node, kind, sub, node_name) is not None:
+            continue
+        file = "/".join(quote(p, safe="") for p in (node, sub, node_name))
+        for _ in range(CLAIM_TRIES):
+            cand = files.free_name(kind, sub, node_name)
+            try:
+                if await shared.reserve(route, kind, sub, cand, file, files.ttl):
+                    files.name_output(node, kind, sub, node_name, None, cand)
+                    break
+            except REDIS_ERRORS as e:
+                log.warning("comfy files: Redis did not answer (%s): outputs named by this gateway alone",
+                            type(e).__name__)
+                return
+            files.taken_elsewhere(kind, sub, cand)
+
+
 # --- the copy at the end of a prompt --------------------------------------------------------------
 
-def prompt_finished(rt: Runtime, route: str, node: str, entry: dict[str, Any], owner: str) -> dict[str, Any]:
+async def prompt_finished(rt: Runtime, route: str, node: str, entry: dict[str, Any], owner: str) -> dict[str, Any]:
     """Name the finished prompt's files on the route, start copying its outputs off the node,
     and return the entry as clients see it (route names)."""
+    await claim_names(rt, route, node, entry)
     st = files_state(rt)
     files = st.files(route)
     for kind, sub, name in output_files(entry):

@@ -20,6 +20,7 @@ SET NX), so two gateways never store two files under one name.
 from __future__ import annotations
 
 import logging
+import secrets
 from dataclasses import dataclass
 from urllib.parse import quote
 
@@ -99,6 +100,7 @@ class SharedOutput:
 class SharedInputs:
     def __init__(self, redis: aioredis.Redis, prefix: str):
         self.redis, self.prefix = redis, prefix
+        self.gateway = secrets.token_hex(8)  # this process, in the names it reserves
         self._put_output = redis.register_script(PUT_OUTPUT)
         self._use_output = redis.register_script(USE_OUTPUT)
 
@@ -174,10 +176,12 @@ class SharedInputs:
     def name_key(self, route: str, kind: str, subfolder: str, name: str) -> str:
         return f"{self.prefix}comfyname:" + ":".join(quote(p, safe="") for p in (route, kind, subfolder, name))
 
-    async def reserve(self, route: str, kind: str, subfolder: str, name: str, holder: str, ttl: float) -> bool:
-        """The route's name ``name`` for this file, cluster-wide: True when it was free (or is
-        already this ``holder``'s). Raises RedisError/OSError/TimeoutError when Redis does not answer."""
+    async def reserve(self, route: str, kind: str, subfolder: str, name: str, file: str, ttl: float) -> bool:
+        """The route's name ``name`` for this gateway's ``file``, cluster-wide: True when it was
+        free (or is already this file's). Raises RedisError/OSError/TimeoutError when Redis does
+        not answer."""
         key = self.name_key(route, kind, subfolder, name)
+        holder = f"{self.gateway}/{file}"
         ms = max(1, int(ttl * 1000))
         if await self.redis.set(key, holder, nx=True, px=ms):
             return True
