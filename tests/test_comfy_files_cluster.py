@@ -106,3 +106,30 @@ async def test_two_gateways_never_give_one_name_to_two_outputs(redis_server: Red
     await b.kill()
     for gw in gws:
         assert [await view(http, gw, o) for o in outs] == [(200, made[0]), (200, made[1])]
+
+
+async def test_history_of_a_prompt_sent_through_another_gateway(redis_server: RedisServer, fakegpus: Any,
+                                                                gateway: Any, http: aiohttp.ClientSession) -> None:
+    """``/history/{id}`` on any gateway: the entry as its client was given it, its key's alone."""
+    node = await fakegpus("comfyui", steps=1, step_ms=5)
+    gw0, gw1 = await two_gateways(redis_server, gateway, node)
+    name = (await upload(http, gw0.url, "cat.png", make_png("cat")))["name"]
+    async with http.post(gw0.url + "/gen/prompt", json={"prompt": img2img(name), "client_id": "mine"},
+                         headers=auth()) as r:
+        assert r.status == 200, await r.text()
+        pid = (await r.json())["prompt_id"]
+
+    async def entry(gw: Any, who: str = "alice") -> dict[str, Any]:
+        async with http.get(gw.url + f"/gen/history/{pid}", headers=auth(who)) as r:
+            assert r.status == 200
+            return dict(await r.json())
+
+    await wait_until(lambda: gw0.rt.adapter_state["comfyfiles"].copies == 0 and node.stats["served"] == 1)
+    mine = (await entry(gw0))[pid]
+    await wait_until(lambda: entry(gw1))  # written once the prompt's end is handled
+    there = (await entry(gw1))[pid]
+    assert there["outputs"] == mine["outputs"] and there["prompt"][3]["client_id"] == "mine"
+    assert await entry(gw1, "bob") == {}
+    await node.kill()
+    status, data = await view(http, gw1, images(there)[0])
+    assert status == 200 and data.startswith(b"\x89PNG")

@@ -29,8 +29,8 @@ from aiohttp import web
 from kilolined.adapters.comfy_hub import ENDED, Hub, parse
 from kilolined.adapters.comfy_monitor import Monitors, NodeMonitor
 from kilolined.adapters.comfy_node import NodeAPI, NodeError, all_ids, find_entry, node_api
-from kilolined.adapters.comfy_record import EVERYONE, PromptOwners, Viewer
-from kilolined.adapters.comfy_store import claim_names, executed_for_client
+from kilolined.adapters.comfy_record import EVERYONE, PromptOwners, Viewer, entry_as_given
+from kilolined.adapters.comfy_store import claim_names, executed_for_client, history_for_client
 from kilolined.adapters.comfy_views import Views, view_of
 from kilolined.core.errors import error_response
 from kilolined.ops.runtime import Runtime
@@ -102,6 +102,16 @@ class ComfyState:
         if got is None:
             got = self.routes[route] = PromptOwners()
         return got
+
+    async def share_entry(self, route: str, prompt_id: str | None) -> None:
+        """Cluster mode: the prompt's history entry, as its client was given it, for every
+        gateway's ``/history/{id}`` (cluster/comfyfiles.py)."""
+        shared = self.rt.comfy_shared
+        p = self.owners(route).get(prompt_id)
+        if shared is None or prompt_id is None or p is None or p.entry is None:
+            return
+        given = entry_as_given(p.entry, p, functools.partial(history_for_client, self.rt, route))
+        await shared.put_entry(route, prompt_id, p.subject, given, self.rt.cfg.jobs.result_ttl_sec)
 
     def routes_of(self, node: str) -> list[str]:
         """The routes whose record may hold prompts on ``node`` (its routes now, and any that has one)."""

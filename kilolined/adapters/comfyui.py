@@ -36,7 +36,7 @@ from kilolined.adapters.comfy_inputs import PromptInputs, is_upload, upload
 from kilolined.adapters.comfy_monitor import NodeMonitor
 from kilolined.adapters.comfy_node import NodeAPI, NodeError, all_ids, find_entry, lease_api, on_queue, stop_prompt
 from kilolined.adapters.comfy_progress import Progress
-from kilolined.adapters.comfy_record import ABSENT, PromptOwners, entry_as_given, without_traceback
+from kilolined.adapters.comfy_record import ABSENT, PromptOwners, entry_as_given, prompt_id_of, without_traceback
 from kilolined.adapters.comfy_store import is_view, prompt_finished, view
 from kilolined.core.errors import error_response
 from kilolined.core.outcome import Cancelled, Failure, Result
@@ -394,6 +394,7 @@ class ComfyUIAdapter(Adapter):
         result, files = annotate_files(entry, lease.node, sink.file_url)
         # Outputs leave the node (comfy_store.py); the result names them as the route does.
         result = await prompt_finished(rt, lease.route, lease.node, result, scope.ticket.key)
+        await comfy_state(rt).share_entry(lease.route, prompt_id_of(entry))
         scope.ok = True
         # /result serves the same view as output_ready.result: the URLs are how clients get files.
         sink.result(Result(200, "application/json", orjson.dumps(result), result=result, files=files))
@@ -412,6 +413,7 @@ class ComfyUIAdapter(Adapter):
         lease, entry = await self._run_to_end(rt, scope, dataclasses.replace(ex, tail=PROMPT_PATHS[0]), body,
                                               sink, inputs)
         shown = await prompt_finished(rt, lease.route, lease.node, entry, scope.ticket.key)
+        await comfy_state(rt).share_entry(lease.route, prompt_id_of(entry))
         images = await images_answer(rt, lease, entry, shown, answer.get("response_format"), ex)
         scope.ok = True
         sink.result(Result(200, "application/json", orjson.dumps(images), result=images))
@@ -534,6 +536,7 @@ class ComfyUIAdapter(Adapter):
         scope.done_with_node()
         if entry is not None:
             await prompt_finished(rt, lease.route, lease.node, entry, scope.ticket.key)  # outputs leave the node
+            await state.share_entry(lease.route, prompt_id)  # /history/{id} on every gateway
 
     @staticmethod
     async def _resubmit(scope: LeaseScope, ex: Exchange, again: InputsFirst, prompt_id: str,
