@@ -130,6 +130,10 @@ async def test_history_of_a_prompt_sent_through_another_gateway(redis_server: Re
     there = (await entry(gw1))[pid]
     assert there["outputs"] == mine["outputs"] and there["prompt"][3]["client_id"] == "mine"
     assert await entry(gw1, "bob") == {}
+    # Deleted from the history where it was sent: gone from every gateway's; its file stays.
+    async with http.post(gw0.url + "/gen/history", json={"delete": [pid]}, headers=auth()) as r:
+        assert r.status == 200
+    assert await entry(gw1) == {}
     await node.kill()
     status, data = await view(http, gw1, images(there)[0])
     assert status == 200 and data.startswith(b"\x89PNG")

@@ -287,7 +287,7 @@ async def control(rt: Runtime, request: web.Request, route: str, path: str, subj
         elif action == "queue":
             await _queue(rt, owners, who, body, path, request_id)
         elif action == "history":
-            await _history(rt, owners, viewer, body, path, request_id)
+            await _history(rt, route, owners, viewer, body, path, request_id)
         elif action == "cancel":
             jid = path.split("/")[3]
             node = owners.node_of(jid, who)
@@ -383,8 +383,8 @@ async def _queue(rt: Runtime, owners: PromptOwners, subject: str | None, body: d
                 await api.post(path, {"delete": pending})
 
 
-async def _history(rt: Runtime, owners: PromptOwners, viewer: Viewer, body: dict[str, Any], path: str,
-                   request_id: str) -> None:
+async def _history(rt: Runtime, route: str, owners: PromptOwners, viewer: Viewer, body: dict[str, Any],
+                   path: str, request_id: str) -> None:
     """``POST /history``: ``clear`` forgets the viewer's history, ``delete`` the listed prompts of
     theirs. The route's history is the gateway's: a node is told to delete only the viewer's own
     prompts, and never to clear (that would take everybody's)."""
@@ -393,6 +393,8 @@ async def _history(rt: Runtime, owners: PromptOwners, viewer: Viewer, body: dict
     gone = set(ended) if body.get("clear") else set()
     if isinstance(delete, list):
         gone |= {pid for pid in delete if isinstance(pid, str) and pid in ended}
+    if gone and rt.comfy_shared is not None:
+        await rt.comfy_shared.forget_entries(route, sorted(gone))  # gone from every gateway's /history/{id}
     by_node: dict[str, list[str]] = {}
     for pid in sorted(gone):
         owners.forget(pid)

@@ -190,6 +190,13 @@ class SharedInputs:
         except REDIS_ERRORS as e:
             log.warning("comfy history: Redis did not take an entry (%s): this gateway's own only", type(e).__name__)
 
+    async def forget_entries(self, route: str, prompt_ids: list[str]) -> None:
+        try:
+            await self.redis.delete(*(self.entry_key(route, pid) for pid in prompt_ids))
+        except REDIS_ERRORS as e:
+            log.warning("comfy history: Redis did not answer (%s): entries kept until they expire",
+                        type(e).__name__)
+
     async def entry(self, route: str, prompt_id: str) -> tuple[str, dict[str, Any]] | None:
         """(the key that sent it, the entry as given) of a prompt any gateway recorded, or None."""
         try:
