@@ -73,14 +73,14 @@ for i = 2, 4 do redis.call('PEXPIRE', KEYS[i], ttl) end
 return 1
 """
 
-# KEYS: the file's hash, the route's index, the file's name reservation. ARGV: ttl ms. A use: it
-# lives ttl from now, dropped last, and keeps its name as long.
+# KEYS: the file's hash, the route's index, its sizes, its byte total, the file's name reservation.
+# ARGV: ttl ms. A use: it lives ttl from now, dropped last, and keeps its name (and the route's
+# index, which counts it) as long.
 USE_OUTPUT = """
 if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
 local now = redis.call('TIME')
 now = tonumber(now[1]) * 1000 + math.floor(tonumber(now[2]) / 1000)
-redis.call('PEXPIRE', KEYS[1], tonumber(ARGV[1]))
-redis.call('PEXPIRE', KEYS[3], tonumber(ARGV[1]))
+for i = 1, 5 do redis.call('PEXPIRE', KEYS[i], tonumber(ARGV[1])) end
 redis.call('ZADD', KEYS[2], 'XX', now, KEYS[1])
 return 1
 """
@@ -167,7 +167,7 @@ class SharedInputs:
                 got, size = await p.execute()
             if got[0] is not None:
                 named = self.name_key(route, "output", subfolder, name)
-                await self._use_output(keys=[key, self._index(route)[0], named], args=[max(1, int(ttl * 1000))])
+                await self._use_output(keys=[key, *self._index(route), named], args=[max(1, int(ttl * 1000))])
         except REDIS_ERRORS as e:
             log.warning("comfy files: Redis did not answer (%s): an output not served", type(e).__name__)
             return None
