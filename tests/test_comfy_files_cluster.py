@@ -130,6 +130,10 @@ async def test_history_of_a_prompt_sent_through_another_gateway(redis_server: Re
     there = (await entry(gw1))[pid]
     assert there["outputs"] == mine["outputs"] and there["prompt"][3]["client_id"] == "mine"
     assert await entry(gw1, "bob") == {}
+    async with http.get(gw1.url + f"/gen/api/jobs/{pid}", headers=auth()) as r:
+        assert r.status == 200 and (await r.json())["status"] == "completed"
+    async with http.get(gw1.url + f"/gen/api/jobs/{pid}", headers=auth("bob")) as r:
+        assert r.status == 404
     # Deleted from the history where it was sent: gone from every gateway's; its file stays.
     async with http.post(gw0.url + "/gen/history", json={"delete": [pid]}, headers=auth()) as r:
         assert r.status == 200
