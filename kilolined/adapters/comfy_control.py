@@ -29,8 +29,8 @@ from aiohttp import web
 from kilolined.adapters.comfy_hub import ENDED, Hub, parse
 from kilolined.adapters.comfy_monitor import Monitors, NodeMonitor
 from kilolined.adapters.comfy_node import NodeAPI, NodeError, all_ids, find_entry, node_api
-from kilolined.adapters.comfy_record import EVERYONE, PromptOwners, Viewer
-from kilolined.adapters.comfy_store import executed_for_client
+from kilolined.adapters.comfy_record import EVERYONE, PromptOwners, Viewer, entry_as_given
+from kilolined.adapters.comfy_store import claim_names, executed_for_client, history_for_client
 from kilolined.adapters.comfy_views import Views, view_of
 from kilolined.core.errors import error_response
 from kilolined.ops.runtime import Runtime
@@ -103,6 +103,16 @@ class ComfyState:
             got = self.routes[route] = PromptOwners()
         return got
 
+    async def share_entry(self, route: str, prompt_id: str | None) -> None:
+        """Cluster mode: the prompt's history entry, as its client was given it, for every
+        gateway's ``/history/{id}`` (cluster/comfyfiles.py)."""
+        shared = self.rt.comfy_shared
+        p = self.owners(route).get(prompt_id)
+        if shared is None or prompt_id is None or p is None or p.entry is None:
+            return
+        given = entry_as_given(p.entry, p, functools.partial(history_for_client, self.rt, route))
+        await shared.put_entry(route, prompt_id, p.subject, given, self.rt.cfg.jobs.result_ttl_sec)
+
     def routes_of(self, node: str) -> list[str]:
         """The routes whose record may hold prompts on ``node`` (its routes now, and any that has one)."""
         sched = self.rt.scheduler.routes
@@ -150,6 +160,14 @@ class ComfyState:
 
         return self.monitors.get(node, lambda: NodeMonitor(node, connect, alive, heard, self.hub_id, frame))
 
+    async def tell(self, route: str, node: str, prompt_id: str, msg: aiohttp.WSMessage) -> None:
+        """A frame of an sse/async job's own socket to the hub: an ``executed`` event's outputs
+        are named (cluster-wide, comfy_store.claim_names) before a client sees the names."""
+        got = parse(msg.data) if msg.type == aiohttp.WSMsgType.TEXT else None
+        if got is not None and got[0] == "executed" and got[1].get("prompt_id", prompt_id) == prompt_id:
+            await claim_names(self.rt, route, node, {"outputs": {"-": got[1].get("output")}})
+        self.hub.relay(node, prompt_id, msg)
+
     async def _frame(self, node: str, msg: aiohttp.WSMessage) -> None:
         """One frame of ``node``'s monitor: the record learns how its prompts end, then the hub
         hands it on. A prompt's final ``executing`` (sent after ComfyUI wrote its history) waits
@@ -167,13 +185,17 @@ class ComfyState:
                 p = self.owners(route).get(pid)
                 assert p is not None
                 p.output_seen = True  # lost from here on, it is not re-run elsewhere
+                await claim_names(self.rt, route, node, {"outputs": {"-": data.get("output")}})
         if isinstance(pid, str) and (kind in ENDED or (kind == "executing" and data.get("node", "") is None)):
             for route in self.hub.routes_of_prompt(node, pid):
                 owners = self.owners(route)
                 p = owners.get(pid)
                 assert p is not None
                 if kind == "executing" and p.entry is None:
-                    owners.end(pid, await self._entry(node, pid, p.node_number))
+                    entry = await self._entry(node, pid, p.node_number)
+                    if entry is not None:
+                        await claim_names(self.rt, route, node, entry)  # named before /history shows it
+                    owners.end(pid, entry)
                 else:
                     p.ended = True
         self.hub.event(node, kind, data, msg.data)
@@ -265,7 +287,7 @@ async def control(rt: Runtime, request: web.Request, route: str, path: str, subj
         elif action == "queue":
             await _queue(rt, owners, who, body, path, request_id)
         elif action == "history":
-            await _history(rt, owners, viewer, body, path, request_id)
+            await _history(rt, route, owners, viewer, body, path, request_id)
         elif action == "cancel":
             jid = path.split("/")[3]
             node = owners.node_of(jid, who)
@@ -361,8 +383,8 @@ async def _queue(rt: Runtime, owners: PromptOwners, subject: str | None, body: d
                 await api.post(path, {"delete": pending})
 
 
-async def _history(rt: Runtime, owners: PromptOwners, viewer: Viewer, body: dict[str, Any], path: str,
-                   request_id: str) -> None:
+async def _history(rt: Runtime, route: str, owners: PromptOwners, viewer: Viewer, body: dict[str, Any],
+                   path: str, request_id: str) -> None:
     """``POST /history``: ``clear`` forgets the viewer's history, ``delete`` the listed prompts of
     theirs. The route's history is the gateway's: a node is told to delete only the viewer's own
     prompts, and never to clear (that would take everybody's)."""
@@ -371,6 +393,8 @@ async def _history(rt: Runtime, owners: PromptOwners, viewer: Viewer, body: dict
     gone = set(ended) if body.get("clear") else set()
     if isinstance(delete, list):
         gone |= {pid for pid in delete if isinstance(pid, str) and pid in ended}
+    if gone and rt.comfy_shared is not None:
+        await rt.comfy_shared.forget_entries(route, sorted(gone))  # gone from every gateway's /history/{id}
     by_node: dict[str, list[str]] = {}
     for pid in sorted(gone):
         owners.forget(pid)

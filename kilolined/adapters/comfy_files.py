@@ -8,7 +8,7 @@ several GPUs"):
   node a prompt is sent to (comfy_inputs.py);
 - **outputs** a node made get the route's name — the node's own while no other file of the
   route has it, else the next free one, numbered as ComfyUI numbers a clash — and their bytes
-  once copied (comfy_outputs.py), or a mark that they are in the route's bucket;
+  once copied (comfy_store.py), or a mark that they are in the route's bucket or Redis;
 - **temp** previews are only named: their bytes stay on the node that made them.
 
 Each file records the keys that own it (who uploaded it, whose prompt made it); only they (and
@@ -44,7 +44,7 @@ class RouteFile:
     data: bytes | None = None  # held in memory
     sha256: str = ""
     size: int = 0
-    in_bucket: bool = False  # its bytes are in the route's bucket
+    in_store: bool = False  # its bytes are in the route's bucket or (cluster mode) Redis
     node: str | None = None  # outputs and previews: the node that made it, under ``node_name``
     node_name: str = ""
     failed: bool = False  # the copy could not be made: only the node has it (while it lives)
@@ -55,7 +55,7 @@ class RouteFile:
 
     @property
     def stored(self) -> bool:
-        return self.data is not None or self.in_bucket
+        return self.data is not None or self.in_store
 
 
 @dataclass
@@ -116,6 +116,8 @@ class RouteFiles:
     _by_key: OrderedDict[Key, RouteFile] = field(default_factory=OrderedDict)  # least recently used first
     _by_node: dict[tuple[str, str, str, str], RouteFile] = field(default_factory=dict)  # (node, kind, sub, name)
     _counters: dict[tuple[str, str, str, str], set[int]] = field(default_factory=dict)  # (kind, sub, stem, ext)
+    #: names another gateway of the cluster gave (cluster/comfyfiles.py): never given here
+    _elsewhere: OrderedDict[Key, None] = field(default_factory=OrderedDict)
     _bytes: int = 0
 
     # --- looking up --------------------------------------------------------------------------
@@ -174,16 +176,18 @@ class RouteFiles:
         return self._put(RouteFile(kind, subfolder, name, set(owners), self.clock()), data, digest)
 
     # --- outputs and previews --------------------------------------------------------------
-    def name_output(self, node: str, kind: str, subfolder: str, node_name: str, owner: str | None) -> RouteFile:
-        """The route's file for a node's output or preview, named on first sight: the node's own
-        name while no other file of the route has it, else the next free one. The same node file
-        keeps its name (``executed`` and history name it again)."""
+    def name_output(self, node: str, kind: str, subfolder: str, node_name: str, owner: str | None,
+                    name: str | None = None) -> RouteFile:
+        """The route's file for a node's output or preview, named on first sight: ``name`` (one
+        the cluster reserved for it), else the node's own name while no other file of the route
+        has it, else the next free one. The same node file keeps its name (``executed`` and
+        history name it again)."""
         found = self.of_node(node, kind, subfolder, node_name)
         if found is not None:
             if owner is not None:
                 found.owners.add(owner)
             return found
-        name = self._free_name(kind, subfolder, node_name)
+        name = name or self.free_name(kind, subfolder, node_name)
         f = RouteFile(kind, subfolder, name, {owner} if owner is not None else set(), self.clock(), node=node,
                       node_name=node_name)
         self._add(f)
@@ -195,20 +199,20 @@ class RouteFiles:
         return self.name_output(node, kind, subfolder, node_name, owner).name
 
     def copied(self, f: RouteFile, data: bytes | None, size: int, digest: str) -> None:
-        """The output's bytes are here (``data``) or in the bucket (``data`` None)."""
+        """The output's bytes are here (``data``) or in the bucket or Redis (``data`` None)."""
         if self._by_key.get(f.key) is not f:
             return  # dropped meanwhile
         f.sha256, f.size = digest, size
         if data is None:
-            f.in_bucket = True
+            f.in_store = True
             f.used = self.clock()
             self._by_key.move_to_end(f.key)
             return
         self._set_data(f, data)
 
     def known(self, kind: str, subfolder: str, name: str, owners: set[str], size: int) -> RouteFile:
-        """A file found in the bucket by name (after a restart, or dropped from this index)."""
-        f = RouteFile(kind, subfolder, name, set(owners), self.clock(), size=size, in_bucket=True)
+        """A file found in the bucket or Redis by name (after a restart, made through another gateway)."""
+        f = RouteFile(kind, subfolder, name, set(owners), self.clock(), size=size, in_store=True)
         self._add(f)
         return f
 
@@ -262,8 +266,19 @@ class RouteFiles:
                 if not counted:
                     del self._counters[(f.kind, f.subfolder, m["stem"], m["ext"] or "")]
 
-    def _free_name(self, kind: str, subfolder: str, name: str) -> str:
-        if (kind, subfolder, name) not in self._by_key:
+    def taken_elsewhere(self, kind: str, subfolder: str, name: str) -> None:
+        """Another gateway gave this name: the next free one is asked for instead."""
+        self._elsewhere[(kind, subfolder, name)] = None
+        while len(self._elsewhere) > self.max_entries:
+            self._elsewhere.popitem(last=False)
+
+    def _taken(self, key: Key) -> bool:
+        return key in self._by_key or key in self._elsewhere
+
+    def free_name(self, kind: str, subfolder: str, name: str) -> str:
+        """The node's name while the route has no file of it, else the next free one, as ComfyUI
+        numbers a clash."""
+        if not self._taken((kind, subfolder, name)):
             return name
         m = _COUNTED.match(name)
         if m is not None:
@@ -271,10 +286,10 @@ class RouteFiles:
             counted = self._counters.get((kind, subfolder, m["stem"], m["ext"] or ""), {0})
             width = len(m["n"])
             n = max(counted) + 1
-            while (kind, subfolder, cand := f"{m['stem']}_{n:0{width}}_{m['ext'] or ''}") in self._by_key:
+            while self._taken((kind, subfolder, cand := f"{m['stem']}_{n:0{width}}_{m['ext'] or ''}")):
                 n += 1
             return cand
         n = 1
-        while (kind, subfolder, cand := clash_name(name, n)) in self._by_key:
+        while self._taken((kind, subfolder, cand := clash_name(name, n))):
             n += 1
         return cand

@@ -147,6 +147,12 @@ def as_given(item: list[Any], p: Prompt) -> list[Any]:
     return out
 
 
+def prompt_id_of(entry: dict[str, Any]) -> str | None:
+    """The prompt id a history entry names (its ``prompt``: ``[number, id, …]``)."""
+    item = entry.get("prompt")
+    return item[1] if isinstance(item, list) and len(item) > 1 and isinstance(item[1], str) else None
+
+
 def without_traceback(data: dict[str, Any]) -> dict[str, Any]:
     """An ``execution_error`` without the node's traceback: its frames name the node's files and
     code, which clients have no use for (the message and the failing node stay)."""

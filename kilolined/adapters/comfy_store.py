@@ -2,7 +2,9 @@
 (comfy_files.py), the route's bucket, the copy of a finished prompt's outputs, and ``/view``.
 
 When a prompt ends, every output its history lists (``type: output``) is copied from the node's
-``/view`` into the store: the gateway's memory (``comfy.max_files_mb``) or the route's bucket.
+``/view`` into the route's store, one of three behind one small protocol (``OutputStore``): the
+gateway's memory (``comfy.max_files_mb``), the route's bucket, or in cluster mode without a
+bucket Redis (``comfy.max_files_mb`` cluster-wide, cluster/comfyfiles.py).
 ``GET {path}/view`` is answered from the store whether or not the node lives; while a copy is
 not done yet (the web UI asks as soon as ``executed`` arrives), and for ``temp`` previews, the
 file streams from the node that made it. A key reads only its own files (ComfyUI's 404 for
@@ -16,7 +18,7 @@ import logging
 import mimetypes
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, Protocol
 from urllib.parse import parse_qs, quote, unquote, urlencode
 
 import aiohttp
@@ -24,7 +26,7 @@ from aiohttp import web
 from multidict import CIMultiDict
 
 from kilolined.adapters.comfy_files import KINDS, OUTPUT, TEMP, RouteFile, RouteFiles, clean_subfolder, may_read
-from kilolined.cluster.comfyfiles import SharedFile
+from kilolined.cluster.comfyfiles import REDIS_ERRORS, SharedFile, SharedInputs
 from kilolined.core.config import ComfyConfig
 from kilolined.ops.runtime import Runtime
 from kilolined.wire.proxy import SERVER, stream_back
@@ -35,6 +37,7 @@ log = logging.getLogger("kilolined")
 STATE_KEY = "comfyfiles"
 VIEW_PATHS = ("/view", "/api/view")
 COPY_SEC = 60.0  # one output's copy from its node
+CLAIM_TRIES = 1000  # names tried for one output before it is named by this gateway alone
 DELIVERED_MAX = 50_000  # (node, file, sha256) deliveries remembered
 # ComfyUI's /view forces these to download rather than display (a file a node wrote is not a page of ours).
 DOWNLOAD_ONLY = frozenset({"text/html", "text/html-sandboxed", "application/xhtml+xml", "text/javascript", "text/css"})
@@ -74,6 +77,15 @@ class FilesState:
         session = self.rt.session("comfy-bucket:" + route)
         return (Bucket(session, s3.endpoint, s3.bucket, s3.region, s3.access_key, s3.secret_key.get_secret_value()),
                 f"{s3.prefix}{route}/")
+
+    def store(self, route: str) -> OutputStore:
+        """Where the route's outputs go: its bucket; else (cluster mode) Redis; else memory."""
+        bucket = self.bucket(route)
+        if bucket is not None:
+            return BucketStore(route, *bucket, self.files(route))
+        if self.rt.comfy_shared is not None:
+            return RedisStore(route, self.rt.comfy_shared, self.files(route))
+        return MemoryStore(self.files(route))
 
     def held(self) -> Iterable[tuple[str, int, int]]:
         """(route, files, bytes in memory) of every configured route with files."""
@@ -119,6 +131,112 @@ async def share(rt: Runtime, route: str, f: RouteFile) -> None:
 
 def object_key(prefix: str, kind: str, subfolder: str, name: str) -> str:
     return f"{prefix}{kind}/{subfolder + '/' if subfolder else ''}{name}"
+
+
+# --- the stores ---------------------------------------------------------------------------------------
+
+class StoreError(Exception):
+    """The store did not take or give a file (logged; the file stays on its node)."""
+
+
+class OutputStore(Protocol):
+    async def put(self, f: RouteFile, data: bytes, digest: str, ctype: str) -> None:
+        """The output's bytes stored and ``f`` marked so (raises ObjectExists, StoreError)."""
+
+    async def find(self, files: RouteFiles, subfolder: str, name: str) -> RouteFile | None:
+        """An output this gateway's record does not have (a restart, another gateway's) but the store does."""
+
+    async def send(self, request: web.Request, f: RouteFile, request_id: str) -> web.StreamResponse:
+        """The stored file's bytes to the client."""
+
+
+class MemoryStore:
+    def __init__(self, files: RouteFiles):
+        self.files = files
+
+    async def put(self, f: RouteFile, data: bytes, digest: str, ctype: str) -> None:
+        self.files.copied(f, data, len(data), digest)
+
+    async def find(self, files: RouteFiles, subfolder: str, name: str) -> RouteFile | None:
+        return None  # memory is the record itself
+
+    async def send(self, request: web.Request, f: RouteFile, request_id: str) -> web.StreamResponse:
+        if f.data is None:
+            return _not_found(request_id)
+        return web.Response(body=f.data, headers=_file_headers(f.name, None, request_id))
+
+
+class RedisStore:
+    """Cluster mode without a bucket: outputs in Redis's memory, read by every gateway."""
+
+    def __init__(self, route: str, shared: SharedInputs, files: RouteFiles):
+        self.route, self.shared, self.files = route, shared, files
+
+    async def put(self, f: RouteFile, data: bytes, digest: str, ctype: str) -> None:
+        try:
+            done = await self.shared.put_output(self.route, f.subfolder, f.name, SharedFile(data, digest,
+                                                frozenset(f.owners)), ctype, self.files.ttl, self.files.max_bytes)
+        except REDIS_ERRORS as e:
+            raise StoreError(f"Redis: {type(e).__name__}") from e
+        if not done:
+            raise StoreError("larger than comfy.max_files_mb")
+        self.files.copied(f, None, len(data), digest)
+
+    async def find(self, files: RouteFiles, subfolder: str, name: str) -> RouteFile | None:
+        got = await self.shared.output(self.route, subfolder, name, files.ttl, with_data=False)
+        return None if got is None else files.known(OUTPUT, subfolder, name, set(got.owners), got.size)
+
+    async def send(self, request: web.Request, f: RouteFile, request_id: str) -> web.StreamResponse:
+        got = await self.shared.output(self.route, f.subfolder, f.name, self.files.ttl, with_data=True)
+        if got is None or got.data is None:
+            return _not_found(request_id)  # dropped by the bound or the TTL, as ComfyUI says of a file not there
+        return web.Response(body=got.data, headers=_file_headers(f.name, got.ctype, request_id))
+
+
+class BucketStore:
+    """The route's S3-compatible bucket: objects streamed, never overwritten."""
+
+    def __init__(self, route: str, bucket: Bucket, prefix: str, files: RouteFiles):
+        self.route, self.bucket, self.prefix, self.files = route, bucket, prefix, files
+
+    async def put(self, f: RouteFile, data: bytes, digest: str, ctype: str) -> None:
+        owners = ",".join(quote(o, safe="") for o in sorted(f.owners))
+        try:
+            await self.bucket.put(object_key(self.prefix, f.kind, f.subfolder, f.name), data, ctype,
+                                  {"owners": owners})
+        except ObjectExists:
+            raise
+        except BucketError as e:
+            raise StoreError(str(e)) from e
+        self.files.copied(f, None, len(data), digest)
+
+    async def find(self, files: RouteFiles, subfolder: str, name: str) -> RouteFile | None:
+        try:
+            r = await self.bucket.open(object_key(self.prefix, OUTPUT, subfolder, name), "HEAD")
+        except BucketError as e:
+            log.warning("[%s] bucket: %s", self.route, e)
+            return None
+        if r is None:
+            return None
+        owners = {unquote(o) for o in unquote(r.headers.get("x-amz-meta-owners", "")).split(",") if o}
+        size = int(r.headers.get("Content-Length", "0") or 0)
+        r.release()
+        return files.known(OUTPUT, subfolder, name, owners, size)
+
+    async def send(self, request: web.Request, f: RouteFile, request_id: str) -> web.StreamResponse:
+        try:
+            r = await self.bucket.open(object_key(self.prefix, f.kind, f.subfolder, f.name), "GET")
+        except BucketError as e:
+            log.warning("[%s] bucket: %s", self.route, e)
+            return web.Response(status=502, headers={"X-Request-Id": request_id})
+        if r is None:
+            return _not_found(request_id)
+        try:
+            headers = _file_headers(f.name, r.headers.get("Content-Type"), request_id)
+            resp, _ = await stream_back(request, r, headers)
+            return resp
+        finally:
+            r.release()
 
 
 def reader(rt: Runtime, route: str, subject: str | None) -> Callable[[RouteFile], bool]:
@@ -186,11 +304,37 @@ def output_files(entry: dict[str, Any]) -> list[tuple[str, str, str]]:
     return found
 
 
+async def claim_names(rt: Runtime, route: str, node: str, entry: dict[str, Any]) -> None:
+    """Cluster mode: the route names of an entry's outputs (a history entry, or ``{"outputs":
+    {id: an executed output}}``) reserved in Redis before any client sees them, so no two
+    gateways give one name to two files. Without Redis each gateway names from what it knows."""
+    shared = rt.comfy_shared
+    if shared is None:
+        return
+    files = files_state(rt).files(route)
+    for kind, sub, node_name in output_files(entry):
+        if kind != OUTPUT or files.of_node(node, kind, sub, node_name) is not None:
+            continue
+        file = "/".join(quote(p, safe="") for p in (node, sub, node_name))
+        for _ in range(CLAIM_TRIES):
+            cand = files.free_name(kind, sub, node_name)
+            try:
+                if await shared.reserve(route, kind, sub, cand, file, files.ttl):
+                    files.name_output(node, kind, sub, node_name, None, cand)
+                    break
+            except REDIS_ERRORS as e:
+                log.warning("comfy files: Redis did not answer (%s): outputs named by this gateway alone",
+                            type(e).__name__)
+                return
+            files.taken_elsewhere(kind, sub, cand)
+
+
 # --- the copy at the end of a prompt --------------------------------------------------------------
 
-def prompt_finished(rt: Runtime, route: str, node: str, entry: dict[str, Any], owner: str) -> dict[str, Any]:
+async def prompt_finished(rt: Runtime, route: str, node: str, entry: dict[str, Any], owner: str) -> dict[str, Any]:
     """Name the finished prompt's files on the route, start copying its outputs off the node,
     and return the entry as clients see it (route names)."""
+    await claim_names(rt, route, node, entry)
     st = files_state(rt)
     files = st.files(route)
     for kind, sub, name in output_files(entry):
@@ -217,22 +361,14 @@ async def _copy(rt: Runtime, route: str, node: str, f: RouteFile) -> None:
             ctype = r.headers.get("Content-Type", "application/octet-stream")
         if len(data) > limit:
             raise aiohttp.ClientError("larger than comfy.max_files_mb")
-        digest = hashlib.sha256(data).hexdigest()
-        bucket = st.bucket(route)
-        if bucket is not None:
-            b, prefix = bucket
-            owners = ",".join(quote(o, safe="") for o in sorted(f.owners))
-            await b.put(object_key(prefix, f.kind, f.subfolder, f.name), data, ctype, {"owners": owners})
-            st.files(route).copied(f, None, len(data), digest)
-        else:
-            st.files(route).copied(f, data, len(data), digest)
+        await st.store(route).put(f, data, hashlib.sha256(data).hexdigest(), ctype)
     except ObjectExists:
         # Another gateway, or this one before a restart, gave the name to another file (each
         # names outputs from what it knows): that file is never replaced; this one is served
         # from its node while it lives.
         f.failed = True
         log.warning("[%s] the route's bucket already has %s: not overwritten", node, f.name)
-    except (aiohttp.ClientError, OSError, TimeoutError, BucketError) as e:
+    except (aiohttp.ClientError, OSError, TimeoutError, StoreError) as e:
         f.failed = True
         log.warning("[%s] could not copy an output off the node (%s): it is served from the node while it lives",
                     node, e)
@@ -265,9 +401,10 @@ async def view(rt: Runtime, request: web.Request, route: str, subject: str | Non
     st = files_state(rt)
     files = st.files(route)
     may = reader(rt, route, subject)
+    store = st.store(route)
     f = await held(rt, route, kind, sub, filename)
     if f is None and kind == OUTPUT:
-        f = await _from_bucket(st, route, files, sub, filename)
+        f = await store.find(files, sub, filename)
     if f is None:
         # Outputs come only from the route's record (ComfyUI's 404 for what is not there); an
         # input it never held may be one of the node's own files, a preview it was not told of
@@ -278,8 +415,8 @@ async def view(rt: Runtime, request: web.Request, route: str, subject: str | Non
     files.use(f)
     if f.data is not None:
         return web.Response(body=f.data, headers=_file_headers(f.name, None, request_id))
-    if f.in_bucket:
-        return await _stream_bucket(request, st, route, f, request_id)
+    if f.in_store:
+        return await store.send(request, f, request_id)
     if f.node is not None:
         return await _stream_node(rt, request, f, request_id)
     return _not_found(request_id)
@@ -298,7 +435,7 @@ async def job_file(rt: Runtime, request: web.Request, route: str, node: str, que
     st.files(route).use(f)
     if f.data is not None:
         return web.Response(body=f.data, headers=_file_headers(f.name, None, request_id))
-    return await _stream_bucket(request, st, route, f, request_id)
+    return await st.store(route).send(request, f, request_id)
 
 
 def _not_found(request_id: str) -> web.Response:
@@ -311,46 +448,6 @@ def _file_headers(name: str, ctype: str | None, request_id: str) -> CIMultiDict[
         ctype = "application/octet-stream"
     return CIMultiDict({"Content-Type": ctype, "Content-Disposition": f'filename="{name}"',
                         "X-Request-Id": request_id, "Server": SERVER})
-
-
-async def _from_bucket(st: FilesState, route: str, files: RouteFiles, sub: str, name: str) -> RouteFile | None:
-    """An output the record forgot (a restart, the index's bound) but the bucket keeps."""
-    bucket = st.bucket(route)
-    if bucket is None:
-        return None
-    b, prefix = bucket
-    try:
-        r = await b.open(object_key(prefix, OUTPUT, sub, name), "HEAD")
-    except BucketError as e:
-        log.warning("[%s] bucket: %s", route, e)
-        return None
-    if r is None:
-        return None
-    owners = {unquote(o) for o in unquote(r.headers.get("x-amz-meta-owners", "")).split(",") if o}
-    size = int(r.headers.get("Content-Length", "0") or 0)
-    r.release()
-    return files.known(OUTPUT, sub, name, owners, size)
-
-
-async def _stream_bucket(request: web.Request, st: FilesState, route: str, f: RouteFile,
-                         request_id: str) -> web.StreamResponse:
-    bucket = st.bucket(route)
-    if bucket is None:
-        return _not_found(request_id)
-    b, prefix = bucket
-    try:
-        r = await b.open(object_key(prefix, f.kind, f.subfolder, f.name), "GET")
-    except BucketError as e:
-        log.warning("[%s] bucket: %s", route, e)
-        return web.Response(status=502, headers={"X-Request-Id": request_id})
-    if r is None:
-        return _not_found(request_id)
-    try:
-        headers = _file_headers(f.name, r.headers.get("Content-Type"), request_id)
-        resp, _ = await stream_back(request, r, headers)
-        return resp
-    finally:
-        r.release()
 
 
 async def _stream_node(rt: Runtime, request: web.Request, f: RouteFile, request_id: str) -> web.StreamResponse:

@@ -2,7 +2,9 @@
 list over every node, from the route's record (comfy_record.py), in ComfyUI's shapes.
 
 - ``GET /history``, ``/history/{id}``: the viewer's ended prompts, in the order they ended; an
-  entry the record has not read yet (the prompt ended a moment ago) is asked of its node.
+  entry the record has not read yet (the prompt ended a moment ago) is asked of its node. In
+  cluster mode ``/history/{id}`` (and ``/api/jobs/{id}``) of a prompt sent through another gateway
+  that ended is answered from Redis.
 - ``GET /queue``: the queues of the nodes that hold the viewer's prompts, kept to those prompts.
 - ``GET /prompt``: ``queue_remaining`` over the route (the viewer's prompts not yet ended).
 - ``GET /api/jobs``, ``/api/jobs/{id}``: ComfyUI's jobs records of the same (core/comfy_jobs.py).
@@ -50,7 +52,7 @@ def view_of(method: str, path: str) -> tuple[View, str] | None:
 
 class Views:
     def __init__(self, rt: Runtime, route: str, owners: PromptOwners, viewer: Viewer, request_id: str):
-        self.rt, self.owners, self.viewer, self.request_id = rt, owners, viewer, request_id
+        self.rt, self.route, self.owners, self.viewer, self.request_id = rt, route, owners, viewer, request_id
         self.names: Names = functools.partial(history_for_client, rt, route)  # the route's file names
 
     def _given(self, entry: dict[str, Any], p: Prompt) -> dict[str, Any]:
@@ -113,8 +115,19 @@ class Views:
         end = offset + max_items if max_items is not None else None
         return web.json_response(dict(items[offset:end]))
 
+    async def _elsewhere(self, pid: str) -> dict[str, Any] | None:
+        """Cluster mode: the entry of a prompt sent through another gateway, as its client was
+        given it, if the viewer sees it."""
+        shared = self.rt.comfy_shared
+        got = await shared.entry(self.route, pid) if shared is not None else None
+        return got[1] if got is not None and (self.viewer.subject is None or got[0] == self.viewer.subject) \
+            else None
+
     async def history_item(self, request: web.Request, pid: str) -> web.Response:
         p = self.owners.get(pid)
+        if p is None and self.rt.comfy_shared is not None:
+            there = await self._elsewhere(pid)
+            return web.json_response({pid: there} if there is not None else {})
         entry = await self._entry(pid, p) if p is not None and self.viewer.sees(p) else None
         return web.json_response({pid: self._given(entry, p)} if entry is not None and p is not None else {})
 
@@ -133,6 +146,8 @@ class Views:
     async def job(self, request: web.Request, pid: str) -> web.Response:
         p = self.owners.get(pid)
         job = None
+        if p is None and (there := await self._elsewhere(pid)) is not None:
+            job = comfy_jobs.find(pid, [], [], {pid: there})
         if p is not None and self.viewer.sees(p):
             entry = await self._entry(pid, p)
             if entry is not None:

@@ -36,7 +36,7 @@ from kilolined.adapters.comfy_inputs import PromptInputs, is_upload, upload
 from kilolined.adapters.comfy_monitor import NodeMonitor
 from kilolined.adapters.comfy_node import NodeAPI, NodeError, all_ids, find_entry, lease_api, on_queue, stop_prompt
 from kilolined.adapters.comfy_progress import Progress
-from kilolined.adapters.comfy_record import ABSENT, PromptOwners, entry_as_given, without_traceback
+from kilolined.adapters.comfy_record import ABSENT, PromptOwners, entry_as_given, prompt_id_of, without_traceback
 from kilolined.adapters.comfy_store import is_view, prompt_finished, view
 from kilolined.core.errors import error_response
 from kilolined.core.outcome import Cancelled, Failure, Result
@@ -247,7 +247,7 @@ class Submitted:
     timeout: float
     stall_sec: float | None = None  # the node's slow.stall_sec: this long without a frame is a stall
     output_seen: bool = False  # an output node ran: the prompt cannot be re-run elsewhere for free
-    tell: Callable[[aiohttp.WSMessage], None] | None = None  # hands each frame to the key's own sockets
+    tell: Callable[[aiohttp.WSMessage], Awaitable[None]] | None = None  # each frame to the key's own sockets
 
 
 @dataclass
@@ -393,7 +393,8 @@ class ComfyUIAdapter(Adapter):
         lease, entry = await self._run_to_end(rt, scope, ex, body, sink, inputs)
         result, files = annotate_files(entry, lease.node, sink.file_url)
         # Outputs leave the node (comfy_store.py); the result names them as the route does.
-        result = prompt_finished(rt, lease.route, lease.node, result, scope.ticket.key)
+        result = await prompt_finished(rt, lease.route, lease.node, result, scope.ticket.key)
+        await comfy_state(rt).share_entry(lease.route, prompt_id_of(entry))
         scope.ok = True
         # /result serves the same view as output_ready.result: the URLs are how clients get files.
         sink.result(Result(200, "application/json", orjson.dumps(result), result=result, files=files))
@@ -411,7 +412,8 @@ class ComfyUIAdapter(Adapter):
         # The node is sent a prompt: its path is ComfyUI's, whatever the client asked.
         lease, entry = await self._run_to_end(rt, scope, dataclasses.replace(ex, tail=PROMPT_PATHS[0]), body,
                                               sink, inputs)
-        shown = prompt_finished(rt, lease.route, lease.node, entry, scope.ticket.key)
+        shown = await prompt_finished(rt, lease.route, lease.node, entry, scope.ticket.key)
+        await comfy_state(rt).share_entry(lease.route, prompt_id_of(entry))
         images = await images_answer(rt, lease, entry, shown, answer.get("response_format"), ex)
         scope.ok = True
         sink.result(Result(200, "application/json", orjson.dumps(images), result=images))
@@ -533,7 +535,8 @@ class ComfyUIAdapter(Adapter):
             owners.end(prompt_id, entry)
         scope.done_with_node()
         if entry is not None:
-            prompt_finished(rt, lease.route, lease.node, entry, scope.ticket.key)  # outputs leave the node
+            await prompt_finished(rt, lease.route, lease.node, entry, scope.ticket.key)  # outputs leave the node
+            await state.share_entry(lease.route, prompt_id)  # /history/{id} on every gateway
 
     @staticmethod
     async def _resubmit(scope: LeaseScope, ex: Exchange, again: InputsFirst, prompt_id: str,
@@ -579,7 +582,7 @@ class ComfyUIAdapter(Adapter):
             state = comfy_state(rt)
             owners = state.owners(lease.route)
             owners.add(sub.prompt_id, scope.ticket.key, lease.node, sub.number, body.get("client_id", ABSENT))
-            sub.tell = functools.partial(state.hub.relay, lease.node, sub.prompt_id)  # the client's /ws hears it
+            sub.tell = functools.partial(state.tell, lease.route, lease.node, sub.prompt_id)  # the /ws hears it
             # Timeout, cancel or error from here on: stop the prompt, and keep the slot until the
             # GPU has really stopped (interrupts land between steps); the scope runs this first.
             scope.on_abort(lambda: self._stop(sub, sink))
@@ -741,7 +744,7 @@ class ComfyUIAdapter(Adapter):
             if activity is not None:
                 activity.seen(node, loop.time())
             if sub.tell is not None and msg.type in (aiohttp.WSMsgType.TEXT, aiohttp.WSMsgType.BINARY):
-                sub.tell(msg)
+                await sub.tell(msg)
             if msg.type == aiohttp.WSMsgType.BINARY:
                 continue  # previews carry no prompt id; nothing for us
             if msg.type != aiohttp.WSMsgType.TEXT:
