@@ -20,14 +20,14 @@ import csv
 import datetime as dt
 import io
 import math
-import os
 import re
-import tempfile
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import orjson
+
+from kilolined.scheduling.limits import write_atomic
 
 FIELDS = ("requests", "prompt_tokens", "completion_tokens", "gpu_seconds", "cost_usd")
 DIMENSIONS = ("day", "key", "route", "model")
@@ -152,18 +152,8 @@ class Bill:
             return
         self.path.parent.mkdir(parents=True, exist_ok=True)
         data = orjson.dumps({"fields": [*DIMENSIONS, *FIELDS], "rows": [[*k, *v] for k, v in self.rows.items()]})
-        fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=".usage.")
-        try:
-            with os.fdopen(fd, "wb") as f:
-                f.write(data)
-            os.replace(tmp, self.path)
-            self.dirty = False
-        except OSError:
-            try:
-                os.unlink(tmp)
-            except OSError:
-                pass
-            raise
+        write_atomic(self.path, data)
+        self.dirty = False
 
 
 # --- queries: the same for /admin/usage and /v1/usage ----------------------------------------

@@ -292,18 +292,24 @@ class Budgets:
             self.used.pop(k, None)
             del self.windows[k]
         data = orjson.dumps({"day": self.day, "used": self.used, "windows": self.windows})
-        fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=".budgets.")
+        write_atomic(self.path, data)
+        self.dirty = False
+
+
+def write_atomic(path: Path, data: bytes) -> None:
+    """``data`` as ``path``, whole or not at all (temp file in its directory + rename): a crash
+    mid-write leaves the previous file. The budget counters and the bill are written so."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.stem}.")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    except OSError:
         try:
-            with os.fdopen(fd, "wb") as f:
-                f.write(data)
-            os.replace(tmp, self.path)
-            self.dirty = False
+            os.unlink(tmp)
         except OSError:
-            try:
-                os.unlink(tmp)
-            except OSError:
-                pass
-            raise
+            pass
+        raise
 
 
 #: What ``LimitStore.take`` decided: the bucket's verdict (None: no rate applies) and the name of
