@@ -133,8 +133,9 @@ class ComfyState:
         if lists is None or prompt_id is None or p is None or p.entry is None:
             return
         given = entry_as_given(p.entry, p, functools.partial(history_for_client, self.rt, route))
-        await lists.put_entry(route, prompt_id, p.subject, given, comfy_jobs.from_history(prompt_id, given),
-                              self.rt.cfg.jobs.result_ttl_sec, ENTRIES_MAX)
+        p.shared = await lists.put_entry(route, prompt_id, p.subject, given,
+                                         comfy_jobs.from_history(prompt_id, given), self.rt.cfg.jobs.result_ttl_sec,
+                                         ENTRIES_MAX)
 
     async def share_failed(self, route: str, prompt_id: str) -> None:
         """Cluster mode: a prompt that ended in an error, its entry shared as a finished one's

@@ -32,6 +32,7 @@ class Prompt:
     ended: bool = False
     output_seen: bool = False  # an output node ran (``executed``): it cannot be re-run elsewhere for free
     node_number: float | None = None  # the number its node gave it (another after a re-queue)
+    shared: bool = False  # cluster mode: its entry is in Redis, whose history is the route's from then on
 
     def __post_init__(self) -> None:
         if self.node_number is None:
@@ -89,7 +90,7 @@ class PromptOwners:
         number and client id the client was given."""
         p = self._by_id.get(prompt_id)
         if p is not None:
-            p.node, p.node_number, p.ended, p.entry = node, node_number, False, None
+            p.node, p.node_number, p.ended, p.entry, p.shared = node, node_number, False, None, False
             self._told(prompt_id, p)
 
     def get(self, prompt_id: Any) -> Prompt | None:

@@ -122,15 +122,16 @@ class Views:
 
     async def _ended(self) -> tuple[list[str], dict[str, Prompt]]:
         """The viewer's ended prompts with an entry, in the order they ended (cluster mode:
-        every gateway's as Redis orders them, then this one's not shared yet), and this
-        gateway's own among them."""
+        every gateway's as Redis orders them, then this one's not shared yet: one that was is
+        the route's history's only while Redis has it, deleted through any gateway or expired),
+        and this gateway's own among them."""
         local = {pid: p for pid, p in self.owners.history(self.viewer) if p.entry is not None}
         lists = self.rt.comfy_lists
         if lists is None:
             return list(local), local
         shared = await lists.ended(self.route, self.viewer.subject)
         known = set(shared)
-        return shared + [pid for pid in local if pid not in known], local
+        return shared + [pid for pid, p in local.items() if pid not in known and not p.shared], local
 
     async def _entries(self, pids: list[str], local: dict[str, Prompt]) -> dict[str, dict[str, Any]]:
         """The entries of ``pids`` as their clients were given them, in that order."""
@@ -172,7 +173,7 @@ class Views:
 
     async def history_item(self, request: web.Request, pid: str) -> web.Response:
         p = self.owners.get(pid)
-        if p is None and self.rt.comfy_lists is not None:
+        if (p is None or p.shared) and self.rt.comfy_lists is not None:  # the route's entry is Redis's
             there = await self._elsewhere(pid)
             return web.json_response({pid: there} if there is not None else {})
         entry = await self._entry(pid, p) if p is not None and self.viewer.sees(p) else None
@@ -199,6 +200,8 @@ class Views:
     async def job(self, request: web.Request, pid: str) -> web.Response:
         p = self.owners.get(pid)
         job = None
+        if p is not None and p.shared:
+            p = None  # ended, and its entry is Redis's: deleted through any gateway, it is gone
         if p is None and (there := await self._elsewhere(pid)) is not None:
             job = comfy_jobs.find(pid, [], [], {pid: there})
         elif p is None and self.rt.comfy_lists is not None:

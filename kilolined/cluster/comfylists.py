@@ -113,15 +113,16 @@ class Writes:
 
     def __init__(self, spawn: Callable[[Coroutine[Any, Any, Any]], object]):
         self.spawn = spawn
-        self._ops: deque[tuple[Callable[[], Awaitable[None]], asyncio.Future[None]]] = deque()
+        self._ops: deque[tuple[Callable[[], Awaitable[bool]], asyncio.Future[bool]]] = deque()
         self._running = False
 
-    def submit(self, op: Callable[[], Awaitable[None]]) -> asyncio.Future[None]:
-        """Queue ``op`` (it logs its own Redis errors); the future is done once it ran."""
-        done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+    def submit(self, op: Callable[[], Awaitable[bool]]) -> asyncio.Future[bool]:
+        """Queue ``op`` (it logs its own Redis errors); the future says, once it ran, whether
+        Redis took it."""
+        done: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
         if len(self._ops) >= WRITES_MAX:
             log.warning("comfy lists: Redis is behind (%d writes queued): a write dropped", len(self._ops))
-            done.set_result(None)
+            done.set_result(False)
             return done
         self._ops.append((op, done))
         if not self._running:
@@ -133,18 +134,19 @@ class Writes:
         try:
             while self._ops:
                 op, done = self._ops[0]
+                took = False
                 try:
-                    await op()
+                    took = await op()
                 finally:
                     self._ops.popleft()
                     if not done.done():
-                        done.set_result(None)
+                        done.set_result(took)
         finally:
             self._running = False
             while self._ops:  # stopped (the gateway stops): nobody waits for what was left
                 _, done = self._ops.popleft()
                 if not done.done():
-                    done.set_result(None)
+                    done.set_result(False)
 
 
 class SharedLists:
@@ -175,31 +177,36 @@ class SharedLists:
         args: list[bytes | str | int] = [max(1, int(max_age * 1000)), WAITING_MAX, prompt_id,
                                          b"" if record is None else orjson.dumps(record)]
 
-        async def write() -> None:
+        async def write() -> bool:
             try:
                 await self._put_waiting(keys=self._waiting_keys(route), args=args)
             except REDIS_ERRORS as e:
                 log.warning("comfy lists: Redis did not take a queue change (%s): this gateway's own only",
                             type(e).__name__)
+                return False
+            return True
 
         self.writes.submit(write)
 
     async def put_entry(self, route: str, prompt_id: str, subject: str, entry: dict[str, Any],
-                        job: dict[str, Any], ttl: float, cap: int) -> None:
-        """The prompt ended: its entry as given and its jobs record, out of the waiting ones."""
+                        job: dict[str, Any], ttl: float, cap: int) -> bool:
+        """The prompt ended: its entry as given and its jobs record, out of the waiting ones.
+        False when Redis did not take it."""
         keys = [self.entry_key(route, prompt_id), self._ended_key(route, None), self._ended_key(route, subject),
                 self._jobs_key(route), *self._waiting_keys(route)]
         args: list[bytes | str | int] = [orjson.dumps({"subject": subject, "entry": entry}), orjson.dumps(job),
                                          max(1, int(ttl * 1000)), cap, prompt_id]
 
-        async def write() -> None:
+        async def write() -> bool:
             try:
                 await self._put_entry(keys=keys, args=args)
             except REDIS_ERRORS as e:
                 log.warning("comfy history: Redis did not take an entry (%s): this gateway's own only",
                             type(e).__name__)
+                return False
+            return True
 
-        await self.writes.submit(write)
+        return await self.writes.submit(write)
 
     async def forget_entries(self, route: str, prompt_ids: list[str]) -> None:
         """Out of every gateway's history (``POST /history`` delete or clear)."""
