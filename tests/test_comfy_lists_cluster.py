@@ -15,6 +15,7 @@ from conftest import ADMIN, auth, base_config, wait_until
 from test_comfy_files import ASYNC, img2img, upload
 from test_comfy_many_gpus import graph
 
+from kilolined.cluster.comfylists import SharedLists
 from kilolined.fakegpu.comfy_graph import make_png
 
 __all__ = ["redis_server"]  # fixtures
@@ -172,3 +173,40 @@ async def test_a_jobs_files_download_from_another_gateway_after_its_own_stopped(
         assert r.status == 404
     async with http.get(gw1.url + f"/v1/jobs/{job['job_id']}/files/1", headers=auth()) as r:
         assert r.status == 404
+
+
+async def test_the_shared_lists_are_bounded_and_expire(redis_server: RedisServer) -> None:
+    """Every key the lists write expires (``jobs.result_ttl_sec``, a waiting record twice the
+    request timeout), and the ended lists keep the route's last ``cap`` prompts (their jobs
+    records with them); a prompt's entry takes its waiting record's place."""
+    redis = redis_server.client()
+    tasks: set[asyncio.Task[Any]] = set()
+
+    def spawn(coro: Any) -> None:
+        t = asyncio.create_task(coro)
+        tasks.add(t)
+        t.add_done_callback(tasks.discard)
+
+    lists = SharedLists(redis, "kl-b:", spawn)
+    for pid in ("p1", "p2", "p3"):
+        lists.waiting_now("gen", pid, {"subject": "alice", "node": "a", "number": 1}, max_age=60)
+    lists.waiting_now("gen", "p3", None, max_age=60)  # ended without an entry
+    entry = {"prompt": [1, "p1", {}, {}, []], "outputs": {}, "status": {"status_str": "success", "messages": []}}
+    for pid in ("p1", "p2"):
+        assert await lists.put_entry("gen", pid, "alice", {**entry, "prompt": [1, pid, {}, {}, []]}, {"id": pid},
+                                     ttl=30, cap=1)
+    assert list(await lists.waiting("gen")) == []  # p1, p2 ended with entries; p3 without
+    assert await lists.ended("gen", "alice") == ["p2"] and await lists.ended("gen", None) == ["p2"]
+    assert await lists.jobs("gen", ["p1", "p2"]) == {"p2": {"id": "p2"}}
+    lists.waiting_now("gen", "p4", {"subject": "bob", "node": "a", "number": 2}, max_age=60)
+    await lists.put_entry("gen", "p5", "bob", entry, {"id": "p5"}, ttl=30, cap=1)
+    keys = list(await redis.keys("kl-b:*"))
+    assert sorted(keys) == sorted(["kl-b:comfywait:gen", "kl-b:comfywait:gen:at", "kl-b:comfyhist:gen:p1",
+                                   "kl-b:comfyhist:gen:p2", "kl-b:comfyhist:gen:p5", "kl-b:comfyended:gen",
+                                   "kl-b:comfyended:gen:alice", "kl-b:comfyended:gen:bob", "kl-b:comfysum:gen"])
+    for k in keys:
+        limit = 60_000 if k.startswith("kl-b:comfywait:") else 30_000
+        assert 0 < await redis.pttl(k) <= limit, k
+    await lists.forget_entries("gen", ["p5"])
+    assert await lists.ended("gen", "bob") == [] and await lists.entry("gen", "p5") is None
+    await redis.aclose()

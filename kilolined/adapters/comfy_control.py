@@ -110,8 +110,8 @@ class ComfyState:
         got = self.routes.get(route)
         if got is None:
             got = self.routes[route] = PromptOwners()
-            if self.rt.comfy_lists is not None:
-                got.listen = functools.partial(self._changed, route)
+        if got.listen is None and self.rt.comfy_lists is not None:
+            got.listen = functools.partial(self._changed, route)
         return got
 
     def _changed(self, route: str, prompt_id: str, p: Prompt) -> None:
