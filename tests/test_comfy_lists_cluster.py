@@ -123,6 +123,7 @@ async def test_a_prompt_through_one_gateway_is_in_the_others_queue_jobs_and_hist
     await control(http, gw1, "/history", {"clear": True}, "alice")
     assert await get(http, gw0, "/history", auth()) == {} and await get(http, gw1, "/history", ADMIN) == {}
     assert await get(http, gw0, f"/history/{pid}", auth()) == {}
+    assert (await get(http, gw0, "/api/jobs", auth()))["jobs"] == []
 
 
 async def test_a_prompt_waiting_on_its_node_is_dequeued_through_the_other_gateway(

@@ -189,8 +189,8 @@ class Views:
     async def jobs(self, request: web.Request, _: str) -> web.Response:
         running, pending = await self._queues()
         ids, local = await self._ended()
-        finished = [comfy_jobs.from_history(pid, self._given(p.entry, p)) for pid, p in local.items()
-                    if p.entry is not None]
+        finished = [comfy_jobs.from_history(pid, self._given(p.entry, p)) for pid in ids
+                    if (p := local.get(pid)) is not None and p.entry is not None]
         lists = self.rt.comfy_lists
         if lists is not None:
             finished += (await lists.jobs(self.route, [pid for pid in ids if pid not in local])).values()
