@@ -5,9 +5,10 @@
 the prompt they mean to stop. And on a shared node they act on everybody's prompts
 (``/interrupt {}`` stops whatever runs, ``clear`` empties the whole queue). Behind the gateway
 they act only on prompts that the same key submitted through it, as the route's record
-(comfy_record.py) has them. A request about someone else's prompt gets ComfyUI's own answer for a prompt
-that is not there (200, nothing done), so prompt ids of other keys cannot be probed. The admin
-key acts on every prompt, and so does every key of a ``comfy.shared`` route.
+(comfy_record.py) has them, or in cluster mode through any gateway (cluster/comfylists.py). A
+request about someone else's prompt gets ComfyUI's own answer for a prompt that is not there
+(200, nothing done), so prompt ids of other keys cannot be probed. The admin key acts on every
+prompt, and so does every key of a ``comfy.shared`` route.
 
 The read views (comfy_views.py) and the websocket (comfy_hub.py) are dispatched from here too,
 and the per-runtime ComfyUI state lives here: the routes' records, the node monitors, the hub.
@@ -312,11 +313,7 @@ async def control(rt: Runtime, request: web.Request, route: str, path: str, subj
         body = None
     body = body if isinstance(body, dict) else {}
     owners = state.owners(route)
-    mine = owners.mine(viewer.subject) if action != "history" else {}
-    if rt.comfy_lists is not None and action != "history":
-        # Cluster mode: a prompt on a node through another gateway is acted on where it is.
-        there = await Views(rt, route, owners, viewer, request_id).waiting()
-        mine = {**{pid: p.node for pid, p in there.items()}, **mine}
+    mine = await _reach(rt, route, owners, viewer, request_id) if action != "history" else {}
     try:
         if action == "interrupt":
             await _interrupt(rt, mine, body.get("prompt_id"), path, request_id)
@@ -363,6 +360,16 @@ async def _cancel(rt: Runtime, node: str, pid: str, request_id: str) -> bool:
         await api.post("/queue", {"delete": [pid]})
         return True
     return False
+
+
+async def _reach(rt: Runtime, route: str, owners: PromptOwners, viewer: Viewer, request_id: str) -> dict[str, str]:
+    """prompt id → node of the prompts ``viewer`` may act on: the record's, and in cluster mode
+    those on a node through another gateway (acted on where they are)."""
+    mine = owners.mine(viewer.subject)
+    if rt.comfy_lists is None:
+        return mine
+    there = await Views(rt, route, owners, viewer, request_id).waiting()
+    return {**{pid: p.node for pid, p in there.items()}, **mine}
 
 
 def _by_node(rt: Runtime, mine: dict[str, str], ids: list[Any]) -> dict[str, list[str]]:
