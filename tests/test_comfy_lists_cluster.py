@@ -126,6 +126,22 @@ async def test_a_prompt_through_one_gateway_is_in_the_others_queue_jobs_and_hist
     assert (await get(http, gw0, "/api/jobs", auth()))["jobs"] == []
 
 
+async def test_without_redis_a_gateway_still_has_its_own_history(redis_server: RedisServer, fakegpus: Any,
+                                                                  gateway: Any, http: aiohttp.ClientSession) -> None:
+    node = await fakegpus("comfyui", step_ms=5)
+    gw0, gw1 = await two_gateways(redis_server, gateway, {"a": node})
+    pid = (await post(http, gw0, {"prompt": graph(2, 1)}))["prompt_id"]
+
+    async def on_gw1() -> bool:
+        return pid in await get(http, gw1, "/history", auth())
+
+    await wait_until(on_gw1)
+    redis_server.kill()
+    assert list(await get(http, gw0, "/history", auth())) == [pid]
+    assert list(await get(http, gw0, f"/history/{pid}", auth())) == [pid]
+    assert await get(http, gw1, "/history", auth()) == {}
+
+
 async def test_a_prompt_waiting_on_its_node_is_dequeued_through_the_other_gateway(
         redis_server: RedisServer, fakegpus: Any, gateway: Any, http: aiohttp.ClientSession) -> None:
     node = await fakegpus("comfyui", step_ms=20, parallel=1)  # the node's own queue holds the second
@@ -210,4 +226,6 @@ async def test_the_shared_lists_are_bounded_and_expire(redis_server: RedisServer
         assert 0 < await redis.pttl(k) <= limit, k
     await lists.forget_entries("gen", ["p5"])
     assert await lists.ended("gen", "bob") == [] and await lists.entry("gen", "p5") is None
+    redis_server.kill()
+    assert await lists.ended("gen", "alice") is None  # not known, rather than none
     await redis.aclose()

@@ -432,7 +432,7 @@ async def _history(rt: Runtime, route: str, owners: PromptOwners, viewer: Viewer
     ended: dict[str, str | None] = {pid: p.node for pid, p in owners.history(viewer)}
     lists = rt.comfy_lists
     if lists is not None:  # cluster mode: the viewer's prompts ended through the other gateways too
-        ended = {**dict.fromkeys(await lists.ended(route, viewer.subject)), **ended}
+        ended = {**dict.fromkeys(await lists.ended(route, viewer.subject) or ()), **ended}
     delete = body.get("delete")
     gone = set(ended) if body.get("clear") else set()
     if isinstance(delete, list):

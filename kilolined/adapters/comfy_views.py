@@ -130,13 +130,15 @@ class Views:
         if lists is None:
             return list(local), local
         shared = await lists.ended(self.route, self.viewer.subject)
+        if shared is None:
+            return list(local), local  # Redis does not answer: this gateway's own, as it has them
         known = set(shared)
         return shared + [pid for pid, p in local.items() if pid not in known and not p.shared], local
 
     async def _entries(self, pids: list[str], local: dict[str, Prompt]) -> dict[str, dict[str, Any]]:
         """The entries of ``pids`` as their clients were given them, in that order."""
         lists = self.rt.comfy_lists
-        there = await lists.entries(self.route, [pid for pid in pids if pid not in local]) \
+        there = (await lists.entries(self.route, [pid for pid in pids if pid not in local]) or {}) \
             if lists is not None else {}
         out = {}
         for pid in pids:
@@ -164,17 +166,24 @@ class Views:
         end = offset + max_items if max_items is not None else None
         return web.json_response(await self._entries(ids[offset:end], local))
 
-    async def _elsewhere(self, pid: str) -> dict[str, Any] | None:
-        """Cluster mode: the entry of a prompt sent through another gateway, as its client was
-        given it, if the viewer sees it."""
+    async def _elsewhere(self, pid: str, p: Prompt | None) -> tuple[bool, dict[str, Any] | None]:
+        """Cluster mode, for a prompt this gateway does not have (``p`` None) or whose entry it
+        shared: (whether Redis has the say, the entry as its client was given it if the viewer
+        sees it). A shared entry is the route's only while Redis has it (deleted through any
+        gateway, it is gone); while Redis does not answer, this gateway's own copy stands."""
         lists = self.rt.comfy_lists
-        got = await lists.entry(self.route, pid) if lists is not None else None
-        return got[1] if got is not None and self._may_see(got[0]) else None
+        if lists is None or (p is not None and not p.shared):
+            return False, None
+        got = await lists.entries(self.route, [pid])
+        if got is None:
+            return p is None, None
+        doc = got.get(pid)
+        return True, doc[1] if doc is not None and self._may_see(doc[0]) else None
 
     async def history_item(self, request: web.Request, pid: str) -> web.Response:
         p = self.owners.get(pid)
-        if (p is None or p.shared) and self.rt.comfy_lists is not None:  # the route's entry is Redis's
-            there = await self._elsewhere(pid)
+        told, there = await self._elsewhere(pid, p)
+        if told:
             return web.json_response({pid: there} if there is not None else {})
         entry = await self._entry(pid, p) if p is not None and self.viewer.sees(p) else None
         return web.json_response({pid: self._given(entry, p)} if entry is not None and p is not None else {})
@@ -200,14 +209,13 @@ class Views:
     async def job(self, request: web.Request, pid: str) -> web.Response:
         p = self.owners.get(pid)
         job = None
-        if p is not None and p.shared:
-            p = None  # ended, and its entry is Redis's: deleted through any gateway, it is gone
-        if p is None and (there := await self._elsewhere(pid)) is not None:
+        told, there = await self._elsewhere(pid, p)
+        if there is not None:
             job = comfy_jobs.find(pid, [], [], {pid: there})
-        elif p is None and self.rt.comfy_lists is not None:
+        elif told and p is None:
             running, pending = await self._queues()  # on a node through another gateway
             job = comfy_jobs.find(pid, running, pending, {})
-        if p is not None and self.viewer.sees(p):
+        elif not told and p is not None and self.viewer.sees(p):
             entry = await self._entry(pid, p)
             if entry is not None:
                 job = comfy_jobs.find(pid, [], [], {pid: self._given(entry, p)})

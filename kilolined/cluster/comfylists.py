@@ -237,25 +237,27 @@ class SharedLists:
             return {}
         return {_text(k): dict(orjson.loads(v)) for k, v in got.items()}
 
-    async def ended(self, route: str, subject: str | None) -> list[str]:
-        """The ended prompts of ``subject`` (None: everyone's) in the order they ended."""
+    async def ended(self, route: str, subject: str | None) -> list[str] | None:
+        """The ended prompts of ``subject`` (None: everyone's) in the order they ended; None when
+        Redis does not answer."""
         try:
             got = await self.redis.zrange(self._ended_key(route, subject), 0, -1)
         except REDIS_ERRORS as e:
             log.warning("comfy history: Redis did not answer (%s): this gateway's own history only",
                         type(e).__name__)
-            return []
+            return None
         return [_text(pid) for pid in got if isinstance(pid, (bytes, str))]
 
-    async def entries(self, route: str, prompt_ids: list[str]) -> dict[str, tuple[str, dict[str, Any]]]:
-        """(the key that sent it, the entry as given) of each prompt that still has one."""
+    async def entries(self, route: str, prompt_ids: list[str]) -> dict[str, tuple[str, dict[str, Any]]] | None:
+        """(the key that sent it, the entry as given) of each prompt that still has one; None
+        when Redis does not answer."""
         if not prompt_ids:
             return {}
         try:
             got = await self.redis.mget([self.entry_key(route, pid) for pid in prompt_ids])
         except REDIS_ERRORS as e:
             log.warning("comfy history: Redis did not answer (%s)", type(e).__name__)
-            return {}
+            return None
         out = {}
         for pid, doc in zip(prompt_ids, got, strict=True):
             if doc is not None:
@@ -264,7 +266,7 @@ class SharedLists:
         return out
 
     async def entry(self, route: str, prompt_id: str) -> tuple[str, dict[str, Any]] | None:
-        return (await self.entries(route, [prompt_id])).get(prompt_id)
+        return (await self.entries(route, [prompt_id]) or {}).get(prompt_id)
 
     async def jobs(self, route: str, prompt_ids: list[str]) -> dict[str, dict[str, Any]]:
         """The ``/api/jobs`` record of each ended prompt that still has one."""
