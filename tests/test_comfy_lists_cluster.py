@@ -165,6 +165,13 @@ async def test_a_prompt_waiting_on_its_node_is_dequeued_through_the_other_gatewa
     assert await control(http, gw1, f"/api/jobs/{first}/cancel", {}, "alice") == {"cancelled": True}
     await wait_until(lambda: node.stats["interrupts"] == 1)
 
+    async def idle() -> bool:  # nothing left running for the gateways to wait for when they stop
+        async with http.post(node.url + "/interrupt", json={}):
+            pass
+        return sum(gw0.rt.scheduler.node_inflight.values()) == 0
+
+    await wait_until(idle, step=0.1)
+
 
 async def test_a_jobs_files_download_from_another_gateway_after_its_own_stopped(
         redis_server: RedisServer, fakegpus: Any, gateway: Any, http: aiohttp.ClientSession) -> None:
