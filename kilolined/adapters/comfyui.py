@@ -439,8 +439,13 @@ class ComfyUIAdapter(Adapter):
         assert lease is not None
         scope.done_with_node()
         await done.sub.ws.close()
-        comfy_state(rt).owners(lease.route).end(done.sub.prompt_id, done.entry)
-        _check_status(done.entry)
+        state = comfy_state(rt)
+        state.owners(lease.route).end(done.sub.prompt_id, done.entry)
+        try:
+            _check_status(done.entry)
+        except (Failure, Cancelled):
+            await state.share_failed(lease.route, done.sub.prompt_id)  # in every gateway's history too
+            raise
         steps = progress.steps_ran()
         if steps > 0:
             # Speed per sampler step: prompts of different step counts compare (speed.py).

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import aiohttp
 
 from kilolined.cluster.comfyfiles import SharedInputs
+from kilolined.cluster.comfylists import SharedLists
 from kilolined.cluster.doubt import DoubtCheck, Probe, probes
 from kilolined.cluster.jobs import ClusterJobs
 from kilolined.cluster.leader import LeaderLease
@@ -95,6 +96,7 @@ def build(rt: Runtime, jobs: Jobs) -> Cluster:
     rt.rents_here = lambda: leader.state.is_leader(rt.clock())  # docs/FLEET.md: only the leader rents
     rt.node_sync = node_sync
     rt.comfy_shared = SharedInputs(leases.redis, cfg.key_prefix)  # an upload here, its prompt elsewhere
+    rt.comfy_lists = SharedLists(leases.redis, cfg.key_prefix, rt.spawn)  # one history, queue, jobs list
     # Reaped slots in doubt: the leader asks their nodes whether they are free.
     doubt = DoubtCheck(leases, probes_of=lambda node: node_probes(rt, node),
                        fetch=lambda node, path: node_body(rt, node, path),
