@@ -19,6 +19,7 @@ import contextlib
 import dataclasses
 import functools
 import logging
+import time
 import uuid
 from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass
@@ -65,6 +66,15 @@ LOST_CHECK_EVERY = 4  # polls between checks that the prompt is still on the nod
 MAX_CALL_FAILURES = 5  # consecutive failed polls before the node counts as gone
 WS_MAX_MSG = 64 * 1024 * 1024  # previews arrive on our socket too
 ERROR_BODY_MAX = 1024 * 1024
+
+
+def _tell_lost(state: ComfyState, owners: PromptOwners, prompt_id: str, body: dict[str, Any], message: str) -> None:
+    """The prompt ended where it was lost: its sockets hear so, as of a prompt that failed."""
+    p = owners.get(prompt_id)
+    if p is None:
+        return
+    owners.end(prompt_id, None)
+    state.hub.lost(p.node, prompt_id, body.get("prompt"), message, int(time.time() * 1000))
 
 
 def is_prompt(ex: Exchange) -> bool:
@@ -524,9 +534,14 @@ class ComfyUIAdapter(Adapter):
                     if p is None or p.output_seen or \
                             not scope.requeue_held(NODE_LOST, lost=not isinstance(e, PromptLost)):
                         log.warning("[%s] %s (%s): slot freed", lease.node, NODE_LOST, e.reason)
+                        _tell_lost(state, owners, prompt_id, again.body, f"{NODE_LOST}: {e.reason}")
                         return
                     log.warning("[%s] %s (%s): re-queued", lease.node, NODE_LOST, e.reason)
-                number = await self._resubmit(scope, ex, again, prompt_id, owners)
+                try:
+                    number = await self._resubmit(scope, ex, again, prompt_id, owners)
+                except Exception as e:  # no node took it again: it runs nowhere
+                    _tell_lost(state, owners, prompt_id, again.body, f"{NODE_LOST}, and not re-queued: {e}")
+                    raise
                 moved = scope.lease
                 assert moved is not None
                 owners.moved(prompt_id, moved.node, number)
