@@ -169,8 +169,11 @@ class SocketBus:
             log.debug("cluster: /ws listeners of %s not read: %s", route, e)
             self._seen[route] = (self._clock(), self._seen.get(route, (0.0, {}))[1])
             return
-        flat = [_s(v) for v in got] if isinstance(got, list) else []
-        fields = dict(zip(flat[::2], flat[1::2], strict=True))
+        if isinstance(got, dict):  # RESP3 answers a map
+            fields = {_s(k): _s(v) for k, v in got.items()}
+        else:
+            flat = [_s(v) for v in got] if isinstance(got, list) else []
+            fields = dict(zip(flat[::2], flat[1::2], strict=False))
         self._seen[route] = (self._clock(), listeners(fields, self.inst, self._wall() * 1000))
 
     def _there(self, route: str) -> dict[str, set[str]]:
