@@ -38,6 +38,17 @@ async def quiet(ws: aiohttp.ClientWebSocketResponse) -> None:
             pass
 
 
+async def until_progress(ws: aiohttp.ClientWebSocketResponse) -> list[tuple[str, Any]]:
+    """The socket's text frames until the first ``progress``: the sampler runs."""
+    frames: list[tuple[str, Any]] = []
+    while not frames or frames[-1][0] != "progress":
+        msg = await ws.receive(timeout=10)
+        if msg.type == aiohttp.WSMsgType.TEXT:
+            got = msg.json()
+            frames.append((got["type"], got["data"]))
+    return frames
+
+
 async def test_a_socket_on_one_gateway_hears_a_prompt_posted_through_another(
         redis_server: RedisServer, fakegpus: Any, gateway: Any, http: aiohttp.ClientSession) -> None:
     _, gw0, gw1 = await two_gateways(redis_server, fakegpus, gateway)
@@ -74,15 +85,26 @@ async def test_a_lost_prompt_ends_on_a_socket_of_another_gateway(
     async with http.ws_connect(gw0.url + "/gen/ws?clientId=page", headers=auth()) as ws:
         await ws.receive_json(timeout=5)
         pid = (await post(http, gw1, {"prompt": graph(40, 1), "client_id": "page"}))["prompt_id"]
-        frames: list[tuple[str, Any]] = []
-        while not frames or frames[-1][0] != "progress":  # the sampler runs: then its node dies
-            msg = await ws.receive(timeout=10)
-            if msg.type == aiohttp.WSMsgType.TEXT:
-                got = msg.json()
-                frames.append((got["type"], got["data"]))
+        frames = await until_progress(ws)
         await nodes[node_of(gw1, pid)].kill()
         frames += await hear(ws, {pid})
     kinds = kinds_of(frames, pid)
     assert kinds[-2:] == ["execution_error", "executing"], kinds
     error = next(d for k, d in frames if k == "execution_error")
     assert error["node_type"] == "KSampler" and error["exception_message"].startswith("node lost")
+
+
+async def test_a_prompt_re_queued_to_the_other_node_is_heard_to_its_end(
+        redis_server: RedisServer, fakegpus: Any, gateway: Any, http: aiohttp.ClientSession) -> None:
+    nodes, gw0, gw1 = await two_gateways(redis_server, fakegpus, gateway, retry_on_failover=1)
+    async with http.ws_connect(gw0.url + "/gen/ws?clientId=page", headers=auth()) as ws:
+        await ws.receive_json(timeout=5)
+        pid = (await post(http, gw1, {"prompt": graph(20, 1), "client_id": "page"}))["prompt_id"]
+        frames = await until_progress(ws)
+        first = node_of(gw1, pid)
+        await nodes[first].kill()
+        frames += await hear(ws, {pid})
+    assert node_of(gw1, pid) != first
+    kinds = kinds_of(frames, pid)
+    assert kinds.count("execution_start") == 2 and "execution_error" not in kinds, kinds
+    assert kinds[-2:] == ["execution_success", "executing"], kinds
