@@ -14,6 +14,8 @@ from cluster_harness import RedisServer, redis_server
 from conftest import ADMIN, auth, base_config
 from test_comfy_many_gpus import graph, hear, kinds_of, node_of, post, preview_ids
 
+from kilolined.cluster.comfyws import counts_for, listeners
+
 __all__ = ["redis_server"]  # fixtures
 PREFIX = "kl-cws:"
 
@@ -108,3 +110,11 @@ async def test_a_prompt_re_queued_to_the_other_node_is_heard_to_its_end(
     kinds = kinds_of(frames, pid)
     assert kinds.count("execution_start") == 2 and "execution_error" not in kinds, kinds
     assert kinds[-2:] == ["execution_success", "executing"], kinds
+
+
+def test_who_listens_leaves_out_this_gateway_and_the_gateways_gone() -> None:
+    fields = {"gw0#1 alice": "2000", "gw0#1 *": "2000", "gw1#2 alice": "2000", "gw2#3 bob": "500",
+              "gw3#4 carol": "junk"}
+    assert listeners(fields, "gw1#2", now_ms=1000) == {"gw0#1": {"alice", "*"}}
+    assert counts_for({"alice"}, {"alice": 2, "bob": 1}) == {"alice": 2}
+    assert counts_for({"bob", "*"}, {"alice": 2, "bob": 1}) == {"alice": 2, "bob": 1}

@@ -46,7 +46,7 @@ from kilolined.cluster.wire import Wire
 log = logging.getLogger("kilolined")
 
 CALL_SEC = 5.0
-JOIN_SEC = 1.0  # a socket's handshake waits this long at most for Redis (an outage: it hears this gateway only)
+JOIN_SEC = 1.0  # a socket's handshake, or a prompt, waits this long at most for Redis (an outage: this gateway's own)
 BEAT_SEC = 3.0  # the listeners' fields and the non-zero counts are written again this often
 HOLD_SEC = 4 * BEAT_SEC  # a listener's field outlives its gateway this long at most
 LOOK_SEC = 1.0  # who listens is read again at most this often while frames flow
@@ -164,7 +164,8 @@ class SocketBus:
         """Read who listens for ``route`` now (a prompt is about to be sent: its first frames must
         reach a socket that opened a moment ago)."""
         try:
-            got = await self._wire.command("HGETALL", self._hash(route))
+            async with asyncio.timeout(JOIN_SEC):  # a stalled Redis costs a prompt this much at most
+                got = await self._wire.command("HGETALL", self._hash(route))
         except ERRORS as e:
             log.debug("cluster: /ws listeners of %s not read: %s", route, e)
             self._seen[route] = (self._clock(), self._seen.get(route, (0.0, {}))[1])
