@@ -19,7 +19,7 @@ sockets listen for its key (cluster/comfyws.py), and hands their frames to its o
 browser whose socket is on one gateway hears the prompts it posted through another. ``status``
 then counts the route's prompts on every gateway.
 
-A sync prompt whose node is lost and that runs nowhere else is told to its sockets as ComfyUI
+A prompt whose node is lost and that runs nowhere else is told to its sockets as ComfyUI
 tells a prompt that failed (``lost``): an ``execution_error``, the route's ``status``, then
 ``executing`` with node null, so the web UI stops showing it running.
 
@@ -302,15 +302,8 @@ class Hub:
         pid = data.get("prompt_id")
         if not isinstance(pid, str):
             pid = self.current.get(node)  # `executing` on reconnect, custom nodes' events
-        if kind == "execution_start" and isinstance(pid, str):
-            self.current[node] = pid
+        self._track(node, kind, data, pid, raw)
         found = self.find(node, pid)
-        ended = kind in ENDED or (kind == "executing" and data.get("node", "") is None)
-        if ended and self.current.get(node) == pid:
-            del self.current[node]
-            self.executing.pop(node, None)
-        elif kind == "executing" and isinstance(pid, str) and self.current.get(node) == pid:
-            self.executing[node] = raw
         if found is None:
             if isinstance(data.get("prompt_id"), str):
                 # A node may run a prompt before its POST's answer reached the gateway: kept until
@@ -320,6 +313,18 @@ class Hub:
             return None
         self._deliver(found, self._clean(node, found, kind, data, raw))
         return pid
+
+    def _track(self, node: str, kind: str, data: dict[str, Any], pid: str | None, raw: str) -> None:
+        """Which prompt ``node`` runs now, and its last ``executing`` frame of it (a socket that
+        opens mid-render is told; a prompt lost there names where it was)."""
+        if kind == "execution_start" and isinstance(pid, str):
+            self.current[node] = pid
+        ended = kind in ENDED or (kind == "executing" and data.get("node", "") is None)
+        if ended and self.current.get(node) == pid:
+            del self.current[node]
+            self.executing.pop(node, None)
+        elif kind == "executing" and isinstance(pid, str) and self.current.get(node) == pid:
+            self.executing[node] = raw
 
     def claim(self, node: str, prompt_id: str) -> None:
         """The record has just learnt that ``prompt_id`` runs on ``node``: what the node already
@@ -348,6 +353,7 @@ class Hub:
         got = parse(msg.data) if msg.type == aiohttp.WSMsgType.TEXT else None
         if got is None or got[0] in ("status", "feature_flags") or got[1].get("prompt_id", prompt_id) != prompt_id:
             return
+        self._track(node, got[0], got[1], prompt_id, msg.data)
         self._deliver(found, self._clean(node, found, got[0], got[1], msg.data))
 
     def lost(self, node: str, prompt_id: str, graph: Any, message: str, now_ms: int) -> None:

@@ -290,9 +290,10 @@ class SocketBus:
 
     async def stop(self) -> None:
         """Leave: the other gateways stop publishing here at once."""
-        for task in self._tasks:
+        tasks = [*self._tasks, *self._looking.values()]
+        for task in tasks:
             task.cancel()
-        for task in self._tasks:
+        for task in tasks:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
         self._tasks = []
