@@ -14,7 +14,7 @@ from cluster_harness import RedisServer, redis_server
 from conftest import ADMIN, auth, base_config
 from test_comfy_many_gpus import graph, hear, kinds_of, node_of, post, preview_ids
 
-from kilolined.cluster.comfyws import counts_for, listeners
+from kilolined.cluster.comfyws import counts_for, listener_field, listeners
 
 __all__ = ["redis_server"]  # fixtures
 PREFIX = "kl-cws:"
@@ -113,8 +113,20 @@ async def test_a_prompt_re_queued_to_the_other_node_is_heard_to_its_end(
 
 
 def test_who_listens_leaves_out_this_gateway_and_the_gateways_gone() -> None:
-    fields = {"gw0#1 alice": "2000", "gw0#1 *": "2000", "gw1#2 alice": "2000", "gw2#3 bob": "500",
-              "gw3#4 carol": "junk"}
+    fields = {listener_field(inst, key): until for inst, key, until in (
+        ("gw0#1", "alice", "2000"), ("gw0#1", "*", "2000"), ("gw1#2", "alice", "2000"), ("gw2#3", "bob", "500"),
+        ("gw3#4", "carol", "junk"))} | {"not json": "2000"}
     assert listeners(fields, "gw1#2", now_ms=1000) == {"gw0#1": {"alice", "*"}}
     assert counts_for({"alice"}, {"alice": 2, "bob": 1}) == {"alice": 2}
     assert counts_for({"bob", "*"}, {"alice": 2, "bob": 1}) == {"alice": 2, "bob": 1}
+
+
+async def test_without_redis_a_socket_hears_its_own_gateways_prompts(
+        redis_server: RedisServer, fakegpus: Any, gateway: Any, http: aiohttp.ClientSession) -> None:
+    _, gw0, _ = await two_gateways(redis_server, fakegpus, gateway)
+    redis_server.kill()
+    async with http.ws_connect(gw0.url + "/gen/ws?clientId=page", headers=auth()) as ws:
+        await ws.receive_json(timeout=5)
+        pid = (await post(http, gw0, {"prompt": graph(2, 1), "client_id": "page"}))["prompt_id"]
+        kinds = kinds_of(await hear(ws, {pid}), pid)
+    assert "execution_success" in kinds and kinds[-1] == "executing"

@@ -5,7 +5,7 @@ A browser's ``{path}/ws?clientId=X`` is a socket to one gateway, but a load bala
 node (comfy_hub.py). So each gateway says in Redis which keys its sockets listen for, and the
 gateway that runs a prompt publishes the prompt's frames to each gateway that listens for its key:
 
-- ``{prefix}comfyws:{route}``: a hash, one field ``"{gateway instance} {key}"`` per key with a
+- ``{prefix}comfyws:{route}``: a hash, one field ``["{gateway instance}", "{key}"]`` per key with a
   socket on that gateway (``*``: the admin key, or a ``comfy.shared`` route: every key), valued
   with the Unix time in ms until which it holds; rewritten every ``BEAT_SEC`` while the sockets
   stay, deleted when the last one closes (a gateway that died is forgotten at that time).
@@ -80,14 +80,19 @@ def listeners(fields: dict[str, str], here: str, now_ms: float) -> dict[str, set
     and this gateway's own left out."""
     out: dict[str, set[str]] = {}
     for name, until in fields.items():
-        inst, _, key = name.rpartition(" ")
         try:
+            inst, key = orjson.loads(name)
             alive = float(until) > now_ms
-        except ValueError:
+        except (orjson.JSONDecodeError, ValueError, TypeError):
             continue
-        if alive and inst and inst != here:
+        if alive and isinstance(inst, str) and isinstance(key, str) and inst != here:
             out.setdefault(inst, set()).add(key)
     return out
+
+
+def listener_field(inst: str, key: str) -> str:
+    """A listener's field in the route's hash (JSON: a key or a gateway id may hold a space)."""
+    return orjson.dumps([inst, key]).decode()
 
 
 def hears(keys: set[str], owner: str) -> bool:
@@ -145,7 +150,8 @@ class SocketBus:
                 assert self._subscribed is not None
                 await asyncio.shield(self._subscribed)
                 if self._joined[field] == 1:
-                    await self._wire.command("HSET", self._hash(route), f"{self.inst} {field[1]}", self._until())
+                    name = listener_field(self.inst, field[1])
+                    await self._wire.command("HSET", self._hash(route), name, self._until())
         except ERRORS as e:
             log.warning("cluster: /ws listener not shared (%s): this socket hears this gateway's prompts only", e)
 
@@ -154,7 +160,7 @@ class SocketBus:
         self._joined[field] -= 1
         if self._joined[field] <= 0:
             del self._joined[field]
-            self._fire(self._wire.command("HDEL", self._hash(route), f"{self.inst} {field[1]}"))
+            self._fire(self._wire.command("HDEL", self._hash(route), listener_field(self.inst, field[1])))
 
     def _until(self) -> int:
         return int((self._wall() + HOLD_SEC) * 1000)
@@ -284,7 +290,7 @@ class SocketBus:
             await asyncio.sleep(BEAT_SEC)
             until = self._until()
             for route, key in list(self._joined):
-                self._fire(self._wire.command("HSET", self._hash(route), f"{self.inst} {key}", until))
+                self._fire(self._wire.command("HSET", self._hash(route), listener_field(self.inst, key), until))
             for route, counts in list(self._counts_here.items()):
                 self._publish_counts(route, counts)
 
@@ -300,7 +306,7 @@ class SocketBus:
         if self._joined:
             with contextlib.suppress(*ERRORS):
                 async with asyncio.timeout(1.0):
-                    await asyncio.gather(*(self._wire.command("HDEL", self._hash(r), f"{self.inst} {k}")
+                    await asyncio.gather(*(self._wire.command("HDEL", self._hash(r), listener_field(self.inst, k))
                                            for r, k in self._joined))
         self._wire.close()
 
