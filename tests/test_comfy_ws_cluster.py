@@ -14,7 +14,7 @@ from cluster_harness import RedisServer, redis_server
 from conftest import ADMIN, auth, base_config
 from test_comfy_many_gpus import graph, hear, kinds_of, node_of, post, preview_ids
 
-from kilolined.cluster.comfyws import counts_for, listener_field, listeners
+from kilolined.cluster.comfyws import counts_for, expired, listener_field, listeners
 
 __all__ = ["redis_server"]  # fixtures
 PREFIX = "kl-cws:"
@@ -117,6 +117,8 @@ def test_who_listens_leaves_out_this_gateway_and_the_gateways_gone() -> None:
         ("gw0#1", "alice", "2000"), ("gw0#1", "*", "2000"), ("gw1#2", "alice", "2000"), ("gw2#3", "bob", "500"),
         ("gw3#4", "carol", "junk"))} | {"not json": "2000"}
     assert listeners(fields, "gw1#2", now_ms=1000) == {"gw0#1": {"alice", "*"}}
+    assert sorted(expired(fields, now_ms=1000)) == sorted([listener_field("gw2#3", "bob"),
+                                                           listener_field("gw3#4", "carol")])
     assert counts_for({"alice"}, {"alice": 2, "bob": 1}) == {"alice": 2}
     assert counts_for({"bob", "*"}, {"alice": 2, "bob": 1}) == {"alice": 2, "bob": 1}
 

@@ -8,7 +8,8 @@ gateway that runs a prompt publishes the prompt's frames to each gateway that li
 - ``{prefix}comfyws:{route}``: a hash, one field ``["{gateway instance}", "{key}"]`` per key with a
   socket on that gateway (``*``: the admin key, or a ``comfy.shared`` route: every key), valued
   with the Unix time in ms until which it holds; rewritten every ``BEAT_SEC`` while the sockets
-  stay, deleted when the last one closes (a gateway that died is forgotten at that time).
+  stay, deleted when the last one closes (a gateway that died is ignored from that time, and its
+  field deleted by the next gateway that reads the hash).
 - ``{prefix}comfyws:to:{gateway instance}``: the channel a gateway subscribes to once its first
   socket opens (before that socket's handshake ends, so a prompt posted next is heard).
 
@@ -87,6 +88,19 @@ def listeners(fields: dict[str, str], here: str, now_ms: float) -> dict[str, set
             continue
         if alive and isinstance(inst, str) and isinstance(key, str) and inst != here:
             out.setdefault(inst, set()).add(key)
+    return out
+
+
+def expired(fields: dict[str, str], now_ms: float) -> list[str]:
+    """The fields of gateways that stopped writing them (died without leaving): deleted by
+    whoever reads them, so the hash does not grow with every gateway restart."""
+    out = []
+    for name, until in fields.items():
+        try:
+            if float(until) <= now_ms:
+                out.append(name)
+        except ValueError:
+            out.append(name)
     return out
 
 
@@ -181,7 +195,11 @@ class SocketBus:
         else:
             flat = [_s(v) for v in got] if isinstance(got, list) else []
             fields = dict(zip(flat[::2], flat[1::2], strict=False))
-        self._seen[route] = (self._clock(), listeners(fields, self.inst, self._wall() * 1000))
+        now_ms = self._wall() * 1000
+        self._seen[route] = (self._clock(), listeners(fields, self.inst, now_ms))
+        gone = expired(fields, now_ms)
+        if gone:
+            self._fire(self._wire.command("HDEL", self._hash(route), *gone))
 
     def _there(self, route: str) -> dict[str, set[str]]:
         """Who listens for ``route`` elsewhere, as last read; read again in the background when old."""
