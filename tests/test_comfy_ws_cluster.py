@@ -90,7 +90,7 @@ async def test_a_lost_prompt_ends_on_a_socket_of_another_gateway(
     nodes, gw0, gw1 = await two_gateways(redis_server, fakegpus, gateway, retry_on_failover=0)
     async with http.ws_connect(gw0.url + "/gen/ws?clientId=page", headers=auth()) as ws:
         await ws.receive_json(timeout=5)
-        pid = (await post(http, gw1, {"prompt": graph(40, 1), "client_id": "page"}))["prompt_id"]
+        pid = (await post(http, gw1, {"prompt": graph(200, 1), "client_id": "page"}))["prompt_id"]
         frames = await until_progress(ws)
         await nodes[node_of(gw1, pid)].kill()
         frames += await hear(ws, {pid})
@@ -105,7 +105,7 @@ async def test_a_prompt_re_queued_to_the_other_node_is_heard_to_its_end(
     nodes, gw0, gw1 = await two_gateways(redis_server, fakegpus, gateway, retry_on_failover=1)
     async with http.ws_connect(gw0.url + "/gen/ws?clientId=page", headers=auth()) as ws:
         await ws.receive_json(timeout=5)
-        pid = (await post(http, gw1, {"prompt": graph(20, 1), "client_id": "page"}))["prompt_id"]
+        pid = (await post(http, gw1, {"prompt": graph(60, 1), "client_id": "page"}))["prompt_id"]
         frames = await until_progress(ws)
         first = node_of(gw1, pid)
         await nodes[first].kill()
