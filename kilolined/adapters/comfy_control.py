@@ -105,7 +105,9 @@ class ComfyState:
         self.activity = NodeActivity()
         #: the client id every prompt is sent under, on every node: the monitors listen as it
         self.hub_id = f"kilolined-monitor-{uuid.uuid4().hex}"
-        self.hub = Hub(self.owners, self.routes_of, functools.partial(executed_for_client, rt))
+        self.hub = Hub(self.owners, self.routes_of, functools.partial(executed_for_client, rt), rt.comfy_ws)
+        if rt.comfy_ws is not None:  # cluster mode: frames and counts of prompts other gateways run
+            rt.comfy_ws.on_frame, rt.comfy_ws.on_counts = self.hub.remote, self.hub.status_of
 
     def owners(self, route: str) -> PromptOwners:
         got = self.routes.get(route)
@@ -160,6 +162,8 @@ class ComfyState:
     async def ready(self, route: str) -> None:
         """Start the monitors of the route's nodes and wait (briefly, once) until they listen: a
         prompt sent before its node's monitor listens would have its first events lost."""
+        if self.rt.comfy_ws is not None:
+            await self.rt.comfy_ws.look(route)  # who listens elsewhere, before the prompt's first frame
         rq = self.rt.scheduler.routes.get(route)
         if rq is None:
             return
