@@ -8,8 +8,10 @@ node under the same id, model and created, with no chunk repeated or lost at the
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import aiohttp
@@ -374,4 +376,116 @@ async def test_a_node_that_will_not_continue_ends_the_stream_as_before(fakegpus:
     assert got.done and len(got.errors) == 1, got.errors
     assert got.errors[0]["error"]["message"] == f"node {node} failed: node lost (connection dropped mid-response)"
     assert got.text == reply_text(len(got.content)) and len(got.content) < STEPS
+    await wait_until(lambda: inflight(gw) == 0)
+
+
+
+def checked(cfg: dict[str, Any]) -> dict[str, Any]:
+    """Every node health-checked often, and never marked down by the checks within a test."""
+    for node in cfg["nodes"].values():
+        node["health"] = {"path": "/health", "interval_sec": 0.1, "timeout_sec": 1, "fall": 1000, "rise": 1}
+    return cfg
+
+
+async def _job_cut_after(gw: Any, http: aiohttp.ClientSession, fakes: dict[str, Any], headers: dict[str, str],
+                         words: int, after_kill: Callable[[Any], Awaitable[None]] | None = None) -> tuple[Any, str]:
+    """An sse or async job whose serving node is killed once ``words`` chunks were generated:
+    (the job once it ended, the node killed). ``after_kill(job)`` runs right after the kill."""
+    reader: asyncio.Task[bytes] | None = None
+    async with http.post(gw.url + "/gen/v1/chat/completions", json=chat(usage=False), headers=headers) as r:
+        if headers is ASYNC:
+            assert r.status == 202
+            await r.read()
+        else:
+            assert r.status == 200
+            reader = asyncio.create_task(r.read())  # the sse client reads on to the end
+        await wait_until(lambda: len(gw.jobs.jobs) == 1)
+        job = next(iter(gw.jobs.jobs.values()))
+
+        def step() -> int:
+            steps = [json.loads(f.split(b"data: ", 1)[1])["step"] for _, n, f in job.events if n == "step_progress"]
+            return steps[-1] if steps else 0
+
+        await wait_until(lambda: step() >= words or job.status in ("completed", "failed"))
+        killed = job.node
+        await fakes[killed].kill()
+        if after_kill is not None:
+            await after_kill(job)
+        await wait_until(lambda: job.status in ("completed", "failed"))
+        if reader is not None:
+            await reader
+    return job, killed
+
+
+async def _result_text(gw: Any, http: aiohttp.ClientSession, job: Any) -> str:
+    async with http.get(gw.url + job.urls()["result_url"]) as r:
+        return sse_text(await r.read()).text
+
+
+@pytest.mark.parametrize(("mode", "restarting"), [("sync", "refusing"), ("sse", "refusing"), ("async", "refusing"),
+                                                  ("sse", "loading"), ("async", "seen by a health check")])
+async def test_a_node_known_lost_does_not_spend_the_retry_a_continuation_needs(
+        fakegpus: Any, gateway: Any, http: aiohttp.ClientSession, mode: str, restarting: str) -> None:
+    # A spot reclaim: node a dies — under a stream, which goes on on b, or idle, which a failed
+    # health check saw — and, restarting, refuses connections or answers 503 while it loads; no
+    # health check has marked it down yet. The next request is sent there (the least loaded
+    # node), then its own node is killed mid-answer. The gateway knew a was lost when it sent the
+    # request there: that re-queue is not the request's, and its one retry (the default
+    # retry_on_failover) is left for the continuation on c.
+    fakes = {n: await fakegpus("openai", steps=STEPS, step_ms=25) for n in ("a", "b", "c")}
+    cfg = config({n: f.url for n, f in fakes.items()})
+    gw = await gateway(checked(cfg) if restarting == "seen by a health check" else cfg)
+    if restarting == "seen by a health check":
+        a = gw.rt.scheduler.nodes["a"]
+        await fakes["a"].kill()
+        await wait_until(lambda: a.lost_at > a.alive_at)
+        assert a.healthy
+    else:
+        first = await stream(http, gw.url, chat(), fakes)
+        assert first.node == "a" and not first.errors and first.text == reply_text(STEPS)
+    if restarting == "loading":
+        fakes["a"].set_control(fail_status=503)
+        await fakes["a"].revive()
+    if mode == "sync":
+        got = await stream(http, gw.url, chat(), fakes)
+        assert got.node == "b", got.node  # after a's refusal
+        assert not got.errors and got.done, got.errors
+        text = got.text
+    else:
+        job, killed = await _job_cut_after(gw, http, fakes, SSE if mode == "sse" else ASYNC, 10)
+        assert killed == "b"
+        assert job.status == "completed", job.error
+        text = await _result_text(gw, http, job)
+    # The whole text: the words b gave before it was killed, then c's continuation of them.
+    assert text == reply_text(STEPS)
+    assert fakes["c"].stats["served"] >= 1 and max_held(fakes) == 1
+    await wait_until(lambda: inflight(gw) == 0)
+
+
+async def test_a_restarting_node_that_answered_503_is_not_tried_again_before_it_is_back(
+        fakegpus: Any, gateway: Any, http: aiohttp.ClientSession) -> None:
+    # Node a was lost under a stream and is loading again (503 to requests and to health checks,
+    # as llama.cpp answers while it loads its model). A job sent there goes on to b, whose loss
+    # mid-answer leaves it no node but a: it waits for a to pass a health check rather than be
+    # sent straight back to a's 503, which would spend the retry its continuation needs.
+    fakes = {n: await fakegpus("openai", steps=STEPS, step_ms=25) for n in ("a", "b")}
+    a = fakes["a"]
+    gw = await gateway(checked(config({n: f.url for n, f in fakes.items()})))
+    first = await stream(http, gw.url, chat(), fakes)
+    assert first.node == "a" and not first.errors
+    a.set_control(fail_status=503, health_status=503)
+    await a.revive()
+
+    async def loaded(job: Any) -> None:
+        # The continuation is re-queued (the second re-queue: a's 503, then b's loss)…
+        await wait_until(lambda: job.status == "failed" or job.ticket.requeues >= 2)
+        # …and waits, not sent to a: a is back only once a health check passes.
+        assert job.status == "queued" and job.ticket.state == "waiting", (job.status, job.error)
+        a.set_control(fail_status=None, health_status=200)
+
+    job, killed = await _job_cut_after(gw, http, fakes, SSE, 10, loaded)
+    assert killed == "b"
+    assert job.status == "completed", job.error
+    assert await _result_text(gw, http, job) == reply_text(STEPS)
+    assert max_held(fakes) == 1
     await wait_until(lambda: inflight(gw) == 0)

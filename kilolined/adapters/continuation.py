@@ -54,7 +54,7 @@ def _retries_left(scope: LeaseScope, reason: str, judged: bool) -> bool:
     """Within ``retry_on_failover`` re-queues, and not a stream that stalled on two nodes
     (``judged``: the scope already counted this failure's stall)."""
     route = scope.rt.scheduler.routes.get(scope.route)
-    if route is None or scope.ticket.requeues >= route.cfg.retry_on_failover:
+    if route is None or scope.retries_spent >= route.cfg.retry_on_failover:
         return False
     stalled = reason.startswith(STALLED)
     return not (stalled and scope.stalls + (0 if judged else 1) >= STALLS_MAX)
