@@ -16,6 +16,7 @@ from typing import Any
 
 import aiohttp
 import pytest
+from anthropic import AsyncAnthropic
 from conftest import KEYS, auth, base_config, wait_until
 from openai import AsyncOpenAI
 from test_comfyui import ASYNC, SSE, inflight
@@ -487,5 +488,38 @@ async def test_a_restarting_node_that_answered_503_is_not_tried_again_before_it_
     assert killed == "b"
     assert job.status == "completed", job.error
     assert await _result_text(gw, http, job) == reply_text(STEPS)
+    assert max_held(fakes) == 1
+    await wait_until(lambda: inflight(gw) == 0)
+
+
+async def test_an_anthropic_messages_stream_cut_by_its_node_goes_on_on_another(
+        fakegpus: Any, gateway: Any, http: aiohttp.ClientSession) -> None:
+    # The anthropic SDK, through the gateway to /v1/messages on an openai route; the node is killed
+    # after ten text deltas. The other node is asked to continue the text so far as a prefilled
+    # assistant message, and repeats it in its first delta (as llama-server does): the SDK must read
+    # one message, the whole answer, nothing repeated, and the output tokens of both nodes.
+    gw, fakes, _ = await two(fakegpus, gateway)
+    client = AsyncAnthropic(base_url=gw.url + "/gen", api_key=KEYS["alice"], max_retries=0, timeout=30)
+    kinds: list[str] = []
+    deltas: list[str] = []
+    async with client.messages.stream(model="m", max_tokens=STEPS, messages=[{"role": "user", "content": "hi"}]) as s:
+        node = s.response.headers["X-KiloLine-Node"]
+        async for ev in s:
+            kinds.append(ev.type)
+            if ev.type == "content_block_delta" and ev.delta.type == "text_delta":
+                deltas.append(ev.delta.text)
+                if len(deltas) == 10:
+                    await fakes[node].kill()
+        final = await s.get_final_message()
+    await client.close()
+    other = "b" if node == "a" else "a"
+    assert fakes[other].stats["served"] >= 1
+    assert "".join(deltas) == reply_text(STEPS) and len(deltas) == STEPS
+    assert final.content[0].text == reply_text(STEPS)  # type: ignore[union-attr]
+    assert (final.usage.output_tokens, final.stop_reason) == (STEPS, "max_tokens")
+    # One message, one text block: the continuing node's starts were the client's already.
+    assert [k for k in kinds if k not in ("text", "content_block_delta")] == [
+        "message_start", "content_block_start", "content_block_stop", "message_delta", "message_stop"]
+    assert gw.rt.metrics.continuations.labels("gen").value == 1
     assert max_held(fakes) == 1
     await wait_until(lambda: inflight(gw) == 0)
