@@ -523,3 +523,30 @@ async def test_an_anthropic_messages_stream_cut_by_its_node_goes_on_on_another(
     assert gw.rt.metrics.continuations.labels("gen").value == 1
     assert max_held(fakes) == 1
     await wait_until(lambda: inflight(gw) == 0)
+
+
+async def test_an_async_anthropic_messages_job_cut_by_its_node_completes_with_the_whole_text(
+        fakegpus: Any, gateway: Any, http: aiohttp.ClientSession) -> None:
+    gw, fakes, _ = await two(fakegpus, gateway)
+    body = {"model": "m", "max_tokens": STEPS, "stream": True, "messages": [{"role": "user", "content": "hi"}]}
+    async with http.post(gw.url + "/gen/v1/messages", json=body, headers=ASYNC) as r:
+        assert r.status == 202
+        accepted = await r.json()
+    job = gw.jobs.jobs[accepted["job_id"]]
+
+    def steps() -> list[int]:
+        return [json.loads(f.split(b"data: ", 1)[1])["step"] for _, n, f in job.events if n == "step_progress"]
+
+    await wait_until(lambda: bool(steps()) and steps()[-1] >= 10)
+    killed = job.node
+    await fakes[killed].kill()
+    await wait_until(lambda: job.status in ("completed", "failed"))
+    assert job.status == "completed", job.error
+    async with http.get(gw.url + accepted["result_url"]) as r:
+        result = (await r.read()).decode()
+    data = [json.loads(line[5:]) for line in result.split("\n") if line.startswith("data:")]
+    text = "".join(d["delta"]["text"] for d in data if d["type"] == "content_block_delta")
+    assert text == reply_text(STEPS)
+    assert [d["type"] for d in data].count("message_start") == 1
+    assert [d["usage"]["output_tokens"] for d in data if d["type"] == "message_delta"] == [STEPS]
+    assert job.node != killed and max_held(fakes) == 1
