@@ -22,6 +22,7 @@ import aiohttp
 import orjson
 import pytest
 from aiohttp import web
+from comfy_gpus import graph, node_of
 from conftest import ADMIN, auth, base_config, wait_until
 
 from kilolined.adapters.comfy_control import comfy_state
@@ -30,19 +31,6 @@ from kilolined.adapters.comfy_record import Viewer
 from kilolined.wire.redirects import keep_prefix
 
 ENDS = ("execution_success", "execution_error", "execution_interrupted")
-
-
-def graph(steps: int, seed: int) -> dict[str, Any]:
-    return {
-        "4": {"class_type": "CheckpointLoaderSimple", "inputs": {"ckpt_name": "x.safetensors"}},
-        "5": {"class_type": "EmptyLatentImage", "inputs": {"width": 512, "height": 512, "batch_size": 1}},
-        "6": {"class_type": "CLIPTextEncode", "inputs": {"text": "a cat", "clip": ["4", 1]}},
-        "7": {"class_type": "CLIPTextEncode", "inputs": {"text": "", "clip": ["4", 1]}},
-        "3": {"class_type": "KSampler", "inputs": {"model": ["4", 0], "positive": ["6", 0], "negative": ["7", 0],
-                                                   "latent_image": ["5", 0], "seed": seed, "steps": steps}},
-        "8": {"class_type": "VAEDecode", "inputs": {"samples": ["3", 0], "vae": ["4", 2]}},
-        "9": {"class_type": "SaveImage", "inputs": {"images": ["8", 0], "filename_prefix": "ComfyUI"}},
-    }
 
 
 async def two_nodes(fakegpus: Any, gateway: Any, **route: Any) -> tuple[Any, Any, Any]:
@@ -94,12 +82,6 @@ def preview_ids(frames: list[tuple[str, Any]]) -> list[str]:
             size = struct.unpack(">I", data[4:8])[0]
             out.append(orjson.loads(data[8:8 + size])["prompt_id"])
     return out
-
-
-def node_of(gw: Any, pid: str) -> str:
-    p = comfy_state(gw.rt).owners("gen").get(pid)
-    assert p is not None
-    return p.node
 
 
 # --- one websocket -----------------------------------------------------------------------------
