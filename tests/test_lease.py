@@ -1,5 +1,5 @@
 """The lease scope (kilolined/scheduling/lease.py) on its own: no sockets, fake attempts, a real Runtime.
-(tests/test_lease_cluster.py runs the same property on the Redis lease store.)
+(tests/cluster/test_lease_cluster.py runs the same property on the Redis lease store.)
 
 The property test drives many requests through LeaseScope with attempts that succeed, fail as a
 node does, hang past the deadline, raise a bug, or are cancelled — at every await point — and

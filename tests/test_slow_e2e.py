@@ -67,7 +67,7 @@ async def test_slow_off_by_reload_lifts_the_eject_and_slow_on_brings_it_back(fak
         async with http.post(gw.url + "/admin/reload", headers=ADMIN) as r:
             assert r.status == 200, await r.text()
         # lifted by the reload itself, whole (not a tick later): the verdict too, which is what
-        # cluster mode publishes (tests/test_cluster_slow.py)
+        # cluster mode publishes (tests/cluster/test_cluster_slow.py)
         c = gw.rt.scheduler.nodes["c"]
         assert (c.slowed, c.slow_state, c.slow_note) == (False, "ok", "")
         st = (await state(http, gw.url))["nodes"]["c"]
