@@ -12,11 +12,7 @@ from typing import Any
 import pytest
 
 CHROMIUM = "/usr/bin/chromium"
-
-
 CHROMEDRIVER = "/usr/bin/chromedriver"
-
-
 ROUTE = '[data-route="gen"]'
 
 

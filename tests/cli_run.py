@@ -8,11 +8,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
 PY = sys.executable
-
-
 ENV = {**os.environ, "KILOLINE_ADMIN_KEY": "kl_cli_admin_dummy", "ALICE_KEY": "kl_cli_alice_dummy",
        "BOB_KEY": "kl_cli_bob_dummy"}
 

@@ -10,11 +10,7 @@ import orjson
 from conftest import auth
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
-
-
 SSE = {**auth(), "X-KiloLine-Mode": "sse"}
-
-
 ASYNC = {**auth(), "X-KiloLine-Mode": "async"}
 
 

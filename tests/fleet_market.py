@@ -13,11 +13,7 @@ from kilolined.fakegpu.provider_runpod import RunPodWire
 from kilolined.fakegpu.provider_vastai import VastWire
 
 API_KEY = "vast-SECRET-key-0123456789abcdef"
-
-
 HEALTH = {"path": "/health", "interval_sec": 0.2, "timeout_sec": 0.5, "fall": 2, "rise": 1}
-
-
 WAIT = 30  # generous: a loaded 2-core box
 
 

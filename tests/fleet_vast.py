@@ -12,11 +12,7 @@ from kilolined.fakegpu.provider import FakeProvider
 from kilolined.fakegpu.provider_vastai import VastWire
 
 API_KEY = "vast-SECRET-key-0123456789abcdef"
-
-
 HEALTH = {"path": "/health", "interval_sec": 0.2, "timeout_sec": 0.5, "fall": 2, "rise": 1}
-
-
 SPOT = {"gpu_name": "RTX 4090", "num_gpus": 1, "max_dph": 0.5, "min_reliability": 0.97, "interruptible": True}
 
 

@@ -16,8 +16,6 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
-
-
 INSTALL = REPO / "scripts" / "install.sh"
 
 

@@ -11,11 +11,7 @@ from conftest import auth, base_config
 from fakes import FakeDiscord, FakeTelegram
 
 SLOW = {"samples": 4, "evaluations": 2, "min_gap_ms": 1}
-
-
 BREAKER = {"consecutive_failures": 3, "open_sec": 60, "max_open_sec": 120, "slow_start_sec": 0}
-
-
 JOB = {"steps": 5, "step_ms": 20}  # long enough that the gateway's own overhead on a busy box stays small
 
 
