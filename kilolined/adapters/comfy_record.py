@@ -33,6 +33,7 @@ class Prompt:
     output_seen: bool = False  # an output node ran (``executed``): it cannot be re-run elsewhere for free
     node_number: float | None = None  # the number its node gave it (another after a re-queue)
     shared: bool = False  # cluster mode: its entry is in Redis, whose history is the route's from then on
+    dropped: bool = False  # deleted from its node's queue by a client: it ends there, is never re-queued
 
     def __post_init__(self) -> None:
         if self.node_number is None:
@@ -92,6 +93,13 @@ class PromptOwners:
         if p is not None:
             p.node, p.node_number, p.ended, p.entry, p.shared = node, node_number, False, None, False
             self._told(prompt_id, p)
+
+    def drop(self, prompt_id: str) -> None:
+        """A client deleted the prompt from its node's queue (``POST /queue``, a cancel): when
+        it vanishes from the node it ended there, as ComfyUI ends it (no history entry)."""
+        p = self._by_id.get(prompt_id)
+        if p is not None and not p.ended:
+            p.dropped = True
 
     def get(self, prompt_id: Any) -> Prompt | None:
         return self._by_id.get(prompt_id) if isinstance(prompt_id, str) else None

@@ -122,11 +122,13 @@ async def wait_history(node: NodeAPI, prompt_id: str, number: float | None, inte
 
     With a connected ``monitor`` it looks again at each queue change the node broadcasts (history
     is written before it), else every ``interval``. Raises PromptLost when the prompt has vanished
-    from the node (``look_first``: check that at once, the socket just dropped), NodeError when
-    the node stops answering or refuses connections. Unbounded in time: the caller bounds it.
+    from the node (``look_first``: check that at once, the socket just dropped; and at each queue
+    change: a client may have deleted it from the node's queue), NodeError when the node stops
+    answering or refuses connections. Unbounded in time: the caller bounds it.
     """
     path = "/history/" + quote(prompt_id, safe="")
     polls = failures = 0
+    woke = False
     while True:
         version = monitor.version if monitor is not None else 0
         try:
@@ -135,7 +137,7 @@ async def wait_history(node: NodeAPI, prompt_id: str, number: float | None, inte
             if entry is not None:
                 return entry
             polls += 1
-            look = (look_first and polls == 1) or polls % LOST_CHECK_EVERY == 0
+            look = (look_first and polls == 1) or woke or polls % LOST_CHECK_EVERY == 0
             # Queue first, history second: ComfyUI writes history before it leaves the queue.
             if look and not on_queue(await node.get_json("/queue"), prompt_id, None):
                 entry = find_entry(await node.get_json(path), prompt_id, number)
@@ -147,14 +149,40 @@ async def wait_history(node: NodeAPI, prompt_id: str, number: float | None, inte
             if e.refused or failures >= MAX_CALL_FAILURES:
                 raise
         if monitor is not None and monitor.connected:
-            await monitor.changed(version, MONITOR_FALLBACK_SEC)
+            woke = await monitor.changed(version, MONITOR_FALLBACK_SEC)
         else:
+            woke = False
             await asyncio.sleep(interval)
 
 
 async def _shielded(rt: Runtime, coro: Coroutine[Any, Any, T]) -> T:
     """Run cleanup to its end even if our task is cancelled again meanwhile."""
     return await asyncio.shield(rt.spawn(coro))
+
+
+async def _nothing() -> None:
+    return None
+
+
+async def _still_queued(node: NodeAPI, prompt_id: str) -> bool:
+    """The node's queue still holds the prompt (a node that does not answer: no verdict, True)."""
+    try:
+        return on_queue(await node.get_json("/queue"), prompt_id, None)
+    except NodeError:
+        return True
+
+
+async def _record_end(state: ComfyState, lease: Lease, sub: Submitted) -> None:
+    """A job's prompt failed or was interrupted: its history entry, written by the node right
+    after the event, goes into the route's record (and, in cluster mode, every gateway's) as
+    ComfyUI lists such a prompt. None within SUCCESS_GRACE_SEC: it is left out."""
+    try:
+        async with asyncio.timeout(SUCCESS_GRACE_SEC):
+            entry = await wait_history(sub.node, sub.prompt_id, sub.number, POLL_SEC, state.monitor(lease.node))
+    except (TimeoutError, NodeError, PromptLost):
+        return
+    state.owners(lease.route).end(sub.prompt_id, entry)
+    await state.share_failed(lease.route, sub.prompt_id)
 
 
 def _error_message(body: bytes, status: int) -> str:
@@ -470,12 +498,14 @@ class ComfyUIAdapter(Adapter):
             scope.samples = [Sample(MS_STEP, (rt.clock() - scope.dispatched_at) * 1000 / steps)]
         return lease, done.entry
 
-    async def _stop(self, sub: Submitted, sink: Sink) -> None:
+    async def _stop(self, sub: Submitted, sink: Sink, record: Callable[[], Awaitable[None]]) -> None:
+        """Stop the prompt on its node, wait (briefly) until it has, then ``record`` its end."""
         try:
             if await stop_prompt(sub.node, sub.prompt_id, sub.client_id):
                 with contextlib.suppress(TimeoutError):
                     async with asyncio.timeout(DRAIN_SEC):
                         await self._watch(sink, sub, None, draining=True)
+                await record()  # interrupted: in the route's history, as ComfyUI lists it
         finally:
             await sub.ws.close()
 
@@ -543,6 +573,13 @@ class ComfyUIAdapter(Adapter):
                     break
                 except (NodeError, PromptLost) as e:
                     scope.done_with_node()  # nothing left there to stop
+                    if isinstance(e, PromptLost) and await state.dropped(lease.route, prompt_id):
+                        # Deleted from the node's queue by a client: it ends there, as in ComfyUI
+                        # (no history entry; its POST was answered long ago).
+                        log.info("[%s] prompt %s deleted from the node's queue: slot freed", lease.node, prompt_id)
+                        owners.end(prompt_id, None)
+                        state.hub.status(lease.node)
+                        return
                     p = owners.get(prompt_id)
                     if p is None or p.output_seen or \
                             not scope.requeue_held(NODE_LOST, lost=not isinstance(e, PromptLost)):
@@ -615,7 +652,7 @@ class ComfyUIAdapter(Adapter):
             sub.tell = functools.partial(state.tell, lease.route, lease.node, sub.prompt_id)  # the /ws hears it
             # Timeout, cancel or error from here on: stop the prompt, and keep the slot until the
             # GPU has really stopped (interrupts land between steps); the scope runs this first.
-            scope.on_abort(lambda: self._stop(sub, sink))
+            scope.on_abort(lambda: self._stop(sub, sink, functools.partial(_record_end, state, lease, sub)))
             try:
                 return await self._follow_to_end(state, lease, scope, sub, sink, progress)
             except BaseException:
@@ -631,11 +668,22 @@ class ComfyUIAdapter(Adapter):
                 await self._watch(sink, sub, progress, activity=state.activity, node=lease.node)
                 entry = await wait_history(sub.node, sub.prompt_id, sub.number, POLL_SEC,
                                            state.monitor(lease.node), look_first=True)
+        except (Failure, Cancelled):  # it failed or was interrupted on the node (its socket said so)
+            await _record_end(state, lease, sub)
+            raise
         except PromptStalled as e:
             await self._stalled(scope, sub, sink, e.reason)
         except TimeoutError:
             raise Failure.upstream(f"node {lease.node} did not finish within {sub.timeout:g}s", True) from None
         except (NodeError, PromptLost) as e:
+            if isinstance(e, PromptLost) and await state.dropped(lease.route, sub.prompt_id):
+                # Deleted from the node's queue by a client: the job ends cancelled, as the
+                # prompt does in ComfyUI (no history entry), and is never run elsewhere.
+                scope.done_with_node()
+                await sub.ws.close()
+                state.owners(lease.route).end(sub.prompt_id, None)
+                state.hub.status(lease.node)
+                raise Cancelled("deleted from the node's queue") from None
             log.warning("[%s] %s: %s", lease.node, NODE_LOST, e.reason)
             sub.lost = e.reason
             if sub.output_seen:
@@ -659,7 +707,7 @@ class ComfyUIAdapter(Adapter):
             scope.node_failed(reason, mid_body=True)
             raise Failure.mid_response(lease.node, f"{reason} (after its first output)")
         scope.done_with_node()
-        await _shielded(scope.rt, self._stop(sub, sink))  # the GPU must be free before the slot is
+        await _shielded(scope.rt, self._stop(sub, sink, _nothing))  # the GPU must be free before the slot is
         raise UpstreamFailed(reason, answered=True)
 
     async def _submit(self, rt: Runtime, lease: Lease, ex: Exchange, body: dict[str, Any],
@@ -759,7 +807,7 @@ class ComfyUIAdapter(Adapter):
         ws, pid = sub.ws, sub.prompt_id
         stall = sub.stall_sec if activity is not None and not draining else None
         loop = asyncio.get_running_loop()
-        success = False
+        success = started = False
         while True:
             wait = SUCCESS_GRACE_SEC if success else _quiet_left(activity, node, stall, loop.time())
             try:
@@ -784,12 +832,16 @@ class ComfyUIAdapter(Adapter):
             if ev is None:
                 continue
             kind, data = ev
+            if kind == "status" and not started and not draining and not await _still_queued(sub.node, pid):
+                return  # gone from the node's queue before it ran (deleted?): history and the queue tell
             if data.get("prompt_id", pid) != pid:
                 continue  # broadcasts about other prompts
             # Events without a prompt id on our socket are ours: the client_id is this job's alone.
             if kind == "executing" and "node" in data and data["node"] is None:
                 return  # sent after history is written: safe to read it now
-            if kind == "execution_success":
+            if kind == "execution_start":
+                started = True
+            elif kind == "execution_success":
                 success = True
             elif kind == "execution_error":
                 if draining:

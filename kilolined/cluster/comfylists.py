@@ -19,6 +19,10 @@ only read. Per route (its name and every other part percent-quoted):
   prompts (everyone's, one key's) scored by when they ended, ComfyUI's history order; and
   ``{prefix}comfysum:{route}``: hash prompt id → its ``/api/jobs`` record (no outputs), so a jobs
   list reads no entries. Each is capped at ``entries_max`` and forgets what is older than the TTL.
+- ``{prefix}comfydrop:{route}:{prompt_id}``: the prompt was deleted from its node's queue by a
+  client through some gateway (``POST /queue``, a cancel), written before the node is told: the
+  gateway that holds it reads it when the prompt vanishes from the node, and ends it there
+  instead of re-queueing it. Kept ``max_age``.
 
 The writes of one gateway go through one queue in the order they were made (a prompt's record
 is never written after its entry dropped it). A Redis that does not answer leaves each gateway
@@ -171,6 +175,9 @@ class SharedLists:
     def _jobs_key(self, route: str) -> str:
         return f"{self.prefix}comfysum:{_q(route)}"
 
+    def _drop_key(self, route: str, prompt_id: str) -> str:
+        return f"{self.prefix}comfydrop:{_q(route)}:{_q(prompt_id)}"
+
     # --- the writer's side -------------------------------------------------------------------------
     def waiting_now(self, route: str, prompt_id: str, record: dict[str, Any] | None, max_age: float) -> None:
         """The prompt waits or runs on a node (``record``), or ended without an entry (None)."""
@@ -226,6 +233,31 @@ class SharedLists:
         except REDIS_ERRORS as e:
             log.warning("comfy history: Redis did not answer (%s): entries kept until they expire",
                         type(e).__name__)
+
+    async def drop(self, route: str, prompt_ids: list[str], max_age: float) -> bool:
+        """The prompts are about to be deleted from their nodes' queues by a client (whichever
+        gateway holds them). False when Redis did not take it."""
+        if not prompt_ids:
+            return True
+        px = max(1, int(max_age * 1000))
+        try:
+            async with self.redis.pipeline(transaction=False) as p:
+                for pid in prompt_ids:
+                    p.set(self._drop_key(route, pid), b"1", px=px)
+                await p.execute()
+        except REDIS_ERRORS as e:
+            log.warning("comfy lists: Redis did not take a queue delete (%s): the gateway holding the prompt "
+                        "may take it for lost", type(e).__name__)
+            return False
+        return True
+
+    async def dropped(self, route: str, prompt_id: str) -> bool:
+        """Whether a client deleted the prompt from its node's queue through any gateway."""
+        try:
+            return bool(await self.redis.exists(self._drop_key(route, prompt_id)))
+        except REDIS_ERRORS as e:
+            log.warning("comfy lists: Redis did not answer (%s): a vanished prompt counts as lost", type(e).__name__)
+            return False
 
     # --- the readers' side ---------------------------------------------------------------------------
     async def waiting(self, route: str) -> dict[str, dict[str, Any]]:

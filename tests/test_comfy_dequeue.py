@@ -1,0 +1,159 @@
+"""A prompt a client deletes from its node's queue ends there, as in ComfyUI: it never runs (not
+even re-queued to another node, which is what the gateway does with a prompt that vanished from
+a node that restarted), its slot is freed, a job ends ``cancelled``, and it has no history entry
+(ComfyUI writes none for a prompt deleted before it ran). And a job that fails or is interrupted
+on its node is in the route's history and jobs list as ComfyUI lists it (docs/API.md "ComfyUI
+over several GPUs"). One gateway, and two over a real Redis with the delete sent through the
+gateway that does not hold the prompt."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import aiohttp
+import pytest
+from cluster_harness import RedisServer, redis_server
+from conftest import auth, base_config, wait_until
+from test_comfy_lists_cluster import two_gateways
+from test_comfy_many_gpus import get, graph
+from test_comfyui import ASYNC
+
+from kilolined.adapters.comfy_control import comfy_state
+
+__all__ = ["redis_server"]  # fixtures
+
+DELETES = [("/queue", {"delete": ["{pid}"]}), ("/queue", {"clear": True}), ("/api/jobs/{pid}/cancel", {})]
+
+
+async def submit(http: aiohttp.ClientSession, gw: Any, body: dict[str, Any], mode: str) -> str | None:
+    """The prompt id of a sync prompt; None for a job (its id is read from the queue)."""
+    async with http.post(gw.url + "/gen/prompt", json=body,
+                         headers={**auth(), **(ASYNC if mode == "async" else {})}) as r:
+        assert r.status in (200, 202), await r.text()
+        doc = await r.json()
+    return doc["prompt_id"] if mode == "sync" else doc["job_id"]
+
+
+async def pending_ids(http: aiohttp.ClientSession, gw: Any) -> list[str]:
+    return [item[1] for item in (await get(http, gw, "/queue", auth()))["queue_pending"]]
+
+
+async def delete(http: aiohttp.ClientSession, gw: Any, how: tuple[str, dict[str, Any]], pid: str) -> None:
+    path, body = how
+    filled = {k: [pid] if v == ["{pid}"] else v for k, v in body.items()}
+    async with http.post(gw.url + "/gen" + path.replace("{pid}", pid), json=filled, headers=auth()) as r:
+        assert r.status == 200, await r.text()
+
+
+def ended(gw: Any, pid: str) -> bool:
+    p = comfy_state(gw.rt).owners("gen").get(pid)
+    assert p is not None
+    return p.ended
+
+
+def served(*nodes: Any) -> int:
+    return sum(int(n.stats["served"]) for n in nodes)
+
+
+async def stop_all(http: aiohttp.ClientSession, nodes: list[Any], gws: list[Any]) -> None:
+    async def idle() -> bool:  # nothing left running for the gateways to wait for when they stop
+        for node in nodes:
+            async with http.post(node.url + "/interrupt", json={}):
+                pass
+        return all(sum(gw.rt.scheduler.node_inflight.values()) == 0 for gw in gws)
+
+    await wait_until(idle, step=0.1)
+
+
+@pytest.mark.parametrize("how", DELETES, ids=["delete", "clear", "cancel"])
+@pytest.mark.parametrize("mode", ["sync", "async"])
+async def test_a_prompt_deleted_from_its_nodes_queue_never_runs(fakegpus: Any, gateway: Any,
+                                                                http: aiohttp.ClientSession, mode: str,
+                                                                how: tuple[str, dict[str, Any]]) -> None:
+    a = await fakegpus("comfyui", step_ms=20, parallel=1)  # the node's own queue holds the second
+    b = await fakegpus("comfyui", step_ms=20)  # a standby it could be re-queued to
+    gw = await gateway(base_config({"a": a.url, "b": b.url}, kind="comfyui", max_concurrency=2))
+    await submit(http, gw, {"prompt": graph(2000, 1)}, "sync")
+    job = await submit(http, gw, {"prompt": graph(3, 2)}, mode)
+    await wait_until(lambda: a.stats["pending"] == 1)
+    [pid] = await pending_ids(http, gw)
+    await delete(http, gw, how, pid)
+    await wait_until(lambda: ended(gw, pid))
+    assert sum(gw.rt.scheduler.node_inflight.values()) == 1  # its slot is free; the first holds its own
+    assert await get(http, gw, f"/history/{pid}", auth()) == {}
+    assert await pending_ids(http, gw) == []
+    if mode == "async":
+        await wait_until(lambda: gw.jobs.jobs[job].status == "cancelled")
+    await stop_all(http, [a, b], [gw])
+    assert served(a, b) == 0  # neither there nor anywhere else
+
+
+@pytest.mark.parametrize("how", DELETES, ids=["delete", "clear", "cancel"])
+@pytest.mark.parametrize("mode", ["sync", "async"])
+async def test_a_prompt_deleted_through_the_other_gateway_never_runs(
+        redis_server: RedisServer, fakegpus: Any, gateway: Any, http: aiohttp.ClientSession, mode: str,
+        how: tuple[str, dict[str, Any]]) -> None:
+    a = await fakegpus("comfyui", step_ms=20, parallel=1)
+    b = await fakegpus("comfyui", step_ms=20, parallel=1)
+    gw0, gw1 = await two_gateways(redis_server, gateway, {"a": a, "b": b}, max_concurrency=2)
+    await submit(http, gw0, {"prompt": graph(2000, 1)}, "sync")
+    await submit(http, gw0, {"prompt": graph(2000, 2)}, "sync")  # one on each node: the third waits on one
+    job = await submit(http, gw0, {"prompt": graph(3, 3)}, mode)
+    await wait_until(lambda: a.stats["pending"] + b.stats["pending"] == 1)
+
+    async def on_gw1() -> list[str]:
+        return await pending_ids(http, gw1)
+
+    await wait_until(on_gw1)
+    [pid] = await on_gw1()
+    await delete(http, gw1, how, pid)
+    await wait_until(lambda: ended(gw0, pid))
+    assert sum(gw0.rt.scheduler.node_inflight.values()) == 2
+    for gw in (gw0, gw1):
+        assert await get(http, gw, f"/history/{pid}", auth()) == {}
+    if mode == "async":
+        await wait_until(lambda: gw0.jobs.jobs[job].status == "cancelled")
+    await stop_all(http, [a, b], [gw0, gw1])
+    assert served(a, b) == 0
+
+
+@pytest.mark.parametrize("how", ["fails", "interrupted"])
+async def test_a_job_that_fails_or_is_interrupted_is_in_the_history(fakegpus: Any, gateway: Any,
+                                                                    http: aiohttp.ClientSession, how: str) -> None:
+    node = await fakegpus("comfyui", step_ms=20)
+    gw = await gateway(base_config({"a": node.url}, kind="comfyui"))
+    prompt = graph(3 if how == "fails" else 2000, 1)
+    if how == "fails":
+        prompt["8"] = {"class_type": "FailNode", "inputs": {"message": "sampler exploded", "x": ["3", 0]}}
+    job = await submit(http, gw, {"prompt": prompt}, "async")
+    if how == "interrupted":
+        await wait_until(lambda: node.stats["running"] == 1)
+        async with http.post(gw.url + "/gen/interrupt", json={}, headers=auth()) as r:
+            assert r.status == 200
+    await wait_until(lambda: gw.jobs.jobs[job].status in ("failed", "cancelled"))
+    assert gw.jobs.jobs[job].status == ("failed" if how == "fails" else "cancelled")
+    history = await get(http, gw, "/history", auth())
+    [(pid, entry)] = history.items()
+    assert entry["status"]["status_str"] == "error"
+    end = "execution_error" if how == "fails" else "execution_interrupted"
+    assert end in [m[0] for m in entry["status"]["messages"]]
+    jobs = (await get(http, gw, "/api/jobs", auth()))["jobs"]
+    assert [(j["id"], j["status"]) for j in jobs] == [(pid, "failed" if how == "fails" else "cancelled")]
+
+
+async def test_a_failed_job_is_in_the_other_gateways_history(redis_server: RedisServer, fakegpus: Any,
+                                                             gateway: Any, http: aiohttp.ClientSession) -> None:
+    node = await fakegpus("comfyui", step_ms=20)
+    gw0, gw1 = await two_gateways(redis_server, gateway, {"a": node})
+    prompt = graph(3, 1)
+    prompt["8"] = {"class_type": "FailNode", "inputs": {"message": "sampler exploded", "x": ["3", 0]}}
+    job = await submit(http, gw0, {"prompt": prompt}, "async")
+    await wait_until(lambda: gw0.jobs.jobs[job].status == "failed")
+
+    async def listed() -> dict[str, Any]:
+        return dict(await get(http, gw1, "/history", auth()))
+
+    await wait_until(listed)
+    [(pid, entry)] = (await listed()).items()
+    assert entry["status"]["status_str"] == "error" and "traceback" not in str(entry)
+    assert [(j["id"], j["status"]) for j in (await get(http, gw1, "/api/jobs", auth()))["jobs"]] == [(pid, "failed")]
