@@ -3,7 +3,8 @@ docs/CLUSTER.md): any gateway answers ``/history``, ``/queue``, ``/api/jobs`` an
 prompt (``/interrupt``, ``POST /queue``, cancel) whichever gateway admitted it.
 
 One writer per prompt: the gateway that sent it to a node writes its state here; the others
-only read it, and mark it deleted or delete its entry when a client asks them to. Per route (its name and every other part percent-quoted):
+only read it, and mark it deleted or delete its entry when a client asks them to.
+Per route (its name and every other part percent-quoted):
 
 - ``{prefix}comfywait:{route}``: hash prompt id → the prompt's waiting record (who sent it, the
   node that has it, the number and client id its client was given), with
@@ -27,8 +28,9 @@ only read it, and mark it deleted or delete its entry when a client asks them to
 The writes of one gateway go through one queue in the order they were made (a prompt's record
 is never written after its entry dropped it). The history keys (entries, ended lists, jobs
 records) are written by this module's scripts only, through ``_history_write``: a prompt's entry
-by the gateway that ran it, a delete (``POST /history``) by whichever gateway the client asked. A Redis that does not answer leaves each gateway
-with its own prompts (logged, never an error to clients).
+by the gateway that ran it, a delete (``POST /history``) by whichever gateway the client asked.
+A Redis that does not answer leaves each gateway with its own prompts (logged, never an error
+to clients).
 """
 
 from __future__ import annotations
