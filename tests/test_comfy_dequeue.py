@@ -8,6 +8,7 @@ gateway that does not hold the prompt."""
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import aiohttp
@@ -157,3 +158,28 @@ async def test_a_failed_job_is_in_the_other_gateways_history(redis_server: Redis
     [(pid, entry)] = (await listed()).items()
     assert entry["status"]["status_str"] == "error" and "traceback" not in str(entry)
     assert [(j["id"], j["status"]) for j in (await get(http, gw1, "/api/jobs", auth()))["jobs"]] == [(pid, "failed")]
+
+
+@pytest.mark.parametrize("how", DELETES, ids=["delete", "clear", "cancel"])
+@pytest.mark.parametrize("mode", ["sync", "async"])
+async def test_a_prompt_waiting_in_the_gateways_queue_is_removed_by_its_key(
+        fakegpus: Any, gateway: Any, http: aiohttp.ClientSession, mode: str, how: tuple[str, dict[str, Any]]) -> None:
+    node = await fakegpus("comfyui", step_ms=20)
+    gw = await gateway(base_config({"a": node.url}, kind="comfyui", max_concurrency=1))
+    await submit(http, gw, {"prompt": graph(2000, 1)}, "sync")  # holds the only slot
+    pid = "4f4c3b9e-1a5f-4d1e-9d2b-0c8c2f5e7a10"  # its own prompt id, as ComfyUI's API allows
+    waiting = asyncio.ensure_future(submit(http, gw, {"prompt": graph(3, 2), "prompt_id": pid}, mode))
+    queue = gw.rt.scheduler.routes["gen"].waiting
+    await wait_until(lambda: len(queue) == 1)
+    async with http.post(gw.url + "/gen/queue", json={"clear": True}, headers=auth("bob")) as r:
+        assert r.status == 200  # another key's clear leaves it
+    assert len(queue) == 1
+    await delete(http, gw, how, pid)
+    answer = await asyncio.wait_for(waiting, 10)  # a sync POST is answered with the id it gave
+    if mode == "sync":
+        assert answer == pid
+    else:
+        await wait_until(lambda: gw.jobs.jobs[answer].status == "cancelled")
+    assert len(queue) == 0 and "gen" not in comfy_state(gw.rt).queued  # its place is free
+    await stop_all(http, [node], [gw])
+    assert served(node) == 0 and await get(http, gw, f"/history/{pid}", auth()) == {}

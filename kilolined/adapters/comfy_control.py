@@ -20,6 +20,7 @@ import asyncio
 import functools
 import logging
 import uuid
+from collections.abc import Callable
 from typing import Any
 from urllib.parse import quote
 
@@ -35,9 +36,11 @@ from kilolined.adapters.comfy_record import (
     EVERYONE,
     Prompt,
     PromptOwners,
+    Queued,
     Viewer,
     entry_as_given,
     record_of,
+    removable,
 )
 from kilolined.adapters.comfy_store import claim_names, executed_for_client, history_for_client
 from kilolined.adapters.comfy_views import Views, view_of
@@ -102,6 +105,8 @@ class ComfyState:
         self.rt = rt
         self.monitors = Monitors(rt.spawn)
         self.routes: dict[str, PromptOwners] = {}
+        #: route → the prompts in the gateway's own queue, not yet on a node (by ``id()``)
+        self.queued: dict[str, dict[int, Queued]] = {}
         self.activity = NodeActivity()
         #: the client id every prompt is sent under, on every node: the monitors listen as it
         self.hub_id = f"kilolined-monitor-{uuid.uuid4().hex}"
@@ -140,6 +145,24 @@ class ComfyState:
         lists = self.rt.comfy_lists
         if lists is not None:
             await lists.drop(route, [pid for pid in prompt_ids if owners.get(pid) is None], self.max_age(route))
+
+    def queue_in(self, route: str, q: Queued) -> Callable[[], None]:
+        """``q`` waits in the gateway's queue of ``route``; the returned call says it left."""
+        self.queued.setdefault(route, {})[id(q)] = q
+
+        def left() -> None:
+            on_route = self.queued.get(route)
+            if on_route is not None:
+                on_route.pop(id(q), None)
+                if not on_route:
+                    del self.queued[route]
+
+        return left
+
+    def unqueue(self, route: str, viewer: Viewer, ids: set[str] | None) -> bool:
+        """Take the viewer's prompts that ``ids`` name (None: all) out of the gateway's queue."""
+        taken = [q.take() for q in removable(self.queued.get(route, {}), viewer, ids)]
+        return any(taken)
 
     async def dropped(self, route: str, prompt_id: str) -> bool:
         """Whether a client deleted the prompt from its node's queue (through any gateway)."""
@@ -343,14 +366,14 @@ async def control(rt: Runtime, request: web.Request, route: str, path: str, subj
         if action == "interrupt":
             await _interrupt(rt, mine, body.get("prompt_id"), path, request_id)
         elif action == "queue":
-            await _queue(rt, state, route, mine, body, path, request_id)
+            await _queue(rt, state, route, viewer, mine, body, path, request_id)
         elif action == "history":
             await _history(rt, route, owners, viewer, body, path, request_id)
         elif action == "cancel":
             jid = path.split("/")[3]
             node = mine.get(jid)
             if node is None or node not in rt.scheduler.nodes:
-                return web.json_response({"cancelled": False}, headers=headers)
+                return web.json_response({"cancelled": state.unqueue(route, viewer, {jid})}, headers=headers)
             await state.drop(route, await _pending(rt, {jid: node}, request_id))
             status, answer, ctype = await node_api(rt, node, request_id).post(path, {})
             if status in (404, 405):  # a build without the cancel endpoint (0.19.3): interrupt or dequeue
@@ -360,7 +383,7 @@ async def control(rt: Runtime, request: web.Request, route: str, path: str, subj
             ids = body.get("job_ids")
             if not isinstance(ids, list):
                 return web.json_response({"error": "job_ids must be a list"}, status=400, headers=headers)
-            cancelled = False
+            cancelled = state.unqueue(route, viewer, {pid for pid in ids if isinstance(pid, str)})
             by_node = _by_node(rt, mine, ids)
             await state.drop(route, await _pending(rt, {pid: n for n, pids in by_node.items() for pid in pids},
                                                    request_id))
@@ -447,12 +470,17 @@ async def _pending(rt: Runtime, mine: dict[str, str], request_id: str) -> list[s
             for pid in all_ids(queue.get("queue_pending")) if pid in on_node]
 
 
-async def _queue(rt: Runtime, state: ComfyState, route: str, mine: dict[str, str], body: dict[str, Any], path: str,
-                 request_id: str) -> None:
+async def _queue(rt: Runtime, state: ComfyState, route: str, viewer: Viewer, mine: dict[str, str],
+                 body: dict[str, Any], path: str, request_id: str) -> None:
     """``POST /queue``: ``delete`` the listed prompts of the caller's that wait in a node's queue,
     ``clear`` all of them. Each is marked dropped first (``ComfyState.drop``): the gateway holding
-    it must not take its vanishing from the node for a lost node and run it elsewhere."""
+    it must not take its vanishing from the node for a lost node and run it elsewhere. The
+    caller's prompts still in the gateway's own queue go too (by the ``prompt_id`` they gave)."""
     delete = body.get("delete")
+    if body.get("clear"):
+        state.unqueue(route, viewer, None)
+    elif isinstance(delete, list):
+        state.unqueue(route, viewer, {pid for pid in delete if isinstance(pid, str)})
     listed = {pid: mine[pid] for pid in delete if isinstance(pid, str) and pid in mine} \
         if isinstance(delete, list) else {}
     for api, queue, on_node in await _queues(rt, mine if body.get("clear") else listed, request_id):

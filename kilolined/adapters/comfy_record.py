@@ -60,6 +60,30 @@ class Viewer:
 EVERYONE = Viewer(None)
 
 
+@dataclass(slots=True)
+class Queued:
+    """A prompt in the gateway's own queue, not yet sent to any node: a client removes it by its
+    key (``POST /queue`` clear, or delete or cancel by the ``prompt_id`` it gave), as from
+    ComfyUI's own queue. ``remove`` takes it out of the queue (False: it left already)."""
+
+    subject: str
+    prompt_id: str | None  # the prompt_id its client gave, if any
+    remove: Callable[[], bool]
+    removed: bool = False
+
+    def take(self) -> bool:
+        """Remove it now; True when it was still waiting."""
+        if not self.removed and self.remove():
+            self.removed = True
+        return self.removed
+
+
+def removable(queued: dict[int, Queued], viewer: Viewer, ids: set[str] | None) -> list[Queued]:
+    """The viewer's prompts of ``queued`` that ``ids`` name (None: all of them)."""
+    return [q for q in queued.values() if (viewer.subject is None or q.subject == viewer.subject)
+            and (ids is None or (q.prompt_id is not None and q.prompt_id in ids))]
+
+
 @dataclass
 class PromptOwners:
     """prompt_id → Prompt of one route, bounded, most recent last; ``ended`` in the order they ended."""

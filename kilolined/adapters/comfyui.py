@@ -37,14 +37,21 @@ from kilolined.adapters.comfy_inputs import PromptInputs, is_upload, upload
 from kilolined.adapters.comfy_monitor import NodeMonitor
 from kilolined.adapters.comfy_node import NodeAPI, NodeError, all_ids, find_entry, lease_api, on_queue, stop_prompt
 from kilolined.adapters.comfy_progress import Progress
-from kilolined.adapters.comfy_record import ABSENT, PromptOwners, entry_as_given, prompt_id_of, without_traceback
+from kilolined.adapters.comfy_record import (
+    ABSENT,
+    PromptOwners,
+    Queued,
+    entry_as_given,
+    prompt_id_of,
+    without_traceback,
+)
 from kilolined.adapters.comfy_store import is_view, prompt_finished, view
 from kilolined.core.errors import error_response
 from kilolined.core.outcome import Cancelled, Failure, Result
 from kilolined.core.templates import ANSWER_KEY, is_images
 from kilolined.ops.runtime import Runtime
 from kilolined.scheduling.lease import LeaseScope, Sink
-from kilolined.scheduling.queue import Lease, Rejected
+from kilolined.scheduling.queue import WAITING, Lease, Rejected, Ticket
 from kilolined.scheduling.speed import MS_STEP, Sample
 from kilolined.wire.proxy import RETRY_STATUSES, Exchange, Upstream, UpstreamFailed, node_lost
 from kilolined.wire.upstream import STALLED, UpstreamResponse
@@ -158,6 +165,15 @@ async def wait_history(node: NodeAPI, prompt_id: str, number: float | None, inte
 async def _shielded(rt: Runtime, coro: Coroutine[Any, Any, T]) -> T:
     """Run cleanup to its end even if our task is cancelled again meanwhile."""
     return await asyncio.shield(rt.spawn(coro))
+
+
+def _unqueue(rt: Runtime, ticket: Ticket) -> bool:
+    """Take a prompt that waits in the gateway's queue (never dispatched yet) out of it: its wait
+    ends in a refusal, which ``serve`` turns into the end of a deleted prompt."""
+    if ticket.state != WAITING or ticket.requeues or not rt.leases.cancel(ticket):
+        return False
+    ticket.wake()
+    return True
 
 
 async def _nothing() -> None:
@@ -427,9 +443,26 @@ class ComfyUIAdapter(Adapter):
             raise Failure("bad_request", "body must be a JSON object (ComfyUI API prompt)", 400)
         # Inline and fetched inputs become held files; every held input goes with each attempt.
         inputs = PromptInputs(rt, scope.ticket.route, scope.ticket.key)
-        if sink.mode == "sync":
-            return await self._serve_sync(rt, scope, ex, sink, body, inputs)
-        lease, entry = await self._run_to_end(rt, scope, ex, body, sink, inputs)
+        queued = Queued(scope.ticket.key, given if isinstance(given := body.get("prompt_id"), str) else None,
+                        functools.partial(_unqueue, rt, scope.ticket))
+        left = comfy_state(rt).queue_in(scope.ticket.route, queued)
+        try:
+            if sink.mode == "sync":
+                return await self._serve_sync(rt, scope, ex, sink, body, inputs)
+            lease, entry = await self._run_to_end(rt, scope, ex, body, sink, inputs)
+        except Failure:
+            if not queued.removed:
+                raise
+            # Removed from the gateway's queue by its client: it never ran, as ComfyUI drops a
+            # deleted prompt. A job ends cancelled; a sync POST is answered as ComfyUI answered
+            # it before the delete (its prompt id, no number: no node numbered it).
+            if sink.mode != "sync":
+                raise Cancelled("deleted from the queue before it ran") from None
+            answer = {"prompt_id": queued.prompt_id or str(uuid.uuid4()), "node_errors": {}}
+            sink.result(Result(200, "application/json", orjson.dumps(answer), result=answer))
+            return
+        finally:
+            left()
         result, files = annotate_files(entry, lease.node, sink.file_url)
         # Outputs leave the node (comfy_store.py); the result names them as the route does.
         result = await prompt_finished(rt, lease.route, lease.node, result, scope.ticket.key)
