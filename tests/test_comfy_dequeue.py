@@ -74,12 +74,23 @@ async def test_a_prompt_deleted_from_its_nodes_queue_never_runs(fakegpus: Any, g
     a = await fakegpus("comfyui", step_ms=20, parallel=1)  # the node's own queue holds the second
     b = await fakegpus("comfyui", step_ms=20)  # a standby it could be re-queued to
     gw = await gateway(base_config({"a": a.url, "b": b.url}, kind="comfyui", max_concurrency=2))
-    await submit(http, gw, {"prompt": graph(2000, 1)}, "sync")
-    job = await submit(http, gw, {"prompt": graph(3, 2)}, mode)
-    await wait_until(lambda: a.stats["pending"] == 1)
-    [pid] = await pending_ids(http, gw)
-    await delete(http, gw, how, pid)
-    await wait_until(lambda: ended(gw, pid))
+    async with http.ws_connect(gw.url + "/gen/ws?clientId=page", headers=auth()) as ws:
+        await submit(http, gw, {"prompt": graph(2000, 1)}, "sync")
+        job = await submit(http, gw, {"prompt": graph(3, 2), "client_id": "page"}, mode)
+        await wait_until(lambda: a.stats["pending"] == 1)
+        [pid] = await pending_ids(http, gw)
+        await delete(http, gw, how, pid)
+        await wait_until(lambda: ended(gw, pid))
+        frames: list[tuple[str, Any]] = []
+        counts: list[int] = []
+        while 2 not in counts or counts[-1] != 1:  # the page hears the route's queue shrink, 2 → 1
+            got = await ws.receive_json(timeout=5)
+            if got["type"] == "status":
+                counts.append(got["data"]["status"]["exec_info"]["queue_remaining"])
+            data = got["data"]
+            frames.append(("status", data["status"]["exec_info"]["queue_remaining"]) if got["type"] == "status"
+                          else (got["type"], data.get("prompt_id")))
+    assert [f for f in frames if f[1] == pid] == []  # and nothing else of it: it never ran
     assert sum(gw.rt.scheduler.node_inflight.values()) == 1  # its slot is free; the first holds its own
     assert await get(http, gw, f"/history/{pid}", auth()) == {}
     assert await pending_ids(http, gw) == []

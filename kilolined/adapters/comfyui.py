@@ -682,6 +682,7 @@ class ComfyUIAdapter(Adapter):
             state = comfy_state(rt)
             owners = state.owners(lease.route)
             owners.add(sub.prompt_id, scope.ticket.key, lease.node, sub.number, body.get("client_id", ABSENT))
+            state.hub.status(lease.node)  # the route's queue grew (the node's own status may have come first)
             sub.tell = functools.partial(state.tell, lease.route, lease.node, sub.prompt_id)  # the /ws hears it
             # Timeout, cancel or error from here on: stop the prompt, and keep the slot until the
             # GPU has really stopped (interrupts land between steps); the scope runs this first.
