@@ -194,3 +194,21 @@ async def test_a_prompt_waiting_in_the_gateways_queue_is_removed_by_its_key(
     assert len(queue) == 0 and "gen" not in comfy_state(gw.rt).queued  # its place is free
     await stop_all(http, [node], [gw])
     assert served(node) == 0 and await get(http, gw, f"/history/{pid}", auth()) == {}
+
+
+async def test_a_job_cancelled_by_its_client_while_it_runs_is_in_the_history(fakegpus: Any, gateway: Any,
+                                                                              http: aiohttp.ClientSession) -> None:
+    node = await fakegpus("comfyui", step_ms=20)
+    gw = await gateway(base_config({"a": node.url}, kind="comfyui"))
+    job = await submit(http, gw, {"prompt": graph(2000, 1)}, "async")
+    await wait_until(lambda: node.stats["running"] == 1)
+    async with http.delete(gw.url + f"/v1/jobs/{job}", headers=auth()) as r:
+        assert r.status == 200 and (await r.json())["status"] == "cancelled"
+
+    async def listed() -> dict[str, Any]:
+        return dict(await get(http, gw, "/history", auth()))
+
+    await wait_until(listed)  # interrupted on its node: ComfyUI lists it so
+    [(pid, entry)] = (await listed()).items()
+    assert "execution_interrupted" in [m[0] for m in entry["status"]["messages"]]
+    assert [(j["id"], j["status"]) for j in (await get(http, gw, "/api/jobs", auth()))["jobs"]] == [(pid, "cancelled")]
