@@ -23,7 +23,9 @@ from kilolined.adapters.comfy_control import comfy_state
 
 __all__ = ["redis_server"]  # fixtures
 
-DELETES = [("/queue", {"delete": ["{pid}"]}), ("/queue", {"clear": True}), ("/api/jobs/{pid}/cancel", {})]
+DELETES = [("/queue", {"delete": ["{pid}"]}), ("/queue", {"clear": True}), ("/api/jobs/{pid}/cancel", {}),
+           ("/api/jobs/cancel", {"job_ids": ["{pid}"]})]
+HOW = ["delete", "clear", "cancel", "cancel_many"]
 
 
 async def submit(http: aiohttp.ClientSession, gw: Any, body: dict[str, Any], mode: str) -> str | None:
@@ -66,7 +68,7 @@ async def stop_all(http: aiohttp.ClientSession, nodes: list[Any], gws: list[Any]
     await wait_until(idle, step=0.1)
 
 
-@pytest.mark.parametrize("how", DELETES, ids=["delete", "clear", "cancel"])
+@pytest.mark.parametrize("how", DELETES, ids=HOW)
 @pytest.mark.parametrize("mode", ["sync", "async"])
 async def test_a_prompt_deleted_from_its_nodes_queue_never_runs(fakegpus: Any, gateway: Any,
                                                                 http: aiohttp.ClientSession, mode: str,
@@ -100,7 +102,7 @@ async def test_a_prompt_deleted_from_its_nodes_queue_never_runs(fakegpus: Any, g
     assert served(a, b) == 0  # neither there nor anywhere else
 
 
-@pytest.mark.parametrize("how", DELETES, ids=["delete", "clear", "cancel"])
+@pytest.mark.parametrize("how", DELETES, ids=HOW)
 @pytest.mark.parametrize("mode", ["sync", "async"])
 async def test_a_prompt_deleted_through_the_other_gateway_never_runs(
         redis_server: RedisServer, fakegpus: Any, gateway: Any, http: aiohttp.ClientSession, mode: str,
@@ -171,7 +173,7 @@ async def test_a_failed_job_is_in_the_other_gateways_history(redis_server: Redis
     assert [(j["id"], j["status"]) for j in (await get(http, gw1, "/api/jobs", auth()))["jobs"]] == [(pid, "failed")]
 
 
-@pytest.mark.parametrize("how", DELETES, ids=["delete", "clear", "cancel"])
+@pytest.mark.parametrize("how", DELETES, ids=HOW)
 @pytest.mark.parametrize("mode", ["sync", "async"])
 async def test_a_prompt_waiting_in_the_gateways_queue_is_removed_by_its_key(
         fakegpus: Any, gateway: Any, http: aiohttp.ClientSession, mode: str, how: tuple[str, dict[str, Any]]) -> None:
