@@ -233,6 +233,17 @@ async def test_the_shared_lists_are_bounded_and_expire(redis_server: RedisServer
         assert 0 < await redis.pttl(k) <= limit, k
     await lists.forget_entries("gen", ["p5"])
     assert await lists.ended("gen", "bob") == [] and await lists.entry("gen", "p5") is None
+    # A delete takes the entry out of its key's own list, whatever characters the key's name has.
+    odd = "bob smith/ü:%~"
+    assert await lists.put_entry("gen", "p6", odd, entry, {"id": "p6"}, ttl=30, cap=5)
+    assert await lists.ended("gen", odd) == ["p6"]
+    assert await lists.forget_entries("gen", ["p6", "gone"])
+    assert await lists.ended("gen", odd) == [] and await lists.ended("gen", None) == []
+    assert await lists.jobs("gen", ["p6"]) == {} and await lists.entry("gen", "p6") is None
+    # A prompt deleted from its node's queue is marked for the gateway that holds it, for a while.
+    assert await lists.drop("gen", ["p7"], max_age=60)
+    assert await lists.dropped("gen", "p7") and not await lists.dropped("gen", "p8")
+    assert 0 < await redis.pttl("kl-b:comfydrop:gen:p7") <= 60_000
     redis_server.kill()
     assert await lists.ended("gen", "alice") is None  # not known, rather than none
     await redis.aclose()
