@@ -66,3 +66,9 @@ def preview_ids(frames: list[tuple[str, Any]]) -> list[str]:
             size = struct.unpack(">I", data[4:8])[0]
             out.append(orjson.loads(data[8:8 + size])["prompt_id"])
     return out
+
+
+async def get(http: aiohttp.ClientSession, gw: Any, path: str, headers: dict[str, str]) -> Any:
+    async with http.get(gw.url + "/gen" + path, headers=headers) as r:
+        assert r.status == 200, (path, r.status, await r.text())
+        return await r.json()

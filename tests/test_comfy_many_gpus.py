@@ -22,7 +22,7 @@ import aiohttp
 import orjson
 import pytest
 from aiohttp import web
-from comfy_gpus import graph, hear, kinds_of, node_of, post, preview_ids
+from comfy_gpus import get, graph, hear, kinds_of, node_of, post, preview_ids
 from conftest import ADMIN, auth, base_config, wait_until
 
 from kilolined.adapters.comfy_control import comfy_state
@@ -39,12 +39,6 @@ async def two_nodes(fakegpus: Any, gateway: Any, **route: Any) -> tuple[Any, Any
     cfg = base_config({"a": a.url, "b": b.url}, kind="comfyui", max_concurrency=1, **route)
     cfg["routes"]["gen"].update(nodes=["a", "b"], standby=[])
     return a, b, await gateway(cfg)
-
-
-async def get(http: aiohttp.ClientSession, gw: Any, path: str, headers: dict[str, str]) -> Any:
-    async with http.get(gw.url + "/gen" + path, headers=headers) as r:
-        assert r.status == 200, (path, r.status, await r.text())
-        return await r.json()
 
 
 # --- one websocket -----------------------------------------------------------------------------

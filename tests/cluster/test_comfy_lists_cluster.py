@@ -12,25 +12,13 @@ from typing import Any
 import aiohttp
 from comfy_files_client import ASYNC, img2img, upload
 from comfy_gpus import graph
-from conftest import ADMIN, auth, base_config, wait_until
+from conftest import ADMIN, auth, wait_until
 
 from kilolined.cluster.comfylists import SharedLists
 from kilolined.fakegpu.comfy_graph import make_png
 
+from .comfy_cluster import two_gateways
 from .harness import RedisServer
-
-PREFIX = "kl-cl:"
-
-
-async def two_gateways(redis: RedisServer, gateway: Any, nodes: dict[str, Any], **route: Any) -> list[Any]:
-    """Two gateways of one cluster, each with every node (``route``: the route's settings)."""
-    made = []
-    for gid in ("gw0", "gw1"):
-        cfg = base_config({n: f.url for n, f in nodes.items()}, kind="comfyui", **{"max_concurrency": 1, **route})
-        cfg["routes"]["gen"].update(nodes=list(nodes), standby=[])
-        cfg["cluster"] = {"redis_url": redis.url, "gateway_id": gid, "lease_ttl_sec": 2, "key_prefix": PREFIX}
-        made.append(await gateway(cfg))
-    return made
 
 
 async def post(http: aiohttp.ClientSession, gw: Any, body: dict[str, Any], who: str = "alice") -> dict[str, Any]:

@@ -13,15 +13,14 @@ from typing import Any
 
 import aiohttp
 import pytest
-from cluster_harness import RedisServer, redis_server
+from comfy_client import ASYNC
+from comfy_gpus import get, graph
 from conftest import auth, base_config, wait_until
-from test_comfy_lists_cluster import two_gateways
-from test_comfy_many_gpus import get, graph
-from test_comfyui import ASYNC
 
 from kilolined.adapters.comfy_control import comfy_state
 
-__all__ = ["redis_server"]  # fixtures
+from .comfy_cluster import two_gateways
+from .harness import RedisServer
 
 DELETES = [("/queue", {"delete": ["{pid}"]}), ("/queue", {"clear": True}), ("/api/jobs/{pid}/cancel", {}),
            ("/api/jobs/cancel", {"job_ids": ["{pid}"]})]
