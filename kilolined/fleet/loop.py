@@ -484,9 +484,7 @@ class Fleet:
         ns = self.rt.scheduler.nodes.get(name)
         if t.phase != "serving" or name not in self.rt.pool_nodes or ns is None:
             return False
-        ns.drained = True
-        if self.rt.node_sync is not None:
-            self.rt.node_sync.changed(ns)  # cluster mode: drained on every gateway
+        self.rt.node_events(ns, ns.drain(True))  # cluster mode: drained on every gateway
         self.draining[t.id] = (t, now + self._drain_timeout(t.pool))
         log.info("[fleet] draining %s (over size): destroyed once its %d running request(s) end", name,
                  self.rt.scheduler.node_inflight.get(name, 0))

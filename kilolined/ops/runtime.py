@@ -31,7 +31,7 @@ from kilolined.scheduling.affinity import Affinity
 from kilolined.scheduling.bill import Bill
 from kilolined.scheduling.leasestore import LeaseStore
 from kilolined.scheduling.limits import Budgets, LimitStore, LocalLimits, RateLimiter
-from kilolined.scheduling.nodes import SPEED_HARD, SPEED_STALLED, NodeState
+from kilolined.scheduling.nodes import CHANGED, SPEED_HARD, SPEED_STALLED, NodeState
 from kilolined.scheduling.queue import RouteQueue, Scheduler, Ticket
 from kilolined.scheduling.routing import Router
 from kilolined.wire.deadlines import Deadlines
@@ -204,7 +204,7 @@ class Runtime:
         for name, ncfg in all_nodes.items():
             ns = old_nodes.get(name)
             if ns is not None and not ns.retired and ns.cfg.url == ncfg.url:
-                ns.cfg = ncfg
+                ns.configure(ncfg)
             else:
                 if ns is not None and name in self.sessions:
                     # Same name, new URL: a new node. Old in-flight finish on the old session.
@@ -215,7 +215,7 @@ class Runtime:
                 sched.nodes[name] = NodeState(name, ncfg)
         for name, ns in list(old_nodes.items()):
             if name not in all_nodes and not name.startswith("adhoc:"):
-                ns.retired = True
+                ns.retire()
         for name, rcfg in cfg.routes.items():
             rcfg = self._with_pool_nodes(name, rcfg)
             rq = sched.routes.get(name)
@@ -473,12 +473,17 @@ class Runtime:
         self.node_events(ns, events)
 
     def node_events(self, ns: NodeState, events: list[str], texts: dict[str, str] | None = None) -> None:
-        """Publish and alert ``events`` of ``ns`` (``texts``: the speed watch's own words)."""
+        """The one subscriber of node transitions: every ``NodeState`` method that changes the node
+        returns its events, and its caller hands them here. Shares the change with the cluster,
+        then alerts and feeds each event but the quiet ``CHANGED`` (``texts``: the speed watch's
+        own words), and wakes the queue."""
         if not events:
             return
         if self.node_sync is not None:
             self.node_sync.changed(ns)  # the other gateways apply the same transition
         for ev in events:
+            if ev == CHANGED:
+                continue
             text = texts[ev] if texts and ev in texts else self._node_text(ns, ev)
             if ev in ("node_down", "breaker_open"):
                 self.scheduler.forget(ns.name)  # what it held is gone, or cannot be trusted (docs/CONFIG.md#affinity)
