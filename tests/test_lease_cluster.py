@@ -24,7 +24,7 @@ from test_lease import BEHAVIOURS, config, every_slot_comes_back, inflight
 
 from kilolined.cluster.leases import ClusterLeases
 from kilolined.core.config import parse_config
-from kilolined.ops.runtime import Runtime
+from kilolined.ops.runtime import Runtime, Wiring
 
 __all__ = ["redis_server"]  # fixtures
 
@@ -44,11 +44,16 @@ async def cluster_runtime(redis: RedisServer, slots: int) -> AsyncIterator[tuple
     # A prefix of its own: nothing an earlier example left in Redis is counted in this one.
     cfg["cluster"] = {"redis_url": redis.url, "gateway_id": "prop", "lease_ttl_sec": TTL,
                       "key_prefix": f"prop-{os.urandom(4).hex()}:"}
-    rt = Runtime(parse_config(yaml.safe_dump(cfg)), "test")
-    assert rt.cfg.cluster is not None
-    leases = ClusterLeases(rt.scheduler, rt.cfg.cluster, "prop", clock=rt.clock, version=lambda: rt.version,
-                           alert=rt.notify)
-    rt.leases, rt.settle, rt.cluster = leases, leases.settle, leases.view
+    made: list[ClusterLeases] = []
+
+    def wire(rt: Runtime) -> Wiring:
+        assert rt.cfg.cluster is not None
+        made.append(ClusterLeases(rt.scheduler, rt.cfg.cluster, "prop", clock=rt.clock, version=lambda: rt.version,
+                                  alert=rt.notify))
+        return Wiring(leases=made[0], settle=made[0].settle, cluster=made[0].view)
+
+    rt = Runtime(parse_config(yaml.safe_dump(cfg)), "test", wire=wire)
+    leases = made[0]
     await rt.start()
     try:
         await leases.start()

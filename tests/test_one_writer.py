@@ -110,7 +110,7 @@ def node_state_writes(path: Path) -> list[str]:
 def _runtime_attrs() -> set[str]:
     tree = ast.parse(RUNTIME.read_text())
     cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "Runtime")
-    out = set()
+    out = {f.name for f in cls.body if isinstance(f, ast.FunctionDef)}  # its seams are properties
     for node in ast.walk(cls):
         for t in _targets(node):
             if isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name) and t.value.id == "self":

@@ -41,6 +41,7 @@ from kilolined.adapters.comfy_store import is_view, prompt_finished, view
 from kilolined.core.errors import error_response
 from kilolined.core.outcome import Cancelled, Failure, Result
 from kilolined.core.templates import ANSWER_KEY, is_images
+from kilolined.core.verdict import Cause, NodeVerdict, failed_status, status_verdict
 from kilolined.ops.runtime import Runtime
 from kilolined.scheduling.lease import LeaseScope, Sink
 from kilolined.scheduling.queue import Lease, Rejected
@@ -315,11 +316,12 @@ class SyncWatch:
                 if left > 0:
                     await asyncio.wait({done}, timeout=min(left, WATCH_SEC))
                 elif await _runs(self.api, self.prompt_id):
-                    reason = f"{STALLED}: no progress from the node for {self.stall:g}s while the prompt ran"
-                    log.warning("🐢 [%s] %s", self.node, reason)
-                    scope.node_failed(reason, mid_body=True)
+                    cut = NodeVerdict(Cause.STALL, f"{STALLED}: no progress from the node for {self.stall:g}s "
+                                      "while the prompt ran", mid_body=True)
+                    log.warning("🐢 [%s] %s", self.node, cut.reason)
+                    scope.node_failed(cut)
                     # The client had its answer (the prompt id): it sees the interrupt on its socket.
-                    raise Failure.mid_response(self.node, reason)
+                    raise Failure.mid_response(self.node, cut)
                 else:
                     blind = loop.time()  # still queued behind another prompt there: not ours to judge yet
             return done.result()
@@ -521,8 +523,8 @@ class ComfyUIAdapter(Adapter):
                 except (NodeError, PromptLost) as e:
                     scope.done_with_node()  # nothing left there to stop
                     p = owners.get(prompt_id)
-                    if p is None or p.output_seen or \
-                            not scope.requeue_held(NODE_LOST, lost=not isinstance(e, PromptLost)):
+                    if p is None or p.output_seen or not scope.requeue_held(
+                            NodeVerdict(Cause.LOST, NODE_LOST), lost=not isinstance(e, PromptLost)):
                         log.warning("[%s] %s (%s): slot freed", lease.node, NODE_LOST, e.reason)
                         return
                     log.warning("[%s] %s (%s): re-queued", lease.node, NODE_LOST, e.reason)
@@ -608,8 +610,9 @@ class ComfyUIAdapter(Adapter):
         except (NodeError, PromptLost) as e:
             log.warning("[%s] %s: %s", lease.node, NODE_LOST, e.reason)
             if sub.output_seen:
-                scope.node_failed(e.reason, mid_body=True)
-                raise Failure.mid_response(lease.node, f"{NODE_LOST} (after its first output)") from None
+                scope.node_failed(NodeVerdict(Cause.LOST, e.reason, mid_body=True))
+                raise Failure.mid_response(lease.node, NodeVerdict(Cause.LOST, f"{NODE_LOST} (after its first output)",
+                                                                   mid_body=True)) from None
             scope.done_with_node()  # nothing left there to stop
             await sub.ws.close()
             # A node that answered without the prompt restarted and is back; one that does
@@ -625,11 +628,12 @@ class ComfyUIAdapter(Adapter):
         assert lease is not None
         log.warning("🐢 [%s] %s", lease.node, reason)
         if sub.output_seen:
-            scope.node_failed(reason, mid_body=True)
-            raise Failure.mid_response(lease.node, f"{reason} (after its first output)")
+            scope.node_failed(NodeVerdict(Cause.STALL, reason, mid_body=True))
+            raise Failure.mid_response(lease.node, NodeVerdict(Cause.STALL, f"{reason} (after its first output)",
+                                                               mid_body=True))
         scope.done_with_node()
         await _shielded(scope.rt, self._stop(sub, sink))  # the GPU must be free before the slot is
-        raise UpstreamFailed(reason, answered=True)
+        raise UpstreamFailed(reason, answered=True, cause=Cause.STALL)
 
     async def _submit(self, rt: Runtime, lease: Lease, ex: Exchange, body: dict[str, Any],
                       scope: LeaseScope) -> Submitted:
@@ -691,8 +695,8 @@ class ComfyUIAdapter(Adapter):
             log.info("[%s] reading the answer: %s", lease.node, type(e).__name__)
             raise node_lost("connection dropped before its answer was read")
         up.release()
-        if up.status >= 500:
-            scope.node_failed(f"HTTP {up.status} from node")
+        if failed_status(up.status):
+            scope.node_failed(status_verdict(up.status))
         else:
             scope.node_ok()
         if up.status != 200:

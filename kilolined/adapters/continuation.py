@@ -22,11 +22,11 @@ import orjson
 
 from kilolined.core.continuation import Seam, StreamKeeper, continuation_body
 from kilolined.core.outcome import Failure
+from kilolined.core.verdict import NodeVerdict
 from kilolined.ops.runtime import Runtime
 from kilolined.scheduling.lease import STALLS_MAX, LeaseScope, Sink
 from kilolined.scheduling.queue import Lease
 from kilolined.wire.proxy import Exchange, Observer, Upstream
-from kilolined.wire.upstream import STALLED
 
 log = logging.getLogger("kilolined")
 _CHAT_PATHS = ("/v1/chat/completions", "/chat/completions")
@@ -50,24 +50,23 @@ def wanted(scope: LeaseScope, ex: Exchange) -> bool:
     return data is not None and data.get("stream") is True
 
 
-def _retries_left(scope: LeaseScope, reason: str, judged: bool) -> bool:
+def _retries_left(scope: LeaseScope, cut: NodeVerdict, judged: bool) -> bool:
     """Within ``retry_on_failover`` re-queues, and not a stream that stalled on two nodes
     (``judged``: the scope already counted this failure's stall)."""
     route = scope.rt.scheduler.routes.get(scope.route)
     if route is None or scope.ticket.requeues >= route.cfg.retry_on_failover:
         return False
-    stalled = reason.startswith(STALLED)
-    return not (stalled and scope.stalls + (0 if judged else 1) >= STALLS_MAX)
+    return not (cut.stalled and scope.stalls + (0 if judged else 1) >= STALLS_MAX)
 
 
-def plan(scope: LeaseScope, ex: Exchange, keeper: StreamKeeper, reason: str, judged: bool = True) -> bool:
-    """Decide whether the stream cut by ``reason`` goes on on another node. If so, the node's
+def plan(scope: LeaseScope, ex: Exchange, keeper: StreamKeeper, cut: NodeVerdict, judged: bool = True) -> bool:
+    """Decide whether the stream cut by ``cut`` goes on on another node. If so, the node's
     body becomes the continuation (``ex.body_override``) and ``keeper`` passes the next node's
     events through the seam; False: the stream ends as it would without continuations.
     ``judged``: the scope has given its verdict on the failure already (the sync stream's)."""
     t = keeper.cut()
     data = _body(ex)
-    if data is None or not _retries_left(scope, reason, judged):
+    if data is None or not _retries_left(scope, cut, judged):
         return False
     body = continuation_body(data, t, ex.tail.split("?", 1)[0].endswith(_CHAT_PATHS))
     if body is None:
@@ -107,7 +106,8 @@ async def deliver(rt: Runtime, scope: LeaseScope, ex: Exchange, sink: Sink, up: 
             if f.cut is None or not plan(scope, ex, keeper, f.cut):
                 raise
             cut = f
-        scope.continue_elsewhere(cut.cut or "")
+        assert cut.cut is not None
+        scope.continue_elsewhere(cut.cut)
         up = await scope.acquire(attempt)
         assert scope.lease is not None
         seam_at(keeper, scope.lease)

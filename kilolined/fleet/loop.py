@@ -97,9 +97,7 @@ class Fleet:
         self._wake = asyncio.Event()
         self._closing = False  # set at shutdown: a rent still running opens no new session
         self._last_status = -MAX_TICK_SEC  # when the booting instances' provider status was last asked
-        rt.fleet_view = self.view
-        rt.node_eta = self.node_eta
-        rt.scales_to_zero = self.scales_to_zero
+        # view, node_eta and scales_to_zero reach the Runtime through its Wiring (the server's)
         rt.node_watchers.append(self._node_event)
         self.configure(rt.cfg)
 
