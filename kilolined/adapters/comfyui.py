@@ -623,7 +623,7 @@ class ComfyUIAdapter(Adapter):
     async def _stalled(self, scope: LeaseScope, sub: Submitted, sink: Sink, reason: str) -> None:
         """The node stopped moving on our prompt: interrupt it, then re-queue the request (the
         client has seen only gateway events, no byte of the answer) unless an output node already
-        ran there. The scope's failure verdict on the reason (``stalled: …``) opens the breaker."""
+        ran there. The scope's verdict on a stall (``Cause.STALL``) opens the breaker."""
         lease = scope.lease
         assert lease is not None
         log.warning("🐢 [%s] %s", lease.node, reason)

@@ -359,7 +359,7 @@ class JobSink(Sink):
                     raise UpstreamFailed(cut.reason, answered=isinstance(e, Stalled), cause=cut.cause) from None
                 self.keeper = StreamKeeper()  # a stream started over (if at all) keeps nothing of this one
             if under_attempt and isinstance(e, Stalled):
-                # The scope's verdict on "stalled: …" opens the breaker, and it re-queues the job.
+                # The scope's verdict on a stall ejects the node, and it re-queues the job.
                 raise UpstreamFailed(str(e), answered=True, cause=Cause.STALL) from None
             if under_attempt and isinstance(e, TimeoutError):
                 # The request's deadline (the exchange has the scope's): the verdict and words the

@@ -238,7 +238,7 @@ class SpeedWatch:
         st = self.book.node(node)
         self.book.eject_period(node, now, ns.breaker_cfg.open_sec, ns.breaker_cfg.max_open_sec)
         ns.note_error(reason)
-        what = reason.removeprefix(STALLED_REASON + ": ")  # the reason says "stalled: …" for the scope's verdict
+        what = reason.removeprefix(STALLED_REASON + ": ")  # the words say "stalled: …" for the client
         text = f"🐢 {_who(ns)} stalled: {what} — breaker open"
         events = self._decide(ns, SPEED_STALLED, st, text)
         self.rt.node_events(ns, [*events, *ns.trip(now)], {"node_slow": text, "breaker_open": (
