@@ -20,7 +20,11 @@ import dataclasses
 from collections.abc import Iterator
 from pathlib import Path
 
-from kilolined.scheduling.nodes import NodeState
+import yaml
+
+from kilolined.core.config import parse_config
+from kilolined.ops.runtime import Runtime, Wiring
+from kilolined.scheduling.nodes import CHANGED, NodeState
 
 PKG = Path(__file__).resolve().parent.parent / "kilolined"
 OWNER = PKG / "scheduling" / "nodes.py"
@@ -167,3 +171,18 @@ def test_nothing_assigns_onto_the_runtime_after_it_is_built() -> None:
     assert {"leases", "alert", "scheduler"} <= attrs, "the walk found the Runtime's attributes"
     writes = [w for p in _package() if p != RUNTIME for w in runtime_writes(p, attrs)]
     assert writes == [], "the Runtime takes its parts at construction (Wiring):\n" + "\n".join(writes)
+
+
+def test_a_transition_returns_its_events_and_the_quiet_one_is_shared_not_alerted() -> None:
+    alerts: list[str] = []
+    cfg = {"nodes": {"a": {"url": "http://127.0.0.1:9"}, "b": {"url": "http://127.0.0.1:10"}},
+           "routes": {"r": {"path": "/r", "nodes": ["a", "b"]}}}  # b keeps the route up: its alerts are none
+    rt = Runtime(parse_config(yaml.safe_dump(cfg), env={}), "t",
+                 wire=lambda rt: Wiring(alert=lambda event, text, node: alerts.append(event)))
+    ns = rt.scheduler.nodes["a"]
+    assert ns.drain(True) == [CHANGED] and ns.drain(True) == []
+    rt.node_events(ns, [CHANGED])
+    assert alerts == [] and ns.drained and not ns.available(0.0)
+    assert ns.drain(False) == [CHANGED] and ns.available(0.0)
+    rt.node_events(ns, ns.trip(0.0))
+    assert alerts == ["breaker_open"]

@@ -118,8 +118,9 @@ class NodeState:
         """The half-open trial ended without a verdict (e.g. cancelled): another may run."""
         self.trial_in_flight = False
 
-    def _seen_alive(self, now: float) -> None:
-        """A health check passed or a request succeeded here or on the cluster's word."""
+    def seen_alive(self, now: float) -> None:
+        """A health check passed or a request succeeded here or on the cluster's word: the one
+        place ``alive_at`` moves (a request the node lost goes back to it only after it does)."""
         self.alive_at = now
 
     # --- speed verdicts (ops/speedwatch.py decides them; speed.py measures) ------------
@@ -169,7 +170,7 @@ class NodeState:
         self.healthy = up
         self.check_fails = self.check_oks = 0
         if up:
-            self._seen_alive(now)  # the leader's checks passed: as one passing here
+            self.seen_alive(now)  # the leader's checks passed: as one passing here
         return ["node_up" if up else "node_down"]
 
     def take_breaker_closed(self) -> list[str]:
@@ -259,7 +260,7 @@ class NodeState:
     # --- passive results ----------------------------------------------------------------
     def record_success(self, now: float, trial: bool = False) -> list[str]:
         self.failures = 0
-        self._seen_alive(now)
+        self.seen_alive(now)
         # While half-open only the one trial's result counts; stragglers from before the trip don't.
         if self.breaker == HALF_OPEN and trial:
             self.breaker = CLOSED
@@ -322,7 +323,7 @@ class NodeState:
         events: list[str] = []
         if ok:
             self.check_fails = 0
-            self._seen_alive(now)
+            self.seen_alive(now)
             # A half-open breaker may use a health check as its one trial.
             if self.breaker_state(now) == HALF_OPEN and not self.trial_in_flight:
                 events += self.record_success(now, trial=True)
