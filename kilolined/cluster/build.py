@@ -15,6 +15,8 @@ from dataclasses import dataclass
 import aiohttp
 
 from kilolined.cluster.comfyfiles import SharedInputs
+from kilolined.cluster.comfylists import SharedLists
+from kilolined.cluster.comfyws import SocketBus
 from kilolined.cluster.doubt import DoubtCheck, Probe, probes
 from kilolined.cluster.jobs import ClusterJobs
 from kilolined.cluster.leader import LeaderLease
@@ -42,7 +44,9 @@ class Cluster:
     budget_keys: Callable[[], list[str]]  # the keys with a budget, whose usage ``limits`` re-reads
     refresh_sec: float
     comfy_shared: SharedInputs
+    comfy_lists: SharedLists
     rents_here: Callable[[], bool]
+    comfy_ws: SocketBus | None = None  # started by the first ComfyUI /ws
 
     def wiring(self, local: Wiring) -> Wiring:
         """``local`` (the server's parts) with the Runtime's seams reaching the parts shared with
@@ -51,7 +55,8 @@ class Cluster:
         alert, leader = local.alert, self.leader
         return dataclasses.replace(
             local, leases=self.leases, settle=self.leases.settle, cluster=self.leases.view, limits=self.limits,
-            node_sync=self.node_sync, comfy_shared=self.comfy_shared, checks_here=leader.checks,
+            node_sync=self.node_sync, comfy_shared=self.comfy_shared, comfy_lists=self.comfy_lists,
+            comfy_ws=self.comfy_ws, checks_here=leader.checks,
             rents_here=self.rents_here,
             alert=lambda event, text, node: alert(event, text, node) if leader.speaks(event) else None,
             components=(*local.components, Component("cluster", self.leases.commit, self.leases.prepare)))
@@ -73,6 +78,8 @@ class Cluster:
         return self.leases.fail_all_waiting(err)
 
     async def stop(self) -> None:
+        if self.comfy_ws is not None:
+            await self.comfy_ws.stop()  # the other gateways stop publishing here
         await self.doubt.stop()
         await self.limits.stop()  # the last usage to Redis before it is closed
         await self.node_sync.stop()
@@ -111,7 +118,9 @@ def build(rt: Runtime) -> Cluster:
                    budget_keys=lambda: [k for k, c in rt.cfg.keys.items() if c.budget is not None],
                    refresh_sec=cfg.lease_ttl_sec / 3,
                    comfy_shared=SharedInputs(leases.redis, cfg.key_prefix),  # an upload here, its prompt elsewhere
-                   rents_here=lambda: leader.state.is_leader(rt.clock()))
+                   comfy_lists=SharedLists(leases.redis, cfg.key_prefix, rt.spawn),  # one history, queue, jobs list
+                   rents_here=lambda: leader.state.is_leader(rt.clock()),
+                   comfy_ws=SocketBus(leases.wire.pool, cfg.key_prefix, leases.inst))  # a /ws here, its prompt there
 
 
 def node_kind(rt: Runtime, node: str) -> str | None:

@@ -17,6 +17,8 @@ from typing import Any, Protocol
 import aiohttp
 
 from kilolined.cluster.comfyfiles import SharedInputs
+from kilolined.cluster.comfylists import SharedLists
+from kilolined.cluster.comfyws import SocketBus
 from kilolined.cluster.nodes import NodeSync
 from kilolined.cluster.view import ClusterView
 from kilolined.core.auth import KeyStore
@@ -112,6 +114,8 @@ class Wiring:
     limits: LimitStore | None = None
     node_sync: NodeSync | None = None  # node transitions shared with the other gateways
     comfy_shared: SharedInputs | None = None  # ComfyUI inputs held for every gateway
+    comfy_lists: SharedLists | None = None  # ComfyUI's history, queue and jobs lists of every gateway
+    comfy_ws: SocketBus | None = None  # ComfyUI /ws frames to and from the other gateways
     #: whether this gateway runs the active health checks (cluster mode: the leader's job)
     checks_here: Callable[[], bool] = _here
     #: whether this gateway rents and destroys fleet instances (cluster mode: the leader alone,
@@ -249,6 +253,14 @@ class Runtime:
     @property
     def comfy_shared(self) -> SharedInputs | None:
         return self.wiring.comfy_shared
+
+    @property
+    def comfy_lists(self) -> SharedLists | None:
+        return self.wiring.comfy_lists
+
+    @property
+    def comfy_ws(self) -> SocketBus | None:
+        return self.wiring.comfy_ws
 
     @property
     def checks_here(self) -> Callable[[], bool]:
