@@ -74,6 +74,10 @@ class NodeState:
     # The last time it was seen alive: a health check passed or a request succeeded. A request
     # the node lost goes back to it only after this moves (queue.Scheduler.barred).
     alive_at: float = -math.inf
+    # The last time it was seen gone: a request lost on it (connection refused, reset or dropped
+    # mid-answer) or a failed health check. Gone since it was last seen alive, a node that fails
+    # a request it was sent costs that request no retry (lease.uncharged).
+    lost_at: float = -math.inf
     models: ModelState = field(default_factory=ModelState)  # what it serves and holds loaded
     #: when its process started, as its health answer tells (affinity.reported_start); None: it does not
     started: float | None = None
@@ -122,6 +126,11 @@ class NodeState:
         """A health check passed or a request succeeded here or on the cluster's word: the one
         place ``alive_at`` moves (a request the node lost goes back to it only after it does)."""
         self.alive_at = now
+
+    def lost(self, now: float) -> None:
+        """A request was lost on it (refused, reset, dropped mid-answer) or a health check failed:
+        the one place ``lost_at`` moves (gone until seen alive again, lease.uncharged)."""
+        self.lost_at = now
 
     # --- speed verdicts (ops/speedwatch.py decides them; speed.py measures) ------------
     def judge_speed(self, state: str, until: float, period: float, cause: str, note: str) -> list[str]:
@@ -336,6 +345,7 @@ class NodeState:
                     events.append("node_up")
         else:
             self.last_error = error
+            self.lost(now)
             self.check_oks = 0
             if self.breaker_state(now) == HALF_OPEN and not self.trial_in_flight:
                 events += self._trip(now)
