@@ -116,6 +116,8 @@ class ClusterJobs:
         #: this gateway's unfinished jobs — and those that ended while Redis was unreachable — with
         #: their request (the body is the Exchange's own bytes): what RESYNC writes again
         self._mine: dict[str, tuple[Job, bytes, bytes]] = {}
+        #: webhooks of jobs that ended while Redis was unreachable, sent once it answers (by job id)
+        self._unsent: dict[str, tuple[Job, Callable[[], object]]] = {}
         self._scripts: dict[str, Any] = {name: self.redis.register_script(src) for name, src in
                                          (("SAVE", SAVE), ("EVENT", EVENT), ("FLAG", FLAG), ("FINISH", FINISH),
                                           ("CLAIM", CLAIM), ("RESYNC", RESYNC), ("WEBHOOK", WEBHOOK))}
@@ -143,6 +145,9 @@ class ClusterJobs:
         after that (past shutdown_grace_sec) stay the cluster's: another gateway carries them on."""
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self.synced(), timeout=2)
+        for _, send in self._unsent.values():
+            send()  # Redis never answered again: better twice (same webhook-id) than never
+        self._unsent.clear()
         self._closed = True
         await cancel_all(self._tasks)
         await self._follow.aclose()
@@ -269,9 +274,18 @@ class ClusterJobs:
         if self._closed:
             return  # a job cut by this gateway's shutdown: the gateway that carries it on sends it
         if not self.up:
-            send()
+            # Cut off from Redis, this gateway cannot tell whether another one carries the job
+            # on (it does once this one's heartbeat lapsed, and sends the webhook when its copy
+            # ends): the webhook waits until Redis answers and says who owns the job.
+            self._unsent[job.id] = (job, send)
             return
         self._spawn(self._send_once(job, send))
+
+    def _send_unsent(self) -> None:
+        """Redis answers again (this gateway's jobs are queued to be written there first)."""
+        unsent, self._unsent = self._unsent, {}
+        for job, send in unsent.values():
+            self._spawn(self._send_once(job, send))
 
     async def _send_once(self, job: Job, send: Callable[[], object]) -> None:
         try:
@@ -428,6 +442,7 @@ class ClusterJobs:
             except (RedisError, OSError):
                 up_since = None
                 continue
+            self._send_unsent()
             if up_since is None or empty:
                 up_since = now
             if now - up_since < ttl:

@@ -1,0 +1,81 @@
+"""A job's webhook is sent once across a partition (docs/CLUSTER.md "Jobs").
+
+A gateway cut off from Redis goes on with its job alone, while — once its heartbeat lapsed — another
+gateway carries the same job on and sends its webhook when its copy ends. The cut-off gateway's
+own copy ends too, while it still cannot reach Redis to ask who owns the job: its webhook waits
+until Redis answers, which says another gateway owns it, so it is not sent a second time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import aiohttp
+import pytest
+from cluster_harness import GatewayProc, RedisServer, Relay, gateways, make_gateways, redis_server, start_all, until
+from conftest import auth
+from fakes import FakeWebhookReceiver
+
+from kilolined.fakegpu import FakeGPU
+
+__all__ = ["gateways", "redis_server"]  # fixtures
+
+
+@pytest.fixture
+async def relay(redis_server: RedisServer) -> AsyncIterator[Relay]:
+    r = Relay(redis_server.port)
+    await r.start()
+    yield r
+    await r.stop()
+
+
+async def _status(s: aiohttp.ClientSession, gw: GatewayProc, jid: str) -> str:
+    async with s.get(f"{gw.url}/v1/jobs/{jid}", headers=auth()) as r:
+        return str((await r.json())["status"]) if r.status == 200 else f"http {r.status}"
+
+
+async def test_a_job_ended_on_both_sides_of_a_partition_sends_one_webhook(
+        redis_server: RedisServer, relay: Relay, gateways: list[GatewayProc], tmp_path: Path) -> None:
+    gpu = FakeGPU("generic", vram_gb=1000, job_vram_gb=1)
+    await gpu.start()
+    try:
+        async with FakeWebhookReceiver() as hooks:
+            gateways += make_gateways(2, tmp_path, redis_server.url, gpu.url, ttl=1, max_concurrency=4,
+                                      retry_on_failover=1)
+            for g in gateways:
+                g.cfg["jobs"] = {"webhook_allow_private": True, "webhook_backoff_sec": [0.2, 0.2]}
+            cut, other = gateways
+            cut.cfg["cluster"]["redis_url"] = relay.url
+            await start_all(gateways)
+            async with aiohttp.ClientSession() as s:
+                async with s.post(cut.url + "/gen/generate", json={"steps": 25, "step_ms": 100},
+                                  headers={**auth(), "X-KiloLine-Mode": "async",
+                                           "X-KiloLine-Callback": hooks.url()}) as r:
+                    assert r.status == 202, await r.text()
+                    jid = (await r.json())["job_id"]
+                await until(lambda: _is(s, other, jid, "running"), "the job never ran")
+                relay.sever()
+                # Both copies run to their end: the cut-off one alone, the other one carried on.
+                await until(lambda: _served(gpu, 2), "the job was not carried on and ended twice", 30)
+                relay.heal()
+                await until(lambda: _is(s, cut, jid, "completed"), "the healed gateway never saw the job end")
+                await until(lambda: _delivered(hooks, jid), "no webhook was sent")
+                await asyncio.sleep(1.5)  # a second one, were it sent, arrives by now
+            sent = [d for d in hooks.deliveries if (d["json"] or {}).get("job_id") == jid]
+            assert len(sent) == 1, sent
+    finally:
+        await gpu.stop()
+
+
+async def _is(s: aiohttp.ClientSession, gw: GatewayProc, jid: str, want: str) -> bool:
+    return await _status(s, gw, jid) == want
+
+
+async def _served(gpu: FakeGPU, n: int) -> bool:
+    return int(gpu.stats["served"]) >= n
+
+
+async def _delivered(hooks: FakeWebhookReceiver, jid: str) -> bool:
+    return any((d["json"] or {}).get("job_id") == jid for d in hooks.deliveries)
