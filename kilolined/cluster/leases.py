@@ -103,6 +103,7 @@ class ClusterLeases:
         self._alone_from = 0.0  # while Redis is down: when this gateway's share starts (_degrade)
         self._strays: set[str] = set()  # lease ids Redis counts for us that no request holds (one beat ago)
         self._restoring = False  # _restore is registering what we hold: nothing is dispatched alone meanwhile
+        self._woke = False  # reaped at the last heartbeat (a freeze): its requests were stopped then
         self._forget: dict[str, str] = {}  # ad-hoc routes dropped here, not yet forgotten in Redis -> node ("")
         self._tasks: set[asyncio.Task[Any]] = set()
         self._sub_at: float | None = None  # when the grant channel was last subscribed (None: it is not)
@@ -122,7 +123,7 @@ class ClusterLeases:
         # script decided arrive the same way, on a subscriber connection (_listen).
         self._wire = Wire(pool, CALL_TIMEOUT_SEC, scripts=[getattr(scripts, n) for n in (
             "ADMIT", "RELEASE", "REQUEUE", "CANCEL", "BEAT", "REGISTER", "POSITIONS", "DOUBTS", "DOUBT",
-            "FORGET_GATEWAY",
+            "FORGET_GATEWAY", "WOKE",
             "BUCKET", "BUDGET_TAKE", "BUDGET_RESERVE", "BUDGET_SETTLE")])
         #: the shared limits' scripts travel on it too (kilolined/cluster/limits.py)
         self.wire = self._wire
@@ -558,6 +559,8 @@ class ClusterLeases:
     async def _beat(self) -> None:
         if self._barred:
             await self._unbar()
+        if self._woke:
+            await self._end_own_doubts()
         now = self.clock()
         sub = self._sub_at
         # Every waiting ticket, until one sweep has run since the channel was subscribed (and
@@ -572,6 +575,7 @@ class ClusterLeases:
             *stale)
         if int(reaped) and self._lid:
             self._revoke_all()
+        self._woke = bool(int(reaped))
         self._to_sweep.difference_update(stale)
         if full and sub is not None and now - sub > WAITED_SEC:
             self._swept_for = sub
@@ -650,6 +654,16 @@ class ClusterLeases:
         for lid in strays & self._strays:
             self._remote("RELEASE", lid)
         self._strays = strays - self._strays
+
+    async def _end_own_doubts(self) -> None:
+        """A heartbeat after this gateway woke reaped: the requests it stopped then are gone from
+        the nodes, so its leases in doubt end now, on a node that cannot tell too (not only after
+        their request_timeout_sec), as a restarted gateway's do."""
+        res = await self._call("WOKE", self.view.gateway_id, self._keep())
+        self._woke = False
+        if int(res[0]):
+            log.warning("⚠ cluster: %d slot(s) this gateway held before its freeze are free again", int(res[0]))
+        self._grants(res[1:])
 
     def _revoke_all(self) -> None:
         """This gateway was reaped while it could not beat (frozen past the TTL): the slots of its
