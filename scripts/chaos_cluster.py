@@ -415,18 +415,19 @@ class DoubtWatch:
         self.cl = cl
         self.seen: dict[str, tuple[str, float, float]] = {}  # lease id -> node, first and last seen in doubt
         self._task: asyncio.Task[None] | None = None
+        self._stopping = False
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._run())
 
     async def stop(self) -> None:
+        # A flag, not a cancel: redis-py may swallow a cancellation that lands mid-command.
+        self._stopping = True
         if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+            await self._task
 
     async def _run(self) -> None:
-        while True:
+        while not self._stopping:
             c = await self.cl.redis_counts()
             now = time.monotonic()
             for node, lids in (c or {}).get("doubt", {}).items():
@@ -963,8 +964,9 @@ FAMILIES: list[Fam] = [
     Fam("gateway_killed_busy", ["busy"], gateway_killed),
     Fam("gateway_frozen_vllm", ["llm"], gateway_frozen),
     Fam("gateway_frozen_busy", ["busy"], gateway_frozen),
-    # A node that can tell nothing: its slots wait for request_timeout_sec (reported, not bounded).
-    Fam("gateway_frozen_generic", ["gen"], gateway_frozen, settles=False),
+    # A node that can tell nothing: the woken gateway ends its slots in doubt a heartbeat after it
+    # stopped their requests.
+    Fam("gateway_frozen_generic", ["gen"], gateway_frozen, doubt_nodes=()),
     Fam("gateway_restarted_generic", ["gen"], gateway_restarted),
     Fam("wrong_password", ["gen", "llm"], wrong_password),
 ]
