@@ -1,6 +1,7 @@
 """A job's webhook is sent once across a partition (docs/CLUSTER.md "Jobs").
 
-A gateway cut off from Redis goes on with its job alone, while — once its heartbeat lapsed — another
+A gateway cut off from Redis (its connections reset, or silent: it notices only when its calls
+time out) goes on with its job alone, while — once its heartbeat lapsed — another
 gateway carries the same job on and sends its webhook when its copy ends. The cut-off gateway's
 own copy ends too, while it still cannot reach Redis to ask who owns the job: its webhook waits
 until Redis answers, which says another gateway owns it, so it is not sent a second time.
@@ -23,9 +24,48 @@ from kilolined.fakegpu import FakeGPU
 __all__ = ["gateways", "redis_server"]  # fixtures
 
 
-@pytest.fixture
-async def relay(redis_server: RedisServer) -> AsyncIterator[Relay]:
-    r = Relay(redis_server.port)
+class SilentRelay(Relay):
+    """``sever`` as a black hole: the connections stay open and carry nothing until ``heal``."""
+
+    def __init__(self, target_port: int):
+        super().__init__(target_port)
+        self.open = asyncio.Event()
+        self.open.set()
+
+    def sever(self) -> None:
+        self.open.clear()
+
+    def heal(self) -> None:
+        self.open.set()
+
+    async def stop(self) -> None:
+        self.heal()
+        Relay.sever(self)
+        await super().stop()
+
+    async def _conn(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        up_r, up_w = await asyncio.open_connection("127.0.0.1", self.target_port)
+        self._open |= {writer, up_w}
+        try:
+            await asyncio.gather(self._pipe(reader, up_w), self._pipe(up_r, writer))
+        finally:
+            self._open -= {writer, up_w}
+
+    async def _pipe(self, r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        try:
+            while data := await r.read(65536):
+                await self.open.wait()
+                w.write(data)
+                await w.drain()
+        except (OSError, asyncio.IncompleteReadError):
+            pass
+        finally:
+            w.transport.abort()
+
+
+@pytest.fixture(params=["reset", "silent"])
+async def relay(redis_server: RedisServer, request: pytest.FixtureRequest) -> AsyncIterator[Relay]:
+    r = Relay(redis_server.port) if request.param == "reset" else SilentRelay(redis_server.port)
     await r.start()
     yield r
     await r.stop()
@@ -56,13 +96,15 @@ async def test_a_job_ended_on_both_sides_of_a_partition_sends_one_webhook(
                     assert r.status == 202, await r.text()
                     jid = (await r.json())["job_id"]
                 await until(lambda: _is(s, other, jid, "running"), "the job never ran")
+                await asyncio.sleep(1.5)  # it ends a second after the cut: before a silent cut is noticed
                 relay.sever()
                 # Both copies run to their end: the cut-off one alone, the other one carried on.
                 await until(lambda: _served(gpu, 2), "the job was not carried on and ended twice", 30)
+                await until(lambda: _delivered(hooks, jid), "the gateway that carried it on sent no webhook")
+                await asyncio.sleep(2.5)  # past the cut-off gateway's call timeout (2 s)
                 relay.heal()
                 await until(lambda: _is(s, cut, jid, "completed"), "the healed gateway never saw the job end")
-                await until(lambda: _delivered(hooks, jid), "no webhook was sent")
-                await asyncio.sleep(1.5)  # a second one, were it sent, arrives by now
+                await asyncio.sleep(1.5)  # a second webhook, were it sent, arrives by now
             sent = [d for d in hooks.deliveries if (d["json"] or {}).get("job_id") == jid]
             assert len(sent) == 1, sent
     finally:

@@ -295,7 +295,10 @@ class ClusterJobs:
             first = bool(await self._scripts["WEBHOOK"](args=[self.prefix, self.inst, job.id,
                                                               max(1, int(self.rt.cfg.jobs.result_ttl_sec))]))
         except (RedisError, OSError):
-            first = True  # better twice (same webhook-id: receivers dedupe) than never
+            # Redis did not answer (this gateway may be cut off before it noticed): it is asked
+            # again once it answers, as for a job that ended while it was known down.
+            self._unsent[job.id] = (job, send)
+            return
         if first:
             send()
         else:
