@@ -19,6 +19,7 @@ from cluster_harness import GatewayProc, RedisServer, Relay, gateways, make_gate
 from conftest import auth
 from fakes import FakeWebhookReceiver
 
+from kilolined.cluster.jobscripts import WEBHOOK
 from kilolined.fakegpu import FakeGPU
 
 __all__ = ["gateways", "redis_server"]  # fixtures
@@ -121,3 +122,16 @@ async def _served(gpu: FakeGPU, n: int) -> bool:
 
 async def _delivered(hooks: FakeWebhookReceiver, jid: str) -> bool:
     return any((d["json"] or {}).get("job_id") == jid for d in hooks.deliveries)
+
+
+async def test_a_webhook_claim_asked_again_by_its_gateway_is_still_its_own(redis_server: RedisServer) -> None:
+    # A claim whose answer was lost (Redis stalled past the call's timeout, then ran it from the
+    # closed connection's buffer) is asked again once Redis answers: it is that gateway's, and the
+    # webhook is sent; another gateway's claim still is not.
+    r = redis_server.client()
+    try:
+        async def claim(inst: str) -> int:
+            return int(await r.eval(WEBHOOK, 0, "kl-test:", inst, "job1", 60))
+        assert [await claim("gw0#a"), await claim("gw0#a"), await claim("gw1#b")] == [1, 1, 0]
+    finally:
+        await r.aclose()

@@ -157,11 +157,13 @@ return 1
 """
 
 #: ARGV: P, ME, id, ttl_sec -> 1 (this gateway sends the webhook) | 0 (another one does: it sent
-#: it, or it carries the job on now — a copy that ran out here after a freeze sends nothing)
+#: it, or it carries the job on now — a copy that ran out here after a freeze sends nothing).
+#: Asked again by the same gateway (its first call ran, but its answer was lost to a timeout): 1.
 WEBHOOK = r"""
 local P, ME, id = ARGV[1], ARGV[2], ARGV[3]
 local owner = redis.call('HGET', P..'j:'..id, 'owner')
 if owner and owner ~= ME then return 0 end
 if redis.call('SET', P..'jw:'..id, ME, 'NX', 'EX', tonumber(ARGV[4])) then return 1 end
+if redis.call('GET', P..'jw:'..id) == ME then return 1 end
 return 0
 """
