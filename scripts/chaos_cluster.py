@@ -81,6 +81,9 @@ class Knobs:
     step_ms: tuple[int, int] = (30, 60)
     burst_jobs: int = 100
     settle_timeout: float = 20.0
+    # Hold the measured times to their bounds (the script); the test checks only that every slot came
+    # back within settle_timeout, well before request_timeout (timings belong to the script).
+    timed: bool = True
 
     @property
     def check(self) -> float:
@@ -728,9 +731,9 @@ async def run_family(cl: Cluster, fam: Fam, rng: random.Random, log: Callable[[s
     if run.watch.cleared() and run.break_at:
         res.doubt_cleared_after_sec = round(run.watch.cleared() - run.break_at, 2)
     told = run.watch.longest(fam.doubt_nodes)
-    if told > k.check + SAMPLE:
+    if k.timed and told > k.check + SAMPLE:
         res.problems.append(f"a lease stayed in doubt {told:.2f}s on a node that can tell (one check: {k.check:.2f}s)")
-    if fam.settles and res.settle_sec is not None and res.settle_sec > k.bound:
+    if k.timed and res.settle_sec is not None and res.settle_sec > k.bound:
         res.problems.append(f"slots came back {res.settle_sec}s after the traffic stopped (bound {k.bound:.2f}s)")
     # The node never ran more than N.
     res.max_concurrent = {n: g.stats["max_concurrent"] for n, g in cl.nodes.items()}
@@ -943,14 +946,13 @@ async def wrong_password(run: Run) -> None:
 @dataclass(frozen=True)
 class Fam:
     """A family: its traffic's routes; `doubt_nodes`: where a lease in doubt must be freed within
-    one check (the node can tell); `settles`: once the traffic stopped, nothing stays counted in
-    Redis longer than ttl + one check."""
+    one check (the node can tell). In every family, once the traffic stopped, nothing may stay
+    counted in Redis longer than ttl + one check."""
 
     name: str
     routes: list[str]
     fn: Family
     doubt_nodes: tuple[str, ...] = ("llm", "busy")
-    settles: bool = True
 
 
 FAMILIES: list[Fam] = [
@@ -1025,7 +1027,7 @@ async def burst(cl: Cluster, log: Callable[[str], None] = print) -> Result:
         await cl.whole()
     await watch.stop()
     res.doubt_longest_sec = round(watch.longest(), 2)
-    if res.doubt_longest_sec > k.check + SAMPLE:
+    if k.timed and res.doubt_longest_sec > k.check + SAMPLE:
         res.problems.append(f"a lease stayed in doubt {res.doubt_longest_sec}s on vLLM (one check: {k.check:.2f}s)")
     if watch.cleared():
         res.doubt_cleared_after_sec = round(watch.cleared() - t_kill, 2)
