@@ -773,7 +773,8 @@ async def check_webhooks(cl: Cluster, res: Result, jobs: dict[str, Req], before:
              if len(v) > 1 and v != before.get(j)}
     res.figures["webhooks"] = len(ended) - len(missing)
     if missing:
-        res.problems.append(f"{len(missing)} ended jobs never got their webhook")
+        res.problems.append(f"{len(missing)} ended jobs never got their webhook: "
+                            + ", ".join(f"{j} (via {jobs[j].gateway})" for j in missing[:3]))
     if twice:
         res.problems.append(f"webhooks sent more than once: {dict(list(twice.items())[:5])}")
 
