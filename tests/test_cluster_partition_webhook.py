@@ -131,7 +131,42 @@ async def test_a_webhook_claim_asked_again_by_its_gateway_is_still_its_own(redis
     r = redis_server.client()
     try:
         async def claim(inst: str) -> int:
-            return int(await r.eval(WEBHOOK, 0, "kl-test:", inst, "job1", 60))
+            return int(await r.eval(WEBHOOK, 0, "kl-test:", inst, "job1", 60, "http://h/hook", "{}", "msg_job1"))
         assert [await claim("gw0#a"), await claim("gw0#a"), await claim("gw1#b")] == [1, 1, 0]
     finally:
         await r.aclose()
+
+
+async def test_a_webhook_its_gateway_claimed_and_died_with_is_sent_by_another(
+        redis_server: RedisServer, gateways: list[GatewayProc], tmp_path: Path) -> None:
+    # The receiver refuses the first attempt; the gateway that ended the job waits to try again,
+    # and is killed (kill -9) meanwhile: the webhook it claimed is sent by the other gateway.
+    gpu = FakeGPU("generic", vram_gb=1000, job_vram_gb=1)
+    await gpu.start()
+    try:
+        async with FakeWebhookReceiver() as hooks:
+            hooks.fail_next = 1
+            gateways += make_gateways(2, tmp_path, redis_server.url, gpu.url, ttl=1)
+            for g in gateways:
+                g.cfg["jobs"] = {"webhook_allow_private": True, "webhook_backoff_sec": [30]}
+            await start_all(gateways)
+            dead = gateways[0]
+            async with aiohttp.ClientSession() as s:
+                async with s.post(dead.url + "/gen/generate", json={"steps": 1, "step_ms": 10},
+                                  headers={**auth(), "X-KiloLine-Mode": "async",
+                                           "X-KiloLine-Callback": hooks.url()}) as r:
+                    assert r.status == 202, await r.text()
+                    jid = (await r.json())["job_id"]
+                await until(lambda: _attempted(hooks), "the webhook was never tried")
+                dead.kill9()
+                await until(lambda: _delivered(hooks, jid), "no other gateway sent the webhook", 15)
+                await asyncio.sleep(1.0)
+            sent = [d for d in hooks.deliveries if (d["json"] or {}).get("job_id") == jid]
+            assert len(sent) == 1, sent
+            assert sent[0]["headers"]["webhook-id"] == f"msg_{jid}"  # the same message, for a receiver that dedupes
+    finally:
+        await gpu.stop()
+
+
+async def _attempted(hooks: FakeWebhookReceiver) -> bool:
+    return bool(hooks.attempts)
