@@ -170,3 +170,42 @@ async def test_a_webhook_its_gateway_claimed_and_died_with_is_sent_by_another(
 
 async def _attempted(hooks: FakeWebhookReceiver) -> bool:
     return bool(hooks.attempts)
+
+
+async def test_a_webhook_delivered_while_redis_was_out_of_reach_is_not_sent_again(
+        redis_server: RedisServer, gateways: list[GatewayProc], tmp_path: Path) -> None:
+    # The gateway delivers a webhook while its link to Redis is cut for a moment (shorter than the
+    # TTL): that it was delivered reaches Redis once Redis answers again, so when the gateway is
+    # killed later, no other gateway sends it a second time.
+    gpu = FakeGPU("generic", vram_gb=1000, job_vram_gb=1)
+    await gpu.start()
+    relay = Relay(redis_server.port)
+    await relay.start()
+    try:
+        async with FakeWebhookReceiver() as hooks:
+            hooks.delay_next, hooks.delay_sec = 1, 0.8
+            gateways += make_gateways(2, tmp_path, redis_server.url, gpu.url, ttl=3)
+            for g in gateways:
+                g.cfg["jobs"] = {"webhook_allow_private": True, "webhook_backoff_sec": [0.2]}
+            cut = gateways[0]
+            cut.cfg["cluster"]["redis_url"] = relay.url
+            await start_all(gateways)
+            async with aiohttp.ClientSession() as s:
+                async with s.post(cut.url + "/gen/generate", json={"steps": 1, "step_ms": 10},
+                                  headers={**auth(), "X-KiloLine-Mode": "async",
+                                           "X-KiloLine-Callback": hooks.url()}) as r:
+                    assert r.status == 202, await r.text()
+                    jid = (await r.json())["job_id"]
+                await until(lambda: _attempted(hooks), "the webhook was never tried")
+                relay.sever()  # while the receiver takes its time
+                await until(lambda: _delivered(hooks, jid), "the webhook was never delivered")
+                await asyncio.sleep(0.2)
+                relay.heal()  # before the TTL: the gateway was never lost
+                await asyncio.sleep(2.5)  # a heartbeat or two: what it owes Redis is written
+                cut.kill9()
+                await asyncio.sleep(5.0)  # the other gateway finds it lost and takes what it left
+            sent = [d for d in hooks.deliveries if (d["json"] or {}).get("job_id") == jid]
+            assert len(sent) == 1, sent
+    finally:
+        await relay.stop()
+        await gpu.stop()

@@ -119,6 +119,9 @@ class ClusterJobs:
         self._mine: dict[str, tuple[Job, bytes, bytes]] = {}
         #: webhooks of jobs that ended while Redis was unreachable, sent once it answers (by job id)
         self._unsent: dict[str, tuple[Job, Hook, WebhookDeliverer]] = {}
+        #: webhooks delivered whose end (WEBHOOK_DONE) Redis has not confirmed: written until it does,
+        #: or another gateway would send them again once this one is gone
+        self._delivered: set[str] = set()
         self._scripts: dict[str, Any] = {name: self.redis.register_script(src) for name, src in
                                          (("SAVE", SAVE), ("EVENT", EVENT), ("FLAG", FLAG), ("FINISH", FINISH),
                                           ("CLAIM", CLAIM), ("RESYNC", RESYNC), ("WEBHOOK", WEBHOOK),
@@ -241,6 +244,8 @@ class ClusterJobs:
         for (name, args), r in zip(ops, results, strict=True):
             if isinstance(r, Exception):
                 log.warning("cluster jobs: a write was refused (%s)", r)
+            elif name == "WEBHOOK_DONE":
+                self._delivered.discard(args[2])
             elif name in ("EVENT", "FINISH", "RESYNC"):
                 job_id = args[2]
                 if r == 0 and job_id in self._mine:
@@ -289,6 +294,8 @@ class ClusterJobs:
         unsent, self._unsent = self._unsent, {}
         for job, hook, webhooks in unsent.values():
             self._spawn(self._send_once(job, hook, webhooks))
+        for job_id in self._delivered:  # an end written while Redis did not answer was lost
+            self._op("WEBHOOK_DONE", [self.prefix, self.inst, job_id])
 
     async def _send_once(self, job: Job, hook: Hook, webhooks: WebhookDeliverer) -> None:
         try:
@@ -312,6 +319,7 @@ class ClusterJobs:
         """Send a claimed webhook; once it is delivered (or its attempts ran out) Redis forgets
         it — until then a gateway that finds this one dead sends it (CLAIM)."""
         await webhooks.deliver(hook.url, hook.payload, msg_id=hook.msg_id)
+        self._delivered.add(job_id)
         self._op("WEBHOOK_DONE", [self.prefix, self.inst, job_id])
 
     async def _resend(self, job_id: str) -> None:
