@@ -296,7 +296,8 @@ def gateway_config(gid: str, port: int, redis_port: int, nodes: dict[str, FakeGP
     cfg = bl.gateway_config(port, {}, routes, heartbeat_sec=1)
     cfg["nodes"] = {"llm": {"url": nodes["llm"].url}, "gen": {"url": nodes["gen"].url},
                     "busy": {"url": nodes["busy"].url, "busy": {"path": "/_fake/stats", "json_pointer": "/running"}}}
-    cfg["jobs"] = {"webhook_allow_private": True, "webhook_backoff_sec": [0.2, 0.5, 1], "result_ttl_sec": 600}
+    cfg["jobs"] = {"webhook_allow_private": True, "webhook_backoff_sec": [0.2, 0.5, 1], "result_ttl_sec": 600,
+                   "webhook_timeout_sec": 3}
     cfg["cluster"] = {"redis_url": f"redis://:{password}@127.0.0.1:{redis_port}/0", "gateway_id": gid,
                       "lease_ttl_sec": knobs.ttl, "key_prefix": PREFIX}
     return cfg

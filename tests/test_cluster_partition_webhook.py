@@ -148,7 +148,8 @@ async def test_a_webhook_its_gateway_claimed_and_died_with_is_sent_by_another(
             hooks.fail_next = 1
             gateways += make_gateways(2, tmp_path, redis_server.url, gpu.url, ttl=1)
             for g in gateways:
-                g.cfg["jobs"] = {"webhook_allow_private": True, "webhook_backoff_sec": [30]}
+                g.cfg["jobs"] = {"webhook_allow_private": True, "webhook_backoff_sec": [30],
+                                 "webhook_timeout_sec": 1}
             await start_all(gateways)
             dead = gateways[0]
             async with aiohttp.ClientSession() as s:
@@ -204,6 +205,43 @@ async def test_a_webhook_delivered_while_redis_was_out_of_reach_is_not_sent_agai
                 await asyncio.sleep(2.5)  # a heartbeat or two: what it owes Redis is written
                 cut.kill9()
                 await asyncio.sleep(5.0)  # the other gateway finds it lost and takes what it left
+            sent = [d for d in hooks.deliveries if (d["json"] or {}).get("job_id") == jid]
+            assert len(sent) == 1, sent
+    finally:
+        await relay.stop()
+        await gpu.stop()
+
+
+async def test_a_webhook_in_flight_when_its_gateway_is_cut_off_is_not_sent_again(
+        redis_server: RedisServer, gateways: list[GatewayProc], tmp_path: Path) -> None:
+    # Cut off from Redis past the TTL while the receiver takes its time: the gateway is lost to
+    # the other one, but its attempt in flight has webhook_timeout_sec to end before the other
+    # would send the webhook again — and once back, the gateway says it was delivered.
+    gpu = FakeGPU("generic", vram_gb=1000, job_vram_gb=1)
+    await gpu.start()
+    relay = Relay(redis_server.port)
+    await relay.start()
+    try:
+        async with FakeWebhookReceiver() as hooks:
+            hooks.delay_next, hooks.delay_sec = 1, 2.0
+            gateways += make_gateways(2, tmp_path, redis_server.url, gpu.url, ttl=1)
+            for g in gateways:
+                g.cfg["jobs"] = {"webhook_allow_private": True, "webhook_backoff_sec": [0.2], "webhook_timeout_sec": 5}
+            cut = gateways[0]
+            cut.cfg["cluster"]["redis_url"] = relay.url
+            await start_all(gateways)
+            async with aiohttp.ClientSession() as s:
+                async with s.post(cut.url + "/gen/generate", json={"steps": 1, "step_ms": 10},
+                                  headers={**auth(), "X-KiloLine-Mode": "async",
+                                           "X-KiloLine-Callback": hooks.url()}) as r:
+                    assert r.status == 202, await r.text()
+                    jid = (await r.json())["job_id"]
+                await until(lambda: _attempted(hooks), "the webhook was never tried")
+                relay.sever()
+                await until(lambda: _delivered(hooks, jid), "the webhook was never delivered")
+                await asyncio.sleep(1.0)  # lost to the other gateway by now
+                relay.heal()
+                await asyncio.sleep(2.5)
             sent = [d for d in hooks.deliveries if (d["json"] or {}).get("job_id") == jid]
             assert len(sent) == 1, sent
     finally:

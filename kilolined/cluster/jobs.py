@@ -488,7 +488,8 @@ class ClusterJobs:
 
     async def claim(self) -> int:
         """Adopt the jobs of the gateways found lost; how many were adopted."""
-        out = [_s(x) for x in await self._scripts["CLAIM"](args=[self.prefix, self.inst])]
+        hold = int(self.rt.cfg.jobs.webhook_timeout_sec * 1000)  # an attempt in flight has ended by then
+        out = [_s(x) for x in await self._scripts["CLAIM"](args=[self.prefix, self.inst, hold])]
         grants: list[str] = []
         hooks: list[str] = []
         claimed = []

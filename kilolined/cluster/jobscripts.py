@@ -93,7 +93,8 @@ end
 return 1
 """
 
-#: ARGV: P, ME -> {id, how ('w' waiting ticket kept | 'l' it holds a lease | 'n' none), tid, lid, node, ...}
+#: ARGV: P, ME, hold (ms: webhook_timeout_sec) -> {id, how ('w' waiting ticket kept | 'l' it holds a lease |
+#: 'n' none), tid, lid, node, ...; then 'hook', id per webhook to send again; then 'grant', g ...}
 #: Takes over the active jobs of every instance whose lease heartbeat is gone (reap() decides that).
 CLAIM = scripts.COMMON + r"""
 reap()
@@ -132,19 +133,25 @@ for _, inst in ipairs(redis.call('SMEMBERS', P..'jgs')) do
     redis.call('SREM', P..'jgs', inst)
   end
 end
--- The webhooks a lost instance claimed and never delivered: this gateway sends them.
+-- The webhooks a lost instance claimed and never said delivered, once its attempt in flight has
+-- had its time (ARGV[3], ms: a gateway only cut off from Redis delivered it meanwhile, and says so
+-- when it is back): this gateway sends them.
+local hold, now = tonumber(ARGV[3]) or 0, now_ms()
 for _, inst in ipairs(redis.call('SMEMBERS', P..'jwh')) do
   if inst ~= ME and not redis.call('ZSCORE', P..'gw', inst) then
     for _, id in ipairs(redis.call('SMEMBERS', P..'jwp:'..inst)) do
-      if redis.call('EXISTS', P..'jwo:'..id) == 1 then
+      local at = tonumber(redis.call('HGET', P..'jwo:'..id, 'at') or '')
+      if not at then
+        redis.call('SREM', P..'jwp:'..inst, id)
+      elseif now - at >= hold then
+        redis.call('SREM', P..'jwp:'..inst, id)
         redis.call('SADD', P..'jwp:'..ME, id)
         redis.call('SADD', P..'jwh', ME)
         out[#out + 1] = 'hook'
         out[#out + 1] = id
       end
     end
-    redis.call('DEL', P..'jwp:'..inst)
-    redis.call('SREM', P..'jwh', inst)
+    if redis.call('SCARD', P..'jwp:'..inst) == 0 then redis.call('SREM', P..'jwh', inst) end
   end
 end
 dispatch_all()
@@ -187,7 +194,9 @@ if owner and owner ~= ME then return 0 end
 if not redis.call('SET', P..'jw:'..id, ME, 'NX', 'EX', ttl) and redis.call('GET', P..'jw:'..id) ~= ME then
   return 0
 end
-redis.call('HSET', P..'jwo:'..id, 'url', ARGV[5], 'body', ARGV[6], 'msg', ARGV[7])
+local t = redis.call('TIME')
+redis.call('HSET', P..'jwo:'..id, 'url', ARGV[5], 'body', ARGV[6], 'msg', ARGV[7],
+           'at', tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000))
 redis.call('EXPIRE', P..'jwo:'..id, ttl)
 redis.call('SADD', P..'jwp:'..ME, id)
 redis.call('SADD', P..'jwh', ME)
