@@ -28,7 +28,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -39,12 +39,13 @@ from multidict import CIMultiDict, CIMultiDictProxy
 from redis.exceptions import NoScriptError, RedisError
 
 from kilolined.adapters.registry import adapter_for
-from kilolined.cluster.jobscripts import CLAIM, EVENT, FINISH, FLAG, RESYNC, SAVE, WEBHOOK
+from kilolined.cluster.jobscripts import CLAIM, EVENT, FINISH, FLAG, RESYNC, SAVE, WEBHOOK, WEBHOOK_DONE
 from kilolined.cluster.leases import ClusterLeases
 from kilolined.core.outcome import Result
 from kilolined.modes.call import Call
-from kilolined.modes.jobs import TERMINAL, Event, Job, Jobs
+from kilolined.modes.jobs import TERMINAL, Event, Hook, Job, Jobs
 from kilolined.ops.runtime import Runtime
+from kilolined.ops.webhooks import WebhookDeliverer
 from kilolined.scheduling.queue import Rejected, Ticket
 from kilolined.wire.proxy import Exchange
 from kilolined.wire.tasks import cancel_all
@@ -116,9 +117,15 @@ class ClusterJobs:
         #: this gateway's unfinished jobs — and those that ended while Redis was unreachable — with
         #: their request (the body is the Exchange's own bytes): what RESYNC writes again
         self._mine: dict[str, tuple[Job, bytes, bytes]] = {}
+        #: webhooks of jobs that ended while Redis was unreachable, sent once it answers (by job id)
+        self._unsent: dict[str, tuple[Job, Hook, WebhookDeliverer]] = {}
+        #: webhooks delivered whose end (WEBHOOK_DONE) Redis has not confirmed: written until it does,
+        #: or another gateway would send them again once this one is gone
+        self._delivered: set[str] = set()
         self._scripts: dict[str, Any] = {name: self.redis.register_script(src) for name, src in
                                          (("SAVE", SAVE), ("EVENT", EVENT), ("FLAG", FLAG), ("FINISH", FINISH),
-                                          ("CLAIM", CLAIM), ("RESYNC", RESYNC), ("WEBHOOK", WEBHOOK))}
+                                          ("CLAIM", CLAIM), ("RESYNC", RESYNC), ("WEBHOOK", WEBHOOK),
+                                          ("WEBHOOK_DONE", WEBHOOK_DONE))}
         # Blocking reads of remote followers get their own connections: they must never hold the
         # bounded pool the admissions use.
         self._follow = aioredis.Redis.from_url(leases.cfg.redis_url, socket_timeout=FOLLOW_BLOCK_MS / 1000 + 2,
@@ -143,6 +150,10 @@ class ClusterJobs:
         after that (past shutdown_grace_sec) stay the cluster's: another gateway carries them on."""
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self.synced(), timeout=2)
+        for _, hook, webhooks in self._unsent.values():
+            # Redis never answered again: better twice (same webhook-id) than never
+            webhooks.submit(hook.url, hook.payload, msg_id=hook.msg_id)
+        self._unsent.clear()
         self._closed = True
         await cancel_all(self._tasks)
         await self._follow.aclose()
@@ -233,6 +244,8 @@ class ClusterJobs:
         for (name, args), r in zip(ops, results, strict=True):
             if isinstance(r, Exception):
                 log.warning("cluster jobs: a write was refused (%s)", r)
+            elif name == "WEBHOOK_DONE":
+                self._delivered.discard(args[2])
             elif name in ("EVENT", "FINISH", "RESYNC"):
                 job_id = args[2]
                 if r == 0 and job_id in self._mine:
@@ -265,27 +278,58 @@ class ClusterJobs:
             pipe.evalsha(self._scripts[name].sha, 0, *args)
         return list(await pipe.execute(raise_on_error=False))
 
-    def send_once(self, job: Job, send: Callable[[], object]) -> None:
+    def send_once(self, job: Job, hook: Hook, webhooks: WebhookDeliverer) -> None:
         if self._closed:
             return  # a job cut by this gateway's shutdown: the gateway that carries it on sends it
         if not self.up:
-            send()
+            # Cut off from Redis, this gateway cannot tell whether another one carries the job
+            # on (it does once this one's heartbeat lapsed, and sends the webhook when its copy
+            # ends): the webhook waits until Redis answers and says who owns the job.
+            self._unsent[job.id] = (job, hook, webhooks)
             return
-        self._spawn(self._send_once(job, send))
+        self._spawn(self._send_once(job, hook, webhooks))
 
-    async def _send_once(self, job: Job, send: Callable[[], object]) -> None:
+    def _send_unsent(self) -> None:
+        """Redis answers again (this gateway's jobs are queued to be written there first)."""
+        unsent, self._unsent = self._unsent, {}
+        for job, hook, webhooks in unsent.values():
+            self._spawn(self._send_once(job, hook, webhooks))
+        for job_id in self._delivered:  # an end written while Redis did not answer was lost
+            self._op("WEBHOOK_DONE", [self.prefix, self.inst, job_id])
+
+    async def _send_once(self, job: Job, hook: Hook, webhooks: WebhookDeliverer) -> None:
         try:
             await self.synced()
             # Only the job's owner sends it: a gateway that woke from a freeze to find its job
             # carried on elsewhere ended its own copy, and that ending is not the job's.
-            first = bool(await self._scripts["WEBHOOK"](args=[self.prefix, self.inst, job.id,
-                                                              max(1, int(self.rt.cfg.jobs.result_ttl_sec))]))
+            first = bool(await self._scripts["WEBHOOK"](args=[
+                self.prefix, self.inst, job.id, max(1, int(self.rt.cfg.jobs.result_ttl_sec)), hook.url,
+                orjson.dumps(hook.payload), hook.msg_id]))
         except (RedisError, OSError):
-            first = True  # better twice (same webhook-id: receivers dedupe) than never
+            # Redis did not answer (this gateway may be cut off before it noticed): it is asked
+            # again once it answers, as for a job that ended while it was known down.
+            self._unsent[job.id] = (job, hook, webhooks)
+            return
         if first:
-            send()
+            await self._deliver(job.id, hook, webhooks)
         else:
             log.info("job %s: its webhook was sent by another gateway", job.id)
+
+    async def _deliver(self, job_id: str, hook: Hook, webhooks: WebhookDeliverer) -> None:
+        """Send a claimed webhook; once it is delivered (or its attempts ran out) Redis forgets
+        it — until then a gateway that finds this one dead sends it (CLAIM)."""
+        await webhooks.deliver(hook.url, hook.payload, msg_id=hook.msg_id)
+        self._delivered.add(job_id)
+        self._op("WEBHOOK_DONE", [self.prefix, self.inst, job_id])
+
+    async def _resend(self, job_id: str) -> None:
+        """A webhook a lost gateway claimed and never delivered: this gateway sends it."""
+        url, body, msg = await self.redis.hmget(f"{self.prefix}jwo:{job_id}", "url", "body", "msg")
+        if url is None or body is None or msg is None or self.jobs is None:
+            return
+        log.warning("job %s: its webhook, claimed by a gateway that was lost before it was delivered, "
+                    "is sent from here", job_id)
+        await self._deliver(job_id, Hook(_s(url), orjson.loads(body), _s(msg)), self.jobs.webhooks)
 
     # --- reading another gateway's jobs ---------------------------------------------------
     async def load(self, job_id: str) -> Job | None:
@@ -428,6 +472,7 @@ class ClusterJobs:
             except (RedisError, OSError):
                 up_since = None
                 continue
+            self._send_unsent()
             if up_since is None or empty:
                 up_since = now
             if now - up_since < ttl:
@@ -443,13 +488,15 @@ class ClusterJobs:
 
     async def claim(self) -> int:
         """Adopt the jobs of the gateways found lost; how many were adopted."""
-        out = [_s(x) for x in await self._scripts["CLAIM"](args=[self.prefix, self.inst])]
+        hold = int(self.rt.cfg.jobs.webhook_timeout_sec * 1000)  # an attempt in flight has ended by then
+        out = [_s(x) for x in await self._scripts["CLAIM"](args=[self.prefix, self.inst, hold])]
         grants: list[str] = []
+        hooks: list[str] = []
         claimed = []
         i = 0
         while i < len(out):
-            if out[i] == "grant":
-                grants.append(out[i + 1])
+            if out[i] in ("grant", "hook"):
+                (grants if out[i] == "grant" else hooks).append(out[i + 1])
                 i += 2
             else:
                 claimed.append(out[i:i + 5])
@@ -462,6 +509,8 @@ class ClusterJobs:
             except Exception:
                 log.exception("job %s: could not be carried on", job_id)
         self.leases.take_grants(grants)
+        for job_id in hooks:
+            self._spawn(self._resend(job_id))
         return len(claimed)
 
     async def _adopt(self, job_id: str, how: str, tid: str, lid: str, node: str) -> None:

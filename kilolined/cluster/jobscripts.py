@@ -11,6 +11,10 @@ Keys under the prefix P (beside those of kilolined/cluster/scripts.py):
   P jres       zset    jobs holding a result -> finish time (ms), for max_results_mb
   P jsz        hash    job -> result bytes;  P jbytes: their sum
   P jw:<id>    string  the gateway that sends the job's webhook (SET NX)
+  P jwo:<id>   hash    that webhook until it is delivered (or given up): url, body, msg (its webhook-id)
+  P jwp:<inst> set     the webhooks an instance claimed and has not delivered yet: another gateway
+                       sends them when that instance is found dead (CLAIM)
+  P jwh        set     instances with such webhooks
   P jmark:<inst> string set by each gateway: missing, Redis came back empty
 """
 
@@ -89,7 +93,8 @@ end
 return 1
 """
 
-#: ARGV: P, ME -> {id, how ('w' waiting ticket kept | 'l' it holds a lease | 'n' none), tid, lid, node, ...}
+#: ARGV: P, ME, hold (ms: webhook_timeout_sec) -> {id, how ('w' waiting ticket kept | 'l' it holds a lease |
+#: 'n' none), tid, lid, node, ...; then 'hook', id per webhook to send again; then 'grant', g ...}
 #: Takes over the active jobs of every instance whose lease heartbeat is gone (reap() decides that).
 CLAIM = scripts.COMMON + r"""
 reap()
@@ -128,6 +133,27 @@ for _, inst in ipairs(redis.call('SMEMBERS', P..'jgs')) do
     redis.call('SREM', P..'jgs', inst)
   end
 end
+-- The webhooks a lost instance claimed and never said delivered, once its attempt in flight has
+-- had its time (ARGV[3], ms: a gateway only cut off from Redis delivered it meanwhile, and says so
+-- when it is back): this gateway sends them.
+local hold, now = tonumber(ARGV[3]) or 0, now_ms()
+for _, inst in ipairs(redis.call('SMEMBERS', P..'jwh')) do
+  if inst ~= ME and not redis.call('ZSCORE', P..'gw', inst) then
+    for _, id in ipairs(redis.call('SMEMBERS', P..'jwp:'..inst)) do
+      local at = tonumber(redis.call('HGET', P..'jwo:'..id, 'at') or '')
+      if not at then
+        redis.call('SREM', P..'jwp:'..inst, id)
+      elseif now - at >= hold then
+        redis.call('SREM', P..'jwp:'..inst, id)
+        redis.call('SADD', P..'jwp:'..ME, id)
+        redis.call('SADD', P..'jwh', ME)
+        out[#out + 1] = 'hook'
+        out[#out + 1] = id
+      end
+    end
+    if redis.call('SCARD', P..'jwp:'..inst) == 0 then redis.call('SREM', P..'jwh', inst) end
+  end
+end
 dispatch_all()
 for _, g in ipairs(grants) do out[#out + 1] = 'grant'; out[#out + 1] = g end
 return out
@@ -156,12 +182,31 @@ end
 return 1
 """
 
-#: ARGV: P, ME, id, ttl_sec -> 1 (this gateway sends the webhook) | 0 (another one does: it sent
-#: it, or it carries the job on now — a copy that ran out here after a freeze sends nothing)
+#: ARGV: P, ME, id, ttl_sec, url, body, webhook-id -> 1 (this gateway sends the webhook) | 0
+#: (another one does: it sent it, or it carries the job on now — a copy that ran out here after a
+#: freeze sends nothing). Asked again by the same gateway (its first call ran, but its answer was
+#: lost to a timeout): 1. A webhook claimed is kept until WEBHOOK_DONE, for another gateway to send
+#: should this one die first.
 WEBHOOK = r"""
-local P, ME, id = ARGV[1], ARGV[2], ARGV[3]
+local P, ME, id, ttl = ARGV[1], ARGV[2], ARGV[3], tonumber(ARGV[4])
 local owner = redis.call('HGET', P..'j:'..id, 'owner')
 if owner and owner ~= ME then return 0 end
-if redis.call('SET', P..'jw:'..id, ME, 'NX', 'EX', tonumber(ARGV[4])) then return 1 end
-return 0
+if not redis.call('SET', P..'jw:'..id, ME, 'NX', 'EX', ttl) and redis.call('GET', P..'jw:'..id) ~= ME then
+  return 0
+end
+local t = redis.call('TIME')
+redis.call('HSET', P..'jwo:'..id, 'url', ARGV[5], 'body', ARGV[6], 'msg', ARGV[7],
+           'at', tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000))
+redis.call('EXPIRE', P..'jwo:'..id, ttl)
+redis.call('SADD', P..'jwp:'..ME, id)
+redis.call('SADD', P..'jwh', ME)
+return 1
+"""
+
+#: ARGV: P, ME, id -> 1: the webhook was delivered (or its attempts ran out): nothing to send again
+WEBHOOK_DONE = r"""
+local P, ME, id = ARGV[1], ARGV[2], ARGV[3]
+redis.call('SREM', P..'jwp:'..ME, id)
+redis.call('DEL', P..'jwo:'..id)
+return 1
 """

@@ -103,6 +103,11 @@ class ClusterLeases:
         self._alone_from = 0.0  # while Redis is down: when this gateway's share starts (_degrade)
         self._strays: set[str] = set()  # lease ids Redis counts for us that no request holds (one beat ago)
         self._restoring = False  # _restore is registering what we hold: nothing is dispatched alone meanwhile
+        self._woke = False  # reaped at the last heartbeat (a freeze): its requests were stopped then
+        #: when Redis last counted this gateway alive (the moment a call it answered was sent): a grant
+        #: that arrives a TTL after it may be one Redis took back since (_granted)
+        self._alive_at = -math.inf
+        self._unsure: list[tuple[str, str, str]] = []  # grants held until the next heartbeat says
         self._forget: dict[str, str] = {}  # ad-hoc routes dropped here, not yet forgotten in Redis -> node ("")
         self._tasks: set[asyncio.Task[Any]] = set()
         self._sub_at: float | None = None  # when the grant channel was last subscribed (None: it is not)
@@ -122,7 +127,7 @@ class ClusterLeases:
         # script decided arrive the same way, on a subscriber connection (_listen).
         self._wire = Wire(pool, CALL_TIMEOUT_SEC, scripts=[getattr(scripts, n) for n in (
             "ADMIT", "RELEASE", "REQUEUE", "CANCEL", "BEAT", "REGISTER", "POSITIONS", "DOUBTS", "DOUBT",
-            "FORGET_GATEWAY",
+            "FORGET_GATEWAY", "WOKE",
             "BUCKET", "BUDGET_TAKE", "BUDGET_RESERVE", "BUDGET_SETTLE")])
         #: the shared limits' scripts travel on it too (kilolined/cluster/limits.py)
         self.wire = self._wire
@@ -193,7 +198,9 @@ class ClusterLeases:
         for t in held:
             assert t.lease is not None
             args += [self._track(t), t.route, t.lease.node, self._order_key(t), repr(t.cost)]
+        sent = self.clock()
         res = await self._call("REGISTER", *args)
+        self._alive_at = sent
         epoch = _s(res[0])
         if self._epoch and epoch != self._epoch:
             log.warning("⚠ cluster: Redis came back empty: leases are granted again once every gateway "
@@ -418,6 +425,12 @@ class ClusterLeases:
         if lid == "!":
             self._dropped(tid)
             return
+        if self.clock() - self._alive_at >= self.cfg.lease_ttl_sec:
+            # Not counted alive by Redis for a TTL (a freeze, a stalled loop): it may have been
+            # reaped and this slot, in doubt, freed and granted again to another gateway. Its
+            # next heartbeat says which: until then the request does not start.
+            self._unsure.append((tid, lid, node))
+            return
         t = self._tickets.get(tid)
         if t is not None and t.lease is not None and self._lid.get(t.lease) == lid:
             return  # the same grant twice (pub/sub and the sweep)
@@ -555,6 +568,8 @@ class ClusterLeases:
     async def _beat(self) -> None:
         if self._barred:
             await self._unbar()
+        if self._woke:
+            await self._end_own_doubts()
         now = self.clock()
         sub = self._sub_at
         # Every waiting ticket, until one sweep has run since the channel was subscribed (and
@@ -567,14 +582,24 @@ class ClusterLeases:
         grants, lost, peers, reaped, held, gone = await self._call(
             "BEAT", ttl_ms, self.view.gateway_id, self.version(), orjson.dumps(views).decode(), self._counts_json(),
             *stale)
+        self._alive_at = now
+        unsure, self._unsure = self._unsure, []
         if int(reaped) and self._lid:
             self._revoke_all()
+        self._woke = bool(int(reaped))
         self._to_sweep.difference_update(stale)
         if full and sub is not None and now - sub > WAITED_SEC:
             self._swept_for = sub
         if int(reaped):
             self._swept_for = None  # reaped: our waiting tickets left Redis' queues; the next beat finds them
         self._grants(grants)
+        if int(reaped):
+            if unsure:
+                log.warning("⚠ cluster: %d grant(s) that reached this gateway while it was reaped are not run",
+                            len(unsure))
+        else:
+            for g in unsure:
+                self._granted(*g)
         self._release_strays({_s(x) for x in held})
         for tid in lost:
             t = self._tickets.get(_s(tid))
@@ -647,6 +672,16 @@ class ClusterLeases:
         for lid in strays & self._strays:
             self._remote("RELEASE", lid)
         self._strays = strays - self._strays
+
+    async def _end_own_doubts(self) -> None:
+        """A heartbeat after this gateway woke reaped: the requests it stopped then are gone from
+        the nodes, so its leases in doubt end now, on a node that cannot tell too (not only after
+        their request_timeout_sec), as a restarted gateway's do."""
+        res = await self._call("WOKE", self.view.gateway_id, self._keep())
+        self._woke = False
+        if int(res[0]):
+            log.warning("⚠ cluster: %d slot(s) this gateway held before its freeze are free again", int(res[0]))
+        self._grants(res[1:])
 
     def _revoke_all(self) -> None:
         """This gateway was reaped while it could not beat (frozen past the TTL): the slots of its

@@ -733,6 +733,20 @@ for _, g in ipairs(grants) do out[#out + 1] = g end
 return out
 """
 
+#: ARGV: P, ME, gateway id, keep (",a,b,", as REGISTER) -> {leases ended, grants...}
+#: A gateway that woke from a freeze found at its heartbeat that it had been reaped, and stopped
+#: the requests of its leases then (their connections closed): a heartbeat later its leases in
+#: doubt end, as a restarted one's do, except on the ``keep`` nodes, whose node check still asks.
+WOKE = COMMON + r"""
+if stale() then return redis.error_reply('EPOCH Redis came back empty: register again') end
+reap()
+local ended = end_doubts(ARGV[3], '', ARGV[4])
+dispatch_all()
+local out = {ended}
+for _, g in ipairs(grants) do out[#out + 1] = g end
+return out
+"""
+
 #: ARGV: P, ME, tid -> {'cancelled'|'released'|'gone', grants...}
 CANCEL = COMMON + r"""
 if stale() then return redis.error_reply('EPOCH Redis came back empty: register again') end

@@ -54,6 +54,15 @@ TICK_SEC = 0.25  # queue_status / heartbeat tick
 Event = tuple[int, str, bytes]  # (id, event name, the rendered SSE frame)
 
 
+@dataclass(frozen=True, slots=True)
+class Hook:
+    """A job's webhook: where it goes, what it says, its webhook-id (the same for every copy)."""
+
+    url: str
+    payload: dict[str, Any]
+    msg_id: str
+
+
 class JobStore(Protocol):
     """Where a job is mirrored beyond this process: nowhere on one gateway (``LocalStore``),
     Redis in cluster mode (kilolined/cluster/jobs.py), so every gateway can serve it."""
@@ -70,8 +79,8 @@ class JobStore(Protocol):
         """What was handed over so far is stored (another gateway can read it)."""
         ...
 
-    def send_once(self, job: Job, send: Callable[[], object]) -> None:
-        """Call ``send`` (the job's webhook) unless another gateway already did."""
+    def send_once(self, job: Job, hook: Hook, webhooks: WebhookDeliverer) -> None:
+        """Send the job's webhook through ``webhooks`` unless another gateway does."""
         ...
 
     async def load(self, job_id: str) -> Job | None:
@@ -101,8 +110,8 @@ class LocalStore:
     async def synced(self) -> None:
         pass
 
-    def send_once(self, job: Job, send: Callable[[], object]) -> None:
-        send()
+    def send_once(self, job: Job, hook: Hook, webhooks: WebhookDeliverer) -> None:
+        webhooks.submit(hook.url, hook.payload, msg_id=hook.msg_id)
 
     async def load(self, job_id: str) -> Job | None:
         return None
@@ -695,8 +704,7 @@ class Jobs:
                    "queue_wait_sec": _r(job.queue_wait), "result_url": job.urls()["result_url"], "result": result}
         if job.error:
             payload["error"] = job.error
-        callback = job.callback
-        self.store.send_once(job, lambda: self.webhooks.submit(callback, payload, msg_id=f"msg_{job.id}"))
+        self.store.send_once(job, Hook(job.callback, payload, f"msg_{job.id}"), self.webhooks)
 
     def _evict(self) -> None:
         """Forget jobs past result_ttl_sec; drop the oldest results while over max_results_mb."""

@@ -1,0 +1,248 @@
+"""A job's webhook is sent once across a partition (docs/CLUSTER.md "Jobs").
+
+A gateway cut off from Redis (its connections reset, or silent: it notices only when its calls
+time out) goes on with its job alone, while — once its heartbeat lapsed — another
+gateway carries the same job on and sends its webhook when its copy ends. The cut-off gateway's
+own copy ends too, while it still cannot reach Redis to ask who owns the job: its webhook waits
+until Redis answers, which says another gateway owns it, so it is not sent a second time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import aiohttp
+import pytest
+from conftest import auth
+from fakes import FakeWebhookReceiver
+
+from kilolined.cluster.jobscripts import WEBHOOK
+from kilolined.fakegpu import FakeGPU
+
+from .harness import GatewayProc, RedisServer, Relay, make_gateways, start_all, until
+
+
+class SilentRelay(Relay):
+    """``sever`` as a black hole: the connections stay open and carry nothing until ``heal``."""
+
+    def __init__(self, target_port: int):
+        super().__init__(target_port)
+        self.open = asyncio.Event()
+        self.open.set()
+
+    def sever(self) -> None:
+        self.open.clear()
+
+    def heal(self) -> None:
+        self.open.set()
+
+    async def stop(self) -> None:
+        self.heal()
+        Relay.sever(self)
+        await super().stop()
+
+    async def _conn(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        up_r, up_w = await asyncio.open_connection("127.0.0.1", self.target_port)
+        self._open |= {writer, up_w}
+        try:
+            await asyncio.gather(self._pipe(reader, up_w), self._pipe(up_r, writer))
+        finally:
+            self._open -= {writer, up_w}
+
+    async def _pipe(self, r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        try:
+            while data := await r.read(65536):
+                await self.open.wait()
+                w.write(data)
+                await w.drain()
+        except (OSError, asyncio.IncompleteReadError):
+            pass
+        finally:
+            w.transport.abort()
+
+
+@pytest.fixture(params=["reset", "silent"])
+async def relay(redis_server: RedisServer, request: pytest.FixtureRequest) -> AsyncIterator[Relay]:
+    r = Relay(redis_server.port) if request.param == "reset" else SilentRelay(redis_server.port)
+    await r.start()
+    yield r
+    await r.stop()
+
+
+async def _status(s: aiohttp.ClientSession, gw: GatewayProc, jid: str) -> str:
+    async with s.get(f"{gw.url}/v1/jobs/{jid}", headers=auth()) as r:
+        return str((await r.json())["status"]) if r.status == 200 else f"http {r.status}"
+
+
+async def test_a_job_ended_on_both_sides_of_a_partition_sends_one_webhook(
+        redis_server: RedisServer, relay: Relay, gateways: list[GatewayProc], tmp_path: Path) -> None:
+    gpu = FakeGPU("generic", vram_gb=1000, job_vram_gb=1)
+    await gpu.start()
+    try:
+        async with FakeWebhookReceiver() as hooks:
+            gateways += make_gateways(2, tmp_path, redis_server.url, gpu.url, ttl=1, max_concurrency=4,
+                                      retry_on_failover=1)
+            for g in gateways:
+                g.cfg["jobs"] = {"webhook_allow_private": True, "webhook_backoff_sec": [0.2, 0.2]}
+            cut, other = gateways
+            cut.cfg["cluster"]["redis_url"] = relay.url
+            await start_all(gateways)
+            async with aiohttp.ClientSession() as s:
+                async with s.post(cut.url + "/gen/generate", json={"steps": 25, "step_ms": 100},
+                                  headers={**auth(), "X-KiloLine-Mode": "async",
+                                           "X-KiloLine-Callback": hooks.url()}) as r:
+                    assert r.status == 202, await r.text()
+                    jid = (await r.json())["job_id"]
+                await until(lambda: _is(s, other, jid, "running"), "the job never ran")
+                await asyncio.sleep(1.5)  # it ends a second after the cut: before a silent cut is noticed
+                relay.sever()
+                # Both copies run to their end: the cut-off one alone, the other one carried on.
+                await until(lambda: _served(gpu, 2), "the job was not carried on and ended twice", 30)
+                await until(lambda: _delivered(hooks, jid), "the gateway that carried it on sent no webhook")
+                await asyncio.sleep(2.5)  # past the cut-off gateway's call timeout (2 s)
+                relay.heal()
+                await until(lambda: _is(s, cut, jid, "completed"), "the healed gateway never saw the job end")
+                await asyncio.sleep(1.5)  # a second webhook, were it sent, arrives by now
+            sent = [d for d in hooks.deliveries if (d["json"] or {}).get("job_id") == jid]
+            assert len(sent) == 1, sent
+    finally:
+        await gpu.stop()
+
+
+async def _is(s: aiohttp.ClientSession, gw: GatewayProc, jid: str, want: str) -> bool:
+    return await _status(s, gw, jid) == want
+
+
+async def _served(gpu: FakeGPU, n: int) -> bool:
+    return int(gpu.stats["served"]) >= n
+
+
+async def _delivered(hooks: FakeWebhookReceiver, jid: str) -> bool:
+    return any((d["json"] or {}).get("job_id") == jid for d in hooks.deliveries)
+
+
+async def test_a_webhook_claim_asked_again_by_its_gateway_is_still_its_own(redis_server: RedisServer) -> None:
+    # A claim whose answer was lost (Redis stalled past the call's timeout, then ran it from the
+    # closed connection's buffer) is asked again once Redis answers: it is that gateway's, and the
+    # webhook is sent; another gateway's claim still is not.
+    r = redis_server.client()
+    try:
+        async def claim(inst: str) -> int:
+            return int(await r.eval(WEBHOOK, 0, "kl-test:", inst, "job1", 60, "http://h/hook", "{}", "msg_job1"))
+        assert [await claim("gw0#a"), await claim("gw0#a"), await claim("gw1#b")] == [1, 1, 0]
+    finally:
+        await r.aclose()
+
+
+async def test_a_webhook_its_gateway_claimed_and_died_with_is_sent_by_another(
+        redis_server: RedisServer, gateways: list[GatewayProc], tmp_path: Path) -> None:
+    # The receiver refuses the first attempt; the gateway that ended the job waits to try again,
+    # and is killed (kill -9) meanwhile: the webhook it claimed is sent by the other gateway.
+    gpu = FakeGPU("generic", vram_gb=1000, job_vram_gb=1)
+    await gpu.start()
+    try:
+        async with FakeWebhookReceiver() as hooks:
+            hooks.fail_next = 1
+            gateways += make_gateways(2, tmp_path, redis_server.url, gpu.url, ttl=1)
+            for g in gateways:
+                g.cfg["jobs"] = {"webhook_allow_private": True, "webhook_backoff_sec": [30],
+                                 "webhook_timeout_sec": 1}
+            await start_all(gateways)
+            dead = gateways[0]
+            async with aiohttp.ClientSession() as s:
+                async with s.post(dead.url + "/gen/generate", json={"steps": 1, "step_ms": 10},
+                                  headers={**auth(), "X-KiloLine-Mode": "async",
+                                           "X-KiloLine-Callback": hooks.url()}) as r:
+                    assert r.status == 202, await r.text()
+                    jid = (await r.json())["job_id"]
+                await until(lambda: _attempted(hooks), "the webhook was never tried")
+                dead.kill9()
+                await until(lambda: _delivered(hooks, jid), "no other gateway sent the webhook", 15)
+                await asyncio.sleep(1.0)
+            sent = [d for d in hooks.deliveries if (d["json"] or {}).get("job_id") == jid]
+            assert len(sent) == 1, sent
+            assert sent[0]["headers"]["webhook-id"] == f"msg_{jid}"  # the same message, for a receiver that dedupes
+    finally:
+        await gpu.stop()
+
+
+async def _attempted(hooks: FakeWebhookReceiver) -> bool:
+    return bool(hooks.attempts)
+
+
+async def test_a_webhook_delivered_while_redis_was_out_of_reach_is_not_sent_again(
+        redis_server: RedisServer, gateways: list[GatewayProc], tmp_path: Path) -> None:
+    # The gateway delivers a webhook while its link to Redis is cut for a moment (shorter than the
+    # TTL): that it was delivered reaches Redis once Redis answers again, so when the gateway is
+    # killed later, no other gateway sends it a second time.
+    gpu = FakeGPU("generic", vram_gb=1000, job_vram_gb=1)
+    await gpu.start()
+    relay = Relay(redis_server.port)
+    await relay.start()
+    try:
+        async with FakeWebhookReceiver() as hooks:
+            hooks.delay_next, hooks.delay_sec = 1, 0.8
+            gateways += make_gateways(2, tmp_path, redis_server.url, gpu.url, ttl=3)
+            for g in gateways:
+                g.cfg["jobs"] = {"webhook_allow_private": True, "webhook_backoff_sec": [0.2]}
+            cut = gateways[0]
+            cut.cfg["cluster"]["redis_url"] = relay.url
+            await start_all(gateways)
+            async with aiohttp.ClientSession() as s:
+                async with s.post(cut.url + "/gen/generate", json={"steps": 1, "step_ms": 10},
+                                  headers={**auth(), "X-KiloLine-Mode": "async",
+                                           "X-KiloLine-Callback": hooks.url()}) as r:
+                    assert r.status == 202, await r.text()
+                    jid = (await r.json())["job_id"]
+                await until(lambda: _attempted(hooks), "the webhook was never tried")
+                relay.sever()  # while the receiver takes its time
+                await until(lambda: _delivered(hooks, jid), "the webhook was never delivered")
+                await asyncio.sleep(0.2)
+                relay.heal()  # before the TTL: the gateway was never lost
+                await asyncio.sleep(2.5)  # a heartbeat or two: what it owes Redis is written
+                cut.kill9()
+                await asyncio.sleep(5.0)  # the other gateway finds it lost and takes what it left
+            sent = [d for d in hooks.deliveries if (d["json"] or {}).get("job_id") == jid]
+            assert len(sent) == 1, sent
+    finally:
+        await relay.stop()
+        await gpu.stop()
+
+
+async def test_a_webhook_in_flight_when_its_gateway_is_cut_off_is_not_sent_again(
+        redis_server: RedisServer, gateways: list[GatewayProc], tmp_path: Path) -> None:
+    # Cut off from Redis past the TTL while the receiver takes its time: the gateway is lost to
+    # the other one, but its attempt in flight has webhook_timeout_sec to end before the other
+    # would send the webhook again — and once back, the gateway says it was delivered.
+    gpu = FakeGPU("generic", vram_gb=1000, job_vram_gb=1)
+    await gpu.start()
+    relay = Relay(redis_server.port)
+    await relay.start()
+    try:
+        async with FakeWebhookReceiver() as hooks:
+            hooks.delay_next, hooks.delay_sec = 1, 2.0
+            gateways += make_gateways(2, tmp_path, redis_server.url, gpu.url, ttl=1)
+            for g in gateways:
+                g.cfg["jobs"] = {"webhook_allow_private": True, "webhook_backoff_sec": [0.2], "webhook_timeout_sec": 5}
+            cut = gateways[0]
+            cut.cfg["cluster"]["redis_url"] = relay.url
+            await start_all(gateways)
+            async with aiohttp.ClientSession() as s:
+                async with s.post(cut.url + "/gen/generate", json={"steps": 1, "step_ms": 10},
+                                  headers={**auth(), "X-KiloLine-Mode": "async",
+                                           "X-KiloLine-Callback": hooks.url()}) as r:
+                    assert r.status == 202, await r.text()
+                    jid = (await r.json())["job_id"]
+                await until(lambda: _attempted(hooks), "the webhook was never tried")
+                relay.sever()
+                await until(lambda: _delivered(hooks, jid), "the webhook was never delivered")
+                await asyncio.sleep(1.0)  # lost to the other gateway by now
+                relay.heal()
+                await asyncio.sleep(2.5)
+            sent = [d for d in hooks.deliveries if (d["json"] or {}).get("job_id") == jid]
+            assert len(sent) == 1, sent
+    finally:
+        await relay.stop()
+        await gpu.stop()
