@@ -201,10 +201,6 @@ class Seam:
     node: str = ""
     _opened: bool = False
 
-    @property
-    def note(self) -> bytes:
-        return seam_note(self.node)
-
     def rewrite(self, whole: bytes) -> bytes:
         """Whole events of the continuing node, as the client gets them."""
         out = bytearray()
@@ -281,9 +277,6 @@ class Seamed(Protocol):
     @property
     def before(self) -> Told: ...
 
-    @property
-    def note(self) -> bytes: ...
-
     def rewrite(self, whole: bytes) -> bytes: ...
 
 
@@ -309,7 +302,7 @@ class StreamKeeper:
             data = self.seam.rewrite(data) if data else data
             if not self.noted:
                 self.noted = True
-                data = self.seam.note + data
+                data = seam_note(self.seam.node) + data
         self.sent += data
         return data
 

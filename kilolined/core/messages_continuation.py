@@ -24,7 +24,7 @@ from typing import Any
 
 import orjson
 
-from kilolined.core.continuation import events, payload, seam_note, token_count, tokens_left, with_answer
+from kilolined.core.continuation import events, payload, token_count, tokens_left, with_answer
 
 #: content blocks and deltas whose meaning text alone cannot carry on to another node
 _TEXT_BLOCK, _TEXT_DELTA = "text", "text_delta"
@@ -121,10 +121,6 @@ class MessagesSeam:
     #: the continuing node's text block index -> the client's
     _blocks: dict[int, int] | None = None
     _echo_checked: bool = False
-
-    @property
-    def note(self) -> bytes:
-        return seam_note(self.node)
 
     def rewrite(self, whole: bytes) -> bytes:
         """Whole events of the continuing node, as the client gets them."""
