@@ -37,22 +37,11 @@ class FakeGPU(Card):
         super().__init__(kind, BACKENDS[kind], **options)
 
 
-def run(
-    kind: str = "generic",
-    host: str = "127.0.0.1",
-    port: int = 0,
-    vram_gb: float = 24,
-    job_vram_gb: float = 10,
-    steps: int = 25,
-    step_ms: float = 200,
-    crash_sec: float = 5,
-    parallel: int = 0,
-    **options: Any,
-) -> int:
-    """Serve until Ctrl-C or SIGTERM (for `kilolined fakegpu`); returns the exit code."""
+def run(kind: str = "generic", **options: Any) -> int:
+    """Serve until Ctrl-C or SIGTERM (for `kilolined fakegpu`); returns the exit code. ``options``
+    are the card's (``card.Card``)."""
     try:
-        gpu = FakeGPU(kind, host=host, port=port, vram_gb=vram_gb, job_vram_gb=job_vram_gb, steps=steps,
-                      step_ms=step_ms, crash_sec=crash_sec, parallel=parallel, **options)
+        gpu = FakeGPU(kind, **options)
     except ValueError as exc:
         print(f"fakegpu: {exc}", file=sys.stderr)
         return 2
