@@ -50,6 +50,7 @@ from kilolined.adapters.comfy_store import is_view, prompt_finished, view
 from kilolined.core.errors import error_response
 from kilolined.core.outcome import Cancelled, Failure, Result
 from kilolined.core.templates import ANSWER_KEY, is_images
+from kilolined.core.verdict import Cause, NodeVerdict, failed_status, status_verdict
 from kilolined.ops.runtime import Runtime
 from kilolined.scheduling.lease import LeaseScope, Sink
 from kilolined.scheduling.queue import WAITING, Lease, Rejected, Ticket
@@ -361,11 +362,12 @@ class SyncWatch:
                 if left > 0:
                     await asyncio.wait({done}, timeout=min(left, WATCH_SEC))
                 elif await _runs(self.api, self.prompt_id):
-                    reason = f"{STALLED}: no progress from the node for {self.stall:g}s while the prompt ran"
-                    log.warning("🐢 [%s] %s", self.node, reason)
-                    scope.node_failed(reason, mid_body=True)
+                    cut = NodeVerdict(Cause.STALL, f"{STALLED}: no progress from the node for {self.stall:g}s "
+                                      "while the prompt ran", mid_body=True)
+                    log.warning("🐢 [%s] %s", self.node, cut.reason)
+                    scope.node_failed(cut)
                     # The client had its answer (the prompt id): it sees the interrupt on its socket.
-                    raise Failure.mid_response(self.node, reason)
+                    raise Failure.mid_response(self.node, cut)
                 else:
                     blind = loop.time()  # still queued behind another prompt there: not ours to judge yet
             return done.result()
@@ -605,8 +607,8 @@ class ComfyUIAdapter(Adapter):
                         state.hub.status(lease.node)
                         return
                     p = owners.get(prompt_id)
-                    if p is None or p.output_seen or \
-                            not scope.requeue_held(NODE_LOST, lost=not isinstance(e, PromptLost)):
+                    if p is None or p.output_seen or not scope.requeue_held(
+                            NodeVerdict(Cause.LOST, NODE_LOST), lost=not isinstance(e, PromptLost)):
                         log.warning("[%s] %s (%s): slot freed", lease.node, NODE_LOST, e.reason)
                         _tell_lost(state, owners, prompt_id, again.body, f"{NODE_LOST}: {e.reason}")
                         return
@@ -712,8 +714,9 @@ class ComfyUIAdapter(Adapter):
             log.warning("[%s] %s: %s", lease.node, NODE_LOST, e.reason)
             sub.lost = e.reason
             if sub.output_seen:
-                scope.node_failed(e.reason, mid_body=True)
-                raise Failure.mid_response(lease.node, f"{NODE_LOST} (after its first output)") from None
+                scope.node_failed(NodeVerdict(Cause.LOST, e.reason, mid_body=True))
+                raise Failure.mid_response(lease.node, NodeVerdict(Cause.LOST, f"{NODE_LOST} (after its first output)",
+                                                                   mid_body=True)) from None
             scope.done_with_node()  # nothing left there to stop
             await sub.ws.close()
             # A node that answered without the prompt restarted and is back; one that does
@@ -724,16 +727,17 @@ class ComfyUIAdapter(Adapter):
     async def _stalled(self, scope: LeaseScope, sub: Submitted, sink: Sink, reason: str) -> None:
         """The node stopped moving on our prompt: interrupt it, then re-queue the request (the
         client has seen only gateway events, no byte of the answer) unless an output node already
-        ran there. The scope's failure verdict on the reason (``stalled: …``) opens the breaker."""
+        ran there. The scope's verdict on a stall (``Cause.STALL``) opens the breaker."""
         lease = scope.lease
         assert lease is not None
         log.warning("🐢 [%s] %s", lease.node, reason)
         if sub.output_seen:
-            scope.node_failed(reason, mid_body=True)
-            raise Failure.mid_response(lease.node, f"{reason} (after its first output)")
+            scope.node_failed(NodeVerdict(Cause.STALL, reason, mid_body=True))
+            raise Failure.mid_response(lease.node, NodeVerdict(Cause.STALL, f"{reason} (after its first output)",
+                                                               mid_body=True))
         scope.done_with_node()
         await _shielded(scope.rt, self._stop(sub, sink, _nothing))  # the GPU must be free before the slot is
-        raise UpstreamFailed(reason, answered=True)
+        raise UpstreamFailed(reason, answered=True, cause=Cause.STALL)
 
     async def _submit(self, rt: Runtime, lease: Lease, ex: Exchange, body: dict[str, Any],
                       scope: LeaseScope) -> Submitted:
@@ -795,8 +799,8 @@ class ComfyUIAdapter(Adapter):
             log.info("[%s] reading the answer: %s", lease.node, type(e).__name__)
             raise node_lost("connection dropped before its answer was read")
         up.release()
-        if up.status >= 500:
-            scope.node_failed(f"HTTP {up.status} from node")
+        if failed_status(up.status):
+            scope.node_failed(status_verdict(up.status))
         else:
             scope.node_ok()
         if up.status != 200:

@@ -25,7 +25,7 @@ from lease_props import config
 
 from kilolined.cluster.leases import ClusterLeases
 from kilolined.core.config import parse_config
-from kilolined.ops.runtime import Runtime
+from kilolined.ops.runtime import Runtime, Wiring
 
 
 def free_port() -> int:
@@ -273,11 +273,16 @@ async def cluster_runtime(redis: RedisServer, slots: int,
     # A prefix of its own: nothing an earlier example left in Redis is counted in this one.
     cfg["cluster"] = {"redis_url": redis.url, "gateway_id": "prop", "lease_ttl_sec": TTL,
                       "key_prefix": f"prop-{os.urandom(4).hex()}:"}
-    rt = Runtime(parse_config(yaml.safe_dump(cfg)), "test")
-    assert rt.cfg.cluster is not None
-    leases = ClusterLeases(rt.scheduler, rt.cfg.cluster, "prop", clock=rt.clock, version=lambda: rt.version,
-                           alert=rt.notify)
-    rt.leases, rt.settle, rt.cluster = leases, leases.settle, leases.view
+    made: list[ClusterLeases] = []
+
+    def wire(rt: Runtime) -> Wiring:
+        assert rt.cfg.cluster is not None
+        made.append(ClusterLeases(rt.scheduler, rt.cfg.cluster, "prop", clock=rt.clock, version=lambda: rt.version,
+                                  alert=rt.notify))
+        return Wiring(leases=made[0], settle=made[0].settle, cluster=made[0].view)
+
+    rt = Runtime(parse_config(yaml.safe_dump(cfg)), "test", wire=wire)
+    leases = made[0]
     await rt.start()
     try:
         await leases.start()
