@@ -137,24 +137,26 @@ def cmd_fakegpu(args: argparse.Namespace) -> int:
     if args.provider:
         return run_fake_provider(args)
     port = 8188 if args.port is None else args.port
-    return fakegpu.run(args.kind, args.host, port, args.vram_gb, args.job_vram_gb, args.steps, args.step_ms,
-                       args.crash_sec, api_key=args.api_key, ctx_size=args.ctx_size,
-                       progress_min_sec=args.progress_min_ms / 1000, capacity_mode=args.capacity_mode,
+    return fakegpu.run(args.kind, host=args.host, port=port, api_key=args.api_key, **card_options(args),
                        models=[m.strip() for m in args.models.split(",") if m.strip()] if args.models else None,
                        swap_ms=args.swap_ms, warm_models=args.warm_models, slowdown=args.slowdown,
                        slowdown_after_sec=args.slowdown_after_sec, drift_pct_per_hour=args.drift_pct_per_hour,
                        prefill_ms_per_1k=args.prefill_ms_per_1k, prompt_cache_tokens=args.prompt_cache_tokens)
 
 
+def card_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The card flags a lone card and a provider's cards both take."""
+    return {"vram_gb": args.vram_gb, "job_vram_gb": args.job_vram_gb, "steps": args.steps,
+            "step_ms": args.step_ms, "crash_sec": args.crash_sec, "ctx_size": args.ctx_size,
+            "progress_min_sec": args.progress_min_ms / 1000, "capacity_mode": args.capacity_mode}
+
+
 def run_fake_provider(args: argparse.Namespace) -> int:
     """`fakegpu --provider`: the fake market; the card flags apply to every instance's card."""
     wire: Wire = VastWire() if args.provider == "vastai" else RunPodWire()
-    card_options = {"vram_gb": args.vram_gb, "job_vram_gb": args.job_vram_gb, "steps": args.steps,
-                    "step_ms": args.step_ms, "crash_sec": args.crash_sec, "ctx_size": args.ctx_size,
-                    "progress_min_sec": args.progress_min_ms / 1000, "capacity_mode": args.capacity_mode}
     return run_provider(wire, host=args.host, port=FAKE_PROVIDER_PORT if args.port is None else args.port,
                         offers_path=args.offers, api_key=args.api_key, boot_sec=args.boot_sec,
-                        default_kind=args.kind, card_options=card_options, resume_sec=args.resume_sec)
+                        default_kind=args.kind, card_options=card_options(args), resume_sec=args.resume_sec)
 
 
 def cmd_demo(args: argparse.Namespace) -> int:

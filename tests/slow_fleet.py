@@ -15,6 +15,7 @@ BREAKER = {"consecutive_failures": 3, "open_sec": 60, "max_open_sec": 120, "slow
 JOB = {"steps": 5, "step_ms": 20}  # long enough that the gateway's own overhead on a busy box stays small
 
 
+# The chat fakes the alerting tests send to (tests/conftest.py loads this module as a plugin).
 @pytest.fixture
 async def tg() -> Any:
     async with FakeTelegram() as f:

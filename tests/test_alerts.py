@@ -58,18 +58,6 @@ async def wait_text(fake: FakeTelegram | FakeDiscord, needle: str, timeout: floa
     return time.monotonic()
 
 
-@pytest.fixture
-async def tg() -> Any:
-    async with FakeTelegram() as f:
-        yield f
-
-
-@pytest.fixture
-async def dc() -> Any:
-    async with FakeDiscord() as f:
-        yield f
-
-
 async def burst(http: aiohttp.ClientSession, url: str, n: int) -> tuple[float, list[tuple[int, str | None]]]:
     t0 = time.monotonic()
     res = await asyncio.gather(*[gen(http, url, JOB) for _ in range(n)])

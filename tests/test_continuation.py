@@ -191,10 +191,11 @@ async def test_an_sse_job_cut_by_its_node_continues_instead_of_starting_over(
     await wait_until(lambda: inflight(gw) == 0)
 
 
-async def test_an_async_job_cut_by_its_node_completes_with_the_whole_text(
-        fakegpus: Any, gateway: Any, http: aiohttp.ClientSession) -> None:
-    gw, fakes, _ = await two(fakegpus, gateway)
-    async with http.post(gw.url + "/gen/v1/chat/completions", json=chat(), headers=ASYNC) as r:
+async def async_job_cut_midway(gw: Any, fakes: dict[str, Any], http: aiohttp.ClientSession, path: str,
+                                body: dict[str, Any]) -> tuple[Any, str, bytes]:
+    """An async job of ``body`` on ``path`` whose node is killed once it reported 10 steps, and
+    that completes all the same: the job, the node killed and the job's result."""
+    async with http.post(gw.url + path, json=body, headers=ASYNC) as r:
         assert r.status == 202
         accepted = await r.json()
     job = gw.jobs.jobs[accepted["job_id"]]
@@ -208,7 +209,14 @@ async def test_an_async_job_cut_by_its_node_completes_with_the_whole_text(
     await wait_until(lambda: job.status in ("completed", "failed"))
     assert job.status == "completed", job.error
     async with http.get(gw.url + accepted["result_url"]) as r:
-        got = sse_text(await r.read())
+        return job, killed, await r.read()
+
+
+async def test_an_async_job_cut_by_its_node_completes_with_the_whole_text(
+        fakegpus: Any, gateway: Any, http: aiohttp.ClientSession) -> None:
+    gw, fakes, _ = await two(fakegpus, gateway)
+    job, killed, result = await async_job_cut_midway(gw, fakes, http, "/gen/v1/chat/completions", chat())
+    got = sse_text(result)
     assert got.text == reply_text(STEPS) and got.done and not got.errors
     usage = [e["usage"] for e in got.events if e.get("usage")]
     assert len(usage) == 1 and usage[0]["completion_tokens"] == STEPS
@@ -529,22 +537,8 @@ async def test_an_async_anthropic_messages_job_cut_by_its_node_completes_with_th
         fakegpus: Any, gateway: Any, http: aiohttp.ClientSession) -> None:
     gw, fakes, _ = await two(fakegpus, gateway)
     body = {"model": "m", "max_tokens": STEPS, "stream": True, "messages": [{"role": "user", "content": "hi"}]}
-    async with http.post(gw.url + "/gen/v1/messages", json=body, headers=ASYNC) as r:
-        assert r.status == 202
-        accepted = await r.json()
-    job = gw.jobs.jobs[accepted["job_id"]]
-
-    def steps() -> list[int]:
-        return [json.loads(f.split(b"data: ", 1)[1])["step"] for _, n, f in job.events if n == "step_progress"]
-
-    await wait_until(lambda: bool(steps()) and steps()[-1] >= 10)
-    killed = job.node
-    await fakes[killed].kill()
-    await wait_until(lambda: job.status in ("completed", "failed"))
-    assert job.status == "completed", job.error
-    async with http.get(gw.url + accepted["result_url"]) as r:
-        result = (await r.read()).decode()
-    data = [json.loads(line[5:]) for line in result.split("\n") if line.startswith("data:")]
+    job, killed, result = await async_job_cut_midway(gw, fakes, http, "/gen/v1/messages", body)
+    data = [json.loads(line[5:]) for line in result.decode().split("\n") if line.startswith("data:")]
     text = "".join(d["delta"]["text"] for d in data if d["type"] == "content_block_delta")
     assert text == reply_text(STEPS)
     assert [d["type"] for d in data].count("message_start") == 1

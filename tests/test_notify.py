@@ -27,12 +27,6 @@ async def tg() -> AsyncIterator[FakeTelegram]:
 
 
 @pytest.fixture
-async def dc() -> AsyncIterator[FakeDiscord]:
-    async with FakeDiscord() as f:
-        yield f
-
-
-@pytest.fixture
 async def hook() -> AsyncIterator[FakeWebhookReceiver]:
     async with FakeWebhookReceiver() as f:
         yield f

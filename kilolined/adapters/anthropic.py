@@ -12,7 +12,6 @@ count it as they count OpenAI usage. A content chunk is a ``content_block_delta`
 from __future__ import annotations
 
 import re
-import time
 from typing import Any
 
 import orjson
@@ -23,6 +22,7 @@ from kilolined.adapters.openai import (
     StreamParser,
     UsageObserver,
     estimate_tokens,
+    progress_reporter,
     request_json,
     usage_count,
 )
@@ -66,6 +66,8 @@ class MessagesParser(StreamParser):
     ``content_block_delta``. A stream's usage is the last count of each field (``message_start``
     tells the input, ``message_delta`` the output so far, as Anthropic's are cumulative)."""
 
+    stream_starts = (b"event:", b"data:", b":")  # Anthropic's streams have no `error:` lines
+
     def __init__(self, on_chunk: Any = None):
         super().__init__(on_chunk)
         self.counted: dict[str, Any] = {}
@@ -75,24 +77,10 @@ class MessagesParser(StreamParser):
         return chunk
 
     def _feed(self, chunk: bytes) -> None:
-        if self.stream is None:
-            self.stream = chunk.lstrip().startswith((b"event:", b"data:", b":"))
-        if not self.stream:
-            if len(self.buf) < 8 * 1024 * 1024:
-                self.buf += chunk
-            if self.first_at is None:
-                self.first_at = time.monotonic()
-            return
-        if self.buf:
-            self.buf += chunk
-            chunk = bytes(self.buf)
-            self.buf.clear()
-        end = chunk.rfind(b"\n") + 1
-        if end < len(chunk):
-            self.buf += chunk[end:]
+        chunk, end = self._whole_lines(chunk)
         for payload in _DATA_LINE.findall(chunk, 0, end):
             if payload.lstrip().startswith(_DELTA):
-                self._content()  # a token, as llama.cpp and Anthropic write it: nothing else to read
+                self._count_content()  # a token, as llama.cpp and Anthropic write it: nothing else to read
                 continue
             try:
                 ev = orjson.loads(payload)
@@ -101,17 +89,10 @@ class MessagesParser(StreamParser):
             if isinstance(ev, dict):
                 self._event(ev)
 
-    def _content(self) -> None:
-        if self.first_at is None:
-            self.first_at = time.monotonic()
-        self.chunks += 1
-        if self.on_chunk is not None:
-            self.on_chunk(self.chunks)
-
     def _event(self, ev: dict[str, Any]) -> None:
         kind = ev.get("type")
         if kind == "content_block_delta":
-            self._content()
+            self._count_content()
             return
         message = ev.get("message")
         usage = message.get("usage") if kind == "message_start" and isinstance(message, dict) else \
@@ -121,13 +102,8 @@ class MessagesParser(StreamParser):
             self.usage = openai_usage(self.counted)
 
     def done(self, ok: bool) -> None:
-        if self.stream or not self.buf:
-            return
-        try:
-            body = orjson.loads(bytes(self.buf))
-        except orjson.JSONDecodeError:
-            return
-        if isinstance(body, dict) and isinstance(body.get("usage"), dict):
+        body = self._answer_body()
+        if body is not None and isinstance(body.get("usage"), dict):
             self.usage = openai_usage(body["usage"])
 
 
@@ -167,12 +143,4 @@ class MessagesAdapter(OpenAIAdapter):
         total = data.get("max_tokens")
         if not isinstance(total, int) or isinstance(total, bool) or total <= 0 or data.get("stream") is not True:
             return None
-        last = [-1]
-
-        def on_chunk(n: int) -> None:
-            pct = min(100, n * 100 // total)
-            if pct != last[0]:
-                last[0] = pct
-                sink.progress(n, total)
-
-        return MessagesParser(on_chunk)
+        return MessagesParser(progress_reporter(sink, total))

@@ -28,7 +28,7 @@ import aiohttp
 import orjson
 from aiohttp import web
 
-from kilolined.adapters.comfy_hub import ENDED, Hub, parse
+from kilolined.adapters.comfy_hub import ENDED, Hub, ws_event
 from kilolined.adapters.comfy_monitor import Monitors, NodeMonitor
 from kilolined.adapters.comfy_node import NodeAPI, NodeError, all_ids, find_entry, node_api
 from kilolined.adapters.comfy_record import (
@@ -244,7 +244,7 @@ class ComfyState:
     async def tell(self, route: str, node: str, prompt_id: str, msg: aiohttp.WSMessage) -> None:
         """A frame of an sse/async job's own socket to the hub: an ``executed`` event's outputs
         are named (cluster-wide, comfy_store.claim_names) before a client sees the names."""
-        got = parse(msg.data) if msg.type == aiohttp.WSMsgType.TEXT else None
+        got = ws_event(msg.data) if msg.type == aiohttp.WSMsgType.TEXT else None
         if got is not None and got[0] == "executed" and got[1].get("prompt_id", prompt_id) == prompt_id:
             await claim_names(self.rt, route, node, {"outputs": {"-": got[1].get("output")}})
         self.hub.relay(node, prompt_id, msg)
@@ -256,7 +256,7 @@ class ComfyState:
         if msg.type == aiohttp.WSMsgType.BINARY:
             self.hub.preview(node, msg.data)
             return
-        got = parse(msg.data)
+        got = ws_event(msg.data)
         if got is None:
             return
         kind, data = got

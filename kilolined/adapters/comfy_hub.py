@@ -93,7 +93,8 @@ class Client:
         return target is None or target == self.client_id
 
 
-def parse(raw: str) -> tuple[str, dict[str, Any]] | None:
+def ws_event(raw: str) -> tuple[str, dict[str, Any]] | None:
+    """A ComfyUI /ws text message's ``type`` and ``data``; None for anything else."""
     try:
         msg = orjson.loads(raw)
     except orjson.JSONDecodeError:
@@ -214,7 +215,7 @@ class Hub:
             async for msg in ws:
                 if msg.type != aiohttp.WSMsgType.TEXT:
                     continue
-                got = parse(msg.data) if first else None
+                got = ws_event(msg.data) if first else None
                 first = False
                 if got is not None and got[0] == "feature_flags":
                     # As ComfyUI: only a first frame negotiates; the answer is the node's own flags.
@@ -350,7 +351,7 @@ class Hub:
         if msg.type == aiohttp.WSMsgType.BINARY:
             self._preview_to(found, msg.data)
             return
-        got = parse(msg.data) if msg.type == aiohttp.WSMsgType.TEXT else None
+        got = ws_event(msg.data) if msg.type == aiohttp.WSMsgType.TEXT else None
         if got is None or got[0] in ("status", "feature_flags") or got[1].get("prompt_id", prompt_id) != prompt_id:
             return
         self._track(node, got[0], got[1], prompt_id, msg.data)
@@ -362,7 +363,7 @@ class Hub:
         node it was running, the queue's new count, and the end of its execution."""
         running: str | None = None
         if self.current.get(node) == prompt_id:
-            got = parse(self.executing.get(node, ""))
+            got = ws_event(self.executing.get(node, ""))
             at = got[1].get("node") if got is not None else None
             running = at if isinstance(at, str) else None
             del self.current[node]

@@ -32,6 +32,7 @@ from aiohttp import web
 
 from kilolined.adapters.base import Adapter, HttpAttempt
 from kilolined.adapters.comfy_control import ComfyState, NodeActivity, comfy_state, control
+from kilolined.adapters.comfy_hub import ws_event
 from kilolined.adapters.comfy_images import images_answer
 from kilolined.adapters.comfy_inputs import PromptInputs, is_upload, upload
 from kilolined.adapters.comfy_monitor import NodeMonitor
@@ -219,16 +220,6 @@ def _error_message(body: bytes, status: int) -> str:
                 msg += f": node {nid} ({ne.get('class_type', '?')}): {first['message']}"
                 break
     return msg[:500]
-
-
-def _event(raw: str) -> tuple[str, dict[str, Any]] | None:
-    try:
-        msg = orjson.loads(raw)
-    except orjson.JSONDecodeError:
-        return None
-    if not isinstance(msg, dict) or not isinstance(msg.get("type"), str) or not isinstance(msg.get("data"), dict):
-        return None
-    return msg["type"], msg["data"]
 
 
 def _number(v: Any) -> bool:
@@ -866,7 +857,7 @@ class ComfyUIAdapter(Adapter):
                 continue  # previews carry no prompt id; nothing for us
             if msg.type != aiohttp.WSMsgType.TEXT:
                 return  # closed or broken: the caller falls back to polling history
-            ev = _event(msg.data)
+            ev = ws_event(msg.data)
             if ev is None:
                 continue
             kind, data = ev

@@ -235,6 +235,9 @@ def _without_usage(payload: bytes | bytearray) -> bytes | None:
 class StreamParser(Observer):
     """Reads usage and counts content chunks, from either a JSON body or an SSE stream."""
 
+    # How a stream's first bytes begin (else the answer is one body, read whole when it is done).
+    stream_starts: tuple[bytes, ...] = (b"data:", b":", b"event:", b"error:")
+
     def __init__(self, on_chunk: Any = None):
         self.first_at: float | None = None
         self.chunks = 0
@@ -283,18 +286,19 @@ class StreamParser(Observer):
         self._feed(chunk)
         return chunk if self.strip is None else self.strip.feed(chunk)
 
-    def _feed(self, chunk: bytes) -> None:
+    def _whole_lines(self, chunk: bytes) -> tuple[bytes, int]:
+        """A stream's read, the line an earlier read split joined on in front, and where its last
+        ended line ends (the rest waits for the next read). An answer that is not a stream (told by
+        how it begins: ``stream_starts``) is held whole (to 8 MiB) for ``done``: nothing to read yet."""
         if self.stream is None:
-            self.stream = chunk.lstrip().startswith((b"data:", b":", b"event:", b"error:"))
+            self.stream = chunk.lstrip().startswith(self.stream_starts)
         if not self.stream:
             if len(self.buf) < 8 * 1024 * 1024:
                 self.buf += chunk
             if self.first_at is None:
                 self.first_at = time.monotonic()
-            return
-        # Only a line split across two reads is buffered. The ``data:`` payloads of the ended
-        # lines are found by one regex pass in C (blank lines, comments and other fields never
-        # reach Python) and each is parsed as it stands (JSON allows the blanks around it).
+            return chunk, 0
+        # Only a line split across two reads is buffered.
         if self.buf:
             self.buf += chunk
             chunk = bytes(self.buf)
@@ -302,8 +306,33 @@ class StreamParser(Observer):
         end = chunk.rfind(b"\n") + 1
         if end < len(chunk):
             self.buf += chunk[end:]
+        return chunk, end
+
+    def _count_content(self) -> None:
+        """One content chunk: the first one's time is the first token's."""
+        if self.first_at is None:
+            self.first_at = time.monotonic()
+        self.chunks += 1
+        if self.on_chunk is not None:
+            self.on_chunk(self.chunks)
+
+    def _answer_body(self) -> dict[str, Any] | None:
+        """The answer's JSON object when it was one body, not a stream (held whole in ``buf``)."""
+        if self.stream or not self.buf:
+            return None
+        try:
+            body = orjson.loads(bytes(self.buf))
+        except orjson.JSONDecodeError:
+            return None
+        return body if isinstance(body, dict) else None
+
+    def _feed(self, chunk: bytes) -> None:
+        chunk, end = self._whole_lines(chunk)
         if not end:
             return
+        # The ``data:`` payloads of the ended lines are found by one regex pass in C (blank lines,
+        # comments and other fields never reach Python) and each is parsed as it stands (JSON
+        # allows the blanks around it).
         loads, bad = orjson.loads, orjson.JSONDecodeError
         for payload in _DATA_LINE.findall(chunk, 0, end):
             try:
@@ -318,22 +347,14 @@ class StreamParser(Observer):
                 self.timings = ev["timings"]
             choices = ev.get("choices")
             if choices.__class__ is list and choices and _has_content(choices):
-                if self.first_at is None:
-                    self.first_at = time.monotonic()
-                self.chunks += 1
-                if self.on_chunk is not None:
-                    self.on_chunk(self.chunks)
+                self._count_content()
 
     def done(self, ok: bool) -> None:
-        if not self.stream and self.buf:
-            try:
-                body = orjson.loads(bytes(self.buf))
-                if isinstance(body, dict) and isinstance(body.get("usage"), dict):
-                    self.usage = body["usage"]
-                if isinstance(body, dict) and isinstance(body.get("timings"), dict):
-                    self.timings = body["timings"]
-            except orjson.JSONDecodeError:
-                pass
+        body = self._answer_body()
+        if body is not None and isinstance(body.get("usage"), dict):
+            self.usage = body["usage"]
+        if body is not None and isinstance(body.get("timings"), dict):
+            self.timings = body["timings"]
 
     def prompt_split(self) -> tuple[int, int] | None:
         """(prompt tokens the node reused from its cache, prompt tokens it computed); None when it
@@ -475,6 +496,20 @@ def _has_content(choices: list[Any]) -> bool:
     return False
 
 
+def progress_reporter(sink: Sink, total: int) -> Callable[[int], None]:
+    """A parser's ``on_chunk`` for a streamed job's step_progress: ``n`` chunks of ``total``, told
+    to the sink each time the whole percent changes."""
+    last = [-1]
+
+    def on_chunk(n: int) -> None:
+        pct = min(100, n * 100 // total)
+        if pct != last[0]:
+            last[0] = pct
+            sink.progress(n, total)
+
+    return on_chunk
+
+
 class OpenAIAdapter(Adapter):
     kind = "openai"
 
@@ -526,15 +561,7 @@ class OpenAIAdapter(Adapter):
         total = data.get("max_tokens") or data.get("max_completion_tokens")
         if not isinstance(total, int) or total <= 0 or not data.get("stream"):
             return None
-        last = [-1]
-
-        def on_chunk(n: int) -> None:
-            pct = min(100, n * 100 // total)
-            if pct != last[0]:
-                last[0] = pct
-                sink.progress(n, total)
-
-        return StreamParser(on_chunk)
+        return StreamParser(progress_reporter(sink, total))
 
 
 class OpenAIAttempt(HttpAttempt):

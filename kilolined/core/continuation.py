@@ -158,18 +158,38 @@ def continuation_body(data: dict[str, Any], t: Transcript, chat: bool) -> dict[s
             return None
         return body
     messages = data.get("messages")
-    if not isinstance(messages, list) or not messages:
+    if prefilled(messages) and not data.get("continue_final_message"):
+        return None  # the client's own final assistant message is not one it asked to continue
+    going_on = with_answer(messages, t.text)
+    if going_on is None:
         return None
-    last = messages[-1]
-    if isinstance(last, dict) and last.get("role") == "assistant":
-        # The client prefilled the answer itself: it goes on in that same message.
-        if not data.get("continue_final_message") or not isinstance(last.get("content"), str):
-            return None
-        body["messages"] = [*messages[:-1], {**last, "content": last["content"] + t.text}]
-    else:
-        body["messages"] = [*messages, {"role": "assistant", "content": t.text}]
+    body["messages"] = going_on
     body.update(CONTINUE_FIELDS)
     return body
+
+
+def prefilled(messages: Any) -> bool:
+    """Whether the chat ends with an assistant message: the client began the answer itself."""
+    last = messages[-1] if isinstance(messages, list) and messages else None
+    return isinstance(last, dict) and last.get("role") == "assistant"
+
+
+def with_answer(messages: Any, text: str) -> list[Any] | None:
+    """The chat with ``text`` as the answer so far: added to the final assistant message the client
+    prefilled, else as a new one; None for no messages or a prefilled message of content blocks."""
+    if not isinstance(messages, list) or not messages:
+        return None
+    if not prefilled(messages):
+        return [*messages, {"role": "assistant", "content": text}]
+    last = messages[-1]
+    if not isinstance(last.get("content"), str):
+        return None
+    return [*messages[:-1], {**last, "content": last["content"] + text}]
+
+
+def seam_note(node: str) -> bytes:
+    """The SSE comment that names a seam's continuing node (SDKs skip comments)."""
+    return b": continued on " + (node or "-").encode("utf-8", "replace") + b"\n\n"
 
 
 @dataclass(slots=True)
@@ -180,11 +200,6 @@ class Seam:
     #: the node that goes on (set when the continuation is dispatched)
     node: str = ""
     _opened: bool = False
-
-    @property
-    def note(self) -> bytes:
-        """The SSE comment that names the seam (SDKs skip comments)."""
-        return b": continued on " + (self.node or "-").encode("utf-8", "replace") + b"\n\n"
 
     def rewrite(self, whole: bytes) -> bytes:
         """Whole events of the continuing node, as the client gets them."""
@@ -262,9 +277,6 @@ class Seamed(Protocol):
     @property
     def before(self) -> Told: ...
 
-    @property
-    def note(self) -> bytes: ...
-
     def rewrite(self, whole: bytes) -> bytes: ...
 
 
@@ -290,7 +302,7 @@ class StreamKeeper:
             data = self.seam.rewrite(data) if data else data
             if not self.noted:
                 self.noted = True
-                data = self.seam.note + data
+                data = seam_note(self.seam.node) + data
         self.sent += data
         return data
 

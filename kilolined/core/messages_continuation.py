@@ -24,7 +24,7 @@ from typing import Any
 
 import orjson
 
-from kilolined.core.continuation import events, payload, token_count, tokens_left
+from kilolined.core.continuation import events, payload, token_count, tokens_left, with_answer
 
 #: content blocks and deltas whose meaning text alone cannot carry on to another node
 _TEXT_BLOCK, _TEXT_DELTA = "text", "text_delta"
@@ -104,17 +104,10 @@ def messages_continuation_body(data: dict[str, Any], t: MessagesTranscript) -> d
     body = {**data, "max_tokens": left}
     if not t.text:
         return body
-    messages = data.get("messages")
-    if not isinstance(messages, list) or not messages:
+    messages = with_answer(data.get("messages"), t.text)
+    if messages is None:
         return None
-    last = messages[-1]
-    if isinstance(last, dict) and last.get("role") == "assistant":
-        # The client prefilled the answer itself: it goes on in that same message.
-        if not isinstance(last.get("content"), str):
-            return None
-        body["messages"] = [*messages[:-1], {**last, "content": last["content"] + t.text}]
-    else:
-        body["messages"] = [*messages, {"role": "assistant", "content": t.text}]
+    body["messages"] = messages
     return body
 
 
@@ -128,11 +121,6 @@ class MessagesSeam:
     #: the continuing node's text block index -> the client's
     _blocks: dict[int, int] | None = None
     _echo_checked: bool = False
-
-    @property
-    def note(self) -> bytes:
-        """The SSE comment that names the seam (SDKs skip comments)."""
-        return b": continued on " + (self.node or "-").encode("utf-8", "replace") + b"\n\n"
 
     def rewrite(self, whole: bytes) -> bytes:
         """Whole events of the continuing node, as the client gets them."""

@@ -9,15 +9,12 @@ instances are such cards (`kilolined fakegpu --provider`); it imports this modul
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
-import signal
 import sys
 from collections.abc import Callable
 from types import MappingProxyType
 from typing import Any
 
-from kilolined.fakegpu.base import BLOB_CHUNK, BLOB_PATTERN, GIB, Job
+from kilolined.fakegpu.base import BLOB_CHUNK, BLOB_PATTERN, GIB, Job, serve_until_signal
 from kilolined.fakegpu.card import Backend, Card
 from kilolined.fakegpu.comfy import ComfyBackend
 from kilolined.fakegpu.generic import GenericBackend
@@ -40,45 +37,12 @@ class FakeGPU(Card):
         super().__init__(kind, BACKENDS[kind], **options)
 
 
-def run(
-    kind: str = "generic",
-    host: str = "127.0.0.1",
-    port: int = 0,
-    vram_gb: float = 24,
-    job_vram_gb: float = 10,
-    steps: int = 25,
-    step_ms: float = 200,
-    crash_sec: float = 5,
-    parallel: int = 0,
-    **options: Any,
-) -> int:
-    """Serve until Ctrl-C or SIGTERM (for `kilolined fakegpu`); returns the exit code."""
+def run(kind: str = "generic", **options: Any) -> int:
+    """Serve until Ctrl-C or SIGTERM (for `kilolined fakegpu`); returns the exit code. ``options``
+    are the card's (``card.Card``)."""
     try:
-        gpu = FakeGPU(kind, host=host, port=port, vram_gb=vram_gb, job_vram_gb=job_vram_gb, steps=steps,
-                      step_ms=step_ms, crash_sec=crash_sec, parallel=parallel, **options)
+        gpu = FakeGPU(kind, **options)
     except ValueError as exc:
         print(f"fakegpu: {exc}", file=sys.stderr)
         return 2
-    try:
-        return asyncio.run(_serve(gpu))
-    except KeyboardInterrupt:  # platforms without loop signal handlers
-        return 0
-
-
-async def _serve(gpu: FakeGPU) -> int:
-    try:
-        await gpu.start()
-    except OSError as exc:
-        print(f"fakegpu: cannot listen on {gpu.host}:{gpu.port}: {exc.strerror or exc}", file=sys.stderr)
-        return 1
-    print(f"fakegpu {gpu.kind} listening on {gpu.url}", file=sys.stderr, flush=True)
-    done = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        with contextlib.suppress(NotImplementedError, RuntimeError):
-            loop.add_signal_handler(sig, done.set)
-    try:
-        await done.wait()
-    finally:
-        await gpu.stop()
-    return 0
+    return serve_until_signal(gpu, f"fakegpu {gpu.kind}")

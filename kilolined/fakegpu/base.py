@@ -3,17 +3,61 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import math
+import signal
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, TypeGuard
+from typing import Any, Protocol, TypeGuard
 
 from aiohttp import web
 
 GIB = 1024**3
 BLOB_CHUNK = 64 * 1024
 BLOB_PATTERN = bytes(range(256)) * (BLOB_CHUNK // 256)
+
+
+class Server(Protocol):
+    """A fake that listens: a card or a provider."""
+
+    host: str
+    port: int
+
+    @property
+    def url(self) -> str: ...
+
+    async def start(self) -> None: ...
+
+    async def stop(self) -> None: ...
+
+
+def serve_until_signal(server: Server, name: str) -> int:
+    """Serve until Ctrl-C or SIGTERM (for `kilolined fakegpu`); returns the exit code."""
+    try:
+        return asyncio.run(_serve(server, name))
+    except KeyboardInterrupt:  # platforms without loop signal handlers
+        return 0
+
+
+async def _serve(server: Server, name: str) -> int:
+    try:
+        await server.start()
+    except OSError as exc:
+        print(f"fakegpu: cannot listen on {server.host}:{server.port}: {exc.strerror or exc}", file=sys.stderr)
+        return 1
+    print(f"{name} listening on {server.url}", file=sys.stderr, flush=True)
+    done = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        with contextlib.suppress(NotImplementedError, RuntimeError):
+            loop.add_signal_handler(sig, done.set)
+    try:
+        await done.wait()
+    finally:
+        await server.stop()
+    return 0
 
 
 @dataclass(eq=False)

@@ -42,6 +42,7 @@ import json
 import re
 import time
 import uuid
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -55,6 +56,9 @@ from kilolined.fakegpu.prompt_cache import Hit, PromptCache, message_tokens, pro
 
 if TYPE_CHECKING:
     from kilolined.fakegpu.base import Job
+
+# Makes one call's answer (a stream or one body): the response and whether the client got it all.
+_Answer = Callable[[web.Request, "Job", "_Call"], Awaitable[tuple[web.StreamResponse, bool]]]
 
 MODEL_ID = "fake-llm"
 KV_GB_PER_TOKEN = 0.00032  # capacity_mode="request": Llama-3.3-70B's ~320 KB of KV cache per token
@@ -130,6 +134,18 @@ def continued(body: dict[str, Any], messages: list[Any]) -> tuple[str | None, bo
     # llama.cpp prefills a trailing assistant message even when not asked to; only the flag keeps
     # its first delta from repeating it.
     return (content if isinstance(content, str) else ""), not flag
+
+
+def answering_model(body: dict[str, Any]) -> str:
+    """The model an answer names: the request's, else the fake's own."""
+    model = body.get("model")
+    return model if isinstance(model, str) else MODEL_ID
+
+
+def wants_usage(body: dict[str, Any]) -> bool:
+    """Whether a stream ends with a usage chunk: only when `stream_options.include_usage` asks."""
+    options = body.get("stream_options")
+    return isinstance(options, dict) and options.get("include_usage") is True
 
 
 class OpenAIBackend(Backend):
@@ -282,41 +298,22 @@ class OpenAIBackend(Backend):
                 return openai_error(404, f"model '{model}' not found", "model")
             self.asked.append(model)
             await self.load(model)  # before the first byte, as llama-swap starts the model's server
-        stream_options = body.get("stream_options")
         call = _Call(
             id=f"chatcmpl-{uuid.uuid4().hex[:24]}",
-            model=body["model"] if isinstance(body.get("model"), str) else MODEL_ID,
+            model=answering_model(body),
             # Without max_tokens the answer ends on its own after `steps` words, however many of
             # them a continued message already held.
             tokens=max_tokens if max_tokens is not None else max(0, gpu.steps - start),
             prompt_tokens=len(tokens), start=start, echo=prefix if echo and prefix else "",
             # Hitting max_tokens is what "length" means; without it the fake stops on its own.
             finish_reason="length" if max_tokens is not None else "stop",
-            include_usage=isinstance(stream_options, dict) and stream_options.get("include_usage") is True,
+            include_usage=wants_usage(body),
             prefill_ms_per_1k=gpu.prefill_ms_per_1k,
         )
-        job = gpu.begin_job(KV_GB_PER_TOKEN * (len(tokens) + call.tokens))
         # One model per process unless it swaps: llama-server ignores the request's `model`.
         cache_model = call.model if gpu.models else MODEL_ID
-        hit = self.prompt_cache.lookup(cache_model, tokens)
-        call.cache_n = hit.cached
-        outcome: str | None = None
-        try:
-            await self._prefill(job, call)
-            if body.get("stream") is True:
-                resp, delivered = await self._stream(request, job, call)
-            else:
-                for _ in range(call.tokens):
-                    if not await gpu.work(job, gpu.step_ms / 1000):
-                        break
-                    call.generated += 1
-                resp = openai_error(500, gpu.oom_message()) if job.failed else web.json_response(call.completion())
-                delivered = await gpu.respond(request, resp)
-            outcome = "ok" if delivered else None
-            return resp
-        finally:
-            gpu.end_job(job, outcome)
-            self._keep(cache_model, call, tokens, hit)
+        return await self._run(request, call, tokens, cache_model,
+                               self._stream if body.get("stream") is True else self._reply)
 
     async def complete(self, request: web.Request) -> web.StreamResponse:
         """OpenAI's legacy `POST /v1/completions` (llama.cpp and vLLM serve it): the prompt goes on,
@@ -340,32 +337,13 @@ class OpenAIBackend(Backend):
         tokens = message_tokens("", prompt)
         if len(tokens) >= gpu.ctx_size:
             return context_exceeded(len(tokens), gpu.ctx_size)
-        stream_options = body.get("stream_options")
         call = _Call(id=f"cmpl-{uuid.uuid4().hex[:24]}",
-                     model=body["model"] if isinstance(body.get("model"), str) else MODEL_ID,
+                     model=answering_model(body),
                      tokens=max_tokens, prompt_tokens=len(tokens), finish_reason="length",
-                     include_usage=isinstance(stream_options, dict) and stream_options.get("include_usage") is True,
+                     include_usage=wants_usage(body),
                      prefill_ms_per_1k=gpu.prefill_ms_per_1k, start=words_in(prompt), legacy=True)
-        job = gpu.begin_job(KV_GB_PER_TOKEN * (len(tokens) + call.tokens))
-        hit = self.prompt_cache.lookup(MODEL_ID, tokens)
-        call.cache_n = hit.cached
-        outcome: str | None = None
-        try:
-            await self._prefill(job, call)
-            if body.get("stream") is True:
-                resp, delivered = await self._stream(request, job, call)
-            else:
-                for _ in range(call.tokens):
-                    if not await gpu.work(job, gpu.step_ms / 1000):
-                        break
-                    call.generated += 1
-                resp = openai_error(500, gpu.oom_message()) if job.failed else web.json_response(call.completion())
-                delivered = await gpu.respond(request, resp)
-            outcome = "ok" if delivered else None
-            return resp
-        finally:
-            gpu.end_job(job, outcome)
-            self.prompt_cache.release(hit)
+        return await self._run(request, call, tokens, MODEL_ID,
+                               self._stream if body.get("stream") is True else self._reply)
 
     async def messages(self, request: web.Request) -> web.StreamResponse:
         """Anthropic's `POST /v1/messages` as llama-server answers it (fakegpu/anthropic.py): the
@@ -388,7 +366,7 @@ class OpenAIBackend(Backend):
         if len(tokens) >= gpu.ctx_size:
             return context_exceeded(len(tokens), gpu.ctx_size)
         call = _Call(id=f"chatcmpl-{uuid.uuid4().hex[:24]}",
-                     model=body["model"] if isinstance(body.get("model"), str) else MODEL_ID,
+                     model=answering_model(body),
                      tokens=max_tokens if max_tokens is not None else gpu.steps, prompt_tokens=len(tokens),
                      finish_reason="length" if max_tokens is not None else "stop", include_usage=False,
                      prefill_ms_per_1k=gpu.prefill_ms_per_1k)
@@ -397,29 +375,8 @@ class OpenAIBackend(Backend):
             # A final assistant message is prefilled: the answer goes on from it, and the first
             # delta repeats it before the new word (llama-server's Messages endpoint does).
             call.echo, call.start = last["content"], words_in(last["content"])
-        job = gpu.begin_job(KV_GB_PER_TOKEN * (len(tokens) + call.tokens))
-        hit = self.prompt_cache.lookup(MODEL_ID, tokens)
-        call.cache_n = hit.cached
-        outcome: str | None = None
-        try:
-            await self._prefill(job, call)
-            if body.get("stream") is True:
-                resp, delivered = await self._stream_messages(request, job, call)
-            else:
-                for _ in range(call.tokens):
-                    if not await gpu.work(job, gpu.step_ms / 1000):
-                        break
-                    call.generated += 1
-                resp = (llama_error(500, gpu.oom_message(), "server_error") if job.failed else
-                        web.json_response(anthropic.message(call.id, call.model,
-                                                            call.echo + reply_text(call.generated, call.start),
-                                                            call.finish_reason, call.prompt_tokens, call.generated)))
-                delivered = await gpu.respond(request, resp)
-            outcome = "ok" if delivered else None
-            return resp
-        finally:
-            gpu.end_job(job, outcome)
-            self._keep(MODEL_ID, call, tokens, hit)
+        return await self._run(request, call, tokens, MODEL_ID,
+                               self._stream_messages if body.get("stream") is True else self._reply_message)
 
     async def transcribe(self, request: web.Request) -> web.StreamResponse:
         """OpenAI's `POST /v1/audio/transcriptions` as vLLM serves it: a multipart form with `file`
@@ -448,6 +405,44 @@ class OpenAIBackend(Backend):
             return resp
         finally:
             gpu.end_job(job, outcome)
+
+    async def _run(self, request: web.Request, call: _Call, tokens: list[str], cache_model: str,
+                   answer: _Answer) -> web.StreamResponse:
+        """The GPU work of one call: its KV cache, the prefill of what the prompt cache lacks, then
+        `answer` (a stream or one body); what the slot then holds goes to the cache."""
+        gpu = self.gpu
+        job = gpu.begin_job(KV_GB_PER_TOKEN * (len(tokens) + call.tokens))
+        hit = self.prompt_cache.lookup(cache_model, tokens)
+        call.cache_n = hit.cached
+        outcome: str | None = None
+        try:
+            await self._prefill(job, call)
+            resp, delivered = await answer(request, job, call)
+            outcome = "ok" if delivered else None
+            return resp
+        finally:
+            gpu.end_job(job, outcome)
+            self._keep(cache_model, call, tokens, hit)
+
+    async def _decode(self, job: Job, call: _Call) -> None:
+        """The call's tokens, one `step_ms` of GPU time each, until they are made or the card fails."""
+        for _ in range(call.tokens):
+            if not await self.gpu.work(job, self.gpu.step_ms / 1000):
+                break
+            call.generated += 1
+
+    async def _reply(self, request: web.Request, job: Job, call: _Call) -> tuple[web.StreamResponse, bool]:
+        await self._decode(job, call)
+        resp = openai_error(500, self.gpu.oom_message()) if job.failed else web.json_response(call.completion())
+        return resp, await self.gpu.respond(request, resp)
+
+    async def _reply_message(self, request: web.Request, job: Job, call: _Call) -> tuple[web.StreamResponse, bool]:
+        await self._decode(job, call)
+        text = call.echo + reply_text(call.generated, call.start)
+        resp = (llama_error(500, self.gpu.oom_message(), "server_error") if job.failed else
+                web.json_response(anthropic.message(call.id, call.model, text, call.finish_reason,
+                                                    call.prompt_tokens, call.generated)))
+        return resp, await self.gpu.respond(request, resp)
 
     async def _stream_messages(self, request: web.Request, job: Job, call: _Call) -> tuple[web.StreamResponse, bool]:
         gpu = self.gpu
@@ -483,8 +478,10 @@ class OpenAIBackend(Backend):
         call.gen_started = time.monotonic()
 
     def _keep(self, model: str, call: _Call, tokens: list[str], hit: Hit) -> None:
-        """What the slot now holds goes to the cache: the prompt and the reply so far, once prefilled."""
-        if not call.prefilled:
+        """What the slot now holds goes to the cache: the prompt and the reply so far, once prefilled.
+        A legacy completion's is not kept: its reply goes on the prompt's text, not as the
+        assistant turn the cache would save it as."""
+        if not call.prefilled or call.legacy:
             self.prompt_cache.release(hit)
             return
         said = message_tokens("assistant", reply_text(call.generated, call.start))

@@ -18,7 +18,6 @@ import contextlib
 import hmac
 import json
 import logging
-import signal
 import sys
 import time
 from collections.abc import Callable, Iterable, Mapping
@@ -29,7 +28,7 @@ from typing import Any
 from aiohttp import web
 
 from kilolined.fakegpu import KINDS, FakeGPU
-from kilolined.fakegpu.base import is_int, is_number, is_status, read_json
+from kilolined.fakegpu.base import is_int, is_number, is_status, read_json, serve_until_signal
 
 log = logging.getLogger("kilolined.fakegpu.provider")
 
@@ -490,26 +489,4 @@ def run_provider(wire: Wire, *, host: str, port: int, offers_path: str | None, a
     except (OSError, ValueError) as exc:
         print(f"fakegpu: {exc}", file=sys.stderr)
         return 2
-    try:
-        return asyncio.run(_serve(provider))
-    except KeyboardInterrupt:
-        return 0
-
-
-async def _serve(provider: FakeProvider) -> int:
-    try:
-        await provider.start()
-    except OSError as exc:
-        print(f"fakegpu: cannot listen on {provider.host}:{provider.port}: {exc.strerror or exc}", file=sys.stderr)
-        return 1
-    print(f"fakegpu provider {provider.wire.name} listening on {provider.url}", file=sys.stderr, flush=True)
-    done = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        with contextlib.suppress(NotImplementedError, RuntimeError):
-            loop.add_signal_handler(sig, done.set)
-    try:
-        await done.wait()
-    finally:
-        await provider.stop()
-    return 0
+    return serve_until_signal(provider, f"fakegpu provider {provider.wire.name}")

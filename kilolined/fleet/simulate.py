@@ -182,8 +182,8 @@ def simulate(trace: list[Request], spec: PoolSpec, market: Market, *, cap: float
                 rent_failed(state[POOL], backoff_base_sec, now)
         paid = spend(tracked)
         res.max_spend = max(res.max_spend, paid)
-        res.max_instances = max(res.max_instances, sum(t.phase != "stopped" for t in tracked.values()))
         billed = sum(1 for t in tracked.values() if t.phase != "stopped")
+        res.max_instances = max(res.max_instances, billed)
         res.gpu_hours += billed * tick_sec / 3600.0
         res.cost += paid * tick_sec / 3600.0
         now += tick_sec

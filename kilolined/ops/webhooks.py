@@ -263,6 +263,16 @@ def url_host(url: str) -> str:
 # Delivery
 
 
+def _serialised(payload: dict[str, Any], msg_id: str, host: str) -> bytes | None:
+    """The payload's JSON, serialised once: every attempt signs and sends the very same bytes.
+    None (logged: the delivery is dropped) when it is not JSON-serialisable."""
+    try:
+        return bytes(memoryview(orjson.dumps(payload)))  # right-sized: kept for every retry
+    except (TypeError, orjson.JSONEncodeError) as e:
+        log.error("webhook %s to %s dropped: payload is not JSON-serialisable (%s)", msg_id, host, e)
+        return None
+
+
 class DeliveryAttempt(NamedTuple):
     msg_id: str
     url_host: str
@@ -337,13 +347,9 @@ class WebhookDeliverer:
         if self._closed:
             log.warning("webhook %s to %s dropped: deliverer is closed", msg_id, host)
             return msg_id
-        try:
-            # Serialised once: every attempt signs and sends the very same bytes.
-            body = bytes(memoryview(orjson.dumps(payload)))  # right-sized: kept for every retry
-        except (TypeError, orjson.JSONEncodeError) as e:
-            log.error("webhook %s to %s dropped: payload is not JSON-serialisable (%s)", msg_id, host, e)
-            return msg_id
-        self._spawn(url, host, body, msg_id)
+        body = _serialised(payload, msg_id, host)
+        if body is not None:
+            self._spawn(url, host, body, msg_id)
         return msg_id
 
     async def deliver(self, url: str, payload: dict[str, Any], *, msg_id: str | None = None) -> bool:
@@ -352,12 +358,8 @@ class WebhookDeliverer:
         host = url_host(url)
         if self._closed:
             return False
-        try:
-            body = bytes(memoryview(orjson.dumps(payload)))  # right-sized: kept for every retry
-        except (TypeError, orjson.JSONEncodeError) as e:
-            log.error("webhook %s to %s dropped: payload is not JSON-serialisable (%s)", msg_id, host, e)
-            return False
-        return await self._spawn(url, host, body, msg_id)
+        body = _serialised(payload, msg_id, host)
+        return body is not None and await self._spawn(url, host, body, msg_id)
 
     def _spawn(self, url: str, host: str, body: bytes, msg_id: str) -> asyncio.Task[bool]:
         task = asyncio.get_running_loop().create_task(self._deliver(url, host, body, msg_id), name=f"webhook-{msg_id}")
