@@ -3,18 +3,32 @@
 Loads ``{gateway}{path}`` (without its slash: the redirect is part of the check) with the key sent
 as a header, waits for the app, queues two prompts of the weight-free ``KLSlowProgress`` node
 (scripts/real_backends_setup.sh installs it) and prints, per prompt, the websocket events the page
-received through the gateway's one socket, the output images it shows, and its console errors.
-Which node ran each prompt: ask the nodes' own ``/history``.
+received through the gateway's one socket, the output images it shows, its console errors, and
+(with ``--node``) which node ran each prompt, from the nodes' own ``/history``.
 
-    python scripts/check_comfy_web_ui.py http://127.0.0.1:8290 /comfy "$ALICE_KEY" [steps] [step_ms]
+With ``--page-loads N`` it then measures the page bar, in the same run: time to app-ready (the
+page loaded, the app's graph up, the splash gone; browser cache off, so every file is fetched) of
+  1. the page straight from the first ``--node``, nothing rendering (the peer);
+  2. the page through the gateway, nothing rendering;
+  3. the page through the gateway while every slot of the route renders a slow prompt and as
+     many again wait in its queue (``--slots``: the route's slots over all its nodes),
+N loads each, and prints the medians, the ratio 3/1 and the load average (the CPU is shared).
+
+    python scripts/check_comfy_web_ui.py http://127.0.0.1:8290 /comfy "$ALICE_KEY" \\
+        --node http://127.0.0.1:18188 --node http://127.0.0.1:18189 --page-loads 5 --slots 2
 
 Needs /usr/bin/chromium, /usr/bin/chromedriver and selenium.
 """
 
 from __future__ import annotations
 
+import argparse
+import json
+import os
+import statistics
 import sys
 import time
+import urllib.request
 from typing import Any
 
 from selenium import webdriver
@@ -35,16 +49,16 @@ QUEUE = ("const cb = arguments[arguments.length - 1];"
          "setTimeout(() => window.app.queuePrompt(0, 1).then(() => cb('ok'), (e) => cb(String(e))), 500);")
 
 
-def wait(driver: Any, script: str, timeout: float) -> bool:
+def wait(driver: Any, script: str, timeout: float, every: float = 0.2) -> bool:
     end = time.monotonic() + timeout
     while time.monotonic() < end:
         if driver.execute_script(script):
             return True
-        time.sleep(0.2)
+        time.sleep(every)
     return False
 
 
-def main(gateway: str, path: str, key: str, steps: int = 30, step_ms: int = 250) -> int:
+def browser(key: str) -> Any:
     opts = webdriver.ChromeOptions()
     opts.binary_location = "/usr/bin/chromium"
     for flag in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
@@ -53,41 +67,119 @@ def main(gateway: str, path: str, key: str, steps: int = 30, step_ms: int = 250)
     opts.set_capability("goog:loggingPrefs", {"browser": "ALL"})
     driver = webdriver.Chrome(service=Service("/usr/bin/chromedriver"), options=opts)
     driver.set_script_timeout(60)
+    driver.execute_cdp_cmd("Network.enable", {})
+    driver.execute_cdp_cmd("Network.setExtraHTTPHeaders", {"headers": {"Authorization": f"Bearer {key}"}})
+    driver.execute_cdp_cmd("Page.addScriptToEvaluateOnNewDocument", {"source": RECORD})
+    return driver
+
+
+def slow_prompt(steps: int, step_ms: int, seed: int) -> dict[str, Any]:
+    return {"1": {"class_type": "KLSlowProgress", "inputs": {"steps": steps, "step_ms": step_ms, "seed": seed}},
+            "2": {"class_type": "SaveImage", "inputs": {"images": ["1", 0], "filename_prefix": "kl"}}}
+
+
+def call(url: str, key: str, body: dict[str, Any] | None = None, headers: dict[str, str] | None = None,
+         method: str | None = None) -> Any:
+    req = urllib.request.Request(url, data=None if body is None else json.dumps(body).encode(), method=method,
+                                 headers={"Authorization": f"Bearer {key}", "Content-Type": "application/json",
+                                          **(headers or {})})
+    with urllib.request.urlopen(req, timeout=30) as r:
+        raw = r.read()
+    return json.loads(raw) if raw else None
+
+
+def check_prompts(driver: Any, gateway: str, path: str, steps: int, step_ms: int, nodes: list[str]) -> bool:
+    started = time.monotonic()
+    driver.get(gateway + path)
+    ready = wait(driver, READY, 90)
+    print(f"landed on {driver.current_url}; app ready: {ready} after {time.monotonic() - started:.1f}s; "
+          f"socket {driver.execute_script('return window.__wsurl')}")
+    for seed in (1, 2):
+        print("queued:", driver.execute_async_script(QUEUE, slow_prompt(steps, step_ms, int(time.time()) * 10 + seed)))
+    wait(driver, "return window.__ws.filter(f => f[0] == 'execution_success').length >= 2",
+         steps * step_ms / 1000 * 2 + 60)
+    by_prompt: dict[str | None, dict[str, int]] = {}
+    for kind, pid in driver.execute_script("return window.__ws"):
+        counts = by_prompt.setdefault(pid, {})
+        counts[kind] = counts.get(kind, 0) + 1
+    ran = {pid: url for url in nodes for pid in call(url + "/history", "")}
+    for pid, counts in by_prompt.items():
+        print(pid or "(no prompt id)", f"ran on {ran.get(pid, '?')}" if pid and nodes else "", counts)
+    images = driver.execute_script("return [...document.querySelectorAll('img')]"
+                                   ".filter(i => i.src.includes('/view')).map(i => [i.src, i.naturalWidth])")
+    print("images shown:", images)
+    errors = [e["message"] for e in driver.get_log("browser") if e["level"] == "SEVERE"]
+    print(f"console errors: {len(errors)}")
+    for message in errors:
+        print("  ", message[:200])
+    return ready and sum("execution_success" in c for c in by_prompt.values()) >= 2
+
+
+def page_ready(driver: Any, url: str) -> float:
+    """Seconds from navigating to ``url`` until the app is ready (cache off: every file fetched)."""
+    driver.get("about:blank")
+    started = time.monotonic()
+    driver.get(url)
+    if not wait(driver, READY, 60, every=0.02):
+        raise RuntimeError(f"{url}: the app was not ready within 60 s")
+    return time.monotonic() - started
+
+
+def loads(driver: Any, url: str, n: int) -> list[float]:
+    return [page_ready(driver, url) for _ in range(n)]
+
+
+def bench_page(driver: Any, gateway: str, path: str, key: str, node: str, n: int, slots: int) -> None:
+    driver.execute_cdp_cmd("Network.setCacheDisabled", {"cacheDisabled": True})
+    route = gateway + path + "/"
+    page_ready(driver, route)  # the first load warms the gateway's and the node's own caches
+    direct = loads(driver, node + "/", n)
+    idle = loads(driver, route, n)
+    # Every slot rendering (sync prompts: answered once dispatched), as many again waiting in the
+    # gateway's queue (async jobs: answered at once); long enough for the loads.
+    seed = int(time.time()) * 100
+    running = [call(gateway + path + "/prompt", key, {"prompt": slow_prompt(600, 100, seed + i)})["prompt_id"]
+               for i in range(slots)]
+    waiting = [call(gateway + path + "/prompt", key, {"prompt": slow_prompt(600, 100, seed + slots + i)},
+                    {"X-KiloLine-Mode": "async"})["job_id"] for i in range(slots)]
     try:
-        driver.execute_cdp_cmd("Network.enable", {})
-        driver.execute_cdp_cmd("Network.setExtraHTTPHeaders", {"headers": {"Authorization": f"Bearer {key}"}})
-        driver.execute_cdp_cmd("Page.addScriptToEvaluateOnNewDocument", {"source": RECORD})
-        started = time.monotonic()
-        driver.get(gateway + path)
-        ready = wait(driver, READY, 90)
-        print(f"landed on {driver.current_url}; app ready: {ready} after {time.monotonic() - started:.1f}s; "
-              f"socket {driver.execute_script('return window.__wsurl')}")
-        for seed in (1, 2):
-            prompt = {"1": {"class_type": "KLSlowProgress",
-                            "inputs": {"steps": steps, "step_ms": step_ms, "seed": int(time.time()) * 10 + seed}},
-                      "2": {"class_type": "SaveImage", "inputs": {"images": ["1", 0], "filename_prefix": "kl"}}}
-            print("queued:", driver.execute_async_script(QUEUE, prompt))
-        wait(driver, "return window.__ws.filter(f => f[0] == 'execution_success').length >= 2",
-             steps * step_ms / 1000 * 2 + 60)
-        by_prompt: dict[str | None, dict[str, int]] = {}
-        for kind, pid in driver.execute_script("return window.__ws"):
-            counts = by_prompt.setdefault(pid, {})
-            counts[kind] = counts.get(kind, 0) + 1
-        for pid, counts in by_prompt.items():
-            print(pid or "(no prompt id)", counts)
-        images = driver.execute_script("return [...document.querySelectorAll('img')]"
-                                       ".filter(i => i.src.includes('/view')).map(i => [i.src, i.naturalWidth])")
-        print("images shown:", images)
-        errors = [e["message"] for e in driver.get_log("browser") if e["level"] == "SEVERE"]
-        print(f"console errors: {len(errors)}")
-        for message in errors:
-            print("  ", message[:200])
-        return 0 if ready and sum("execution_success" in c for c in by_prompt.values()) >= 2 else 1
+        time.sleep(1.0)
+        busy = loads(driver, route, n)
+        load = os.getloadavg()
+    finally:
+        for job in waiting:
+            call(gateway + "/v1/jobs/" + job, key, method="DELETE")
+        for pid in running:
+            call(gateway + path + "/interrupt", key, {"prompt_id": pid})
+    med = {k: statistics.median(v) for k, v in (("direct", direct), ("idle", idle), ("busy", busy))}
+    print(f"page to app-ready, median of {n} (cache off): direct from {node}, idle {med['direct']:.2f}s; "
+          f"through the gateway, idle {med['idle']:.2f}s; through the gateway while {slots} render and "
+          f"{slots} wait {med['busy']:.2f}s (ratio to direct {med['busy'] / med['direct']:.2f}); "
+          f"load average {' '.join(f'{x:.2f}' for x in load)}")
+    for k, v in (("direct", direct), ("idle", idle), ("busy", busy)):
+        print(f"   {k}: {' '.join(f'{x:.2f}' for x in v)}")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("gateway")
+    ap.add_argument("path")
+    ap.add_argument("key")
+    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--step-ms", type=int, default=250)
+    ap.add_argument("--node", action="append", default=[], help="a node's URL (the first is the page's peer)")
+    ap.add_argument("--page-loads", type=int, default=0, help="measure the page bar with N loads each")
+    ap.add_argument("--slots", type=int, default=2, help="the route's slots over all its nodes")
+    args = ap.parse_args()
+    driver = browser(args.key)
+    try:
+        ok = check_prompts(driver, args.gateway, args.path, args.steps, args.step_ms, args.node)
+        if args.page_loads and args.node:
+            bench_page(driver, args.gateway, args.path, args.key, args.node[0], args.page_loads, args.slots)
+        return 0 if ok else 1
     finally:
         driver.quit()
 
 
 if __name__ == "__main__":
-    if len(sys.argv) < 4:
-        sys.exit(__doc__)
-    sys.exit(main(sys.argv[1], sys.argv[2], sys.argv[3], *(int(a) for a in sys.argv[4:6])))
+    sys.exit(main())
