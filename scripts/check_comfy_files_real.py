@@ -22,11 +22,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import hashlib
+import io
 import os
 import signal
 import sys
 import time
 import zlib
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +37,7 @@ import orjson
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from kilolined.adapters.comfy_control import comfy_state
 from kilolined.core.config import parse_config
 from kilolined.edge.server import Server
 
@@ -115,6 +118,19 @@ async def view(http: aiohttp.ClientSession, base: str, img: dict[str, Any], who:
         return r.status, await r.read()
 
 
+async def plain(http: aiohttp.ClientSession, base: str, graph: dict[str, Any]) -> dict[str, Any]:
+    """A prompt the way a ComfyUI script sends it: POST /prompt, then /history/{id} until it is there."""
+    async with http.post(base + "/comfy/prompt", json={"prompt": graph}, headers=auth("alice")) as r:
+        assert r.status == 200, await r.text()
+        pid = (await r.json())["prompt_id"]
+    while True:
+        async with http.get(base + f"/comfy/history/{pid}", headers=auth("alice")) as r:
+            entry = (await r.json()).get(pid)
+        if entry is not None:
+            return dict(entry)
+        await asyncio.sleep(0.2)
+
+
 async def copies_done(srv: Server) -> None:
     while srv.rt.adapter_state.get("comfyfiles") is not None and srv.rt.adapter_state["comfyfiles"].copies:
         await asyncio.sleep(0.05)
@@ -130,6 +146,28 @@ def node_of(j: Any) -> str:
     return found
 
 
+def inverted(given: bytes, out: bytes) -> bool:
+    """Is ``out`` (SaveImage's PNG) ``given`` with its pixels inverted: this prompt's own file?
+    (ComfyUI inverts in floats and SaveImage truncates: 255 - v or one less.)"""
+    from PIL import Image  # Pillow: only for this check
+
+    a = Image.open(io.BytesIO(given)).convert("RGB")
+    b = Image.open(io.BytesIO(out)).convert("RGB")
+    return a.size == b.size and all(254 <= x + y <= 255 for x, y in zip(a.tobytes(), b.tobytes(), strict=True))
+
+
+async def bob_sees(http: aiohttp.ClientSession, base: str, pids: list[str]) -> dict[str, Any]:
+    """What the second key gets of the first key's prompts: history, queue, jobs."""
+    seen: dict[str, Any] = {}
+    for path in ("/history", "/queue", "/api/jobs", f"/history/{pids[0]}", f"/api/jobs/{pids[0]}"):
+        async with http.get(base + "/comfy" + path, headers=auth("bob")) as r:
+            body = await r.json()
+        seen[path.replace(pids[0], "{id}")] = (r.status, len(body.get("jobs", [])) if path == "/api/jobs" else
+                                               sum(len(v) for v in body.values()) if path == "/queue" else
+                                               len(body) if r.status == 200 else body.get("error", body))
+    return seen
+
+
 async def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--node", action="append", required=True, help="a ComfyUI's URL (two)")
@@ -139,43 +177,67 @@ async def main() -> None:
     pids = {f"n{i}": pid for i, pid in enumerate(args.pid)}
     srv = await start(config(args.node))
     base = f"http://127.0.0.1:{srv.port}"
+    made: list[tuple[bytes, dict[str, Any]]] = []  # (the input, the output the gateway named for it)
     async with aiohttp.ClientSession() as http:
-        # 1. N img2img prompts over both nodes.
+        # 1a. N img2img prompts over both nodes, as async jobs.
         t0 = time.monotonic()
-        names = [await upload(http, base, f"in{i}.png", png(f"in{i}")) for i in range(args.prompts)]
+        given = [png(f"in{i}") for i in range(args.prompts)]
+        names = [await upload(http, base, f"in{i}.png", data) for i, data in enumerate(given)]
         done = await asyncio.gather(*(job(http, base, srv, img2img(n)) for n in names))
         ok = [j for j in done if j.status == "completed"]
         on: dict[str, int] = {}
         for j in ok:
             on[node_of(j)] = on.get(node_of(j), 0) + 1
-        print(f"1. {len(ok)}/{len(done)} img2img prompts completed in {time.monotonic() - t0:.1f}s, by node {on}")
+        print(f"1a. async jobs: {len(ok)}/{len(done)} img2img prompts completed in {time.monotonic() - t0:.1f}s, "
+              f"by node {on}")
         for j in done:
             if j.status != "completed":
                 print("   failed:", j.events[-1][2][:300])
-        imgs = [i for j in ok for i in outputs(j)]
-        print(f"   {len(imgs)} outputs, {len({i['filename'] for i in imgs})} distinct route names")
+        made += [(data, i) for data, j in zip(given, done, strict=True) if j.status == "completed" for i in outputs(j)]
+        # 1b. the same as a plain ComfyUI script: POST /prompt, poll /history/{id}, GET /view at once.
+        t0 = time.monotonic()
+        given = [png(f"plain{i}") for i in range(args.prompts)]
+        names = [await upload(http, base, f"plain{i}.png", data) for i, data in enumerate(given)]
+        entries = await asyncio.gather(*(plain(http, base, img2img(n)) for n in names))
+        fine = [e.get("status", {}).get("status_str") == "success" for e in entries]
+        mine = [(data, i) for data, e, f in zip(given, entries, fine, strict=True) if f
+                for out in e.get("outputs", {}).values() for i in out.get("images", [])]
+        own = [s == 200 and inverted(data, b) for data, (s, b) in
+               [(data, await view(http, base, i)) for data, i in mine]]
+        record = comfy_state(srv.rt).owners("comfy")
+        ran = Counter(p.node for e in entries if (p := record.get(str(e["prompt"][1]))) is not None)
+        print(f"1b. plain API: {sum(fine)}/{len(entries)} succeeded in {time.monotonic() - t0:.1f}s, by node {dict(ran)}; "
+              f"{sum(own)}/{len(mine)} outputs fetched at once through /view are their own input inverted")
+        made += mine
+        print(f"   {len(made)} outputs, {len({i['filename'] for _, i in made})} distinct route names")
 
         # 2. the node running a slow prompt killed mid-prompt: re-queued to the other one, with its input.
-        name = await upload(http, base, "failover.png", png("failover"))
+        data = png("failover")
+        name = await upload(http, base, "failover.png", data)
         task = asyncio.ensure_future(job(http, base, srv, img2img(name, slow_ms=100)))
         await asyncio.sleep(2.0)
         first = node_of(srv.gateway.jobs.jobs[list(srv.gateway.jobs.jobs)[-1]])
         os.kill(pids[first], signal.SIGKILL)
         j = await task
-        print(f"2. {first} killed mid-prompt: job {j.status} on {node_of(j)}; events {[e[1] for e in j.events]}")
-        imgs += outputs(j)
+        kinds = [e[1] for e in j.events]
+        print(f"2. {first} killed mid-prompt: job {j.status} on {node_of(j)}; "
+              f"events {[k for k in kinds if k != 'step_progress']}")
+        made += [(data, i) for i in outputs(j)]
         await copies_done(srv)
 
-        # 3. every output after both servers are gone.
+        # 3. every output after both servers are gone: its own bytes.
         for n, pid in pids.items():
             if n != first:
                 os.kill(pid, signal.SIGKILL)
         await asyncio.sleep(0.5)
-        got = [await view(http, base, i) for i in imgs]
-        good = sum(s == 200 and b.startswith(b"\x89PNG") for s, b in got)
-        print(f"3. after both servers were killed: {good}/{len(got)} outputs downloadable through /view")
+        got = [(data, await view(http, base, i)) for data, i in made]
+        good = sum(s == 200 and inverted(data, b) for data, (s, b) in got)
+        print(f"3. after both servers were killed: {good}/{len(got)} outputs downloadable through /view, "
+              "each its own input inverted")
         # 4. another key.
-        print(f"4. bob's /view of alice's outputs: {sorted({(await view(http, base, i, 'bob'))[0] for i in imgs})}")
+        print(f"4. bob's /view of alice's outputs: {sorted({(await view(http, base, i, 'bob'))[0] for _, i in made})}")
+        pids_seen = [str(e["prompt"][1]) for e in entries]
+        print(f"   bob's (status, entries): {await bob_sees(http, base, pids_seen)}")
     await srv.shutdown()
 
 
