@@ -206,7 +206,8 @@ async def main() -> None:
                [(data, await view(http, base, i)) for data, i in mine]]
         record = comfy_state(srv.rt).owners("comfy")
         ran = Counter(p.node for e in entries if (p := record.get(str(e["prompt"][1]))) is not None)
-        print(f"1b. plain API: {sum(fine)}/{len(entries)} succeeded in {time.monotonic() - t0:.1f}s, by node {dict(ran)}; "
+        print(f"1b. plain API: {sum(fine)}/{len(entries)} succeeded in {time.monotonic() - t0:.1f}s, "
+              f"by node {dict(ran)}; "
               f"{sum(own)}/{len(mine)} outputs fetched at once through /view are their own input inverted")
         made += mine
         print(f"   {len(made)} outputs, {len({i['filename'] for _, i in made})} distinct route names")
