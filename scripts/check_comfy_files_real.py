@@ -41,6 +41,7 @@ from kilolined.adapters.comfy_control import comfy_state
 from kilolined.core.config import parse_config
 from kilolined.edge.server import Server
 
+ADMIN_KEY = "kl_admin_real_check_key_00000000000"
 KEYS = {"alice": "kl_alice_real_check_key_0000000000", "bob": "kl_bob_real_check_key_000000000000"}
 
 
@@ -57,7 +58,8 @@ def png(seed: str, size: int = 16) -> bytes:
 
 def config(nodes: list[str]) -> str:
     names = [f"n{i}" for i in range(len(nodes))]
-    lines = ["server: {listen: '127.0.0.1:0'}", "keys:"]
+    admin = hashlib.sha256(ADMIN_KEY.encode()).hexdigest()
+    lines = ["server: {listen: '127.0.0.1:0'}", f"admin: {{key_sha256: {admin}}}", "keys:"]
     lines += [f"  {k}: {{key: {v}}}" for k, v in KEYS.items()]
     lines += ["nodes:"] + [f"  {n}: {{url: '{u}', health: {{path: /system_stats}}}}" for n, u in zip(names, nodes,
                                                                                                   strict=True)]
@@ -85,7 +87,22 @@ async def start(cfg: str) -> Server:
 
 
 def auth(who: str) -> dict[str, str]:
-    return {"Authorization": f"Bearer {KEYS[who]}"}
+    return {"Authorization": f"Bearer {ADMIN_KEY if who == 'admin' else KEYS[who]}"}
+
+
+def disk_written() -> int:
+    """Bytes this process (the gateway runs in it) has written to storage (/proc/self/io)."""
+    io_stats = dict(line.split(": ") for line in Path("/proc/self/io").read_text().splitlines())
+    return int(io_stats["write_bytes"]) - int(io_stats["cancelled_write_bytes"])
+
+
+async def held(http: aiohttp.ClientSession, base: str) -> str:
+    """The route's file store as /admin/state and /metrics show it."""
+    async with http.get(base + "/admin/state", headers=auth("admin")) as r:
+        state = (await r.json())["routes"]["comfy"]["comfy_files"]
+    async with http.get(base + "/metrics", headers=auth("admin")) as r:
+        metric = [line for line in (await r.text()).splitlines() if line.startswith("kiloline_comfy_files_bytes{")]
+    return f"/admin/state {state}, {' '.join(metric)}"
 
 
 async def upload(http: aiohttp.ClientSession, base: str, name: str, data: bytes) -> str:
@@ -178,6 +195,7 @@ async def main() -> None:
     srv = await start(config(args.node))
     base = f"http://127.0.0.1:{srv.port}"
     made: list[tuple[bytes, dict[str, Any]]] = []  # (the input, the output the gateway named for it)
+    written = disk_written()
     async with aiohttp.ClientSession() as http:
         # 1a. N img2img prompts over both nodes, as async jobs.
         t0 = time.monotonic()
@@ -239,6 +257,8 @@ async def main() -> None:
         print(f"4. bob's /view of alice's outputs: {sorted({(await view(http, base, i, 'bob'))[0] for _, i in made})}")
         pids_seen = [str(e["prompt"][1]) for e in entries]
         print(f"   bob's (status, entries): {await bob_sees(http, base, pids_seen)}")
+        print(f"5. held in memory: {await held(http, base)}; written to disk by the gateway's process: "
+              f"{disk_written() - written} bytes")
     await srv.shutdown()
 
 
