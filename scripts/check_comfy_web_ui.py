@@ -6,6 +6,9 @@ as a header, waits for the app, queues two prompts of the weight-free ``KLSlowPr
 received through the gateway's one socket, the output images it shows, its console errors, and
 (with ``--node``) which node ran each prompt, from the nodes' own ``/history``.
 
+The prompts are img2img: the page uploads an image first, as the LoadImage widget does, so
+each node gets the input from the gateway.
+
 With ``--page-loads N`` it then measures the page bar, in the same run: time to app-ready (the
 page loaded, the app's graph up, the splash gone; browser cache off, so every file is fetched) of
   1. the page straight from the first ``--node``, nothing rendering (the peer);
@@ -36,14 +39,33 @@ from selenium.webdriver.chrome.service import Service
 
 # Every frame the page's own socket receives: (type, prompt id), recorded before the app runs.
 RECORD = """
-window.__ws = [];
+window.__ws = []; window.__outputs = {};
 const WS = window.WebSocket;
 window.WebSocket = class extends WS { constructor(u, p) { super(u, p); window.__wsurl = String(u);
   this.addEventListener('message', (ev) => {
     if (typeof ev.data !== 'string') { window.__ws.push(['binary', null]); return; }
-    const m = JSON.parse(ev.data); window.__ws.push([m.type, (m.data && m.data.prompt_id) || null]); }); } };
+    const m = JSON.parse(ev.data); window.__ws.push([m.type, (m.data && m.data.prompt_id) || null]);
+    if (m.type === 'executed' && m.data.output && m.data.output.images)
+      window.__outputs[m.data.prompt_id] = m.data.output.images; }); } };
 """
 READY = "return !!(window.app && window.app.graph && !document.querySelector('#splash-loader'))"
+# The page uploads an image as the LoadImage widget does (POST {api}/upload/image), then reads it
+# back as the widget's preview does (/view?type=input): [name, the preview's status].
+UPLOAD = """const cb = arguments[arguments.length - 1];
+const c = document.createElement('canvas'); c.width = c.height = 16;
+const g = c.getContext('2d'); g.fillStyle = '#3a7'; g.fillRect(0, 0, 16, 16);
+g.fillStyle = '#c21'; g.fillRect(4, 4, 8, 8);
+c.toBlob(async (blob) => {
+  const form = new FormData(); form.append('image', blob, 'kl-page.png'); form.append('overwrite', 'true');
+  const up = await (await fetch('api/upload/image', { method: 'POST', body: form })).json();
+  const v = await fetch('api/view?filename=' + encodeURIComponent(up.name) + '&type=input&subfolder=');
+  cb([up.name, v.status]); }, 'image/png');"""
+VIEW_OUTPUTS = """const cb = arguments[arguments.length - 1];
+Promise.all(Object.entries(window.__outputs).map(async ([pid, imgs]) => {
+  const i = imgs[0], r = await fetch('api/view?' + new URLSearchParams({filename: i.filename, subfolder: i.subfolder,
+                                                                          type: i.type}));
+  const img = await createImageBitmap(await r.blob());
+  return [pid.slice(0, 8), i.filename, r.status, img.width + 'x' + img.height]; })).then(cb, (e) => cb(String(e)));"""
 QUEUE = ("const cb = arguments[arguments.length - 1];"
          "window.app.loadApiJson(arguments[0], 'kl.json');"
          "setTimeout(() => window.app.queuePrompt(0, 1).then(() => cb('ok'), (e) => cb(String(e))), 500);")
@@ -73,9 +95,15 @@ def browser(key: str) -> Any:
     return driver
 
 
-def slow_prompt(steps: int, step_ms: int, seed: int) -> dict[str, Any]:
-    return {"1": {"class_type": "KLSlowProgress", "inputs": {"steps": steps, "step_ms": step_ms, "seed": seed}},
-            "2": {"class_type": "SaveImage", "inputs": {"images": ["1", 0], "filename_prefix": "kl"}}}
+def slow_prompt(steps: int, step_ms: int, seed: int, image: str | None = None) -> dict[str, Any]:
+    """KLSlowProgress → SaveImage; with ``image``, img2img: LoadImage of that upload first."""
+    g: dict[str, Any] = {
+        "1": {"class_type": "KLSlowProgress", "inputs": {"steps": steps, "step_ms": step_ms, "seed": seed}},
+        "2": {"class_type": "SaveImage", "inputs": {"images": ["1", 0], "filename_prefix": "kl"}}}
+    if image is not None:
+        g["3"] = {"class_type": "LoadImage", "inputs": {"image": image}}
+        g["1"]["inputs"]["image"] = ["3", 0]
+    return g
 
 
 def call(url: str, key: str, body: dict[str, Any] | None = None, headers: dict[str, str] | None = None,
@@ -94,8 +122,11 @@ def check_prompts(driver: Any, gateway: str, path: str, steps: int, step_ms: int
     ready = wait(driver, READY, 90)
     print(f"landed on {driver.current_url}; app ready: {ready} after {time.monotonic() - started:.1f}s; "
           f"socket {driver.execute_script('return window.__wsurl')}")
+    name, status = driver.execute_async_script(UPLOAD)
+    print(f"uploaded from the page: {name}; its preview (/view?type=input): {status}")
     for seed in (1, 2):
-        print("queued:", driver.execute_async_script(QUEUE, slow_prompt(steps, step_ms, int(time.time()) * 10 + seed)))
+        graph = slow_prompt(steps, step_ms, int(time.time()) * 10 + seed, name)
+        print("queued img2img:", driver.execute_async_script(QUEUE, graph))
     wait(driver, "return window.__ws.filter(f => f[0] == 'execution_success').length >= 2",
          steps * step_ms / 1000 * 2 + 60)
     by_prompt: dict[str | None, dict[str, int]] = {}
@@ -105,9 +136,13 @@ def check_prompts(driver: Any, gateway: str, path: str, steps: int, step_ms: int
     ran = {pid: url for url in nodes for pid in call(url + "/history", "")}
     for pid, counts in by_prompt.items():
         print(pid or "(no prompt id)", f"ran on {ran.get(pid, '?')}" if pid and nodes else "", counts)
+    wait(driver, "return [...document.querySelectorAll('img')].some(i => i.src.includes('/view') && i.naturalWidth)",
+         10)
     images = driver.execute_script("return [...document.querySelectorAll('img')]"
                                    ".filter(i => i.src.includes('/view')).map(i => [i.src, i.naturalWidth])")
     print("images shown:", images)
+    # each prompt's image as the page would load it, under the name its `executed` event gave
+    print("each prompt's image from the page:", driver.execute_async_script(VIEW_OUTPUTS))
     errors = [e["message"] for e in driver.get_log("browser") if e["level"] == "SEVERE"]
     print(f"console errors: {len(errors)}")
     for message in errors:
