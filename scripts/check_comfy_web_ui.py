@@ -10,15 +10,18 @@ The prompts are img2img: the page uploads an image first, as the LoadImage widge
 each node gets the input from the gateway.
 
 With ``--page-loads N`` it then measures the page bar, in the same run: time to app-ready (the
-page loaded, the app's graph up, the splash gone; browser cache off, so every file is fetched) of
-  1. the page straight from the first ``--node``, nothing rendering (the peer);
-  2. the page through the gateway, nothing rendering;
-  3. the page through the gateway while every slot of the route renders a slow prompt and as
-     many again wait in its queue (``--slots``: the route's slots over all its nodes),
-N loads each, and prints the medians, the ratio 3/1 and the load average (the CPU is shared).
+page loaded, the app's graph up, the splash gone; browser cache off, so every file is fetched),
+N loads of each kind, the kinds interleaved load by load:
+  - nothing rendering: the page straight from the first ``--node`` (the peer), and through the
+    gateway;
+  - while every slot of the route renders a slow prompt of the key and as many again wait in its
+    queue (``--slots``: the route's slots over all its nodes): the same two, and with
+    ``--other-key`` the page through the gateway as a key that hears none of those renders;
+and prints the medians, each as a multiple of the peer's, and the load average (the CPU is shared).
 
     python scripts/check_comfy_web_ui.py http://127.0.0.1:8290 /comfy "$ALICE_KEY" \\
-        --node http://127.0.0.1:18188 --node http://127.0.0.1:18189 --page-loads 5 --slots 2
+        --node http://127.0.0.1:18188 --node http://127.0.0.1:18189 --page-loads 5 --slots 2 \\
+        --other-key "$BOB_KEY"
 
 Needs /usr/bin/chromium, /usr/bin/chromedriver and selenium.
 """
@@ -31,7 +34,9 @@ import os
 import statistics
 import sys
 import time
+import urllib.error
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from selenium import webdriver
@@ -150,9 +155,12 @@ def check_prompts(driver: Any, gateway: str, path: str, steps: int, step_ms: int
     return ready and sum("execution_success" in c for c in by_prompt.values()) >= 2
 
 
-def page_ready(driver: Any, url: str) -> float:
-    """Seconds from navigating to ``url`` until the app is ready (cache off: every file fetched)."""
+def page_ready(driver: Any, url: str, key: str | None) -> float:
+    """Seconds from navigating to ``url`` (as ``key``) until the app is ready (cache off: every
+    file fetched)."""
     driver.get("about:blank")
+    driver.execute_cdp_cmd("Network.setExtraHTTPHeaders",
+                           {"headers": {"Authorization": f"Bearer {key}"} if key else {}})
     started = time.monotonic()
     driver.get(url)
     if not wait(driver, READY, 60, every=0.02):
@@ -160,39 +168,91 @@ def page_ready(driver: Any, url: str) -> float:
     return time.monotonic() - started
 
 
-def loads(driver: Any, url: str, n: int) -> list[float]:
-    return [page_ready(driver, url) for _ in range(n)]
+def page_files(driver: Any) -> list[str]:
+    """Every URL the page just loaded fetched (the Resource Timing entries, XHR and fetch included)."""
+    return [u for u in driver.execute_script(
+        "return [location.href, ...performance.getEntriesByType('resource').map(e => e.name)]")
+        if u.startswith("http") and "/ws?" not in u]
 
 
-def bench_page(driver: Any, gateway: str, path: str, key: str, node: str, n: int, slots: int) -> None:
+def fetch_all(urls: list[str], headers: dict[str, str]) -> float:
+    """Seconds to fetch every URL over 6 connections at a time, as a browser does per host."""
+    def one(url: str) -> int:
+        req = urllib.request.Request(url, headers=headers)
+        try:
+            with urllib.request.urlopen(req, timeout=30) as r:
+                return len(r.read())
+        except urllib.error.HTTPError as e:  # the node's own 404s (user.css) are part of the page
+            return len(e.read())
+
+    started = time.monotonic()
+    with ThreadPoolExecutor(6) as pool:
+        list(pool.map(one, urls))
+    return time.monotonic() - started
+
+
+def bench_files(urls: list[str], gateway: str, path: str, key: str, node: str, n: int) -> dict[str, float]:
+    """The page's files without the browser: through the gateway and straight from the node
+    (root-absolute ones found under the route by the page's Referer, as the browser sends it)."""
+    route = gateway + path + "/"
+    direct = [node + u[len(gateway + path):] if u.startswith(gateway + path) else node + u[len(gateway):]
+              for u in urls]
+    via = {"Authorization": f"Bearer {key}", "Referer": route}
+    took: dict[str, list[float]] = {"direct": [], "gateway": []}
+    for _ in range(n):
+        took["direct"].append(fetch_all(direct, {}))
+        took["gateway"].append(fetch_all(urls, via))
+    return {k: statistics.median(v) for k, v in took.items()}
+
+
+def bench_page(driver: Any, gateway: str, path: str, key: str, other: str | None, node: str, n: int,
+               slots: int) -> None:
+    """The page bar: time to app-ready, the page straight from a node against through the gateway,
+    nothing rendering, then while every slot renders; the kinds interleaved load by load, so a
+    change in the machine's load falls on all of them."""
     driver.execute_cdp_cmd("Network.setCacheDisabled", {"cacheDisabled": True})
     route = gateway + path + "/"
-    page_ready(driver, route)  # the first load warms the gateway's and the node's own caches
-    direct = loads(driver, node + "/", n)
-    idle = loads(driver, route, n)
+    page_ready(driver, route, key)  # the first load warms the gateway's and the node's own caches
+    urls = page_files(driver)
+    files = {"idle": bench_files(urls, gateway, path, key, node, n)}
+    kinds: dict[str, tuple[str, str | None]] = {"direct": (node + "/", None), "gateway": (route, key)}
+    took: dict[str, list[float]] = {}
+    for _ in range(n):
+        for kind, (url, who) in kinds.items():
+            took.setdefault(f"{kind}, idle", []).append(page_ready(driver, url, who))
     # Every slot rendering (sync prompts: answered once dispatched), as many again waiting in the
     # gateway's queue (async jobs: answered at once); long enough for the loads.
     seed = int(time.time()) * 100
-    running = [call(gateway + path + "/prompt", key, {"prompt": slow_prompt(600, 100, seed + i)})["prompt_id"]
+    running = [call(gateway + path + "/prompt", key, {"prompt": slow_prompt(1200, 100, seed + i)})["prompt_id"]
                for i in range(slots)]
-    waiting = [call(gateway + path + "/prompt", key, {"prompt": slow_prompt(600, 100, seed + slots + i)},
+    waiting = [call(gateway + path + "/prompt", key, {"prompt": slow_prompt(1200, 100, seed + slots + i)},
                     {"X-KiloLine-Mode": "async"})["job_id"] for i in range(slots)]
+    if other:
+        kinds["gateway, another key"] = (route, other)  # a page that hears none of the renders
     try:
         time.sleep(1.0)
-        busy = loads(driver, route, n)
+        for _ in range(n):
+            for kind, (url, who) in kinds.items():
+                took.setdefault(f"{kind}, {slots} rendering + {slots} queued", []).append(page_ready(driver, url, who))
+        files["busy"] = bench_files(urls, gateway, path, key, node, n)
         load = os.getloadavg()
     finally:
         for job in waiting:
             call(gateway + "/v1/jobs/" + job, key, method="DELETE")
         for pid in running:
             call(gateway + path + "/interrupt", key, {"prompt_id": pid})
-    med = {k: statistics.median(v) for k, v in (("direct", direct), ("idle", idle), ("busy", busy))}
-    print(f"page to app-ready, median of {n} (cache off): direct from {node}, idle {med['direct']:.2f}s; "
-          f"through the gateway, idle {med['idle']:.2f}s; through the gateway while {slots} render and "
-          f"{slots} wait {med['busy']:.2f}s (ratio to direct {med['busy'] / med['direct']:.2f}); "
+        driver.execute_cdp_cmd("Network.setExtraHTTPHeaders", {"headers": {"Authorization": f"Bearer {key}"}})
+    med = {k: statistics.median(v) for k, v in took.items()}
+    base = med["direct, idle"]
+    print(f"page to app-ready (cache off), median of {n}; direct = {node}; "
           f"load average {' '.join(f'{x:.2f}' for x in load)}")
-    for k, v in (("direct", direct), ("idle", idle), ("busy", busy)):
-        print(f"   {k}: {' '.join(f'{x:.2f}' for x in v)}")
+    for k, v in took.items():
+        print(f"   {k:<45} {med[k]:5.2f}s  x{med[k] / base:.2f} of direct idle   "
+              f"({' '.join(f'{x:.2f}' for x in v)})")
+    print(f"the page's {len(urls)} files without the browser (6 at a time), median of {n}:")
+    for state, m in files.items():
+        print(f"   {state}: direct {m['direct'] * 1000:.0f} ms, through the gateway {m['gateway'] * 1000:.0f} ms "
+              f"(+{(m['gateway'] - m['direct']) * 1000 / len(urls):.2f} ms a file)")
 
 
 def main() -> int:
@@ -205,12 +265,14 @@ def main() -> int:
     ap.add_argument("--node", action="append", default=[], help="a node's URL (the first is the page's peer)")
     ap.add_argument("--page-loads", type=int, default=0, help="measure the page bar with N loads each")
     ap.add_argument("--slots", type=int, default=2, help="the route's slots over all its nodes")
+    ap.add_argument("--other-key", help="also load the page as this key while the first key's prompts render")
     args = ap.parse_args()
     driver = browser(args.key)
     try:
         ok = check_prompts(driver, args.gateway, args.path, args.steps, args.step_ms, args.node)
         if args.page_loads and args.node:
-            bench_page(driver, args.gateway, args.path, args.key, args.node[0], args.page_loads, args.slots)
+            bench_page(driver, args.gateway, args.path, args.key, args.other_key, args.node[0], args.page_loads,
+                       args.slots)
         return 0 if ok else 1
     finally:
         driver.quit()
