@@ -319,7 +319,8 @@ async def check(args: argparse.Namespace, front_srv: Server, back_srv: Server) -
         j = await task
         kinds = [e[1] for e in j.events]
         print(f"2. {first} killed mid-prompt: job {j.status} on {node_of(j)}; "
-              f"events {[k for k in kinds if k != 'step_progress']}; /queue on the front showed at most {await seen} running or pending")
+              f"events {[k for k in kinds if k != 'step_progress']}; "
+              f"/queue on the front showed at most {await seen} running or pending")
         made += [(data, i) for i in outputs(j)]
         await copies_done(back_srv)
 

@@ -18,10 +18,13 @@ N loads of each kind, the kinds interleaved load by load:
     queue (``--slots``: the route's slots over all its nodes): the same two, and with
     ``--other-key`` the page through the gateway as a key that hears none of those renders;
 and prints the medians, each as a multiple of the peer's, and the load average (the CPU is shared).
+Then, idle and while every slot renders, every file that page load fetched, without the browser
+(6 at a time): straight from the node against through the gateway, and with ``--gateway-pid``
+the gateway's CPU time per file.
 
     python scripts/check_comfy_web_ui.py http://127.0.0.1:8290 /comfy "$ALICE_KEY" \\
         --node http://127.0.0.1:18188 --node http://127.0.0.1:18189 --page-loads 5 --slots 2 \\
-        --other-key "$BOB_KEY"
+        --other-key "$BOB_KEY" --gateway-pid "$GATEWAY_PID"
 
 Needs /usr/bin/chromium, /usr/bin/chromedriver and selenium.
 """
@@ -37,6 +40,7 @@ import time
 import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
 
 from selenium import webdriver
@@ -191,22 +195,35 @@ def fetch_all(urls: list[str], headers: dict[str, str]) -> float:
     return time.monotonic() - started
 
 
-def bench_files(urls: list[str], gateway: str, path: str, key: str, node: str, n: int) -> dict[str, float]:
+def cpu_ms(pid: int | None) -> float:
+    """CPU time (user + system) the process has used, in ms (0 without a pid)."""
+    if pid is None:
+        return 0.0
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) * 1000 / os.sysconf("SC_CLK_TCK")
+
+
+def bench_files(urls: list[str], gateway: str, path: str, key: str, node: str, n: int,
+                pid: int | None) -> dict[str, float]:
     """The page's files without the browser: through the gateway and straight from the node
-    (root-absolute ones found under the route by the page's Referer, as the browser sends it)."""
+    (root-absolute ones found under the route by the page's Referer, as the browser sends it);
+    with the gateway's pid, its CPU per file (the figure the shared box's load moves least)."""
     route = gateway + path + "/"
     direct = [node + u[len(gateway + path):] if u.startswith(gateway + path) else node + u[len(gateway):]
               for u in urls]
     via = {"Authorization": f"Bearer {key}", "Referer": route}
     took: dict[str, list[float]] = {"direct": [], "gateway": []}
+    cpu = 0.0
     for _ in range(n):
         took["direct"].append(fetch_all(direct, {}))
+        before = cpu_ms(pid)
         took["gateway"].append(fetch_all(urls, via))
-    return {k: statistics.median(v) for k, v in took.items()}
+        cpu += cpu_ms(pid) - before
+    return {**{k: statistics.median(v) for k, v in took.items()}, "cpu_ms_a_file": cpu / (n * len(urls))}
 
 
 def bench_page(driver: Any, gateway: str, path: str, key: str, other: str | None, node: str, n: int,
-               slots: int) -> None:
+               slots: int, pid: int | None) -> None:
     """The page bar: time to app-ready, the page straight from a node against through the gateway,
     nothing rendering, then while every slot renders; the kinds interleaved load by load, so a
     change in the machine's load falls on all of them."""
@@ -214,7 +231,7 @@ def bench_page(driver: Any, gateway: str, path: str, key: str, other: str | None
     route = gateway + path + "/"
     page_ready(driver, route, key)  # the first load warms the gateway's and the node's own caches
     urls = page_files(driver)
-    files = {"idle": bench_files(urls, gateway, path, key, node, n)}
+    files = {"idle": bench_files(urls, gateway, path, key, node, n, pid)}
     kinds: dict[str, tuple[str, str | None]] = {"direct": (node + "/", None), "gateway": (route, key)}
     took: dict[str, list[float]] = {}
     for _ in range(n):
@@ -234,7 +251,7 @@ def bench_page(driver: Any, gateway: str, path: str, key: str, other: str | None
         for _ in range(n):
             for kind, (url, who) in kinds.items():
                 took.setdefault(f"{kind}, {slots} rendering + {slots} queued", []).append(page_ready(driver, url, who))
-        files["busy"] = bench_files(urls, gateway, path, key, node, n)
+        files["busy"] = bench_files(urls, gateway, path, key, node, n, pid)
         load = os.getloadavg()
     finally:
         for job in waiting:
@@ -252,7 +269,8 @@ def bench_page(driver: Any, gateway: str, path: str, key: str, other: str | None
     print(f"the page's {len(urls)} files without the browser (6 at a time), median of {n}:")
     for state, m in files.items():
         print(f"   {state}: direct {m['direct'] * 1000:.0f} ms, through the gateway {m['gateway'] * 1000:.0f} ms "
-              f"(+{(m['gateway'] - m['direct']) * 1000 / len(urls):.2f} ms a file)")
+              f"(+{(m['gateway'] - m['direct']) * 1000 / len(urls):.2f} ms a file)"
+              + (f"; the gateway's CPU {m['cpu_ms_a_file']:.2f} ms a file" if pid else ""))
 
 
 def main() -> int:
@@ -266,13 +284,14 @@ def main() -> int:
     ap.add_argument("--page-loads", type=int, default=0, help="measure the page bar with N loads each")
     ap.add_argument("--slots", type=int, default=2, help="the route's slots over all its nodes")
     ap.add_argument("--other-key", help="also load the page as this key while the first key's prompts render")
+    ap.add_argument("--gateway-pid", type=int, help="the gateway's pid: its CPU per page file")
     args = ap.parse_args()
     driver = browser(args.key)
     try:
         ok = check_prompts(driver, args.gateway, args.path, args.steps, args.step_ms, args.node)
         if args.page_loads and args.node:
             bench_page(driver, args.gateway, args.path, args.key, args.other_key, args.node[0], args.page_loads,
-                       args.slots)
+                       args.slots, args.gateway_pid)
         return 0 if ok else 1
     finally:
         driver.quit()
