@@ -8,7 +8,9 @@ and measures what docs/API.md "ComfyUI over several GPUs" promises:
   1b. N more the way a plain ComfyUI script sends them (POST /prompt, poll /history/{id}, /view at
       once): how many succeed, on which node, and whether each output is its own input inverted;
   2. the node running a slow prompt killed mid-prompt (a KLSlowProgress step between LoadImage and
-     SaveImage; scripts/real_backends_setup.sh writes that node) → where the prompt completes;
+     SaveImage; scripts/real_backends_setup.sh writes that node) → where the prompt completes; an
+     async job, or with ``--failover sync`` a prompt as the web UI sends it (its client id, and
+     what the page's socket hears);
   3. every output of 1 and 2 downloaded through ``/view`` after both servers are killed, each
      checked to be its own input inverted (needs Pillow);
   4. what a second key gets of the first key's files, history, queue and jobs;
@@ -156,6 +158,11 @@ async def plain(http: aiohttp.ClientSession, back: str, front: str, graph: dict[
     async with http.post(back + "/comfy/prompt", json={"prompt": graph}, headers=auth("alice")) as r:
         assert r.status == 200, await r.text()
         pid = (await r.json())["prompt_id"]
+    return await plain_entry(http, front, pid)
+
+
+async def plain_entry(http: aiohttp.ClientSession, front: str, pid: str) -> dict[str, Any]:
+    """The prompt's history entry once it is there (``/history/{id}``)."""
     while True:
         async with http.get(front + f"/comfy/history/{pid}", headers=auth("alice")) as r:
             entry = (await r.json()).get(pid)
@@ -245,12 +252,60 @@ def redis_server() -> Iterator[str]:
             proc.wait()
 
 
+async def sync_failover(http: aiohttp.ClientSession, front: str, back: str, back_srv: Server, name: str,
+                        data: bytes, pids: dict[str, int], made: list[tuple[bytes, dict[str, Any]]]) -> str:
+    """Step 2 as the web UI meets it: a sync prompt sent with the page's client id, its node killed
+    mid-prompt; what the page's socket (on the front gateway) heard, and the history entry."""
+    client = "klcheck-page"
+    heard: list[str] = []
+    async with http.ws_connect(front + f"/comfy/ws?clientId={client}", headers=auth("alice")) as ws:
+        async with http.post(back + "/comfy/prompt", json={"prompt": img2img(name, slow_ms=100), "client_id": client},
+                             headers=auth("alice")) as r:
+            assert r.status == 200, await r.text()
+            pid = (await r.json())["prompt_id"]
+        record = comfy_state(back_srv.rt).owners("comfy")
+        p = record.get(pid)
+        first = p.node if p is not None else "?"
+
+        async def listen() -> None:
+            async for msg in ws:
+                if msg.type != aiohttp.WSMsgType.TEXT:
+                    continue
+                m = orjson.loads(msg.data)
+                if m["data"].get("prompt_id") == pid:
+                    heard.append(m["type"])
+                    if m["type"] == "executing" and m["data"].get("node") is None:
+                        return
+
+        listening = asyncio.ensure_future(listen())
+        await asyncio.sleep(2.0)
+        os.kill(pids[first], signal.SIGKILL)
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(listening, 60)
+    try:
+        entry = await asyncio.wait_for(plain_entry(http, front, pid), 60)
+    except TimeoutError:
+        entry = {"status": {"status_str": "no history entry within 60 s"}}
+    p = record.get(pid)
+    outs = [i for out in entry.get("outputs", {}).values() for i in out.get("images", [])]
+    own = [await view(http, front, i) for i in outs]
+    print(f"2. (sync, as the web UI) {first} killed mid-prompt: {entry.get('status', {}).get('status_str')} "
+          f"on {p.node if p is not None else '?'}, under its prompt id; its output its own input inverted: "
+          f"{[s == 200 and inverted(data, b) for s, b in own]}; the page's socket heard "
+          f"{dict(Counter(k for k in heard if k not in ('progress', 'progress_state')))} "
+          f"and {heard.count('progress')} progress")
+    made += [(data, i) for i in outs]
+    return first
+
+
 async def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--node", action="append", required=True, help="a ComfyUI's URL (two)")
     ap.add_argument("--pid", action="append", type=int, required=True, help="its pid, to kill it (same order)")
     ap.add_argument("--prompts", type=int, default=20)
     ap.add_argument("--cluster", action="store_true", help="two gateways over a redis-server")
+    ap.add_argument("--failover", choices=("async", "sync"), default="async",
+                    help="step 2's prompt: an async job, or a sync prompt as the web UI sends it")
     args = ap.parse_args()
     with contextlib.ExitStack() as stack:
         if not args.cluster:
@@ -310,18 +365,21 @@ async def check(args: argparse.Namespace, front_srv: Server, back_srv: Server) -
         # 2. the node running a slow prompt killed mid-prompt: re-queued to the other one, with its input.
         data = png("failover")
         name = await upload(http, front, "failover.png", data)
-        task = asyncio.ensure_future(job(http, back, back_srv, img2img(name, slow_ms=100)))
-        seen = asyncio.ensure_future(queue_seen(http, front, task))
-        await asyncio.sleep(2.0)
-        jobs = back_srv.gateway.jobs.jobs
-        first = node_of(jobs[list(jobs)[-1]])
-        os.kill(pids[first], signal.SIGKILL)
-        j = await task
-        kinds = [e[1] for e in j.events]
-        print(f"2. {first} killed mid-prompt: job {j.status} on {node_of(j)}; "
-              f"events {[k for k in kinds if k != 'step_progress']}; "
-              f"/queue on the front showed at most {await seen} running or pending")
-        made += [(data, i) for i in outputs(j)]
+        if args.failover == "async":
+            task = asyncio.ensure_future(job(http, back, back_srv, img2img(name, slow_ms=100)))
+            seen = asyncio.ensure_future(queue_seen(http, front, task))
+            await asyncio.sleep(2.0)
+            jobs = back_srv.gateway.jobs.jobs
+            first = node_of(jobs[list(jobs)[-1]])
+            os.kill(pids[first], signal.SIGKILL)
+            j = await task
+            kinds = [e[1] for e in j.events]
+            print(f"2. {first} killed mid-prompt: job {j.status} on {node_of(j)}; "
+                  f"events {[k for k in kinds if k != 'step_progress']}; "
+                  f"/queue on the front showed at most {await seen} running or pending")
+            made += [(data, i) for i in outputs(j)]
+        else:
+            first = await sync_failover(http, front, back, back_srv, name, data, pids, made)
         await copies_done(back_srv)
 
         # 3. every output after both servers are gone: its own bytes.
