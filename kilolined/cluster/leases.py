@@ -235,8 +235,8 @@ class ClusterLeases:
         call = self._call(
             "ADMIT", t.route, self._order_key(t, front=front), tid, t.pinned_node or "", self._view_json(t.route),
             rq.cfg.max_queue_depth, -1 if rq.cfg.max_queued_per_key is None else rq.cfg.max_queued_per_key,
-            t.key, 1 if rq.cfg.drop_policy == "drop_oldest" else 0, repr(t.cost), self._only(t), 1 if front else 0,
-            self._warm(t), self._affinity(t))
+            t.key, 1 if rq.cfg.drop_policy == "drop_oldest" else 0, repr(t.cost), self._publish_only(t),
+            1 if front else 0, self._warm(t), self._affinity(t))
         try:
             res = await asyncio.shield(call)
         except asyncio.CancelledError:
@@ -317,11 +317,8 @@ class ClusterLeases:
         heapq.heappush(self._deadlines, (t.deadline, t.seq, t))
         tid = self._tid[t]
         avoid = "," + "".join(n + "," for n in sorted(t.avoid))
-        only = self._only(t)
-        if self._any_barred(t):
-            self._barred[t] = only  # _unbar lifts it at a heartbeat once the node is seen alive
         self._remote("REQUEUE", lid, tid, t.route, self._order_key(t, front=True), t.pinned_node or "",
-                                 avoid, t.key, repr(t.cost), only, self._warm(t), self._affinity(t))
+                                 avoid, t.key, repr(t.cost), self._publish_only(t), self._warm(t), self._affinity(t))
         return t
 
     def release(self, lease: Lease, now: float, service_time: float | None) -> None:
@@ -886,12 +883,26 @@ class ClusterLeases:
         able = [n for n in nodes if self.sched.serves(n, t.model) and not self.sched.barred(t, n, now)]
         return "" if len(able) == len(nodes) else "," + "".join(n + "," for n in able)
 
+    def _publish_only(self, t: Ticket) -> str:
+        """``_only`` as it goes to Redis with the ticket (ADMIT, REQUEUE). A bar in it holds only
+        until the node is seen alive or its time is up (Scheduler.barred), which the scripts
+        cannot see: the ticket is remembered until _unbar has written the lifted "only" —
+        whichever script wrote it, a re-queue's or the admission again of one Redis forgot."""
+        only = self._only(t)
+        if self._any_barred(t):
+            self._barred[t] = only
+        else:
+            self._barred.pop(t, None)
+        return only
+
     def _any_barred(self, t: Ticket) -> bool:
         now = self.clock()
         return any(self.sched.barred(t, n, now) for n in t.avoid)
 
     async def _unbar(self) -> None:
-        """A node that lost a waiting ticket is alive again: let the scripts grant it there."""
+        """A node that lost a waiting ticket is alive again, or its bar's time is up: let the
+        scripts grant it there (the BEAT that follows dispatches)."""
+        writes: list[asyncio.Future[Any]] = []
         for t, sent in list(self._barred.items()):
             tid = self._tid.get(t)
             if t.state != WAITING or tid is None:
@@ -899,12 +910,15 @@ class ClusterLeases:
                 continue
             only = self._only(t)
             if only != sent:
-                assert self._redis is not None
-                await self._redis.hset(f"{self.prefix}t:{tid}", "only", only)
+                # On the scripts' own connection: after the REQUEUE or ADMIT that wrote ``sent``,
+                # never overtaking it (an "only" it then overwrote would bar the ticket for good).
+                writes.append(self._wire.command("HSET", f"{self.prefix}t:{tid}", "only", only))
             if self._any_barred(t):
                 self._barred[t] = only
             else:
                 del self._barred[t]
+        if writes:
+            await asyncio.gather(*writes)
 
     def _view_json(self, route: str) -> str:
         return orjson.dumps(self._view(route)).decode()
