@@ -17,7 +17,9 @@ N loads of each kind, the kinds interleaved load by load:
   - while every slot of the route renders a slow prompt of the key and as many again wait in its
     queue (``--slots``: the route's slots over all its nodes): the same two, and with
     ``--other-key`` the page through the gateway as a key that hears none of those renders;
-and prints the medians, each as a multiple of the peer's, and the load average (the CPU is shared).
+and prints the medians, each as a multiple of the peer's, the median of each load's slowest
+request (Resource Timing: what the page waited for on the network at most), and the load
+average (the CPU is shared).
 Then, idle and while every slot renders, every file that page load fetched, without the browser
 (6 at a time): straight from the node against through the gateway, and with ``--gateway-pid``
 the gateway's CPU time per file.
@@ -159,9 +161,12 @@ def check_prompts(driver: Any, gateway: str, path: str, steps: int, step_ms: int
     return ready and sum("execution_success" in c for c in by_prompt.values()) >= 2
 
 
-def page_ready(driver: Any, url: str, key: str | None) -> float:
+SLOWEST = "return Math.max(0, ...performance.getEntriesByType('resource').map(e => e.duration));"
+
+
+def page_ready(driver: Any, url: str, key: str | None, slowest: list[float] | None = None) -> float:
     """Seconds from navigating to ``url`` (as ``key``) until the app is ready (cache off: every
-    file fetched)."""
+    file fetched); ``slowest`` gets the ms of the load's slowest request (Resource Timing)."""
     driver.get("about:blank")
     driver.execute_cdp_cmd("Network.setExtraHTTPHeaders",
                            {"headers": {"Authorization": f"Bearer {key}"} if key else {}})
@@ -169,7 +174,10 @@ def page_ready(driver: Any, url: str, key: str | None) -> float:
     driver.get(url)
     if not wait(driver, READY, 60, every=0.02):
         raise RuntimeError(f"{url}: the app was not ready within 60 s")
-    return time.monotonic() - started
+    took = time.monotonic() - started
+    if slowest is not None:
+        slowest.append(float(driver.execute_script(SLOWEST)))
+    return took
 
 
 def page_files(driver: Any) -> list[str]:
@@ -234,9 +242,11 @@ def bench_page(driver: Any, gateway: str, path: str, key: str, other: str | None
     files = {"idle": bench_files(urls, gateway, path, key, node, n, pid)}
     kinds: dict[str, tuple[str, str | None]] = {"direct": (node + "/", None), "gateway": (route, key)}
     took: dict[str, list[float]] = {}
+    slow: dict[str, list[float]] = {}  # per kind, each load's slowest request (ms)
     for _ in range(n):
         for kind, (url, who) in kinds.items():
-            took.setdefault(f"{kind}, idle", []).append(page_ready(driver, url, who))
+            took.setdefault(f"{kind}, idle", []).append(
+                page_ready(driver, url, who, slow.setdefault(f"{kind}, idle", [])))
     # Every slot rendering (sync prompts: answered once dispatched), as many again waiting in the
     # gateway's queue (async jobs: answered at once); long enough for the loads.
     seed = int(time.time()) * 100
@@ -250,7 +260,8 @@ def bench_page(driver: Any, gateway: str, path: str, key: str, other: str | None
         time.sleep(1.0)
         for _ in range(n):
             for kind, (url, who) in kinds.items():
-                took.setdefault(f"{kind}, {slots} rendering + {slots} queued", []).append(page_ready(driver, url, who))
+                name = f"{kind}, {slots} rendering + {slots} queued"
+                took.setdefault(name, []).append(page_ready(driver, url, who, slow.setdefault(name, [])))
         files["busy"] = bench_files(urls, gateway, path, key, node, n, pid)
         load = os.getloadavg()
     finally:
@@ -264,8 +275,8 @@ def bench_page(driver: Any, gateway: str, path: str, key: str, other: str | None
     print(f"page to app-ready (cache off), median of {n}; direct = {node}; "
           f"load average {' '.join(f'{x:.2f}' for x in load)}")
     for k, v in took.items():
-        print(f"   {k:<45} {med[k]:5.2f}s  x{med[k] / base:.2f} of direct idle   "
-              f"({' '.join(f'{x:.2f}' for x in v)})")
+        print(f"   {k:<45} {med[k]:5.2f}s  x{med[k] / base:.2f} of direct idle, slowest request "
+              f"{statistics.median(slow[k]):4.0f} ms   ({' '.join(f'{x:.2f}' for x in v)})")
     print(f"the page's {len(urls)} files without the browser (6 at a time), median of {n}:")
     for state, m in files.items():
         print(f"   {state}: direct {m['direct'] * 1000:.0f} ms, through the gateway {m['gateway'] * 1000:.0f} ms "
