@@ -368,6 +368,29 @@ async def test_a_key_limited_to_120_a_minute_gets_the_whole_real_page_while_ever
             pass
 
 
+async def test_the_page_comes_from_the_next_node_when_its_node_is_gone(fakegpus: Any, gateway: Any,
+                                                                       http: aiohttp.ClientSession) -> None:
+    """The node serving the page dies before a health check can tell (a page load is over in
+    seconds, the checks judge in tens): the request it never got, and a GET it dropped, go to the
+    next node, as nginx's proxy_next_upstream error does; the next request does not try it first."""
+    a = await fakegpus("comfyui", step_ms=20)
+    b = await fakegpus("comfyui", step_ms=20)
+    cfg = base_config({"a": a.url, "b": b.url}, kind="comfyui", max_concurrency=1)
+    cfg["routes"]["gen"].update(nodes=["a", "b"], standby=[])
+    for n in ("a", "b"):
+        cfg["nodes"][n]["health"] = {"path": "/system_stats", "interval_sec": 60}
+    gw = await gateway(cfg)
+    async with http.get(gw.url + "/gen/", headers=auth()) as r:
+        assert r.status == 200 and r.headers["X-KiloLine-Node"] == "a"  # a kept-alive connection to a
+    await a.kill()
+    for method, path in (("GET", "/"), ("GET", "/assets/index.js"), ("GET", "/object_info"),
+                         ("POST", "/api/settings/Comfy.TutorialCompleted"), ("GET", "/assets/index.css")):
+        async with http.request(method, gw.url + "/gen" + path, headers=auth(),
+                                json=True if method == "POST" else None) as r:
+            assert r.status != 502 and r.headers["X-KiloLine-Node"] == "b", (method, path, r.status)
+    assert gw.rt.scheduler.nodes["a"].healthy  # no health check told the gateway
+
+
 async def test_an_operators_unqueued_paths_replace_the_default_but_never_free_a_prompt(
         fakegpus: Any, gateway: Any, http: aiohttp.ClientSession) -> None:
     fake = await fakegpus("comfyui", step_ms=20)
