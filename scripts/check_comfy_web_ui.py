@@ -22,7 +22,11 @@ request (Resource Timing: what the page waited for on the network at most), and 
 average (the CPU is shared).
 Then, idle and while every slot renders, every file that page load fetched, without the browser
 (6 at a time): straight from the node against through the gateway, and with ``--gateway-pid``
-the gateway's CPU time per file.
+the gateway's CPU time per file; and one at a time, each file straight then through the
+gateway: what the gateway adds to one.
+
+With ``--kill-pid PID`` (the first node's process) it ends by killing that node and loading the
+page again at once, before a health check can tell the gateway.
 
     python scripts/check_comfy_web_ui.py http://127.0.0.1:8290 /comfy "$ALICE_KEY" \\
         --node http://127.0.0.1:18188 --node http://127.0.0.1:18189 --page-loads 5 --slots 2 \\
@@ -36,6 +40,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import statistics
 import sys
 import time
@@ -227,7 +232,10 @@ def bench_files(urls: list[str], gateway: str, path: str, key: str, node: str, n
         before = cpu_ms(pid)
         took["gateway"].append(fetch_all(urls, via))
         cpu += cpu_ms(pid) - before
-    return {**{k: statistics.median(v) for k, v in took.items()}, "cpu_ms_a_file": cpu / (n * len(urls))}
+    # one at a time, each file straight then through the gateway: what the gateway adds to one
+    added = sorted(fetch_all([g], via) - fetch_all([d], {}) for d, g in zip(direct, urls, strict=True))
+    return {**{k: statistics.median(v) for k, v in took.items()}, "cpu_ms_a_file": cpu / (n * len(urls)),
+            "added_p50": added[len(added) // 2], "added_p99": added[int(len(added) * 0.99)]}
 
 
 def bench_page(driver: Any, gateway: str, path: str, key: str, other: str | None, node: str, n: int,
@@ -280,8 +288,23 @@ def bench_page(driver: Any, gateway: str, path: str, key: str, other: str | None
     print(f"the page's {len(urls)} files without the browser (6 at a time), median of {n}:")
     for state, m in files.items():
         print(f"   {state}: direct {m['direct'] * 1000:.0f} ms, through the gateway {m['gateway'] * 1000:.0f} ms "
-              f"(+{(m['gateway'] - m['direct']) * 1000 / len(urls):.2f} ms a file)"
+              f"(+{(m['gateway'] - m['direct']) * 1000 / len(urls):.2f} ms a file); one at a time the gateway "
+              f"adds p50 {m['added_p50'] * 1000:.2f} ms, p99 {m['added_p99'] * 1000:.2f} ms"
               + (f"; the gateway's CPU {m['cpu_ms_a_file']:.2f} ms a file" if pid else ""))
+
+
+def page_after_kill(driver: Any, route: str, key: str, pid: int) -> bool:
+    """The node serving the page killed, the page loaded again at once (no health check has told
+    the gateway yet): does it load, and how soon?"""
+    os.kill(pid, signal.SIGKILL)
+    killed = time.monotonic()
+    try:
+        took = page_ready(driver, route, key)
+    except RuntimeError as e:
+        print(f"page after its node was killed: {e}")
+        return False
+    print(f"page after its node was killed: ready in {took:.2f}s, {time.monotonic() - killed:.1f}s after the kill")
+    return True
 
 
 def main() -> int:
@@ -296,6 +319,8 @@ def main() -> int:
     ap.add_argument("--slots", type=int, default=2, help="the route's slots over all its nodes")
     ap.add_argument("--other-key", help="also load the page as this key while the first key's prompts render")
     ap.add_argument("--gateway-pid", type=int, help="the gateway's pid: its CPU per page file")
+    ap.add_argument("--kill-pid", type=int,
+                    help="last, kill this process (the node serving the page) and load the page again at once")
     args = ap.parse_args()
     driver = browser(args.key)
     try:
@@ -303,6 +328,8 @@ def main() -> int:
         if args.page_loads and args.node:
             bench_page(driver, args.gateway, args.path, args.key, args.other_key, args.node[0], args.page_loads,
                        args.slots, args.gateway_pid)
+        if args.kill_pid:
+            ok = page_after_kill(driver, args.gateway + args.path + "/", args.key, args.kill_pid) and ok
         return 0 if ok else 1
     finally:
         driver.quit()
