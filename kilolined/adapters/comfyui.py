@@ -544,7 +544,7 @@ class ComfyUIAdapter(Adapter):
                 except (NodeError, PromptLost) as e:
                     scope.done_with_node()  # nothing left there to stop
                     p = owners.get(prompt_id)
-                    if p is None or p.output_seen or \
+                    if p is None or p.output_seen or p.stopped or \
                             not scope.requeue_held(NODE_LOST, lost=not isinstance(e, PromptLost)):
                         log.warning("[%s] %s (%s): slot freed", lease.node, NODE_LOST, e.reason)
                         _tell_lost(state, owners, prompt_id, again.body, f"{NODE_LOST}: {e.reason}")
@@ -643,6 +643,9 @@ class ComfyUIAdapter(Adapter):
                 raise Failure.mid_response(lease.node, f"{NODE_LOST} (after its first output)") from None
             scope.done_with_node()  # nothing left there to stop
             await sub.ws.close()
+            p = state.owners(lease.route).get(sub.prompt_id)
+            if p is not None and p.stopped:
+                raise Cancelled("interrupted, and its node was lost before it stopped") from None
             # A node that answered without the prompt restarted and is back; one that does
             # not answer is lost, and gets the prompt again only once seen alive.
             raise UpstreamFailed(NODE_LOST, answered=isinstance(e, PromptLost)) from None
