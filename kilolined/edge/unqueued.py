@@ -74,7 +74,7 @@ async def forward_unqueued(rt: Runtime, call: Call, rcfg: RouteConfig) -> web.St
             return await _forward(rt, call, rcfg, ex, node)
         except UpstreamFailed as e:
             if not (e.answered or e.timeout):
-                sched.nodes[node].lost_at = rt.clock()  # the next request tries the others first
+                sched.nodes[node].lost(rt.clock())  # the next request tries the others first
             if i + 1 < len(nodes) and next_upstream(e, method):
                 log.info("[%s] %s: %s %s goes to the next node", node, e.reason, method, call.tail.split("?", 1)[0])
                 continue
