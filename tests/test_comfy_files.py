@@ -42,6 +42,25 @@ async def test_upload_is_held_and_answered_as_comfyui(fakegpus: Any, gateway: An
     assert gw.rt.metrics.comfy_uploads.labels("gen").value == 4
 
 
+async def test_a_name_with_dots_is_a_name_as_comfyui_takes_it(fakegpus: Any, gateway: Any,
+                                                               http: aiohttp.ClientSession) -> None:
+    """ComfyUI's upload refuses only a name whose path leaves the folder: ``cat..png`` is uploaded
+    and loaded (its /view refuses any name with ``..``, and so does the gateway's)."""
+    a = await fakegpus("comfyui")
+    b = await fakegpus("comfyui")
+    gw = await gateway(two_nodes(a, b))
+    png = make_png("cat")
+    assert await upload(http, gw.url, "cat..png", png) == {"name": "cat..png", "subfolder": "", "type": "input"}
+    res = await run_job(http, gw, img2img("cat..png"))
+    assert len(images(res)) == 1
+    assert [n.backend.images.get(("input", "", "cat..png")) for n in (a, b) if n.stats["served"]] == [png]
+    assert (await view(http, gw, {"filename": "cat..png", "subfolder": "", "type": "input"}))[0] == 400
+    form = aiohttp.FormData()
+    form.add_field("image", png, filename="..", content_type="image/png")
+    async with http.post(gw.url + "/gen/upload/image", data=form, headers=auth()) as r:
+        assert r.status == 400
+
+
 async def test_an_upload_over_the_bound_is_refused(fakegpus: Any, gateway: Any, http: aiohttp.ClientSession,
                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     def no_disk(*_a: Any, **_k: Any) -> None:

@@ -252,6 +252,84 @@ async def test_the_page_loads_while_every_slot_renders(fakegpus: Any, gateway: A
             pass
 
 
+def real_page_load() -> list[tuple[str, str, dict[str, str]]]:
+    """(method, path, extra headers) of one load of ComfyUI 0.19.3's web UI (frontend 1.42), as
+    the gateway's access log recorded it in Chromium: ~210 requests, more than a key limited to
+    120 a minute could make in a minute if each cost a token."""
+    page: list[tuple[str, str, dict[str, str]]] = [("GET", "/", {})]
+    page += [("GET", f"/assets/chunk-{i}-Dx0{i}.js", {}) for i in range(130)]
+    page += [("GET", p, {}) for p in ("/materialdesignicons.min.css", "/fonts/inter-latin-normal.woff2",
+                                      "/user.css", "/templates/index.json", "/templates/index_logo.json",
+                                      "/templates/fuse_options.json", "/templates/gsl_starter_1_1-1.webp")]
+    page += [("GET", "/api/" + p, {}) for p in (
+        "users", "settings", "i18n", "object_info", "system_stats", "extensions", "experiment/models",
+        "workflow_templates", "global_subgraphs", "userdata/user.css", "userdata/comfy.templates.json",
+        "userdata?dir=workflows&recurse=true&split=false&full_info=true",
+        "userdata?dir=subgraphs&recurse=true&split=false&full_info=true",
+        "queue", "history?max_items=64")]
+    page += [("GET", f"/api/global_subgraphs/{i:064x}", {}) for i in range(40)]
+    page += [("GET", "/internal/folder_paths", {}), ("POST", "/api/settings/Comfy.InstalledVersion", {}),
+             ("POST", "/api/settings/Comfy.TutorialCompleted", {})]
+    page += [("GET", "/api/jobs?status=in_progress,pending&limit=200", {}) for _ in range(10)]
+    # the bundle's root-absolute images, found under the route by the page's Referer
+    page += [("GET", f"/assets/images/favicon_progress_16x16/frame_{i}.png", {"Referer": "{gw}/gen/"})
+             for i in range(10)]
+    return page
+
+
+async def test_a_key_limited_to_120_a_minute_gets_the_whole_real_page_while_every_slot_renders(
+        fakegpus: Any, gateway: Any, http: aiohttp.ClientSession) -> None:
+    a = await fakegpus("comfyui", step_ms=20)
+    b = await fakegpus("comfyui", step_ms=20)
+    cfg = base_config({"a": a.url, "b": b.url}, kind="comfyui", max_concurrency=1)
+    cfg["routes"]["gen"].update(nodes=["a", "b"], standby=[])
+    cfg["keys"]["alice"]["rate"] = {"per_minute": 120, "burst": 10}
+    gw = await gateway(cfg)
+    await asyncio.gather(post(http, gw, {"prompt": graph(2000, 1)}), post(http, gw, {"prompt": graph(2000, 2)}))
+    await wait_until(lambda: a.stats["running"] == 1 and b.stats["running"] == 1)
+    page = real_page_load()
+    assert len(page) > 120 + 10
+    browser = asyncio.Semaphore(6)  # a browser's connections per host
+
+    async def fetch(method: str, path: str, extra: dict[str, str]) -> tuple[str, int, bool]:
+        headers = {**auth(), **{k: v.format(gw=gw.url) for k, v in extra.items()}}
+        url = gw.url + path if "Referer" in extra else gw.url + "/gen" + path
+        async with browser, http.request(method, url, headers=headers, json={} if method == "POST" else None) as r:
+            await r.read()
+            return path, r.status, "RateLimit-Limit" in r.headers
+
+    answers = await asyncio.gather(*(fetch(*req) for req in page))
+    # every one answered by a node (its own 404 for what the fake lacks): none refused, none counted
+    assert [a for a in answers if a[1] not in (200, 404) or a[2]] == []
+    assert a.stats["running"] == 1 and b.stats["running"] == 1 and a.stats["served"] + b.stats["served"] == 0
+    for g in (a, b):
+        async with http.post(g.url + "/interrupt", json={}):
+            pass
+
+
+async def test_the_page_comes_from_the_next_node_when_its_node_is_gone(fakegpus: Any, gateway: Any,
+                                                                       http: aiohttp.ClientSession) -> None:
+    """The node serving the page dies before a health check can tell (a page load is over in
+    seconds, the checks judge in tens): the request it never got, and a GET it dropped, go to the
+    next node, as nginx's proxy_next_upstream error does; the next request does not try it first."""
+    a = await fakegpus("comfyui", step_ms=20)
+    b = await fakegpus("comfyui", step_ms=20)
+    cfg = base_config({"a": a.url, "b": b.url}, kind="comfyui", max_concurrency=1)
+    cfg["routes"]["gen"].update(nodes=["a", "b"], standby=[])
+    for n in ("a", "b"):
+        cfg["nodes"][n]["health"] = {"path": "/system_stats", "interval_sec": 60}
+    gw = await gateway(cfg)
+    async with http.get(gw.url + "/gen/", headers=auth()) as r:
+        assert r.status == 200 and r.headers["X-KiloLine-Node"] == "a"  # a kept-alive connection to a
+    await a.kill()
+    for method, path in (("GET", "/"), ("GET", "/assets/index.js"), ("GET", "/object_info"),
+                         ("POST", "/api/settings/Comfy.TutorialCompleted"), ("GET", "/assets/index.css")):
+        async with http.request(method, gw.url + "/gen" + path, headers=auth(),
+                                json=True if method == "POST" else None) as r:
+            assert r.status != 502 and r.headers["X-KiloLine-Node"] == "b", (method, path, r.status)
+    assert gw.rt.scheduler.nodes["a"].healthy  # no health check told the gateway
+
+
 async def test_an_operators_unqueued_paths_replace_the_default_but_never_free_a_prompt(
         fakegpus: Any, gateway: Any, http: aiohttp.ClientSession) -> None:
     fake = await fakegpus("comfyui", step_ms=20)

@@ -163,6 +163,92 @@ async def test_primary_killed_mid_prompt_completes_on_the_standby_under_its_prom
     await wait_until(lambda: sum(gw.rt.scheduler.node_inflight.values()) == 0)
 
 
+class DiesOnInterrupt:
+    """A node in front of a fake ComfyUI that accepts an ``/interrupt`` and dies before it lands,
+    as a real ComfyUI does that is lost between the request and its next progress step (where
+    it would stop the prompt): everything else is the fake's."""
+
+    def __init__(self, fake: Any):
+        self.fake = fake
+        self.runner: web.AppRunner | None = None
+        self.url = ""
+        self.interrupted = 0
+
+    async def start(self) -> None:
+        app = web.Application()
+        app.router.add_route("*", "/{tail:.*}", self.handle)
+        self.runner = web.AppRunner(app)
+        await self.runner.setup()
+        site = web.TCPSite(self.runner, "127.0.0.1", 0)
+        await site.start()
+        self.url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"  # type: ignore[union-attr]
+
+    async def die(self) -> None:
+        await self.fake.kill()
+        assert self.runner is not None
+        await self.runner.cleanup()  # no listener, every connection dropped
+
+    async def handle(self, request: web.Request) -> web.StreamResponse:
+        async with aiohttp.ClientSession() as http:
+            if request.method == "POST" and request.path.endswith("/interrupt"):
+                self.interrupted += 1
+                asyncio.get_running_loop().call_later(0.05, lambda: asyncio.ensure_future(self.die()))
+                return web.Response(status=200)
+            if request.headers.get("Upgrade", "").lower() == "websocket":
+                ws = web.WebSocketResponse()
+                await ws.prepare(request)
+                async with http.ws_connect(self.fake.url + request.path_qs) as up:
+                    async def down() -> None:
+                        async for m in up:
+                            await (ws.send_str(m.data) if m.type == aiohttp.WSMsgType.TEXT else ws.send_bytes(m.data))
+                        await ws.close()
+
+                    pump = asyncio.ensure_future(down())
+                    async for m in ws:
+                        await up.send_str(m.data)
+                    pump.cancel()
+                return ws
+            async with http.request(request.method, self.fake.url + request.path_qs, data=await request.read(),
+                                    headers={"Content-Type": request.headers.get("Content-Type", "")}) as r:
+                return web.Response(status=r.status, body=await r.read(),
+                                    headers={"Content-Type": r.headers.get("Content-Type", "application/json")})
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+async def test_an_interrupted_prompt_is_not_rerun_when_its_node_dies_before_stopping(
+        fakegpus: Any, gateway: Any, http: aiohttp.ClientSession, mode: str) -> None:
+    """The client interrupts its prompt; the node accepts and is lost before the interrupt lands:
+    the prompt ends there, and the standby never runs it (re-running it would be work nobody
+    wants, holding the slot)."""
+    fake = await fakegpus("comfyui", steps=2000, step_ms=20)
+    b = await fakegpus("comfyui", steps=3, step_ms=10)
+    a = DiesOnInterrupt(fake)
+    await a.start()
+    gw = await gateway(base_config({"a": a.url, "b": b.url}, kind="comfyui", max_concurrency=1))  # b: standby
+    owners = comfy_state(gw.rt).owners("gen")
+    body = {"prompt": img2img("example.png")}
+    body["prompt"]["1"] = {"class_type": "EmptyImage", "inputs": {"width": 8, "height": 8, "batch_size": 1,
+                                                                  "color": 0}}
+    if mode == "sync":
+        async with http.post(gw.url + "/gen/prompt", json=body, headers=auth()) as r:
+            assert r.status == 200, await r.text()
+            pid = (await r.json())["prompt_id"]
+    else:
+        async with http.post(gw.url + "/gen/prompt", json=body, headers={**auth(), **ASYNC}) as r:
+            assert r.status == 202
+            job = (await r.json())["job_id"]
+        await wait_until(lambda: len(owners.mine(None)) == 1)
+        pid = next(iter(owners.mine(None)))
+    await wait_until(lambda: fake.stats["running"] == 1)
+    async with http.post(gw.url + "/gen/interrupt", json={"prompt_id": pid}, headers=auth()) as r:
+        assert r.status == 200
+    await wait_until(lambda: sum(gw.rt.scheduler.node_inflight.values()) == 0)  # the slot is freed
+    await asyncio.sleep(0.3)  # where a re-queued prompt would have reached the standby by now
+    assert a.interrupted == 1 and b.stats["served"] == 0 and b.stats["running"] == 0
+    if mode == "async":
+        await wait_until(lambda: gw.jobs.jobs[job].status == "cancelled")
+
+
 async def test_the_admin_key_reads_every_keys_files_and_uploads_none(
         fakegpus: Any, gateway: Any, http: aiohttp.ClientSession) -> None:
     a = await fakegpus("comfyui", steps=2, step_ms=10)

@@ -29,6 +29,11 @@ def expected(stem: str) -> dict[str, Any]:
         "overwrite": {"name": name, "subfolder": "", "type": "input"},
         "subfolder": {"name": name, "subfolder": "sub", "type": "input"},
         "no image field": 400,
+        "dots in a name": {"name": f"{stem}..png", "subfolder": "", "type": "input"},
+        "a name that leaves the folder": 400,
+        "view of a name with dots": 400,
+        "prompt on a name with dots": {"3": {"images": [{"filename": f"{stem}d_00001_.png", "subfolder": "",
+                                                         "type": "output"}]}},
         "view input": (200, "other bytes", f'filename="{name}"'),
         "view dotdot": 400,
         "view escaping subfolder": 403,
@@ -87,6 +92,12 @@ async def probe(url: str, stem: str) -> dict[str, Any]:
         seen["overwrite"] = await _upload(http, url, name, other, overwrite="true")
         seen["subfolder"] = await _upload(http, url, name, png, subfolder="sub")
         seen["no image field"] = await _upload(http, url, None, b"", subfolder="sub")
+        # ComfyUI's upload refuses only a name whose path leaves the folder; its /view, any with ``..``
+        seen["dots in a name"] = await _upload(http, url, f"{stem}..png", png)
+        seen["a name that leaves the folder"] = await _upload(http, url, "..", png)
+        async with http.get(url + "/view", params={"filename": f"{stem}..png", "type": "input"}) as r:
+            seen["view of a name with dots"] = r.status
+        seen["prompt on a name with dots"] = await _run(http, url, img2img(f"{stem}..png", stem + "d"))
         async with http.get(url + "/view", params={"filename": name, "type": "input"}) as r:
             body = await r.read()
             seen["view input"] = (r.status, "other bytes" if body == other else body[:20],

@@ -362,9 +362,11 @@ async def control(rt: Runtime, request: web.Request, route: str, path: str, subj
     body = body if isinstance(body, dict) else {}
     owners = state.owners(route)
     mine = await _reach(rt, route, owners, viewer, request_id) if action != "history" else {}
+    stopping(owners, mine, stop_asked(action, path, body))
+    mark = functools.partial(stopping, owners, mine)
     try:
         if action == "interrupt":
-            await _interrupt(rt, mine, body.get("prompt_id"), path, request_id)
+            await _interrupt(rt, mine, body.get("prompt_id"), path, request_id, mark)
         elif action == "queue":
             await _queue(rt, state, route, viewer, mine, body, path, request_id)
         elif action == "history":
@@ -398,6 +400,28 @@ async def control(rt: Runtime, request: web.Request, route: str, path: str, subj
     except NodeError as e:
         return error_response(502, "upstream_error", e.reason, request_id=request_id)
     return web.Response(status=200, headers=headers)
+
+
+def stop_asked(action: str, path: str, body: dict[str, Any]) -> list[str]:
+    """The prompts a control request names to stop (an interrupt naming none stops what the node
+    says runs: marked where that is known). A dequeued prompt is ``ComfyState.drop``'s."""
+    if action == "interrupt":
+        pid = body.get("prompt_id")
+        return [pid] if isinstance(pid, str) and pid else []
+    if action == "cancel":
+        return [path.split("/")[3]]
+    if action == "cancel_many" and isinstance(body.get("job_ids"), list):
+        return [p for p in body["job_ids"] if isinstance(p, str)]
+    return []
+
+
+def stopping(owners: PromptOwners, mine: dict[str, str], pids: list[str]) -> None:
+    """Marked before the node is asked: a node that dies before the stop lands (ComfyUI stops
+    a prompt at its next progress step) must not have the prompt re-run on another."""
+    for pid in pids:
+        p = owners.get(pid)
+        if p is not None and pid in mine and not p.ended:
+            p.stopped = True
 
 
 async def _cancel(rt: Runtime, node: str, pid: str, request_id: str) -> bool:
@@ -450,7 +474,8 @@ async def _queues(rt: Runtime, mine: dict[str, str], request_id: str) -> list[tu
     return out
 
 
-async def _interrupt(rt: Runtime, mine: dict[str, str], prompt_id: Any, path: str, request_id: str) -> None:
+async def _interrupt(rt: Runtime, mine: dict[str, str], prompt_id: Any, path: str, request_id: str,
+                     mark: Callable[[list[str]], None]) -> None:
     """``mine``: the prompts the caller may act on, and their nodes."""
     if prompt_id:
         node = mine.get(prompt_id) if isinstance(prompt_id, str) else None
@@ -461,6 +486,7 @@ async def _interrupt(rt: Runtime, mine: dict[str, str], prompt_id: Any, path: st
     for api, queue, on_node in await _queues(rt, mine, request_id):
         for pid in all_ids(queue.get("queue_running")):
             if pid in on_node:
+                mark([pid])
                 await api.post(path, {"prompt_id": pid})
 
 

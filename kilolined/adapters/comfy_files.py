@@ -75,8 +75,10 @@ def clean_subfolder(subfolder: str) -> str | None:
 
 
 def valid_filename(name: str) -> bool:
-    """ComfyUI refuses names that start with / or hold ``..``; a / or \\ would name a subfolder."""
-    return bool(name) and not name.startswith("/") and ".." not in name and "/" not in name and "\\" not in name
+    """A file's name within its folder, as ComfyUI's upload takes it: it refuses only a name whose
+    path leaves the folder, so ``cat..png`` is a name; a / or \\ would name a subfolder.
+    (``/view`` and a mask's ``original_ref`` refuse any name holding ``..``: their own check.)"""
+    return name not in ("", ".", "..") and "/" not in name and "\\" not in name
 
 
 def clash_name(name: str, n: int) -> str:

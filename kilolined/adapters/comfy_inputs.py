@@ -152,8 +152,8 @@ async def _paint_mask(rt: Runtime, route: str, subject: str, mask: bytes, ref: s
         return web.Response(status=400, headers={"X-Request-Id": request_id})
     kind, sub, name = annotated(name) if name.endswith("]") else (
         str(original.get("type") or "output"), clean_subfolder(str(original.get("subfolder") or "")), name)
-    found = await held(rt, route, kind, sub, name) if sub is not None and kind in KINDS and valid_filename(name) \
-        else None
+    found = await held(rt, route, kind, sub, name) \
+        if sub is not None and kind in KINDS and valid_filename(name) and ".." not in name else None
     if found is None or found.data is None or not (st.config(route).shared or subject in found.owners):
         return web.Response(status=404, headers={"X-Request-Id": request_id})
     now = rt.clock()

@@ -31,6 +31,7 @@ class Prompt:
     entry: dict[str, Any] | None = None  # its history entry as the node wrote it, once ended
     ended: bool = False
     output_seen: bool = False  # an output node ran (``executed``): it cannot be re-run elsewhere for free
+    stopped: bool = False  # its client asked to stop it (interrupt, cancel, dequeue): lost, it is not re-run
     node_number: float | None = None  # the number its node gave it (another after a re-queue)
     shared: bool = False  # cluster mode: its entry is in Redis, whose history is the route's from then on
     dropped: bool = False  # deleted from its node's queue by a client: it ends there, is never re-queued

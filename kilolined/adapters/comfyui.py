@@ -607,7 +607,7 @@ class ComfyUIAdapter(Adapter):
                         state.hub.status(lease.node)
                         return
                     p = owners.get(prompt_id)
-                    if p is None or p.output_seen or not scope.requeue_held(
+                    if p is None or p.output_seen or p.stopped or not scope.requeue_held(
                             NodeVerdict(Cause.LOST, NODE_LOST), lost=not isinstance(e, PromptLost)):
                         log.warning("[%s] %s (%s): slot freed", lease.node, NODE_LOST, e.reason)
                         _tell_lost(state, owners, prompt_id, again.body, f"{NODE_LOST}: {e.reason}")
@@ -719,6 +719,9 @@ class ComfyUIAdapter(Adapter):
                                                                    mid_body=True)) from None
             scope.done_with_node()  # nothing left there to stop
             await sub.ws.close()
+            p = state.owners(lease.route).get(sub.prompt_id)
+            if p is not None and p.stopped:
+                raise Cancelled("interrupted, and its node was lost before it stopped") from None
             # A node that answered without the prompt restarted and is back; one that does
             # not answer is lost, and gets the prompt again only once seen alive.
             raise UpstreamFailed(NODE_LOST, answered=isinstance(e, PromptLost)) from None

@@ -643,7 +643,10 @@ class ComfyBackend(Backend):
             return web.Response(status=400)
         kind = post.get("type") if post.get("type") in ("input", "temp", "output") else "input"
         subfolder = str(post.get("subfolder", ""))
-        if subfolder.startswith("/") or ".." in subfolder.split("/") or "/" in image.filename or ".." in image.filename:
+        # ComfyUI refuses only a path that leaves the folder (``cat..png`` is a name); a / would
+        # name a subfolder, which this fake does not make
+        if subfolder.startswith("/") or ".." in subfolder.split("/") or "/" in image.filename \
+                or image.filename in (".", ".."):
             return web.Response(status=400)
         image.file.seek(0)
         data = image.file.read() if painted is None else painted

@@ -231,6 +231,10 @@ class NodeState:
         return self.breaker
 
     # --- can it take work ---------------------------------------------------------------
+    def known_lost(self) -> bool:
+        """Seen gone (a request lost on it, a failed health check) since it was last seen alive."""
+        return self.lost_at > self.alive_at
+
     def available(self, now: float) -> bool:
         """Up, breaker lets a request through, not drained (slots are the scheduler's business)."""
         if self.retired or self.drained or not self.healthy:

@@ -70,12 +70,13 @@ class UpstreamFailed(Exception):
     goes back to it only once it has been seen alive again (queue.Scheduler.barred)."""
 
     def __init__(self, reason: str, *, timeout: bool = False, response: Upstream | None = None,
-                 answered: bool = False, cause: Cause | None = None):
+                 answered: bool = False, cause: Cause | None = None, unsent: bool = False):
         super().__init__(reason)
         self.reason = reason
         self.timeout = timeout
         self.response = response  # set when the node answered 502/503 (passed on if out of retries)
         self.answered = answered or response is not None
+        self.unsent = unsent  # no connection: the node never got the request, whatever its method
         #: what happened, typed (the words are ``reason``): by default a timeout, a failing
         #: status answered, else a node lost
         self.cause = cause or (Cause.TIMEOUT if timeout else Cause.STATUS if response is not None else Cause.LOST)
@@ -102,9 +103,9 @@ def mid_response(e: BaseException) -> NodeVerdict:
     return NodeVerdict(Cause.LOST, lost("connection dropped mid-response"), mid_body=True)
 
 
-def node_lost(what: str) -> UpstreamFailed:
+def node_lost(what: str, unsent: bool = False) -> UpstreamFailed:
     """A node lost before any byte of its answer: the scope re-queues the request."""
-    return UpstreamFailed(lost(what))
+    return UpstreamFailed(lost(what), unsent=unsent)
 
 
 @functools.lru_cache(maxsize=1024)
@@ -258,7 +259,7 @@ async def open_upstream(
     except TimeoutError:
         raise UpstreamFailed(f"no response within {timeout:g}s", timeout=True)
     except ConnectFailed:
-        raise node_lost("connection refused")
+        raise node_lost("connection refused", unsent=True)
     except HeadTooLarge as e:
         raise UpstreamFailed(str(e), answered=True)  # it is alive, and answered out of bounds
     except aiohttp.ServerDisconnectedError:
