@@ -271,7 +271,7 @@ class Plan:
     hold: tuple[str, ...]  # the nodes that could ever hold it (blocked while it is passed over)
 
     def wire(self) -> dict[str, object]:
-        return {"t": [{"n": [[c.node, list(c.cols), None if c.alt is None else list(c.alt), int(c.held)]
+        return {"t": [{"n": [[c.node, list(c.cols), list(c.alt or ()), int(c.held)]
                              for c in tier.cands], "w": list(tier.wait)} for tier in self.tiers],
                 "h": list(self.hold)}
 
