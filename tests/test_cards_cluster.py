@@ -1,0 +1,69 @@
+"""Cards over two gateways on Redis (docs/CONFIG.md#cards, docs/CLUSTER.md): two servers on one
+card of N, each behind its own route with more slots than the card, a burst through both
+gateways to both routes: the fakes never run more than N at once together, and do reach N. The
+card is one more limit of the rules (kilolined/scheduling/rules.py ``card_slots``), counted in
+Redis like every other."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import aiohttp
+from cluster_harness import GatewayProc, RedisServer, gateways, make_gateways, redis_server, start_all
+from conftest import auth
+
+from kilolined.fakegpu import FakeGPU
+from kilolined.fakegpu.card import Job
+
+__all__ = ["gateways", "redis_server"]  # fixtures
+
+N = 2
+
+
+class Peak:
+    """What the fakes run at once, together: taken at each job's start on either."""
+
+    def __init__(self, *gpus: FakeGPU) -> None:
+        self.gpus = gpus
+        self.peak = 0
+        for g in gpus:
+            begin = g.begin_job
+
+            def counted(vram_gb: float | None = None, begin=begin) -> Job:  # type: ignore[no-untyped-def]
+                job = begin(vram_gb)
+                self.peak = max(self.peak, sum(x.stats["running"] for x in self.gpus))
+                return job
+
+            g.begin_job = counted  # type: ignore[method-assign]
+
+
+async def generate(s: aiohttp.ClientSession, gw: GatewayProc, route: str) -> int:
+    async with s.post(f"{gw.url}/{route}/generate", json={"steps": 4, "step_ms": 30}, headers=auth()) as r:
+        await r.read()
+        return r.status
+
+
+async def test_a_card_of_n_runs_no_more_than_n_over_two_gateways(
+        redis_server: RedisServer, gateways: list[GatewayProc], tmp_path: Path) -> None:
+    a, b = FakeGPU("generic", steps=4, step_ms=30), FakeGPU("generic", steps=4, step_ms=30)
+    await a.start()
+    await b.start()
+    try:
+        peak = Peak(a, b)
+        gateways += make_gateways(2, tmp_path, redis_server.url, a.url, max_concurrency=4)
+        for g in gateways:
+            g.cfg["nodes"] = {"a": {"url": a.url, "card": "gpu"}, "b": {"url": b.url, "card": "gpu"}}
+            g.cfg["cards"] = {"gpu": {"max_concurrency": N}}
+            g.cfg["routes"]["gen"]["nodes"] = ["a"]
+            g.cfg["routes"]["gen2"] = {**g.cfg["routes"]["gen"], "path": "/gen2", "nodes": ["b"]}
+        await start_all(gateways)
+        async with aiohttp.ClientSession() as s:
+            got = await asyncio.gather(*(generate(s, gateways[i % 2], "gen" if i % 4 < 2 else "gen2")
+                                         for i in range(24)))
+        assert got == [200] * 24
+        assert peak.peak == N, f"{peak.peak} ran at once on a card of {N}"
+        assert a.stats["served"] and b.stats["served"], (a.stats, b.stats)
+    finally:
+        await a.stop()
+        await b.stop()
