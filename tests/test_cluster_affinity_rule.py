@@ -1,9 +1,9 @@
 """The cluster's scripts choose a node by the same affinity rule as one gateway alone: for random
 nodes, slots, loads, warm sets and prefix indexes, the ADMIT script on a real redis-server grants
-the node that ``queue.Scheduler.choose_node`` picks (or, like it, none), from the plan the gateway's
-rules made (its index's matches in rank columns) and Redis' own in-flight counts; and the outcome the gateway counts when
-that grant arrives (``affine_landed``) is the one it would have counted deciding alone
-(docs/CLUSTER.md, docs/CONFIG.md#affinity)."""
+the node that ``queue.Scheduler.choose_node`` picks (or, like it, none), from the plan the
+gateway's rules made (its index's matches in rank columns) and Redis' own in-flight counts; and
+the outcome the gateway counts when that grant arrives (``affine_landed``) is the one it would
+have counted deciding alone (docs/CLUSTER.md, docs/CONFIG.md#affinity)."""
 
 from __future__ import annotations
 

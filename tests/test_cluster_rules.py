@@ -179,7 +179,7 @@ def test_both_stores_serve_the_queue_in_the_same_order(redis_server: RedisServer
                                                         strategy: str, max_bypass: int, ops: list[Any]) -> None:
     for x in scene["node"].values():
         x["serves"], x["ramp"] = True, None  # (a plan is made at admission: nothing in it may change meanwhile)
-    local, rq = scheduler(scene, strategy, max_bypass)
+    local, _ = scheduler(scene, strategy, max_bypass)
     gw, grq = scheduler(scene, strategy, max_bypass)  # the gateway's own view, which makes the plans
     every = scene["primaries"] + scene["standby"]
     r = redis.Redis(port=redis_server.port)

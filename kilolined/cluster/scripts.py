@@ -1,4 +1,9 @@
-"""The Lua scripts that make every cluster-wide lease decision atomically inside Redis.
+"""The Lua scripts that carry out every cluster-wide lease decision atomically inside Redis.
+
+They hold no scheduling policy: which node may take a ticket and in which order the rest rank
+are the gateway's rules (kilolined/scheduling/rules.py), written as data into the route's view
+(each node's limits) and the ticket's plan (its candidates and their rank columns). The scripts
+count, keep the queues, check counts against caps and pick the lowest columns.
 
 One script per decision, one round trip each: admit, release, requeue, cancel, and the
 heartbeat (renewal, reaping of dead gateways, the sweep that replaces a lost wake-up). Every
@@ -11,10 +16,10 @@ Keys, all under the prefix P (a single Redis primary; Redis Cluster sharding is 
   P gi:<inst>     hash   id, version, seen (ms) of a gateway instance
   P gt:<inst>     set    the instance's waiting ticket ids
   P gl:<inst>     set    the instance's lease ids
-  P t:<tid>       hash   route, key (its queue), ck (the client's key), gw, pin, avoid (",a,b,"),
-                         only (",a,b,": the nodes serving its model; "" any), warm (",a,": where
-                         the admitting gateway knew its model warm), aff (JSON: what affinity
-                         needs, from the admitting gateway's index; "" none: see affine below),
+  P t:<tid>       hash   route, key (its queue), ck (the client's key), gw, plan (JSON,
+                         rules.Plan.wire: {"t": tiers [{"n": [[node, columns, columns when no
+                         free candidate is held ([]: the same), held 1|0]...], "w": nodes that
+                         stop the search while one is up}], "h": nodes that could hold it}),
                          at (ms), cost, by (times passed over while the head: backfill),
                          state (w waiting | l leased | x dropped), lease, node,
                          job (its sse/async job)
@@ -25,16 +30,19 @@ Keys, all under the prefix P (a single Redis primary; Redis Cluster sharding is 
   P w:<route>     zset   the route's waiting tickets by arrival (the oldest: drop_oldest's victim)
   P n:<route>     string waiting tickets of the route
   P nk:<route>    hash   client key -> waiting tickets
-  P v:<route>     string the route's view (JSON): {"p": [[node, slots, cap, capacity now, capacity]],
-                         "s": [...], "o": strategy, "a": priority aging step (ms), "c": costs can
-                         hold tickets back (backfill), "b": max_bypass, "t": request_timeout_sec
-                         (ms)}; -1: no such limit
+  P v:<route>     string the route's view (JSON): {"n": {node: {"u": up 1|0, "s": slowed 1|0, "l":
+                         its limits [[count, field, cap (-1 none), per lease, per cost, alone,
+                         reserve kind, reserve name, scale]...] (rules.Limit.wire)}}, "o":
+                         strategy, "a": priority aging step (ms), "c": costs can hold tickets
+                         back (backfill), "b": max_bypass, "t": request_timeout_sec (ms)}
   P in:<route>    hash   node -> leases of the route
   P nin           hash   node -> leases on the node (every route)
   P ncost         hash   node -> the costs of its leases (every route)
-  P l:<lid>       hash   route, node, gw, tid, cost, at (its grant, ms), d (1: in doubt), g and i
+  P cin, P ccost  hash   card -> leases on its nodes, their costs
+  P l:<lid>       hash   route, node, gw, tid, cost, at (its grant, ms), k (JSON: what its grant
+                         added to each count, taken back at its end), d (1: in doubt), g and i
                          (in doubt: the gateway id and instance it was granted to)
-  P gs:<gid>      string a gateway's share (JSON {"r": {route: slots per node}, "n": {node: slots},
+  P gs:<gid>      string a gateway's share (JSON {"r": {route: slots per node}, "n": {node or "card:"card: slots},
                          "c": its part of a capacity}): what it would run alone if it lost Redis now,
                          written at each heartbeat
   P lost          hash   gateway id -> when its heartbeat lapsed (ms): its share is reserved (counted

@@ -23,7 +23,7 @@ import math
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Protocol
 
 from kilolined.core.config import NodeConfig, RouteConfig
 from kilolined.scheduling import affinity as aff
@@ -652,24 +652,8 @@ class Scheduler:
         if not flight:
             del self.prefix_flight[node]
 
-    def affinity_hint(self, rq: RouteQueue, t: Ticket) -> dict[str, Any] | None:
-        """What a lease store that chooses the node elsewhere needs to apply ``_affine``'s rule
-        (cluster mode: the scripts, kilolined/cluster/scripts.py): the mode (``m``: "p" prefix,
-        "s" session), the route's nodes in the rendezvous order of the first key (``r``), and for
-        a prefix, per node of ``r``, the bytes still to prefill there (``u``) and the match in keys
-        (``k``) by this gateway's index, with the whole size (``z``) for a node not listed. The
-        in-flight counts are the chooser's own. None: no affinity applies to ``t``."""
-        a = t.affinity
-        if a is None or a.mode != rq.cfg.affinity or t.pinned_node is not None:
-            return None
-        order = aff.rendezvous(a.keys[0], rq.all_nodes)
-        if a.mode == aff.SESSION:
-            return {"m": "s", "r": order}
-        matches = [self._match(n, a) for n in order]
-        return {"m": "p", "r": order, "u": [a.uncached(m) for m in matches], "k": matches, "z": a.size}
-
     def affine_landed(self, rq: RouteQueue, t: Ticket, node: str) -> None:
-        """A grant chosen elsewhere (the cluster's scripts, by ``affinity_hint``) lands here: what
+        """A grant chosen elsewhere (the cluster's scripts, by the ticket's plan) lands here: what
         it was by this gateway's index now, as ``_affine`` would say it — hit; miss (no node it
         could have gone to holds any of it); load (one held more, or was the session's first, but
         the load rule chose another). Pinned, or a node that had failed it: hit if it holds any."""

@@ -1,4 +1,4 @@
-"""Node choice as rules (SPEC §17, docs/ARCHITECTURE.md "Node choice"): which nodes may take a
+"""Node choice as rules (docs/ARCHITECTURE.md "Node choice"): which nodes may take a
 request, and in which order the rest rank, as ordered lists of small named functions.
 
 Both lease stores decide with these: the local ``Scheduler`` and the cluster's scripts in Redis
@@ -291,24 +291,29 @@ def tier(b: Board, t: Asking, q: Ask, group: Sequence[str], a: Affinity | None) 
     return Tier(cands(q, names, PREFIX, PREFIX_NEW), wait, a.mode)
 
 
+def ask(b: Board, t: Asking, every: Sequence[str], a: Affinity | None) -> Ask:
+    """What the ranks read of the ticket: with affinity, the rendezvous order of its first key
+    and, for a prefix, each node's match."""
+    q = Ask(b, t)
+    if a is not None:
+        q.order = {n: i for i, n in enumerate(aff.rendezvous(a.keys[0], every))}
+        if a.mode == aff.PREFIX:
+            q.match = {n: b.prefix_match(n, a) for n in every}
+    return q
+
+
 def plan(b: Board, t: Asking, groups: Sequence[Sequence[str]], affinity_mode: str | None) -> Plan:
     """The ticket's tiers: its pinned node alone; else each group (primaries, standbys) ranked by
     load or affinity, then the nodes that failed it, least loaded first."""
     every = [n for g in groups for n in g]
     hold = tuple(n for n in every if b.could_hold_node(n, t.cost))
-    q = Ask(b, t)
     if t.pinned_node is not None:
-        pin = passing(PIN_FILTERS, b, t, [t.pinned_node])
-        return Plan((Tier(tuple(Cand(n, (0,)) for n in pin)),), hold)
+        return Plan((Tier(tuple(Cand(n, (0,)) for n in passing(PIN_FILTERS, b, t, [t.pinned_node]))),), hold)
     a = t.affinity if t.affinity is not None and t.affinity.mode == affinity_mode else None
-    if a is not None:
-        q.order = {n: i for i, n in enumerate(aff.rendezvous(a.keys[0], every))}
-        if a.mode == aff.PREFIX:
-            q.match = {n: b.prefix_match(n, a) for n in every}
+    q = ask(b, t, every, a)
     tiers = [tier(b, t, q, g, a) for g in groups]
-    q.match = {}
-    tiers.append(Tier(cands(q, passing(FALLBACK_FILTERS, b, t, every), LEAST_LOADED)))
-    return Plan(tuple(tiers), hold)
+    last = cands(Ask(b, t), passing(FALLBACK_FILTERS, b, t, every), LEAST_LOADED)
+    return Plan((*tiers, Tier(last)), hold)
 
 
 # --- the pick: filled in with a store's counts (its Lua twin: scripts.pick) ----------------------
@@ -342,20 +347,32 @@ class Picked:
     tier: int  # the tier it came from (or that stopped the search: -1 none)
 
 
+def feasible(tr: Tier, s: Counts, cost: float, blocked: frozenset[str]) -> list[Cand]:
+    """The live filters: not held for a passed-over head, up, every limit within its cap."""
+    return [c for c in tr.cands if c.node not in blocked and s.up(c.node) and s.feasible(c.node, cost)]
+
+
+def best(tr: Tier, s: Counts, cost: float, blocked: frozenset[str]) -> str | None:
+    """The tier's feasible candidate with the lowest columns, the first of equals; the ``alt``
+    columns when no feasible one is ``held``."""
+    names = [c.node for c in tr.cands if c.node not in blocked]
+    free = feasible(tr, s, cost, blocked)
+    held = any(c.held for c in free)
+    top: tuple[float, ...] | None = None
+    node = None
+    for c in free:
+        cols = c.cols if c.alt is None or held else c.alt
+        key = tuple(value(x, s, c.node, names) for x in cols)
+        if top is None or key < top:
+            top, node = key, c.node
+    return node
+
+
 def pick(p: Plan, s: Counts, cost: float, blocked: frozenset[str] = frozenset()) -> Picked:
     """The first tier with a feasible candidate gives its best; a tier with a node worth waiting
     for that is up ends the search."""
     for i, tr in enumerate(p.tiers):
-        names = [c.node for c in tr.cands if c.node not in blocked]
-        free = [c for c in tr.cands if c.node not in blocked and s.up(c.node) and s.feasible(c.node, cost)]
-        held = any(c.held for c in free)
-        best: tuple[float, ...] | None = None
-        node = None
-        for c in free:
-            cols = c.cols if c.alt is None or held else c.alt
-            key = tuple(value(x, s, c.node, names) for x in cols)
-            if best is None or key < best:
-                best, node = key, c.node
+        node = best(tr, s, cost, blocked)
         if node is not None:
             return Picked(node, i)
         if any(s.up(n) for n in tr.wait):
