@@ -424,15 +424,6 @@ class Scheduler:
         ns = self.nodes.get(fld)
         return 1 if ns is not None and ns.slowed else 0  # rules.SLOW
 
-    def fits(self, ns: NodeState, cost: float, now: float) -> bool:
-        """In-flight costs plus ``cost`` within the node's capacity (rules.node_capacity)."""
-        full = ns.cfg.capacity
-        if full is None:
-            return True
-        lim = rules.node_capacity(rules.NodeCaps("", ns.name, 0, None, ramped_capacity(ns, now), full,
-                                                 self.share.capacity(1.0), None, None, None))
-        return rules.within(lim, self.capacity_used.get(ns.name, 0.0), cost)
-
     def hold_limit(self, ns: NodeState) -> float | None:
         """The most a node can hold at once: its capacity or its card's, the smaller (None: no limit)."""
         caps = [c for c in (ns.cfg.capacity, self.cards.capacity(ns.cfg.card)) if c is not None]
