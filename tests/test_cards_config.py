@@ -65,5 +65,5 @@ def test_a_card_mistake_is_reported_with_the_schema_errors_of_the_same_run() -> 
 
 
 def test_cards_are_taken_in_cluster_mode() -> None:
-    text = CARDS + "cluster: {redis_url: 'redis://127.0.0.1:6379/0'}\n"
-    assert errors(text) == []
+    cfg = parse_config(CARDS + "cluster: {redis_url: 'redis://127.0.0.1:6379/0'}\n", env={})
+    assert cfg.cluster is not None and cfg.nodes["box-tts"].card == "box4090"
