@@ -901,7 +901,7 @@ def plan_json(sched: Scheduler, t: Ticket, now: float) -> str:
     """The ticket's candidates with their rank columns, by the rules (Scheduler.plan): written
     with the ticket, so the gateway whose release grants it picks by the same rule with Redis'
     own counts."""
-    return orjson.dumps(sched.plan(sched.routes[t.route], t, now).wire()).decode()
+    return orjson.dumps(sched.plan(sched.routes[t.route], t, now, hold=True).wire()).decode()
 
 
 def _s(v: Any) -> str:

@@ -388,14 +388,30 @@ class Scheduler:
         self.bodies = WaitingBodies()
         #: the part of every slot count this gateway may use (cluster mode, Redis down: its share)
         self.share: Share = WHOLE
+        #: (route, node) -> its capped limits and what they were made of (a memo:
+        #: remade when a config, the share or the node's slow verdict changes; never while ramping)
+        self._limits: dict[tuple[str, str], tuple[object, object, object, object, bool, list[rules.Limit]]] = {}
 
     # -- capacity --------------------------------------------------------------------------
     def can_take(self, rq: RouteQueue, node: str, now: float, cost: float = 0.0) -> bool:
         ns = self.nodes.get(node)
         if ns is None or not ns.available(now):
             return False
-        return all(rules.within(lim, self.count(rq, lim.count, lim.field), cost)
-                   for lim in rules.limits(self.caps(rq, ns, now)))
+        return all(rules.within(lim, self.count(rq, lim.counter, lim.field), cost) for lim in self.capped(rq, ns, now))
+
+    def capped(self, rq: RouteQueue, ns: NodeState, now: float) -> list[rules.Limit]:
+        """The node's limits on ``rq`` now that have a cap (rules.limits of ``caps``; the others
+        are only counted)."""
+        if ns.recovered_at is not None:  # slow start: they change with the clock
+            return [lim for lim in rules.limits(self.caps(rq, ns, now)) if lim.cap >= 0]
+        card = self.cards.cfg.get(ns.cfg.card) if ns.cfg.card is not None else None
+        memo = self._limits.get((rq.name, ns.name))
+        if (memo is not None and memo[0] is rq.cfg and memo[1] is ns.cfg and memo[2] is self.share
+                and memo[3] is card and memo[4] == ns.slowed):
+            return memo[5]
+        lims = [lim for lim in rules.limits(self.caps(rq, ns, now)) if lim.cap >= 0]
+        self._limits[(rq.name, ns.name)] = (rq.cfg, ns.cfg, self.share, card, ns.slowed, lims)
+        return lims
 
     def caps(self, rq: RouteQueue, ns: NodeState, now: float, share: Share | None = None) -> rules.NodeCaps:
         """What the node's limits on ``rq`` are made of now, as ``share`` (this store's) cuts them."""
@@ -426,8 +442,11 @@ class Scheduler:
 
     def hold_limit(self, ns: NodeState) -> float | None:
         """The most a node can hold at once: its capacity or its card's, the smaller (None: no limit)."""
-        caps = [c for c in (ns.cfg.capacity, self.cards.capacity(ns.cfg.card)) if c is not None]
-        return min(caps) if caps else None
+        own = ns.cfg.capacity
+        card = self.cards.capacity(ns.cfg.card) if ns.cfg.card is not None else None
+        if card is None or own is None:
+            return own if card is None else card
+        return min(own, card)
 
     def could_hold(self, ns: NodeState | None, cost: float) -> bool:
         """The node could ever take a request of this cost (no capacity: always)."""
@@ -497,9 +516,10 @@ class Scheduler:
         wait = ns.cfg.breaker.open_sec if hc is None else hc.interval_sec * (hc.fall + 1)
         return now < lost_at + wait
 
-    def plan(self, rq: RouteQueue, t: Ticket, now: float) -> rules.Plan:
-        """The ticket's candidate nodes in tiers with their rank columns (rules.plan)."""
-        return rules.plan(_Board(self, now), t, (rq.cfg.nodes, rq.cfg.standby), rq.cfg.affinity)
+    def plan(self, rq: RouteQueue, t: Ticket, now: float, hold: bool = False) -> rules.Plan:
+        """The ticket's candidate nodes in tiers with their rank columns (rules.plan); ``hold``:
+        with the nodes that could ever hold it (what a store that backfills alone needs)."""
+        return rules.plan(_Board(self, now), t, (rq.cfg.nodes, rq.cfg.standby), rq.cfg.affinity, hold)
 
     def choose_node(self, rq: RouteQueue, t: Ticket, now: float,
                     blocked: frozenset[str] = frozenset(), position: int = 1) -> str | None:
@@ -882,6 +902,7 @@ class Scheduler:
         """A route made for a client-named target is gone, and ``node`` with it if given (kilolined/ops/adhoc.py
         decides when: nothing queued or running on the route, nothing in flight on the node)."""
         self.routes.pop(route, None)
+        self._limits = {k: v for k, v in self._limits.items() if k[0] != route}
         if node is not None:
             self.nodes.pop(node, None)
             self.swaps.pop(node, None)
@@ -1115,6 +1136,8 @@ class _Local:
         self.s, self.rq, self.now = s, rq, now
 
     def count(self, name: str, fld: str) -> float:
+        if name == rules.NIN:  # the load rank's, the most asked
+            return self.s.node_inflight[fld]
         return self.s.count(self.rq, name, fld)
 
     def up(self, node: str) -> bool:

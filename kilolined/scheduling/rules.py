@@ -25,7 +25,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 from kilolined.scheduling import affinity as aff
 from kilolined.scheduling.affinity import Affinity
@@ -43,7 +43,7 @@ SLOW = "slow"  # 1 while the node is soft-ejected for being slow (its view's, no
 #: a rank column: a number the gateway knows, ("+", c, f, count, field): c + f × that count, or
 #: (">", ratio): 1 when the node's route in-flight, counting this request, passes ``ratio`` × the
 #: mean over the tier's candidates (rounded up, at least 1), else 0
-Col = float | tuple[object, ...]
+Col = float | tuple[str, float, float, str, str] | tuple[str, float]
 
 
 class Asking(Protocol):
@@ -69,15 +69,14 @@ class Board(Protocol):
 # --- limits: count vs cap, filled in by the store -----------------------------------------------
 
 
-@dataclass(frozen=True, slots=True)
-class Limit:
+class Limit(NamedTuple):
     """A count a lease adds to (``per_lease`` + ``per_cost`` × its cost) and the cap it must stay
     within (-1: none, counted only). ``alone``: a count at 0 still takes one that fits this (a
     capacity ramping up takes one request). ``res``: which reserved share of a lost gateway
     counts as in use here (cluster: "r" per node of a route, "n" per node or card, "c" a part
     of a capacity), times ``scale``."""
 
-    count: str
+    counter: str
     field: str
     cap: float
     per_lease: int = 1
@@ -88,8 +87,7 @@ class Limit:
     scale: float = 1
 
     def wire(self) -> list[object]:
-        return [self.count, self.field, self.cap, self.per_lease, self.per_cost, self.alone,
-                self.res, self.res_name, self.scale]
+        return list(self)
 
 
 def within(lim: Limit, used: float, cost: float) -> bool:
@@ -102,8 +100,7 @@ def within(lim: Limit, used: float, cost: float) -> bool:
     return lim.alone >= 0 and used <= EPS and add <= lim.alone + EPS
 
 
-@dataclass(frozen=True, slots=True)
-class NodeCaps:
+class NodeCaps(NamedTuple):
     """What the limits of one node of one route are made of, as the store's share has them."""
 
     route: str
@@ -189,7 +186,14 @@ PIN_FILTERS: tuple[Filter, ...] = (serves_model, not_barred)
 
 
 def passing(filters: Sequence[Filter], b: Board, t: Asking, nodes: Iterable[str]) -> list[str]:
-    return [n for n in nodes if all(f(b, t, n) for f in filters)]
+    out = []
+    for n in nodes:
+        for f in filters:
+            if not f(b, t, n):
+                break
+        else:
+            out.append(n)
+    return out
 
 
 # --- ranks: in which order the candidates go ---------------------------------------------------
@@ -250,25 +254,22 @@ SESSION: tuple[Rank, ...] = (within_bound, slowed_last, cold_last, rendezvous_or
 # --- the plan: a ticket's tiers of candidates, as data -------------------------------------------
 
 
-@dataclass(frozen=True, slots=True)
-class Cand:
+class Cand(NamedTuple):
     node: str
     cols: tuple[Col, ...]
     alt: tuple[Col, ...] | None = None  # the columns when no free candidate of its tier is ``held``
     held: bool = False
 
 
-@dataclass(frozen=True, slots=True)
-class Tier:
+class Tier(NamedTuple):
     cands: tuple[Cand, ...]
     wait: tuple[str, ...] = ()  # while one of these is up, a later tier is not tried
     mode: str | None = None  # the affinity it ranks by (the outcome is counted for it)
 
 
-@dataclass(frozen=True, slots=True)
-class Plan:
+class Plan(NamedTuple):
     tiers: tuple[Tier, ...]
-    hold: tuple[str, ...]  # the nodes that could ever hold it (blocked while it is passed over)
+    hold: tuple[str, ...]  # the nodes that could ever hold it (blocked while it is passed over): with_hold
 
     def wire(self) -> dict[str, object]:
         return {"t": [{"n": [[c.node, list(c.cols), list(c.alt or ()), int(c.held)]
@@ -277,8 +278,8 @@ class Plan:
 
 
 def cands(q: Ask, nodes: Sequence[str], ranks: Sequence[Rank], alt: Sequence[Rank] | None = None) -> tuple[Cand, ...]:
-    return tuple(Cand(n, tuple(r(q, n) for r in ranks), None if alt is None else tuple(r(q, n) for r in alt),
-                      q.match.get(n, 0) > 0) for n in nodes)
+    return tuple([Cand(n, tuple([r(q, n) for r in ranks]), None if alt is None else tuple([r(q, n) for r in alt]),
+                       q.match.get(n, 0) > 0) for n in nodes])
 
 
 def tier(b: Board, t: Asking, q: Ask, group: Sequence[str], a: Affinity | None) -> Tier:
@@ -302,11 +303,13 @@ def ask(b: Board, t: Asking, every: Sequence[str], a: Affinity | None) -> Ask:
     return q
 
 
-def plan(b: Board, t: Asking, groups: Sequence[Sequence[str]], affinity_mode: str | None) -> Plan:
+def plan(b: Board, t: Asking, groups: Sequence[Sequence[str]], affinity_mode: str | None,
+         with_hold: bool = False) -> Plan:
     """The ticket's tiers: its pinned node alone; else each group (primaries, standbys) ranked by
-    load or affinity, then the nodes that failed it, least loaded first."""
+    load or affinity, then the nodes that failed it, least loaded first. ``with_hold``: with the
+    nodes that could ever hold it (the cluster's backfill blocks them for a passed-over head)."""
     every = [n for g in groups for n in g]
-    hold = tuple(n for n in every if b.could_hold_node(n, t.cost))
+    hold = tuple(n for n in every if b.could_hold_node(n, t.cost)) if with_hold else ()
     if t.pinned_node is not None:
         return Plan((Tier(tuple(Cand(n, (0,)) for n in passing(PIN_FILTERS, b, t, [t.pinned_node]))),), hold)
     a = t.affinity if t.affinity is not None and t.affinity.mode == affinity_mode else None
@@ -324,32 +327,28 @@ class Counts(Protocol):
 
     def count(self, name: str, field: str) -> float: ...
     def up(self, node: str) -> bool: ...
-    def feasible(self, node: str, cost: float) -> bool: ...
+    def feasible(self, node: str, cost: float) -> bool: ...  # up, and every limit within its cap
 
 
 def value(col: Col, s: Counts, n: str, names: Sequence[str]) -> float:
     if not isinstance(col, tuple):
         return col
-    if col[0] == "+":
-        c, f, name, fld = col[1:5]
-        assert isinstance(c, (int, float)) and isinstance(f, (int, float)) and isinstance(name, str)
-        return c + f * s.count(name, str(fld))
+    if len(col) == 5:  # ("+", c, f, count, field)
+        return col[1] + col[2] * s.count(col[3], col[4])
     ratio = col[1]
-    assert isinstance(ratio, (int, float))
     total = sum(s.count(IN, m) for m in names)
     bound = max(1, math.ceil(ratio * (total + 1) / max(1, len(names)) - EPS))
     return 1 if s.count(IN, n) + 1 > bound else 0
 
 
-@dataclass(frozen=True, slots=True)
-class Picked:
+class Picked(NamedTuple):
     node: str | None
     tier: int  # the tier it came from (or that stopped the search: -1 none)
 
 
 def feasible(tr: Tier, s: Counts, cost: float, blocked: frozenset[str]) -> list[Cand]:
     """The live filters: not held for a passed-over head, up, every limit within its cap."""
-    return [c for c in tr.cands if c.node not in blocked and s.up(c.node) and s.feasible(c.node, cost)]
+    return [c for c in tr.cands if c.node not in blocked and s.feasible(c.node, cost)]
 
 
 def best(tr: Tier, s: Counts, cost: float, blocked: frozenset[str]) -> str | None:
