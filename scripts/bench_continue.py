@@ -20,7 +20,10 @@ chunks, and started again at once on the same port. For every stream it checks:
 - and, throughout, no node runs more than its one slot (``GET /slots`` polled every 10 ms).
 
 Sse jobs are checked for completion with the whole text. ``continue_streams: false`` is run for
-``--off`` streams, which must end with the error, as before.
+``--off`` streams, which must end with the error, as before. ``--messages`` streams are Anthropic's
+(``/v1/messages``), checked as the chat streams are, in their shapes: one ``message_start`` and one
+text block, ``output_tokens`` equal to the text deltas received, the seam against what a node
+continues when asked directly with the text so far as a prefilled assistant message.
 
     .venv/bin/python scripts/bench_continue.py --llama-server $REAL_DIR/llama/.../bin/llama-server \\
         --model $REAL_DIR/llama/tiny.gguf [--streams 50 --jobs 10 --off 5 --nodes 3]
@@ -170,11 +173,47 @@ class Read:
             self.kinds.append(any(pieces))
 
 
-async def direct(http: aiohttp.ClientSession, node: Node, b: dict[str, Any]) -> Read:
+class MessagesRead(Read):
+    """An Anthropic Messages stream as its client read it (``ids`` holds each message_start's id,
+    ``created`` one entry per content block start)."""
+
+    def line(self, line: str) -> None:
+        if line.startswith(":"):
+            self.comments.append(line)
+            if line.startswith(": continued on "):
+                self.seam_at.append(len(self.chunks))
+        elif line.startswith("event: error"):
+            self.errors.append(line)
+        elif line.startswith("data:"):
+            ev = json.loads(line[5:])
+            kind = ev.get("type")
+            if kind == "message_start":
+                self.ids.add((ev["message"].get("id"), ev["message"].get("model")))
+            elif kind == "content_block_start":
+                self.created.append(ev.get("index"))
+            elif kind == "content_block_delta" and ev["delta"].get("type") == "text_delta":
+                self.chunks.append(ev["delta"]["text"])
+            elif kind == "message_delta" and isinstance(ev.get("usage"), dict):
+                self.usage = ev["usage"]
+            elif kind == "message_stop":
+                self.done = True
+            elif "error" in ev:
+                self.errors.append(ev)
+
+
+def messages_body(prompt: str, a: argparse.Namespace, **extra: Any) -> dict[str, Any]:
+    # No grammar: llama.cpp's Messages endpoint drops it (asked directly, ``root ::= "x"+`` still
+    # answered any text), so these answers run at the model's full speed.
+    return {"model": "kiloline-tiny", "messages": [{"role": "user", "content": prompt}], "stream": True,
+            "max_tokens": a.max_tokens, "temperature": 0, "seed": 1, **extra}
+
+
+async def direct(http: aiohttp.ClientSession, node: Node, b: dict[str, Any],
+                 path: str = "/v1/chat/completions") -> Read:
     """A stream asked of a node directly (the reference)."""
     for _ in range(100):
-        got = Read()
-        async with http.post(node.url + "/v1/chat/completions", json=b) as r:
+        got = MessagesRead() if path == "/v1/messages" else Read()
+        async with http.post(node.url + path, json=b) as r:
             if r.status == 503:  # its one slot is busy, or it is loading
                 await asyncio.sleep(0.1)
                 continue
@@ -209,11 +248,11 @@ class Bench:
         self.locks = {n.name: asyncio.Lock() for n in nodes}
         self.kills = 0
 
-    async def direct(self, b: dict[str, Any]) -> Read:
+    async def direct(self, b: dict[str, Any], path: str = "/v1/chat/completions") -> Read:
         """Asked of a live node directly; again elsewhere if the other client's kill takes it."""
         for _ in range(50):
             try:
-                return await direct(self.http, next(n for n in self.nodes if n.ready), b)
+                return await direct(self.http, next(n for n in self.nodes if n.ready), b, path)
             except aiohttp.ClientError:
                 await asyncio.sleep(0.1)
         raise RuntimeError("no node answered the reference continuation")
@@ -260,6 +299,45 @@ class Bench:
             out.note = f"#{i}: diverged at char {_diverge(got.text, ref.text)} (seam at chunk {got.seam_at})"
         if not out.seam_ok or out.cut:
             out.note += f" seam_ok={out.seam_ok} cut={out.cut} errors={got.errors} seams={got.seam_at}"
+        return out
+
+    async def messages(self, i: int, prompt: str, ref: Read) -> Outcome:
+        """An Anthropic Messages stream (``ref``: its uninterrupted answer from /v1/messages)."""
+        a = self.a
+        k = self.rng.randint(a.min_chunks, max(a.min_chunks, len(ref.chunks) // 2))
+        got = MessagesRead()
+        killer: asyncio.Task[None] | None = None
+        headers = {"x-api-key": KEY, "anthropic-version": "2023-06-01"}
+        async with self.http.post(self.gw + "/v1/messages", json=messages_body(prompt, a), headers=headers) as r:
+            got.node = r.headers.get("X-KiloLine-Node", "")
+            async for raw in r.content:
+                got.line(raw.decode().rstrip("\r\n"))
+                if killer is None and len(got.chunks) >= k and got.node:
+                    killer = asyncio.create_task(self.kill(got.node))
+        if killer is not None:
+            await killer
+        out = Outcome("messages", killed_at=k, seams=len(got.seam_at))
+        out.cut = bool(got.errors) or not got.done
+        out.one_id = len(got.ids) == 1 and len(got.created) == 1  # one message, one text block
+        out.usage_ok = got.usage is not None and got.usage.get("output_tokens") == len(got.chunks)
+        out.whole_ok = got.text == ref.text
+        if got.seam_at:
+            s = got.seam_at[0]
+            before = "".join(got.chunks[:s])
+            # What a node continues from exactly that text, prefilled, asked directly (llama.cpp's
+            # first delta repeats the prefill: it is not part of the continuation).
+            messages = [{"role": "user", "content": prompt}, {"role": "assistant", "content": before}]
+            cont = (await self.direct(messages_body(prompt, a, max_tokens=a.max_tokens - s, messages=messages),
+                                      "/v1/messages")).text.removeprefix(before)
+            after = "".join(got.chunks[s:got.seam_at[1]] if len(got.seam_at) > 1 else got.chunks[s:])
+            out.at_seam = _diverge(got.text, ref.text) == len(before)
+            out.seam_ok = got.chunks[:s] == ref.chunks[:s] and (after == cont or (len(got.seam_at) > 1
+                                                                                 and cont.startswith(after)))
+        if not out.seam_ok or out.cut or not out.usage_ok:
+            tokens, ref_tokens = (got.usage or {}).get("output_tokens"), (ref.usage or {}).get("output_tokens")
+            out.note = (f"messages #{i}: seam_ok={out.seam_ok} cut={out.cut} errors={got.errors} seams={got.seam_at}"
+                        f" killed after {k} of {len(ref.chunks)}; output_tokens {tokens} for {len(got.chunks)}"
+                        f" deltas (uninterrupted: {ref_tokens} for {len(ref.chunks)})")
         return out
 
     async def job(self, i: int, prompt: str, ref: Read) -> Outcome:
@@ -356,14 +434,18 @@ async def run(a: argparse.Namespace) -> int:
                 gws.append(f"http://127.0.0.1:{srv.port}")
             rng = random.Random(a.seed)
             prompts = [f"Tell me about the {' '.join(rng.sample(WORDS, 3))} number {i}."
-                       for i in range(a.streams + a.jobs + a.off)]
-            refs = [await direct(http, nodes[i % len(nodes)], body(p, a)) for i, p in enumerate(prompts)]
+                       for i in range(a.streams + a.jobs + a.off + a.messages)]
+            chats = a.streams + a.jobs + a.off
+            refs = [await direct(http, nodes[i % len(nodes)], body(p, a)) for i, p in enumerate(prompts[:chats])]
+            refs += [await direct(http, nodes[i % len(nodes)], messages_body(p, a), "/v1/messages")
+                     for i, p in enumerate(prompts[chats:])]
             print(f"references: {len(refs)} uninterrupted answers, {sum(len(r.chunks) for r in refs)} chunks; "
                   f"same answer from another node: {await _stable(http, nodes, prompts[0], refs[0], a)}")
             stop = asyncio.Event()
             poller = asyncio.create_task(poll_slots(http, nodes, stop))
             on = Bench(a, nodes, http, gws[0])
-            work = ([(on.stream, i) for i in range(a.streams)] + [(on.job, a.streams + i) for i in range(a.jobs)])
+            work = ([(on.stream, i) for i in range(a.streams)] + [(on.job, a.streams + i) for i in range(a.jobs)]
+                    + [(on.messages, chats + i) for i in range(a.messages)])
             outcomes: list[Outcome] = []
             sem = asyncio.Semaphore(a.clients)
 
@@ -386,8 +468,10 @@ async def run(a: argparse.Namespace) -> int:
         for n in nodes:
             n.kill()
     report(outcomes, nodes, metric, elapsed, on.kills + off.kills, a)
-    streams = [o for o in outcomes if o.kind == "stream"]
-    return 0 if streams and not any(o.cut for o in streams) and all(o.seam_ok for o in streams) else 1
+    # A Messages answer (no grammar slows it) may end before its kill lands: no seam, nothing to check.
+    streams = [o for o in outcomes if o.kind == "stream" or (o.kind == "messages" and o.seams)]
+    cut = any(o.cut for o in outcomes if o.kind != "off")  # off: cut by design
+    return 0 if streams and not cut and all(o.seam_ok for o in streams) else 1
 
 
 async def _stable(http: aiohttp.ClientSession, nodes: list[Node], prompt: str, ref: Read,
@@ -410,7 +494,7 @@ def report(outcomes: list[Outcome], nodes: list[Node], metric: float, elapsed: f
           f"{a.clients} clients, retry_on_failover {a.retries}; {elapsed:.1f} s\n")
     print("| what | runs | cut | seams | seam exact | = uninterrupted | usage = chunks | one id/model, created kept |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")
-    for kind in ("stream", "job", "off"):
+    for kind in ("stream", "job", "off", "messages"):
         print(row(kind))
     print(f"\nkills: {kills}; most slots busy at once per node: "
           f"{ {n.name: n.max_busy for n in nodes} }; kiloline_stream_continuations_total: {metric:g}")
@@ -430,6 +514,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--streams", type=int, default=50)
     p.add_argument("--jobs", type=int, default=10)
     p.add_argument("--off", type=int, default=5, help="streams through a gateway with continue_streams: false")
+    p.add_argument("--messages", type=int, default=0, help="Anthropic /v1/messages streams")
     p.add_argument("--clients", type=int, default=2)
     p.add_argument("--max-tokens", type=int, default=120)
     p.add_argument("--min-chunks", type=int, default=10)

@@ -228,7 +228,8 @@ async def test_a_queued_stream_refused_by_the_token_budget_ends_with_an_error_ev
 
 async def test_a_node_dying_mid_stream_is_an_error_event_the_sdk_raises(fakegpus, gateway) -> None:
     fake = await fakegpus("openai", step_ms=100)
-    gw = await gateway(llm_cfg(fake))
+    # Not continued on another node (tests/test_continuation.py has those): the stream ends.
+    gw = await gateway(llm_cfg(fake, continue_streams=False))
     c = client(gw)
     got: list[str] = []
     with pytest.raises(anthropic.APIStatusError) as info:

@@ -333,9 +333,9 @@ def test_prompt_owners_are_bounded_and_per_key() -> None:
     owners = PromptOwners(cap=2)
     for pid in ("a", "b", "c"):
         owners.add(pid, "alice", "n1")
-    assert owners.node_of("a", "alice") is None  # the oldest was forgotten
-    assert owners.node_of("c", "alice") == "n1" and owners.node_of("c", "bob") is None
+    # the oldest was forgotten; bob acts on none of them, the admin (None) on all
     assert owners.mine("alice") == {"b": "n1", "c": "n1"} and owners.mine("bob") == {}
+    assert owners.mine(None) == {"b": "n1", "c": "n1"}
 
 
 def test_the_record_keeps_a_bounded_history_in_the_order_prompts_ended() -> None:

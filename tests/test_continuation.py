@@ -8,12 +8,15 @@ node under the same id, model and created, with no chunk repeated or lost at the
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import aiohttp
 import pytest
+from anthropic import AsyncAnthropic
 from conftest import KEYS, auth, base_config, wait_until
 from openai import AsyncOpenAI
 from test_comfyui import ASYNC, SSE, inflight
@@ -375,3 +378,175 @@ async def test_a_node_that_will_not_continue_ends_the_stream_as_before(fakegpus:
     assert got.errors[0]["error"]["message"] == f"node {node} failed: node lost (connection dropped mid-response)"
     assert got.text == reply_text(len(got.content)) and len(got.content) < STEPS
     await wait_until(lambda: inflight(gw) == 0)
+
+
+
+def checked(cfg: dict[str, Any]) -> dict[str, Any]:
+    """Every node health-checked often, and never marked down by the checks within a test."""
+    for node in cfg["nodes"].values():
+        node["health"] = {"path": "/health", "interval_sec": 0.1, "timeout_sec": 1, "fall": 1000, "rise": 1}
+    return cfg
+
+
+async def _job_cut_after(gw: Any, http: aiohttp.ClientSession, fakes: dict[str, Any], headers: dict[str, str],
+                         words: int, after_kill: Callable[[Any], Awaitable[None]] | None = None) -> tuple[Any, str]:
+    """An sse or async job whose serving node is killed once ``words`` chunks were generated:
+    (the job once it ended, the node killed). ``after_kill(job)`` runs right after the kill."""
+    reader: asyncio.Task[bytes] | None = None
+    async with http.post(gw.url + "/gen/v1/chat/completions", json=chat(usage=False), headers=headers) as r:
+        if headers is ASYNC:
+            assert r.status == 202
+            await r.read()
+        else:
+            assert r.status == 200
+            reader = asyncio.create_task(r.read())  # the sse client reads on to the end
+        await wait_until(lambda: len(gw.jobs.jobs) == 1)
+        job = next(iter(gw.jobs.jobs.values()))
+
+        def step() -> int:
+            steps = [json.loads(f.split(b"data: ", 1)[1])["step"] for _, n, f in job.events if n == "step_progress"]
+            return steps[-1] if steps else 0
+
+        await wait_until(lambda: step() >= words or job.status in ("completed", "failed"))
+        killed = job.node
+        await fakes[killed].kill()
+        if after_kill is not None:
+            await after_kill(job)
+        await wait_until(lambda: job.status in ("completed", "failed"))
+        if reader is not None:
+            await reader
+    return job, killed
+
+
+async def _result_text(gw: Any, http: aiohttp.ClientSession, job: Any) -> str:
+    async with http.get(gw.url + job.urls()["result_url"]) as r:
+        return sse_text(await r.read()).text
+
+
+@pytest.mark.parametrize(("mode", "restarting"), [("sync", "refusing"), ("sse", "refusing"), ("async", "refusing"),
+                                                  ("sse", "loading"), ("async", "seen by a health check")])
+async def test_a_node_known_lost_does_not_spend_the_retry_a_continuation_needs(
+        fakegpus: Any, gateway: Any, http: aiohttp.ClientSession, mode: str, restarting: str) -> None:
+    # A spot reclaim: node a dies — under a stream, which goes on on b, or idle, which a failed
+    # health check saw — and, restarting, refuses connections or answers 503 while it loads; no
+    # health check has marked it down yet. The next request is sent there (the least loaded
+    # node), then its own node is killed mid-answer. The gateway knew a was lost when it sent the
+    # request there: that re-queue is not the request's, and its one retry (the default
+    # retry_on_failover) is left for the continuation on c.
+    fakes = {n: await fakegpus("openai", steps=STEPS, step_ms=25) for n in ("a", "b", "c")}
+    cfg = config({n: f.url for n, f in fakes.items()})
+    gw = await gateway(checked(cfg) if restarting == "seen by a health check" else cfg)
+    if restarting == "seen by a health check":
+        a = gw.rt.scheduler.nodes["a"]
+        await fakes["a"].kill()
+        await wait_until(lambda: a.lost_at > a.alive_at)
+        assert a.healthy
+    else:
+        first = await stream(http, gw.url, chat(), fakes)
+        assert first.node == "a" and not first.errors and first.text == reply_text(STEPS)
+    if restarting == "loading":
+        fakes["a"].set_control(fail_status=503)
+        await fakes["a"].revive()
+    if mode == "sync":
+        got = await stream(http, gw.url, chat(), fakes)
+        assert got.node == "b", got.node  # after a's refusal
+        assert not got.errors and got.done, got.errors
+        text = got.text
+    else:
+        job, killed = await _job_cut_after(gw, http, fakes, SSE if mode == "sse" else ASYNC, 10)
+        assert killed == "b"
+        assert job.status == "completed", job.error
+        text = await _result_text(gw, http, job)
+    # The whole text: the words b gave before it was killed, then c's continuation of them.
+    assert text == reply_text(STEPS)
+    assert fakes["c"].stats["served"] >= 1 and max_held(fakes) == 1
+    await wait_until(lambda: inflight(gw) == 0)
+
+
+async def test_a_restarting_node_that_answered_503_is_not_tried_again_before_it_is_back(
+        fakegpus: Any, gateway: Any, http: aiohttp.ClientSession) -> None:
+    # Node a was lost under a stream and is loading again (503 to requests and to health checks,
+    # as llama.cpp answers while it loads its model). A job sent there goes on to b, whose loss
+    # mid-answer leaves it no node but a: it waits for a to pass a health check rather than be
+    # sent straight back to a's 503, which would spend the retry its continuation needs.
+    fakes = {n: await fakegpus("openai", steps=STEPS, step_ms=25) for n in ("a", "b")}
+    a = fakes["a"]
+    gw = await gateway(checked(config({n: f.url for n, f in fakes.items()})))
+    first = await stream(http, gw.url, chat(), fakes)
+    assert first.node == "a" and not first.errors
+    a.set_control(fail_status=503, health_status=503)
+    await a.revive()
+
+    async def loaded(job: Any) -> None:
+        # The continuation is re-queued (the second re-queue: a's 503, then b's loss)…
+        await wait_until(lambda: job.status == "failed" or job.ticket.requeues >= 2)
+        # …and waits, not sent to a: a is back only once a health check passes.
+        assert job.status == "queued" and job.ticket.state == "waiting", (job.status, job.error)
+        a.set_control(fail_status=None, health_status=200)
+
+    job, killed = await _job_cut_after(gw, http, fakes, SSE, 10, loaded)
+    assert killed == "b"
+    assert job.status == "completed", job.error
+    assert await _result_text(gw, http, job) == reply_text(STEPS)
+    assert max_held(fakes) == 1
+    await wait_until(lambda: inflight(gw) == 0)
+
+
+async def test_an_anthropic_messages_stream_cut_by_its_node_goes_on_on_another(
+        fakegpus: Any, gateway: Any, http: aiohttp.ClientSession) -> None:
+    # The anthropic SDK, through the gateway to /v1/messages on an openai route; the node is killed
+    # after ten text deltas. The other node is asked to continue the text so far as a prefilled
+    # assistant message, and repeats it in its first delta (as llama-server does): the SDK must read
+    # one message, the whole answer, nothing repeated, and the output tokens of both nodes.
+    gw, fakes, _ = await two(fakegpus, gateway)
+    client = AsyncAnthropic(base_url=gw.url + "/gen", api_key=KEYS["alice"], max_retries=0, timeout=30)
+    kinds: list[str] = []
+    deltas: list[str] = []
+    async with client.messages.stream(model="m", max_tokens=STEPS, messages=[{"role": "user", "content": "hi"}]) as s:
+        node = s.response.headers["X-KiloLine-Node"]
+        async for ev in s:
+            kinds.append(ev.type)
+            if ev.type == "content_block_delta" and ev.delta.type == "text_delta":
+                deltas.append(ev.delta.text)
+                if len(deltas) == 10:
+                    await fakes[node].kill()
+        final = await s.get_final_message()
+    await client.close()
+    other = "b" if node == "a" else "a"
+    assert fakes[other].stats["served"] >= 1
+    assert "".join(deltas) == reply_text(STEPS) and len(deltas) == STEPS
+    assert final.content[0].text == reply_text(STEPS)  # type: ignore[union-attr]
+    assert (final.usage.output_tokens, final.stop_reason) == (STEPS, "max_tokens")
+    # One message, one text block: the continuing node's starts were the client's already.
+    assert [k for k in kinds if k not in ("text", "content_block_delta")] == [
+        "message_start", "content_block_start", "content_block_stop", "message_delta", "message_stop"]
+    assert gw.rt.metrics.continuations.labels("gen").value == 1
+    assert max_held(fakes) == 1
+    await wait_until(lambda: inflight(gw) == 0)
+
+
+async def test_an_async_anthropic_messages_job_cut_by_its_node_completes_with_the_whole_text(
+        fakegpus: Any, gateway: Any, http: aiohttp.ClientSession) -> None:
+    gw, fakes, _ = await two(fakegpus, gateway)
+    body = {"model": "m", "max_tokens": STEPS, "stream": True, "messages": [{"role": "user", "content": "hi"}]}
+    async with http.post(gw.url + "/gen/v1/messages", json=body, headers=ASYNC) as r:
+        assert r.status == 202
+        accepted = await r.json()
+    job = gw.jobs.jobs[accepted["job_id"]]
+
+    def steps() -> list[int]:
+        return [json.loads(f.split(b"data: ", 1)[1])["step"] for _, n, f in job.events if n == "step_progress"]
+
+    await wait_until(lambda: bool(steps()) and steps()[-1] >= 10)
+    killed = job.node
+    await fakes[killed].kill()
+    await wait_until(lambda: job.status in ("completed", "failed"))
+    assert job.status == "completed", job.error
+    async with http.get(gw.url + accepted["result_url"]) as r:
+        result = (await r.read()).decode()
+    data = [json.loads(line[5:]) for line in result.split("\n") if line.startswith("data:")]
+    text = "".join(d["delta"]["text"] for d in data if d["type"] == "content_block_delta")
+    assert text == reply_text(STEPS)
+    assert [d["type"] for d in data].count("message_start") == 1
+    assert [d["usage"]["output_tokens"] for d in data if d["type"] == "message_delta"] == [STEPS]
+    assert job.node != killed and max_held(fakes) == 1

@@ -15,16 +15,20 @@ import asyncio
 import os
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from typing import Any
 
 import yaml
 from cluster_harness import RedisServer, redis_server, until
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from test_lease import BEHAVIOURS, config, every_slot_comes_back, inflight
+from test_lease import BEHAVIOURS, Quiet, config, every_slot_comes_back, inflight
 
 from kilolined.cluster.leases import ClusterLeases
 from kilolined.core.config import parse_config
 from kilolined.ops.runtime import Runtime
+from kilolined.scheduling.lease import LeaseScope
+from kilolined.scheduling.queue import WAITING, Lease
+from kilolined.wire.proxy import UpstreamFailed
 
 __all__ = ["redis_server"]  # fixtures
 
@@ -37,10 +41,12 @@ FAULTS = st.lists(st.tuples(st.sampled_from(("restart", "freeze")), st.floats(0,
 
 
 @asynccontextmanager
-async def cluster_runtime(redis: RedisServer, slots: int) -> AsyncIterator[tuple[Runtime, ClusterLeases]]:
+async def cluster_runtime(redis: RedisServer, slots: int,
+                          cfg: dict[str, Any] | None = None) -> AsyncIterator[tuple[Runtime, ClusterLeases]]:
     """A started Runtime whose leases live in Redis, wired as kilolined/cluster/build.py wires
-    them (the lease store alone: the property is about leases); stopped in the server's order."""
-    cfg = config(slots)
+    them (the lease store alone: the property is about leases); stopped in the server's order.
+    ``cfg``: test_lease.config's, changed (default: as it is, with ``slots``)."""
+    cfg = config(slots) if cfg is None else cfg
     # A prefix of its own: nothing an earlier example left in Redis is counted in this one.
     cfg["cluster"] = {"redis_url": redis.url, "gateway_id": "prop", "lease_ttl_sec": TTL,
                       "key_prefix": f"prop-{os.urandom(4).hex()}:"}
@@ -128,3 +134,38 @@ async def test_stop_ends_a_loop_whose_cancel_a_redis_command_swallowed(redis_ser
         await asyncio.sleep(0)  # it is in the middle of a send now
         await asyncio.wait_for(leases.stop(), 10)
         assert not leases._tasks
+
+
+async def test_a_request_admitted_again_while_its_nodes_are_barred_is_granted_once_the_bar_lifts(
+        redis_server: RedisServer) -> None:
+    """A request lost by both its nodes (connection reset) waits for them: neither may have it
+    back for ``breaker.open_sec`` (nothing probes them), as in the local scheduler. Redis restarts
+    empty meanwhile, and the request is admitted there again with that bar. When the bar lifts
+    here, it must lift in Redis too: the request goes back to a node, not on waiting to its
+    queue_timeout."""
+    cfg = config(slots=1, retries=2)
+    for node in cfg["nodes"].values():
+        node["breaker"]["open_sec"] = 2
+    cfg["routes"]["r"]["queue_timeout_sec"] = 8
+    async with cluster_runtime(redis_server, 1, cfg) as (rt, _leases):
+        ticket = await rt.settle(rt.admit("r", "k", 0))
+        tried: list[str] = []
+
+        async def attempt(lease: Lease) -> str:
+            tried.append(lease.node)
+            if len(tried) <= 2:
+                raise UpstreamFailed("connection reset")
+            return "answer"
+
+        async def restart_redis_while_barred() -> None:
+            async def barred_on_both() -> bool:
+                return ticket.requeues == 2 and ticket.state == WAITING
+            await until(barred_on_both, "the request was not re-queued from both nodes")
+            redis_server.kill()
+            await asyncio.to_thread(redis_server.start)  # empty: no persistence
+
+        async with LeaseScope(rt, ticket, Quiet(), "k") as scope:
+            answer, _ = await asyncio.gather(scope.acquire(attempt), restart_redis_while_barred())
+            scope.ok = True
+        assert answer == "answer"
+        assert tried[:2] == ["a", "b"] and len(tried) == 3, tried

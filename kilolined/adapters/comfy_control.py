@@ -5,9 +5,10 @@
 the prompt they mean to stop. And on a shared node they act on everybody's prompts
 (``/interrupt {}`` stops whatever runs, ``clear`` empties the whole queue). Behind the gateway
 they act only on prompts that the same key submitted through it, as the route's record
-(comfy_record.py) has them. A request about someone else's prompt gets ComfyUI's own answer for a prompt
-that is not there (200, nothing done), so prompt ids of other keys cannot be probed. The admin
-key acts on every prompt, and so does every key of a ``comfy.shared`` route.
+(comfy_record.py) has them, or in cluster mode through any gateway (cluster/comfylists.py). A
+request about someone else's prompt gets ComfyUI's own answer for a prompt that is not there
+(200, nothing done), so prompt ids of other keys cannot be probed. The admin key acts on every
+prompt, and so does every key of a ``comfy.shared`` route.
 
 The read views (comfy_views.py) and the websocket (comfy_hub.py) are dispatched from here too,
 and the per-runtime ComfyUI state lives here: the routes' records, the node monitors, the hub.
@@ -29,9 +30,18 @@ from aiohttp import web
 from kilolined.adapters.comfy_hub import ENDED, Hub, parse
 from kilolined.adapters.comfy_monitor import Monitors, NodeMonitor
 from kilolined.adapters.comfy_node import NodeAPI, NodeError, all_ids, find_entry, node_api
-from kilolined.adapters.comfy_record import EVERYONE, PromptOwners, Viewer, entry_as_given
+from kilolined.adapters.comfy_record import (
+    ENTRIES_MAX,
+    EVERYONE,
+    Prompt,
+    PromptOwners,
+    Viewer,
+    entry_as_given,
+    record_of,
+)
 from kilolined.adapters.comfy_store import claim_names, executed_for_client, history_for_client
 from kilolined.adapters.comfy_views import Views, view_of
+from kilolined.core import comfy_jobs
 from kilolined.core.errors import error_response
 from kilolined.ops.runtime import Runtime
 from kilolined.wire import expect
@@ -95,23 +105,48 @@ class ComfyState:
         self.activity = NodeActivity()
         #: the client id every prompt is sent under, on every node: the monitors listen as it
         self.hub_id = f"kilolined-monitor-{uuid.uuid4().hex}"
-        self.hub = Hub(self.owners, self.routes_of, functools.partial(executed_for_client, rt))
+        self.hub = Hub(self.owners, self.routes_of, functools.partial(executed_for_client, rt), rt.comfy_ws)
+        if rt.comfy_ws is not None:  # cluster mode: frames and counts of prompts other gateways run
+            rt.comfy_ws.on_frame, rt.comfy_ws.on_counts = self.hub.remote, self.hub.status_of
 
     def owners(self, route: str) -> PromptOwners:
         got = self.routes.get(route)
         if got is None:
             got = self.routes[route] = PromptOwners()
+        if got.listen is None and self.rt.comfy_lists is not None:
+            got.listen = functools.partial(self._changed, route)
         return got
+
+    def _changed(self, route: str, prompt_id: str, p: Prompt) -> None:
+        """Cluster mode: a prompt of this gateway's on a node now, or ended, for every gateway's
+        queue (cluster/comfylists.py). An ended prompt with an entry leaves the queue when its
+        entry is shared (``share_entry``), so no gateway sees it in neither."""
+        lists = self.rt.comfy_lists
+        if lists is None or (p.ended and p.entry is not None):
+            return
+        rcfg = self.rt.cfg.routes.get(route)
+        max_age = 2 * (rcfg.request_timeout_sec if rcfg is not None else self.rt.cfg.jobs.result_ttl_sec)
+        lists.waiting_now(route, prompt_id, None if p.ended else record_of(p), max_age)
 
     async def share_entry(self, route: str, prompt_id: str | None) -> None:
         """Cluster mode: the prompt's history entry, as its client was given it, for every
-        gateway's ``/history/{id}`` (cluster/comfyfiles.py)."""
-        shared = self.rt.comfy_shared
+        gateway's ``/history`` and jobs list (cluster/comfylists.py)."""
+        lists = self.rt.comfy_lists
         p = self.owners(route).get(prompt_id)
-        if shared is None or prompt_id is None or p is None or p.entry is None:
+        if lists is None or prompt_id is None or p is None or p.entry is None:
             return
         given = entry_as_given(p.entry, p, functools.partial(history_for_client, self.rt, route))
-        await shared.put_entry(route, prompt_id, p.subject, given, self.rt.cfg.jobs.result_ttl_sec)
+        p.shared = await lists.put_entry(route, prompt_id, p.subject, given,
+                                         comfy_jobs.from_history(prompt_id, given), self.rt.cfg.jobs.result_ttl_sec,
+                                         ENTRIES_MAX)
+
+    async def share_failed(self, route: str, prompt_id: str) -> None:
+        """Cluster mode: a prompt that ended in an error, its entry shared as a finished one's
+        is (its outputs named on the route first)."""
+        p = self.owners(route).get(prompt_id)
+        if self.rt.comfy_lists is not None and p is not None and p.entry is not None:
+            await claim_names(self.rt, route, p.node, p.entry)
+            await self.share_entry(route, prompt_id)
 
     def routes_of(self, node: str) -> list[str]:
         """The routes whose record may hold prompts on ``node`` (its routes now, and any that has one)."""
@@ -127,6 +162,8 @@ class ComfyState:
     async def ready(self, route: str) -> None:
         """Start the monitors of the route's nodes and wait (briefly, once) until they listen: a
         prompt sent before its node's monitor listens would have its first events lost."""
+        if self.rt.comfy_ws is not None:
+            await self.rt.comfy_ws.look(route)  # who listens elsewhere, before the prompt's first frame
         rq = self.rt.scheduler.routes.get(route)
         if rq is None:
             return
@@ -280,17 +317,17 @@ async def control(rt: Runtime, request: web.Request, route: str, path: str, subj
         body = None
     body = body if isinstance(body, dict) else {}
     owners = state.owners(route)
-    who = viewer.subject
+    mine = await _reach(rt, route, owners, viewer, request_id) if action != "history" else {}
     try:
         if action == "interrupt":
-            await _interrupt(rt, owners, who, body.get("prompt_id"), path, request_id)
+            await _interrupt(rt, mine, body.get("prompt_id"), path, request_id)
         elif action == "queue":
-            await _queue(rt, owners, who, body, path, request_id)
+            await _queue(rt, mine, body, path, request_id)
         elif action == "history":
             await _history(rt, route, owners, viewer, body, path, request_id)
         elif action == "cancel":
             jid = path.split("/")[3]
-            node = owners.node_of(jid, who)
+            node = mine.get(jid)
             if node is None or node not in rt.scheduler.nodes:
                 return web.json_response({"cancelled": False}, headers=headers)
             status, answer, ctype = await node_api(rt, node, request_id).post(path, {})
@@ -302,7 +339,7 @@ async def control(rt: Runtime, request: web.Request, route: str, path: str, subj
             if not isinstance(ids, list):
                 return web.json_response({"error": "job_ids must be a list"}, status=400, headers=headers)
             cancelled = False
-            for node, pids in _by_node(rt, owners, who, ids).items():
+            for node, pids in _by_node(rt, mine, ids).items():
                 status, answer, _ = await node_api(rt, node, request_id).post(path, {"job_ids": pids})
                 if status in (404, 405):
                     for pid in pids:
@@ -329,20 +366,29 @@ async def _cancel(rt: Runtime, node: str, pid: str, request_id: str) -> bool:
     return False
 
 
-def _by_node(rt: Runtime, owners: PromptOwners, subject: str | None, ids: list[Any]) -> dict[str, list[str]]:
+async def _reach(rt: Runtime, route: str, owners: PromptOwners, viewer: Viewer, request_id: str) -> dict[str, str]:
+    """prompt id → node of the prompts ``viewer`` may act on: the record's, and in cluster mode
+    those on a node through another gateway (acted on where they are)."""
+    mine = owners.mine(viewer.subject)
+    if rt.comfy_lists is None:
+        return mine
+    there = await Views(rt, route, owners, viewer, request_id).waiting()
+    return {**{pid: p.node for pid, p in there.items()}, **mine}
+
+
+def _by_node(rt: Runtime, mine: dict[str, str], ids: list[Any]) -> dict[str, list[str]]:
     out: dict[str, list[str]] = {}
     for pid in ids:
-        node = owners.node_of(pid, subject)
+        node = mine.get(pid) if isinstance(pid, str) else None
         if node is not None and node in rt.scheduler.nodes:
             out.setdefault(node, []).append(pid)
     return out
 
 
-async def _queues(rt: Runtime, owners: PromptOwners, subject: str | None,
-                  request_id: str) -> list[tuple[NodeAPI, dict[str, Any], set[str]]]:
-    """(node, its /queue, the subject's prompt ids on it) for every node holding one of them."""
+async def _queues(rt: Runtime, mine: dict[str, str], request_id: str) -> list[tuple[NodeAPI, dict[str, Any], set[str]]]:
+    """(node, its /queue, the prompt ids of ``mine`` on it) for every node holding one of them."""
     nodes: dict[str, set[str]] = {}
-    for pid, node in owners.mine(subject).items():
+    for pid, node in mine.items():
         if node in rt.scheduler.nodes:
             nodes.setdefault(node, set()).add(pid)
     apis = {n: node_api(rt, n, request_id) for n in nodes}
@@ -356,29 +402,28 @@ async def _queues(rt: Runtime, owners: PromptOwners, subject: str | None,
     return out
 
 
-async def _interrupt(rt: Runtime, owners: PromptOwners, subject: str | None, prompt_id: Any, path: str,
-                     request_id: str) -> None:
+async def _interrupt(rt: Runtime, mine: dict[str, str], prompt_id: Any, path: str, request_id: str) -> None:
+    """``mine``: the prompts the caller may act on, and their nodes."""
     if prompt_id:
-        node = owners.node_of(prompt_id, subject)
+        node = mine.get(prompt_id) if isinstance(prompt_id, str) else None
         if node is not None and node in rt.scheduler.nodes:
             await node_api(rt, node, request_id).post(path, {"prompt_id": prompt_id})
         return
     # No id: ComfyUI would stop whatever runs; here, the key's own running prompt(s) only.
-    for api, queue, mine in await _queues(rt, owners, subject, request_id):
+    for api, queue, on_node in await _queues(rt, mine, request_id):
         for pid in all_ids(queue.get("queue_running")):
-            if pid in mine:
+            if pid in on_node:
                 await api.post(path, {"prompt_id": pid})
 
 
-async def _queue(rt: Runtime, owners: PromptOwners, subject: str | None, body: dict[str, Any], path: str,
-                 request_id: str) -> None:
+async def _queue(rt: Runtime, mine: dict[str, str], body: dict[str, Any], path: str, request_id: str) -> None:
     delete = body.get("delete")
     if isinstance(delete, list):
-        for node, pids in _by_node(rt, owners, subject, delete).items():
+        for node, pids in _by_node(rt, mine, delete).items():
             await node_api(rt, node, request_id).post(path, {"delete": pids})
     if body.get("clear"):
-        for api, queue, mine in await _queues(rt, owners, subject, request_id):
-            pending = [pid for pid in all_ids(queue.get("queue_pending")) if pid in mine]
+        for api, queue, on_node in await _queues(rt, mine, request_id):
+            pending = [pid for pid in all_ids(queue.get("queue_pending")) if pid in on_node]
             if pending:
                 await api.post(path, {"delete": pending})
 
@@ -388,17 +433,21 @@ async def _history(rt: Runtime, route: str, owners: PromptOwners, viewer: Viewer
     """``POST /history``: ``clear`` forgets the viewer's history, ``delete`` the listed prompts of
     theirs. The route's history is the gateway's: a node is told to delete only the viewer's own
     prompts, and never to clear (that would take everybody's)."""
-    ended = {pid: p.node for pid, p in owners.history(viewer)}
+    ended: dict[str, str | None] = {pid: p.node for pid, p in owners.history(viewer)}
+    lists = rt.comfy_lists
+    if lists is not None:  # cluster mode: the viewer's prompts ended through the other gateways too
+        ended = {**dict.fromkeys(await lists.ended(route, viewer.subject) or ()), **ended}
     delete = body.get("delete")
     gone = set(ended) if body.get("clear") else set()
     if isinstance(delete, list):
         gone |= {pid for pid in delete if isinstance(pid, str) and pid in ended}
-    if gone and rt.comfy_shared is not None:
-        await rt.comfy_shared.forget_entries(route, sorted(gone))  # gone from every gateway's /history/{id}
+    if gone and lists is not None:
+        await lists.forget_entries(route, sorted(gone))  # gone from every gateway's history
     by_node: dict[str, list[str]] = {}
     for pid in sorted(gone):
         owners.forget(pid)
-        if ended[pid] in rt.scheduler.nodes:
-            by_node.setdefault(ended[pid], []).append(pid)
+        node = ended[pid]
+        if node is not None and node in rt.scheduler.nodes:
+            by_node.setdefault(node, []).append(pid)
     for node, pids in by_node.items():
         await node_api(rt, node, request_id).post(path, {"delete": pids})

@@ -14,6 +14,15 @@ A node may start a prompt before its answer to the POST reached the gateway: its
 prompt the record does not know yet are kept (a few per node) until the record learns it
 (``claim``), then handed on in order.
 
+In cluster mode the gateway that runs a prompt also hands its frames to the other gateways whose
+sockets listen for its key (cluster/comfyws.py), and hands their frames to its own sockets: a
+browser whose socket is on one gateway hears the prompts it posted through another. ``status``
+then counts the route's prompts on every gateway.
+
+A prompt whose node is lost and that runs nowhere else is told to its sockets as ComfyUI
+tells a prompt that failed (``lost``): an ``execution_error``, the route's ``status``, then
+``executing`` with node null, so the web UI stops showing it running.
+
 Previews: the monitor asks for ComfyUI's previews with metadata (binary type 4, which name their
 prompt), so each goes to the right client; a client that did not ask for them (no
 ``feature_flags``) gets the plain form (type 1) that ComfyUI would have sent it.
@@ -36,6 +45,7 @@ import orjson
 from aiohttp import web
 
 from kilolined.adapters.comfy_record import EVERYONE, PromptOwners, Viewer, without_traceback
+from kilolined.cluster.comfyws import SocketBus
 
 log = logging.getLogger("kilolined")
 
@@ -133,6 +143,20 @@ def _clean(kind: str, data: dict[str, Any], raw: str, executed: Callable[[dict[s
     return raw
 
 
+def lost_error(prompt_id: str, node_id: str | None, graph: Any, message: str, now_ms: int) -> dict[str, Any]:
+    """The ``execution_error`` ComfyUI sends for a prompt that failed at ``node_id`` (execution.py's
+    shape, without the traceback the gateway never passes on), for a prompt whose node was lost."""
+    spec = graph.get(node_id) if isinstance(graph, dict) and node_id is not None else None
+    kind = spec.get("class_type") if isinstance(spec, dict) else None
+    return {"prompt_id": prompt_id, "node_id": node_id, "node_type": kind if isinstance(kind, str) else None,
+            "executed": [], "exception_message": message, "exception_type": "NodeLost",
+            "current_inputs": {}, "current_outputs": [], "timestamp": now_ms}
+
+
+def text_frame(kind: str, data: dict[str, Any]) -> str:
+    return orjson.dumps({"type": kind, "data": data}).decode()
+
+
 def status_frame(remaining: int, sid: str | None = None) -> str:
     data: dict[str, Any] = {"status": {"exec_info": {"queue_remaining": remaining}}}
     if sid is not None:
@@ -144,10 +168,11 @@ class Hub:
     """The client sockets of one runtime's ComfyUI routes, and where each node's frames go."""
 
     def __init__(self, owners: Callable[[str], PromptOwners], routes_of: Callable[[str], list[str]],
-                 executed: Executed):
+                 executed: Executed, bus: SocketBus | None = None):
         self._owners = owners  # route → its record
         self._routes_of = routes_of  # node → the routes it serves
         self._executed = executed
+        self.bus = bus  # cluster mode: the other gateways' sockets, and their frames for ours
         self.clients: dict[str, set[Client]] = {}  # route → its sockets
         self.current: dict[str, str] = {}  # node → the prompt it runs now (for frames that name none)
         self.executing: dict[str, str] = {}  # node → its last `executing` frame of a prompt still running
@@ -156,13 +181,28 @@ class Hub:
 
     # --- the client side -------------------------------------------------------------------------
     def remaining(self, route: str, viewer: Viewer) -> int:
-        return len(self._owners(route).waiting(viewer))
+        here = len(self._owners(route).waiting(viewer))
+        if self.bus is None:
+            return here
+        there = self.bus.elsewhere(route)
+        return here + (sum(there.values()) if viewer.subject is None else there[viewer.subject])
 
     async def serve(self, request: web.Request, route: str, viewer: Viewer,
                     features: Callable[[], Any], headers: dict[str, str]) -> web.WebSocketResponse:
         ws = web.WebSocketResponse(autoping=True, heartbeat=HEARTBEAT_SEC, max_msg_size=CLIENT_MAX_MSG)
         for k, v in headers.items():
             ws.headers[k] = v
+        bus = self.bus
+        if bus is not None:
+            await bus.join(route, viewer.subject)  # before the handshake ends: a prompt posted next is heard
+        try:
+            return await self._serve(request, ws, route, viewer, features)
+        finally:
+            if bus is not None:
+                bus.leave(route, viewer.subject)
+
+    async def _serve(self, request: web.Request, ws: web.WebSocketResponse, route: str, viewer: Viewer,
+                     features: Callable[[], Any]) -> web.WebSocketResponse:
         await ws.prepare(request)
         client = Client(ws, route, request.query.get("clientId") or uuid.uuid4().hex, viewer)
         client.send(status_frame(self.remaining(route, viewer), client.client_id))
@@ -218,17 +258,25 @@ class Hub:
 
     # --- the node side ---------------------------------------------------------------------------
     def status(self, node: str) -> None:
-        """The node's queue moved: every client of its routes hears its own count (one pass over
-        the route's record, not one per client)."""
+        """The node's queue moved: every client of its routes hears its own count."""
         for route in self._routes_of(node):
-            clients = self.clients.get(route)
-            if not clients:
-                continue
-            waiting = Counter(p.subject for p in self._owners(route).waiting(EVERYONE).values())
-            total = sum(waiting.values())
-            for client in clients:
-                subject = client.viewer.subject
-                client.send(status_frame(total if subject is None else waiting[subject]))
+            self.status_of(route)
+
+    def status_of(self, route: str) -> None:
+        """Every client of ``route`` hears its own count (one pass over the route's record, not
+        one per client); in cluster mode the other gateways hear this one's, and theirs count."""
+        clients = self.clients.get(route)
+        bus = self.bus
+        if not clients and (bus is None or not bus.listened(route)):
+            return
+        waiting = Counter(p.subject for p in self._owners(route).waiting(EVERYONE).values())
+        if bus is not None:
+            bus.counts(route, dict(waiting))
+            waiting.update(bus.elsewhere(route))
+        total = sum(waiting.values())
+        for client in clients or ():
+            subject = client.viewer.subject
+            client.send(status_frame(total if subject is None else waiting[subject]))
 
     def routes_of_prompt(self, node: str, prompt_id: str) -> list[str]:
         return [r for r in self._routes_of(node)
@@ -254,15 +302,8 @@ class Hub:
         pid = data.get("prompt_id")
         if not isinstance(pid, str):
             pid = self.current.get(node)  # `executing` on reconnect, custom nodes' events
-        if kind == "execution_start" and isinstance(pid, str):
-            self.current[node] = pid
+        self._track(node, kind, data, pid, raw)
         found = self.find(node, pid)
-        ended = kind in ENDED or (kind == "executing" and data.get("node", "") is None)
-        if ended and self.current.get(node) == pid:
-            del self.current[node]
-            self.executing.pop(node, None)
-        elif kind == "executing" and isinstance(pid, str) and self.current.get(node) == pid:
-            self.executing[node] = raw
         if found is None:
             if isinstance(data.get("prompt_id"), str):
                 # A node may run a prompt before its POST's answer reached the gateway: kept until
@@ -272,6 +313,18 @@ class Hub:
             return None
         self._deliver(found, self._clean(node, found, kind, data, raw))
         return pid
+
+    def _track(self, node: str, kind: str, data: dict[str, Any], pid: str | None, raw: str) -> None:
+        """Which prompt ``node`` runs now, and its last ``executing`` frame of it (a socket that
+        opens mid-render is told; a prompt lost there names where it was)."""
+        if kind == "execution_start" and isinstance(pid, str):
+            self.current[node] = pid
+        ended = kind in ENDED or (kind == "executing" and data.get("node", "") is None)
+        if ended and self.current.get(node) == pid:
+            del self.current[node]
+            self.executing.pop(node, None)
+        elif kind == "executing" and isinstance(pid, str) and self.current.get(node) == pid:
+            self.executing[node] = raw
 
     def claim(self, node: str, prompt_id: str) -> None:
         """The record has just learnt that ``prompt_id`` runs on ``node``: what the node already
@@ -300,7 +353,33 @@ class Hub:
         got = parse(msg.data) if msg.type == aiohttp.WSMsgType.TEXT else None
         if got is None or got[0] in ("status", "feature_flags") or got[1].get("prompt_id", prompt_id) != prompt_id:
             return
+        self._track(node, got[0], got[1], prompt_id, msg.data)
         self._deliver(found, self._clean(node, found, got[0], got[1], msg.data))
+
+    def lost(self, node: str, prompt_id: str, graph: Any, message: str, now_ms: int) -> None:
+        """``prompt_id``'s node was lost and the prompt runs nowhere now (its record says it
+        ended): its sockets hear what ComfyUI sends of a prompt that failed — the error at the
+        node it was running, the queue's new count, and the end of its execution."""
+        running: str | None = None
+        if self.current.get(node) == prompt_id:
+            got = parse(self.executing.get(node, ""))
+            at = got[1].get("node") if got is not None else None
+            running = at if isinstance(at, str) else None
+            del self.current[node]
+            self.executing.pop(node, None)
+        found = self.find(node, prompt_id)
+        if found is None:
+            return
+        self._deliver(found, text_frame("execution_error", lost_error(prompt_id, running, graph, message, now_ms)))
+        self.status_of(found[0])
+        self._deliver(found, text_frame("executing", {"node": None, "prompt_id": prompt_id}))
+
+    def remote(self, route: str, owner: str, target: str | None, frame: str | bytes) -> None:
+        """A frame of a prompt another gateway runs (cluster mode), for this gateway's sockets."""
+        if isinstance(frame, bytes):
+            self._preview_here((route, owner, target), frame)
+        else:
+            self._deliver_here((route, owner, target), frame)
 
     def preview(self, node: str, frame: bytes) -> None:
         found = self.find(node, preview_prompt(frame) or self.current.get(node))
@@ -308,6 +387,11 @@ class Hub:
             self._preview_to(found, frame)
 
     def _preview_to(self, found: tuple[str, str, str | None], frame: bytes) -> None:
+        self._preview_here(found, frame)
+        if self.bus is not None:
+            self.bus.send(*found, frame)
+
+    def _preview_here(self, found: tuple[str, str, str | None], frame: bytes) -> None:
         route, owner, target = found
         plain: bytes | None = None
         for client in self.clients.get(route, ()):
@@ -325,6 +409,11 @@ class Hub:
         return _clean(kind, data, raw, lambda d: self._executed(route, node, owner, d))
 
     def _deliver(self, found: tuple[str, str, str | None], raw: str) -> None:
+        self._deliver_here(found, raw)
+        if self.bus is not None:
+            self.bus.send(*found, raw)
+
+    def _deliver_here(self, found: tuple[str, str, str | None], raw: str) -> None:
         route, owner, target = found
         for client in self.clients.get(route, ()):
             if client.hears(owner, target):

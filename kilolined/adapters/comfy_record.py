@@ -32,6 +32,7 @@ class Prompt:
     ended: bool = False
     output_seen: bool = False  # an output node ran (``executed``): it cannot be re-run elsewhere for free
     node_number: float | None = None  # the number its node gave it (another after a re-queue)
+    shared: bool = False  # cluster mode: its entry is in Redis, whose history is the route's from then on
 
     def __post_init__(self) -> None:
         if self.node_number is None:
@@ -64,6 +65,8 @@ class PromptOwners:
 
     cap: int = OWNERS_MAX
     entries_cap: int = ENTRIES_MAX
+    #: told of each prompt a node took, moved or ended (cluster mode: for every gateway's lists)
+    listen: Callable[[str, Prompt], None] | None = None
     _by_id: OrderedDict[str, Prompt] = field(default_factory=OrderedDict)
     _ended: OrderedDict[str, None] = field(default_factory=OrderedDict)
 
@@ -75,22 +78,23 @@ class PromptOwners:
         while len(self._by_id) > self.cap:
             old, _ = self._by_id.popitem(last=False)
             self._ended.pop(old, None)
+        self._told(prompt_id, p)
         return p
+
+    def _told(self, prompt_id: str, p: Prompt) -> None:
+        if self.listen is not None:
+            self.listen(prompt_id, p)
 
     def moved(self, prompt_id: str, node: str, node_number: float | None) -> None:
         """A re-queued prompt runs on ``node`` now (``node_number`` in its queue), under the id,
         number and client id the client was given."""
         p = self._by_id.get(prompt_id)
         if p is not None:
-            p.node, p.node_number, p.ended, p.entry = node, node_number, False, None
+            p.node, p.node_number, p.ended, p.entry, p.shared = node, node_number, False, None, False
+            self._told(prompt_id, p)
 
     def get(self, prompt_id: Any) -> Prompt | None:
         return self._by_id.get(prompt_id) if isinstance(prompt_id, str) else None
-
-    def node_of(self, prompt_id: Any, subject: str | None) -> str | None:
-        """The node of ``prompt_id`` if ``subject`` may act on it (None: anyone), else None."""
-        p = self.get(prompt_id)
-        return p.node if p is not None and Viewer(subject).sees(p) else None
 
     def mine(self, subject: str | None) -> dict[str, str]:
         viewer = Viewer(subject)
@@ -110,6 +114,7 @@ class PromptOwners:
                 old, _ = self._ended.popitem(last=False)
                 if (q := self._by_id.get(old)) is not None:
                     q.entry = None
+        self._told(prompt_id, p)
 
     def forget(self, prompt_id: str) -> None:
         """Out of the history (``POST /history`` delete or clear); the owner is still known."""
@@ -178,3 +183,19 @@ def entry_as_given(entry: dict[str, Any], p: Prompt | None, names: Names | None 
             [m[0], without_traceback(m[1])] if isinstance(m, list) and len(m) == 2 and isinstance(m[1], dict) else m
             for m in messages]}
     return out
+
+
+def record_of(p: Prompt) -> dict[str, Any]:
+    """A waiting prompt as every gateway reads it (cluster/comfylists.py)."""
+    rec = {"subject": p.subject, "node": p.node, "number": p.number, "node_number": p.node_number}
+    return rec if p.client_id is ABSENT else {**rec, "client_id": p.client_id}
+
+
+def prompt_of(rec: dict[str, Any]) -> Prompt | None:
+    """The Prompt a waiting record written by ``record_of`` names (None: not one)."""
+    subject, node = rec.get("subject"), rec.get("node")
+    if not isinstance(subject, str) or not isinstance(node, str):
+        return None
+    number, node_number = rec.get("number"), rec.get("node_number")
+    return Prompt(subject, node, number if isinstance(number, (int, float)) else None, rec.get("client_id", ABSENT),
+                  node_number=node_number if isinstance(node_number, (int, float)) else None)

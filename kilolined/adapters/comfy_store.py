@@ -19,9 +19,10 @@ import mimetypes
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from typing import Any, Protocol
-from urllib.parse import parse_qs, quote, unquote, urlencode
+from urllib.parse import parse_qs, quote, unquote, urlencode, urlsplit
 
 import aiohttp
+import orjson
 from aiohttp import web
 from multidict import CIMultiDict
 
@@ -422,20 +423,43 @@ async def view(rt: Runtime, request: web.Request, route: str, subject: str | Non
     return _not_found(request_id)
 
 
-async def job_file(rt: Runtime, request: web.Request, route: str, node: str, query: str,
-                   request_id: str) -> web.StreamResponse | None:
+async def job_file(rt: Runtime, request: web.Request, route: str, node: str, query: str, request_id: str,
+                   named: tuple[str, str] | None = None) -> web.StreamResponse | None:
     """A ComfyUI job's output file (``/v1/jobs/{id}/files/{n}``: the node and its /view query)
-    from the store once it was copied there; None while only the node has it."""
+    from the store once it was copied there; None while only the node has it. ``named``: the
+    (subfolder, route name) the job's result gave it, by which the store holds it for a gateway
+    that did not copy it (cluster mode: the job ran through another)."""
     q = parse_qs(query)
     kind, sub = q.get("type", [OUTPUT])[0], clean_subfolder(q.get("subfolder", [""])[0])
     st = files_state(rt)
     f = st.files(route).of_node(node, kind, sub, q.get("filename", [""])[0]) if sub is not None else None
+    if (f is None or not f.stored) and named is not None and kind == OUTPUT:
+        f = await st.store(route).find(st.files(route), *named)
     if f is None or not f.stored:
         return None
     st.files(route).use(f)
     if f.data is not None:
         return web.Response(body=f.data, headers=_file_headers(f.name, None, request_id))
     return await st.store(route).send(request, f, request_id)
+
+
+def job_file_name(result: bytes, n: int) -> tuple[str, str] | None:
+    """(subfolder, route name) of a ComfyUI job's output file ``n`` as its result names it: the
+    output whose ``url`` is the job's ``/files/{n}``."""
+    try:
+        doc = orjson.loads(result)
+    except orjson.JSONDecodeError:
+        return None
+    outputs = doc.get("outputs") if isinstance(doc, dict) else None
+    for out in outputs.values() if isinstance(outputs, dict) else ():
+        for items in out.values() if isinstance(out, dict) else ():
+            for item in items if isinstance(items, list) else ():
+                url = item.get("url") if isinstance(item, dict) else None
+                if isinstance(url, str) and urlsplit(url).path.endswith(f"/files/{n}") \
+                        and isinstance(item.get("filename"), str) and (item.get("type") or OUTPUT) == OUTPUT:
+                    sub = clean_subfolder(str(item.get("subfolder") or ""))
+                    return None if sub is None else (sub, item["filename"])
+    return None
 
 
 def _not_found(request_id: str) -> web.Response:

@@ -2,12 +2,13 @@
 list over every node, from the route's record (comfy_record.py), in ComfyUI's shapes.
 
 - ``GET /history``, ``/history/{id}``: the viewer's ended prompts, in the order they ended; an
-  entry the record has not read yet (the prompt ended a moment ago) is asked of its node. In
-  cluster mode ``/history/{id}`` (and ``/api/jobs/{id}``) of a prompt sent through another gateway
-  that ended is answered from Redis.
+  entry the record has not read yet (the prompt ended a moment ago) is asked of its node.
 - ``GET /queue``: the queues of the nodes that hold the viewer's prompts, kept to those prompts.
 - ``GET /prompt``: ``queue_remaining`` over the route (the viewer's prompts not yet ended).
 - ``GET /api/jobs``, ``/api/jobs/{id}``: ComfyUI's jobs records of the same (core/comfy_jobs.py).
+In cluster mode each also holds the prompts sent through the other gateways
+(cluster/comfylists.py): their ended ones from Redis, in the order they ended; the ones on a
+node now from their waiting records, asked of their nodes as this gateway's own are.
 Each answers in ``/x`` and ``/api/x`` form. Another key's prompt is a prompt that is not there.
 """
 
@@ -22,7 +23,15 @@ from urllib.parse import quote
 from aiohttp import web
 
 from kilolined.adapters.comfy_node import NodeAPI, NodeError, find_entry, node_api
-from kilolined.adapters.comfy_record import Names, Prompt, PromptOwners, Viewer, as_given, entry_as_given
+from kilolined.adapters.comfy_record import (
+    Names,
+    Prompt,
+    PromptOwners,
+    Viewer,
+    as_given,
+    entry_as_given,
+    prompt_of,
+)
 from kilolined.adapters.comfy_store import history_for_client
 from kilolined.core import comfy_jobs
 from kilolined.ops.runtime import Runtime
@@ -76,9 +85,23 @@ class Views:
             self.owners.end(pid, entry)
         return entry
 
+    async def waiting(self) -> dict[str, Prompt]:
+        """The viewer's prompts on a node now: this gateway's, and (cluster mode) the other
+        gateways' (their waiting records)."""
+        mine = self.owners.waiting(self.viewer)
+        lists = self.rt.comfy_lists
+        if lists is None:
+            return mine
+        there = {}
+        for pid, rec in (await lists.waiting(self.route)).items():
+            p = prompt_of(rec)
+            if p is not None and self.owners.get(pid) is None and self.viewer.sees(p):
+                there[pid] = p
+        return {**there, **mine}
+
     async def _queues(self) -> tuple[list[list[Any]], list[list[Any]]]:
         """(running, pending) items of the viewer's prompts over every node that holds one."""
-        waiting = self.owners.waiting(self.viewer)
+        waiting = await self.waiting()
         nodes = sorted({p.node for p in waiting.values()})
         apis = [(n, api) for n in nodes if (api := self._api(n)) is not None]
         got = await asyncio.gather(*(api.get_json("/queue") for _, api in apis), return_exceptions=True)
@@ -97,13 +120,41 @@ class Views:
         pending.sort(key=lambda item: item[0] if isinstance(item[0], (int, float)) else 0)
         return running, pending
 
-    def _history(self) -> list[tuple[str, dict[str, Any]]]:
-        return [(pid, self._given(p.entry, p)) for pid, p in self.owners.history(self.viewer)
-                if p.entry is not None]
+    async def _ended(self) -> tuple[list[str], dict[str, Prompt]]:
+        """The viewer's ended prompts with an entry, in the order they ended (cluster mode:
+        every gateway's as Redis orders them, then this one's not shared yet: one that was is
+        the route's history's only while Redis has it, deleted through any gateway or expired),
+        and this gateway's own among them."""
+        local = {pid: p for pid, p in self.owners.history(self.viewer) if p.entry is not None}
+        lists = self.rt.comfy_lists
+        if lists is None:
+            return list(local), local
+        shared = await lists.ended(self.route, self.viewer.subject)
+        if shared is None:
+            return list(local), local  # Redis does not answer: this gateway's own, as it has them
+        known = set(shared)
+        return shared + [pid for pid, p in local.items() if pid not in known and not p.shared], local
+
+    async def _entries(self, pids: list[str], local: dict[str, Prompt]) -> dict[str, dict[str, Any]]:
+        """The entries of ``pids`` as their clients were given them, in that order."""
+        lists = self.rt.comfy_lists
+        there = (await lists.entries(self.route, [pid for pid in pids if pid not in local]) or {}) \
+            if lists is not None else {}
+        out = {}
+        for pid in pids:
+            p = local.get(pid)
+            if p is not None and p.entry is not None:
+                out[pid] = self._given(p.entry, p)
+            elif pid in there and self._may_see(there[pid][0]):
+                out[pid] = there[pid][1]
+        return out
+
+    def _may_see(self, subject: str) -> bool:
+        return self.viewer.subject is None or subject == self.viewer.subject
 
     # --- the views -----------------------------------------------------------------------------
     async def history(self, request: web.Request, _: str) -> web.Response:
-        items = self._history()
+        ids, local = await self._ended()
         try:
             max_items = int(request.query["max_items"]) if "max_items" in request.query else None
             offset = int(request.query.get("offset", "-1"))
@@ -111,22 +162,28 @@ class Views:
             return web.json_response({"error": "max_items and offset must be integers"}, status=400)
         # ComfyUI's paging: a negative offset with max_items means "the last max_items".
         if offset < 0:
-            offset = max(len(items) - max_items, 0) if max_items is not None else 0
+            offset = max(len(ids) - max_items, 0) if max_items is not None else 0
         end = offset + max_items if max_items is not None else None
-        return web.json_response(dict(items[offset:end]))
+        return web.json_response(await self._entries(ids[offset:end], local))
 
-    async def _elsewhere(self, pid: str) -> dict[str, Any] | None:
-        """Cluster mode: the entry of a prompt sent through another gateway, as its client was
-        given it, if the viewer sees it."""
-        shared = self.rt.comfy_shared
-        got = await shared.entry(self.route, pid) if shared is not None else None
-        return got[1] if got is not None and (self.viewer.subject is None or got[0] == self.viewer.subject) \
-            else None
+    async def _elsewhere(self, pid: str, p: Prompt | None) -> tuple[bool, dict[str, Any] | None]:
+        """Cluster mode, for a prompt this gateway does not have (``p`` None) or whose entry it
+        shared: (whether Redis has the say, the entry as its client was given it if the viewer
+        sees it). A shared entry is the route's only while Redis has it (deleted through any
+        gateway, it is gone); while Redis does not answer, this gateway's own copy stands."""
+        lists = self.rt.comfy_lists
+        if lists is None or (p is not None and not p.shared):
+            return False, None
+        got = await lists.entries(self.route, [pid])
+        if got is None:
+            return p is None, None
+        doc = got.get(pid)
+        return True, doc[1] if doc is not None and self._may_see(doc[0]) else None
 
     async def history_item(self, request: web.Request, pid: str) -> web.Response:
         p = self.owners.get(pid)
-        if p is None and self.rt.comfy_shared is not None:
-            there = await self._elsewhere(pid)
+        told, there = await self._elsewhere(pid, p)
+        if told:
             return web.json_response({pid: there} if there is not None else {})
         entry = await self._entry(pid, p) if p is not None and self.viewer.sees(p) else None
         return web.json_response({pid: self._given(entry, p)} if entry is not None and p is not None else {})
@@ -136,19 +193,29 @@ class Views:
         return web.json_response({"queue_running": running, "queue_pending": pending})
 
     async def prompt(self, request: web.Request, _: str) -> web.Response:
-        return web.json_response({"exec_info": {"queue_remaining": len(self.owners.waiting(self.viewer))}})
+        return web.json_response({"exec_info": {"queue_remaining": len(await self.waiting())}})
 
     async def jobs(self, request: web.Request, _: str) -> web.Response:
         running, pending = await self._queues()
-        status, body = comfy_jobs.listing(running, pending, self._history(), request.query)
+        ids, local = await self._ended()
+        finished = [comfy_jobs.from_history(pid, self._given(p.entry, p)) for pid in ids
+                    if (p := local.get(pid)) is not None and p.entry is not None]
+        lists = self.rt.comfy_lists
+        if lists is not None:
+            finished += (await lists.jobs(self.route, [pid for pid in ids if pid not in local])).values()
+        status, body = comfy_jobs.listing_of(running, pending, finished, request.query)
         return web.json_response(body, status=status)
 
     async def job(self, request: web.Request, pid: str) -> web.Response:
         p = self.owners.get(pid)
         job = None
-        if p is None and (there := await self._elsewhere(pid)) is not None:
+        told, there = await self._elsewhere(pid, p)
+        if there is not None:
             job = comfy_jobs.find(pid, [], [], {pid: there})
-        if p is not None and self.viewer.sees(p):
+        elif told and p is None:
+            running, pending = await self._queues()  # on a node through another gateway
+            job = comfy_jobs.find(pid, running, pending, {})
+        elif not told and p is not None and self.viewer.sees(p):
             entry = await self._entry(pid, p)
             if entry is not None:
                 job = comfy_jobs.find(pid, [], [], {pid: self._given(entry, p)})

@@ -19,6 +19,7 @@ import contextlib
 import dataclasses
 import functools
 import logging
+import time
 import uuid
 from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass
@@ -65,6 +66,15 @@ LOST_CHECK_EVERY = 4  # polls between checks that the prompt is still on the nod
 MAX_CALL_FAILURES = 5  # consecutive failed polls before the node counts as gone
 WS_MAX_MSG = 64 * 1024 * 1024  # previews arrive on our socket too
 ERROR_BODY_MAX = 1024 * 1024
+
+
+def _tell_lost(state: ComfyState, owners: PromptOwners, prompt_id: str, body: dict[str, Any], message: str) -> None:
+    """The prompt ended where it was lost: its sockets hear so, as of a prompt that failed."""
+    p = owners.get(prompt_id)
+    if p is None:
+        return
+    owners.end(prompt_id, None)
+    state.hub.lost(p.node, prompt_id, body.get("prompt"), message, int(time.time() * 1000))
 
 
 def is_prompt(ex: Exchange) -> bool:
@@ -248,6 +258,7 @@ class Submitted:
     stall_sec: float | None = None  # the node's slow.stall_sec: this long without a frame is a stall
     output_seen: bool = False  # an output node ran: the prompt cannot be re-run elsewhere for free
     tell: Callable[[aiohttp.WSMessage], Awaitable[None]] | None = None  # each frame to the key's own sockets
+    lost: str | None = None  # why its node was lost under it (None: it was not)
 
 
 @dataclass
@@ -423,7 +434,14 @@ class ComfyUIAdapter(Adapter):
         """Submit the prompt and follow it to its end under the scope (queue, failover, stalls);
         its lease and history entry (the node's names), the slot freed."""
         progress = Progress(body.get("prompt"))
-        done = await scope.acquire(self._attempt(rt, ex, body, scope, sink, progress, inputs))
+        last: list[Submitted] = []  # the last attempt's prompt on its node
+        try:
+            done = await scope.acquire(self._attempt(rt, ex, body, scope, sink, progress, inputs, last))
+        except Failure:
+            if last and last[0].lost is not None:  # its node was lost, and it runs nowhere else now
+                state = comfy_state(rt)
+                _tell_lost(state, state.owners(scope.route), last[0].prompt_id, body, f"{NODE_LOST}: {last[0].lost}")
+            raise
         if not isinstance(done, Finished):
             # Out of retries and the node said 502/503: its answer is the job's (failed) result.
             up = done
@@ -439,8 +457,13 @@ class ComfyUIAdapter(Adapter):
         assert lease is not None
         scope.done_with_node()
         await done.sub.ws.close()
-        comfy_state(rt).owners(lease.route).end(done.sub.prompt_id, done.entry)
-        _check_status(done.entry)
+        state = comfy_state(rt)
+        state.owners(lease.route).end(done.sub.prompt_id, done.entry)
+        try:
+            _check_status(done.entry)
+        except (Failure, Cancelled):
+            await state.share_failed(lease.route, done.sub.prompt_id)  # in every gateway's history too
+            raise
         steps = progress.steps_ran()
         if steps > 0:
             # Speed per sampler step: prompts of different step counts compare (speed.py).
@@ -524,9 +547,14 @@ class ComfyUIAdapter(Adapter):
                     if p is None or p.output_seen or \
                             not scope.requeue_held(NODE_LOST, lost=not isinstance(e, PromptLost)):
                         log.warning("[%s] %s (%s): slot freed", lease.node, NODE_LOST, e.reason)
+                        _tell_lost(state, owners, prompt_id, again.body, f"{NODE_LOST}: {e.reason}")
                         return
                     log.warning("[%s] %s (%s): re-queued", lease.node, NODE_LOST, e.reason)
-                number = await self._resubmit(scope, ex, again, prompt_id, owners)
+                try:
+                    number = await self._resubmit(scope, ex, again, prompt_id, owners)
+                except Exception as e:  # no node took it again: it runs nowhere
+                    _tell_lost(state, owners, prompt_id, again.body, f"{NODE_LOST}, and not re-queued: {e}")
+                    raise
                 moved = scope.lease
                 assert moved is not None
                 owners.moved(prompt_id, moved.node, number)
@@ -566,8 +594,9 @@ class ComfyUIAdapter(Adapter):
                                    f"(HTTP {up.status}): {_error_message(answer, up.status)}", False)
         return _prompt_number(data)
 
-    def _attempt(self, rt: Runtime, ex: Exchange, body: dict[str, Any], scope: LeaseScope,
-                 sink: Sink, progress: Progress, inputs: PromptInputs) -> Callable[[Lease], Awaitable[Finished]]:
+    def _attempt(self, rt: Runtime, ex: Exchange, body: dict[str, Any], scope: LeaseScope, sink: Sink,
+                 progress: Progress, inputs: PromptInputs,
+                 last: list[Submitted]) -> Callable[[Lease], Awaitable[Finished]]:
         """Submit and follow the prompt to its end, all inside the lease scope's retry loop: a node
         lost before any output re-queues the prompt like a node that never answered."""
         first: list[str] = []  # the prompt id of the first attempt: a re-queued prompt keeps it
@@ -579,6 +608,7 @@ class ComfyUIAdapter(Adapter):
                 sent = {**sent, "prompt_id": first[0]}
             sub = await self._submit(rt, lease, ex, sent, scope)
             first[:1] = [sub.prompt_id]
+            last[:] = [sub]
             state = comfy_state(rt)
             owners = state.owners(lease.route)
             owners.add(sub.prompt_id, scope.ticket.key, lease.node, sub.number, body.get("client_id", ABSENT))
@@ -607,6 +637,7 @@ class ComfyUIAdapter(Adapter):
             raise Failure.upstream(f"node {lease.node} did not finish within {sub.timeout:g}s", True) from None
         except (NodeError, PromptLost) as e:
             log.warning("[%s] %s: %s", lease.node, NODE_LOST, e.reason)
+            sub.lost = e.reason
             if sub.output_seen:
                 scope.node_failed(e.reason, mid_body=True)
                 raise Failure.mid_response(lease.node, f"{NODE_LOST} (after its first output)") from None

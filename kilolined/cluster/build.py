@@ -13,6 +13,8 @@ from dataclasses import dataclass
 import aiohttp
 
 from kilolined.cluster.comfyfiles import SharedInputs
+from kilolined.cluster.comfylists import SharedLists
+from kilolined.cluster.comfyws import SocketBus
 from kilolined.cluster.doubt import DoubtCheck, Probe, probes
 from kilolined.cluster.jobs import ClusterJobs
 from kilolined.cluster.leader import LeaderLease
@@ -39,6 +41,7 @@ class Cluster:
     doubt: DoubtCheck
     budget_keys: Callable[[], list[str]]  # the keys with a budget, whose usage ``limits`` re-reads
     refresh_sec: float
+    comfy_ws: SocketBus | None = None  # started by the first ComfyUI /ws
 
     async def start(self) -> None:
         await self.node_sync.start()  # first: the leases' first heartbeat writes slots from this view
@@ -52,6 +55,8 @@ class Cluster:
         return self.leases.fail_all_waiting(err)
 
     async def stop(self) -> None:
+        if self.comfy_ws is not None:
+            await self.comfy_ws.stop()  # the other gateways stop publishing here
         await self.doubt.stop()
         await self.limits.stop()  # the last usage to Redis before it is closed
         await self.node_sync.stop()
@@ -95,13 +100,15 @@ def build(rt: Runtime, jobs: Jobs) -> Cluster:
     rt.rents_here = lambda: leader.state.is_leader(rt.clock())  # docs/FLEET.md: only the leader rents
     rt.node_sync = node_sync
     rt.comfy_shared = SharedInputs(leases.redis, cfg.key_prefix)  # an upload here, its prompt elsewhere
+    rt.comfy_lists = SharedLists(leases.redis, cfg.key_prefix, rt.spawn)  # one history, queue, jobs list
+    rt.comfy_ws = SocketBus(leases.wire.pool, cfg.key_prefix, leases.inst)  # a /ws here, its prompt elsewhere
     # Reaped slots in doubt: the leader asks their nodes whether they are free.
     doubt = DoubtCheck(leases, probes_of=lambda node: node_probes(rt, node),
                        fetch=lambda node, path: node_body(rt, node, path),
                        leader=lambda: leader.state.is_leader(rt.clock()), every_sec=cfg.lease_ttl_sec / 3)
     return Cluster(leases, limits, leader, node_sync, cluster_jobs, doubt,
                    budget_keys=lambda: [k for k, c in rt.cfg.keys.items() if c.budget is not None],
-                   refresh_sec=cfg.lease_ttl_sec / 3)
+                   refresh_sec=cfg.lease_ttl_sec / 3, comfy_ws=rt.comfy_ws)
 
 
 def node_kind(rt: Runtime, node: str) -> str | None:

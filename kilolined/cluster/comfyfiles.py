@@ -16,10 +16,7 @@ used dropped first) and forgets those unused for ``jobs.result_ttl_sec``. A name
 cluster-wide before a gateway gives it (``{prefix}comfyname:{route}:{kind}:{subfolder}:{name}``,
 SET NX), so two gateways never store two files under one name.
 
-A prompt's history entry, as its client was given it (the route's file names, its number and
-client id, no traceback), is kept with the key that sent it under
-``{prefix}comfyhist:{route}:{prompt_id}`` for ``jobs.result_ttl_sec``: ``/history/{id}`` on any
-gateway answers it.
+The route's history, queue and jobs lists are cluster/comfylists.py's.
 """
 
 from __future__ import annotations
@@ -27,7 +24,6 @@ from __future__ import annotations
 import logging
 import secrets
 from dataclasses import dataclass
-from typing import Any
 from urllib.parse import quote
 
 import orjson
@@ -178,36 +174,6 @@ class SharedInputs:
             return None  # dropped between the two calls
         return SharedOutput(frozenset(orjson.loads(got[0])), int(size), _text(got[2] or b"application/octet-stream"),
                             data if isinstance(data, bytes) or data is None else data.encode())
-
-    # --- history entries -------------------------------------------------------------------------
-    def entry_key(self, route: str, prompt_id: str) -> str:
-        return f"{self.prefix}comfyhist:" + ":".join(quote(p, safe="") for p in (route, prompt_id))
-
-    async def put_entry(self, route: str, prompt_id: str, subject: str, entry: dict[str, Any], ttl: float) -> None:
-        try:
-            await self.redis.set(self.entry_key(route, prompt_id), orjson.dumps({"subject": subject, "entry": entry}),
-                                 px=max(1, int(ttl * 1000)))
-        except REDIS_ERRORS as e:
-            log.warning("comfy history: Redis did not take an entry (%s): this gateway's own only", type(e).__name__)
-
-    async def forget_entries(self, route: str, prompt_ids: list[str]) -> None:
-        try:
-            await self.redis.delete(*(self.entry_key(route, pid) for pid in prompt_ids))
-        except REDIS_ERRORS as e:
-            log.warning("comfy history: Redis did not answer (%s): entries kept until they expire",
-                        type(e).__name__)
-
-    async def entry(self, route: str, prompt_id: str) -> tuple[str, dict[str, Any]] | None:
-        """(the key that sent it, the entry as given) of a prompt any gateway recorded, or None."""
-        try:
-            got = await self.redis.get(self.entry_key(route, prompt_id))
-        except REDIS_ERRORS as e:
-            log.warning("comfy history: Redis did not answer (%s)", type(e).__name__)
-            return None
-        if got is None:
-            return None
-        doc = orjson.loads(got)
-        return str(doc["subject"]), dict(doc["entry"])
 
     def name_key(self, route: str, kind: str, subfolder: str, name: str) -> str:
         return f"{self.prefix}comfyname:" + ":".join(quote(p, safe="") for p in (route, kind, subfolder, name))

@@ -237,7 +237,7 @@ class ClusterLeases:
         tid = self._track(t)
         front = t.requeues > 0  # re-queued (a job whose gateway was lost): the head, as after a node failure
         call = self._call(
-            "ADMIT", t.route, self._order_key(t, front=front), tid, self._plan(t), self._view_json(t.route),
+            "ADMIT", t.route, self._order_key(t, front=front), tid, self._publish_plan(t), self._view_json(t.route),
             rq.cfg.max_queue_depth, -1 if rq.cfg.max_queued_per_key is None else rq.cfg.max_queued_per_key,
             t.key, 1 if rq.cfg.drop_policy == "drop_oldest" else 0, repr(t.cost), 1 if front else 0)
         try:
@@ -319,10 +319,8 @@ class ClusterLeases:
         t.deadline = now + self.sched.routes[t.route].cfg.queue_timeout_sec
         heapq.heappush(self._deadlines, (t.deadline, t.seq, t))
         tid = self._tid[t]
-        plan = self._plan(t)
-        if self._any_barred(t):
-            self._replan[t] = plan  # _refresh lifts it at a heartbeat once the node is seen alive
-        self._remote("REQUEUE", lid, tid, t.route, self._order_key(t, front=True), t.key, repr(t.cost), plan)
+        self._remote("REQUEUE", lid, tid, t.route, self._order_key(t, front=True), t.key, repr(t.cost),
+                     self._publish_plan(t))
         return t
 
     def release(self, lease: Lease, now: float, service_time: float | None) -> None:
@@ -857,13 +855,27 @@ class ClusterLeases:
             return "[]"
         return orjson.dumps([lim.wire() for lim in rules.limits(self.sched.caps(rq, ns, self.clock(), WHOLE))]).decode()
 
+    def _publish_plan(self, t: Ticket) -> str:
+        """The plan as it goes to Redis with the ticket (ADMIT, REQUEUE). A bar in it holds only
+        until the node is seen alive or its time is up (Scheduler.barred), which the scripts
+        cannot see: the ticket is remembered until _refresh has written the lifted plan —
+        whichever script wrote it, a re-queue's or the admission again of one Redis forgot."""
+        plan = self._plan(t)
+        if self._any_barred(t):
+            self._replan[t] = plan
+        else:
+            self._replan.pop(t, None)
+        return plan
+
     def _any_barred(self, t: Ticket) -> bool:
         now = self.clock()
         return any(self.sched.barred(t, n, now) for n in t.avoid)
 
     async def _refresh(self) -> None:
         """Plans that may have changed are written again: a node that lost a waiting ticket is
-        alive again (the scripts may grant it there), or a reload changed the route's nodes."""
+        alive again or its bar's time is up (the scripts may grant it there; the BEAT that follows
+        dispatches), or a reload changed the route's nodes."""
+        writes: list[asyncio.Future[Any]] = []
         for t, sent in list(self._replan.items()):
             tid = self._tid.get(t)
             if t.state != WAITING or tid is None or t.route not in self.sched.routes:
@@ -871,12 +883,15 @@ class ClusterLeases:
                 continue
             plan = self._plan(t)
             if plan != sent:
-                assert self._redis is not None
-                await self._redis.hset(f"{self.prefix}t:{tid}", "plan", plan)
+                # On the scripts' own connection: after the REQUEUE or ADMIT that wrote ``sent``,
+                # never overtaking it (a plan it then overwrote would bar the ticket for good).
+                writes.append(self._wire.command("HSET", f"{self.prefix}t:{tid}", "plan", plan))
             if self._any_barred(t):
                 self._replan[t] = plan
             else:
                 del self._replan[t]
+        if writes:
+            await asyncio.gather(*writes)
 
     def _view_json(self, route: str) -> str:
         return orjson.dumps(self._view(route)).decode()

@@ -144,6 +144,12 @@ def listing(running: list[list[Any]], pending: list[list[Any]], history: list[tu
     """``GET /api/jobs`` over queue items and history entries: (HTTP status, body), with ComfyUI's
     filters (``status``, ``workflow_id``), sorting (``sort_by`` created_at|execution_duration,
     ``sort_order``) and paging (``limit``, ``offset``), and its 400s for bad values."""
+    return listing_of(running, pending, [from_history(pid, entry) for pid, entry in history], query)
+
+
+def listing_of(running: list[list[Any]], pending: list[list[Any]], finished: list[dict[str, Any]],
+               query: Mapping[str, str]) -> tuple[int, dict[str, Any]]:
+    """``listing`` over the finished prompts' jobs records (``from_history``) already made."""
     wanted = [s.strip().lower() for s in query.get("status", "").split(",") if s.strip()] or list(STATUSES)
     bad = [s for s in wanted if s not in STATUSES]
     if bad:
@@ -167,7 +173,7 @@ def listing(running: list[list[Any]], pending: list[list[Any]], history: list[tu
         return 400, {"error": "offset must be an integer"}
     jobs = ([from_queue(item, IN_PROGRESS) for item in running] if IN_PROGRESS in wanted else []) \
         + ([from_queue(item, PENDING) for item in pending] if PENDING in wanted else [])
-    jobs += [job for pid, entry in history if (job := from_history(pid, entry))["status"] in wanted]
+    jobs += [job for job in finished if job["status"] in wanted]
     workflow = query.get("workflow_id")
     if workflow:
         jobs = [job for job in jobs if job.get("workflow_id") == workflow]

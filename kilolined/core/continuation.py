@@ -20,7 +20,7 @@ event) and passes the continuing node's events through its seam.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import orjson
 
@@ -35,7 +35,7 @@ def _event_end(data: bytes) -> int:
                data.rfind(b"\r\n\r\n") + 4 if b"\r\n\r\n" in data else 0)
 
 
-def _events(data: bytes) -> list[bytes]:
+def events(data: bytes) -> list[bytes]:
     """The events of whole SSE bytes, each with its blank line."""
     out, start = [], 0
     text = data.replace(b"\r\n", b"\n")
@@ -45,7 +45,7 @@ def _events(data: bytes) -> list[bytes]:
     return out
 
 
-def _payload(event: bytes) -> Any:
+def payload(event: bytes) -> Any:
     """The JSON of an event's ``data:`` lines, or None (a comment, ``[DONE]``, not JSON)."""
     lines = [ln[5:].lstrip() for ln in event.split(b"\n") if ln.startswith(b"data:")]
     if not lines:
@@ -77,11 +77,11 @@ class Transcript:
     @classmethod
     def read(cls, sent: bytes) -> Transcript:
         t = cls()
-        for event in _events(sent):
-            if b"[DONE]" in event and _payload(event) is None:
+        for event in events(sent):
+            if b"[DONE]" in event and payload(event) is None:
                 t.done = True
                 continue
-            t._take(_payload(event))
+            t._take(payload(event))
         return t
 
     def _take(self, ev: Any) -> None:
@@ -118,7 +118,7 @@ class Transcript:
                 self.finished = True
 
 
-def _less(limit: Any, used: int) -> int | None:
+def tokens_left(limit: Any, used: int) -> int | None:
     """A token limit less what was generated; None when it leaves nothing (or is not a limit)."""
     if isinstance(limit, bool) or not isinstance(limit, int):
         return None
@@ -138,7 +138,7 @@ def continuation_body(data: dict[str, Any], t: Transcript, chat: bool) -> dict[s
     body = dict(data)
     for name in ("max_tokens", "max_completion_tokens"):
         if data.get(name) is not None:
-            left = _less(data[name], t.tokens)
+            left = tokens_left(data[name], t.tokens)
             if left is None:
                 return None
             body[name] = left
@@ -189,8 +189,8 @@ class Seam:
     def rewrite(self, whole: bytes) -> bytes:
         """Whole events of the continuing node, as the client gets them."""
         out = bytearray()
-        for event in _events(whole):
-            ev = _payload(event)
+        for event in events(whole):
+            ev = payload(event)
             if not isinstance(ev, dict):
                 out += event  # comments, [DONE]
                 continue
@@ -223,10 +223,10 @@ class Seam:
         seam (the content events the client got), and their prompt — reported when the node sent
         usage before it failed, else the continuation's prompt less the text it was given."""
         b = self.before
-        prompt, completion = (_count(usage.get(k)) for k in _USAGE_COUNTS)
+        prompt, completion = (token_count(usage.get(k)) for k in _USAGE_COUNTS)
         before = b.usage or {}
-        done_completion = _count(before.get("completion_tokens")) or b.tokens
-        done_prompt = (_count(before.get("prompt_tokens")) if b.usage is not None
+        done_completion = token_count(before.get("completion_tokens")) or b.tokens
+        done_prompt = (token_count(before.get("prompt_tokens")) if b.usage is not None
                        else max(0, prompt - b.tokens))
         out = dict(usage)
         out["prompt_tokens"] = prompt + done_prompt
@@ -235,7 +235,7 @@ class Seam:
         return out
 
 
-def _count(v: Any) -> int:
+def token_count(v: Any) -> int:
     return v if isinstance(v, int) and not isinstance(v, bool) and v > 0 else 0
 
 
@@ -248,6 +248,26 @@ def _empty(choice: Any) -> bool:
     return not choice.get("text")
 
 
+class Told(Protocol):
+    """What a client got of a stream before its seam, whatever its API's shape."""
+
+    tokens: int
+
+
+class Seamed(Protocol):
+    """A seam of either shape (``Seam``; Anthropic's ``messages_continuation.MessagesSeam``)."""
+
+    node: str
+
+    @property
+    def before(self) -> Told: ...
+
+    @property
+    def note(self) -> bytes: ...
+
+    def rewrite(self, whole: bytes) -> bytes: ...
+
+
 @dataclass(slots=True)
 class StreamKeeper:
     """What went out of a stream that may be continued: whole events only (a node's piece that
@@ -256,7 +276,7 @@ class StreamKeeper:
 
     sent: bytearray = field(default_factory=bytearray)
     part: bytes = b""
-    seam: Seam | None = None
+    seam: Seamed | None = None
     noted: bool = True  # the seam's note went out (it goes before the continuation's first bytes)
 
     def feed(self, data: bytes) -> bytes:
@@ -280,12 +300,12 @@ class StreamKeeper:
         self.sent += rest
         return rest
 
-    def cut(self) -> Transcript:
+    def cut(self) -> bytes:
         """The node failed: what the client has (a partial event the node never finished is
-        dropped: the client never got it)."""
+        dropped: the client never got it), for its shape's transcript to read."""
         self.part = b""
-        return Transcript.read(bytes(self.sent))
+        return bytes(self.sent)
 
-    def continue_through(self, seam: Seam) -> None:
+    def continue_through(self, seam: Seamed) -> None:
         """The next node's events go through ``seam``, its note first."""
         self.seam, self.noted, self.part = seam, False, b""

@@ -11,7 +11,7 @@ import aiohttp
 import orjson
 from aiohttp import web
 
-from kilolined.adapters.comfy_store import job_file
+from kilolined.adapters.comfy_store import job_file, job_file_name
 from kilolined.core.errors import error_response
 from kilolined.edge.context import GW
 from kilolined.edge.guard import guard
@@ -87,7 +87,9 @@ async def file(request: web.Request) -> web.StreamResponse:
         return error_response(404, "not_found", "no such file", request_id=request_id(request))
     node, query = files[int(n)]
     rt = _rt(request)
-    stored = await job_file(rt, request, job.route, node, query, request_id(request))  # copied off the node
+    # Copied off the node: found by the name the result gave it when another gateway copied it.
+    stored = await job_file(rt, request, job.route, node, query, request_id(request),
+                            named=job_file_name(job.result.body, int(n)))
     if stored is not None:
         return stored
     ns = rt.scheduler.nodes.get(node)

@@ -13,6 +13,9 @@ result's `to_json_anthropic` and the final one's `to_json_anthropic_stream`; ser
   an empty text block), one `content_block_delta` (`text_delta`) per token, then
   `content_block_stop`, `message_delta` (`stop_reason`, and `usage: {"output_tokens"}`) and
   `message_stop`. No `[DONE]`.
+- A final assistant message is prefilled: the answer goes on from its text, and the first delta
+  (and a whole answer's text) repeats it, as llama-server's does with or without
+  `continue_final_message`.
 - Errors before the stream are llama.cpp's own body (`{"error": {"code", "message", "type"}}`, not
   Anthropic's shape); one mid-stream is `event: error` with that same error object as its data.
 

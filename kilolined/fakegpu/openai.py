@@ -392,6 +392,11 @@ class OpenAIBackend(Backend):
                      tokens=max_tokens if max_tokens is not None else gpu.steps, prompt_tokens=len(tokens),
                      finish_reason="length" if max_tokens is not None else "stop", include_usage=False,
                      prefill_ms_per_1k=gpu.prefill_ms_per_1k)
+        last = chat[-1] if isinstance(chat[-1], dict) else {}
+        if last.get("role") == "assistant" and isinstance(last.get("content"), str):
+            # A final assistant message is prefilled: the answer goes on from it, and the first
+            # delta repeats it before the new word (llama-server's Messages endpoint does).
+            call.echo, call.start = last["content"], words_in(last["content"])
         job = gpu.begin_job(KV_GB_PER_TOKEN * (len(tokens) + call.tokens))
         hit = self.prompt_cache.lookup(MODEL_ID, tokens)
         call.cache_n = hit.cached
@@ -406,7 +411,8 @@ class OpenAIBackend(Backend):
                         break
                     call.generated += 1
                 resp = (llama_error(500, gpu.oom_message(), "server_error") if job.failed else
-                        web.json_response(anthropic.message(call.id, call.model, reply_text(call.generated),
+                        web.json_response(anthropic.message(call.id, call.model,
+                                                            call.echo + reply_text(call.generated, call.start),
                                                             call.finish_reason, call.prompt_tokens, call.generated)))
                 delivered = await gpu.respond(request, resp)
             outcome = "ok" if delivered else None
@@ -457,7 +463,8 @@ class OpenAIBackend(Backend):
                 call.generated += 1
                 await gpu.drip()
                 first = anthropic.first_events(call.id, call.model, call.prompt_tokens) if index == 0 else b""
-                await resp.write(first + anthropic.text_delta(WORDS[index % len(WORDS)]))
+                word = WORDS[(call.start + index) % len(WORDS)]
+                await resp.write(first + anthropic.text_delta(call.echo + word if index == 0 else word))
             if job.failed:
                 await resp.write(anthropic.error_event(gpu.oom_message()))
             else:

@@ -17,6 +17,8 @@ from typing import Any
 import aiohttp
 
 from kilolined.cluster.comfyfiles import SharedInputs
+from kilolined.cluster.comfylists import SharedLists
+from kilolined.cluster.comfyws import SocketBus
 from kilolined.cluster.nodes import NodeSync
 from kilolined.cluster.view import ClusterView
 from kilolined.core.auth import KeyStore
@@ -138,6 +140,10 @@ class Runtime:
         self.node_sync: NodeSync | None = None
         #: cluster mode: ComfyUI inputs held for every gateway (kilolined/cluster/comfyfiles.py)
         self.comfy_shared: SharedInputs | None = None
+        #: cluster mode: ComfyUI's history, queue and jobs lists of every gateway (cluster/comfylists.py)
+        self.comfy_lists: SharedLists | None = None
+        #: cluster mode: ComfyUI /ws frames to and from the other gateways (kilolined/cluster/comfyws.py)
+        self.comfy_ws: SocketBus | None = None
         #: whether this gateway runs the active health checks (cluster mode: the leader's job)
         self.checks_here: Callable[[], bool] = lambda: True
         self.scheduler.checks_here = lambda: self.checks_here()  # replaced by the cluster's leader

@@ -189,9 +189,9 @@ class LeaseScope:
     no deadline fired, nothing to clean up on the node — costs no coroutine.
     """
 
-    __slots__ = ("_aborts", "_armed", "_deadline", "_due", "_hold", "_rerouted", "_revoked", "_target", "_task",
-                 "dispatched_at", "handed_over", "key", "lease", "listener", "ok", "rt", "samples", "size",
-                 "stalls", "started", "state", "ticket", "writing")
+    __slots__ = ("_aborts", "_armed", "_deadline", "_due", "_hold", "_lost_seen", "_rerouted", "_revoked", "_target",
+                 "_task", "dispatched_at", "forgiven", "handed_over", "key", "lease", "listener", "ok", "rt", "samples",
+                 "size", "stalls", "started", "state", "ticket", "writing")
 
     def __init__(self, rt: Runtime, ticket: Ticket, listener: Sink, key: str | None):
         self.rt, self.ticket, self.listener, self.key = rt, ticket, listener, key
@@ -214,6 +214,11 @@ class LeaseScope:
         self.handed_over = False
         #: how many nodes this request stalled on (a second stall is the request's doing: it fails)
         self.stalls = 0
+        #: re-queues not charged to ``retry_on_failover`` (``uncharged``)
+        self.forgiven = 0
+        #: when the current lease's node was last seen gone, if it had not been seen alive since
+        #: when the lease was granted (None: it was not known lost)
+        self._lost_seen: float | None = None
         self._aborts: list[Callable[[], Coroutine[Any, Any, Any]]] = []
         self._deadline: float | None = None  # the current lease's expiry (loop time)
         self._due: float | None = None  # when the armed expiry fires: past _deadline by the attempt's grace
@@ -237,6 +242,11 @@ class LeaseScope:
         if self._target is not None:
             return self._target.request_timeout_sec  # as of the grant: a reload does not move it
         return self.rt.scheduler.routes[self.ticket.route].cfg.request_timeout_sec
+
+    @property
+    def retries_spent(self) -> int:
+        """The re-queues charged to the route's ``retry_on_failover``: all but the forgiven."""
+        return self.ticket.requeues - self.forgiven
 
     @property
     def deadline(self) -> float | None:
@@ -343,7 +353,10 @@ class LeaseScope:
                 if self._due != self._deadline:
                     self._arm(self._deadline)  # graced: past the deadline already, it fires at the next tick
                 return result
+            free = uncharged(self._still_lost(lease.node), lease.node in ticket.avoid, failure)
             self.node_failed(failure.reason)
+            if not (failure.answered or failure.timeout):
+                self._seen_lost(lease.node)
             if self.state != S_ATTEMPTING:  # expired meanwhile: the exit turns this into the timeout
                 raise Failure.upstream(f"node {lease.node} did not answer in time", True)
             if self.stalls >= STALLS_MAX and failure.reason.startswith(STALLED):
@@ -352,7 +365,7 @@ class LeaseScope:
                 self._to(S_HELD)
                 raise Failure.upstream(f"{failure.reason} on node {lease.node}, as on another node before: "
                                        "the request, not the nodes (not re-queued)", False)
-            if ticket.requeues >= lease.target.route.retry_on_failover:
+            if not free and self.retries_spent >= lease.target.route.retry_on_failover:
                 self._to(S_HELD)
                 if failure.response is not None:
                     self.ok = False
@@ -361,9 +374,13 @@ class LeaseScope:
                                        else f"node {lease.node} did not answer in time", failure.timeout)
             if failure.response is not None:
                 failure.response.release()
-            log.warning("⚡ [%s] %s — re-queued (%s)", lease.node, failure.reason, lease.route)
+            log.warning("⚡ [%s] %s — re-queued%s (%s)", lease.node, failure.reason,
+                        " (not counted: the node was known lost)" if free else "", lease.route)
             self._rerouted = (lease.node, failure.reason)
-            self._requeue(lease, lost=not failure.answered)
+            # A node known lost that answers 503 is still restarting: kept from this request until
+            # seen alive, as one that refused the connection.
+            self._requeue(lease, lost=not failure.answered or free)
+            self.forgiven += free
             lease = await self._wait()
 
     def continue_elsewhere(self, reason: str) -> None:
@@ -374,6 +391,8 @@ class LeaseScope:
         lease = self.lease
         assert lease is not None and self.state == S_HELD
         log.warning("⚡ [%s] %s — stream continued elsewhere (%s)", lease.node, reason, lease.route)
+        if not reason.startswith(STALLED):
+            self._seen_lost(lease.node)
         self._rerouted = (lease.node, reason)
         self._requeue(lease, lost=True)
 
@@ -386,12 +405,25 @@ class LeaseScope:
         lease = self.lease
         assert lease is not None and self.state == S_DETACHED
         self.node_failed(reason)
-        if self.ticket.requeues >= lease.target.route.retry_on_failover:
+        if self.retries_spent >= lease.target.route.retry_on_failover:
             return False
         log.warning("⚡ [%s] %s — re-queued (%s)", lease.node, reason, lease.route)
         self._rerouted = (lease.node, reason)
         self._requeue(lease, lost=lost)
         return True
+
+    def _seen_lost(self, node: str) -> None:
+        """A request was lost on ``node`` (refused, reset, dropped mid-answer): it is gone until
+        seen alive again, for every request (``uncharged``)."""
+        ns = self.rt.scheduler.nodes.get(node)
+        if ns is not None:
+            ns.lost_at = self.rt.clock()
+
+    def _still_lost(self, node: str) -> bool:
+        """``node`` was known lost when this lease was granted, and has not been seen alive since."""
+        seen = self._lost_seen
+        ns = self.rt.scheduler.nodes.get(node)
+        return seen is not None and ns is not None and ns.alive_at < seen
 
     def detach(self) -> None:
         """(In a ``hold``) the re-queued work's new lease is held by the same hold."""
@@ -442,6 +474,8 @@ class LeaseScope:
         lease.revoke = self.revoke
         rt = self.rt
         now = rt.clock()
+        ns = rt.scheduler.nodes.get(lease.node)
+        self._lost_seen = ns.lost_at if ns is not None and ns.lost_at > ns.alive_at else None
         self.dispatched_at = now
         self._deadline = asyncio.get_running_loop().time() + self.timeout
         self._arm(self._deadline)  # moved by the grace if it fires while an attempt waits (expire)
@@ -633,6 +667,19 @@ class LeaseScope:
         cost = gpu_cost(held, rt.price_per_hour(lease.node)) + (t.usd or 0.0)
         rt.bill.add(time.time(), self.key, route, t.model or t.named_model, requests=1, prompt_tokens=prompt,
                     completion_tokens=completion, gpu_seconds=held, cost_usd=cost)
+
+
+def uncharged(known_lost: bool, tried: bool, failure: UpstreamFailed) -> bool:
+    """A re-queue that costs the request none of its ``retry_on_failover``: its node was already
+    known lost when the request was sent there (another request was lost on it, or a health check
+    failed, and it has not been seen alive since: a spot GPU restarting, refusing connections or
+    answering 503 while it loads its model), the request had not tried that node before, and the
+    node did no work (connection refused or reset, a 502 or 503). Sending it there was the
+    gateway's stale view of the node, not the request's doing; the retries are kept for the failures
+    that are (a continuation after a node died mid-answer among them). Once per node, so the
+    re-queues it forgives are bounded by the route's nodes."""
+    no_work = failure.response is not None or not (failure.answered or failure.timeout)
+    return known_lost and not tried and no_work
 
 
 async def _bounded(coro: Coroutine[Any, Any, Any]) -> None:

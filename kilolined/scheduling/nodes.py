@@ -54,6 +54,10 @@ class NodeState:
     # The last time it was seen alive: a health check passed or a request succeeded. A request
     # the node lost goes back to it only after this moves (queue.Scheduler.barred).
     alive_at: float = -math.inf
+    # The last time it was seen gone: a request lost on it (connection refused, reset or dropped
+    # mid-answer) or a failed health check. Gone since it was last seen alive, a node that fails
+    # a request it was sent costs that request no retry (lease.uncharged).
+    lost_at: float = -math.inf
     models: ModelState = field(default_factory=ModelState)  # what it serves and holds loaded
     #: when its process started, as its health answer tells (affinity.reported_start); None: it does not
     started: float | None = None
@@ -202,6 +206,7 @@ class NodeState:
                     events.append("node_up")
         else:
             self.last_error = error
+            self.lost_at = now
             self.check_oks = 0
             if self.breaker_state(now) == HALF_OPEN and not self.trial_in_flight:
                 events += self._trip(now)
