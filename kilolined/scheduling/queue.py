@@ -665,7 +665,7 @@ class Scheduler:
 
     def affine_landed(self, rq: RouteQueue, t: Ticket, node: str) -> None:
         """A grant chosen elsewhere (the cluster's scripts, by the ticket's plan) lands here: what
-        it was by this gateway's index now, as ``_affine`` would say it — hit; miss (no node it
+        it was by this gateway's index now, as ``_affine_chosen`` would say it — hit; miss (no node it
         could have gone to holds any of it); load (one held more, or was the session's first, but
         the load rule chose another). Pinned, or a node that had failed it: hit if it holds any."""
         a = t.affinity
