@@ -526,14 +526,22 @@ class Scheduler:
         """Where ``t`` goes now, or None: the rules' plan picked with this scheduler's counts;
         ``blocked`` nodes are held for a head that was passed over. ``position``: its place in the
         queue, for the overflow tier's wait estimate."""
-        p = self.plan(rq, t, now)
-        got = rules.pick(p, _Local(self, rq, now), t.cost, blocked)
-        if got.node is not None:
-            self._affine_chosen(t, p.tiers[got.tier], got.node, blocked)
-            return got.node
+        if self._any_feasible(rq, t, now, blocked):
+            p = self.plan(rq, t, now)
+            got = rules.pick(p, _Local(self, rq, now), t.cost, blocked)
+            if got.node is not None:
+                self._affine_chosen(t, p.tiers[got.tier], got.node, blocked)
+                return got.node
         if rq.cfg.overflow is None or t.pinned_node is not None:
             return None
         return self._overflow(rq, t, now, blocked, position if self._local_up(rq, t, now) else None)
+
+    def _any_feasible(self, rq: RouteQueue, t: Ticket, now: float, blocked: frozenset[str]) -> bool:
+        """Some node the plan could name passes the live filters now. When none does, the pick
+        names none whatever the plan says (every candidate must pass them): a full route, the most
+        common case while requests wait, is answered without making the plan."""
+        nodes = rq.all_nodes if t.pinned_node is None else [t.pinned_node]
+        return any(n not in blocked and self.can_take(rq, n, now, t.cost) for n in nodes)
 
     def _local_up(self, rq: RouteQueue, t: Ticket, now: float) -> bool:
         """Some primary or standby is up and could ever take ``t`` (one that lost it, once back)."""
