@@ -390,7 +390,7 @@ class Scheduler:
         self.share: Share = WHOLE
         #: (route, node) -> its capped limits and what they were made of (a memo:
         #: remade when a config, the share or the node's slow verdict changes; never while ramping)
-        self._limits: dict[tuple[str, str], tuple[object, object, object, object, bool, list[rules.Limit]]] = {}
+        self._limits: dict[tuple[str, str], tuple[tuple[object, ...], list[rules.Limit]]] = {}
 
     # -- capacity --------------------------------------------------------------------------
     def can_take(self, rq: RouteQueue, node: str, now: float, cost: float = 0.0) -> bool:
@@ -404,13 +404,12 @@ class Scheduler:
         are only counted)."""
         if ns.recovered_at is not None:  # slow start: they change with the clock
             return [lim for lim in rules.limits(self.caps(rq, ns, now)) if lim.cap >= 0]
-        card = self.cards.cfg.get(ns.cfg.card) if ns.cfg.card is not None else None
+        made_of = (rq.cfg, ns.cfg, self.share, self.cards.cfg.get(ns.cfg.card or ""), ns.slowed)
         memo = self._limits.get((rq.name, ns.name))
-        if (memo is not None and memo[0] is rq.cfg and memo[1] is ns.cfg and memo[2] is self.share
-                and memo[3] is card and memo[4] == ns.slowed):
-            return memo[5]
+        if memo is not None and all(x is y for x, y in zip(memo[0], made_of, strict=True)):
+            return memo[1]
         lims = [lim for lim in rules.limits(self.caps(rq, ns, now)) if lim.cap >= 0]
-        self._limits[(rq.name, ns.name)] = (rq.cfg, ns.cfg, self.share, card, ns.slowed, lims)
+        self._limits[(rq.name, ns.name)] = (made_of, lims)
         return lims
 
     def caps(self, rq: RouteQueue, ns: NodeState, now: float, share: Share | None = None) -> rules.NodeCaps:

@@ -303,15 +303,20 @@ def ask(b: Board, t: Asking, every: Sequence[str], a: Affinity | None) -> Ask:
     return q
 
 
+def holding(b: Board, t: Asking, nodes: Sequence[str]) -> tuple[str, ...]:
+    """The nodes that could ever hold the ticket (its cost within their capacity and card's)."""
+    return tuple([n for n in nodes if b.could_hold_node(n, t.cost)])
+
+
 def plan(b: Board, t: Asking, groups: Sequence[Sequence[str]], affinity_mode: str | None,
          with_hold: bool = False) -> Plan:
     """The ticket's tiers: its pinned node alone; else each group (primaries, standbys) ranked by
     load or affinity, then the nodes that failed it, least loaded first. ``with_hold``: with the
     nodes that could ever hold it (the cluster's backfill blocks them for a passed-over head)."""
     every = [n for g in groups for n in g]
-    hold = tuple(n for n in every if b.could_hold_node(n, t.cost)) if with_hold else ()
+    hold = holding(b, t, every) if with_hold else ()
     if t.pinned_node is not None:
-        return Plan((Tier(tuple(Cand(n, (0,)) for n in passing(PIN_FILTERS, b, t, [t.pinned_node]))),), hold)
+        return Plan((Tier(tuple([Cand(n, (0,)) for n in passing(PIN_FILTERS, b, t, [t.pinned_node])])),), hold)
     a = t.affinity if t.affinity is not None and t.affinity.mode == affinity_mode else None
     q = ask(b, t, every, a)
     tiers = [tier(b, t, q, g, a) for g in groups]
