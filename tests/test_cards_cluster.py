@@ -13,8 +13,12 @@ import aiohttp
 from cluster_harness import GatewayProc, RedisServer, gateways, make_gateways, redis_server, start_all
 from conftest import auth
 
+from kilolined.core.config import CardConfig, NodeConfig, RouteConfig
 from kilolined.fakegpu import FakeGPU
 from kilolined.fakegpu.card import Job
+from kilolined.scheduling.nodes import NodeState
+from kilolined.scheduling.queue import LEASED, WAITING, RouteQueue, Scheduler
+from kilolined.scheduling.share import share_of
 
 __all__ = ["gateways", "redis_server"]  # fixtures
 
@@ -67,3 +71,24 @@ async def test_a_card_of_n_runs_no_more_than_n_over_two_gateways(
     finally:
         await a.stop()
         await b.stop()
+
+
+def alone(me: str) -> Scheduler:
+    """Nodes a and b on a card of 3 slots and capacity 6, one route over both; this gateway one of
+    two (gw0, gw1) that lost Redis."""
+    s = Scheduler()
+    s.cards.cfg["gpu"] = CardConfig(max_concurrency=3, capacity=6)
+    for n in "ab":
+        s.nodes[n] = NodeState(n, NodeConfig(url=f"http://10.0.0.{ord(n)}:1", card="gpu"))
+    s.routes["r"] = RouteQueue("r", RouteConfig(path="/r", nodes=["a", "b"], max_concurrency=4, queue_timeout_sec=60))
+    s.share = share_of(me, ["gw0", "gw1"])
+    return s
+
+
+def test_a_gateway_without_redis_takes_its_share_of_a_card() -> None:
+    """Redis down: each gateway runs alone with its share of every slot count, a card's too
+    (⌊N / k⌋, the remainder to the lowest ids; its capacity split evenly)."""
+    s = alone("gw1")  # 1 of the card's 3 slots
+    assert [s.admit("r", "k", 0, 0.0).state for _ in range(2)] == [LEASED, WAITING]
+    s = alone("gw0")  # 2 of its slots, 3 of its capacity
+    assert [s.admit("r", "k", 0, 0.0, cost=c).state for c in (2.5, 1.0)] == [LEASED, WAITING]
