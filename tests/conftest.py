@@ -17,6 +17,11 @@ from kilolined.core.config import parse_config
 from kilolined.edge.server import Server
 from kilolined.fakegpu import FakeGPU
 
+# Fixtures more than one test module uses live in helper modules, never in a test module: no test
+# imports another (tests/test_architecture.py).
+pytest_plugins = ["affinity_llamas", "browser_page", "fakegpu_util", "fleet_market", "fleet_vast", "install_run",
+                  "slow_fleet", "upstream_peer"]
+
 ADMIN_KEY = "kl_admin_test_key_000000000000000"
 KEYS = {"alice": "kl_alice_key_0000000000000000000000", "bob": "kl_bob_key_00000000000000000000000000",
         "carol": "kl_carol_key_000000000000000000000000"}

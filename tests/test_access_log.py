@@ -13,7 +13,7 @@ from typing import Any
 import aiohttp
 import pytest
 from conftest import auth, base_config, wait_until
-from test_sse_jobs import SSEReader, job_status
+from jobs_client import SSEReader, job_status
 
 SECRET_QUERY = "token=QRY-SECRET-0123456789"
 

@@ -6,13 +6,13 @@ from __future__ import annotations
 from typing import Any
 
 import aiohttp
+from affinity_llamas import DOC_TOKENS, ask, chat, config
+from browser_page import Page
 from conftest import ADMIN_KEY
-from test_affinity_e2e import DOC_TOKENS, ask, chat, config, llamas  # noqa: F401 (llamas: a fixture)
-from test_dashboard import Page, browser  # noqa: F401 (browser: a fixture)
 
 
 async def test_the_route_card_shows_the_cached_share(
-        llamas: Any, gateway: Any, http: aiohttp.ClientSession, browser: Any) -> None:  # noqa: F811 (fixtures imported above)
+        llamas: Any, gateway: Any, http: aiohttp.ClientSession, browser: Any) -> None:
     servers = await llamas(2)
     gw = await gateway(config(servers))
     page = Page(browser)

@@ -7,8 +7,8 @@ from __future__ import annotations
 from typing import Any
 
 import aiohttp
+from affinity_llamas import metrics, value
 from conftest import ADMIN, auth, base_config
-from test_affinity_e2e import metrics, value
 
 
 def chat(question: str) -> dict[str, Any]:

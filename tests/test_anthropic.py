@@ -17,7 +17,7 @@ import orjson
 import pytest
 from anthropic import AsyncAnthropic
 from conftest import ADMIN, KEYS, auth, base_config, wait_until
-from test_sse_jobs import SSEReader
+from jobs_client import SSEReader
 
 from kilolined.adapters.anthropic import MessagesParser, openai_usage
 from kilolined.ops import views

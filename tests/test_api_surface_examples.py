@@ -13,8 +13,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from comfy_workflows import INVERT, TXT2IMG, TXT2IMG_INPUTS
 from conftest import KEYS, base_config
-from test_comfy_images import INVERT, TXT2IMG, TXT2IMG_INPUTS
 
 from kilolined.fakegpu.comfy_graph import make_png
 

@@ -269,3 +269,51 @@ def test_slot_counters_have_one_python_writer() -> None:
             if pattern.search(line.split("#", 1)[0]):
                 writers.append(f"{path.relative_to(PKG)}:{lineno}: {line.strip()}")
     assert writers == []
+
+
+
+TESTS = Path(__file__).resolve().parent
+
+
+def _is_test_module(name: str, level: int) -> bool:
+    """Whether an import names one of tests/'s test modules (a library's ``x.test_utils`` is not)."""
+    parts = name.split(".") if name else []
+    if not parts or not parts[-1].startswith("test_"):
+        return False
+    if level:  # relative: within tests/ by construction
+        return True
+    if parts[0] == "tests":
+        parts = parts[1:]
+    return TESTS.joinpath(*parts).with_suffix(".py").is_file()
+
+
+def _test_module_imports(tree: ast.Module) -> list[tuple[int, str]]:
+    """(line, module) for each import of a test module, plain, dotted or relative, at any depth."""
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            out += [(node.lineno, a.name) for a in node.names if _is_test_module(a.name, 0)]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if _is_test_module(base, node.level):
+                out.append((node.lineno, "." * node.level + base))
+            # `from . import test_x` / `from cluster import test_x`: the module is an imported name
+            out += [(node.lineno, f"{'.' * node.level}{base}.{a.name}".replace("..", ".")) for a in node.names
+                    if _is_test_module(f"{base}.{a.name}".lstrip("."), node.level)]
+    return out
+
+
+def test_the_checker_sees_a_test_importing_a_test() -> None:
+    src = ("from test_lease import runtime\nfrom .test_cluster import x\nimport tests.cluster.test_cluster\n"
+           "from cluster import test_cluster_wire\nfrom aiohttp.test_utils import make_mocked_request\n"
+           "from fakes import FakeTelegram\nfrom lease_props import runtime\n")
+    assert [m for _, m in _test_module_imports(ast.parse(src))] == [
+        "test_lease", ".test_cluster", "tests.cluster.test_cluster", "cluster.test_cluster_wire"]
+
+
+def test_no_test_imports_another_test_module() -> None:
+    # What tests share is a fixture in a conftest.py or a helper module (fakes.py, cluster/harness.py):
+    # a test module imported by another runs its module-level code twice and ties the two files.
+    found = [f"{p.relative_to(TESTS)}:{line}: {mod}" for p in sorted(TESTS.rglob("*.py"))
+             for line, mod in _test_module_imports(ast.parse(p.read_text()))]
+    assert not found, "test modules import test modules:\n" + "\n".join(found)

@@ -16,7 +16,7 @@ import pytest
 import yaml
 from conftest import ADMIN, auth, base_config, wait_until
 from fakes import FakeWebhookReceiver, verify_standard_webhook
-from test_sse_jobs import SSEReader, job_status, node_answer, read_all, submit_async, token_of, wait_status
+from jobs_client import SSEReader, job_status, node_answer, read_all, submit_async, token_of, wait_status
 
 from kilolined.core.config import ConfigError, parse_config
 

@@ -8,9 +8,7 @@ from typing import Any
 
 import aiohttp
 import pytest
-from fakegpu_util import MakeGPU, eventually, make_gpu
-
-__all__ = ["make_gpu"]  # the fixture, imported for pytest
+from fakegpu_util import MakeGPU, eventually
 
 
 def comfy_prompt(w: int, h: int, batch: int) -> dict[str, Any]:

@@ -10,20 +10,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+from check_run import ROOT, check
 from conftest import auth, base_config
 
 from kilolined.core.config import load_config
 from kilolined.core.targetglobs import local_host_reached
 from kilolined.ops.reload import reload_from_file
-
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def check(path: Path, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    full = {k: v for k, v in os.environ.items() if k not in ("KILOLINE_CONFIG", "KILOLINE_ADMIN_KEY")}
-    full.update(env or {})
-    return subprocess.run([sys.executable, "-m", "kilolined", "check", "-c", str(path)], cwd=ROOT, env=full,
-                          capture_output=True, text=True, timeout=60)
 
 
 def test_schema_and_cross_reference_errors_are_reported_together(tmp_path: Path) -> None:

@@ -4,30 +4,20 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import os
 import re
 import signal
 import socket
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import aiohttp
 import pytest
 import yaml
+from cli_run import ENV, PY, ROOT, kl
 
-ROOT = Path(__file__).resolve().parents[1]
-PY = sys.executable
-ENV = {**os.environ, "KILOLINE_ADMIN_KEY": "kl_cli_admin_dummy", "ALICE_KEY": "kl_cli_alice_dummy",
-       "BOB_KEY": "kl_cli_bob_dummy"}
 ENV.pop("KILOLINE_CONFIG", None)
 DOTTED = re.compile(r"^\S+:\d+: [^\s:]+(?: [^:]+)?: .+$")  # file:line: dotted.path: message
-
-
-def kl(*args: str, env: dict[str, str] | None = None, timeout: float = 30) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([PY, "-m", "kilolined", *args], cwd=ROOT, env=env or ENV, capture_output=True, text=True,
-                          timeout=timeout)
 
 
 def free_port() -> int:

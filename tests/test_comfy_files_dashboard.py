@@ -6,15 +6,15 @@ from __future__ import annotations
 from typing import Any
 
 import aiohttp
+from browser_page import Page
+from comfy_files_client import two_nodes, upload
 from conftest import ADMIN_KEY
-from test_comfy_files import two_nodes, upload
-from test_dashboard import Page, browser  # noqa: F401 (browser: a fixture)
 
 from kilolined.fakegpu.comfy_graph import make_png
 
 
 async def test_the_route_card_shows_the_files(fakegpus: Any, gateway: Any, http: aiohttp.ClientSession,
-                                              browser: Any) -> None:  # noqa: F811 (a fixture imported above)
+                                              browser: Any) -> None:
     gw = await gateway(two_nodes(await fakegpus("comfyui"), await fakegpus("comfyui")))
     page = Page(browser)
     await page.call(browser.get, gw.url + "/dashboard")

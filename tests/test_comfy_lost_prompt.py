@@ -9,9 +9,9 @@ from typing import Any
 
 import aiohttp
 import pytest
+from comfy_client import ASYNC
+from comfy_gpus import graph, hear, kinds_of
 from conftest import auth, base_config
-from test_comfy_many_gpus import graph, hear, kinds_of
-from test_comfyui import ASYNC
 
 
 @pytest.mark.parametrize("mode", ["sync", "async"])

@@ -22,6 +22,7 @@ import aiohttp
 import orjson
 import pytest
 from aiohttp import web
+from comfy_gpus import get, graph, hear, kinds_of, node_of, post, preview_ids
 from conftest import ADMIN, auth, base_config, wait_until
 
 from kilolined.adapters.comfy_control import comfy_state
@@ -32,74 +33,12 @@ from kilolined.wire.redirects import keep_prefix
 ENDS = ("execution_success", "execution_error", "execution_interrupted")
 
 
-def graph(steps: int, seed: int) -> dict[str, Any]:
-    return {
-        "4": {"class_type": "CheckpointLoaderSimple", "inputs": {"ckpt_name": "x.safetensors"}},
-        "5": {"class_type": "EmptyLatentImage", "inputs": {"width": 512, "height": 512, "batch_size": 1}},
-        "6": {"class_type": "CLIPTextEncode", "inputs": {"text": "a cat", "clip": ["4", 1]}},
-        "7": {"class_type": "CLIPTextEncode", "inputs": {"text": "", "clip": ["4", 1]}},
-        "3": {"class_type": "KSampler", "inputs": {"model": ["4", 0], "positive": ["6", 0], "negative": ["7", 0],
-                                                   "latent_image": ["5", 0], "seed": seed, "steps": steps}},
-        "8": {"class_type": "VAEDecode", "inputs": {"samples": ["3", 0], "vae": ["4", 2]}},
-        "9": {"class_type": "SaveImage", "inputs": {"images": ["8", 0], "filename_prefix": "ComfyUI"}},
-    }
-
-
 async def two_nodes(fakegpus: Any, gateway: Any, **route: Any) -> tuple[Any, Any, Any]:
     a = await fakegpus("comfyui", step_ms=20, previews=True)
     b = await fakegpus("comfyui", step_ms=20, previews=True)
     cfg = base_config({"a": a.url, "b": b.url}, kind="comfyui", max_concurrency=1, **route)
     cfg["routes"]["gen"].update(nodes=["a", "b"], standby=[])
     return a, b, await gateway(cfg)
-
-
-async def post(http: aiohttp.ClientSession, gw: Any, body: dict[str, Any], who: str = "alice") -> dict[str, Any]:
-    async with http.post(gw.url + "/gen/prompt", json=body, headers=auth(who)) as r:
-        assert r.status == 200, await r.text()
-        return dict(await r.json())
-
-
-async def get(http: aiohttp.ClientSession, gw: Any, path: str, headers: dict[str, str]) -> Any:
-    async with http.get(gw.url + "/gen" + path, headers=headers) as r:
-        assert r.status == 200, (path, r.status, await r.text())
-        return await r.json()
-
-
-async def hear(ws: aiohttp.ClientWebSocketResponse, until_done: set[str]) -> list[tuple[str, Any]]:
-    """(type, data) of every frame (("binary", bytes) for previews) until each prompt's last
-    ``executing`` (node null) has come."""
-    frames: list[tuple[str, Any]] = []
-    left = set(until_done)
-    while left:
-        msg = await ws.receive(timeout=15)
-        if msg.type == aiohttp.WSMsgType.BINARY:
-            frames.append(("binary", msg.data))
-            continue
-        assert msg.type == aiohttp.WSMsgType.TEXT, msg
-        doc = orjson.loads(msg.data)
-        frames.append((doc["type"], doc["data"]))
-        if doc["type"] == "executing" and doc["data"].get("node") is None:
-            left.discard(doc["data"].get("prompt_id"))
-    return frames
-
-
-def kinds_of(frames: list[tuple[str, Any]], pid: str) -> list[str]:
-    return [k for k, d in frames if isinstance(d, dict) and d.get("prompt_id") == pid]
-
-
-def preview_ids(frames: list[tuple[str, Any]]) -> list[str]:
-    out = []
-    for kind, data in frames:
-        if kind == "binary" and struct.unpack(">I", data[:4])[0] == 4:
-            size = struct.unpack(">I", data[4:8])[0]
-            out.append(orjson.loads(data[8:8 + size])["prompt_id"])
-    return out
-
-
-def node_of(gw: Any, pid: str) -> str:
-    p = comfy_state(gw.rt).owners("gen").get(pid)
-    assert p is not None
-    return p.node
 
 
 # --- one websocket -----------------------------------------------------------------------------

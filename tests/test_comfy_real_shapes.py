@@ -17,8 +17,8 @@ from typing import Any
 
 import aiohttp
 import pytest
+from comfy_gpus import graph
 from conftest import wait_until
-from test_comfy_many_gpus import graph
 
 from kilolined.adapters.comfy_hub import plain_preview, preview_prompt
 from kilolined.core import comfy_jobs

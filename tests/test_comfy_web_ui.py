@@ -13,11 +13,9 @@ from __future__ import annotations
 from typing import Any
 
 import aiohttp
+from browser_page import Page
+from comfy_gpus import node_of
 from conftest import KEYS, base_config
-from test_comfy_many_gpus import node_of
-from test_dashboard import Page, browser
-
-__all__ = ["browser"]  # the fixture, imported for pytest
 
 
 async def test_the_web_ui_runs_prompts_on_both_nodes(fakegpus: Any, gateway: Any, http: aiohttp.ClientSession,

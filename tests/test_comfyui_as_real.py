@@ -13,8 +13,8 @@ from typing import Any
 import aiohttp
 import orjson
 import pytest
+from comfy_client import read_sse
 from conftest import auth, base_config, wait_until
-from test_comfyui import read_sse
 
 from kilolined.adapters.comfy_control import action_of
 from kilolined.adapters.comfy_progress import Progress

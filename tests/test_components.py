@@ -8,7 +8,7 @@ import pytest
 import yaml
 
 from kilolined.core.config import Config, parse_config
-from kilolined.ops.runtime import Component, ConfigRefused, Runtime
+from kilolined.ops.runtime import Component, ConfigRefused, Runtime, Wiring
 
 
 def cfg(slots: int) -> Config:
@@ -20,13 +20,12 @@ def cfg(slots: int) -> Config:
 
 
 def test_a_refusing_component_leaves_everything_as_it_was() -> None:
-    rt = Runtime(cfg(1), "v1")
     committed: list[int] = []
-    rt.components = [
+    rt = Runtime(cfg(1), "v1", wire=lambda rt: Wiring(components=(
         Component("recorder", lambda c: committed.append(c.routes["r"].max_concurrency)),
         Component("picky", lambda c: None,
                   prepare=lambda c: ["more than 2 slots not supported"] if c.routes["r"].max_concurrency > 2 else []),
-    ]
+    )))
     rt.apply(cfg(2), "v2")
     assert committed == [2] and rt.version == "v2"
     with pytest.raises(ConfigRefused) as info:

@@ -18,11 +18,11 @@ from typing import Any
 import aiohttp
 import pytest
 import yaml
+from cli_run import kl
 from conftest import ADMIN, auth, base_config, wait_until
+from daemon import daemon_factory
 from fakes import FakeTelegram
-from test_cli import kl
-from test_reload import admin_reload, admin_state, reloads_total, watcher_ready
-from test_systemd import daemon_factory
+from reload_admin import admin_reload, admin_state, reloads_total, watcher_ready
 
 from kilolined.core.config import ConfigError, load_config
 

@@ -17,9 +17,9 @@ from typing import Any
 import aiohttp
 import pytest
 from anthropic import AsyncAnthropic
+from comfy_client import ASYNC, SSE, inflight
 from conftest import KEYS, auth, base_config, wait_until
 from openai import AsyncOpenAI
-from test_comfyui import ASYNC, SSE, inflight
 
 from kilolined.fakegpu.openai import reply_text
 from kilolined.ops import views

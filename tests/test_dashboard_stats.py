@@ -11,8 +11,8 @@ import asyncio
 from typing import Any
 
 import aiohttp
+from browser_page import ROUTE, Page
 from conftest import ADMIN_KEY, auth, base_config
-from test_dashboard import ROUTE, Page, browser  # noqa: F401  (browser is a fixture)
 
 from kilolined.ops.stats import machines
 
@@ -33,7 +33,7 @@ async def admin_state(http: aiohttp.ClientSession, url: str) -> dict[str, Any]:
         return await r.json()
 
 
-async def test_route_percentiles_count_gpu_work_not_polls_or_refusals(fakegpus, gateway, http, browser) -> None:  # noqa: F811
+async def test_route_percentiles_count_gpu_work_not_polls_or_refusals(fakegpus, gateway, http, browser) -> None:
     gpu = await fakegpus(steps=20, step_ms=100)
     gw = await gateway(base_config({"a": gpu.url}, max_concurrency=2, unqueued_paths=["GET /health"]))
 
@@ -81,7 +81,7 @@ def test_machines_are_counted_by_url_host() -> None:
 
 
 async def test_cost_panel_with_the_hourly_price_alone_bills_a_shared_machine_once(
-        fakegpus, gateway, http, browser) -> None:  # noqa: F811
+        fakegpus, gateway, http, browser) -> None:
     comfy, tts = await fakegpus(), await fakegpus()  # two servers on one host (127.0.0.1)
     cfg = base_config({"comfy": comfy.url, "tts": tts.url})
     cfg["routes"]["tts"] = {"path": "/tts", "nodes": ["tts"], "max_concurrency": 1}
@@ -103,7 +103,7 @@ async def test_cost_panel_with_the_hourly_price_alone_bills_a_shared_machine_onc
     assert await page.text("#cost [data-field=ratio_note]") == "set cost.serverless_per_sec_usd to compare"
 
 
-async def test_cost_panel_with_the_serverless_price_alone(fakegpus, gateway, http, browser) -> None:  # noqa: F811
+async def test_cost_panel_with_the_serverless_price_alone(fakegpus, gateway, http, browser) -> None:
     gpu = await fakegpus(steps=2, step_ms=50)
     cfg = base_config({"a": gpu.url})
     cfg["cost"] = {"serverless_per_sec_usd": 0.0011}

@@ -13,11 +13,9 @@ from typing import Any
 
 import aiohttp
 import pytest
-from fakegpu_util import MakeGPU, eventually, make_gpu, refused, sse_data
+from fakegpu_util import MakeGPU, eventually, refused, sse_data
 
 from kilolined.fakegpu import BLOB_PATTERN
-
-__all__ = ["make_gpu"]  # the fixture, imported for pytest
 
 
 def test_package_has_no_import_cycle_between_card_and_kinds() -> None:

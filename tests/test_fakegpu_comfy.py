@@ -3,35 +3,15 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import uuid
 from typing import Any
 
 import aiohttp
-from fakegpu_util import MakeGPU, eventually, make_gpu
+from comfy_events import drain, graph, kinds
+from fakegpu_util import MakeGPU, eventually
 
 from kilolined.fakegpu import FakeGPU
-
-__all__ = ["make_gpu"]  # the fixture, imported for pytest
-
-
-def graph(steps: int | None = 10, *, seed: int = 1, extra: dict[str, Any] | None = None) -> dict[str, Any]:
-    sampler: dict[str, Any] = {"model": ["4", 0], "positive": ["6", 0], "negative": ["7", 0],
-                               "latent_image": ["5", 0], "seed": seed}
-    if steps is not None:
-        sampler["steps"] = steps
-    nodes = {
-        "4": {"class_type": "CheckpointLoaderSimple", "inputs": {"ckpt_name": "x.safetensors"}},
-        "5": {"class_type": "EmptyLatentImage", "inputs": {"width": 512, "height": 512, "batch_size": 1}},
-        "6": {"class_type": "CLIPTextEncode", "inputs": {"text": "a cat", "clip": ["4", 1]}},
-        "7": {"class_type": "CLIPTextEncode", "inputs": {"text": "", "clip": ["4", 1]}},
-        "3": {"class_type": "KSampler", "inputs": sampler},
-        "8": {"class_type": "VAEDecode", "inputs": {"samples": ["3", 0], "vae": ["4", 2]}},
-        "9": {"class_type": "SaveImage", "inputs": {"images": ["8", 0], "filename_prefix": "ComfyUI"}},
-    }
-    nodes.update(extra or {})
-    return nodes
 
 
 async def post(http: aiohttp.ClientSession, gpu: FakeGPU, prompt: dict[str, Any], client_id: str | None = "c1",
@@ -59,19 +39,6 @@ async def until_done(ws: aiohttp.ClientWebSocketResponse, prompt_id: str) -> lis
         seen.append(msg)
         if msg["type"] == "executing" and msg["data"]["node"] is None and msg["data"]["prompt_id"] == prompt_id:
             return seen
-
-
-async def drain(ws: aiohttp.ClientWebSocketResponse) -> list[dict[str, Any]]:
-    """What the socket received until it went quiet."""
-    seen = []
-    with contextlib.suppress(TimeoutError):
-        while True:
-            seen.append(await ws.receive_json(timeout=0.2))
-    return seen
-
-
-def kinds(seen: list[dict[str, Any]], *skip: str) -> list[str]:
-    return [m["type"] for m in seen if m["type"] not in skip]
 
 
 async def history(http: aiohttp.ClientSession, gpu: FakeGPU, pid: str) -> dict[str, Any]:

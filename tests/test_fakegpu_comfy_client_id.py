@@ -9,10 +9,8 @@ from typing import Any
 
 import aiohttp
 import pytest
-from fakegpu_util import MakeGPU, eventually, make_gpu
-from test_fakegpu_comfy import drain, graph, kinds
-
-__all__ = ["make_gpu"]  # the fixture, imported for pytest
+from comfy_events import drain, graph, kinds
+from fakegpu_util import MakeGPU, eventually
 
 
 @pytest.mark.parametrize(("extra", "broadcast"), [({"client_id": None}, True), ({}, True),

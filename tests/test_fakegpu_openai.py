@@ -7,11 +7,9 @@ import json
 from typing import Any
 
 import aiohttp
-from fakegpu_util import MakeGPU, eventually, make_gpu, sse_data
+from fakegpu_util import MakeGPU, eventually, sse_data
 
 from kilolined.cli import build_parser
-
-__all__ = ["make_gpu"]  # the fixture, imported for pytest
 
 CHAT = {"model": "fake-llm", "messages": [{"role": "user", "content": "hello there big world"}]}
 

@@ -14,11 +14,9 @@ from typing import Any
 
 import aiohttp
 import pytest
-from fakegpu_util import MakeGPU, eventually, make_gpu, sse_data
+from fakegpu_util import MakeGPU, eventually, sse_data
 
 from kilolined.fakegpu.prompt_cache import PromptCache, common_prefix, prompt_tokens
-
-__all__ = ["make_gpu"]  # the fixture, imported for pytest
 
 DOC = " ".join(f"w{i}" for i in range(1000))  # 1000 tokens: one per word
 TIMING_KEYS = ["cache_n", "prompt_n", "prompt_ms", "prompt_per_token_ms", "prompt_per_second",

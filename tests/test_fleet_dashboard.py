@@ -6,14 +6,14 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+from browser_page import Page
 from conftest import ADMIN_KEY, auth, wait_until
-from test_dashboard import Page, browser  # noqa: F401  (the fixture)
-from test_fleet import WAIT, fleet_config, live, market, pool, serving  # noqa: F401  (market: the fixture)
-from test_fleet_autoscale import scaling_config, vast  # noqa: F401  (vast: the fixture)
+from fleet_market import WAIT, fleet_config, live, pool, serving
+from fleet_vast import scaling_config
 
 
-async def test_a_rented_node_shows_provider_instance_and_price(fakegpus: Any, gateway: Any, market: Any,  # noqa: F811
-                                                               browser: Any) -> None:  # noqa: F811
+async def test_a_rented_node_shows_provider_instance_and_price(fakegpus: Any, gateway: Any, market: Any,
+                                                               browser: Any) -> None:
     fp = await market()
     static = await fakegpus()
     gw = await gateway(fleet_config(static.url, fp, {"p": pool(size=1)}))
@@ -32,7 +32,7 @@ async def test_a_rented_node_shows_provider_instance_and_price(fakegpus: Any, ga
 
 
 async def test_the_pool_panel_shows_each_instance_its_state_and_price_and_spend_against_the_cap(
-        fakegpus: Any, gateway: Any, vast: Any, browser: Any, http: Any) -> None:  # noqa: F811
+        fakegpus: Any, gateway: Any, vast: Any, browser: Any, http: Any) -> None:
     """A pool min 0, max 2: empty, then its instance serving or idle with its price and the spend
     against the cap, then stopped (unbilled), then booting again on a resume."""
     static = await fakegpus()
@@ -73,8 +73,8 @@ async def test_the_pool_panel_shows_each_instance_its_state_and_price_and_spend_
         waiting.cancel()
 
 
-async def test_fleet_events_show_in_the_feed(fakegpus: Any, gateway: Any, market: Any,  # noqa: F811
-                                             browser: Any) -> None:  # noqa: F811
+async def test_fleet_events_show_in_the_feed(fakegpus: Any, gateway: Any, market: Any,
+                                             browser: Any) -> None:
     """fleet_node_rented and fleet_node_ready (docs/FLEET.md) reach the feed, in their words;
     a page kept a hand list of kinds and dropped every fleet event."""
     fp = await market()

@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any, cast
 
-from test_lease import Quiet, inflight, runtime
+from lease_props import Quiet, inflight, runtime
 
 from kilolined.modes import runner
 from kilolined.scheduling.lease import LeaseScope

@@ -19,27 +19,21 @@ import json
 import os
 import pwd
 import re
-import secrets
 import shlex
 import shutil
 import signal
 import stat
 import subprocess
-import tempfile
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 import yaml
 from conftest import base_config
-from test_systemd import free_port, service_values, verify
-
-REPO = Path(__file__).resolve().parent.parent
-INSTALL = REPO / "scripts" / "install.sh"
+from daemon import free_port, service_values, verify
+from install_run import Install, read_env_file
 
 pytestmark = [
     pytest.mark.skipif(not hasattr(os, "geteuid") or os.geteuid() != 0, reason="install.sh needs root"),
@@ -48,61 +42,9 @@ pytestmark = [
 ]
 
 
-@dataclass
-class Install:
-    root: Path
-    prefix: Path
-    etc: Path
-    unit_dir: Path
-    group: str
-
-    @property
-    def unit(self) -> Path:
-        return self.unit_dir / "kilolined.service"
-
-    def env(self) -> dict[str, str]:
-        return {**os.environ, "KILOLINE_PREFIX": str(self.prefix), "KILOLINE_ETC": str(self.etc),
-                "KILOLINE_UNIT_DIR": str(self.unit_dir), "KILOLINE_GROUP": self.group}
-
-    def run(self, *args: str) -> subprocess.CompletedProcess[str]:
-        # A hardened root umask: the venv must still be readable by the service's uid.
-        p = subprocess.run(["bash", "-c", 'umask 077 && exec bash "$0" "$@"', str(INSTALL), *args],
-                           env=self.env(), capture_output=True, text=True, timeout=600)
-        assert p.returncode == 0, f"install.sh {' '.join(args)} failed ({p.returncode}):\n{p.stdout}\n{p.stderr}"
-        return p
-
-
-@pytest.fixture(scope="module")
-def installed() -> Iterator[Install]:
-    # Not under pytest's tmp_path: its parents are 0700, which no unprivileged uid can traverse.
-    root = Path(tempfile.mkdtemp(prefix="kl-install-"))
-    root.chmod(0o755)
-    group = "kltest" + secrets.token_hex(3)
-    # Paths unlike the defaults, so a default left in the rendered unit cannot hide among them.
-    inst = Install(root, root / "srv" / "kl", root / "conf" / "kl", root / "units", group)
-    try:
-        inst.run("--no-start")
-        yield inst
-    finally:
-        shutil.rmtree(root, ignore_errors=True)
-        with contextlib.suppress(KeyError):
-            grp.getgrnam(group)
-            subprocess.run(["groupdel", group], check=False, timeout=60)
-
-
 def mode_owner(path: Path) -> tuple[int, str, str]:
     st = path.stat()
     return stat.S_IMODE(st.st_mode), pwd.getpwuid(st.st_uid).pw_name, grp.getgrgid(st.st_gid).gr_name
-
-
-def read_env_file(path: Path) -> dict[str, str]:
-    """KEY=VALUE lines, as systemd's EnvironmentFile= reads them (no quotes in what install.sh writes)."""
-    out = {}
-    for line in path.read_text().splitlines():
-        if line.strip() and not line.lstrip().startswith(("#", ";")):
-            k, _, v = line.partition("=")
-            out[k.strip()] = v.strip()
-    return out
 
 
 def unused_id() -> int:

@@ -15,13 +15,12 @@ import shutil
 import subprocess
 
 import pytest
-from test_install import INSTALL, Install, installed, read_env_file
+from install_run import INSTALL, Install, read_env_file
 
 pytestmark = [
     pytest.mark.skipif(not hasattr(os, "geteuid") or os.geteuid() != 0, reason="install.sh needs root"),
     pytest.mark.skipif(shutil.which("groupadd") is None, reason="groupadd (passwd) not installed"),
 ]
-__all__ = ["installed"]  # the module-scoped fixture, used here by name
 
 
 def test_every_key_the_example_needs_is_generated(installed: Install) -> None:

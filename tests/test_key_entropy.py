@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from test_check import ROOT, check
+from check_run import ROOT, check
 
 from kilolined.core.auth import new_key
 from kilolined.core.config import WELL_KNOWN_KEYS, ConfigError, parse_config

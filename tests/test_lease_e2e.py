@@ -12,8 +12,8 @@ import socket
 
 import aiohttp
 from aiohttp import web
+from comfy_client import graph
 from conftest import KEYS, auth, base_config, wait_until
-from test_comfyui import graph
 
 
 async def big_node() -> tuple[web.AppRunner, str]:

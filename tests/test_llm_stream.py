@@ -20,17 +20,16 @@ import aiohttp
 import openai
 import orjson
 import pytest
-from conftest import ADMIN, KEYS, auth, base_config, wait_until
+from conftest import KEYS, auth, base_config, wait_until
+from jobs_client import SSEReader
+from metrics_text import metric
 from openai import AsyncOpenAI
-from test_sse_jobs import SSEReader
 
 from kilolined.ops import views
 
 WORDS = ["The", " quick", " brown", " fox", " jumps", " over", " the", " lazy", " dog", "."]
 MESSAGES = [{"role": "user", "content": "say something please"}]  # 3 prompt tokens for the fake
 QUEUED = re.compile(r"^queued position=(\d+) est_wait_sec=(\S+)$")
-SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(.*)\})?\s+(\S+)")
-LABEL = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"')
 
 
 def llm_cfg(fake: Any, **route: Any) -> dict[str, Any]:
@@ -61,18 +60,6 @@ async def hold_the_queue(http, gw, fake, n: int, tokens: int) -> list[asyncio.Ta
         else:
             await wait_until(lambda i=i: views.state(gw.rt)["routes"]["gen"]["queue_depth"] == i)
     return tasks
-
-
-async def metric(http, gw, name: str, **labels: str) -> float | None:
-    """One sample from /metrics, matching labels in any order (their order carries no meaning)."""
-    async with http.get(gw.url + "/metrics", headers=ADMIN) as r:
-        assert r.status == 200
-        text = await r.text()
-    for line in text.splitlines():
-        m = SAMPLE.match(line)
-        if m and m.group(1) == name and dict(LABEL.findall(m.group(2) or "")) == labels:
-            return float(m.group(3))
-    return None
 
 
 # ----------------------------------------------------------------------------------------------

@@ -10,8 +10,8 @@ import json
 from typing import Any
 
 import aiohttp
+from comfy_client import SSE, inflight
 from conftest import base_config, wait_until
-from test_comfyui import SSE, inflight
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 40, "stream": True}
 

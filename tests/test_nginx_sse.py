@@ -23,9 +23,9 @@ from pathlib import Path
 
 import pytest
 from aiohttp import web
+from comfy_client import graph as comfy_graph
 from conftest import auth, base_config
-from test_comfyui import graph as comfy_graph
-from test_sse_jobs import SSEReader
+from jobs_client import SSEReader
 
 NGINX = Path("/usr/sbin/nginx")
 

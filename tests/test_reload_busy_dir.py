@@ -25,7 +25,7 @@ import aiohttp
 import pytest
 import yaml
 from conftest import ADMIN, auth, base_config, sha, wait_until
-from test_systemd import Daemon
+from daemon import Daemon
 
 NEW_KEY = "kl_dave_key_busy_dir_000000000000000"
 CHURN_SEC = 0.05  # another file in the directory is rewritten this often

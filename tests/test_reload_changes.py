@@ -11,7 +11,7 @@ import aiohttp
 import pytest
 import yaml
 from conftest import ADMIN_KEY, KEYS, base_config, sha
-from test_reload import admin_reload, admin_state
+from reload_admin import admin_reload, admin_state
 
 DAVE = "kl_dave_key_changes_00000000000000000"
 

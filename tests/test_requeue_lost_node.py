@@ -13,8 +13,8 @@ from typing import Any
 
 import aiohttp
 import pytest
+from comfy_client import ASYNC, SSE, graph, inflight, job_status, of, read_sse
 from conftest import auth, base_config, wait_until
-from test_comfyui import ASYNC, SSE, graph, inflight, job_status, of, read_sse
 
 HEALTH = {"path": "/health", "interval_sec": 0.3, "timeout_sec": 0.5, "fall": 2, "rise": 1}
 KINDS = {"generic": "/gen/generate", "comfyui": "/gen/prompt", "openai": "/gen/v1/chat/completions"}

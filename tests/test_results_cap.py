@@ -19,7 +19,7 @@ import pytest
 from aiohttp import web
 from conftest import auth, base_config, wait_until
 from fakes import _FakeServer
-from test_sse_jobs import job_status
+from jobs_client import job_status
 
 from kilolined.fakegpu import FakeGPU
 

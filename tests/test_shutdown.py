@@ -15,8 +15,8 @@ from typing import Any
 import aiohttp
 import pytest
 from conftest import auth, base_config, wait_until
+from daemon import Daemon, DaemonFactory, NotifyListener, daemon_factory, fields, socket_dir
 from fakes import FakeWebhookReceiver, verify_standard_webhook
-from test_systemd import Daemon, DaemonFactory, NotifyListener, daemon_factory, fields, socket_dir
 
 SECRET = "whsec_" + base64.b64encode(b"shutdown-test-secret-32-bytes!!!").decode()
 

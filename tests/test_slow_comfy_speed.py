@@ -6,8 +6,8 @@ from __future__ import annotations
 from typing import Any
 
 import aiohttp
+from comfy_client import graph, inflight, of, sse_job
 from conftest import ADMIN, base_config, wait_until
-from test_comfyui import graph, inflight, of, sse_job
 
 from kilolined.adapters.comfy_progress import Progress
 

@@ -9,8 +9,8 @@ from typing import Any
 import aiohttp
 import orjson
 import pytest
+from comfy_client import async_job, graph, inflight, of, sse_job
 from conftest import ADMIN, base_config, wait_until
-from test_comfyui import async_job, graph, inflight, of, sse_job
 
 BREAKER = {"consecutive_failures": 3, "open_sec": 60, "slow_start_sec": 0}
 

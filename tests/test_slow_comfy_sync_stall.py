@@ -13,8 +13,8 @@ from typing import Any
 
 import aiohttp
 import pytest
+from comfy_client import graph, inflight, sse_job
 from conftest import ADMIN, auth, base_config, wait_until
-from test_comfyui import graph, inflight, sse_job
 
 from kilolined.adapters import comfy_control
 from kilolined.adapters.comfy_control import comfy_state

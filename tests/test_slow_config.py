@@ -5,7 +5,7 @@ from __future__ import annotations
 import textwrap
 from pathlib import Path
 
-from test_check import check
+from check_run import check
 
 from kilolined.core.config import SlowConfig, parse_config
 

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import asyncio
 
+from browser_page import Page
 from conftest import ADMIN_KEY, wait_until
-from test_dashboard import Page, browser  # noqa: F401 - the fixture is used by name
-from test_slow_e2e import dc, fleet, load, tg  # noqa: F401 - fixtures used by name
+from slow_fleet import fleet, load
 
 
-async def test_the_node_card_shows_speed_against_peers(fakegpus, gateway, http, tg, dc, browser) -> None:  # noqa: F811
+async def test_the_node_card_shows_speed_against_peers(fakegpus, gateway, http, tg, dc, browser) -> None:
     _a, _b, _c, _cfg, gw = await fleet(fakegpus, gateway, tg, dc)
     stop, seen = asyncio.Event(), []
     workers = [asyncio.create_task(load(http, gw.url, stop, seen)) for _ in range(6)]

@@ -18,8 +18,8 @@ from typing import Any
 import aiohttp
 import orjson
 import pytest
+from comfy_client import inflight
 from conftest import auth, base_config, wait_until
-from test_comfyui import inflight
 
 MESSAGES = [{"role": "user", "content": "say something please"}]
 BREAKER = {"consecutive_failures": 3, "open_sec": 60, "slow_start_sec": 0}

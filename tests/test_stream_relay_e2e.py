@@ -8,7 +8,7 @@ import asyncio
 
 import orjson
 from conftest import auth, base_config
-from test_upstream import Peer, serve  # noqa: F401  (fixture)
+from upstream_peer import Peer
 
 N, SIZE = 300, 64 * 1024
 
@@ -21,7 +21,7 @@ def event(i: int) -> bytes:
 USAGE = b'data: {"choices":[],"usage":{"prompt_tokens":3,"completion_tokens":300,"total_tokens":303}}\n\n'
 
 
-async def test_a_slow_client_gets_the_whole_stream_and_holds_the_node_back(serve, gateway, http) -> None:  # noqa: F811
+async def test_a_slow_client_gets_the_whole_stream_and_holds_the_node_back(serve, gateway, http) -> None:
     sent = [0]
 
     async def node(peer: Peer) -> None:

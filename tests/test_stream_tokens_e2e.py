@@ -10,8 +10,8 @@ import asyncio
 
 import orjson
 from conftest import auth, base_config, wait_until
-from test_llm_stream import metric
-from test_upstream import Peer, serve  # noqa: F401  (fixture)
+from metrics_text import metric
+from upstream_peer import Peer
 
 HEAD = b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
 BODY = {"model": "m", "stream": True, "messages": [{"role": "user", "content": "hi"}]}
@@ -36,7 +36,7 @@ def stream(usage: bool) -> list[bytes]:
     return [*writes, b"data: [DONE]\n\n"]
 
 
-async def relay(serve, gateway, http, usage: bool) -> tuple[object, bytes]:  # noqa: F811
+async def relay(serve, gateway, http, usage: bool) -> tuple[object, bytes]:
     """The stream through the gateway, in lockstep: the node writes its next piece once the client
     has what the gateway passed on of the last (so each write is one read of the gateway's)."""
     writes = stream(usage)
@@ -64,7 +64,7 @@ async def relay(serve, gateway, http, usage: bool) -> tuple[object, bytes]:  # n
     return gw, got
 
 
-async def test_a_node_that_sends_no_usage_has_its_content_chunks_counted(serve, gateway, http) -> None:  # noqa: F811
+async def test_a_node_that_sends_no_usage_has_its_content_chunks_counted(serve, gateway, http) -> None:
     gw, got = await relay(serve, gateway, http, usage=False)
     assert got == b"".join(stream(False))
 
@@ -75,7 +75,7 @@ async def test_a_node_that_sends_no_usage_has_its_content_chunks_counted(serve, 
     assert await metric(http, gw, "kiloline_ttft_seconds_count", route="gen") == 1
 
 
-async def test_usage_is_counted_and_cut_out_while_tokens_pass_unparsed(serve, gateway, http) -> None:  # noqa: F811
+async def test_usage_is_counted_and_cut_out_while_tokens_pass_unparsed(serve, gateway, http) -> None:
     gw, got = await relay(serve, gateway, http, usage=True)
     assert got == b"".join(w for w in stream(True) if b'"choices":[]' not in w)
 

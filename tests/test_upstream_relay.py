@@ -14,19 +14,13 @@ import asyncio
 
 import aiohttp
 import pytest
-from test_upstream import Peer, pools, req, serve  # noqa: F401  (fixtures)
+from relay_frames import HEAD, data, piece
+from upstream_peer import Peer, req
 
 from kilolined.wire.upstream import Stalled, UpstreamResponse
 
-HEAD = b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
 
-
-def piece(i: int) -> bytes:
-    data = b"data: {\"n\": %d}\n\n" % i
-    return b"%x\r\n%s\r\n" % (len(data), data)
-
-
-async def test_a_stream_that_never_goes_silent_that_long_is_not_stalled(serve, pools) -> None:  # noqa: F811
+async def test_a_stream_that_never_goes_silent_that_long_is_not_stalled(serve, pools) -> None:
     """Longer in total than idle_sec, each gap well within it: every piece arrives, no stall."""
     n = 12
 
@@ -47,7 +41,7 @@ async def test_a_stream_that_never_goes_silent_that_long_is_not_stalled(serve, p
     resp.release()
 
 
-async def test_silence_mid_stream_fails_stalled_and_the_socket_is_not_reused(serve, pools) -> None:  # noqa: F811
+async def test_silence_mid_stream_fails_stalled_and_the_socket_is_not_reused(serve, pools) -> None:
     async def handler(peer: Peer) -> None:
         await peer.read_request()
         await peer.send(HEAD + piece(0) + piece(1))  # and then nothing, the socket open
@@ -66,7 +60,7 @@ async def test_silence_mid_stream_fails_stalled_and_the_socket_is_not_reused(ser
     assert pool.open_connections == 0 and not pool.idle
 
 
-async def test_the_stall_clock_runs_only_while_the_relay_waits(serve, pools) -> None:  # noqa: F811
+async def test_the_stall_clock_runs_only_while_the_relay_waits(serve, pools) -> None:
     """Pieces that waited in the buffer while the relay was busy (a slow client) are taken at
     once, however long ago the node sent them; the next wait gets its own idle_sec."""
     sent = asyncio.Event()
@@ -87,7 +81,7 @@ async def test_the_stall_clock_runs_only_while_the_relay_waits(serve, pools) -> 
     resp.release()
 
 
-async def test_silence_before_the_first_byte_fails_ready(serve, pools) -> None:  # noqa: F811
+async def test_silence_before_the_first_byte_fails_ready(serve, pools) -> None:
     async def handler(peer: Peer) -> None:
         await peer.read_request()
         await peer.send(HEAD)  # the head, then no body
@@ -100,7 +94,7 @@ async def test_silence_before_the_first_byte_fails_ready(serve, pools) -> None: 
     resp.release()
 
 
-async def test_ready_returns_once_a_piece_is_there_and_leaves_it(serve, pools) -> None:  # noqa: F811
+async def test_ready_returns_once_a_piece_is_there_and_leaves_it(serve, pools) -> None:
     async def handler(peer: Peer) -> None:
         await peer.read_request()
         await peer.send(HEAD)
@@ -115,7 +109,7 @@ async def test_ready_returns_once_a_piece_is_there_and_leaves_it(serve, pools) -
     resp.release()
 
 
-async def test_the_watch_arms_no_loop_timer_per_relayed_piece(serve, pools, monkeypatch) -> None:  # noqa: F811
+async def test_the_watch_arms_no_loop_timer_per_relayed_piece(serve, pools, monkeypatch) -> None:
     """Each piece is asked for before it exists (the server sends the next one only once the
     relay has taken the last), so every read waits; the loop's timers are counted meanwhile."""
     n = 40
@@ -173,11 +167,7 @@ def stepped(n: int, go: asyncio.Queue[int], end: bool = True):  # type: ignore[n
     return handler
 
 
-def data(i: int) -> bytes:
-    return b"data: {\"n\": %d}\n\n" % i
-
-
-async def test_relay_hands_on_every_piece_in_order_with_no_wait_per_piece(serve, pools, monkeypatch) -> None:  # noqa: F811
+async def test_relay_hands_on_every_piece_in_order_with_no_wait_per_piece(serve, pools, monkeypatch) -> None:
     n = 40
     go: asyncio.Queue[int] = asyncio.Queue()
     srv = await serve(stepped(n, go))
@@ -212,7 +202,7 @@ async def test_relay_hands_on_every_piece_in_order_with_no_wait_per_piece(serve,
     assert len(pool.idle) == 1  # a clean end: the socket goes back to the pool
 
 
-async def test_relay_pauses_the_node_while_its_client_is_full(serve, pools) -> None:  # noqa: F811
+async def test_relay_pauses_the_node_while_its_client_is_full(serve, pools) -> None:
     """push says full: the node socket is paused, pieces that arrive meanwhile wait, drain() is
     awaited, then they go on in order and the socket reads again."""
     n = 6
@@ -247,7 +237,7 @@ async def test_relay_pauses_the_node_while_its_client_is_full(serve, pools) -> N
     resp.release()
 
 
-async def test_what_push_raises_ends_the_relay_and_the_socket(serve, pools) -> None:  # noqa: F811
+async def test_what_push_raises_ends_the_relay_and_the_socket(serve, pools) -> None:
     go: asyncio.Queue[int] = asyncio.Queue()
     srv = await serve(stepped(5, go))
     pool = pools(srv.url)
@@ -267,7 +257,7 @@ async def test_what_push_raises_ends_the_relay_and_the_socket(serve, pools) -> N
 
 
 @pytest.mark.parametrize("fault", ["stall", "deadline", "cut"])
-async def test_the_node_failing_mid_relay_is_raised(serve, pools, fault: str) -> None:  # noqa: F811
+async def test_the_node_failing_mid_relay_is_raised(serve, pools, fault: str) -> None:
     go: asyncio.Queue[int] = asyncio.Queue()
     srv = await serve(stepped(3, go, end=False))
     pool = pools(srv.url)
@@ -295,7 +285,7 @@ async def test_the_node_failing_mid_relay_is_raised(serve, pools, fault: str) ->
     assert not pool.idle
 
 
-async def test_pieces_that_came_before_the_relay_go_first(serve, pools) -> None:  # noqa: F811
+async def test_pieces_that_came_before_the_relay_go_first(serve, pools) -> None:
     go: asyncio.Queue[int] = asyncio.Queue()
     srv = await serve(stepped(3, go))
     resp: UpstreamResponse = await req(pools(srv.url), timeout=30)

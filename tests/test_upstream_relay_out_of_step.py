@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import asyncio
 
-from test_upstream import Peer, pools, req, serve  # noqa: F401  (fixtures)
-from test_upstream_relay import HEAD, data, piece
+from relay_frames import HEAD, data, piece
+from upstream_peer import Peer, req
 
 
-async def test_a_second_answer_in_the_same_write_never_reaches_the_client(serve, pools) -> None:  # noqa: F811
+async def test_a_second_answer_in_the_same_write_never_reaches_the_client(serve, pools) -> None:
     go: asyncio.Queue[int] = asyncio.Queue()
     extra = b"data: {\"not\": \"yours\"}\n\n"
 

@@ -15,6 +15,7 @@ from aiohttp import web
 from kilolined.core.config import RewriteConfig
 from kilolined.core.forms import FormError
 from kilolined.core.rewrite import rewrite_body
+from kilolined.core.verdict import Cause, failed_status, status_verdict
 from kilolined.ops.runtime import Runtime
 from kilolined.scheduling.lease import LeaseScope, Sink
 from kilolined.scheduling.queue import Lease
@@ -79,11 +80,11 @@ class HttpAttempt:
             log.error("✗ [%s] refused the gateway's credentials (HTTP %d): check nodes.%s.headers; "
                       "counted as a node failure, the client gets 502", lease.node, up.status, lease.node)
             raise UpstreamFailed(f"HTTP {up.status} from node (the gateway's credentials for it were refused)",
-                                 answered=True)
+                                 answered=True, cause=Cause.STATUS)
         if up.status in RETRY_STATUSES:
             raise UpstreamFailed(f"HTTP {up.status} from node", response=up)
-        if up.status >= 500:
-            self.scope.node_failed(f"HTTP {up.status} from node")
+        if failed_status(up.status):
+            self.scope.node_failed(status_verdict(up.status))
         else:
             self.scope.node_ok()
             slow = target.node.slow
@@ -94,7 +95,7 @@ class HttpAttempt:
                     await up.ready()
                 except Stalled as e:
                     up.release()
-                    raise UpstreamFailed(str(e), answered=True) from None
+                    raise UpstreamFailed(str(e), answered=True, cause=Cause.STALL) from None
         sink = self.scope.listener
         if sink.reads_answer:
             await sink.received(self.scope, up)  # a job's answer, read whole while it can still be re-queued

@@ -20,6 +20,7 @@ import asyncio
 import functools
 import logging
 import uuid
+from collections.abc import Callable
 from typing import Any
 from urllib.parse import quote
 
@@ -35,9 +36,11 @@ from kilolined.adapters.comfy_record import (
     EVERYONE,
     Prompt,
     PromptOwners,
+    Queued,
     Viewer,
     entry_as_given,
     record_of,
+    removable,
 )
 from kilolined.adapters.comfy_store import claim_names, executed_for_client, history_for_client
 from kilolined.adapters.comfy_views import Views, view_of
@@ -102,6 +105,8 @@ class ComfyState:
         self.rt = rt
         self.monitors = Monitors(rt.spawn)
         self.routes: dict[str, PromptOwners] = {}
+        #: route → the prompts in the gateway's own queue, not yet on a node (by ``id()``)
+        self.queued: dict[str, dict[int, Queued]] = {}
         self.activity = NodeActivity()
         #: the client id every prompt is sent under, on every node: the monitors listen as it
         self.hub_id = f"kilolined-monitor-{uuid.uuid4().hex}"
@@ -124,9 +129,48 @@ class ComfyState:
         lists = self.rt.comfy_lists
         if lists is None or (p.ended and p.entry is not None):
             return
+        lists.waiting_now(route, prompt_id, None if p.ended else record_of(p), self.max_age(route))
+
+    def max_age(self, route: str) -> float:
+        """How long a waiting prompt's records are kept in Redis (a prompt is stopped by then)."""
         rcfg = self.rt.cfg.routes.get(route)
-        max_age = 2 * (rcfg.request_timeout_sec if rcfg is not None else self.rt.cfg.jobs.result_ttl_sec)
-        lists.waiting_now(route, prompt_id, None if p.ended else record_of(p), max_age)
+        return 2 * (rcfg.request_timeout_sec if rcfg is not None else self.rt.cfg.jobs.result_ttl_sec)
+
+    async def drop(self, route: str, prompt_ids: list[str]) -> None:
+        """A client deletes these prompts from their nodes' queues: whichever gateway holds one
+        ends it when it vanishes there, and never re-queues it. Called before the nodes are told."""
+        owners = self.owners(route)
+        for pid in prompt_ids:
+            owners.drop(pid)
+        lists = self.rt.comfy_lists
+        if lists is not None:
+            await lists.drop(route, [pid for pid in prompt_ids if owners.get(pid) is None], self.max_age(route))
+
+    def queue_in(self, route: str, q: Queued) -> Callable[[], None]:
+        """``q`` waits in the gateway's queue of ``route``; the returned call says it left."""
+        self.queued.setdefault(route, {})[id(q)] = q
+
+        def left() -> None:
+            on_route = self.queued.get(route)
+            if on_route is not None:
+                on_route.pop(id(q), None)
+                if not on_route:
+                    del self.queued[route]
+
+        return left
+
+    def unqueue(self, route: str, viewer: Viewer, ids: set[str] | None) -> bool:
+        """Take the viewer's prompts that ``ids`` name (None: all) out of the gateway's queue."""
+        taken = [q.take() for q in removable(self.queued.get(route, {}), viewer, ids)]
+        return any(taken)
+
+    async def dropped(self, route: str, prompt_id: str) -> bool:
+        """Whether a client deleted the prompt from its node's queue (through any gateway)."""
+        p = self.owners(route).get(prompt_id)
+        if p is not None and p.dropped:
+            return True
+        lists = self.rt.comfy_lists
+        return lists is not None and await lists.dropped(route, prompt_id)
 
     async def share_entry(self, route: str, prompt_id: str | None) -> None:
         """Cluster mode: the prompt's history entry, as its client was given it, for every
@@ -322,14 +366,15 @@ async def control(rt: Runtime, request: web.Request, route: str, path: str, subj
         if action == "interrupt":
             await _interrupt(rt, mine, body.get("prompt_id"), path, request_id)
         elif action == "queue":
-            await _queue(rt, mine, body, path, request_id)
+            await _queue(rt, state, route, viewer, mine, body, path, request_id)
         elif action == "history":
             await _history(rt, route, owners, viewer, body, path, request_id)
         elif action == "cancel":
             jid = path.split("/")[3]
             node = mine.get(jid)
             if node is None or node not in rt.scheduler.nodes:
-                return web.json_response({"cancelled": False}, headers=headers)
+                return web.json_response({"cancelled": state.unqueue(route, viewer, {jid})}, headers=headers)
+            await state.drop(route, await _pending(rt, {jid: node}, request_id))
             status, answer, ctype = await node_api(rt, node, request_id).post(path, {})
             if status in (404, 405):  # a build without the cancel endpoint (0.19.3): interrupt or dequeue
                 return web.json_response({"cancelled": await _cancel(rt, node, jid, request_id)}, headers=headers)
@@ -338,8 +383,11 @@ async def control(rt: Runtime, request: web.Request, route: str, path: str, subj
             ids = body.get("job_ids")
             if not isinstance(ids, list):
                 return web.json_response({"error": "job_ids must be a list"}, status=400, headers=headers)
-            cancelled = False
-            for node, pids in _by_node(rt, mine, ids).items():
+            cancelled = state.unqueue(route, viewer, {pid for pid in ids if isinstance(pid, str)})
+            by_node = _by_node(rt, mine, ids)
+            await state.drop(route, await _pending(rt, {pid: n for n, pids in by_node.items() for pid in pids},
+                                                   request_id))
+            for node, pids in by_node.items():
                 status, answer, _ = await node_api(rt, node, request_id).post(path, {"job_ids": pids})
                 if status in (404, 405):
                     for pid in pids:
@@ -416,16 +464,30 @@ async def _interrupt(rt: Runtime, mine: dict[str, str], prompt_id: Any, path: st
                 await api.post(path, {"prompt_id": pid})
 
 
-async def _queue(rt: Runtime, mine: dict[str, str], body: dict[str, Any], path: str, request_id: str) -> None:
+async def _pending(rt: Runtime, mine: dict[str, str], request_id: str) -> list[str]:
+    """The prompts of ``mine`` that wait in their node's queue now (not running, not ended)."""
+    return [pid for _, queue, on_node in await _queues(rt, mine, request_id)
+            for pid in all_ids(queue.get("queue_pending")) if pid in on_node]
+
+
+async def _queue(rt: Runtime, state: ComfyState, route: str, viewer: Viewer, mine: dict[str, str],
+                 body: dict[str, Any], path: str, request_id: str) -> None:
+    """``POST /queue``: ``delete`` the listed prompts of the caller's that wait in a node's queue,
+    ``clear`` all of them. Each is marked dropped first (``ComfyState.drop``): the gateway holding
+    it must not take its vanishing from the node for a lost node and run it elsewhere. The
+    caller's prompts still in the gateway's own queue go too (by the ``prompt_id`` they gave)."""
     delete = body.get("delete")
-    if isinstance(delete, list):
-        for node, pids in _by_node(rt, mine, delete).items():
-            await node_api(rt, node, request_id).post(path, {"delete": pids})
     if body.get("clear"):
-        for api, queue, on_node in await _queues(rt, mine, request_id):
-            pending = [pid for pid in all_ids(queue.get("queue_pending")) if pid in on_node]
-            if pending:
-                await api.post(path, {"delete": pending})
+        state.unqueue(route, viewer, None)
+    elif isinstance(delete, list):
+        state.unqueue(route, viewer, {pid for pid in delete if isinstance(pid, str)})
+    listed = {pid: mine[pid] for pid in delete if isinstance(pid, str) and pid in mine} \
+        if isinstance(delete, list) else {}
+    for api, queue, on_node in await _queues(rt, mine if body.get("clear") else listed, request_id):
+        pending = [pid for pid in all_ids(queue.get("queue_pending")) if pid in on_node]
+        if pending:
+            await state.drop(route, pending)
+            await api.post(path, {"delete": pending})
 
 
 async def _history(rt: Runtime, route: str, owners: PromptOwners, viewer: Viewer, body: dict[str, Any],

@@ -41,6 +41,7 @@ from kilolined.adapters.comfy_store import files_state, held, share
 from kilolined.core.errors import error_response
 from kilolined.core.hosts import parse_target, target_allowed
 from kilolined.core.outcome import Failure
+from kilolined.core.verdict import Cause, failed_status
 from kilolined.ops.runtime import Runtime
 from kilolined.scheduling.queue import Lease
 from kilolined.wire.proxy import UpstreamFailed, node_lost
@@ -413,8 +414,8 @@ async def deliver(rt: Runtime, lease: Lease, needed: list[RouteFile], request_id
         except (aiohttp.ClientError, OSError, TimeoutError) as e:
             log.info("[%s] delivering an input: %s", lease.node, type(e).__name__)
             raise node_lost("connection failed while delivering an input") from None
-        if status >= 500:
-            raise UpstreamFailed(f"HTTP {status} from node delivering an input")
+        if failed_status(status):
+            raise UpstreamFailed(f"HTTP {status} from node delivering an input", cause=Cause.STATUS)
         if status != 200:
             raise Failure("upstream_error", f"the node refused an input (HTTP {status})", 502)
         files.use(f)

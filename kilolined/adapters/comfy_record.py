@@ -33,6 +33,7 @@ class Prompt:
     output_seen: bool = False  # an output node ran (``executed``): it cannot be re-run elsewhere for free
     node_number: float | None = None  # the number its node gave it (another after a re-queue)
     shared: bool = False  # cluster mode: its entry is in Redis, whose history is the route's from then on
+    dropped: bool = False  # deleted from its node's queue by a client: it ends there, is never re-queued
 
     def __post_init__(self) -> None:
         if self.node_number is None:
@@ -57,6 +58,30 @@ class Viewer:
 
 
 EVERYONE = Viewer(None)
+
+
+@dataclass(slots=True)
+class Queued:
+    """A prompt in the gateway's own queue, not yet sent to any node: a client removes it by its
+    key (``POST /queue`` clear, or delete or cancel by the ``prompt_id`` it gave), as from
+    ComfyUI's own queue. ``remove`` takes it out of the queue (False: it left already)."""
+
+    subject: str
+    prompt_id: str | None  # the prompt_id its client gave, if any
+    remove: Callable[[], bool]
+    removed: bool = False
+
+    def take(self) -> bool:
+        """Remove it now; True when it was still waiting."""
+        if not self.removed and self.remove():
+            self.removed = True
+        return self.removed
+
+
+def removable(queued: dict[int, Queued], viewer: Viewer, ids: set[str] | None) -> list[Queued]:
+    """The viewer's prompts of ``queued`` that ``ids`` name (None: all of them)."""
+    return [q for q in queued.values() if (viewer.subject is None or q.subject == viewer.subject)
+            and (ids is None or (q.prompt_id is not None and q.prompt_id in ids))]
 
 
 @dataclass
@@ -92,6 +117,13 @@ class PromptOwners:
         if p is not None:
             p.node, p.node_number, p.ended, p.entry, p.shared = node, node_number, False, None, False
             self._told(prompt_id, p)
+
+    def drop(self, prompt_id: str) -> None:
+        """A client deleted the prompt from its node's queue (``POST /queue``, a cancel): when
+        it vanishes from the node it ended there, as ComfyUI ends it (no history entry)."""
+        p = self._by_id.get(prompt_id)
+        if p is not None and not p.ended:
+            p.dropped = True
 
     def get(self, prompt_id: Any) -> Prompt | None:
         return self._by_id.get(prompt_id) if isinstance(prompt_id, str) else None

@@ -37,14 +37,22 @@ from kilolined.adapters.comfy_inputs import PromptInputs, is_upload, upload
 from kilolined.adapters.comfy_monitor import NodeMonitor
 from kilolined.adapters.comfy_node import NodeAPI, NodeError, all_ids, find_entry, lease_api, on_queue, stop_prompt
 from kilolined.adapters.comfy_progress import Progress
-from kilolined.adapters.comfy_record import ABSENT, PromptOwners, entry_as_given, prompt_id_of, without_traceback
+from kilolined.adapters.comfy_record import (
+    ABSENT,
+    PromptOwners,
+    Queued,
+    entry_as_given,
+    prompt_id_of,
+    without_traceback,
+)
 from kilolined.adapters.comfy_store import is_view, prompt_finished, view
 from kilolined.core.errors import error_response
 from kilolined.core.outcome import Cancelled, Failure, Result
 from kilolined.core.templates import ANSWER_KEY, is_images
+from kilolined.core.verdict import Cause, NodeVerdict, failed_status, status_verdict
 from kilolined.ops.runtime import Runtime
 from kilolined.scheduling.lease import LeaseScope, Sink
-from kilolined.scheduling.queue import Lease, Rejected
+from kilolined.scheduling.queue import WAITING, Lease, Rejected, Ticket
 from kilolined.scheduling.speed import MS_STEP, Sample
 from kilolined.wire.proxy import RETRY_STATUSES, Exchange, Upstream, UpstreamFailed, node_lost
 from kilolined.wire.upstream import STALLED, UpstreamResponse
@@ -122,11 +130,13 @@ async def wait_history(node: NodeAPI, prompt_id: str, number: float | None, inte
 
     With a connected ``monitor`` it looks again at each queue change the node broadcasts (history
     is written before it), else every ``interval``. Raises PromptLost when the prompt has vanished
-    from the node (``look_first``: check that at once, the socket just dropped), NodeError when
-    the node stops answering or refuses connections. Unbounded in time: the caller bounds it.
+    from the node (``look_first``: check that at once, the socket just dropped; and at each queue
+    change: a client may have deleted it from the node's queue), NodeError when the node stops
+    answering or refuses connections. Unbounded in time: the caller bounds it.
     """
     path = "/history/" + quote(prompt_id, safe="")
     polls = failures = 0
+    woke = False
     while True:
         version = monitor.version if monitor is not None else 0
         try:
@@ -135,7 +145,7 @@ async def wait_history(node: NodeAPI, prompt_id: str, number: float | None, inte
             if entry is not None:
                 return entry
             polls += 1
-            look = (look_first and polls == 1) or polls % LOST_CHECK_EVERY == 0
+            look = (look_first and polls == 1) or woke or polls % LOST_CHECK_EVERY == 0
             # Queue first, history second: ComfyUI writes history before it leaves the queue.
             if look and not on_queue(await node.get_json("/queue"), prompt_id, None):
                 entry = find_entry(await node.get_json(path), prompt_id, number)
@@ -147,14 +157,49 @@ async def wait_history(node: NodeAPI, prompt_id: str, number: float | None, inte
             if e.refused or failures >= MAX_CALL_FAILURES:
                 raise
         if monitor is not None and monitor.connected:
-            await monitor.changed(version, MONITOR_FALLBACK_SEC)
+            woke = await monitor.changed(version, MONITOR_FALLBACK_SEC)
         else:
+            woke = False
             await asyncio.sleep(interval)
 
 
 async def _shielded(rt: Runtime, coro: Coroutine[Any, Any, T]) -> T:
     """Run cleanup to its end even if our task is cancelled again meanwhile."""
     return await asyncio.shield(rt.spawn(coro))
+
+
+def _unqueue(rt: Runtime, ticket: Ticket) -> bool:
+    """Take a prompt that waits in the gateway's queue (never dispatched yet) out of it: its wait
+    ends in a refusal, which ``serve`` turns into the end of a deleted prompt."""
+    if ticket.state != WAITING or ticket.requeues or not rt.leases.cancel(ticket):
+        return False
+    ticket.wake()
+    return True
+
+
+async def _nothing() -> None:
+    return None
+
+
+async def _still_queued(node: NodeAPI, prompt_id: str) -> bool:
+    """The node's queue still holds the prompt (a node that does not answer: no verdict, True)."""
+    try:
+        return on_queue(await node.get_json("/queue"), prompt_id, None)
+    except NodeError:
+        return True
+
+
+async def _record_end(state: ComfyState, lease: Lease, sub: Submitted) -> None:
+    """A job's prompt failed or was interrupted: its history entry, written by the node right
+    after the event, goes into the route's record (and, in cluster mode, every gateway's) as
+    ComfyUI lists such a prompt. None within SUCCESS_GRACE_SEC: it is left out."""
+    try:
+        async with asyncio.timeout(SUCCESS_GRACE_SEC):
+            entry = await wait_history(sub.node, sub.prompt_id, sub.number, POLL_SEC, state.monitor(lease.node))
+    except (TimeoutError, NodeError, PromptLost):
+        return
+    state.owners(lease.route).end(sub.prompt_id, entry)
+    await state.share_failed(lease.route, sub.prompt_id)
 
 
 def _error_message(body: bytes, status: int) -> str:
@@ -326,11 +371,12 @@ class SyncWatch:
                 if left > 0:
                     await asyncio.wait({done}, timeout=min(left, WATCH_SEC))
                 elif await _runs(self.api, self.prompt_id):
-                    reason = f"{STALLED}: no progress from the node for {self.stall:g}s while the prompt ran"
-                    log.warning("🐢 [%s] %s", self.node, reason)
-                    scope.node_failed(reason, mid_body=True)
+                    cut = NodeVerdict(Cause.STALL, f"{STALLED}: no progress from the node for {self.stall:g}s "
+                                      "while the prompt ran", mid_body=True)
+                    log.warning("🐢 [%s] %s", self.node, cut.reason)
+                    scope.node_failed(cut)
                     # The client had its answer (the prompt id): it sees the interrupt on its socket.
-                    raise Failure.mid_response(self.node, reason)
+                    raise Failure.mid_response(self.node, cut)
                 else:
                     blind = loop.time()  # still queued behind another prompt there: not ours to judge yet
             return done.result()
@@ -399,9 +445,26 @@ class ComfyUIAdapter(Adapter):
             raise Failure("bad_request", "body must be a JSON object (ComfyUI API prompt)", 400)
         # Inline and fetched inputs become held files; every held input goes with each attempt.
         inputs = PromptInputs(rt, scope.ticket.route, scope.ticket.key)
-        if sink.mode == "sync":
-            return await self._serve_sync(rt, scope, ex, sink, body, inputs)
-        lease, entry = await self._run_to_end(rt, scope, ex, body, sink, inputs)
+        queued = Queued(scope.ticket.key, given if isinstance(given := body.get("prompt_id"), str) else None,
+                        functools.partial(_unqueue, rt, scope.ticket))
+        left = comfy_state(rt).queue_in(scope.ticket.route, queued)
+        try:
+            if sink.mode == "sync":
+                return await self._serve_sync(rt, scope, ex, sink, body, inputs)
+            lease, entry = await self._run_to_end(rt, scope, ex, body, sink, inputs)
+        except Failure:
+            if not queued.removed:
+                raise
+            # Removed from the gateway's queue by its client: it never ran, as ComfyUI drops a
+            # deleted prompt. A job ends cancelled; a sync POST is answered as ComfyUI answered
+            # it before the delete (its prompt id, no number: no node numbered it).
+            if sink.mode != "sync":
+                raise Cancelled("deleted from the queue before it ran") from None
+            answer = {"prompt_id": queued.prompt_id or str(uuid.uuid4()), "node_errors": {}}
+            sink.result(Result(200, "application/json", orjson.dumps(answer), result=answer))
+            return
+        finally:
+            left()
         result, files = annotate_files(entry, lease.node, sink.file_url)
         # Outputs leave the node (comfy_store.py); the result names them as the route does.
         result = await prompt_finished(rt, lease.route, lease.node, result, scope.ticket.key)
@@ -470,12 +533,14 @@ class ComfyUIAdapter(Adapter):
             scope.samples = [Sample(MS_STEP, (rt.clock() - scope.dispatched_at) * 1000 / steps)]
         return lease, done.entry
 
-    async def _stop(self, sub: Submitted, sink: Sink) -> None:
+    async def _stop(self, sub: Submitted, sink: Sink, record: Callable[[], Awaitable[None]]) -> None:
+        """Stop the prompt on its node, wait (briefly) until it has, then ``record`` its end."""
         try:
             if await stop_prompt(sub.node, sub.prompt_id, sub.client_id):
                 with contextlib.suppress(TimeoutError):
                     async with asyncio.timeout(DRAIN_SEC):
                         await self._watch(sink, sub, None, draining=True)
+                await record()  # interrupted: in the route's history, as ComfyUI lists it
         finally:
             await sub.ws.close()
 
@@ -543,9 +608,16 @@ class ComfyUIAdapter(Adapter):
                     break
                 except (NodeError, PromptLost) as e:
                     scope.done_with_node()  # nothing left there to stop
+                    if isinstance(e, PromptLost) and await state.dropped(lease.route, prompt_id):
+                        # Deleted from the node's queue by a client: it ends there, as in ComfyUI
+                        # (no history entry; its POST was answered long ago).
+                        log.info("[%s] prompt %s deleted from the node's queue: slot freed", lease.node, prompt_id)
+                        owners.end(prompt_id, None)
+                        state.hub.status(lease.node)
+                        return
                     p = owners.get(prompt_id)
-                    if p is None or p.output_seen or \
-                            not scope.requeue_held(NODE_LOST, lost=not isinstance(e, PromptLost)):
+                    if p is None or p.output_seen or not scope.requeue_held(
+                            NodeVerdict(Cause.LOST, NODE_LOST), lost=not isinstance(e, PromptLost)):
                         log.warning("[%s] %s (%s): slot freed", lease.node, NODE_LOST, e.reason)
                         _tell_lost(state, owners, prompt_id, again.body, f"{NODE_LOST}: {e.reason}")
                         return
@@ -612,10 +684,11 @@ class ComfyUIAdapter(Adapter):
             state = comfy_state(rt)
             owners = state.owners(lease.route)
             owners.add(sub.prompt_id, scope.ticket.key, lease.node, sub.number, body.get("client_id", ABSENT))
+            state.hub.status(lease.node)  # the route's queue grew (the node's own status may have come first)
             sub.tell = functools.partial(state.tell, lease.route, lease.node, sub.prompt_id)  # the /ws hears it
             # Timeout, cancel or error from here on: stop the prompt, and keep the slot until the
             # GPU has really stopped (interrupts land between steps); the scope runs this first.
-            scope.on_abort(lambda: self._stop(sub, sink))
+            scope.on_abort(lambda: self._stop(sub, sink, functools.partial(_record_end, state, lease, sub)))
             try:
                 return await self._follow_to_end(state, lease, scope, sub, sink, progress)
             except BaseException:
@@ -631,16 +704,28 @@ class ComfyUIAdapter(Adapter):
                 await self._watch(sink, sub, progress, activity=state.activity, node=lease.node)
                 entry = await wait_history(sub.node, sub.prompt_id, sub.number, POLL_SEC,
                                            state.monitor(lease.node), look_first=True)
+        except (Failure, Cancelled):  # it failed or was interrupted on the node (its socket said so)
+            await _record_end(state, lease, sub)
+            raise
         except PromptStalled as e:
             await self._stalled(scope, sub, sink, e.reason)
         except TimeoutError:
             raise Failure.upstream(f"node {lease.node} did not finish within {sub.timeout:g}s", True) from None
         except (NodeError, PromptLost) as e:
+            if isinstance(e, PromptLost) and await state.dropped(lease.route, sub.prompt_id):
+                # Deleted from the node's queue by a client: the job ends cancelled, as the
+                # prompt does in ComfyUI (no history entry), and is never run elsewhere.
+                scope.done_with_node()
+                await sub.ws.close()
+                state.owners(lease.route).end(sub.prompt_id, None)
+                state.hub.status(lease.node)
+                raise Cancelled("deleted from the node's queue") from None
             log.warning("[%s] %s: %s", lease.node, NODE_LOST, e.reason)
             sub.lost = e.reason
             if sub.output_seen:
-                scope.node_failed(e.reason, mid_body=True)
-                raise Failure.mid_response(lease.node, f"{NODE_LOST} (after its first output)") from None
+                scope.node_failed(NodeVerdict(Cause.LOST, e.reason, mid_body=True))
+                raise Failure.mid_response(lease.node, NodeVerdict(Cause.LOST, f"{NODE_LOST} (after its first output)",
+                                                                   mid_body=True)) from None
             scope.done_with_node()  # nothing left there to stop
             await sub.ws.close()
             # A node that answered without the prompt restarted and is back; one that does
@@ -651,16 +736,17 @@ class ComfyUIAdapter(Adapter):
     async def _stalled(self, scope: LeaseScope, sub: Submitted, sink: Sink, reason: str) -> None:
         """The node stopped moving on our prompt: interrupt it, then re-queue the request (the
         client has seen only gateway events, no byte of the answer) unless an output node already
-        ran there. The scope's failure verdict on the reason (``stalled: …``) opens the breaker."""
+        ran there. The scope's verdict on a stall (``Cause.STALL``) opens the breaker."""
         lease = scope.lease
         assert lease is not None
         log.warning("🐢 [%s] %s", lease.node, reason)
         if sub.output_seen:
-            scope.node_failed(reason, mid_body=True)
-            raise Failure.mid_response(lease.node, f"{reason} (after its first output)")
+            scope.node_failed(NodeVerdict(Cause.STALL, reason, mid_body=True))
+            raise Failure.mid_response(lease.node, NodeVerdict(Cause.STALL, f"{reason} (after its first output)",
+                                                               mid_body=True))
         scope.done_with_node()
-        await _shielded(scope.rt, self._stop(sub, sink))  # the GPU must be free before the slot is
-        raise UpstreamFailed(reason, answered=True)
+        await _shielded(scope.rt, self._stop(sub, sink, _nothing))  # the GPU must be free before the slot is
+        raise UpstreamFailed(reason, answered=True, cause=Cause.STALL)
 
     async def _submit(self, rt: Runtime, lease: Lease, ex: Exchange, body: dict[str, Any],
                       scope: LeaseScope) -> Submitted:
@@ -722,8 +808,8 @@ class ComfyUIAdapter(Adapter):
             log.info("[%s] reading the answer: %s", lease.node, type(e).__name__)
             raise node_lost("connection dropped before its answer was read")
         up.release()
-        if up.status >= 500:
-            scope.node_failed(f"HTTP {up.status} from node")
+        if failed_status(up.status):
+            scope.node_failed(status_verdict(up.status))
         else:
             scope.node_ok()
         if up.status != 200:
@@ -759,7 +845,7 @@ class ComfyUIAdapter(Adapter):
         ws, pid = sub.ws, sub.prompt_id
         stall = sub.stall_sec if activity is not None and not draining else None
         loop = asyncio.get_running_loop()
-        success = False
+        success = started = False
         while True:
             wait = SUCCESS_GRACE_SEC if success else _quiet_left(activity, node, stall, loop.time())
             try:
@@ -784,12 +870,16 @@ class ComfyUIAdapter(Adapter):
             if ev is None:
                 continue
             kind, data = ev
+            if kind == "status" and not started and not draining and not await _still_queued(sub.node, pid):
+                return  # gone from the node's queue before it ran (deleted?): history and the queue tell
             if data.get("prompt_id", pid) != pid:
                 continue  # broadcasts about other prompts
             # Events without a prompt id on our socket are ours: the client_id is this job's alone.
             if kind == "executing" and "node" in data and data["node"] is None:
                 return  # sent after history is written: safe to read it now
-            if kind == "execution_success":
+            if kind == "execution_start":
+                started = True
+            elif kind == "execution_success":
                 success = True
             elif kind == "execution_error":
                 if draining:

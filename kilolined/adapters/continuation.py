@@ -25,12 +25,12 @@ import orjson
 from kilolined.core.continuation import Seam, Seamed, StreamKeeper, Transcript, continuation_body
 from kilolined.core.messages_continuation import MessagesSeam, MessagesTranscript, messages_continuation_body
 from kilolined.core.outcome import Failure
+from kilolined.core.verdict import NodeVerdict
 from kilolined.ops.runtime import Runtime
 from kilolined.scheduling.anthropic_body import is_messages_path
 from kilolined.scheduling.lease import STALLS_MAX, LeaseScope, Sink
 from kilolined.scheduling.queue import Lease
 from kilolined.wire.proxy import Exchange, Observer, Upstream
-from kilolined.wire.upstream import STALLED
 
 log = logging.getLogger("kilolined")
 _CHAT_PATHS = ("/v1/chat/completions", "/chat/completions")
@@ -55,24 +55,23 @@ def wanted(scope: LeaseScope, ex: Exchange) -> bool:
     return data is not None and data.get("stream") is True
 
 
-def _retries_left(scope: LeaseScope, reason: str, judged: bool) -> bool:
+def _retries_left(scope: LeaseScope, cut: NodeVerdict, judged: bool) -> bool:
     """Within ``retry_on_failover`` re-queues, and not a stream that stalled on two nodes
     (``judged``: the scope already counted this failure's stall)."""
     route = scope.rt.scheduler.routes.get(scope.route)
     if route is None or scope.retries_spent >= route.cfg.retry_on_failover:
         return False
-    stalled = reason.startswith(STALLED)
-    return not (stalled and scope.stalls + (0 if judged else 1) >= STALLS_MAX)
+    return not (cut.stalled and scope.stalls + (0 if judged else 1) >= STALLS_MAX)
 
 
-def plan(scope: LeaseScope, ex: Exchange, keeper: StreamKeeper, reason: str, judged: bool = True) -> bool:
-    """Decide whether the stream cut by ``reason`` goes on on another node. If so, the node's
+def plan(scope: LeaseScope, ex: Exchange, keeper: StreamKeeper, cut: NodeVerdict, judged: bool = True) -> bool:
+    """Decide whether the stream cut by ``cut`` goes on on another node. If so, the node's
     body becomes the continuation (``ex.body_override``) and ``keeper`` passes the next node's
     events through the seam; False: the stream ends as it would without continuations.
     ``judged``: the scope has given its verdict on the failure already (the sync stream's)."""
     sent = keeper.cut()
     data = _body(ex)
-    if data is None or not _retries_left(scope, reason, judged):
+    if data is None or not _retries_left(scope, cut, judged):
         return False
     continued = _continuation(data, sent, ex.tail.split("?", 1)[0])
     if continued is None:
@@ -125,7 +124,8 @@ async def deliver(rt: Runtime, scope: LeaseScope, ex: Exchange, sink: Sink, up: 
             if f.cut is None or not plan(scope, ex, keeper, f.cut):
                 raise
             cut = f
-        scope.continue_elsewhere(cut.cut or "")
+        assert cut.cut is not None
+        scope.continue_elsewhere(cut.cut)
         up = await scope.acquire(attempt)
         assert scope.lease is not None
         seam_at(keeper, scope.lease)

@@ -1,12 +1,14 @@
 """Cluster mode's parts, built in one place (docs/CLUSTER.md).
 
 ``build`` makes the Redis stores (leases, limits, jobs), the leader election (one voice) and the
-shared node state for a Runtime, plugs them into the Runtime's seams, and hands them back as one
-``Cluster`` whose ``start`` and ``stop`` keep the order the parts depend on.
+shared node state for a Runtime that is being built, and hands them back as one ``Cluster``:
+its ``wiring`` is what the Runtime takes at construction for its seams, ``attach`` gives the
+job store to the jobs, and its ``start`` and ``stop`` keep the order the parts depend on.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -23,7 +25,7 @@ from kilolined.cluster.limits import SharedLimits
 from kilolined.cluster.nodes import NodeSync
 from kilolined.cluster.view import ClusterGauges
 from kilolined.modes.jobs import Jobs
-from kilolined.ops.runtime import Component, Runtime
+from kilolined.ops.runtime import Component, Runtime, Wiring
 from kilolined.scheduling.queue import Rejected, Ticket
 
 CHECK_SEC = 5.0  # one node check of slots in doubt
@@ -41,7 +43,28 @@ class Cluster:
     doubt: DoubtCheck
     budget_keys: Callable[[], list[str]]  # the keys with a budget, whose usage ``limits`` re-reads
     refresh_sec: float
+    comfy_shared: SharedInputs
+    comfy_lists: SharedLists
+    rents_here: Callable[[], bool]
     comfy_ws: SocketBus | None = None  # started by the first ComfyUI /ws
+
+    def wiring(self, local: Wiring) -> Wiring:
+        """``local`` (the server's parts) with the Runtime's seams reaching the parts shared with
+        the other gateways. One voice (docs/CLUSTER.md): the leader alone runs the health checks,
+        sends the alerts and (docs/FLEET.md) rents."""
+        alert, leader = local.alert, self.leader
+        return dataclasses.replace(
+            local, leases=self.leases, settle=self.leases.settle, cluster=self.leases.view, limits=self.limits,
+            node_sync=self.node_sync, comfy_shared=self.comfy_shared, comfy_lists=self.comfy_lists,
+            comfy_ws=self.comfy_ws, checks_here=leader.checks,
+            rents_here=self.rents_here,
+            alert=lambda event, text, node: alert(event, text, node) if leader.speaks(event) else None,
+            components=(*local.components, Component("cluster", self.leases.commit, self.leases.prepare)))
+
+    def attach(self, jobs: Jobs) -> None:
+        """Jobs anywhere: every job mirrored into Redis, served by any gateway, carried on by one."""
+        self.jobs.attach(jobs)
+        jobs.store = self.jobs
 
     async def start(self) -> None:
         await self.node_sync.start()  # first: the leases' first heartbeat writes slots from this view
@@ -65,9 +88,10 @@ class Cluster:
         await self.leases.stop()
 
 
-def build(rt: Runtime, jobs: Jobs) -> Cluster:
-    """The cluster parts for ``rt`` (whose config has a ``cluster:`` section), already in use by
-    it: its lease store, limit store, job store, alerts (the leader's alone) and node sync."""
+def build(rt: Runtime) -> Cluster:
+    """The cluster parts for ``rt`` (whose config has a ``cluster:`` section), made while it is
+    built (its ``wire``): its lease store, limit store, job store, alerts (the leader's alone) and
+    node sync. Nothing here is assigned onto ``rt``; callbacks reach it at call time."""
     cfg = rt.cfg.cluster
     assert cfg is not None
     leases = ClusterLeases(rt.scheduler, cfg, gateway_id(rt.cfg), clock=rt.clock,
@@ -77,38 +101,26 @@ def build(rt: Runtime, jobs: Jobs) -> Cluster:
                           gateway_id=view.gateway_id, peers=leases.alive_peers,
                           redis_up=lambda: view.redis_up, clock=rt.clock, wire=leases.wire)
     leader = LeaderLease(leases.redis, cfg, leases.inst, view, leases.leadership, clock=rt.clock, alert=rt.notify,
-                         on_restored=lambda: rt.node_sync.republish() if rt.node_sync else None)
+                         on_restored=lambda: node_sync.republish())
     node_sync = NodeSync(
         leases.redis, cfg.key_prefix, leases.inst, lambda: rt.scheduler.nodes, clock=rt.clock,
         redis_up=lambda: view.redis_up, leader=lambda: leader.state.is_leader(rt.clock()),
         on_applied=lambda ns, events: rt.node_events(ns, events) if events else rt.wake(),
         sweep_sec=cfg.lease_ttl_sec / 3)
-    # Jobs anywhere: every job mirrored into Redis, served by any gateway, carried on by one.
-    cluster_jobs = ClusterJobs(rt, leases)
-    cluster_jobs.attach(jobs)
-    jobs.store = cluster_jobs
-
-    # The Runtime's seams: each one now reaches the part shared with the other gateways.
-    rt.leases, rt.settle, rt.cluster, rt.limits = leases, leases.settle, view, limits
-    rt.components.append(Component("cluster", leases.commit, leases.prepare))
+    cluster_jobs = ClusterJobs(rt, leases)  # given its Jobs by Cluster.attach
     alive_sec = 3 * cfg.lease_ttl_sec  # a peer seen within this counts as alive
     rt.metrics.registry.register(ClusterGauges(view, lambda: alive_sec))
-    # One voice (docs/CLUSTER.md): the leader alone runs the health checks and sends the alerts.
-    alert = rt.alert
-    rt.alert = lambda event, text, node: alert(event, text, node) if leader.speaks(event) else None
-    rt.checks_here = leader.checks
-    rt.rents_here = lambda: leader.state.is_leader(rt.clock())  # docs/FLEET.md: only the leader rents
-    rt.node_sync = node_sync
-    rt.comfy_shared = SharedInputs(leases.redis, cfg.key_prefix)  # an upload here, its prompt elsewhere
-    rt.comfy_lists = SharedLists(leases.redis, cfg.key_prefix, rt.spawn)  # one history, queue, jobs list
-    rt.comfy_ws = SocketBus(leases.wire.pool, cfg.key_prefix, leases.inst)  # a /ws here, its prompt elsewhere
     # Reaped slots in doubt: the leader asks their nodes whether they are free.
     doubt = DoubtCheck(leases, probes_of=lambda node: node_probes(rt, node),
                        fetch=lambda node, path: node_body(rt, node, path),
                        leader=lambda: leader.state.is_leader(rt.clock()), every_sec=cfg.lease_ttl_sec / 3)
     return Cluster(leases, limits, leader, node_sync, cluster_jobs, doubt,
                    budget_keys=lambda: [k for k, c in rt.cfg.keys.items() if c.budget is not None],
-                   refresh_sec=cfg.lease_ttl_sec / 3, comfy_ws=rt.comfy_ws)
+                   refresh_sec=cfg.lease_ttl_sec / 3,
+                   comfy_shared=SharedInputs(leases.redis, cfg.key_prefix),  # an upload here, its prompt elsewhere
+                   comfy_lists=SharedLists(leases.redis, cfg.key_prefix, rt.spawn),  # one history, queue, jobs list
+                   rents_here=lambda: leader.state.is_leader(rt.clock()),
+                   comfy_ws=SocketBus(leases.wire.pool, cfg.key_prefix, leases.inst))  # a /ws here, its prompt there
 
 
 def node_kind(rt: Runtime, node: str) -> str | None:

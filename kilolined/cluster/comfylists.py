@@ -3,7 +3,8 @@ docs/CLUSTER.md): any gateway answers ``/history``, ``/queue``, ``/api/jobs`` an
 prompt (``/interrupt``, ``POST /queue``, cancel) whichever gateway admitted it.
 
 One writer per prompt: the gateway that sent it to a node writes its state here; the others
-only read. Per route (its name and every other part percent-quoted):
+only read it, and mark it deleted or delete its entry when a client asks them to.
+Per route (its name and every other part percent-quoted):
 
 - ``{prefix}comfywait:{route}``: hash prompt id → the prompt's waiting record (who sent it, the
   node that has it, the number and client id its client was given), with
@@ -19,10 +20,17 @@ only read. Per route (its name and every other part percent-quoted):
   prompts (everyone's, one key's) scored by when they ended, ComfyUI's history order; and
   ``{prefix}comfysum:{route}``: hash prompt id → its ``/api/jobs`` record (no outputs), so a jobs
   list reads no entries. Each is capped at ``entries_max`` and forgets what is older than the TTL.
+- ``{prefix}comfydrop:{route}:{prompt_id}``: the prompt was deleted from its node's queue by a
+  client through some gateway (``POST /queue``, a cancel), written before the node is told: the
+  gateway that holds it reads it when the prompt vanishes from the node, and ends it there
+  instead of re-queueing it. Kept ``max_age``.
 
 The writes of one gateway go through one queue in the order they were made (a prompt's record
-is never written after its entry dropped it). A Redis that does not answer leaves each gateway
-with its own prompts (logged, never an error to clients).
+is never written after its entry dropped it). The history keys (entries, ended lists, jobs
+records) are written by this module's scripts only, through ``_history_write``: a prompt's entry
+by the gateway that ran it, a delete (``POST /history``) by whichever gateway the client asked.
+A Redis that does not answer leaves each gateway with its own prompts (logged, never an error
+to clients).
 """
 
 from __future__ import annotations
@@ -103,6 +111,28 @@ redis.call('PEXPIRE', KEYS[4], ttl)
 return 1
 """
 
+# KEYS: the route's ended zset, the jobs records hash, then each prompt's entry. ARGV: the key
+# ended zsets' common prefix, then the prompt ids (in KEYS' order). Each entry, its place in both
+# lists and its jobs record go at once; the key that sent it is read from its entry, its list's
+# name quoted as ``_q`` quotes it.
+FORGET_ENTRIES = """
+local function q(s)
+  return (string.gsub(s, '[^%w_%.%-~]', function(c) return string.format('%%%02X', string.byte(c)) end))
+end
+for i = 3, #KEYS do
+  local pid = ARGV[i - 1]
+  local doc = redis.call('GET', KEYS[i])
+  if doc then
+    local subject = cjson.decode(doc)['subject']
+    if type(subject) == 'string' then redis.call('ZREM', ARGV[1] .. q(subject), pid) end
+    redis.call('DEL', KEYS[i])
+  end
+  redis.call('ZREM', KEYS[1], pid)
+  redis.call('HDEL', KEYS[2], pid)
+end
+return 1
+"""
+
 
 def _q(part: str) -> str:
     return quote(part, safe="")
@@ -155,6 +185,7 @@ class SharedLists:
         self.writes = Writes(spawn)
         self._put_waiting = redis.register_script(PUT_WAITING)
         self._put_entry = redis.register_script(PUT_ENTRY)
+        self._forget_entries = redis.register_script(FORGET_ENTRIES)
 
     # --- keys ------------------------------------------------------------------------------------
     def _waiting_keys(self, route: str) -> list[str]:
@@ -170,6 +201,9 @@ class SharedLists:
 
     def _jobs_key(self, route: str) -> str:
         return f"{self.prefix}comfysum:{_q(route)}"
+
+    def _drop_key(self, route: str, prompt_id: str) -> str:
+        return f"{self.prefix}comfydrop:{_q(route)}:{_q(prompt_id)}"
 
     # --- the writer's side -------------------------------------------------------------------------
     def waiting_now(self, route: str, prompt_id: str, record: dict[str, Any] | None, max_age: float) -> None:
@@ -196,36 +230,57 @@ class SharedLists:
                 self._jobs_key(route), *self._waiting_keys(route)]
         args: list[bytes | str | int] = [orjson.dumps({"subject": subject, "entry": entry}), orjson.dumps(job),
                                          max(1, int(ttl * 1000)), cap, prompt_id]
+        return await self._history_write(self._put_entry, keys, args, "did not take an entry")
+
+    async def forget_entries(self, route: str, prompt_ids: list[str]) -> bool:
+        """Out of every gateway's history (``POST /history`` delete or clear, through any
+        gateway: ComfyUI's history is everyone's who may see it). False when Redis did not take it."""
+        if not prompt_ids:
+            return True
+        keys = [self._ended_key(route, None), self._jobs_key(route),
+                *(self.entry_key(route, pid) for pid in prompt_ids)]
+        args: list[bytes | str | int] = [self._ended_key(route, None) + ":", *prompt_ids]
+        return await self._history_write(self._forget_entries, keys, args, "did not take a delete")
+
+    async def _history_write(self, script: Any, keys: list[str], args: list[bytes | str | int], what: str) -> bool:
+        """The one writer of the route's history keys (entries, ended lists, jobs records): a
+        script of this module, in this gateway's order of writes (a delete never lands before
+        the entry it deletes). False when Redis did not take it."""
 
         async def write() -> bool:
             try:
-                await self._put_entry(keys=keys, args=args)
+                await script(keys=keys, args=args)
             except REDIS_ERRORS as e:
-                log.warning("comfy history: Redis did not take an entry (%s): this gateway's own only",
-                            type(e).__name__)
+                log.warning("comfy history: Redis %s (%s): this gateway's own only", what, type(e).__name__)
                 return False
             return True
 
         return await self.writes.submit(write)
 
-    async def forget_entries(self, route: str, prompt_ids: list[str]) -> None:
-        """Out of every gateway's history (``POST /history`` delete or clear)."""
+    async def drop(self, route: str, prompt_ids: list[str], max_age: float) -> bool:
+        """The prompts are about to be deleted from their nodes' queues by a client (whichever
+        gateway holds them). False when Redis did not take it."""
         if not prompt_ids:
-            return
-        keys = [self.entry_key(route, pid) for pid in prompt_ids]
+            return True
+        px = max(1, int(max_age * 1000))
         try:
-            docs = await self.redis.mget(keys)
-            async with self.redis.pipeline(transaction=True) as p:
-                p.delete(*keys)
-                p.zrem(self._ended_key(route, None), *prompt_ids)
-                p.hdel(self._jobs_key(route), *prompt_ids)
-                for pid, doc in zip(prompt_ids, docs, strict=True):
-                    if doc is not None:
-                        p.zrem(self._ended_key(route, str(orjson.loads(doc)["subject"])), pid)
+            async with self.redis.pipeline(transaction=False) as p:
+                for pid in prompt_ids:
+                    p.set(self._drop_key(route, pid), b"1", px=px)
                 await p.execute()
         except REDIS_ERRORS as e:
-            log.warning("comfy history: Redis did not answer (%s): entries kept until they expire",
-                        type(e).__name__)
+            log.warning("comfy lists: Redis did not take a queue delete (%s): the gateway holding the prompt "
+                        "may take it for lost", type(e).__name__)
+            return False
+        return True
+
+    async def dropped(self, route: str, prompt_id: str) -> bool:
+        """Whether a client deleted the prompt from its node's queue through any gateway."""
+        try:
+            return bool(await self.redis.exists(self._drop_key(route, prompt_id)))
+        except REDIS_ERRORS as e:
+            log.warning("comfy lists: Redis did not answer (%s): a vanished prompt counts as lost", type(e).__name__)
+            return False
 
     # --- the readers' side ---------------------------------------------------------------------------
     async def waiting(self, route: str) -> dict[str, dict[str, Any]]:

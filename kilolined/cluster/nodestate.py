@@ -15,24 +15,16 @@ Fields come in groups that change apart, so two gateways changing different thin
 and ``fails``, the failures seen in a row on every gateway (kilolined/cluster/nodes.py counts them).
 
 The speed verdict (ops/speedwatch.py) is decided by whichever gateway's requests showed it; the
-others take it here and say the same event (``node_slow``, ``node_recovered``) in the decider's
-words, so the leader alerts it whoever saw it. A gateway with ``slow: off`` takes none of it.
+others take it here and say the same event (``node_slow``, ``node_recovered``: nodes.speed_events,
+one rule for both) in the decider's words, so the leader alerts it whoever saw it. A gateway with
+``slow: off`` takes none of it.
 """
 
 from __future__ import annotations
 
 from typing import Any, NamedTuple
 
-from kilolined.scheduling.nodes import (
-    CLOSED,
-    OPEN,
-    SPEED_HARD,
-    SPEED_OK,
-    SPEED_SLOW,
-    SPEED_STALLED,
-    SPEED_TRIAL,
-    NodeState,
-)
+from kilolined.scheduling.nodes import CHANGED, CLOSED, SPEED_OK, NodeState
 
 GROUPS: dict[str, tuple[str, ...]] = {
     "health": ("healthy", "error", "ramp_ago_ms"),
@@ -40,7 +32,6 @@ GROUPS: dict[str, tuple[str, ...]] = {
     "drain": ("drained",),
     "slow": ("slowed", "slow", "slow_left_ms", "slow_period", "slow_cause", "slow_note", "ramp_ago_ms"),
 }
-_EJECTED = (SPEED_SLOW, SPEED_HARD, SPEED_STALLED)
 
 
 class Snapshot(NamedTuple):
@@ -104,73 +95,28 @@ def export(ns: NodeState, now: float, groups: list[str]) -> dict[str, Any]:
 def apply(ns: NodeState, fields: dict[str, Any], now: float) -> list[str]:
     """Take the fields another gateway published; returns the events the change is (``node_down``,
     ``node_up``, ``breaker_open``, ``breaker_closed``, ``node_slow``, ``node_recovered``), as the
-    same change made here would."""
+    same change made here would. The decoding is here; each change is one of the node's own
+    methods. A quiet change (``CHANGED``) is no event here: the cluster has it already."""
     events: list[str] = []
     if fields.get("error"):
-        ns.last_error = str(fields["error"])
+        ns.note_error(str(fields["error"]))
     if "healthy" in fields:
-        up = bool(int(fields["healthy"]))
-        if up != ns.healthy:
-            ns.healthy = up
-            ns.check_fails = ns.check_oks = 0
-            if up:
-                ns.alive_at = now  # the leader's checks passed: as one passing here
-            events.append("node_up" if up else "node_down")
+        events += ns.take_health(bool(int(fields["healthy"])), now)
     if "breaker" in fields:
-        events += _apply_breaker(ns, fields, now)
+        if fields["breaker"] == "closed":
+            events += ns.take_breaker_closed()
+        else:
+            events += ns.take_breaker_open(now + float(fields["open_left_ms"]) / 1000, float(fields["open_period"]),
+                                           now)
     if "ramp_ago_ms" in fields:
         ago = float(fields["ramp_ago_ms"])
-        ns.recovered_at = None if ago < 0 else now - ago / 1000
+        ns.take_ramp(None if ago < 0 else now - ago / 1000)
     if "drained" in fields:
-        ns.drained = bool(int(fields["drained"]))
+        ns.take_drain(bool(int(fields["drained"])))
     if "slow" in fields and ns.cfg.slow is not None:
-        events += _apply_slow(ns, fields, now)
-    if "fails" in fields and ns.breaker == CLOSED:
-        ns.failures = int(fields["fails"])
-    return events
-
-
-def _apply_slow(ns: NodeState, fields: dict[str, Any], now: float) -> list[str]:
-    """The speed verdict another gateway reached. Its events are the ones that gateway alerted:
-    an eject (again after a trial, or harder) is ``node_slow``, the end of one ``node_recovered``
-    (a stall ends quietly, as here, and so does a lift by ``slow: off``)."""
-    old, new = ns.slow_state, str(fields["slow"])
-    ns.slow_state = new
-    ns.slowed = bool(int(fields.get("slowed", 0)))
-    ns.slow_until = now + float(fields.get("slow_left_ms", 0)) / 1000
-    ns.slow_period = float(fields.get("slow_period", 0))
-    ns.slow_cause = str(fields.get("slow_cause", ""))
-    ns.slow_note = str(fields.get("slow_note", ""))
-    if new == old:
-        return []
-    if new in _EJECTED:
-        return ["node_slow"]
-    if new == SPEED_OK and old in (SPEED_SLOW, SPEED_HARD, SPEED_TRIAL) and ns.slow_note:
-        return ["node_recovered"]  # (without words it was lifted by `slow: off`: quiet)
-    return []
-
-
-def _apply_breaker(ns: NodeState, fields: dict[str, Any], now: float) -> list[str]:
-    was_closed = ns.breaker == CLOSED
-    if fields["breaker"] == "closed":
-        if was_closed:
-            return []
-        ns.breaker = CLOSED
-        ns.open_period = 0.0
-        ns.trial_in_flight = False
-        ns.failures = 0
-        return ["breaker_closed"]
-    until = now + float(fields["open_left_ms"]) / 1000
-    period = float(fields["open_period"])
-    # A re-trip (half-open trial failed) moves the end by at least a whole period; the same trip
-    # read again (the sweep) moves it by the time it travelled, a few milliseconds.
-    news = was_closed or until > ns.open_until + period / 2
-    if not news:
-        return []
-    ns.breaker = OPEN
-    ns.open_until = until
-    ns.open_period = period
-    ns.trial_in_flight = False
-    ns.failures = 0
-    ns.tick(now)
-    return ["breaker_open"]
+        events += ns.take_speed(str(fields["slow"]), bool(int(fields.get("slowed", 0))),
+                                now + float(fields.get("slow_left_ms", 0)) / 1000, float(fields.get("slow_period", 0)),
+                                str(fields.get("slow_cause", "")), str(fields.get("slow_note", "")))
+    if "fails" in fields:
+        ns.take_failures(int(fields["fails"]))
+    return [e for e in events if e != CHANGED]

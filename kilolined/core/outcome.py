@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from kilolined.core.verdict import NodeVerdict
 from kilolined.scheduling.queue import Rejected
 
 
@@ -16,7 +17,7 @@ class Failure(Exception):
     """The request failed after admission (or was refused by the queue while it waited)."""
 
     #: set when the node failed after its answer began (``mid_response``): what happened
-    cut: str | None = None
+    cut: NodeVerdict | None = None
 
     def __init__(self, type_: str, message: str, http_status: int | None = None, body: bytes | None = None,
                  content_type: str | None = None, retry_after: float | None = None):
@@ -32,12 +33,12 @@ class Failure(Exception):
         return cls("upstream_error", reason, 502)
 
     @classmethod
-    def mid_response(cls, node: str, reason: str) -> Failure:
+    def mid_response(cls, node: str, cut: NodeVerdict) -> Failure:
         """The node failed after its answer had begun (bytes read, or sent on to the client): no
-        re-queue is possible. ``reason`` names what happened ("node lost (connection dropped
+        re-queue is possible. ``cut.reason`` names what happened ("node lost (connection dropped
         mid-response)"), never an exception class or an address."""
-        f = cls("upstream_error", f"node {node} failed: {reason}", 502)
-        f.cut = reason
+        f = cls("upstream_error", f"node {node} failed: {cut.reason}", 502)
+        f.cut = cut
         return f
 
     @classmethod

@@ -109,9 +109,7 @@ async def drain(request: web.Request) -> web.Response:
     ns = rt.scheduler.nodes.get(name)
     if ns is None or ns.retired:
         return error_response(404, "not_found", f"no node {name!r}")
-    ns.drained = request.match_info["op"] == "drain"
-    if rt.node_sync is not None:
-        rt.node_sync.changed(ns)  # cluster mode: drained on every gateway
+    rt.node_events(ns, ns.drain(request.match_info["op"] == "drain"))  # cluster mode: on every gateway
     rt.feed.publish("drain" if ns.drained else "undrain", node=name,
                     text=f"{'⏸' if ns.drained else '▶'} {name} {'drained' if ns.drained else 'undrained'}")
     rt.wake()

@@ -24,7 +24,7 @@ from kilolined.modes.jobs import Jobs
 from kilolined.ops import systemd
 from kilolined.ops.notify import Notifier
 from kilolined.ops.reload import reload_from_file, watch_config
-from kilolined.ops.runtime import Component, Runtime
+from kilolined.ops.runtime import Component, Runtime, Wiring
 from kilolined.ops.webhooks import WebhookDeliverer, WebhookSettings
 from kilolined.scheduling.queue import Rejected
 
@@ -36,22 +36,34 @@ class Server:
     """Owns the Runtime, the aiohttp runner and the background triggers of one daemon."""
 
     def __init__(self, cfg: Config, version: str, config_path: str | None, *, watch: bool = True):
-        self.rt = rt = Runtime(cfg, version, config_path=config_path)
         notifier = Notifier(cfg.notify)
         webhooks = WebhookDeliverer(**_webhook_settings(cfg))
-        self.gateway = Gateway(rt, Jobs(rt, cfg.jobs, webhooks), webhooks, notifier)
-        rt.alert = lambda event, text, node: notifier.emit(event, text, node=node)
-        #: rented spot GPUs kept at their pools' sizes (docs/FLEET.md); idle without ``fleet:``
-        self.fleet = Fleet(rt)
-        rt.components = [
-            Component("notify", lambda c: notifier.configure(c.notify)),
-            Component("fleet", self.fleet.configure),
-            Component("webhooks", lambda c: webhooks.configure(**_webhook_settings(c))),
-            Component("jobs", lambda c: self.gateway.jobs.configure(c.jobs)),
-            Component("fd-limit", lambda c: self._plan_fds(c.server.max_connections)),
-        ]
         #: cluster mode (docs/CLUSTER.md): leases, limits, jobs and node state shared through Redis
-        self.cluster: Cluster | None = build_cluster(rt, self.gateway.jobs) if cfg.cluster is not None else None
+        self.cluster: Cluster | None = None
+
+        def wire(rt: Runtime) -> Wiring:
+            """The Runtime's parts from up here, made once its own exist."""
+            #: rented spot GPUs kept at their pools' sizes (docs/FLEET.md); idle without ``fleet:``
+            self.fleet = Fleet(rt)
+            local = Wiring(
+                alert=lambda event, text, node: notifier.emit(event, text, node=node),
+                components=(
+                    Component("notify", lambda c: notifier.configure(c.notify)),
+                    Component("fleet", self.fleet.configure),
+                    Component("webhooks", lambda c: webhooks.configure(**_webhook_settings(c))),
+                    Component("jobs", lambda c: self.gateway.jobs.configure(c.jobs)),
+                    Component("fd-limit", lambda c: self._plan_fds(c.server.max_connections)),
+                ),
+                fleet=self.fleet)
+            if cfg.cluster is None:
+                return local
+            self.cluster = build_cluster(rt)
+            return self.cluster.wiring(local)
+
+        self.rt = rt = Runtime(cfg, version, config_path=config_path, wire=wire)
+        self.gateway = Gateway(rt, Jobs(rt, cfg.jobs, webhooks), webhooks, notifier)
+        if self.cluster is not None:
+            self.cluster.attach(self.gateway.jobs)
         self.app = build_app(self.gateway)
         self.runner: web.AppRunner | None = None
         self.listeners: list[Listener] = []
@@ -139,7 +151,7 @@ class Server:
         rt = self.rt
         if rt.shutting_down:
             return
-        rt.shutting_down = True
+        rt.begin_shutdown()
         systemd.stopping()
         log.info("stopping: refusing new work, %d in flight", sum(rt.scheduler.node_inflight.values()))
         self._stop_watch.set()

@@ -97,9 +97,7 @@ class Fleet:
         self._wake = asyncio.Event()
         self._closing = False  # set at shutdown: a rent still running opens no new session
         self._last_status = -MAX_TICK_SEC  # when the booting instances' provider status was last asked
-        rt.fleet_view = self.view
-        rt.node_eta = self.node_eta
-        rt.scales_to_zero = self.scales_to_zero
+        # view, node_eta and scales_to_zero reach the Runtime through its Wiring (the server's)
         rt.node_watchers.append(self._node_event)
         self.configure(rt.cfg)
 
@@ -484,9 +482,7 @@ class Fleet:
         ns = self.rt.scheduler.nodes.get(name)
         if t.phase != "serving" or name not in self.rt.pool_nodes or ns is None:
             return False
-        ns.drained = True
-        if self.rt.node_sync is not None:
-            self.rt.node_sync.changed(ns)  # cluster mode: drained on every gateway
+        self.rt.node_events(ns, ns.drain(True))  # cluster mode: drained on every gateway
         self.draining[t.id] = (t, now + self._drain_timeout(t.pool))
         log.info("[fleet] draining %s (over size): destroyed once its %d running request(s) end", name,
                  self.rt.scheduler.node_inflight.get(name, 0))

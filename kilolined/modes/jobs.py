@@ -32,6 +32,7 @@ from kilolined.core.config import JobsConfig
 from kilolined.core.continuation import StreamKeeper
 from kilolined.core.outcome import Cancelled, Failure, Result
 from kilolined.core.rewrite import ModelRename, aliased
+from kilolined.core.verdict import Cause, NodeVerdict, failed_status
 from kilolined.modes.call import Call
 from kilolined.modes.runner import run
 from kilolined.ops.runtime import Runtime
@@ -340,7 +341,7 @@ class JobSink(Sink):
                 raise ResultTooLarge(memory.refusal(declared))
             body = await _read_result(up, lambda size: memory.hold(job, size), obs, strip, keeper)
             scope.size = len(body)
-            ok = up.status < 500
+            ok = not failed_status(up.status)
             scope.ok = ok
             return body
         except ResultTooLarge as e:
@@ -351,25 +352,25 @@ class JobSink(Sink):
             memory.release(job)
             if keeper is not None and self.ex is not None and (isinstance(e, Stalled) or not isinstance(
                     e, TimeoutError | UpstreamFailed)):
-                reason = mid_response(e)
-                if continuation.plan(scope, self.ex, keeper, reason, judged=False):
+                cut = mid_response(e)
+                if continuation.plan(scope, self.ex, keeper, cut, judged=False):
                     # The scope's verdict and re-queue, as for a node that never answered; the next
                     # attempt sends the continuation, and its answer is read on after the seam.
-                    raise UpstreamFailed(reason, answered=isinstance(e, Stalled)) from None
+                    raise UpstreamFailed(cut.reason, answered=isinstance(e, Stalled), cause=cut.cause) from None
                 self.keeper = StreamKeeper()  # a stream started over (if at all) keeps nothing of this one
             if under_attempt and isinstance(e, Stalled):
-                # The scope's verdict on "stalled: …" opens the breaker, and it re-queues the job.
-                raise UpstreamFailed(str(e), answered=True) from None
+                # The scope's verdict on a stall ejects the node, and it re-queues the job.
+                raise UpstreamFailed(str(e), answered=True, cause=Cause.STALL) from None
             if under_attempt and isinstance(e, TimeoutError):
                 # The request's deadline (the exchange has the scope's): the verdict and words the
                 # scope gives a lease that outlives it.
-                scope.node_failed(f"timed out after {scope.timeout:g}s", mid_body=True)
+                scope.node_failed(NodeVerdict(Cause.TIMEOUT, f"timed out after {scope.timeout:g}s", mid_body=True))
                 raise Failure.upstream(f"node {job.node or '-'} did not finish within {scope.timeout:g}s",
                                        True) from None
             # A node lost mid-answer is not replayed: the job fails (docs/API.md "Re-queue").
-            reason = mid_response(e)
-            scope.node_failed(reason, mid_body=True)
-            raise Failure.mid_response(job.node or "-", reason) from None
+            cut = mid_response(e)
+            scope.node_failed(cut)
+            raise Failure.mid_response(job.node or "-", cut) from None
         finally:
             up.release()
             if obs is not None:

@@ -25,6 +25,7 @@ from kilolined.adapters.openai import UsageStripper, gateway_added_usage, relay_
 from kilolined.core.continuation import StreamKeeper
 from kilolined.core.outcome import Failure, Result
 from kilolined.core.rewrite import MAX_HELD, ModelRename, aliased
+from kilolined.core.verdict import failed_status
 from kilolined.modes.call import Call
 from kilolined.ops.runtime import Runtime
 from kilolined.scheduling.lease import LeaseScope, Sink
@@ -89,7 +90,7 @@ class SyncSink(Sink):
                     up.content_length is not None and up.content_length <= MAX_HELD:
                 self.response, call.bytes_out = await _renamed(call.request, up, headers, obs, rename)
                 scope.size = call.bytes_out
-                ok[0] = scope.ok = up.status < 500
+                ok[0] = scope.ok = not failed_status(up.status)
                 self.outcome = "ok" if ok[0] else "upstream_error"
                 return
             # The usual small answer, whole already, is made here without a coroutine.
@@ -97,7 +98,7 @@ class SyncSink(Sink):
             self.response, call.bytes_out = (whole if whole is not None else
                                              await stream_back(call.request, up, headers, obs, capture, scope))
             scope.size = call.bytes_out
-            ok[0] = scope.ok = up.status < 500
+            ok[0] = scope.ok = not failed_status(up.status)
             self.outcome = "ok" if ok[0] else "upstream_error"
 
     def renamer(self, scope: LeaseScope, sse: bool) -> ModelRename | None:
@@ -129,7 +130,7 @@ class SyncSink(Sink):
             cut_client(call.request)
             call.status = f.http_status or 502
             raise web.HTTPBadGateway() if f.type != "upstream_timeout" else web.HTTPGatewayTimeout()
-        if f.body is not None and f.http_status is not None and f.http_status < 500:
+        if f.body is not None and f.http_status is not None and not failed_status(f.http_status):
             # A refusal in the backend's own shape (ComfyUI's validation error): the client's API.
             call.status = f.http_status
             return web.Response(status=f.http_status, body=f.body, content_type=f.content_type or "application/json",
@@ -229,7 +230,7 @@ class StreamSink(SyncSink):
                     message, type_ = node_message(body, up.status)
                     await _write(scope, resp, self.error_frame(type_, message, up.status))
                     call.status = up.status  # the access log tells what the client really got
-                    ok[0] = up.status < 500
+                    ok[0] = not failed_status(up.status)
                     self.outcome = "ok" if ok[0] else "upstream_error"
             else:
                 await self._relay(scope, resp, up, obs)
@@ -385,9 +386,9 @@ class _Relaying:
 
 def _mid_response(scope: LeaseScope, node: str, e: BaseException) -> Failure:
     """The node failed after its answer began: the verdict, and the failure the client gets."""
-    reason = mid_response(e)
-    scope.node_failed(reason, mid_body=True)
-    return Failure.mid_response(node, reason)
+    cut = mid_response(e)
+    scope.node_failed(cut)
+    return Failure.mid_response(node, cut)
 
 
 async def _write(scope: LeaseScope, resp: web.StreamResponse, data: bytes) -> None:

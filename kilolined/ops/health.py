@@ -57,7 +57,7 @@ def _note_start(ns: NodeState, raw: bytes) -> None:
     except orjson.JSONDecodeError:
         return
     if seen is not None and restarted(ns.started, seen):
-        ns.started = seen
+        ns.saw_start(seen)
 
 
 async def health_loop(session: Callable[[str], aiohttp.ClientSession], ns: NodeState, clock: Callable[[], float],

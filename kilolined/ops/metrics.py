@@ -52,7 +52,9 @@ class LiveState(Protocol):
     loaded_at: float
     file_changed_at: float | None
     reload_pending: bool
-    fleet_view: Callable[[], dict[str, Any]] | None
+
+    @property
+    def fleet_view(self) -> Callable[[], dict[str, Any]] | None: ...
 
     def clock(self) -> float: ...
 

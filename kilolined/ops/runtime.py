@@ -12,7 +12,7 @@ import logging
 import time
 from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import aiohttp
 
@@ -33,7 +33,7 @@ from kilolined.scheduling.affinity import Affinity
 from kilolined.scheduling.bill import Bill
 from kilolined.scheduling.leasestore import LeaseStore
 from kilolined.scheduling.limits import Budgets, LimitStore, LocalLimits, RateLimiter
-from kilolined.scheduling.nodes import SPEED_HARD, SPEED_STALLED, NodeState
+from kilolined.scheduling.nodes import CHANGED, SPEED_HARD, SPEED_STALLED, NodeState
 from kilolined.scheduling.queue import RouteQueue, Scheduler, Ticket
 from kilolined.scheduling.routing import Router
 from kilolined.wire.deadlines import Deadlines
@@ -76,6 +76,53 @@ def _no_alert(event: str, text: str, node: str | None) -> None:
     pass
 
 
+def _here() -> bool:
+    return True
+
+
+class FleetHooks(Protocol):
+    """What the Runtime asks of the fleet (kilolined/fleet/loop.py), which runs above it."""
+
+    def view(self) -> dict[str, Any]:
+        """The fleet's ``fleet`` of /admin/state and metrics."""
+
+    def node_eta(self, route: str) -> float | None:
+        """Seconds until a node serves ``route``, which has none (a pool resuming or renting one)."""
+
+    def scales_to_zero(self, route: str) -> bool:
+        """The route is served only by pools that may scale to zero (min 0): no node is no outage."""
+
+
+@dataclass(frozen=True)
+class Wiring:
+    """The Runtime's parts that come from above it: the server's (alerts, components, the fleet)
+    and, in cluster mode, the Redis-backed ones cluster/build.py makes. Each has a local default,
+    so ``Wiring()`` is one gateway on its own. The Runtime takes it at construction and is not
+    rewired after: whoever reads ``rt.leases`` reads what it was built with."""
+
+    #: the notifier's emit (event, text, node); in cluster mode only the leader's words go out
+    alert: Callable[[str, str, str | None], None] = _no_alert
+    #: parts that take every new config (jobs, webhooks, notifier, the cluster), in order
+    components: tuple[Component, ...] = ()
+    fleet: FleetHooks | None = None
+    #: where leases live: None is this gateway's scheduler
+    leases: LeaseStore | None = None
+    #: a shared store's verdict on an admitted ticket; None: admit decided at once
+    settle: Callable[[Ticket], Awaitable[Ticket]] | None = None
+    cluster: ClusterView | None = None  # what /admin/state shows of the cluster
+    #: where limits are decided and usage charged; None: this gateway's own buckets and counters
+    limits: LimitStore | None = None
+    node_sync: NodeSync | None = None  # node transitions shared with the other gateways
+    comfy_shared: SharedInputs | None = None  # ComfyUI inputs held for every gateway
+    comfy_lists: SharedLists | None = None  # ComfyUI's history, queue and jobs lists of every gateway
+    comfy_ws: SocketBus | None = None  # ComfyUI /ws frames to and from the other gateways
+    #: whether this gateway runs the active health checks (cluster mode: the leader's job)
+    checks_here: Callable[[], bool] = _here
+    #: whether this gateway rents and destroys fleet instances (cluster mode: the leader alone,
+    #: and nobody while Redis is down, so two gateways never rent for one loss)
+    rents_here: Callable[[], bool] = _here
+
+
 NAMED_SECTIONS = ("routes", "nodes", "keys")
 
 
@@ -112,8 +159,12 @@ def describe_changes(changes: dict[str, Any] | None) -> str:
 
 
 class Runtime:
+    """``wire`` makes the parts from above (a ``Wiring``) once this runtime's own exist: the
+    server's, with cluster/build.py's in cluster mode; None: ``Wiring()``. Nothing is assigned
+    onto a Runtime from outside after (tests/test_one_writer.py)."""
+
     def __init__(self, cfg: Config, version: str, *, clock: Callable[[], float] = time.monotonic,
-                 config_path: str | None = None):
+                 config_path: str | None = None, wire: Callable[[Runtime], Wiring] | None = None):
         self.clock = clock
         self.config_path = config_path
         self.started_at = clock()
@@ -128,46 +179,21 @@ class Runtime:
         self.reload_pending = False
         #: what the last reload applied changed (config_changes); None until a reload
         self.last_changes: dict[str, Any] | None = None
+        #: the parts from above (the server's, the cluster's): a gateway on its own until ``wire``
+        #: made them, at the end of this constructor; read through the seams below
+        self.wiring = Wiring()
         self.scheduler = Scheduler()
-        #: where leases live (docs/ARCHITECTURE.md): this gateway's scheduler unless a shared store replaces it
-        self.leases: LeaseStore = self.scheduler
+        self.scheduler.checks_here = lambda: self.checks_here()  # the wiring's: the cluster's leader
         #: request_timeout_sec of every held lease, on one coarse timer (lease.py)
         self.deadlines = Deadlines()
-        #: a shared store's verdict on an admitted ticket (cluster mode); None: admit decided at once
-        self.settle: Callable[[Ticket], Awaitable[Ticket]] | None = None
-        self.cluster: ClusterView | None = None  # cluster mode: what /admin/state shows of it
-        #: cluster mode: node transitions shared with the other gateways (kilolined/cluster/nodes.py)
-        self.node_sync: NodeSync | None = None
-        #: cluster mode: ComfyUI inputs held for every gateway (kilolined/cluster/comfyfiles.py)
-        self.comfy_shared: SharedInputs | None = None
-        #: cluster mode: ComfyUI's history, queue and jobs lists of every gateway (cluster/comfylists.py)
-        self.comfy_lists: SharedLists | None = None
-        #: cluster mode: ComfyUI /ws frames to and from the other gateways (kilolined/cluster/comfyws.py)
-        self.comfy_ws: SocketBus | None = None
-        #: whether this gateway runs the active health checks (cluster mode: the leader's job)
-        self.checks_here: Callable[[], bool] = lambda: True
-        self.scheduler.checks_here = lambda: self.checks_here()  # replaced by the cluster's leader
-        #: whether this gateway rents and destroys fleet instances (cluster mode: the leader alone,
-        #: and nobody while Redis is down, so two gateways never rent for one loss)
-        self.rents_here: Callable[[], bool] = lambda: True
         self.limiter = RateLimiter()
         self.budgets = Budgets(cfg.server.state_dir)  # this gateway's own counters (saved to disk)
-        #: where limits are decided and usage charged: these buckets and counters, or (cluster
-        #: mode) the Redis store every gateway shares, which keeps them as its local view
-        self.limits: LimitStore = LocalLimits(self.limiter, self.budgets, clock)
+        self._local_limits = LocalLimits(self.limiter, self.budgets, clock)
         #: what each key spent per route, model and day (/admin/usage, /v1/usage), saved beside the budgets
         self.bill = Bill(cfg.server.state_dir)
         self.keys = KeyStore(cfg)
         self.router = Router({})
         self.feed = Feed()
-        #: the fleet's ``fleet`` of /admin/state and metrics; None while no fleet runs
-        self.fleet_view: Callable[[], dict[str, Any]] | None = None
-        #: the fleet's seconds until a node serves a route that has none (a pool scaled to zero
-        #: resuming or renting one); None while no fleet runs
-        self.node_eta: Callable[[str], float | None] | None = None
-        #: whether a route is served only by fleet pools that may scale to zero (min 0): its
-        #: having no node is the fleet's choice, not an outage to alert on
-        self.scales_to_zero: Callable[[str], bool] = lambda route: False
         #: how fast each node serves, against its peers (speed.py, speedwatch.py)
         self.speed = SpeedWatch(self)
         self.metrics = Metrics(lambda: self)
@@ -180,10 +206,6 @@ class Runtime:
         self._tasks: set[asyncio.Task[Any]] = set()
         self._pump: asyncio.Task[None] | None = None
         self.shutting_down = False
-        #: the notifier's emit (event, text, node); set by the server, a no-op until then
-        self.alert: Callable[[str, str, str | None], None] = _no_alert
-        #: parts above the core that take every new config (jobs, webhooks, notifier)
-        self.components: list[Component] = []
         self.started = False
         self.admin_sessions: dict[str, float] = {}  # dashboard session token -> expiry
         #: what an adapter keeps across requests, by kind (ComfyUI: monitor sockets, prompt owners);
@@ -197,6 +219,83 @@ class Runtime:
         #: called with (node, event) on every node event (the fleet wakes on a pool node's node_down)
         self.node_watchers: list[Callable[[str, str], None]] = []
         self._apply_state(cfg)
+        # The parts from above, made now that this runtime's own exist; fixed from here on.
+        if wire is not None:
+            self.wiring = wire(self)
+
+    # --- the seams: what the wiring gave, else this gateway's own ----------------------
+    @property
+    def leases(self) -> LeaseStore:
+        """Where leases live (docs/ARCHITECTURE.md): this gateway's scheduler, or the shared store."""
+        w = self.wiring.leases
+        return w if w is not None else self.scheduler
+
+    @property
+    def limits(self) -> LimitStore:
+        """Where limits are decided and usage charged: this gateway's buckets and counters, or
+        (cluster mode) the Redis store every gateway shares, which keeps them as its local view."""
+        w = self.wiring.limits
+        return w if w is not None else self._local_limits
+
+    @property
+    def settle(self) -> Callable[[Ticket], Awaitable[Ticket]] | None:
+        """A shared store's verdict on an admitted ticket; None: admit decided at once."""
+        return self.wiring.settle
+
+    @property
+    def cluster(self) -> ClusterView | None:
+        return self.wiring.cluster
+
+    @property
+    def node_sync(self) -> NodeSync | None:
+        return self.wiring.node_sync
+
+    @property
+    def comfy_shared(self) -> SharedInputs | None:
+        return self.wiring.comfy_shared
+
+    @property
+    def comfy_lists(self) -> SharedLists | None:
+        return self.wiring.comfy_lists
+
+    @property
+    def comfy_ws(self) -> SocketBus | None:
+        return self.wiring.comfy_ws
+
+    @property
+    def checks_here(self) -> Callable[[], bool]:
+        return self.wiring.checks_here
+
+    @property
+    def rents_here(self) -> Callable[[], bool]:
+        return self.wiring.rents_here
+
+    @property
+    def alert(self) -> Callable[[str, str, str | None], None]:
+        return self.wiring.alert
+
+    @property
+    def components(self) -> tuple[Component, ...]:
+        """Parts above the core that take every new config (jobs, webhooks, notifier, cluster)."""
+        return self.wiring.components
+
+    @property
+    def fleet_view(self) -> Callable[[], dict[str, Any]] | None:
+        """The fleet's ``fleet`` of /admin/state and metrics; None while no fleet runs."""
+        f = self.wiring.fleet
+        return f.view if f is not None else None
+
+    @property
+    def node_eta(self) -> Callable[[str], float | None] | None:
+        """The fleet's seconds until a node serves a route that has none; None while no fleet runs."""
+        f = self.wiring.fleet
+        return f.node_eta if f is not None else None
+
+    def scales_to_zero(self, route: str) -> bool:
+        """Whether a route is served only by fleet pools that may scale to zero (min 0): its having
+        no node is the fleet's choice, not an outage to alert on."""
+        f = self.wiring.fleet
+        return f is not None and f.scales_to_zero(route)
 
     # --- config -------------------------------------------------------------------------
     def _apply_state(self, cfg: Config) -> None:
@@ -210,7 +309,7 @@ class Runtime:
         for name, ncfg in all_nodes.items():
             ns = old_nodes.get(name)
             if ns is not None and not ns.retired and ns.cfg.url == ncfg.url:
-                ns.cfg = ncfg
+                ns.configure(ncfg)
             else:
                 if ns is not None and name in self.sessions:
                     # Same name, new URL: a new node. Old in-flight finish on the old session.
@@ -221,7 +320,7 @@ class Runtime:
                 sched.nodes[name] = NodeState(name, ncfg)
         for name, ns in list(old_nodes.items()):
             if name not in all_nodes and not name.startswith("adhoc:"):
-                ns.retired = True
+                ns.retire()
         for name, rcfg in cfg.routes.items():
             rcfg = self._with_pool_nodes(name, rcfg)
             rq = sched.routes.get(name)
@@ -363,6 +462,10 @@ class Runtime:
         self._ask_models()
         self._pump = asyncio.create_task(self._pump_loop(), name="kiloline-pump")
 
+    def begin_shutdown(self) -> None:
+        """Refuse new work from now on (the server's shutdown)."""
+        self.shutting_down = True
+
     async def stop(self) -> None:
         self.started = False
         # Cancelled until they end (kilolined/wire/tasks.py: one cancel can be swallowed).
@@ -479,12 +582,17 @@ class Runtime:
         self.node_events(ns, events)
 
     def node_events(self, ns: NodeState, events: list[str], texts: dict[str, str] | None = None) -> None:
-        """Publish and alert ``events`` of ``ns`` (``texts``: the speed watch's own words)."""
+        """The one subscriber of node transitions: every ``NodeState`` method that changes the node
+        returns its events, and its caller hands them here. Shares the change with the cluster,
+        then alerts and feeds each event but the quiet ``CHANGED`` (``texts``: the speed watch's
+        own words), and wakes the queue."""
         if not events:
             return
         if self.node_sync is not None:
             self.node_sync.changed(ns)  # the other gateways apply the same transition
         for ev in events:
+            if ev == CHANGED:
+                continue
             text = texts[ev] if texts and ev in texts else self._node_text(ns, ev)
             if ev in ("node_down", "breaker_open"):
                 self.scheduler.forget(ns.name)  # what it held is gone, or cannot be trusted (docs/CONFIG.md#affinity)

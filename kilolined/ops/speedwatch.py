@@ -21,7 +21,6 @@ import math
 from collections.abc import Callable
 from typing import Protocol
 
-from kilolined.cluster.nodes import NodeSync
 from kilolined.scheduling.nodes import (
     SPEED_HARD,
     SPEED_OK,
@@ -56,7 +55,6 @@ class Host(Protocol):
 
     scheduler: Scheduler
     clock: Callable[[], float]
-    node_sync: NodeSync | None
 
     def node_events(self, ns: NodeState, events: list[str], texts: dict[str, str] | None = None) -> None: ...
 
@@ -83,8 +81,7 @@ class SpeedWatch:
             self._follow(ns)
         if node in book.nodes and book.unstall(node):  # (a node never ejected has no entry)
             log.info("✓ [%s] answering in full again after a stall", node)
-            self._decide(ns, SPEED_OK, self.book.node(node), "")  # quiet, here and elsewhere
-            self._publish(ns)
+            self.rt.node_events(ns, self._decide(ns, SPEED_OK, self.book.node(node), ""))  # quiet, here and elsewhere
         cfg, model_ = ns.cfg.slow, model or ""
 
         def ejectable() -> int:
@@ -134,17 +131,16 @@ class SpeedWatch:
             st = self.book.node(ns.name)
             self.book.eject_period(ns.name, now, cfg.open_sec, cfg.max_open_sec)
             text = self.slow_text(ns, v)
-            self._decide(ns, SPEED_HARD if v.action == "hard" else SPEED_SLOW, st, text)
-            events, texts = ["node_slow"], {"node_slow": text}
+            events = self._decide(ns, SPEED_HARD if v.action == "hard" else SPEED_SLOW, st, text)
+            texts = {"node_slow": text}
             if v.action == "hard":
-                ns.last_error = "slow"
+                ns.note_error("slow")
                 events += ns.trip(now)
                 texts["breaker_open"] = f"⚡ {_who(ns)} breaker OPEN for being slow, retry in {ns.open_period:g}s"
             rt.node_events(ns, events, texts)  # one publish carries the eject and the breaker
         elif v.action == "recovered":
             text = f"✓ {_who(ns)} back to speed: {_n(v.level)} {v.unit} vs {_n(v.peers)} {v.unit} on its peers"
-            self._decide(ns, SPEED_OK, self.book.node(ns.name), text)
-            rt.node_events(ns, ["node_recovered"], {"node_recovered": text})
+            rt.node_events(ns, self._decide(ns, SPEED_OK, self.book.node(ns.name), text), {"node_recovered": text})
         elif v.action == "drifting":
             ratio = v.level / v.peers if v.peers else math.inf
             rt.node_events(ns, ["node_drifting"], {"node_drifting": (
@@ -153,15 +149,10 @@ class SpeedWatch:
         rt.wake()
 
     @staticmethod
-    def _decide(ns: NodeState, state: str, st: NodeSpeed, note: str) -> None:
+    def _decide(ns: NodeState, state: str, st: NodeSpeed, note: str) -> list[str]:
         """This gateway's book reached a verdict: it becomes the node's (and, through node_events,
-        the cluster's)."""
-        ns.slow_state = state
-        ns.slowed = state in (SPEED_SLOW, SPEED_HARD)
-        ns.slow_until = st.until if ns.slowed else 0.0
-        ns.slow_period = st.period
-        ns.slow_cause = "\t".join(st.cause) if st.cause is not None else ""
-        ns.slow_note = note
+        the cluster's); returns its events (NodeState.judge_speed)."""
+        return ns.judge_speed(state, st.until, st.period, "\t".join(st.cause) if st.cause is not None else "", note)
 
     def _follow(self, ns: NodeState) -> None:
         """Copy the node's verdict into the book, wherever it was reached: the book's next
@@ -190,10 +181,6 @@ class SpeedWatch:
             return
         st.ejected, st.hard, st.until = True, state == SPEED_HARD, ns.slow_until
 
-    def _publish(self, ns: NodeState) -> None:
-        if self.rt.node_sync is not None:
-            self.rt.node_sync.changed(ns)
-
     def slow_text(self, ns: NodeState, v: Verdict) -> str:
         ratio = v.level / v.peers if v.peers else math.inf
         what = ("its breaker is open until a trial" if v.action == "hard" or ratio >= HARD
@@ -211,13 +198,8 @@ class SpeedWatch:
                 continue
             self._follow(ns)
             if self.book.trial(name, now):
-                ns.slowed = False
-                ns.slow_state = SPEED_TRIAL
-                ns.slow_until = 0.0
-                ns.recovered_at = now
                 log.info("~ [%s] trying again after being slow (slots ramp up)", name)
-                self._publish(ns)
-                self.rt.wake()
+                self.rt.node_events(ns, ns.speed_trial(now))  # shared with the cluster, and a wake-up
 
     def lift_unwatched(self) -> None:
         """``slow: off``: whatever the watch decided is lifted, at the reload that turns it off (and
@@ -227,11 +209,9 @@ class SpeedWatch:
                 self._lift(name, ns)
 
     def _lift(self, name: str, ns: NodeState) -> None:
-        if ns.slow_state != SPEED_OK or ns.slowed:
-            # Quietly for the cluster (no words: not a recovery), so Redis keeps no verdict for a
-            # gateway that turns it on again.
-            ns.clear_slow()
-            self._publish(ns)
+        # Quietly for the cluster (no words: not a recovery), so Redis keeps no verdict for a
+        # gateway that turns it on again.
+        self.rt.node_events(ns, ns.clear_slow())
         if name in self.book.nodes:
             self.book.forget(name)  # its numbers too: judged afresh if it is turned on again
 
@@ -250,18 +230,18 @@ class SpeedWatch:
                    "never more than max(1, 10 %) of a route's nodes at once, nor its last"
                    if self._ejectable(route, node, now) <= 0 else "")
         if why_not:
-            ns.last_error = reason
+            ns.note_error(reason)
             log.warning("✗ [%s] %s — not ejected (%s)", node, reason, why_not)
             return True
         if not self.book.stalled(node):
             return True
         st = self.book.node(node)
         self.book.eject_period(node, now, ns.breaker_cfg.open_sec, ns.breaker_cfg.max_open_sec)
-        ns.last_error = reason
-        what = reason.removeprefix(STALLED_REASON + ": ")  # the reason says "stalled: …" for the scope's verdict
+        ns.note_error(reason)
+        what = reason.removeprefix(STALLED_REASON + ": ")  # the words say "stalled: …" for the client
         text = f"🐢 {_who(ns)} stalled: {what} — breaker open"
-        self._decide(ns, SPEED_STALLED, st, text)
-        self.rt.node_events(ns, ["node_slow", *ns.trip(now)], {"node_slow": text, "breaker_open": (
+        events = self._decide(ns, SPEED_STALLED, st, text)
+        self.rt.node_events(ns, [*events, *ns.trip(now)], {"node_slow": text, "breaker_open": (
             f"⚡ {_who(ns)} breaker OPEN after a stall, retry in {ns.open_period:g}s")})
         return True
 

@@ -28,12 +28,12 @@ from aiohttp import web
 
 from kilolined.core.continuation import StreamKeeper
 from kilolined.core.outcome import Failure, Result
+from kilolined.core.verdict import Cause, NodeVerdict
 from kilolined.ops.runtime import Runtime
 from kilolined.scheduling.bill import gpu_cost
 from kilolined.scheduling.queue import LEASED, WAITING, Lease, Rejected, Target, Ticket
 from kilolined.scheduling.speed import Sample
 from kilolined.wire.proxy import Observer, Upstream, UpstreamFailed
-from kilolined.wire.upstream import STALLED
 
 log = logging.getLogger("kilolined")
 T = TypeVar("T")
@@ -261,25 +261,25 @@ class LeaseScope:
         if lease is not None:
             self.rt.node_success(lease.node, lease.trial)
 
-    def node_failed(self, reason: str, mid_body: bool = False) -> None:
-        """The node failed this request: ``reason`` names what happened. ``mid_body``: after its
-        answer had begun, so nothing can be retried and the request fails."""
+    def node_failed(self, verdict: NodeVerdict) -> None:
+        """The node failed this request: ``verdict`` says how (core/verdict.py). ``mid_body``:
+        after its answer had begun, so nothing can be retried and the request fails."""
         lease = self.lease
         if lease is None:
             return
-        if mid_body:
+        if verdict.mid_body:
             self.ok = False
-        if reason.startswith(STALLED):
+        if verdict.stalled:
             # The speed watch judges a stall, under the caps of a slow verdict; it is not one of
             # the breaker's consecutive failures, or a request that stalls everywhere (a long
             # prefill) would open every breaker it met.
             self.stalls += 1
-            judged = self.rt.speed.stall(lease.node, lease.route, reason, again=self.stalls > 1)
+            judged = self.rt.speed.stall(lease.node, lease.route, verdict.reason, again=self.stalls > 1)
             if judged and not lease.trial:
                 return
             # Not watched (`slow: off` since it began), or the node's half-open trial: a failure
             # as any other too (a failed trial opens the breaker again).
-        self.rt.node_failure(lease.node, reason, lease.trial)
+        self.rt.node_failure(lease.node, verdict.reason, lease.trial)
 
     # --- entering ---------------------------------------------------------------------------
     async def __aenter__(self) -> LeaseScope:
@@ -354,12 +354,12 @@ class LeaseScope:
                     self._arm(self._deadline)  # graced: past the deadline already, it fires at the next tick
                 return result
             free = uncharged(self._still_lost(lease.node), lease.node in ticket.avoid, failure)
-            self.node_failed(failure.reason)
+            self.node_failed(failure.verdict)
             if not (failure.answered or failure.timeout):
                 self._seen_lost(lease.node)
             if self.state != S_ATTEMPTING:  # expired meanwhile: the exit turns this into the timeout
                 raise Failure.upstream(f"node {lease.node} did not answer in time", True)
-            if self.stalls >= STALLS_MAX and failure.reason.startswith(STALLED):
+            if self.stalls >= STALLS_MAX and failure.cause is Cause.STALL:
                 # Stalled on two nodes: the request's doing (a prefill longer than stall_sec), not
                 # theirs; it fails rather than stall a third (docs/CONFIG.md "Slow nodes").
                 self._to(S_HELD)
@@ -383,20 +383,21 @@ class LeaseScope:
             self.forgiven += free
             lease = await self._wait()
 
-    def continue_elsewhere(self, reason: str) -> None:
+    def continue_elsewhere(self, cut: NodeVerdict) -> None:
         """The node failed after its answer began (the verdict is given: ``node_failed`` with
         ``mid_body``), and the answer is to go on on another node (a stream continued, docs/API.md
         "Streams that survive their node"): back to the head of the queue, as a re-queue, which
         it counts as; the next ``acquire`` runs the continuation."""
         lease = self.lease
         assert lease is not None and self.state == S_HELD
+        reason = cut.reason
         log.warning("⚡ [%s] %s — stream continued elsewhere (%s)", lease.node, reason, lease.route)
-        if not reason.startswith(STALLED):
+        if not cut.stalled:
             self._seen_lost(lease.node)
         self._rerouted = (lease.node, reason)
         self._requeue(lease, lost=True)
 
-    def requeue_held(self, reason: str, lost: bool) -> bool:
+    def requeue_held(self, verdict: NodeVerdict, lost: bool) -> bool:
         """(In a ``hold``) the node failed the work the lease was kept for, before the work did
         anything its client can see (a ComfyUI prompt lost before any output, after the HTTP
         answer that named it): the verdict on the node, then back to the head of the queue as a
@@ -404,7 +405,8 @@ class LeaseScope:
         is). After True, ``acquire`` runs the work's next attempt and ``detach`` keeps it held."""
         lease = self.lease
         assert lease is not None and self.state == S_DETACHED
-        self.node_failed(reason)
+        self.node_failed(verdict)
+        reason = verdict.reason
         if self.retries_spent >= lease.target.route.retry_on_failover:
             return False
         log.warning("⚡ [%s] %s — re-queued (%s)", lease.node, reason, lease.route)
@@ -417,7 +419,7 @@ class LeaseScope:
         seen alive again, for every request (``uncharged``)."""
         ns = self.rt.scheduler.nodes.get(node)
         if ns is not None:
-            ns.lost_at = self.rt.clock()
+            ns.lost(self.rt.clock())
 
     def _still_lost(self, node: str) -> bool:
         """``node`` was known lost when this lease was granted, and has not been seen alive since."""
@@ -610,7 +612,7 @@ class LeaseScope:
                 await self._run_aborts()
         finally:
             if timed_out and not self.writing:
-                self.node_failed(f"timed out after {self.timeout:g}s")
+                self.node_failed(NodeVerdict(Cause.TIMEOUT, f"timed out after {self.timeout:g}s"))
             ok = self.ok if exc is None and not timed_out else (None if isinstance(exc, asyncio.CancelledError)
                                                                  else False)
             self._release(lease, ok)

@@ -1,8 +1,11 @@
 """Node state as pure logic: active health × passive breaker × slow start × drain.
 
 No I/O and no clock of its own: every method takes ``now`` (monotonic seconds), so tests drive
-time by hand. Methods that change state return the notification events they caused
-(``node_down``, ``node_up``, ``breaker_open``, ``breaker_closed``) for the caller to publish.
+time by hand. ``NodeState`` is the one writer of its fields: every change is one of its methods,
+and the other modules only read them (tests/test_one_writer.py walks the package for writes).
+Methods that change state return the events they caused (``node_down``, ``node_up``,
+``breaker_open``, ``breaker_closed``, ``node_slow``, ``node_recovered``, or the quiet ``CHANGED``)
+for the one subscriber, the runtime's ``node_events``, to share with the cluster and alert.
 """
 
 from __future__ import annotations
@@ -19,6 +22,23 @@ BREAKER_GAUGE = {CLOSED: 0, HALF_OPEN: 1, OPEN: 2}
 # slot, ranked last); hard-ejected (its breaker opened for it); on trial after an eject (slots back
 # through slow start, judged from its first request on the EWMA it kept); out after a stall.
 SPEED_OK, SPEED_SLOW, SPEED_HARD, SPEED_TRIAL, SPEED_STALLED = "ok", "slow", "hard", "trial", "stalled"
+SPEED_EJECTED = (SPEED_SLOW, SPEED_HARD, SPEED_STALLED)
+#: The quiet event: the node's shared state changed (a drain, a trial, a verdict lifted) but
+#: nothing to alert. The runtime shares it with the cluster and alerts, feeds and watches the others.
+CHANGED = "node_changed"
+
+
+def speed_events(old: str, new: str, note: str) -> list[str]:
+    """What a change of speed verdict says, wherever it was decided: an eject (again after a
+    trial, or harder) is ``node_slow``, the end of one ``node_recovered``; a stall ends quietly,
+    and so does a lift by ``slow: off`` (it has no words)."""
+    if new == old:
+        return []
+    if new in SPEED_EJECTED:
+        return ["node_slow"]
+    if new == SPEED_OK and old in (SPEED_SLOW, SPEED_HARD, SPEED_TRIAL) and note:
+        return ["node_recovered"]
+    return [CHANGED]
 
 
 @dataclass
@@ -74,10 +94,129 @@ class NodeState:
     def breaker_cfg(self) -> BreakerConfig:
         return self.cfg.breaker
 
-    def clear_slow(self) -> None:
-        """``slow: off``: whatever the speed watch decided is lifted."""
+    # --- config and life ----------------------------------------------------------------
+    def configure(self, cfg: NodeConfig) -> None:
+        """A reload changed the node's settings (same URL: the same node, its state kept)."""
+        self.cfg = cfg
+
+    def retire(self) -> None:
+        """Removed by a reload: no new work; what runs finishes."""
+        self.retired = True
+
+    def drain(self, on: bool) -> list[str]:
+        """Drained (an operator, or the fleet reclaiming a node it shrinks): no new work."""
+        if self.drained == on:
+            return []
+        self.drained = on
+        return [CHANGED]
+
+    def saw_start(self, started: float) -> None:
+        """Its health answer told a new process start (affinity.restarted decided it)."""
+        self.started = started
+
+    def note_error(self, reason: str) -> None:
+        """What went wrong last, for views and alerts, without a verdict of its own."""
+        self.last_error = reason
+
+    def end_trial(self) -> None:
+        """The half-open trial ended without a verdict (e.g. cancelled): another may run."""
+        self.trial_in_flight = False
+
+    def seen_alive(self, now: float) -> None:
+        """A health check passed or a request succeeded here or on the cluster's word: the one
+        place ``alive_at`` moves (a request the node lost goes back to it only after it does)."""
+        self.alive_at = now
+
+    def lost(self, now: float) -> None:
+        """A request was lost on it (refused, reset, dropped mid-answer) or a health check failed:
+        the one place ``lost_at`` moves (gone until seen alive again, lease.uncharged)."""
+        self.lost_at = now
+
+    # --- speed verdicts (ops/speedwatch.py decides them; speed.py measures) ------------
+    def judge_speed(self, state: str, until: float, period: float, cause: str, note: str) -> list[str]:
+        """This gateway's speed watch reached a verdict: it becomes the node's (and, through the
+        events, the cluster's). ``cause``: route, model and unit, tab-separated."""
+        slowed = state in (SPEED_SLOW, SPEED_HARD)
+        return self._set_speed(state, slowed, until if slowed else 0.0, period, cause, note)
+
+    def take_speed(self, state: str, slowed: bool, until: float, period: float, cause: str,
+                   note: str) -> list[str]:
+        """The speed verdict another gateway reached (cluster/nodestate.py)."""
+        return self._set_speed(state, slowed, until, period, cause, note)
+
+    def _set_speed(self, state: str, slowed: bool, until: float, period: float, cause: str,
+                   note: str) -> list[str]:
+        old = self.slow_state
+        before = (self.slowed, self.slow_until, self.slow_period, self.slow_cause, self.slow_note)
+        self.slow_state, self.slowed, self.slow_until = state, slowed, until
+        self.slow_period, self.slow_cause, self.slow_note = period, cause, note
+        events = speed_events(old, state, note)
+        if not events and before != (slowed, until, period, cause, note):
+            events = [CHANGED]
+        return events
+
+    def speed_trial(self, now: float) -> list[str]:
+        """An ejected node's period is over: its trial (slots back through slow start)."""
+        self.slowed = False
+        self.slow_state = SPEED_TRIAL
+        self.slow_until = 0.0
+        self.recovered_at = now
+        return [CHANGED]
+
+    def clear_slow(self) -> list[str]:
+        """``slow: off``: whatever the speed watch decided is lifted (quietly: no words)."""
+        if self.slow_state == SPEED_OK and not self.slowed:
+            return []
         self.slowed = False
         self.slow_state, self.slow_until, self.slow_period, self.slow_cause, self.slow_note = SPEED_OK, 0.0, 0.0, "", ""
+        return [CHANGED]
+
+    # --- another gateway's verdicts (cluster/nodestate.py decodes them) ----------------
+    def take_health(self, up: bool, now: float) -> list[str]:
+        """The leader's health checks decided (the others run none)."""
+        if up == self.healthy:
+            return []
+        self.healthy = up
+        self.check_fails = self.check_oks = 0
+        if up:
+            self.seen_alive(now)  # the leader's checks passed: as one passing here
+        return ["node_up" if up else "node_down"]
+
+    def take_breaker_closed(self) -> list[str]:
+        if self.breaker == CLOSED:
+            return []
+        self.breaker = CLOSED
+        self.open_period = 0.0
+        self.trial_in_flight = False
+        self.failures = 0
+        return ["breaker_closed"]
+
+    def take_breaker_open(self, until: float, period: float, now: float) -> list[str]:
+        """Another gateway opened the breaker until ``until`` (this gateway's clock)."""
+        # A re-trip (half-open trial failed) moves the end by at least a whole period; the same trip
+        # read again (the sweep) moves it by the time it travelled, a few milliseconds.
+        if not (self.breaker == CLOSED or until > self.open_until + period / 2):
+            return []
+        self.breaker = OPEN
+        self.open_until = until
+        self.open_period = period
+        self.trial_in_flight = False
+        self.failures = 0
+        self.tick(now)
+        return ["breaker_open"]
+
+    def take_ramp(self, recovered_at: float | None) -> None:
+        """When its slow start began, as the cluster has it (None: none runs)."""
+        self.recovered_at = recovered_at
+
+    def take_drain(self, on: bool) -> None:
+        """Drained through another gateway (it said so; nothing to say here)."""
+        self.drained = on
+
+    def take_failures(self, count: int) -> None:
+        """The failures in a row the cluster counted, while the breaker is closed."""
+        if self.breaker == CLOSED:
+            self.failures = count
 
     # --- breaker clock -----------------------------------------------------------------
     def tick(self, now: float) -> list[str]:
@@ -130,7 +269,7 @@ class NodeState:
     # --- passive results ----------------------------------------------------------------
     def record_success(self, now: float, trial: bool = False) -> list[str]:
         self.failures = 0
-        self.alive_at = now
+        self.seen_alive(now)
         # While half-open only the one trial's result counts; stragglers from before the trip don't.
         if self.breaker == HALF_OPEN and trial:
             self.breaker = CLOSED
@@ -193,7 +332,7 @@ class NodeState:
         events: list[str] = []
         if ok:
             self.check_fails = 0
-            self.alive_at = now
+            self.seen_alive(now)
             # A half-open breaker may use a health check as its one trial.
             if self.breaker_state(now) == HALF_OPEN and not self.trial_in_flight:
                 events += self.record_success(now, trial=True)
@@ -206,7 +345,7 @@ class NodeState:
                     events.append("node_up")
         else:
             self.last_error = error
-            self.lost_at = now
+            self.lost(now)
             self.check_oks = 0
             if self.breaker_state(now) == HALF_OPEN and not self.trial_in_flight:
                 events += self._trip(now)

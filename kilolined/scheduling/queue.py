@@ -1037,7 +1037,7 @@ class Scheduler:
         ns = self.nodes.get(lease.node)
         if ns is not None and lease.trial and ns.trial_in_flight:
             # The trial ended without a verdict (e.g. cancelled): let another one run.
-            ns.trial_in_flight = False
+            ns.end_trial()
         t = lease.ticket
         if t.affinity is not None and t.affinity.held == lease.node:
             self._affine_release(t.affinity, lease.node)

@@ -20,6 +20,7 @@ import orjson
 from aiohttp import web
 from multidict import CIMultiDict
 
+from kilolined.core.verdict import Cause, NodeVerdict
 from kilolined.wire.node_urls import for_client, links_to_route
 from kilolined.wire.upstream import ConnectFailed, HeadTooLarge, NodePool, Stalled, UpstreamResponse
 
@@ -69,12 +70,19 @@ class UpstreamFailed(Exception):
     goes back to it only once it has been seen alive again (queue.Scheduler.barred)."""
 
     def __init__(self, reason: str, *, timeout: bool = False, response: Upstream | None = None,
-                 answered: bool = False):
+                 answered: bool = False, cause: Cause | None = None):
         super().__init__(reason)
         self.reason = reason
         self.timeout = timeout
         self.response = response  # set when the node answered 502/503 (passed on if out of retries)
         self.answered = answered or response is not None
+        #: what happened, typed (the words are ``reason``): by default a timeout, a failing
+        #: status answered, else a node lost
+        self.cause = cause or (Cause.TIMEOUT if timeout else Cause.STATUS if response is not None else Cause.LOST)
+
+    @property
+    def verdict(self) -> NodeVerdict:
+        return NodeVerdict(self.cause, self.reason)
 
 
 def lost(what: str) -> str:
@@ -83,15 +91,15 @@ def lost(what: str) -> str:
     return f"node lost ({what})"
 
 
-def mid_response(e: BaseException) -> str:
+def mid_response(e: BaseException) -> NodeVerdict:
     """What happened when a node failed after its answer began (read timeout, dropped socket)."""
     if isinstance(e, UpstreamFailed):
-        return e.reason
+        return NodeVerdict(e.cause, e.reason, mid_body=True)
     if isinstance(e, Stalled):
-        return str(e)
+        return NodeVerdict(Cause.STALL, str(e), mid_body=True)
     if isinstance(e, TimeoutError):
-        return "timed out mid-response"
-    return lost("connection dropped mid-response")
+        return NodeVerdict(Cause.TIMEOUT, "timed out mid-response", mid_body=True)
+    return NodeVerdict(Cause.LOST, lost("connection dropped mid-response"), mid_body=True)
 
 
 def node_lost(what: str) -> UpstreamFailed:

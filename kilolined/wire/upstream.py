@@ -60,7 +60,7 @@ class Stalled(TimeoutError):
     watch ejects the node, docs/CONFIG.md "Slow nodes")."""
 
 
-STALLED = "stalled"  # how a stall's reason begins (proxy.mid_response, lease.LeaseScope.node_failed)
+STALLED = "stalled"  # the first word of a stall's reason, for people; code reads core.verdict.Cause.STALL
 
 
 class UpstreamResponse:
