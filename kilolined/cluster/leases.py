@@ -126,7 +126,8 @@ class ClusterLeases:
         # gateway's grants, is handled as it arrives; the grants for this gateway that another one's
         # script decided arrive the same way, on a subscriber connection (_listen).
         self._wire = Wire(pool, CALL_TIMEOUT_SEC, scripts=[getattr(scripts, n) for n in (
-            "ADMIT", "RELEASE", "REQUEUE", "CANCEL", "BEAT", "REGISTER", "POSITIONS", "DOUBTS", "ON_NODE", "DOUBT", "SENT",
+            "ADMIT", "RELEASE", "REQUEUE", "CANCEL", "BEAT", "REGISTER", "POSITIONS", "DOUBTS", "ON_NODE", "DOUBT",
+            "SENT",
             "FORGET_GATEWAY", "WOKE",
             "BUCKET", "BUDGET_TAKE", "BUDGET_RESERVE", "BUDGET_SETTLE")])
         #: the shared limits' scripts travel on it too (kilolined/cluster/limits.py)
