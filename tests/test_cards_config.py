@@ -64,6 +64,6 @@ def test_a_card_mistake_is_reported_with_the_schema_errors_of_the_same_run() -> 
     assert any(e.startswith(f"{SRC}:10: routes.tts.path:") for e in errs)
 
 
-def test_cards_are_refused_in_cluster_mode() -> None:
-    text = CARDS + "cluster: {redis_url: 'redis://127.0.0.1:6379/0'}\n"
-    assert errors(text) == [f"{SRC}:1: cards: cards are counted by one gateway; not yet in cluster mode"]
+def test_cards_are_taken_in_cluster_mode() -> None:
+    cfg = parse_config(CARDS + "cluster: {redis_url: 'redis://127.0.0.1:6379/0'}\n", env={})
+    assert cfg.cluster is not None and cfg.nodes["box-tts"].card == "box4090"

@@ -41,17 +41,19 @@ from kilolined.cluster.split import alive
 from kilolined.cluster.view import ClusterView, Lost, Peer
 from kilolined.cluster.wire import Wire
 from kilolined.core.config import ClusterConfig, Config, ConfigError, split_listen
+from kilolined.scheduling import rules
 from kilolined.scheduling.affinity import Affinity
+from kilolined.scheduling.nodes import NodeState
 from kilolined.scheduling.queue import (
     FAILED,
     LEASED,
     WAITING,
     Lease,
     Rejected,
+    RouteQueue,
     Scheduler,
     Ticket,
     avoided,
-    ramped_capacity,
 )
 from kilolined.scheduling.share import WHOLE, share_of
 from kilolined.wire.tasks import cancel_all
@@ -98,7 +100,9 @@ class ClusterLeases:
         self._orphans: set[str] = set()  # lease ids released while Redis was down
         self._epoch = ""  # the Redis epoch whose counts hold our leases ("": none yet; scripts.REGISTER)
         self._peers_at_loss: list[str] = []  # the gateways alive when Redis was lost: the fence waits for them
-        self._barred: dict[Ticket, str] = {}  # waiting tickets a lost node may not take yet -> their "only"
+        #: waiting tickets whose plan may change -> the plan Redis has: those a lost node may not
+        #: take yet (until it is seen alive), and every one after a reload (its nodes changed)
+        self._replan: dict[Ticket, str] = {}
         self._entries = itertools.count()  # _track's ids
         self._alone_from = 0.0  # while Redis is down: when this gateway's share starts (_degrade)
         self._strays: set[str] = set()  # lease ids Redis counts for us that no request holds (one beat ago)
@@ -198,7 +202,7 @@ class ClusterLeases:
                                  "," + "".join(p + "," for p in self._peers_at_loss), self._keep(), len(old), *old]
         for t in held:
             assert t.lease is not None
-            args += [self._track(t), t.route, t.lease.node, self._order_key(t), repr(t.cost)]
+            args += [self._track(t), t.route, t.lease.node, self._order_key(t), repr(t.cost), self._counts(t.lease)]
         sent = self.clock()
         res = await self._call("REGISTER", *args)
         self._alive_at = sent
@@ -241,10 +245,9 @@ class ClusterLeases:
         tid = self._track(t)
         front = t.requeues > 0  # re-queued (a job whose gateway was lost): the head, as after a node failure
         call = self._call(
-            "ADMIT", t.route, self._order_key(t, front=front), tid, t.pinned_node or "", self._view_json(t.route),
+            "ADMIT", t.route, self._order_key(t, front=front), tid, self._publish_plan(t), self._view_json(t.route),
             rq.cfg.max_queue_depth, -1 if rq.cfg.max_queued_per_key is None else rq.cfg.max_queued_per_key,
-            t.key, 1 if rq.cfg.drop_policy == "drop_oldest" else 0, repr(t.cost), self._publish_only(t),
-            1 if front else 0, self._warm(t), self._affinity(t))
+            t.key, 1 if rq.cfg.drop_policy == "drop_oldest" else 0, repr(t.cost), 1 if front else 0)
         try:
             res = await asyncio.shield(call)
         except asyncio.CancelledError:
@@ -324,9 +327,8 @@ class ClusterLeases:
         t.deadline = now + self.sched.routes[t.route].cfg.queue_timeout_sec
         heapq.heappush(self._deadlines, (t.deadline, t.seq, t))
         tid = self._tid[t]
-        avoid = "," + "".join(n + "," for n in sorted(t.avoid))
-        self._remote("REQUEUE", lid, tid, t.route, self._order_key(t, front=True), t.pinned_node or "",
-                                 avoid, t.key, repr(t.cost), self._publish_only(t), self._warm(t), self._affinity(t))
+        self._remote("REQUEUE", lid, tid, t.route, self._order_key(t, front=True), t.key, repr(t.cost),
+                     self._publish_plan(t))
         return t
 
     def release(self, lease: Lease, now: float, service_time: float | None) -> None:
@@ -578,8 +580,8 @@ class ClusterLeases:
                 log.exception("cluster: heartbeat")
 
     async def _beat(self) -> None:
-        if self._barred:
-            await self._unbar()
+        if self._replan:
+            await self._refresh()
         if self._woke:
             await self._end_own_doubts()
         now = self.clock()
@@ -634,8 +636,10 @@ class ClusterLeases:
         (the same split _cut applies alone), reserved in Redis once its heartbeat lapses."""
         return orjson.dumps({
             "r": {r: rq.cfg.max_concurrency for r, rq in self.sched.routes.items() if not rq.retired},
-            "n": {n: ns.cfg.max_concurrency for n, ns in self.sched.nodes.items()
-                  if ns.cfg.max_concurrency is not None},
+            "n": {**{n: ns.cfg.max_concurrency for n, ns in self.sched.nodes.items()
+                     if ns.cfg.max_concurrency is not None},
+                  **{"card:" + c: cc.max_concurrency for c, cc in self.sched.cards.cfg.items()
+                     if cc.max_concurrency is not None}},
         }).decode()
 
     def _keep(self) -> str:
@@ -775,6 +779,9 @@ class ClusterLeases:
         gateway's share of those applies (the overlay reads them), and they hold once it is back."""
         if not self.view.redis_up:
             self.sched.dispatch(self.clock())
+        for t in self._tickets.values():
+            if t.state == WAITING:
+                self._replan.setdefault(t, "")  # planned for the nodes of the old config
 
     def _adopt(self, t: Ticket) -> None:
         """The scheduler takes over a waiting ticket it did not make (Redis is down)."""
@@ -882,93 +889,81 @@ class ClusterLeases:
         return ""
 
     def _view(self, route: str) -> dict[str, Any]:
-        """This gateway's view of the route's nodes: [name, free-able slots (0: unusable), node cap,
-        capacity now (ramped), capacity (-1: none), slowed (1: ranks last)]; its order: the
-        strategy and the priority aging step (ms), as queue.make_order has them; and whether
-        backfill applies, with max_bypass."""
-        now = self.clock()
-        rq = self.sched.routes[route]
+        return route_view(self.sched, self.sched.routes[route], self.clock())
 
-        def entry(n: str) -> list[Any]:
-            ns = self.sched.nodes[n]
-            slots = ns.effective(rq.cfg.max_concurrency, now) if ns.available(now) else 0
-            cap = -1 if ns.cfg.max_concurrency is None else ns.effective(ns.cfg.max_concurrency, now)
-            if ns.cfg.capacity is None:
-                return [n, slots, cap, -1, -1, int(ns.slowed)]
-            return [n, slots, cap, ramped_capacity(ns, now), ns.cfg.capacity, int(ns.slowed)]
+    def _plan(self, t: Ticket) -> str:
+        return plan_json(self.sched, t, self.clock())
 
-        return {"p": [entry(n) for n in rq.cfg.nodes if n in self.sched.nodes],
-                "s": [entry(n) for n in rq.cfg.standby if n in self.sched.nodes],
-                "o": rq.cfg.strategy, "a": max(1, int(rq.cfg.queue_timeout_sec * 250)),
-                "c": self.sched.costed(rq), "b": rq.cfg.max_bypass,
-                "t": int(rq.cfg.request_timeout_sec * 1000)}
+    def _counts(self, lease: Lease) -> str:
+        """What a lease counts against in Redis (its node's limits on its route), for REGISTER."""
+        rq = self.sched.routes.get(lease.route)
+        ns = self.sched.nodes.get(lease.node)
+        if rq is None or ns is None:
+            return "[]"
+        return orjson.dumps([lim.wire() for lim in rules.limits(self.sched.caps(rq, ns, self.clock(), WHOLE))]).decode()
 
-    def _warm(self, t: Ticket) -> str:
-        """The nodes where, as this gateway knows, the ticket's model is warm: ",a," ("" when it
-        names none). The scripts rank them first, as Scheduler._least_loaded does."""
-        if t.model is None:
-            return ""
-        return "," + "".join(n + "," for n in self.sched.routes[t.route].all_nodes
-                             if (ns := self.sched.nodes.get(n)) is not None and ns.models.is_warm(t.model))
-
-    def _affinity(self, t: Ticket) -> str:
-        """The ticket's prefix or session affinity as the scripts read it (scripts.affine): per node
-        what this gateway's own index holds of it, in the rendezvous order that makes every gateway
-        send a new prefix to the same node; "" when none applies. Written once with the ticket, so
-        the gateway whose release grants it applies the same rule with Redis' in-flight counts."""
-        hint = self.sched.affinity_hint(self.sched.routes[t.route], t)
-        return "" if hint is None else orjson.dumps(hint).decode()
-
-    def _only(self, t: Ticket) -> str:
-        """The nodes of its route that may take the ticket, as the scripts read it: ",a,b,"
-        ("" when every node may): those that serve its model, less those that lost it and have
-        not been seen alive since (Scheduler.barred; _unbar lifts that as they come back)."""
-        if t.model is None and not t.avoid:
-            return ""
-        now = self.clock()
-        nodes = self.sched.routes[t.route].all_nodes
-        able = [n for n in nodes if self.sched.serves(n, t.model) and not self.sched.barred(t, n, now)]
-        return "" if len(able) == len(nodes) else "," + "".join(n + "," for n in able)
-
-    def _publish_only(self, t: Ticket) -> str:
-        """``_only`` as it goes to Redis with the ticket (ADMIT, REQUEUE). A bar in it holds only
+    def _publish_plan(self, t: Ticket) -> str:
+        """The plan as it goes to Redis with the ticket (ADMIT, REQUEUE). A bar in it holds only
         until the node is seen alive or its time is up (Scheduler.barred), which the scripts
-        cannot see: the ticket is remembered until _unbar has written the lifted "only" —
+        cannot see: the ticket is remembered until _refresh has written the lifted plan —
         whichever script wrote it, a re-queue's or the admission again of one Redis forgot."""
-        only = self._only(t)
+        plan = self._plan(t)
         if self._any_barred(t):
-            self._barred[t] = only
+            self._replan[t] = plan
         else:
-            self._barred.pop(t, None)
-        return only
+            self._replan.pop(t, None)
+        return plan
 
     def _any_barred(self, t: Ticket) -> bool:
         now = self.clock()
         return any(self.sched.barred(t, n, now) for n in t.avoid)
 
-    async def _unbar(self) -> None:
-        """A node that lost a waiting ticket is alive again, or its bar's time is up: let the
-        scripts grant it there (the BEAT that follows dispatches)."""
+    async def _refresh(self) -> None:
+        """Plans that may have changed are written again: a node that lost a waiting ticket is
+        alive again or its bar's time is up (the scripts may grant it there; the BEAT that follows
+        dispatches), or a reload changed the route's nodes."""
         writes: list[asyncio.Future[Any]] = []
-        for t, sent in list(self._barred.items()):
+        for t, sent in list(self._replan.items()):
             tid = self._tid.get(t)
-            if t.state != WAITING or tid is None:
-                del self._barred[t]
+            if t.state != WAITING or tid is None or t.route not in self.sched.routes:
+                del self._replan[t]
                 continue
-            only = self._only(t)
-            if only != sent:
+            plan = self._plan(t)
+            if plan != sent:
                 # On the scripts' own connection: after the REQUEUE or ADMIT that wrote ``sent``,
-                # never overtaking it (an "only" it then overwrote would bar the ticket for good).
-                writes.append(self._wire.command("HSET", f"{self.prefix}t:{tid}", "only", only))
+                # never overtaking it (a plan it then overwrote would bar the ticket for good).
+                writes.append(self._wire.command("HSET", f"{self.prefix}t:{tid}", "plan", plan))
             if self._any_barred(t):
-                self._barred[t] = only
+                self._replan[t] = plan
             else:
-                del self._barred[t]
+                del self._replan[t]
         if writes:
             await asyncio.gather(*writes)
 
     def _view_json(self, route: str) -> str:
         return orjson.dumps(self._view(route)).decode()
+
+
+def route_view(sched: Scheduler, rq: RouteQueue, now: float) -> dict[str, Any]:
+    """The route's nodes as the scripts read them (``P v:<route>``): per node up (1: it may take
+    work), slowed (1: ranks last) and its limits (rules.Limit.wire, the full counts: a lost
+    gateway's share is reserved in Redis); its order: the strategy and the priority aging step
+    (ms), as queue.make_order has them; and whether backfill applies, with max_bypass."""
+
+    def entry(ns: NodeState) -> dict[str, Any]:
+        lims = rules.limits(sched.caps(rq, ns, now, WHOLE))
+        return {"u": int(ns.available(now)), "s": int(ns.slowed), "l": [lim.wire() for lim in lims]}
+
+    return {"n": {n: entry(ns) for n in rq.all_nodes if (ns := sched.nodes.get(n)) is not None},
+            "o": rq.cfg.strategy, "a": max(1, int(rq.cfg.queue_timeout_sec * 250)),
+            "c": sched.costed(rq), "b": rq.cfg.max_bypass, "t": int(rq.cfg.request_timeout_sec * 1000)}
+
+
+def plan_json(sched: Scheduler, t: Ticket, now: float) -> str:
+    """The ticket's candidates with their rank columns, by the rules (Scheduler.plan): written
+    with the ticket, so the gateway whose release grants it picks by the same rule with Redis'
+    own counts."""
+    return orjson.dumps(sched.plan(sched.routes[t.route], t, now, hold=True).wire()).decode()
 
 
 def _s(v: Any) -> str:

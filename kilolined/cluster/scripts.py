@@ -1,4 +1,9 @@
-"""The Lua scripts that make every cluster-wide lease decision atomically inside Redis.
+"""The Lua scripts that carry out every cluster-wide lease decision atomically inside Redis.
+
+They hold no scheduling policy: which node may take a ticket and in which order the rest rank
+are the gateway's rules (kilolined/scheduling/rules.py), written as data into the route's view
+(each node's limits) and the ticket's plan (its candidates and their rank columns). The scripts
+count, keep the queues, check counts against caps and pick the lowest columns.
 
 One script per decision, one round trip each: admit, release, requeue, cancel, and the
 heartbeat (renewal, reaping of dead gateways, the sweep that replaces a lost wake-up). Every
@@ -11,10 +16,10 @@ Keys, all under the prefix P (a single Redis primary; Redis Cluster sharding is 
   P gi:<inst>     hash   id, version, seen (ms) of a gateway instance
   P gt:<inst>     set    the instance's waiting ticket ids
   P gl:<inst>     set    the instance's lease ids
-  P t:<tid>       hash   route, key (its queue), ck (the client's key), gw, pin, avoid (",a,b,"),
-                         only (",a,b,": the nodes serving its model; "" any), warm (",a,": where
-                         the admitting gateway knew its model warm), aff (JSON: what affinity
-                         needs, from the admitting gateway's index; "" none: see affine below),
+  P t:<tid>       hash   route, key (its queue), ck (the client's key), gw, plan (JSON,
+                         rules.Plan.wire: {"t": tiers [{"n": [[node, columns, columns when no
+                         free candidate is held ([]: the same), held 1|0]...], "w": nodes that
+                         stop the search while one is up}], "h": nodes that could hold it}),
                          at (ms), cost, by (times passed over while the head: backfill),
                          state (w waiting | l leased | x dropped), lease, node,
                          job (its sse/async job)
@@ -25,16 +30,19 @@ Keys, all under the prefix P (a single Redis primary; Redis Cluster sharding is 
   P w:<route>     zset   the route's waiting tickets by arrival (the oldest: drop_oldest's victim)
   P n:<route>     string waiting tickets of the route
   P nk:<route>    hash   client key -> waiting tickets
-  P v:<route>     string the route's view (JSON): {"p": [[node, slots, cap, capacity now, capacity]],
-                         "s": [...], "o": strategy, "a": priority aging step (ms), "c": costs can
-                         hold tickets back (backfill), "b": max_bypass, "t": request_timeout_sec
-                         (ms)}; -1: no such limit
+  P v:<route>     string the route's view (JSON): {"n": {node: {"u": up 1|0, "s": slowed 1|0, "l":
+                         its limits [[count, field, cap (-1 none), per lease, per cost, alone,
+                         reserve kind, reserve name, scale]...] (rules.Limit.wire)}}, "o":
+                         strategy, "a": priority aging step (ms), "c": costs can hold tickets
+                         back (backfill), "b": max_bypass, "t": request_timeout_sec (ms)}
   P in:<route>    hash   node -> leases of the route
   P nin           hash   node -> leases on the node (every route)
   P ncost         hash   node -> the costs of its leases (every route)
-  P l:<lid>       hash   route, node, gw, tid, cost, at (its grant, ms), d (1: in doubt), g and i
+  P cin, P ccost  hash   card -> leases on its nodes, their costs
+  P l:<lid>       hash   route, node, gw, tid, cost, at (its grant, ms), k (JSON: what its grant
+                         added to each count, taken back at its end), d (1: in doubt), g and i
                          (in doubt: the gateway id and instance it was granted to)
-  P gs:<gid>      string a gateway's share (JSON {"r": {route: slots per node}, "n": {node: slots},
+  P gs:<gid>      string a gateway's share (JSON {"r": {route: slots per node}, "n": {node or "card:"card: slots},
                          "c": its part of a capacity}): what it would run alone if it lost Redis now,
                          written at each heartbeat
   P lost          hash   gateway id -> when its heartbeat lapsed (ms): its share is reserved (counted
@@ -124,18 +132,18 @@ local function unreserve(gid)
 end
 
 local function drop_lease(lid)
-  local l = redis.call('HMGET', P..'l:'..lid, 'route', 'node', 'gw', 'tid', 'cost', 'd')
+  local l = redis.call('HMGET', P..'l:'..lid, 'route', 'node', 'gw', 'tid', 'k', 'd')
   if not l[1] then return false end
   if l[6] then  -- in doubt (a reaped lease): its slot is free now
     redis.call('ZREM', P..'d:'..l[2], lid)
     if redis.call('EXISTS', P..'d:'..l[2]) == 0 then redis.call('SREM', P..'dn', l[2]) end
   end
-  redis.call('HINCRBY', P..'in:'..l[1], l[2], -1)
-  local cost = tonumber(l[5] or '0') or 0
-  if redis.call('HINCRBY', P..'nin', l[2], -1) <= 0 then
-    redis.call('HDEL', P..'ncost', l[2])  -- 0 again: no float drift
-  elseif cost > 0 then
-    redis.call('HINCRBYFLOAT', P..'ncost', l[2], -cost)
+  -- What its grant added to each count goes (a count back at 0 goes too: no float drift).
+  for _, k in ipairs(cjson.decode(l[5] or '[]')) do
+    local left
+    if k[4] == 1 then left = tonumber(redis.call('HINCRBYFLOAT', P..k[1], k[2], -k[3])) or 0
+    else left = redis.call('HINCRBY', P..k[1], k[2], -k[3]) end
+    if left <= EPS then redis.call('HDEL', P..k[1], k[2]) end
   end
   redis.call('DEL', P..'l:'..lid)
   redis.call('SREM', P..'gl:'..l[3], lid)
@@ -227,7 +235,8 @@ local function reap()
   return #dead
 end
 
-local function enqueue(route, key, ck, tid, gw, pin, avoid, front, cost, only, warm, aff)
+-- ``plan``: the ticket's candidates as the gateway's rules made them (rules.Plan.wire).
+local function enqueue(route, key, ck, tid, gw, front, cost, plan)
   local ring = P..'r:'..route
   local q = P..'q:'..route..':'..key
   local fresh = redis.call('LLEN', q) == 0
@@ -243,8 +252,8 @@ local function enqueue(route, key, ck, tid, gw, pin, avoid, front, cost, only, w
   redis.call('HINCRBY', P..'nk:'..route, ck, 1)
   redis.call('SADD', P..'gt:'..gw, tid)
   local at = now_ms()
-  redis.call('HSET', P..'t:'..tid, 'route', route, 'key', key, 'ck', ck, 'gw', gw, 'pin', pin, 'avoid', avoid,
-             'at', at, 'cost', cost, 'only', only or '', 'warm', warm or '', 'aff', aff or '', 'state', 'w')
+  redis.call('HSET', P..'t:'..tid, 'route', route, 'key', key, 'ck', ck, 'gw', gw, 'at', at, 'cost', cost,
+             'plan', plan, 'state', 'w')
   redis.call('ZADD', P..'w:'..route, redis.call('INCR', P..'wseq'), tid)
 end
 
@@ -252,27 +261,94 @@ local function count(h, f)
   return tonumber(redis.call('HGET', h, f) or '0') or 0
 end
 
--- In-flight costs plus this one within the node's capacity (ramped during slow start), as
--- queue.Scheduler.fits: a node that holds no cost still takes one that fits its full capacity.
-local function fits(e, cost)
-  local now_cap = tonumber(e[4]) or -1
-  if now_cap < 0 then return true end
-  local used = tonumber(redis.call('HGET', P..'ncost', e[1]) or '0') or 0
-  used = used + reserved().c * (tonumber(e[5]) or now_cap)
-  if used + cost <= now_cap + EPS then return true end
-  return used <= EPS and cost <= (tonumber(e[5]) or now_cap) + EPS
+-- No policy below: the gateway's rules (kilolined/scheduling/rules.py) wrote each node's limits
+-- into the route's view and each ticket's candidates with their rank columns into its plan;
+-- this fills in the counts that only Redis holds atomically and picks.
+
+-- A live count a limit or a column names (rules.IN, NIN, ...; SLOW: the view's flag).
+local function counter(route, view, name, fld)
+  if name == 'slow' then
+    local nv = view.n[fld]
+    return nv and nv.s or 0
+  end
+  if name == 'in' then return count(P..'in:'..route, fld) end
+  return count(P..name, fld)
 end
 
-local function could_hold(e, cost)
-  local full = tonumber(e[5]) or -1
-  return full < 0 or cost <= full + EPS
-end
-
-local function can_take(route, e, cost)
+-- The lost gateways' shares a limit counts as in use (Limit.res).
+local function reserve(lim)
+  if lim[7] == '' then return 0 end
   local res = reserved()
-  if e[2] <= 0 or count(P..'in:'..route, e[1]) + (res.r[route] or 0) >= e[2] then return false end
-  if e[3] >= 0 and count(P..'nin', e[1]) + (res.n[e[1]] or 0) >= e[3] then return false end
-  return fits(e, cost)
+  if lim[7] == 'c' then return res.c * lim[9] end
+  local by = lim[7] == 'r' and res.r or res.n
+  return (by[lim[8]] or 0) * lim[9]
+end
+
+-- rules.within: the one count-vs-cap rule.
+local function within(lim, used, cost)
+  if lim[3] < 0 then return true end
+  local add = lim[4] + lim[5] * cost
+  if used + add <= lim[3] + EPS then return true end
+  return lim[6] >= 0 and used <= EPS and add <= lim[6] + EPS
+end
+
+local function feasible(route, view, node, cost)
+  local nv = view.n[node]
+  if not nv or nv.u ~= 1 then return false end
+  for _, lim in ipairs(nv.l) do
+    if not within(lim, counter(route, view, lim[1], lim[2]) + reserve(lim), cost) then return false end
+  end
+  return true
+end
+
+local function before(x, y)  -- lexicographic x < y
+  for i = 1, #x do if x[i] ~= y[i] then return x[i] < y[i] end end
+  return false
+end
+
+-- rules.value: a rank column filled in.
+local function value(route, view, col, node, names)
+  if type(col) == 'number' then return col end
+  if col[1] == '+' then return col[2] + col[3] * counter(route, view, col[4], col[5]) end
+  local total = 0
+  for _, m in ipairs(names) do total = total + counter(route, view, 'in', m) end
+  local bound = math.max(1, math.ceil(col[2] * (total + 1) / math.max(1, #names) - EPS))
+  return (counter(route, view, 'in', node) + 1 > bound) and 1 or 0
+end
+
+local function best_of(route, view, free, names, held)
+  local best, best_key = nil, nil
+  for _, c in ipairs(free) do
+    local cols = (#c[3] == 0 or held) and c[2] or c[3]
+    local key = {}
+    for i, col in ipairs(cols) do key[i] = value(route, view, col, c[1], names) end
+    if best == nil or before(key, best_key) then best, best_key = c[1], key end
+  end
+  return best
+end
+
+-- rules.pick: the first tier with a feasible candidate gives its best; a tier with a node worth
+-- waiting for that is up ends the search. ``blocked``: nodes held for a passed-over head.
+local function pick(route, view, plan, cost, blocked)
+  for _, tier in ipairs(plan.t) do
+    local names, free, held = {}, {}, false
+    for _, c in ipairs(tier.n) do
+      if not blocked[c[1]] then
+        names[#names + 1] = c[1]
+        if feasible(route, view, c[1], cost) then
+          free[#free + 1] = c
+          held = held or c[4] == 1
+        end
+      end
+    end
+    local best = best_of(route, view, free, names, held)
+    if best then return best end
+    for _, n in ipairs(tier.w) do
+      local nv = view.n[n]
+      if nv and nv.u == 1 then return nil end
+    end
+  end
+  return nil
 end
 
 -- The leases in doubt of gateway ``gid`` end: granted to an instance that never heard of them
@@ -290,140 +366,22 @@ local function end_doubts(gid, inst, keep)
   return n
 end
 
--- ``only`` (",a,b,", or "" for any): the nodes that serve the ticket's model (multi-model nodes).
-local function allowed(only, node)
-  return only == '' or string.find(only, ','..node..',', 1, true) ~= nil
-end
-
--- ``warm`` (",a,", or "" when the ticket names no model): where its model is loaded already; a
--- node where it is not ranks after every node where it is (queue.Scheduler._least_loaded).
-local COLD = 2^40
--- A node soft-ejected for being slow (view entry [6] = 1) ranks after every other, as queue.SLOWED.
-local SLOWED = 2^42
-
-local function least_loaded(route, group, avoid, want_avoided, cost, blocked, only, warm)
-  local best, best_load = nil, 0
-  for _, e in ipairs(group) do
-    local avoided = string.find(avoid, ','..e[1]..',', 1, true) ~= nil
-    if avoided == want_avoided and not blocked[e[1]] and allowed(only, e[1]) and can_take(route, e, cost) then
-      local load = count(P..'nin', e[1])
-      if warm and warm ~= '' and string.find(warm, ','..e[1]..',', 1, true) == nil then load = load + COLD end
-      if e[6] == 1 then load = load + SLOWED end
-      if best == nil or load < best_load then best, best_load = e[1], load end
-    end
-  end
-  return best
-end
-
--- Affinity (docs/CONFIG.md#affinity), as queue.Scheduler._affine decides it, among the group's
--- nodes that can take the ticket now. ``a`` is what the admitting gateway read from its own index
--- (Scheduler.affinity_hint): the route's nodes in the rendezvous order of the request's first key
--- (r) and, for a prefix (m "p"), per node of r the bytes still to prefill there (u) and its match
--- in keys (k); z: the whole size, for a node it did not list. The in-flight counts are Redis' own,
--- so whichever gateway's script grants the ticket applies the same rule. The cold-model rule ranks
--- first, as in least_loaded; a busy node is never waited for (only free nodes are candidates).
-local SESSION_BOUND = 1.25  -- affinity.SESSION_LOAD_BOUND
-
-local function listed(set, node)
-  return set ~= '' and string.find(set, ','..node..',', 1, true) ~= nil
-end
-
-local function before(x, y)  -- lexicographic x < y
-  for i = 1, #x do if x[i] ~= y[i] then return x[i] < y[i] end end
-  return false
-end
-
-local function affine(route, group, avoid, cost, blocked, only, warm, a)
-  local rank, names, free = {}, {}, {}
-  for i, n in ipairs(a.r) do rank[n] = i end
-  for i, e in ipairs(group) do
-    if not listed(avoid, e[1]) and not blocked[e[1]] and allowed(only, e[1]) then
-      names[#names + 1] = e[1]
-      -- a node the gateway did not list (added by a reload since) ranks after those it did
-      if can_take(route, e, cost) then free[#free + 1] = {e[1], rank[e[1]] or #a.r + i, i, e[6] == 1} end
-    end
-  end
-  if #free == 0 then return nil end
-  local cold = function(n) return warm ~= '' and not listed(warm, n) end
-  -- Ranked after the others whatever affinity says (queue.Scheduler._last): slowed, then cold.
-  local function last(f) return (f[4] and 2 or 0) + (cold(f[1]) and 1 or 0) end
-  if a.m == 's' then
-    -- Consistent hashing with bounded load: the first free node in the session's order whose
-    -- in-flight on the route, counting this one, stays within 125 % of the mean; warm first.
-    local sum = 0
-    for _, n in ipairs(names) do sum = sum + count(P..'in:'..route, n) end
-    local cap = math.max(1, math.ceil(SESSION_BOUND * (sum + 1) / #names - EPS))
-    table.sort(free, function(x, y) return x[2] < y[2] end)
-    local pick = {}
-    for _, f in ipairs(free) do
-      if count(P..'in:'..route, f[1]) + 1 <= cap then pick[#pick + 1] = f end
-    end
-    if #pick == 0 then pick = free end
-    local best = pick[1]
-    for _, f in ipairs(pick) do if last(f) < last(best) then best = f end end
-    return best[1]
-  end
-  local function match(n) return rank[n] and a.k[rank[n]] or 0 end
-  local best_any, held = 0, false
-  for _, n in ipairs(names) do best_any = math.max(best_any, match(n)) end
-  for _, f in ipairs(free) do held = held or match(f[1]) > 0 end
-  local best, best_key = nil, nil
-  for _, f in ipairs(free) do
-    local n = f[1]
-    local load = count(P..'nin', n)
-    local key
-    if best_any == 0 or not held then
-      -- Held nowhere it could go: least-loaded, ties by rendezvous (gateways agree on new prefixes).
-      key = {last(f), load, f[2]}
-    else
-      -- Uncached bytes x (in-flight + 1); ties to the longer match, then the order of ``nodes``.
-      key = {last(f), (rank[n] and a.u[rank[n]] or a.z) * (load + 1), -match(n), f[3]}
-    end
-    if best == nil or before(key, best_key) then best, best_key = n, key end
-  end
-  return best
-end
-
--- The node for a ticket, as queue.Scheduler.choose_node decides it; ``blocked`` nodes are held
--- for a head that was passed over max_bypass times; ``aff``: the ticket's affinity (JSON, "" none).
-local function choose(route, view, pin, avoid, cost, blocked, only, warm, aff)
-  blocked = blocked or {}
-  only = only or ''
-  local a = nil
-  if aff and aff ~= '' then a = cjson.decode(aff) end
-  if pin ~= '' then
-    if blocked[pin] or not allowed(only, pin) then return nil end
-    for _, g in ipairs({view.p, view.s}) do
-      for _, e in ipairs(g) do
-        if e[1] == pin then return can_take(route, e, cost) and pin or nil end
-      end
-    end
-    return nil
-  end
-  for _, g in ipairs({view.p, view.s}) do
-    local n
-    if a then n = affine(route, g, avoid, cost, blocked, only, warm or '', a)
-    else n = least_loaded(route, g, avoid, false, cost, blocked, only, warm) end
-    if n then return n end
-    for _, e in ipairs(g) do
-      if e[2] > 0 and string.find(avoid, ','..e[1]..',', 1, true) == nil and allowed(only, e[1])
-          and could_hold(e, cost) then
-        return nil
-      end
-    end
-  end
-  local all = {}
-  for _, e in ipairs(view.p) do all[#all + 1] = e end
-  for _, e in ipairs(view.s) do all[#all + 1] = e end
-  return least_loaded(route, all, avoid, true, cost, blocked, only, warm)
-end
-
-local function grant(route, tid, gw, node, cost)
+-- A lease: each count of its node's limits gets what one lease of ``cost`` adds to it, written down
+-- with the lease so that drop_lease takes exactly that back (a reload may change the limits).
+local function grant(route, tid, gw, node, cost, limits)
   local lid = tostring(redis.call('INCR', P..'seq'))
-  redis.call('HSET', P..'l:'..lid, 'route', route, 'node', node, 'gw', gw, 'tid', tid, 'cost', cost, 'at', now_ms())
-  redis.call('HINCRBY', P..'in:'..route, node, 1)
-  redis.call('HINCRBY', P..'nin', node, 1)
-  if cost > 0 then redis.call('HINCRBYFLOAT', P..'ncost', node, cost) end
+  local adds = {}
+  for _, lim in ipairs(limits) do
+    local amount = lim[4] + lim[5] * cost
+    if amount ~= 0 then
+      local h = lim[1] == 'in' and 'in:'..route or lim[1]
+      if lim[5] ~= 0 then redis.call('HINCRBYFLOAT', P..h, lim[2], amount)
+      else redis.call('HINCRBY', P..h, lim[2], amount) end
+      adds[#adds + 1] = {h, lim[2], amount, lim[5] ~= 0 and 1 or 0}
+    end
+  end
+  redis.call('HSET', P..'l:'..lid, 'route', route, 'node', node, 'gw', gw, 'tid', tid, 'cost', cost, 'at', now_ms(),
+             'k', cjson.encode(adds))
   redis.call('SADD', P..'gl:'..gw, lid)
   redis.call('SREM', P..'gt:'..gw, tid)
   redis.call('ZREM', P..'w:'..route, tid)
@@ -431,6 +389,10 @@ local function grant(route, tid, gw, node, cost)
   local msg = tid..' '..lid..' '..node
   if gw == ME then grants[#grants + 1] = msg else redis.call('PUBLISH', P..'grant:'..gw, msg) end
   return lid
+end
+
+local function grant_on(route, view, tid, gw, node, cost)
+  return grant(route, tid, gw, node, cost, view.n[node].l)
 end
 
 local function view_of(route)
@@ -529,20 +491,17 @@ local function rank_of_new(route, key, view)
 end
 
 -- Backfill (queue.Scheduler._pick): the head fits nowhere now, so the first later ticket that
--- fits goes first, on a node not held for a head passed over max_bypass times already.
-local function backfill(route, ring, view, prio, head, head_cost, bypassed)
+-- fits goes first, on a node not held for a head passed over max_bypass times already (the
+-- nodes its plan says could ever hold it).
+local function backfill(route, ring, view, prio, head, plan, bypassed)
   local mb = tonumber(view.b) or 8
   local blocked = {}
-  local open = false
-  for _, g in ipairs({view.p, view.s}) do
-    for _, e in ipairs(g) do
-      if bypassed >= mb and could_hold(e, head_cost) then blocked[e[1]] = true end
-    end
+  if bypassed >= mb then
+    for _, n in ipairs(plan.h) do blocked[n] = true end
   end
-  for _, g in ipairs({view.p, view.s}) do
-    for _, e in ipairs(g) do
-      if not blocked[e[1]] and can_take(route, e, 0) then open = true end
-    end
+  local open = false
+  for node in pairs(view.n) do
+    if not blocked[node] and feasible(route, view, node, 0) then open = true end
   end
   -- The scan is for cost only: when no open node has a free slot, nothing later fits either.
   if not open then return false end
@@ -552,17 +511,17 @@ local function backfill(route, ring, view, prio, head, head_cost, bypassed)
     if n > SCAN then return false end
     local tid, key = c[1], c[2]
     if tid ~= head then
-      local t = redis.call('HMGET', P..'t:'..tid, 'gw', 'pin', 'avoid', 'ck', 'cost', 'only', 'warm', 'aff')
-      local cost = tonumber(t[5] or '0') or 0
-      local node = choose(route, view, t[2] or '', t[3] or ',', cost, blocked, t[6] or '', t[7] or '', t[8] or '')
+      local t = redis.call('HMGET', P..'t:'..tid, 'gw', 'plan', 'ck', 'cost')
+      local cost = tonumber(t[4] or '0') or 0
+      local node = pick(route, view, cjson.decode(t[2]), cost, blocked)
       if node then
         local q = P..'q:'..route..':'..key
         redis.call('LREM', q, 1, tid)
         if redis.call('LLEN', q) == 0 then redis.call('LREM', ring, 1, key) end
         redis.call('DECR', P..'n:'..route)
-        redis.call('HINCRBY', P..'nk:'..route, t[4] or '', -1)
+        redis.call('HINCRBY', P..'nk:'..route, t[3] or '', -1)
         redis.call('HSET', P..'t:'..head, 'by', math.min(bypassed + 1, mb))
-        grant(route, tid, t[1], node, cost)
+        grant_on(route, view, tid, t[1], node, cost)
         return true
       end
     end
@@ -585,17 +544,18 @@ local function dispatch_route(route)
     if not tid then
       redis.call('LREM', ring, 1, key)
     else
-      local t = redis.call('HMGET', P..'t:'..tid, 'gw', 'pin', 'avoid', 'ck', 'cost', 'by', 'only', 'warm', 'aff')
-      local cost = tonumber(t[5] or '0') or 0
-      local node = choose(route, view, t[2] or '', t[3] or ',', cost, nil, t[7] or '', t[8] or '', t[9] or '')
+      local t = redis.call('HMGET', P..'t:'..tid, 'gw', 'plan', 'ck', 'cost', 'by')
+      local cost = tonumber(t[4] or '0') or 0
+      local plan = cjson.decode(t[2])
+      local node = pick(route, view, plan, cost, {})
       if node then
         redis.call('LPOP', q)
         if redis.call('LLEN', q) == 0 then redis.call('LREM', ring, 1, key)
         elseif not prio then redis.call('LMOVE', ring, ring, 'LEFT', 'RIGHT') end
         redis.call('DECR', P..'n:'..route)
-        redis.call('HINCRBY', P..'nk:'..route, t[4] or '', -1)
-        grant(route, tid, t[1], node, cost)
-      elseif not view.c or not backfill(route, ring, view, prio, tid, cost, tonumber(t[6] or '0') or 0) then
+        redis.call('HINCRBY', P..'nk:'..route, t[3] or '', -1)
+        grant_on(route, view, tid, t[1], node, cost)
+      elseif not view.c or not backfill(route, ring, view, prio, tid, plan, tonumber(t[5] or '0') or 0) then
         return
       end
     end
@@ -622,18 +582,13 @@ local function dispatch_all()
 end
 """
 
-#: ARGV: P, ME, route, key (its queue), tid, pin, view, max_queue_depth, max_queued_per_key (-1:
-#: none), client key, drop_oldest (1|0), cost, only (the nodes serving its model: ",a,b,", "" any),
-#: front (1: a re-queued request, at the head of its queue as after a node failure), warm (the
-#: nodes where its model is loaded, as this gateway knows: ",a,", "" when it names none), aff (its
-#: affinity as Scheduler.affinity_hint gives it, JSON; "" none)
+#: ARGV: P, ME, route, key (its queue), tid, plan (its candidates: rules.Plan.wire, JSON), view,
+#: max_queue_depth, max_queued_per_key (-1: none), client key, drop_oldest (1|0), cost, front (1: a
+#: re-queued request, at the head of its queue as after a node failure)
 #: -> {'ok'|'per_key'|'full', waiting, position (0: leased at once), grants...}
 ADMIT = COMMON + r"""
-local route, key, tid, pin, ck = ARGV[3], ARGV[4], ARGV[5], ARGV[6], ARGV[10]
+local route, key, tid, plan, ck = ARGV[3], ARGV[4], ARGV[5], ARGV[6], ARGV[10]
 local cost = tonumber(ARGV[12]) or 0
-local only = ARGV[13] or ''
-local warm = ARGV[15] or ''
-local aff = ARGV[16] or ''
 if stale() then return redis.error_reply('EPOCH Redis came back empty: register again') end
 reap()
 redis.call('SET', P..'v:'..route, ARGV[7])
@@ -644,11 +599,12 @@ if per_key >= 0 and count(P..'nk:'..route, ck) >= per_key then
   return {'per_key', count(P..'nk:'..route, ck)}
 end
 if waiting == 0 and not fenced() then
-  local node = choose(route, cjson.decode(ARGV[7]), pin, ',', cost, nil, only, warm, aff)
+  local view = cjson.decode(ARGV[7])
+  local node = pick(route, view, cjson.decode(plan), cost, {})
   if node then
-    redis.call('HSET', P..'t:'..tid, 'route', route, 'key', key, 'ck', ck, 'gw', ME, 'pin', pin, 'avoid', ',',
-               'cost', cost, 'only', only, 'state', 'w')
-    grant(route, tid, ME, node, cost)
+    redis.call('HSET', P..'t:'..tid, 'route', route, 'key', key, 'ck', ck, 'gw', ME, 'cost', cost, 'plan', plan,
+               'state', 'w')
+    grant_on(route, view, tid, ME, node, cost)
     local out = {'ok', 0, 0}
     for _, g in ipairs(grants) do out[#out + 1] = g end
     return out
@@ -658,7 +614,7 @@ if waiting >= tonumber(ARGV[8]) then
   if ARGV[11] ~= '1' or not drop_oldest(route) then return {'full', waiting} end
   waiting = waiting - 1
 end
-enqueue(route, key, ck, tid, ME, pin, ',', ARGV[14] == '1', cost, only, warm, aff)
+enqueue(route, key, ck, tid, ME, ARGV[13] == '1', cost, plan)
 dispatch_all()
 local pos = 0
 if redis.call('HGET', P..'t:'..tid, 'state') == 'w' then pos = rank_of_new(route, key, view_of(route)) end
@@ -676,14 +632,13 @@ dispatch_all()
 return grants
 """
 
-#: ARGV: P, ME, lid, tid, route, key (its queue), pin, avoid, client key, cost, only, warm, aff -> {grants...}
+#: ARGV: P, ME, lid, tid, route, key (its queue), client key, cost, plan -> {grants...}
 REQUEUE = COMMON + r"""
 if stale() then return redis.error_reply('EPOCH Redis came back empty: register again') end
 reap()
 drop_lease(ARGV[3])
 redis.call('DEL', P..'t:'..ARGV[4])
-enqueue(ARGV[5], ARGV[6], ARGV[9], ARGV[4], ME, ARGV[7], ARGV[8], true, tonumber(ARGV[10]) or 0, ARGV[11] or '',
-        ARGV[12] or '', ARGV[13] or '')
+enqueue(ARGV[5], ARGV[6], ARGV[7], ARGV[4], ME, true, tonumber(ARGV[8]) or 0, ARGV[9])
 dispatch_all()
 return grants
 """
@@ -838,7 +793,7 @@ return {grants, lost, peers, reaped and 1 or 0, redis.call('SMEMBERS', P..'gl:'.
 #: ARGV: P, ME, ttl_ms, gateway id, peers (",a,b,": the gateways it saw alive before it lost Redis),
 #: keep (",a,b,": the nodes where a request runs on without its connection: ComfyUI), n, n lease
 #: ids it held before (dropped: they may still count here), then (tid, route, node, key, cost) per
-#: lease held now -> {epoch, lid...} in the same order.
+#: lease held now, and the limits it counts against (rules.Limit.wire, JSON) -> {epoch, lid...} in the same order.
 #: Its reserved share (``P lost``) goes, and its leases in doubt end: those of this instance, which
 #: it does not hold (granted while it was cut off, it never heard of them), and those of an
 #: instance before it with the same id (a restart: their connections closed with that process)
@@ -876,13 +831,12 @@ end_doubts(gid, ME, keep)
 redis.call('ZADD', P..'gw', now + ttl, ME)
 redis.call('HSET', P..'gi:'..ME, 'id', gid, 'seen', now)
 local out = {e}
-for i = 8 + n, #ARGV, 5 do
+for i = 8 + n, #ARGV, 6 do
   local tid, route, node, key = ARGV[i], ARGV[i + 1], ARGV[i + 2], ARGV[i + 3]
   local cost = tonumber(ARGV[i + 4]) or 0
-  redis.call('HSET', P..'t:'..tid, 'route', route, 'key', key, 'gw', ME, 'pin', '', 'avoid', ',',
-             'state', 'w')
+  redis.call('HSET', P..'t:'..tid, 'route', route, 'key', key, 'gw', ME, 'state', 'w')
   redis.call('SADD', P..'routes', route)
-  out[#out + 1] = grant(route, tid, ME, node, cost)
+  out[#out + 1] = grant(route, tid, ME, node, cost, cjson.decode(ARGV[i + 5]))
 end
 grants = {}  -- grant() noted them as this gateway's new grants; they are leases it already runs
 return out  -- its next BEAT says it is counted (a second REGISTER may follow: leases made meanwhile)

@@ -789,7 +789,7 @@ class Config(_Model):
         return [*reference_errors(set(self.nodes), refs, set(self.routes), {n: k.routes for n, k in self.keys.items()}),
                 *route_rules(self.routes), *key_rules(self.keys),
                 *rewrite_rules(self.nodes, self.routes, self.cluster is not None),
-                *card_rules(set(self.cards), {n: c.card for n, c in self.nodes.items()}, self.cluster is not None),
+                *card_rules(set(self.cards), {n: c.card for n, c in self.nodes.items()}),
                 *fleet_rules(pools, providers, set(self.nodes), {n: r.nodes for n, r in self.routes.items()})]
 
 
@@ -849,15 +849,12 @@ def pool_size_rules(p: dict[str, Any]) -> list[str]:
     return errs
 
 
-def card_rules(cards: set[str], node_cards: dict[str, Any], cluster: bool) -> list[str]:
-    """A node's card is one of ``cards``, and every card has a node; cards need one gateway (the
-    cluster's scripts count leases per node and route, not per card)."""
+def card_rules(cards: set[str], node_cards: dict[str, Any]) -> list[str]:
+    """A node's card is one of ``cards``, and every card has a node."""
     errs = [f"nodes.{n}.card: unknown card {c!r}" for n, c in node_cards.items()
             if isinstance(c, str) and c not in cards]
     used = set(node_cards.values())
     errs.extend(f"cards.{c}: no node uses this card (nodes.<n>.card)" for c in sorted(cards) if c not in used)
-    if cards and cluster:
-        errs.append("cards: cards are counted by one gateway; not yet in cluster mode")
     return errs
 
 
@@ -969,8 +966,7 @@ def raw_cross_check(raw: dict[str, Any]) -> list[str]:
     raw_pools, raw_providers = _mapping(fleet.get("pools")), _mapping(fleet.get("providers"))
     pools = {str(n): p for n, p in raw_pools.items() if isinstance(p, dict)}
     return [*reference_errors(set(nodes), route_nodes, set(routes), key_routes),
-            *card_rules(set(section("cards")), {n: _mapping(x).get("card") for n, x in nodes.items()},
-                        raw.get("cluster") is not None),
+            *card_rules(set(section("cards")), {n: _mapping(x).get("card") for n, x in nodes.items()}),
             *route_rules(_valid_entries(routes, RouteConfig)), *key_rules(_valid_entries(keys, KeyConfig)),
             *fleet_rules(pools, {str(p) for p in raw_providers}, set(nodes),
                          {n: f["nodes"] for n, f in route_nodes.items()})]

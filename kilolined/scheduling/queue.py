@@ -23,10 +23,11 @@ import math
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Protocol
 
 from kilolined.core.config import NodeConfig, RouteConfig
 from kilolined.scheduling import affinity as aff
+from kilolined.scheduling import rules
 from kilolined.scheduling.affinity import Affinity, KeyMemo, PrefixIndex
 from kilolined.scheduling.bodies import WaitingBodies
 from kilolined.scheduling.cards import CardLoad
@@ -35,8 +36,6 @@ from kilolined.scheduling.share import WHOLE, Share
 
 WAITING, LEASED, DONE, FAILED = "waiting", "leased", "done", "failed"
 EPS = 1e-9  # costs are sums of floats: compare with a little slack
-COLD = 1 << 40  # node choice: a node where the model is not warm ranks after every node where it is
-SLOWED = 1 << 42  # node choice: a node soft-ejected for being slow ranks after every other
 
 
 class Rejected(Exception):
@@ -392,36 +391,64 @@ class Scheduler:
         self.bodies = WaitingBodies()
         #: the part of every slot count this gateway may use (cluster mode, Redis down: its share)
         self.share: Share = WHOLE
+        #: (route, node) -> its capped limits and what they were made of (a memo:
+        #: remade when a config, the share or the node's slow verdict changes; never while ramping)
+        self._limits: dict[tuple[str, str], tuple[tuple[object, ...], list[rules.Limit]]] = {}
 
     # -- capacity --------------------------------------------------------------------------
     def can_take(self, rq: RouteQueue, node: str, now: float, cost: float = 0.0) -> bool:
         ns = self.nodes.get(node)
         if ns is None or not ns.available(now):
             return False
-        if rq.inflight[node] >= ns.effective(self.share.slots(rq.cfg.max_concurrency), now):
-            return False
-        cap = ns.cfg.max_concurrency
-        if cap is not None and self.node_inflight[node] >= ns.effective(self.share.slots(cap), now):
-            return False
-        return self.fits(ns, cost, now) and self.cards.room(ns.cfg.card, cost)
+        return all(rules.within(lim, self.count(rq, lim.counter, lim.field), cost) for lim in self.capped(rq, ns, now))
 
-    def fits(self, ns: NodeState, cost: float, now: float) -> bool:
-        """In-flight costs plus ``cost`` within the node's capacity (ramped during slow start).
+    def capped(self, rq: RouteQueue, ns: NodeState, now: float) -> list[rules.Limit]:
+        """The node's limits on ``rq`` now that have a cap (rules.limits of ``caps``; the others
+        are only counted)."""
+        if ns.recovered_at is not None:  # slow start: they change with the clock
+            return [lim for lim in rules.limits(self.caps(rq, ns, now)) if lim.cap >= 0]
+        made_of = (rq.cfg, ns.cfg, self.share, self.cards.cfg.get(ns.cfg.card or ""), ns.slowed)
+        memo = self._limits.get((rq.name, ns.name))
+        if memo is not None and all(x is y for x, y in zip(memo[0], made_of, strict=True)):
+            return memo[1]
+        lims = [lim for lim in rules.limits(self.caps(rq, ns, now)) if lim.cap >= 0]
+        self._limits[(rq.name, ns.name)] = (made_of, lims)
+        return lims
 
-        While ramping, a node that holds no cost still takes one request that fits its full
-        capacity, as the slots ramp from one request up."""
-        full = ns.cfg.capacity
-        if full is None:
-            return True
-        used = self.capacity_used.get(ns.name, 0.0)
-        if used + cost <= self.share.capacity(ramped_capacity(ns, now)) + EPS:
-            return True
-        return used <= EPS and cost <= self.share.capacity(full) + EPS
+    def caps(self, rq: RouteQueue, ns: NodeState, now: float, share: Share | None = None) -> rules.NodeCaps:
+        """What the node's limits on ``rq`` are made of now, as ``share`` (this store's) cuts them."""
+        sh = self.share if share is None else share
+        cfg = ns.cfg
+        card = self.cards.cfg.get(cfg.card) if cfg.card is not None else None
+        card_slots = None if card is None or card.max_concurrency is None else sh.slots(card.max_concurrency)
+        return rules.NodeCaps(
+            rq.name, ns.name, ns.effective(sh.slots(rq.cfg.max_concurrency), now),
+            None if cfg.max_concurrency is None else ns.effective(sh.slots(cfg.max_concurrency), now),
+            None if cfg.capacity is None else ramped_capacity(ns, now), cfg.capacity, sh.capacity(1.0),
+            None if card is None else cfg.card, card_slots, None if card is None else card.capacity)
+
+    def count(self, rq: RouteQueue, name: str, fld: str) -> float:
+        """A live count the rules read (rules.IN ...), as this scheduler holds it."""
+        if name == rules.IN:
+            return rq.inflight[fld]
+        if name == rules.NIN:
+            return self.node_inflight[fld]
+        if name == rules.NCOST:
+            return self.capacity_used.get(fld, 0.0)
+        if name == rules.CIN:
+            return self.cards.inflight[fld]
+        if name == rules.CCOST:
+            return self.cards.used.get(fld, 0.0)
+        ns = self.nodes.get(fld)
+        return 1 if ns is not None and ns.slowed else 0  # rules.SLOW
 
     def hold_limit(self, ns: NodeState) -> float | None:
         """The most a node can hold at once: its capacity or its card's, the smaller (None: no limit)."""
-        caps = [c for c in (ns.cfg.capacity, self.cards.capacity(ns.cfg.card)) if c is not None]
-        return min(caps) if caps else None
+        own = ns.cfg.capacity
+        card = self.cards.capacity(ns.cfg.card) if ns.cfg.card is not None else None
+        if card is None or own is None:
+            return own if card is None else card
+        return min(own, card)
 
     def could_hold(self, ns: NodeState | None, cost: float) -> bool:
         """The node could ever take a request of this cost (no capacity: always)."""
@@ -491,38 +518,32 @@ class Scheduler:
         wait = ns.cfg.breaker.open_sec if hc is None else hc.interval_sec * (hc.fall + 1)
         return now < lost_at + wait
 
+    def plan(self, rq: RouteQueue, t: Ticket, now: float, hold: bool = False) -> rules.Plan:
+        """The ticket's candidate nodes in tiers with their rank columns (rules.plan); ``hold``:
+        with the nodes that could ever hold it (what a store that backfills alone needs)."""
+        return rules.plan(_Board(self, now), t, (rq.cfg.nodes, rq.cfg.standby), rq.cfg.affinity, hold)
+
     def choose_node(self, rq: RouteQueue, t: Ticket, now: float,
                     blocked: frozenset[str] = frozenset(), position: int = 1) -> str | None:
-        """Where ``t`` goes now, or None; ``blocked`` nodes are held for a head that was passed over.
-        ``position``: its place in the queue, for the overflow tier's wait estimate."""
-        model = t.model
-        if t.pinned_node is not None:
-            ok = (t.pinned_node not in blocked and self.can_take(rq, t.pinned_node, now, t.cost)
-                  and self.serves(t.pinned_node, model) and not self.barred(t, t.pinned_node, now))
-            return t.pinned_node if ok else None
-        best: str | None = None
-        a = t.affinity if t.affinity is not None and t.affinity.mode == rq.cfg.affinity else None
-        for group in (rq.cfg.nodes, rq.cfg.standby):
-            names = [n for n in group if n not in t.avoid and n not in blocked
-                     and (model is None or self.serves(n, model))]
-            best = (self._least_loaded(names, rq, now, t.cost, model) if a is None
-                    else self._affine(names, rq, t, a, now))
-            if best is not None:
-                return best
-            # A standby is only for when no primary can *be used*; a primary that is merely
-            # full means wait for it, not spill onto the standby. One too small to ever hold
-            # this request, or that does not serve its model, cannot be used for it.
-            if any(n not in t.avoid and n in self.nodes and self.nodes[n].available(now)
-                   and self.could_hold(self.nodes[n], t.cost) and self.serves(n, model) for n in group):
-                return self._overflow(rq, t, now, blocked, position) if rq.cfg.overflow is not None else None
-        # Every other node is gone: retrying where it failed beats failing outright, once that
-        # node is known to be back.
-        best = self._least_loaded([n for n in rq.all_nodes if n in t.avoid and n not in blocked
-                                   and self.serves(n, model) and not self.barred(t, n, now)],
-                                  rq, now, t.cost, model)
-        if best is not None or rq.cfg.overflow is None:
-            return best
+        """Where ``t`` goes now, or None: the rules' plan picked with this scheduler's counts;
+        ``blocked`` nodes are held for a head that was passed over. ``position``: its place in the
+        queue, for the overflow tier's wait estimate."""
+        if self._any_feasible(rq, t, now, blocked):
+            p = self.plan(rq, t, now)
+            got = rules.pick(p, _Local(self, rq, now), t.cost, blocked)
+            if got.node is not None:
+                self._affine_chosen(t, p.tiers[got.tier], got.node, blocked)
+                return got.node
+        if rq.cfg.overflow is None or t.pinned_node is not None:
+            return None
         return self._overflow(rq, t, now, blocked, position if self._local_up(rq, t, now) else None)
+
+    def _any_feasible(self, rq: RouteQueue, t: Ticket, now: float, blocked: frozenset[str]) -> bool:
+        """Some node the plan could name passes the live filters now. When none does, the pick
+        names none whatever the plan says (every candidate must pass them): a full route, the most
+        common case while requests wait, is answered without making the plan."""
+        nodes = rq.all_nodes if t.pinned_node is None else [t.pinned_node]
+        return any(n not in blocked and self.can_take(rq, n, now, t.cost) for n in nodes)
 
     def _local_up(self, rq: RouteQueue, t: Ticket, now: float) -> bool:
         """Some primary or standby is up and could ever take ``t`` (one that lost it, once back)."""
@@ -539,8 +560,10 @@ class Scheduler:
         if position is not None and not overflow_due(now - t.enqueued_at, self.est_wait(rq, position, now),
                                                      ov.when_wait_sec):
             return None
-        return self._least_loaded([n for n in ov.nodes if n not in t.avoid and n not in blocked
-                                   and self.serves(n, t.model)], rq, now, t.cost, t.model)
+        board = _Board(self, now)
+        names = rules.passing(rules.TIER_FILTERS, board, t, ov.nodes)
+        tier = rules.Tier(rules.cands(rules.Ask(board, t), names, rules.LEAST_LOADED))
+        return rules.pick(rules.Plan((tier,), ()), _Local(self, rq, now), t.cost, blocked).node
 
     def _overflow_later(self, rq: RouteQueue, head: Ticket, now: float) -> tuple[Ticket, str] | None:
         """A ticket behind the head that the overflow tier takes now: one that has waited
@@ -562,99 +585,23 @@ class Scheduler:
                 return None  # due by its place, yet no overflow node takes it now: the next pass looks again
         return None
 
-    def _least_loaded(self, names: list[str], rq: RouteQueue, now: float, cost: float = 0.0,
-                      model: str | None = None) -> str | None:
-        """The free node with the fewest leases; with a model, one where it is warm first."""
-        best, best_load = None, 0
-        for n in names:
-            if self.can_take(rq, n, now, cost):
-                # A cold node counts as more loaded than any warm one (the hot path has no model).
-                load = self.node_inflight[n]
-                if model is not None and not self.nodes[n].models.is_warm(model):
-                    load += COLD
-                if self.nodes[n].slowed:
-                    load += SLOWED
-                if best is None or load < best_load:
-                    best, best_load = n, load
-        return best
-
     # -- affinity (docs/CONFIG.md#affinity) --------------------------------------------------------
-    def _affine(self, names: list[str], rq: RouteQueue, t: Ticket, a: Affinity, now: float) -> str | None:
-        """Among ``names`` that can take ``t`` now, the one affinity prefers; the slow-node and
-        cold-model ranks come first, as in ``_least_loaded``. Busy nodes are never waited for."""
-        if a.mode == aff.SESSION:
-            able = [n for n in names if self.can_take(rq, n, now, t.cost)]
-            return self._by_session(able, names, rq, t, a) if able else None
-        # One pass over the nodes (this runs for every prefix request): each one's match, and
-        # among those free the lowest (slowed, cold, uncached bytes × (in-flight + 1), longer
-        # match), the first in ``names`` of equals: a longer match is worth a busier node, up to
-        # a point.
-        model, nodes, inflight, indexes, keys = t.model, self.nodes, self.node_inflight, self.indexes, a.keys
-        size, block, cost = a.size, a.block, t.cost
-        node: str | None = None
-        best: tuple[bool, bool, int, int] | None = None
-        got = best_any = free_any = 0
-        free: list[str] = []
-        for n in names:
-            idx = indexes.get(n)
-            if idx is None:
-                m = 0
-            else:
-                m = idx.match(keys)
-                if m:
-                    ns = nodes.get(n)
-                    if ns is not None and (idx.url != ns.cfg.url or idx.started != ns.started):
-                        # Another process or address: ``_index`` empties it. (An index that
-                        # matches nothing here is left for the next ``_index``: it changes nothing.)
-                        emptied = self._index(n)
-                        m = emptied.match(keys) if emptied is not None else 0
-                    if m > best_any:
-                        best_any = m
-            if not self.can_take(rq, n, now, cost):
-                continue
-            free.append(n)
-            ns = nodes[n]
-            u = size - m * block
-            score = (ns.slowed, model is not None and not ns.models.is_warm(model),
-                     (u if u > 0 else 0) * (inflight.get(n, 0) + 1), -m)
-            if best is None or score < best:  # strictly: of equals, the first in ``names``
-                node, best, got = n, score, m
-            if m:
-                free_any = 1
-        if node is None:
-            return None
-        if not free_any:
-            # Nowhere free holds it: least-loaded, ties by rendezvous of the first key, so that
-            # gateways and restarts agree where a new prefix goes.
-            first = keys[0]
-            # The highest weight first: as the weight's bytes compared, of equal length.
-            node = min(free, key=lambda n: (self._last(n, model), inflight[n],
-                                            -int.from_bytes(aff.weight(first, n), "big")))
-            got = 0
+    def _affine_chosen(self, t: Ticket, tier: rules.Tier, node: str, blocked: frozenset[str]) -> None:
+        """Note what the affinity tier that chose ``node`` made of ``t``: hit (the session's first
+        node, or the longest match there is); miss (no candidate holds any of it); load (one held
+        more, or was the session's first, but the load rule chose another)."""
+        a = t.affinity
+        if tier.mode is None or a is None:
+            return
+        names = [c.node for c in tier.cands if c.node not in blocked]
+        if tier.mode == aff.SESSION:
+            a.node, a.match = node, 1
+            a.outcome = aff.HIT if aff.rendezvous(a.keys[0], names)[:1] == [node] else aff.LOAD
+            return
+        got = self._match(node, a)
+        best_any = max([got, *(self._match(n, a) for n in names)])
         a.node, a.match = node, got
         a.outcome = aff.MISS if best_any == 0 else aff.HIT if got >= best_any else aff.LOAD
-        return node
-
-    def _by_session(self, free: list[str], names: list[str], rq: RouteQueue, t: Ticket, a: Affinity) -> str | None:
-        """Consistent hashing with bounded load: the session's first node in rendezvous order
-        whose in-flight on this route stays within the bound; warm before cold."""
-        loads = [rq.inflight[n] for n in names]
-        cap = aff.bounded(loads)
-        walk = aff.rendezvous(a.keys[0], names)
-        ok = [n for n in walk if n in free and rq.inflight[n] + 1 <= cap]
-        pick = ok or [n for n in walk if n in free]
-        node = min(pick, key=lambda n: self._last(n, t.model))  # the first of the best rank, in walk order
-        a.node, a.match = node, 1
-        a.outcome = aff.HIT if node == walk[0] else aff.LOAD
-        return node
-
-    def _cold(self, node: str, model: str | None) -> bool:
-        return model is not None and not self.nodes[node].models.is_warm(model)
-
-    def _last(self, node: str, model: str | None) -> tuple[bool, bool]:
-        """What ranks a node after the others whatever affinity says, as in ``_least_loaded``:
-        soft-ejected for being slow (docs/CONFIG.md#slow-nodes), then a cold model."""
-        return self.nodes[node].slowed, self._cold(node, model)
 
     def _index(self, node: str) -> PrefixIndex | None:
         """The node's index, emptied first if the node's process restarted since it was filled, or
@@ -726,25 +673,9 @@ class Scheduler:
         if not flight:
             del self.prefix_flight[node]
 
-    def affinity_hint(self, rq: RouteQueue, t: Ticket) -> dict[str, Any] | None:
-        """What a lease store that chooses the node elsewhere needs to apply ``_affine``'s rule
-        (cluster mode: the scripts, kilolined/cluster/scripts.py): the mode (``m``: "p" prefix,
-        "s" session), the route's nodes in the rendezvous order of the first key (``r``), and for
-        a prefix, per node of ``r``, the bytes still to prefill there (``u``) and the match in keys
-        (``k``) by this gateway's index, with the whole size (``z``) for a node not listed. The
-        in-flight counts are the chooser's own. None: no affinity applies to ``t``."""
-        a = t.affinity
-        if a is None or a.mode != rq.cfg.affinity or t.pinned_node is not None:
-            return None
-        order = aff.rendezvous(a.keys[0], rq.all_nodes)
-        if a.mode == aff.SESSION:
-            return {"m": "s", "r": order}
-        matches = [self._match(n, a) for n in order]
-        return {"m": "p", "r": order, "u": [a.uncached(m) for m in matches], "k": matches, "z": a.size}
-
     def affine_landed(self, rq: RouteQueue, t: Ticket, node: str) -> None:
-        """A grant chosen elsewhere (the cluster's scripts, by ``affinity_hint``) lands here: what
-        it was by this gateway's index now, as ``_affine`` would say it — hit; miss (no node it
+        """A grant chosen elsewhere (the cluster's scripts, by the ticket's plan) lands here: what
+        it was by this gateway's index now, as ``_affine_chosen`` would say it — hit; miss (no node it
         could have gone to holds any of it); load (one held more, or was the session's first, but
         the load rule chose another). Pinned, or a node that had failed it: hit if it holds any."""
         a = t.affinity
@@ -981,6 +912,7 @@ class Scheduler:
         """A route made for a client-named target is gone, and ``node`` with it if given (kilolined/ops/adhoc.py
         decides when: nothing queued or running on the route, nothing in flight on the node)."""
         self.routes.pop(route, None)
+        self._limits = {k: v for k, v in self._limits.items() if k[0] != route}
         if node is not None:
             self.nodes.pop(node, None)
             self.swaps.pop(node, None)
@@ -1178,6 +1110,52 @@ def ramped_capacity(ns: NodeState, now: float) -> float:
     if ns.recovered_at is None or ss <= 0:
         return full
     return full * min(1.0, max(0.0, (now - ns.recovered_at) / ss))
+
+
+class _Board:
+    """The nodes as the rules read them (rules.Board), at ``now``."""
+
+    __slots__ = ("now", "s")
+
+    def __init__(self, s: Scheduler, now: float) -> None:
+        self.s, self.now = s, now
+
+    def serves(self, node: str, model: str | None) -> bool:
+        return self.s.serves(node, model)
+
+    def could_hold_node(self, node: str, cost: float) -> bool:
+        return self.s.could_hold(self.s.nodes.get(node), cost)
+
+    def is_barred(self, t: rules.Asking, node: str) -> bool:
+        assert isinstance(t, Ticket)
+        return self.s.barred(t, node, self.now)
+
+    def is_cold(self, node: str, model: str | None) -> bool:
+        return model is not None and not self.s.nodes[node].models.is_warm(model)
+
+    def prefix_match(self, node: str, a: Affinity) -> int:
+        return self.s._match(node, a)
+
+
+class _Local:
+    """This scheduler's live counts, as the rules' pick reads a store (rules.Counts)."""
+
+    __slots__ = ("now", "rq", "s")
+
+    def __init__(self, s: Scheduler, rq: RouteQueue, now: float) -> None:
+        self.s, self.rq, self.now = s, rq, now
+
+    def count(self, name: str, fld: str) -> float:
+        if name == rules.NIN:  # the load rank's, the most asked
+            return self.s.node_inflight[fld]
+        return self.s.count(self.rq, name, fld)
+
+    def up(self, node: str) -> bool:
+        ns = self.s.nodes.get(node)
+        return ns is not None and ns.available(self.now)
+
+    def feasible(self, node: str, cost: float) -> bool:
+        return self.s.can_take(self.rq, node, self.now, cost)
 
 
 _NEVER = Ticket(0, "", "", 0, math.inf)

@@ -1,6 +1,6 @@
 """This gateway's part of every slot count: all of it, or its safe share while Redis is down.
 
-An overlay the scheduler reads where it reads a slot count (``Scheduler.can_take``, ``fits``),
+An overlay the scheduler reads where it reads a slot count (``Scheduler.caps``, whose limits ``can_take`` checks),
 never a rewrite of the configs: a route or node made or reloaded meanwhile (an ad-hoc target, a
 reload) is cut like the others, and the full counts are simply the configs again once Redis is
 back (docs/CLUSTER.md). Pure arithmetic, no I/O.

@@ -1,9 +1,9 @@
 """The cluster's scripts choose a node by the same affinity rule as one gateway alone: for random
 nodes, slots, loads, warm sets and prefix indexes, the ADMIT script on a real redis-server grants
-the node that ``queue.Scheduler.choose_node`` picks (or, like it, none), from what the gateway's
-``affinity_hint`` told it and Redis' own in-flight counts; and the outcome the gateway counts when
-that grant arrives (``affine_landed``) is the one it would have counted deciding alone
-(docs/CLUSTER.md, docs/CONFIG.md#affinity)."""
+the node that ``queue.Scheduler.choose_node`` picks (or, like it, none), from the plan the
+gateway's rules made (its index's matches in rank columns) and Redis' own in-flight counts; and
+the outcome the gateway counts when that grant arrives (``affine_landed``) is the one it would
+have counted deciding alone (docs/CLUSTER.md, docs/CONFIG.md#affinity)."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kilolined.cluster import scripts
+from kilolined.cluster.leases import plan_json, route_view
 from kilolined.core.config import NodeConfig, RouteConfig
 from kilolined.scheduling import affinity as aff
 from kilolined.scheduling.affinity import PrefixIndex
@@ -73,25 +74,13 @@ def scheduler(scene: dict[str, Any]) -> tuple[Scheduler, RouteQueue, Ticket]:
     return s, rq, Ticket(1, "r", "k", 0, 0.0, model=model, affinity=a)
 
 
-def view(s: Scheduler, rq: RouteQueue) -> str:
-    """The route's view as cluster/leases.py ClusterLeases._view writes it."""
-    def entry(n: str) -> list[Any]:
-        ns = s.nodes[n]
-        return [n, ns.effective(rq.cfg.max_concurrency, 0.0) if ns.available(0.0) else 0, -1, -1, -1, int(ns.slowed)]
-    return orjson.dumps({"p": [entry(n) for n in rq.cfg.nodes], "s": [entry(n) for n in rq.cfg.standby],
-                         "o": "fifo", "a": 1, "c": False, "b": 8, "t": 30000}).decode()
-
-
-def granted(r: redis.Redis, s: Scheduler, rq: RouteQueue, t: Ticket, warm: set[str] | None) -> str | None:
+def granted(r: redis.Redis, s: Scheduler, rq: RouteQueue, t: Ticket) -> str | None:
     r.flushdb()
     for n, k in rq.inflight.items():
         r.hset(P + "nin", n, k)
         r.hset(P + "in:r", n, k)
-    hint = s.affinity_hint(rq, t)
-    assert hint is not None
-    warm_arg = "" if warm is None else "," + "".join(n + "," for n in sorted(warm))
-    out = r.eval(scripts.ADMIT, 0, P, "gw#1", "r", "", "tid1", "", view(s, rq), 100, -1, "k", 0, "0", "", 0,
-                 warm_arg, orjson.dumps(hint).decode())
+    view = orjson.dumps(route_view(s, rq, 0.0)).decode()
+    out = r.eval(scripts.ADMIT, 0, P, "gw#1", "r", "", "tid1", plan_json(s, t, 0.0), view, 100, -1, "k", 0, "0", 0)
     assert out[0] == b"ok"
     if out[2] != 0 or len(out) == 3:
         return None  # queued
@@ -105,7 +94,7 @@ def test_the_scripts_choose_as_one_gateway_would(redis_server: RedisServer, scen
     s, rq, t = scheduler(scene)
     r = redis.Redis(port=redis_server.port)
     try:
-        node = granted(r, s, rq, t, scene["warm"])
+        node = granted(r, s, rq, t)
     finally:
         r.close()
     assert node == s.choose_node(rq, t, 0.0)
