@@ -25,7 +25,7 @@ from conftest import auth
 from fakes import FakeWebhookReceiver
 from prometheus_client.parser import text_string_to_metric_families
 
-from kilolined.cluster.doubt import probes
+from kilolined.cluster.doubt import may_run, probes
 from kilolined.core.config import BusyConfig, ConfigError, parse_config
 from kilolined.fakegpu import FakeGPU
 
@@ -386,3 +386,15 @@ async def _in_doubt(redis_server: RedisServer, n: int) -> bool:
         return int(await r.zcard(PREFIX + "d:gpu")) == n
     finally:
         await r.aclose()
+
+
+def test_what_may_still_run_counts_only_leases_on_the_node_all_through_the_probe() -> None:
+    # Sent before the probe and live after it: on the node all through, so the count holds it.
+    assert may_run(4, {"1": True, "2": True, "3": True}, {"1": True, "2": True, "3": True}) == 1
+    # Not yet sent (the node may not count it): not subtracted, the bound only grows.
+    assert may_run(4, {"1": True, "2": False}, {"1": True, "2": True}) == 3
+    # Ended between its mark and the probe (gone after): not subtracted, nor counted by the node.
+    assert may_run(2, {"1": True, "2": True}, {"1": True, "9": True}) == 1
+    # Granted after the first read: the node may count it, nothing subtracted for it.
+    assert may_run(3, {}, {"5": True}) == 3
+    assert may_run(1, {"1": True, "2": True}, {"1": True, "2": True}) == 0  # never below none
