@@ -74,7 +74,7 @@ class HttpAttempt:
         target = lease.target
         rw = target.node.rewrite
         up = await open_upstream(rt.pool(lease.node), self.ex, target.url, target.headers, target.request_timeout_sec,
-                                 None if rw is None else node_body(self.ex, rw))
+                                 None if rw is None else node_body(self.ex, rw), lease.sent)
         if up.status in self.credential_statuses:
             up.release()
             log.error("✗ [%s] refused the gateway's credentials (HTTP %d): check nodes.%s.headers; "

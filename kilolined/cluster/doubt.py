@@ -16,6 +16,29 @@ A node that answers none of these (a generic node without ``busy``, a llama.cpp 
 ``--no-slots``, a vLLM with its stats off) cannot tell, so its slots wait for the timeout. The
 probes are pure (body in, count out); ``DoubtCheck`` runs one round every ``lease_ttl_sec / 3``
 on the leader.
+
+Which slots in doubt are free (``keep``, one round for each node with leases in doubt):
+
+1. read S1, the live leases on the node (held by gateways alive in Redis) marked *sent* — their
+   gateway wrote the request to the node (``Lease.sent``) — and D, the leases in doubt there;
+2. ask the node its count C (what it runs plus what it has queued);
+3. read S2, the live leases on the node.
+
+Each lease in S1 ∩ S2 had its request on the node before the probe and was still held after it,
+so its request was on the node all through the probe and C counts it. The leases in D were in
+doubt before the probe (a lease in doubt never comes back to life), so none of them is in S1 ∩ S2
+and each is counted by C only if its request still ran. Hence at most C − |S1 ∩ S2| of D ran at
+the probe, and a request that had ended cannot start again: all of D but that many can be freed
+at once, whatever the leases' ages — turnover faster than a round does not hide anything. The
+edge cases: a lease that ended between its mark and the probe is not in S2, so it is not
+subtracted (C does not count it either); a lease granted but not yet sent is not in S1, so it is
+not subtracted, though C may count it (the bound only grows: safe); a node that queues requests
+counts them in C (vLLM's waiting, ComfyUI's pending), as it counts those it runs; a lease that
+went into doubt after step 1 is not in D and waits for the next round; a probe that fails frees
+nothing. It rests on the node counting a request from when it is written to it until its answer
+has reached the gateway; a server's count lags that by moments (an engine step before vLLM's
+gauge shows a new request, the last bytes in flight after it ends), the only time it may run
+more than N.
 """
 
 from __future__ import annotations
@@ -179,6 +202,14 @@ def probes(kind: str | None, busy: BusyConfig | None) -> list[Probe]:
     return [METRICS]  # TGI's own API is a generic route
 
 
+def may_run(busy: int, before: dict[str, bool], after: dict[str, bool]) -> int:
+    """How many leases in doubt may still run on a node that counted ``busy``, given its live
+    leases read before and after the probe ({lease: sent}): ``busy`` minus those sent before the
+    probe and still live after it (the module's docstring proves it)."""
+    through = sum(1 for lid, sent in before.items() if sent and lid in after)
+    return max(0, busy - through)
+
+
 class DoubtCheck:
     """The leader's round: the nodes with leases in doubt are asked what they run."""
 
@@ -189,9 +220,6 @@ class DoubtCheck:
         self.fetch = fetch  # (node, path) -> the body of a 2xx; raises when it does not answer
         self.leader = leader
         self.every_sec = every_sec
-        # The lease id counter read one round ago: the live leases granted by then have had a
-        # round to reach their node, so the node's count includes them.
-        self._upto: int | None = None
         self._task: asyncio.Task[None] | None = None
 
     def start(self) -> None:
@@ -207,23 +235,22 @@ class DoubtCheck:
             try:
                 await self.round()
             except (RedisError, OSError):
-                self._upto = None  # the heartbeat notices a lost Redis
+                pass  # the heartbeat notices a lost Redis
             except Exception:
                 log.exception("cluster: node check of slots in doubt")
 
     async def round(self) -> None:
         if not self.leader() or not self.leases.view.redis_up:
-            self._upto = None  # a counter from another leader's time (or another epoch) is no guide
             return
-        seq, nodes = await self.leases.in_doubt()
-        upto, self._upto = self._upto, seq
-        if upto is None:
-            return
-        for node in nodes:
+        for node in await self.leases.in_doubt():
+            before, held = await self.leases.on_node(node)
+            if not held:
+                continue
             busy = await self._busy(node)
             if busy is None:
-                continue
-            freed = await self.leases.free_doubt(node, busy, upto)
+                continue  # a node that does not tell frees nothing
+            after, _ = await self.leases.on_node(node)
+            freed = await self.leases.free_doubt(node, may_run(busy, before, after), held)
             if freed:
                 log.info("cluster: node %s shows %d reaped slot(s) free: granted again", node, freed)
 

@@ -130,7 +130,8 @@ class ClusterLeases:
         # gateway's grants, is handled as it arrives; the grants for this gateway that another one's
         # script decided arrive the same way, on a subscriber connection (_listen).
         self._wire = Wire(pool, CALL_TIMEOUT_SEC, scripts=[getattr(scripts, n) for n in (
-            "ADMIT", "RELEASE", "REQUEUE", "CANCEL", "BEAT", "REGISTER", "POSITIONS", "DOUBTS", "DOUBT",
+            "ADMIT", "RELEASE", "REQUEUE", "CANCEL", "BEAT", "REGISTER", "POSITIONS", "DOUBTS", "ON_NODE", "DOUBT",
+            "SENT",
             "FORGET_GATEWAY", "WOKE",
             "BUCKET", "BUDGET_TAKE", "BUDGET_RESERVE", "BUDGET_SETTLE")])
         #: the shared limits' scripts travel on it too (kilolined/cluster/limits.py)
@@ -404,18 +405,28 @@ class ClusterLeases:
         return self._tid.get(t)
 
     # --- slots in doubt (kilolined/cluster/doubt.py) ------------------------------------------
-    async def in_doubt(self) -> tuple[int, list[str]]:
-        """(the lease id counter now, the nodes with leases in doubt); those past their deadline
-        are freed first."""
+    async def in_doubt(self) -> list[str]:
+        """The nodes with leases in doubt; those past their deadline are freed first."""
         out = await self._call("DOUBTS")
-        return int(out[0]), [_s(out[i]) for i in range(1, len(out), 2)]
+        return [_s(out[i]) for i in range(0, len(out), 2)]
 
-    async def free_doubt(self, node: str, busy: int, upto: int) -> int:
-        """The node says it runs ``busy``: the leases in doubt beyond what the live leases granted
-        by ``upto`` account for are freed. Returns how many."""
-        freed, grants = await self._call("DOUBT", node, busy, upto)
+    async def on_node(self, node: str) -> tuple[dict[str, bool], list[str]]:
+        """({live lease on ``node``: its request was sent}, [its leases in doubt])."""
+        live, held = await self._call("ON_NODE", node)
+        return {_s(live[i]): live[i + 1] == 1 for i in range(0, len(live), 2)}, [_s(x) for x in held]
+
+    async def free_doubt(self, node: str, keep: int, held: list[str]) -> int:
+        """Of ``held`` (leases in doubt on ``node``), all but ``keep`` are freed. Returns how many."""
+        freed, grants = await self._call("DOUBT", node, keep, *held)
         self._grants(grants)
         return int(freed)
+
+    def _sent(self, lease: Lease) -> None:
+        """The lease's request was written to its node: marked once, for the node check."""
+        lease.sent = None
+        lid = self._lid.get(lease)
+        if lid is not None and self.view.redis_up:
+            self._remote("SENT", lid)
 
     # --- grants ---------------------------------------------------------------------------
     def _grants(self, items: list[Any]) -> None:
@@ -445,6 +456,7 @@ class ClusterLeases:
         self.sched.affine_landed(rq, t, node)  # hit, miss or load: by this gateway's index, now
         lease = self.sched.grant(rq, t, node, self.clock())
         self._lid[lease] = lid
+        lease.sent = partial(self._sent, lease)
         t.wake()
 
     def _dropped(self, tid: str) -> None:

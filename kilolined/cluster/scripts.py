@@ -976,13 +976,13 @@ end
 return out
 """
 
-#: ARGV: P, ME -> {lease id counter now, node, leases in doubt, ...}: the nodes with leases in
-#: doubt, for the leader's node check (those past their deadline are freed first, by reap; the
-#: next heartbeat's dispatch hands their slots on)
+#: ARGV: P, ME -> {node, leases in doubt, ...}: the nodes with leases in doubt, for the leader's
+#: node check (those past their deadline are freed first, by reap; the next heartbeat's dispatch
+#: hands their slots on)
 DOUBTS = COMMON + r"""
 if stale() then return redis.error_reply('EPOCH Redis came back empty: register again') end
 reap()
-local out = {tonumber(redis.call('GET', P..'seq') or '0') or 0}
+local out = {}
 for _, node in ipairs(redis.call('SMEMBERS', P..'dn')) do
   out[#out + 1] = node
   out[#out + 1] = redis.call('ZCARD', P..'d:'..node)
@@ -990,25 +990,48 @@ end
 return out
 """
 
-#: ARGV: P, ME, node, busy (what the node itself says it runs or holds queued), upto (the lease
-#: id counter read a check earlier) -> {freed, {grants...}}
-#: The node runs ``busy``; the live leases on it granted by ``upto`` (long enough ago to have
-#: reached the node) account for that many; the leases in doubt beyond the rest do not run
-#: there: their slots are free (the earliest deadlines first).
+#: ARGV: P, ME, lease id: the gateway has written the lease's request to its node (the node
+#: counts it from now on, kilolined/cluster/doubt.py). A lease already given back stays gone.
+SENT = r"""
+local k = ARGV[1]..'l:'..ARGV[3]
+if redis.call('EXISTS', k) == 1 then redis.call('HSET', k, 's', 1) end
+return {}
+"""
+
+#: ARGV: P, ME, node -> {{live lease, sent (1/0), ...}, {lease in doubt, ...}}: the leases on the
+#: node held by live gateways, each with its sent mark, and those in doubt there (read only)
+ON_NODE = COMMON + r"""
+local node = ARGV[3]
+local live = {}
+for _, inst in ipairs(redis.call('ZRANGE', P..'gw', 0, -1)) do
+  for _, lid in ipairs(redis.call('SMEMBERS', P..'gl:'..inst)) do
+    local l = redis.call('HMGET', P..'l:'..lid, 'node', 's')
+    if l[1] == node then
+      live[#live + 1] = lid
+      live[#live + 1] = l[2] and 1 or 0
+    end
+  end
+end
+return {live, redis.call('ZRANGE', P..'d:'..node, 0, -1)}
+"""
+
+#: ARGV: P, ME, node, keep (how many of the leases in doubt may still run there), lease in doubt,
+#: ... (those the node check read before its probe) -> {freed, {grants...}}
+#: Of the listed leases still in doubt, all but ``keep`` are freed (the earliest deadlines
+#: first); kilolined/cluster/doubt.py says why that is safe.
 DOUBT = COMMON + r"""
 if stale() then return redis.error_reply('EPOCH Redis came back empty: register again') end
 reap()
-local node, busy, upto = ARGV[3], tonumber(ARGV[4]), tonumber(ARGV[5])
-local live = 0
-for _, inst in ipairs(redis.call('ZRANGE', P..'gw', 0, -1)) do
-  for _, lid in ipairs(redis.call('SMEMBERS', P..'gl:'..inst)) do
-    if (tonumber(lid) or 0) <= upto and redis.call('HGET', P..'l:'..lid, 'node') == node then live = live + 1 end
-  end
+local node, keep = ARGV[3], tonumber(ARGV[4])
+local held = {}
+for i = 5, #ARGV do
+  local at = redis.call('ZSCORE', P..'d:'..node, ARGV[i])
+  if at then held[#held + 1] = {tonumber(at), ARGV[i]} end
 end
-local held = redis.call('ZRANGE', P..'d:'..node, 0, -1)
+table.sort(held, function(a, b) return a[1] < b[1] end)
 local freed = 0
-for i = 1, #held - math.max(0, busy - live) do
-  if drop_lease(held[i]) then freed = freed + 1 end
+for i = 1, #held - keep do
+  if drop_lease(held[i][2]) then freed = freed + 1 end
 end
 dispatch_all()
 return {freed, grants}

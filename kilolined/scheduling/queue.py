@@ -117,6 +117,9 @@ class Lease:
     # Stops the request on this lease at once (its LeaseScope sets it): the cluster store calls it
     # when the lease was lost while this gateway could not reach Redis (docs/CLUSTER.md).
     revoke: Callable[[str], None] | None = None
+    # Called once the attempt's request has been written to the node (then None): the cluster
+    # store marks the lease sent, so its node check knows the node counts it (docs/CLUSTER.md).
+    sent: Callable[[], None] | None = None
 
 
 # --- strategies: the order in which waiting tickets get slots ---------------------------------

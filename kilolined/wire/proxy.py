@@ -11,7 +11,7 @@ import ipaddress
 import logging
 import os
 import re
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -248,14 +248,15 @@ class Exchange:
 
 async def open_upstream(
     pool: NodePool, ex: Exchange, node_url: str, node_headers: dict[str, str], timeout: float,
-    body: bytes | None = None,
+    body: bytes | None = None, sent: Callable[[], None] | None = None,
 ) -> UpstreamResponse:
     """Send the request (``body``: this node's own, else the exchange's) and wait for the response
-    headers. Raises UpstreamFailed on any failure."""
+    headers (``sent`` is called once it is written). Raises UpstreamFailed on any failure."""
     if body is None:
         body = ex.body if ex.body_override is None else ex.body_override
     try:
-        return await pool.request(ex.method, ex.tail, ex.upstream_header_pairs(node_headers, node_url), body, timeout)
+        return await pool.request(ex.method, ex.tail, ex.upstream_header_pairs(node_headers, node_url), body, timeout,
+                                  sent)
     except TimeoutError:
         raise UpstreamFailed(f"no response within {timeout:g}s", timeout=True)
     except ConnectFailed:

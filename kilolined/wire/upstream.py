@@ -538,12 +538,13 @@ class NodePool:
         self.deadlines = Deadlines()  # every exchange's deadline (kilolined/wire/deadlines.py)
 
     async def request(self, method: str, tail: str, headers: Headers, body: bytes,
-                      timeout: float) -> UpstreamResponse:
+                      timeout: float, sent: Callable[[], None] | None = None) -> UpstreamResponse:
         """Send one request; returns once the status line and headers are in.
 
         ``timeout`` bounds the whole exchange, body included (as aiohttp's ``total``): reading
         the body after the deadline raises TimeoutError. A reused keep-alive socket that the node
-        had already closed is retried once on a fresh one (nothing reached the node).
+        had already closed is retried once on a fresh one (nothing reached the node). ``sent`` is
+        called once the request is written.
         """
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
@@ -557,6 +558,8 @@ class NodePool:
             conn.resp = resp
             self.busy.add(conn)
             conn.send(head, body)
+            if sent is not None:
+                sent()
             try:
                 await resp._head  # wait_head, inline: one coroutine less per request
             except BaseException as e:

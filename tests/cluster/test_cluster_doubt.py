@@ -25,7 +25,7 @@ from conftest import auth
 from fakes import FakeWebhookReceiver
 from prometheus_client.parser import text_string_to_metric_families
 
-from kilolined.cluster.doubt import probes
+from kilolined.cluster.doubt import may_run, probes
 from kilolined.core.config import BusyConfig, ConfigError, parse_config
 from kilolined.fakegpu import FakeGPU
 
@@ -327,3 +327,74 @@ def _deliveries(receiver: FakeWebhookReceiver, jid: str) -> list[Any]:
 
 async def _hooks(receiver: FakeWebhookReceiver, jid: str, n: int) -> bool:
     return len(_deliveries(receiver, jid)) >= n
+
+
+async def test_a_frozen_gateways_ended_request_frees_its_slot_under_traffic_that_turns_over_within_a_check(
+        redis_server: RedisServer, gateways: list[GatewayProc], tmp_path: Path) -> None:
+    """A is frozen (SIGSTOP) while its request runs on a node that tells its load (``busy``); the
+    node finishes it, but A cannot give its slot back, which is in doubt once A is reaped. B's
+    traffic keeps every slot B may use busy with requests far shorter than one check, with more
+    waiting: the node's count never falls to what it was asked to run before (``upto``), yet A's
+    slot comes back while that load goes on — a lease sent to the node before the check's probe
+    and live after it is counted by the node, whatever its age."""
+    slots = 8  # 4 a gateway: A's share stays reserved while it is lost, B runs 3 beside A's doubt
+    gpu = FakeGPU("generic", vram_gb=1000, job_vram_gb=1, steps=1, step_ms=100, crash_sec=0.4)
+    await gpu.start()
+    try:
+        gateways += make_gateways(2, tmp_path, redis_server.url, gpu.url, ttl=TTL, max_concurrency=slots,
+                                  request_timeout_sec=600)
+        for g in gateways:
+            g.cfg["nodes"]["gpu"]["busy"] = {"path": "/_fake/stats", "json_pointer": "/running"}
+        await start_all(gateways)
+        a, b = gateways
+        assert a.proc is not None
+        done = asyncio.Event()
+
+        async def short(s: aiohttp.ClientSession) -> list[int]:
+            statuses = []
+            while not done.is_set():  # 0.1 s each: every slot turns over several times a check
+                async with s.post(b.url + "/gen/generate", json={}, headers=auth()) as r:
+                    await r.read()
+                    statuses.append(r.status)
+            return statuses
+
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as s:
+            mine = asyncio.ensure_future(s.post(a.url + "/gen/generate", json={"steps": 5}, headers=auth()))
+            await until(lambda: _running(gpu, 1), "A's request never ran")
+            os.kill(a.proc.pid, signal.SIGSTOP)
+            theirs = [asyncio.ensure_future(short(s)) for _ in range(3 * slots)]  # always some waiting
+            try:
+                await until(lambda: _in_doubt(redis_server, 1), "A's lease was never in doubt", 30)
+                await until(lambda: _in_doubt(redis_server, 0), "A's slot stayed in doubt under steady traffic", 30)
+                freed_under_load = all(not t.done() for t in theirs)
+            finally:
+                done.set()
+                os.kill(a.proc.pid, signal.SIGCONT)
+                statuses = await asyncio.wait_for(asyncio.gather(*theirs), 30)
+            await asyncio.gather(mine, return_exceptions=True)
+        assert freed_under_load
+        assert {st for run in statuses for st in run} == {200}
+        assert gpu.stats["max_concurrent"] <= slots, gpu.stats
+        await until(lambda: redis_settled(redis_server), "a slot stayed in doubt or counted", 30)
+    finally:
+        await gpu.stop()
+
+
+async def _in_doubt(redis_server: RedisServer, n: int) -> bool:
+    r = redis_server.client()
+    try:
+        return int(await r.zcard(PREFIX + "d:gpu")) == n
+    finally:
+        await r.aclose()
+
+
+def test_what_may_still_run_counts_only_leases_on_the_node_all_through_the_probe() -> None:
+    # Sent before the probe and live after it: on the node all through, so the count holds it.
+    assert may_run(4, {"1": True, "2": True, "3": True}, {"1": True, "2": True, "3": True}) == 1
+    # Not yet sent (the node may not count it): not subtracted, the bound only grows.
+    assert may_run(4, {"1": True, "2": False}, {"1": True, "2": True}) == 3
+    # Ended between its mark and the probe (gone after): not subtracted, nor counted by the node.
+    assert may_run(2, {"1": True, "2": True}, {"1": True, "9": True}) == 1
+    # Granted after the first read: the node may count it, nothing subtracted for it.
+    assert may_run(3, {}, {"5": True}) == 3
+    assert may_run(1, {"1": True, "2": True}, {"1": True, "2": True}) == 0  # never below none
