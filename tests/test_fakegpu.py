@@ -194,7 +194,8 @@ async def test_blob_streams_the_pattern_and_unknown_paths_404(
 
 
 async def test_cli_run_prints_url_and_exits_cleanly_on_sigterm() -> None:
-    code = "import sys; from kilolined.fakegpu import run; sys.exit(run('generic', host='127.0.0.1', port=0, vram_gb=24, job_vram_gb=10, steps=2, step_ms=5, crash_sec=1))"
+    code = ("import sys; from kilolined.fakegpu import run; sys.exit(run('generic', host='127.0.0.1', port=0, "
+            "vram_gb=24, job_vram_gb=10, steps=2, step_ms=5, crash_sec=1))")
     env = {**os.environ, "PYTHONPATH": os.getcwd()}
     proc = await asyncio.create_subprocess_exec(sys.executable, "-c", code, stderr=asyncio.subprocess.PIPE, env=env)
     try:
