@@ -407,12 +407,14 @@ class Scheduler:
         are only counted)."""
         if ns.recovered_at is not None:  # slow start: they change with the clock
             return [lim for lim in rules.limits(self.caps(rq, ns, now)) if lim.cap >= 0]
-        made_of = (rq.cfg, ns.cfg, self.share, self.cards.cfg.get(ns.cfg.card or ""), ns.slowed)
+        card = self.cards.cfg.get(ns.cfg.card) if ns.cfg.card is not None else None
         memo = self._limits.get((rq.name, ns.name))
-        if memo is not None and all(x is y for x, y in zip(memo[0], made_of, strict=True)):
-            return memo[1]
+        if memo is not None:  # compared by identity, field by field: this runs per node per choice
+            m = memo[0]
+            if m[0] is rq.cfg and m[1] is ns.cfg and m[2] is self.share and m[3] is card and m[4] is ns.slowed:
+                return memo[1]
         lims = [lim for lim in rules.limits(self.caps(rq, ns, now)) if lim.cap >= 0]
-        self._limits[(rq.name, ns.name)] = (made_of, lims)
+        self._limits[(rq.name, ns.name)] = ((rq.cfg, ns.cfg, self.share, card, ns.slowed), lims)
         return lims
 
     def caps(self, rq: RouteQueue, ns: NodeState, now: float, share: Share | None = None) -> rules.NodeCaps:
@@ -528,9 +530,10 @@ class Scheduler:
         """Where ``t`` goes now, or None: the rules' plan picked with this scheduler's counts;
         ``blocked`` nodes are held for a head that was passed over. ``position``: its place in the
         queue, for the overflow tier's wait estimate."""
-        if self._any_feasible(rq, t, now, blocked):
+        free = self._feasible(rq, t, now, blocked)
+        if free:
             p = self.plan(rq, t, now)
-            got = rules.pick(p, _Local(self, rq, now), t.cost, blocked)
+            got = rules.pick(p, _Local(self, rq, now, free), t.cost, blocked)
             if got.node is not None:
                 self._affine_chosen(t, p.tiers[got.tier], got.node, blocked)
                 return got.node
@@ -538,12 +541,13 @@ class Scheduler:
             return None
         return self._overflow(rq, t, now, blocked, position if self._local_up(rq, t, now) else None)
 
-    def _any_feasible(self, rq: RouteQueue, t: Ticket, now: float, blocked: frozenset[str]) -> bool:
-        """Some node the plan could name passes the live filters now. When none does, the pick
-        names none whatever the plan says (every candidate must pass them): a full route, the most
-        common case while requests wait, is answered without making the plan."""
+    def _feasible(self, rq: RouteQueue, t: Ticket, now: float, blocked: frozenset[str]) -> frozenset[str]:
+        """The nodes the plan could name that pass the live filters now (the pick reads them
+        instead of asking each again). When none does, the pick names none whatever the plan says
+        (every candidate must pass them): a full route, the most common case while requests
+        wait, is answered without making the plan."""
         nodes = rq.all_nodes if t.pinned_node is None else [t.pinned_node]
-        return any(n not in blocked and self.can_take(rq, n, now, t.cost) for n in nodes)
+        return frozenset([n for n in nodes if n not in blocked and self.can_take(rq, n, now, t.cost)])
 
     def _local_up(self, rq: RouteQueue, t: Ticket, now: float) -> bool:
         """Some primary or standby is up and could ever take ``t`` (one that lost it, once back)."""
@@ -1140,10 +1144,11 @@ class _Board:
 class _Local:
     """This scheduler's live counts, as the rules' pick reads a store (rules.Counts)."""
 
-    __slots__ = ("now", "rq", "s")
+    __slots__ = ("free", "now", "rq", "s")
 
-    def __init__(self, s: Scheduler, rq: RouteQueue, now: float) -> None:
-        self.s, self.rq, self.now = s, rq, now
+    def __init__(self, s: Scheduler, rq: RouteQueue, now: float, free: frozenset[str] | None = None) -> None:
+        #: ``free``: the nodes already found feasible for this ticket's cost at ``now`` (None: ask)
+        self.s, self.rq, self.now, self.free = s, rq, now, free
 
     def count(self, name: str, fld: str) -> float:
         if name == rules.NIN:  # the load rank's, the most asked
@@ -1155,6 +1160,8 @@ class _Local:
         return ns is not None and ns.available(self.now)
 
     def feasible(self, node: str, cost: float) -> bool:
+        if self.free is not None:
+            return node in self.free
         return self.s.can_take(self.rq, node, self.now, cost)
 
 

@@ -359,8 +359,10 @@ def feasible(tr: Tier, s: Counts, cost: float, blocked: frozenset[str]) -> list[
 def best(tr: Tier, s: Counts, cost: float, blocked: frozenset[str]) -> str | None:
     """The tier's feasible candidate with the lowest columns, the first of equals; the ``alt``
     columns when no feasible one is ``held``."""
-    names = [c.node for c in tr.cands if c.node not in blocked]
     free = feasible(tr, s, cost, blocked)
+    if len(free) < 2:  # the lowest of one is that one: no columns to fill in (the common case)
+        return free[0].node if free else None
+    names = [c.node for c in tr.cands if c.node not in blocked]
     held = any(c.held for c in free)
     top: tuple[float, ...] | None = None
     node = None
