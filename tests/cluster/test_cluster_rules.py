@@ -4,8 +4,9 @@ served and warm), counts and tickets (cost, model, prefix or session affinity, n
 it, barred or not, pinned), the ADMIT script on a real redis-server grants the node that
 ``queue.Scheduler.choose_node`` picks, or like it none, from the route view and the ticket's plan
 the gateway wrote (cluster/leases.py ``route_view``, ``plan_json``) and Redis' own counts. And
-over random runs of admissions and releases, the order in which waiting tickets get which node,
-backfill past a head that fits nowhere included, is the same in both stores for each strategy."""
+over random runs of admissions, releases and the clock moving on, the order in which waiting
+tickets get which node, backfill past a head that fits nowhere and priority aging included, is the
+same in both stores for each strategy: both sort by the place scheduling/order.py gives a ticket."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kilolined.cluster import scripts
-from kilolined.cluster.leases import plan_json, route_view
+from kilolined.cluster.leases import place_json, plan_json, route_view
 from kilolined.core.config import BreakerConfig, CardConfig, NodeConfig, RequestCostConfig, RouteConfig
 from kilolined.scheduling import affinity as aff
 from kilolined.scheduling.affinity import PrefixIndex
@@ -140,10 +141,10 @@ def mirrored(r: redis.Redis, s: Scheduler, rq: RouteQueue) -> None:
 
 
 def admit(r: redis.Redis, s: Scheduler, rq: RouteQueue, t: Ticket, tid: str, now: float) -> list[str]:
-    """ADMIT as ClusterLeases.settle sends it; returns the grants ("tid lid node")."""
-    order = {"fifo": "", "fifo_fair_lease": t.key, "priority": str(t.priority)}[rq.cfg.strategy]
-    out = r.eval(scripts.ADMIT, 0, P, "gw#1", "r", order, tid, plan_json(s, t, now),
-                 orjson.dumps(route_view(s, rq, now)).decode(), 1000, -1, t.key, 0, repr(t.cost), 0)
+    """ADMIT as ClusterLeases.settle sends it, at ``now`` on both clocks; returns the grants
+    ("tid lid node")."""
+    out = r.eval(scripts.ADMIT, 0, P, "gw#1", "r", place_json(rq.cfg, t, now), tid, plan_json(s, t, now),
+                 orjson.dumps(route_view(s, rq, now)).decode(), 1000, -1, t.key, 0, repr(t.cost))
     assert out[0] == b"ok"
     return [g.decode() for g in out[3:]]
 
@@ -169,7 +170,9 @@ def test_both_stores_choose_the_same_node(redis_server: RedisServer, scene: dict
 OPS = st.lists(st.one_of(
     st.tuples(st.just("admit"), st.sampled_from(["k1", "k2", "k3"]), st.integers(0, 2),
               st.sampled_from([0.0, 1.0, 2.0, 3.0, 5.0]), st.sampled_from([None, None, None, 0, 1])),
-    st.tuples(st.just("release"), st.integers(0, 20))), min_size=1, max_size=25)
+    st.tuples(st.just("release"), st.integers(0, 20)),
+    # The clock moves on: priority ages +1 per queue_timeout_sec / 4 = 900 s waited (scheduler()).
+    st.tuples(st.just("wait"), st.sampled_from([100.0, 450.0, 900.0, 1350.0]))), min_size=1, max_size=25)
 
 
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -193,7 +196,7 @@ def test_both_stores_serve_the_queue_in_the_same_order(redis_server: RedisServer
             tid, lid, node = g.split(" ")
             out.append((tid, node))
             gt = mine[tid]
-            gw.grant(grq, gt, node, NOW)  # as ClusterLeases._granted: the gateway's counts follow
+            gw.grant(grq, gt, node, now)  # as ClusterLeases._granted: the gateway's counts follow
             by_tid[tid] = lid
         return out
 
@@ -202,20 +205,23 @@ def test_both_stores_serve_the_queue_in_the_same_order(redis_server: RedisServer
                 if t.state == LEASED and t.lease is not None and t.seq not in before]
 
     tickets: dict[int, Ticket] = {}
+    now = NOW
     try:
         for op in ops:
             leased = {t.seq for t in tickets.values() if t.state == LEASED}
-            if op[0] == "admit":
+            if op[0] == "wait":
+                now += op[1]
+            elif op[0] == "admit":
                 _, key, prio, cost, pin = op
                 pin_node = None if pin is None else every[pin % len(every)]
                 try:
-                    t = local.admit("r", key, prio, NOW, cost=cost, pinned_node=pin_node)
+                    t = local.admit("r", key, prio, now, cost=cost, pinned_node=pin_node)
                 except Rejected:
                     continue  # too costly for any node (422): refused before either store queues it
                 tickets[t.seq] = t
-                gt = Ticket(t.seq, "r", key, prio, NOW, cost=cost, pinned_node=pin_node)
+                gt = Ticket(t.seq, "r", key, prio, now, cost=cost, pinned_node=pin_node)
                 mine[f"t{t.seq}"] = gt
-                got = landed(admit(r, gw, grq, gt, f"t{t.seq}", NOW))
+                got = landed(admit(r, gw, grq, gt, f"t{t.seq}", now))
                 assert sorted(got) == sorted(local_leases(leased)), op
             else:
                 live = [t for t in tickets.values() if t.state == LEASED and t.lease is not None]
@@ -223,13 +229,13 @@ def test_both_stores_serve_the_queue_in_the_same_order(redis_server: RedisServer
                     continue
                 t = live[op[1] % len(live)]
                 assert t.lease is not None
-                local.release(t.lease, NOW, None)
-                made = [(f"t{lease.ticket.seq}", lease.node) for lease in local.dispatch(NOW)]
+                local.release(t.lease, now, None)
+                made = [(f"t{lease.ticket.seq}", lease.node) for lease in local.dispatch(now)]
                 tid = f"t{t.seq}"
                 lid = by_tid.pop(tid)
                 gl = mine[tid].lease
                 assert gl is not None
-                gw.release(gl, NOW, None)
+                gw.release(gl, now, None)
                 got = landed([g.decode() for g in r.eval(scripts.RELEASE, 0, P, "gw#1", lid)])
                 assert got == made, op  # the same tickets on the same nodes, in the same order
     finally:
