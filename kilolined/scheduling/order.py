@@ -62,7 +62,10 @@ class Place:
         return self.base + self.per_arrival * arrival + (round_ if self.fair is not None else 0)
 
     def wire(self) -> list[float | int | str]:
-        return [self.base, self.per_arrival] + ([] if self.fair is None else [self.fair])
+        out: list[float | int | str] = [self.base, self.per_arrival]
+        if self.fair is not None:
+            out.append(self.fair)
+        return out
 
 
 def age_step(queue_timeout_sec: float) -> float:

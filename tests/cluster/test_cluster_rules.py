@@ -240,3 +240,36 @@ def test_both_stores_serve_the_queue_in_the_same_order(redis_server: RedisServer
                 assert got == made, op  # the same tickets on the same nodes, in the same order
     finally:
         r.close()
+
+
+def test_both_stores_put_the_re_queued_first_the_latest_first(redis_server: RedisServer) -> None:
+    """Two leases re-queued (their node failed) go before the waiting one, the later re-queued
+    first, in both stores: their places sit far below every other score (order.FRONT)."""
+    one = {"cap": None, "capacity": None, "card": None, "down": False, "drained": False, "slowed": False,
+           "ramp": None, "serves": True, "warm": True}
+    scene = {"primaries": ["a"], "standby": [], "slots": 2, "node": {"a": one}, "cards": {}}
+    r = redis.Redis(port=redis_server.port)
+    r.flushdb()
+    try:
+        for strategy in ("fifo", "fifo_fair_lease", "priority"):
+            r.flushdb()
+            s, rq = scheduler(scene, strategy)
+            ts = [s.admit("r", f"k{i}", i, NOW + i) for i in range(3)]
+            lids = {}
+            for i, t in enumerate(ts):
+                for g in admit(r, s, rq, Ticket(t.seq, "r", t.key, t.priority, NOW + i), f"t{t.seq}", NOW + i):
+                    tid, lid, _ = g.split(" ")
+                    lids[tid] = lid
+            s.nodes["a"].healthy = False  # (nothing is granted again: only the order shows)
+            r.set(P + "v:r", orjson.dumps(route_view(s, rq, NOW)).decode())
+            for t in ts[:2]:
+                assert t.lease is not None
+                s.requeue(t.lease, NOW + 5, avoid_node=False)
+                wire = place_json(rq.cfg, t, NOW + 5, front=True)
+                r.eval(scripts.REQUEUE, 0, P, "gw#1", lids[f"t{t.seq}"], f"t{t.seq}", "r", wire, t.key, "0.0",
+                       plan_json(s, t, NOW + 5))
+            local = [f"t{t.seq}" for t in s.routes["r"].waiting.order()]
+            remote = [m.decode()[15:] for m in r.zrange(P + "o:r", 0, -1)]
+            assert local == remote == [f"t{ts[1].seq}", f"t{ts[0].seq}", f"t{ts[2].seq}"], strategy
+    finally:
+        r.close()
