@@ -22,7 +22,7 @@ policy in the store, and the order is the same in both because this is its one d
 - ``priority`` (higher priority first, FIFO within a priority, aging): the score is
   ``enqueued_at / age_step - priority``, ``age_step`` being ``queue_timeout_sec / 4``. Sorting by
   it is sorting by the *continuous* effective priority ``priority + waited / age_step``: the
-  ``now / age_step`` every ticket shares drops out, so the place is fixed at enqueue. SPEC's
+  ``now / age_step`` every ticket shares drops out, so the place is fixed at enqueue. The documented
   "rises by 1 for every queue_timeout_sec/4 it waits" holds exactly at each of a ticket's step
   boundaries (waited k steps: risen by k); between them it has risen by the fraction waited,
   where a stepped rule (``floor(waited / age_step)``) would still count the last whole step.
@@ -32,7 +32,7 @@ policy in the store, and the order is the same in both because this is its one d
   order that changed with the clock needed a store to rescan every level at every pick.
   The cluster's score uses the gateway's Unix time: gateways' clocks differ by their skew (ms
   under NTP), which moves a request by skew / age_step of a level against another gateway's.
-- Re-queued (its node failed under it; SPEC §3.4): before every other ticket, the latest
+- Re-queued (its node failed under it; docs/API.md): before every other ticket, the latest
   re-queued first (``FRONT - arrival``) — it already waited its turn once.
 
 ``position`` (1 = next) is a ticket's rank in this order (ZRANK + 1 in Redis), and est_wait is
@@ -69,7 +69,7 @@ class Place:
 
 
 def age_step(queue_timeout_sec: float) -> float:
-    """The wait that raises a priority by 1 (SPEC §3.3: ``queue_timeout_sec / 4``)."""
+    """The wait that raises a priority by 1 (``queue_timeout_sec / 4``, docs/CONFIG.md)."""
     return max(queue_timeout_sec / 4, 1e-3)
 
 
