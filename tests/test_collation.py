@@ -289,7 +289,7 @@ def test_collation_keeps_every_bound_and_every_slot_rule(steps: list[tuple[str, 
             s.release(t.lease, now, 1.0)
             # Outside view of "passed over": the head before this dispatch, and what was leased.
             rq = s.routes["llm"]
-            head = rq.waiting.peek(now)
+            head = rq.waiting.peek()
             made = s.dispatch(now)
             if head is not None and made and all(m.ticket is not head for m in made):
                 passed[head.seq] = passed.get(head.seq, 0) + 1

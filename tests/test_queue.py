@@ -146,20 +146,17 @@ def test_priority_higher_first_fifo_within_level() -> None:
 
 
 def test_priority_aging_one_level_per_quarter_timeout() -> None:
-    # queue_timeout_sec 40 -> +1 priority per 10 s waited
+    """queue_timeout_sec 40 -> +1 priority per 10 s waited, continuously (scheduling/order.py): a
+    request of priority p goes ahead of one of p + k once it has waited k × 10 s longer, on a tie
+    the earlier first, and two waiting requests never swap as the clock moves on."""
     s = make({"r": rcfg(strategy="priority", max_concurrency=1, queue_timeout_sec=40)}, [node("a")])
     admit(s, "r", "busy", now=0)
     low = admit(s, "r", "low", priority=0, now=0)
-    high = admit(s, "r", "high", priority=2, now=19)
-    # at t=19 the low one has aged +1: the high one (2) is ahead
-    assert s.position(high, 19) == 1 and s.position(low, 19) == 2
-    # at t=20 low has aged +2 and is older: it goes first on a tie
-    assert s.position(low, 20) == 1
-    # while high, also aging, never catches up with an older request of the same effective level
-    assert s.position(low, 25) == 1
-    higher = admit(s, "r", "higher", priority=3, now=25)
-    assert s.position(higher, 25) == 1 and s.position(low, 25) == 2
-    assert s.position(low, 30) == 1  # low: 0+3, higher: 3+0, low older
+    high = admit(s, "r", "high", priority=2, now=19)  # low waited 1.9 steps longer: not 2
+    even = admit(s, "r", "even", priority=2, now=20)  # low waited 2 steps longer: a tie, low first
+    higher = admit(s, "r", "higher", priority=3, now=35)  # low 0 + 3.5 steps, higher 3 + 0
+    for now in (35, 36, 60, 1000):
+        assert [s.position(t, now) for t in (high, low, even, higher)] == [1, 2, 3, 4]
 
 
 def test_priority_aging_lets_a_low_priority_request_through_a_stream_of_high_ones() -> None:
@@ -222,7 +219,7 @@ def test_drop_oldest_fails_the_oldest_via_its_waker_and_admits_the_new_one() -> 
     assert wakers[1].calls == [oldest]
     assert wakers[2].calls == []
     assert new.state == WAITING
-    assert [t for t in s.routes["r"].waiting.order(5)] == [ts[2], new]
+    assert [t for t in s.routes["r"].waiting.order()] == [ts[2], new]
     assert s.position(oldest, 5) is None
 
 
@@ -689,7 +686,7 @@ class Model:
         s, now = self.s, self.now
         kind = op[0]
         before = {t.seq: t.state for t in self.tickets}
-        before_order = {r: list(rq.waiting.order(now)) for r, rq in s.routes.items()}
+        before_order = {r: list(rq.waiting.order()) for r, rq in s.routes.items()}
         self.wake_order = []
         woken_before = Counter(self.woken)
         if kind == "admit":
@@ -838,7 +835,7 @@ class Model:
             assert all(t.bypassed <= rq.cfg.max_bypass for t in self.tickets if t.route == name)
         # waiting tickets: each in exactly one queue, exactly once; counters agree
         for name, rq in s.routes.items():
-            order = list(rq.waiting.order(now))
+            order = list(rq.waiting.order())
             assert len(order) == len(rq.waiting) == len({t.seq for t in order})
             mine = [t for t in self.tickets if t.state == WAITING and t.route == name]
             assert {t.seq for t in order} == {t.seq for t in mine}
@@ -1070,10 +1067,10 @@ def test_a_passed_over_head_waits_at_most_max_bypass_dispatches(costs: list[floa
         h = head[0]
         if h is not None and t is not h:
             passes[h.seq] += 1
-        head[0] = rq.waiting.peek(0.0)
+        head[0] = rq.waiting.peek()
 
     def step(fn: Any) -> None:
-        head[0] = rq.waiting.peek(0.0)
+        head[0] = rq.waiting.peek()
         fn()
         assert s.capacity_used.get("a", 0.0) <= 10 + EPS
 

@@ -26,6 +26,7 @@ import logging
 import math
 import os
 import socket
+import time
 from collections.abc import Callable, Coroutine, Sequence
 from functools import partial
 from typing import Any
@@ -40,8 +41,8 @@ from kilolined.cluster.persistence import access_error, shown
 from kilolined.cluster.split import alive
 from kilolined.cluster.view import ClusterView, Lost, Peer
 from kilolined.cluster.wire import Wire
-from kilolined.core.config import ClusterConfig, Config, ConfigError, split_listen
-from kilolined.scheduling import rules
+from kilolined.core.config import ClusterConfig, Config, ConfigError, RouteConfig, split_listen
+from kilolined.scheduling import order, rules
 from kilolined.scheduling.affinity import Affinity
 from kilolined.scheduling.nodes import NodeState
 from kilolined.scheduling.queue import (
@@ -80,11 +81,13 @@ class ClusterLeases:
 
     def __init__(self, sched: Scheduler, cfg: ClusterConfig, gateway_id: str, *,
                  clock: Callable[[], float], version: Callable[[], str],
-                 alert: Callable[[str, str, str | None], None]):
+                 alert: Callable[[str, str, str | None], None], wall: Callable[[], float] = time.time):
         self.sched = sched
         self.cfg = cfg
         self.prefix = cfg.key_prefix
         self.clock = clock
+        #: the Unix time a ticket's place in the cluster's order is reckoned from (order.place)
+        self.wall = wall
         self.version = version
         self.alert = alert
         #: this process: a restarted gateway with the same id must not renew its predecessor's leases
@@ -202,7 +205,7 @@ class ClusterLeases:
                                  "," + "".join(p + "," for p in self._peers_at_loss), self._keep(), len(old), *old]
         for t in held:
             assert t.lease is not None
-            args += [self._track(t), t.route, t.lease.node, self._order_key(t), repr(t.cost), self._counts(t.lease)]
+            args += [self._track(t), t.route, t.lease.node, t.key, repr(t.cost), self._counts(t.lease)]
         sent = self.clock()
         res = await self._call("REGISTER", *args)
         self._alive_at = sent
@@ -245,9 +248,9 @@ class ClusterLeases:
         tid = self._track(t)
         front = t.requeues > 0  # re-queued (a job whose gateway was lost): the head, as after a node failure
         call = self._call(
-            "ADMIT", t.route, self._order_key(t, front=front), tid, self._publish_plan(t), self._view_json(t.route),
+            "ADMIT", t.route, self._place(t, front), tid, self._publish_plan(t), self._view_json(t.route),
             rq.cfg.max_queue_depth, -1 if rq.cfg.max_queued_per_key is None else rq.cfg.max_queued_per_key,
-            t.key, 1 if rq.cfg.drop_policy == "drop_oldest" else 0, repr(t.cost), 1 if front else 0)
+            t.key, 1 if rq.cfg.drop_policy == "drop_oldest" else 0, repr(t.cost))
         try:
             res = await asyncio.shield(call)
         except asyncio.CancelledError:
@@ -327,7 +330,7 @@ class ClusterLeases:
         t.deadline = now + self.sched.routes[t.route].cfg.queue_timeout_sec
         heapq.heappush(self._deadlines, (t.deadline, t.seq, t))
         tid = self._tid[t]
-        self._remote("REQUEUE", lid, tid, t.route, self._order_key(t, front=True), t.key, repr(t.cost),
+        self._remote("REQUEUE", lid, tid, t.route, self._place(t, front=True), t.key, repr(t.cost),
                      self._publish_plan(t))
         return t
 
@@ -878,15 +881,12 @@ class ClusterLeases:
             self._to_sweep.discard(tid)
         return tid
 
-    def _order_key(self, t: Ticket, front: bool = False) -> str:
-        """The Redis queue of the ticket: fifo_fair_lease one per key, priority one per level (the
-        re-queued in their own, served first), fifo one."""
-        strategy = self.sched.routes[t.route].cfg.strategy
-        if strategy == "fifo_fair_lease":
-            return t.key
-        if strategy == "priority":
-            return "!" if front else str(t.priority)
-        return ""
+    def _place(self, t: Ticket, front: bool = False) -> str:
+        """Where the ticket waits in the cluster's order (order.place), its arrival reckoned on
+        the Unix clock (one time for every gateway, up to their skew): a ticket admitted again
+        (Redis came back) keeps the wait it already spent."""
+        at = self.wall() - (self.clock() - t.enqueued_at)
+        return place_json(self.sched.routes[t.route].cfg, t, at, front)
 
     def _view(self, route: str) -> dict[str, Any]:
         return route_view(self.sched, self.sched.routes[route], self.clock())
@@ -947,16 +947,20 @@ class ClusterLeases:
 def route_view(sched: Scheduler, rq: RouteQueue, now: float) -> dict[str, Any]:
     """The route's nodes as the scripts read them (``P v:<route>``): per node up (1: it may take
     work), slowed (1: ranks last) and its limits (rules.Limit.wire, the full counts: a lost
-    gateway's share is reserved in Redis); its order: the strategy and the priority aging step
-    (ms), as queue.make_order has them; and whether backfill applies, with max_bypass."""
+    gateway's share is reserved in Redis); and whether backfill applies, with max_bypass."""
 
     def entry(ns: NodeState) -> dict[str, Any]:
         lims = rules.limits(sched.caps(rq, ns, now, WHOLE))
         return {"u": int(ns.available(now)), "s": int(ns.slowed), "l": [lim.wire() for lim in lims]}
 
     return {"n": {n: entry(ns) for n in rq.all_nodes if (ns := sched.nodes.get(n)) is not None},
-            "o": rq.cfg.strategy, "a": max(1, int(rq.cfg.queue_timeout_sec * 250)),
             "c": sched.costed(rq), "b": rq.cfg.max_bypass, "t": int(rq.cfg.request_timeout_sec * 1000)}
+
+
+def place_json(cfg: RouteConfig, t: Ticket, at: float, front: bool = False) -> str:
+    """The ticket's place (order.Place.wire) as queued at ``at`` (Unix time), for ADMIT and REQUEUE."""
+    p = order.place(cfg.strategy, t.key, t.priority, at, order.age_step(cfg.queue_timeout_sec), front)
+    return orjson.dumps(p.wire()).decode()
 
 
 def plan_json(sched: Scheduler, t: Ticket, now: float) -> str:

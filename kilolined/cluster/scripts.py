@@ -16,25 +16,25 @@ Keys, all under the prefix P (a single Redis primary; Redis Cluster sharding is 
   P gi:<inst>     hash   id, version, seen (ms) of a gateway instance
   P gt:<inst>     set    the instance's waiting ticket ids
   P gl:<inst>     set    the instance's lease ids
-  P t:<tid>       hash   route, key (its queue), ck (the client's key), gw, plan (JSON,
+  P t:<tid>       hash   route, m (its member of o:), rd (its fair round), ck (the client's key), gw, plan (JSON,
                          rules.Plan.wire: {"t": tiers [{"n": [[node, columns, columns when no
                          free candidate is held ([]: the same), held 1|0]...], "w": nodes that
                          stop the search while one is up}], "h": nodes that could hold it}),
                          at (ms), cost, by (times passed over while the head: backfill),
                          state (w waiting | l leased | x dropped), lease, node,
                          job (its sse/async job)
-  P r:<route>     list   the queues with waiting tickets: fifo one (""), fifo_fair_lease one per
-                         client key, the one served next first; priority one per level ("!": the
-                         re-queued, before every level), the best head chosen at each dispatch
-  P q:<route>:<k> list   one queue's waiting tickets, oldest first
+  P o:<route>     zset   the route's waiting tickets in the strategy's order (scheduling/order.py):
+                         score the place the gateway computed (+ the ticket's fair round), member
+                         its arrival (wseq, 15 digits: ties go to the earlier) then its tid
+  P fr:<route>    hash   client key -> its last fair round (fifo_fair_lease)
+  P fc:<route>    string the route's current fair round (the highest a head was granted in)
   P w:<route>     zset   the route's waiting tickets by arrival (the oldest: drop_oldest's victim)
   P n:<route>     string waiting tickets of the route
   P nk:<route>    hash   client key -> waiting tickets
   P v:<route>     string the route's view (JSON): {"n": {node: {"u": up 1|0, "s": slowed 1|0, "l":
                          its limits [[count, field, cap (-1 none), per lease, per cost, alone,
-                         reserve kind, reserve name, scale]...] (rules.Limit.wire)}}, "o":
-                         strategy, "a": priority aging step (ms), "c": costs can hold tickets
-                         back (backfill), "b": max_bypass, "t": request_timeout_sec (ms)}
+                         reserve kind, reserve name, scale]...] (rules.Limit.wire)}}, "c": costs
+                         can hold tickets back (backfill), "b": max_bypass, "t": request_timeout_sec (ms)}
   P in:<route>    hash   node -> leases of the route
   P nin           hash   node -> leases on the node (every route)
   P ncost         hash   node -> the costs of its leases (every route)
@@ -154,11 +154,9 @@ local function drop_lease(lid)
 end
 
 local function unqueue(tid)
-  local t = redis.call('HMGET', P..'t:'..tid, 'route', 'key', 'gw', 'state', 'ck')
+  local t = redis.call('HMGET', P..'t:'..tid, 'route', 'm', 'gw', 'state', 'ck')
   if not t[1] or t[4] ~= 'w' then return false end
-  local q = P..'q:'..t[1]..':'..t[2]
-  redis.call('LREM', q, 1, tid)
-  if redis.call('LLEN', q) == 0 then redis.call('LREM', P..'r:'..t[1], 1, t[2]) end
+  redis.call('ZREM', P..'o:'..t[1], t[2])
   redis.call('DECR', P..'n:'..t[1])
   redis.call('HINCRBY', P..'nk:'..t[1], t[5] or '', -1)
   redis.call('ZREM', P..'w:'..t[1], tid)
@@ -235,26 +233,28 @@ local function reap()
   return #dead
 end
 
--- ``plan``: the ticket's candidates as the gateway's rules made them (rules.Plan.wire).
-local function enqueue(route, key, ck, tid, gw, front, cost, plan)
-  local ring = P..'r:'..route
-  local q = P..'q:'..route..':'..key
-  local fresh = redis.call('LLEN', q) == 0
-  if front then
-    redis.call('LPUSH', q, tid)
-    redis.call('LREM', ring, 1, key)
-    redis.call('LPUSH', ring, key)
-  else
-    redis.call('RPUSH', q, tid)
-    if fresh then redis.call('RPUSH', ring, key) end
+-- ``place``: where it waits, as the gateway's order.place computed it (order.Place.wire:
+-- {base, per arrival, fair key?}); the arrival and the key's fair round are filled in here
+-- (order.Rounds: the counters, kept atomically). ``plan``: its candidates (rules.Plan.wire).
+local function enqueue(route, place, ck, tid, gw, cost, plan)
+  local seq = redis.call('INCR', P..'wseq')
+  local o = cjson.decode(place)
+  local rd = 0
+  if o[3] then
+    local cur = tonumber(redis.call('GET', P..'fc:'..route) or '0') or 0
+    local last = tonumber(redis.call('HGET', P..'fr:'..route, o[3]) or '')
+    rd = last and math.max(last + 1, cur) or cur  -- order.fair_round
+    redis.call('HSET', P..'fr:'..route, o[3], rd)
   end
+  local m = string.format('%015d', seq)..tid
+  -- (formatted here: a Lua number is handed to Redis with 14 digits only)
+  redis.call('ZADD', P..'o:'..route, string.format('%.17g', o[1] + o[2] * seq + rd), m)
   redis.call('INCR', P..'n:'..route)
   redis.call('HINCRBY', P..'nk:'..route, ck, 1)
   redis.call('SADD', P..'gt:'..gw, tid)
-  local at = now_ms()
-  redis.call('HSET', P..'t:'..tid, 'route', route, 'key', key, 'ck', ck, 'gw', gw, 'at', at, 'cost', cost,
-             'plan', plan, 'state', 'w')
-  redis.call('ZADD', P..'w:'..route, redis.call('INCR', P..'wseq'), tid)
+  redis.call('HSET', P..'t:'..tid, 'route', route, 'm', m, 'rd', rd, 'ck', ck, 'gw', gw, 'at', now_ms(),
+             'cost', cost, 'plan', plan, 'state', 'w')
+  redis.call('ZADD', P..'w:'..route, seq, tid)
 end
 
 local function count(h, f)
@@ -401,99 +401,10 @@ local function view_of(route)
   return cjson.decode(v)
 end
 
--- priority: the queue whose head ranks first, as queue.PriorityOrder ranks them: the re-queued
--- first, then the highest level + 1 per aging step waited, the one waiting longest on a tie.
-local function best_level(route, ring, view)
-  local best, best_eff, best_at = nil, 0, 0
-  local now = now_ms()
-  for _, key in ipairs(redis.call('LRANGE', ring, 0, -1)) do
-    if key == '!' then return key end
-    local tid = redis.call('LINDEX', P..'q:'..route..':'..key, 0)
-    if not tid then return key end  -- an empty queue: dispatch_route drops it from the ring
-    local at = tonumber(redis.call('HGET', P..'t:'..tid, 'at') or now) or now
-    local eff = (tonumber(key) or 0) + math.floor(math.max(0, now - at) / math.max(1, view.a or 1))
-    if best == nil or eff > best_eff or (eff == best_eff and at < best_at) then
-      best, best_eff, best_at = key, eff, at
-    end
-  end
-  return best
-end
-
--- The route's waiting tickets in strategy order (the first ``limit`` of each queue; nil: all),
--- as {tid, queue key}: fifo and fifo_fair_lease round-robin over the queues in ring order,
--- priority by rank (best_level's): the re-queued first, then level + aging, the oldest first.
-local function order(route, ring, view, prio, limit)
-  local keys = redis.call('LRANGE', ring, 0, -1)
-  local lists = {}
-  for i, key in ipairs(keys) do
-    lists[i] = redis.call('LRANGE', P..'q:'..route..':'..key, 0, limit and limit - 1 or -1)
-  end
-  local out = {}
-  if prio then
-    local now = now_ms()
-    for i, key in ipairs(keys) do
-      for j, tid in ipairs(lists[i]) do
-        local eff, at = math.huge, j - 1e15  -- the re-queued: in their queue's order, before all
-        if key ~= '!' then
-          at = tonumber(redis.call('HGET', P..'t:'..tid, 'at') or now) or now
-          eff = (tonumber(key) or 0) + math.floor(math.max(0, now - at) / math.max(1, view.a or 1))
-        end
-        out[#out + 1] = {tid, key, eff, at}
-      end
-    end
-    table.sort(out, function(x, y) if x[3] ~= y[3] then return x[3] > y[3] end return x[4] < y[4] end)
-    return out
-  end
-  local active = {}
-  for i = 1, #keys do active[i] = i end
-  local j = 1
-  while #active > 0 do
-    local still = {}
-    for _, i in ipairs(active) do
-      local tid = lists[i][j]
-      if tid then
-        out[#out + 1] = {tid, keys[i]}
-        if lists[i][j + 1] then still[#still + 1] = i end
-      end
-    end
-    active = still
-    j = j + 1
-  end
-  return out
-end
-
--- The rank of a ticket just queued at the back of queue ``key`` (1 = next), without a scan:
--- round-robin over the ring; priority by level alone (the aging of the others is left to the
--- next POSITIONS).
-local function rank_of_new(route, key, view)
-  local ring = P..'r:'..route
-  local keys = redis.call('LRANGE', ring, 0, -1)
-  local j = redis.call('LLEN', P..'q:'..route..':'..key)
-  local rank = 0
-  if view.o == 'priority' then
-    local mine = tonumber(key) or 0
-    for _, k in ipairs(keys) do
-      if k == '!' or k == key or (tonumber(k) or 0) > mine then
-        rank = rank + redis.call('LLEN', P..'q:'..route..':'..k)
-      end
-    end
-    return rank
-  end
-  local before = true
-  for _, k in ipairs(keys) do
-    local len = j
-    if k ~= key then len = redis.call('LLEN', P..'q:'..route..':'..k) end
-    rank = rank + math.min(len, j - 1)
-    if before and len >= j then rank = rank + 1 end
-    if k == key then before = false end
-  end
-  return rank
-end
-
 -- Backfill (queue.Scheduler._pick): the head fits nowhere now, so the first later ticket that
 -- fits goes first, on a node not held for a head passed over max_bypass times already (the
 -- nodes its plan says could ever hold it).
-local function backfill(route, ring, view, prio, head, plan, bypassed)
+local function backfill(route, view, head, plan, bypassed)
   local mb = tonumber(view.b) or 8
   local blocked = {}
   if bypassed >= mb then
@@ -505,19 +416,14 @@ local function backfill(route, ring, view, prio, head, plan, bypassed)
   end
   -- The scan is for cost only: when no open node has a free slot, nothing later fits either.
   if not open then return false end
-  local n = 0
-  for _, c in ipairs(order(route, ring, view, prio, SCAN)) do
-    n = n + 1
-    if n > SCAN then return false end
-    local tid, key = c[1], c[2]
+  for _, m in ipairs(redis.call('ZRANGE', P..'o:'..route, 1, SCAN - 1)) do
+    local tid = string.sub(m, 16)
     if tid ~= head then
       local t = redis.call('HMGET', P..'t:'..tid, 'gw', 'plan', 'ck', 'cost')
       local cost = tonumber(t[4] or '0') or 0
       local node = pick(route, view, cjson.decode(t[2]), cost, blocked)
       if node then
-        local q = P..'q:'..route..':'..key
-        redis.call('LREM', q, 1, tid)
-        if redis.call('LLEN', q) == 0 then redis.call('LREM', ring, 1, key) end
+        redis.call('ZREM', P..'o:'..route, m)
         redis.call('DECR', P..'n:'..route)
         redis.call('HINCRBY', P..'nk:'..route, t[3] or '', -1)
         redis.call('HSET', P..'t:'..head, 'by', math.min(bypassed + 1, mb))
@@ -533,31 +439,25 @@ end
 local function dispatch_route(route)
   local view = view_of(route)
   if not view then return end
-  local ring = P..'r:'..route
-  local prio = view.o == 'priority'
+  local o = P..'o:'..route
   while true do
-    local key
-    if prio then key = best_level(route, ring, view) else key = redis.call('LINDEX', ring, 0) end
-    if not key then return end
-    local q = P..'q:'..route..':'..key
-    local tid = redis.call('LINDEX', q, 0)
-    if not tid then
-      redis.call('LREM', ring, 1, key)
-    else
-      local t = redis.call('HMGET', P..'t:'..tid, 'gw', 'plan', 'ck', 'cost', 'by')
-      local cost = tonumber(t[4] or '0') or 0
-      local plan = cjson.decode(t[2])
-      local node = pick(route, view, plan, cost, {})
-      if node then
-        redis.call('LPOP', q)
-        if redis.call('LLEN', q) == 0 then redis.call('LREM', ring, 1, key)
-        elseif not prio then redis.call('LMOVE', ring, ring, 'LEFT', 'RIGHT') end
-        redis.call('DECR', P..'n:'..route)
-        redis.call('HINCRBY', P..'nk:'..route, t[3] or '', -1)
-        grant_on(route, view, tid, t[1], node, cost)
-      elseif not view.c or not backfill(route, ring, view, prio, tid, plan, tonumber(t[5] or '0') or 0) then
-        return
-      end
+    local m = redis.call('ZRANGE', o, 0, 0)[1]
+    if not m then return end
+    local tid = string.sub(m, 16)
+    local t = redis.call('HMGET', P..'t:'..tid, 'gw', 'plan', 'ck', 'cost', 'by', 'rd')
+    local cost = tonumber(t[4] or '0') or 0
+    local plan = cjson.decode(t[2])
+    local node = pick(route, view, plan, cost, {})
+    if node then
+      redis.call('ZREM', o, m)
+      -- The head's fair round is being served (order.Rounds.served: the highest so far).
+      local rd = tonumber(t[6] or '0') or 0
+      if rd > (tonumber(redis.call('GET', P..'fc:'..route) or '0') or 0) then redis.call('SET', P..'fc:'..route, rd) end
+      redis.call('DECR', P..'n:'..route)
+      redis.call('HINCRBY', P..'nk:'..route, t[3] or '', -1)
+      grant_on(route, view, tid, t[1], node, cost)
+    elseif not view.c or not backfill(route, view, tid, plan, tonumber(t[5] or '0') or 0) then
+      return
     end
   end
 end
@@ -582,12 +482,11 @@ local function dispatch_all()
 end
 """
 
-#: ARGV: P, ME, route, key (its queue), tid, plan (its candidates: rules.Plan.wire, JSON), view,
-#: max_queue_depth, max_queued_per_key (-1: none), client key, drop_oldest (1|0), cost, front (1: a
-#: re-queued request, at the head of its queue as after a node failure)
+#: ARGV: P, ME, route, place (order.Place.wire, JSON), tid, plan (its candidates: rules.Plan.wire,
+#: JSON), view, max_queue_depth, max_queued_per_key (-1: none), client key, drop_oldest (1|0), cost
 #: -> {'ok'|'per_key'|'full', waiting, position (0: leased at once), grants...}
 ADMIT = COMMON + r"""
-local route, key, tid, plan, ck = ARGV[3], ARGV[4], ARGV[5], ARGV[6], ARGV[10]
+local route, place, tid, plan, ck = ARGV[3], ARGV[4], ARGV[5], ARGV[6], ARGV[10]
 local cost = tonumber(ARGV[12]) or 0
 if stale() then return redis.error_reply('EPOCH Redis came back empty: register again') end
 reap()
@@ -602,8 +501,7 @@ if waiting == 0 and not fenced() then
   local view = cjson.decode(ARGV[7])
   local node = pick(route, view, cjson.decode(plan), cost, {})
   if node then
-    redis.call('HSET', P..'t:'..tid, 'route', route, 'key', key, 'ck', ck, 'gw', ME, 'cost', cost, 'plan', plan,
-               'state', 'w')
+    redis.call('HSET', P..'t:'..tid, 'route', route, 'ck', ck, 'gw', ME, 'cost', cost, 'plan', plan, 'state', 'w')
     grant_on(route, view, tid, ME, node, cost)
     local out = {'ok', 0, 0}
     for _, g in ipairs(grants) do out[#out + 1] = g end
@@ -614,10 +512,11 @@ if waiting >= tonumber(ARGV[8]) then
   if ARGV[11] ~= '1' or not drop_oldest(route) then return {'full', waiting} end
   waiting = waiting - 1
 end
-enqueue(route, key, ck, tid, ME, ARGV[13] == '1', cost, plan)
+enqueue(route, place, ck, tid, ME, cost, plan)
 dispatch_all()
 local pos = 0
-if redis.call('HGET', P..'t:'..tid, 'state') == 'w' then pos = rank_of_new(route, key, view_of(route)) end
+local m = redis.call('HMGET', P..'t:'..tid, 'state', 'm')
+if m[1] == 'w' then pos = redis.call('ZRANK', P..'o:'..route, m[2]) + 1 end
 local out = {'ok', tonumber(redis.call('GET', P..'n:'..route) or '0'), pos}
 for _, g in ipairs(grants) do out[#out + 1] = g end
 return out
@@ -632,13 +531,13 @@ dispatch_all()
 return grants
 """
 
-#: ARGV: P, ME, lid, tid, route, key (its queue), client key, cost, plan -> {grants...}
+#: ARGV: P, ME, lid, tid, route, place (order.Place.wire, JSON), client key, cost, plan -> {grants...}
 REQUEUE = COMMON + r"""
 if stale() then return redis.error_reply('EPOCH Redis came back empty: register again') end
 reap()
 drop_lease(ARGV[3])
 redis.call('DEL', P..'t:'..ARGV[4])
-enqueue(ARGV[5], ARGV[6], ARGV[7], ARGV[4], ME, true, tonumber(ARGV[8]) or 0, ARGV[9])
+enqueue(ARGV[5], ARGV[6], ARGV[7], ARGV[4], ME, tonumber(ARGV[8]) or 0, ARGV[9])
 dispatch_all()
 return grants
 """
@@ -651,13 +550,14 @@ return grants
 FORGET = COMMON + r"""
 if stale() or redis.call('EXISTS', P..'fence') == 1 then return -1 end
 local route, node = ARGV[3], ARGV[4]
-if (tonumber(redis.call('GET', P..'n:'..route) or '0') or 0) > 0 or redis.call('LLEN', P..'r:'..route) > 0 then
+if (tonumber(redis.call('GET', P..'n:'..route) or '0') or 0) > 0 or redis.call('ZCARD', P..'o:'..route) > 0 then
   return 0
 end
 for _, c in ipairs(redis.call('HVALS', P..'in:'..route)) do
   if (tonumber(c) or 0) > 0 then return 0 end
 end
-redis.call('DEL', P..'v:'..route, P..'n:'..route, P..'nk:'..route, P..'in:'..route, P..'w:'..route, P..'r:'..route)
+redis.call('DEL', P..'v:'..route, P..'n:'..route, P..'nk:'..route, P..'in:'..route, P..'w:'..route, P..'o:'..route,
+           P..'fr:'..route, P..'fc:'..route)
 redis.call('SREM', P..'routes', route)
 if node ~= '' and (tonumber(redis.call('HGET', P..'nin', node) or '0') or 0) <= 0 then
   redis.call('HDEL', P..'nin', node)
@@ -792,7 +692,7 @@ return {grants, lost, peers, reaped and 1 or 0, redis.call('SMEMBERS', P..'gl:'.
 
 #: ARGV: P, ME, ttl_ms, gateway id, peers (",a,b,": the gateways it saw alive before it lost Redis),
 #: keep (",a,b,": the nodes where a request runs on without its connection: ComfyUI), n, n lease
-#: ids it held before (dropped: they may still count here), then (tid, route, node, key, cost) per
+#: ids it held before (dropped: they may still count here), then (tid, route, node, client key, cost) per
 #: lease held now, and the limits it counts against (rules.Limit.wire, JSON) -> {epoch, lid...} in the same order.
 #: Its reserved share (``P lost``) goes, and its leases in doubt end: those of this instance, which
 #: it does not hold (granted while it was cut off, it never heard of them), and those of an
@@ -834,7 +734,7 @@ local out = {e}
 for i = 8 + n, #ARGV, 6 do
   local tid, route, node, key = ARGV[i], ARGV[i + 1], ARGV[i + 2], ARGV[i + 3]
   local cost = tonumber(ARGV[i + 4]) or 0
-  redis.call('HSET', P..'t:'..tid, 'route', route, 'key', key, 'gw', ME, 'state', 'w')
+  redis.call('HSET', P..'t:'..tid, 'route', route, 'ck', key, 'gw', ME, 'state', 'w')
   redis.call('SADD', P..'routes', route)
   out[#out + 1] = grant(route, tid, ME, node, cost, cjson.decode(ARGV[i + 5]))
 end
@@ -938,31 +838,21 @@ return out
 #: ARGV: P, ME, route... -> per route {waiting, {client key, waiting, ...}, {tid, position, ...}}
 #: (positions of this gateway's waiting tickets in the cluster's order, for its views)
 POSITIONS = COMMON + r"""
-local mine = ME..':'
+-- Each of its waiting tickets' rank in its route's order (ZRANK: the place is the order).
+local ranks = {}
+for _, tid in ipairs(redis.call('SMEMBERS', P..'gt:'..ME)) do
+  local t = redis.call('HMGET', P..'t:'..tid, 'route', 'm', 'state')
+  local rank = t[3] == 'w' and t[2] and redis.call('ZRANK', P..'o:'..t[1], t[2])
+  if rank then
+    local x = ranks[t[1]] or {}
+    ranks[t[1]] = x
+    x[#x + 1] = tid
+    x[#x + 1] = rank + 1
+  end
+end
 local out = {}
 for i = 3, #ARGV do
   local route = ARGV[i]
-  local view = view_of(route)
-  local ranks = {}
-  local ring = P..'r:'..route
-  if view and view.o ~= 'priority' and redis.call('LLEN', ring) == 1 then
-    -- One queue (fifo, or every waiting request of one client key): its order is the list's,
-    -- read without building the round-robin (a burst of thousands re-reads this every second).
-    local q = P..'q:'..route..':'..redis.call('LINDEX', ring, 0)
-    for rank, tid in ipairs(redis.call('LRANGE', q, 0, -1)) do
-      if string.sub(tid, 1, #mine) == mine then
-        ranks[#ranks + 1] = tid
-        ranks[#ranks + 1] = rank
-      end
-    end
-  elseif view then
-    for rank, c in ipairs(order(route, ring, view, view.o == 'priority', nil)) do
-      if string.sub(c[1], 1, #mine) == mine then
-        ranks[#ranks + 1] = c[1]
-        ranks[#ranks + 1] = rank
-      end
-    end
-  end
   local by_key = {}
   local nk = redis.call('HGETALL', P..'nk:'..route)
   for j = 1, #nk, 2 do
@@ -971,7 +861,7 @@ for i = 3, #ARGV do
       by_key[#by_key + 1] = nk[j + 1]
     end
   end
-  out[#out + 1] = {tonumber(redis.call('GET', P..'n:'..route) or '0'), by_key, ranks}
+  out[#out + 1] = {tonumber(redis.call('GET', P..'n:'..route) or '0'), by_key, ranks[route] or {}}
 end
 return out
 """

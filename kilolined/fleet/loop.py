@@ -257,7 +257,7 @@ class Fleet:
             if waiting == 0:
                 out[name] = Demand()
                 continue
-            since = [t.enqueued_at for rq in queues for t in rq.waiting.order(now)]
+            since = [t.enqueued_at for rq in queues for t in rq.waiting.order()]
             out[name] = Demand(waiting, now - min(since) if since else 0.0, self._est(queues, now))
         return out
 

@@ -17,17 +17,18 @@ models, a later ticket whose model is warm there goes first (collation), at most
 
 from __future__ import annotations
 
+import bisect
 import heapq
 import itertools
 import math
-from collections import Counter, OrderedDict
+from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Protocol
 
 from kilolined.core.config import NodeConfig, RouteConfig
 from kilolined.scheduling import affinity as aff
-from kilolined.scheduling import rules
+from kilolined.scheduling import order, rules
 from kilolined.scheduling.affinity import Affinity, KeyMemo, PrefixIndex
 from kilolined.scheduling.bodies import WaitingBodies
 from kilolined.scheduling.cards import CardLoad
@@ -122,177 +123,57 @@ class Lease:
     sent: Callable[[], None] | None = None
 
 
-# --- strategies: the order in which waiting tickets get slots ---------------------------------
+# --- the order in which waiting tickets get slots (order.py) -----------------------------------
 
 
-class FifoOrder:
-    def __init__(self) -> None:
-        self._q: OrderedDict[int, Ticket] = OrderedDict()
+class Waiting:
+    """A route's waiting tickets by their places (order.py), the lowest first: the local store's
+    twin of the cluster's ``P o:<route>`` ZSET."""
 
-    def __len__(self) -> int:
-        return len(self._q)
-
-    def push(self, t: Ticket, front: bool = False) -> None:
-        self._q[t.seq] = t
-        if front:
-            self._q.move_to_end(t.seq, last=False)
-
-    def remove(self, t: Ticket) -> bool:
-        return self._q.pop(t.seq, None) is not None
-
-    def peek(self, now: float) -> Ticket | None:
-        return next(iter(self._q.values()), None)
-
-    def pop(self, now: float) -> Ticket:
-        return self._q.popitem(last=False)[1]
-
-    def order(self, now: float) -> Iterator[Ticket]:
-        return iter(list(self._q.values()))
-
-
-class FairOrder:
-    """One FIFO per key, served round-robin across keys (``fifo_fair_lease``)."""
-
-    def __init__(self) -> None:
-        self._by_key: dict[str, OrderedDict[int, Ticket]] = {}
-        self._ring: OrderedDict[str, None] = OrderedDict()  # first = the key served next
-        self._n = 0
+    def __init__(self, strategy: str, queue_timeout_sec: float) -> None:
+        self.strategy = strategy
+        self.step = order.age_step(queue_timeout_sec)
+        self.rounds = order.Rounds()
+        self._arrivals = itertools.count(1)
+        self._sorted: list[tuple[float, int, Ticket]] = []  # (score, arrival, ticket): unique prefixes
+        self._at: dict[int, tuple[float, int, int]] = {}  # ticket seq -> (score, arrival, round)
 
     def __len__(self) -> int:
-        return self._n
+        return len(self._sorted)
 
     def push(self, t: Ticket, front: bool = False) -> None:
-        q = self._by_key.setdefault(t.key, OrderedDict())
-        q[t.seq] = t
-        self._n += 1
-        if t.key not in self._ring:
-            self._ring[t.key] = None
-        if front:
-            # A re-queued request goes back to the head: its key is served next, it first.
-            q.move_to_end(t.seq, last=False)
-            self._ring.move_to_end(t.key, last=False)
+        p = order.place(self.strategy, t.key, t.priority, t.enqueued_at, self.step, front)
+        arrival = next(self._arrivals)
+        rnd = self.rounds.assign(t.key) if p.fair is not None else 0
+        score = p.score(arrival, rnd)
+        self._at[t.seq] = (score, arrival, rnd)
+        bisect.insort(self._sorted, (score, arrival, t))
 
     def remove(self, t: Ticket) -> bool:
-        q = self._by_key.get(t.key)
-        if q is None or q.pop(t.seq, None) is None:
+        at = self._at.pop(t.seq, None)
+        if at is None:
             return False
-        self._n -= 1
-        if not q:
-            del self._by_key[t.key]
-            del self._ring[t.key]
+        del self._sorted[bisect.bisect_left(self._sorted, at[:2])]
         return True
 
-    def peek(self, now: float) -> Ticket | None:
-        for k in self._ring:
-            return next(iter(self._by_key[k].values()))
-        return None
-
-    def pop(self, now: float) -> Ticket:
-        k = next(iter(self._ring))
-        q = self._by_key[k]
-        t = q.popitem(last=False)[1]
-        self._n -= 1
-        if q:
-            self._ring.move_to_end(k)
-        else:
-            del self._by_key[k]
-            del self._ring[k]
-        return t
-
-    def order(self, now: float) -> Iterator[Ticket]:
-        queues = [list(self._by_key[k].values()) for k in self._ring]
-        for i in itertools.count():
-            alive = False
-            for q in queues:
-                if i < len(q):
-                    alive = True
-                    yield q[i]
-            if not alive:
-                return
-
-
-class PriorityOrder:
-    """Higher priority first, FIFO within a level; a request gains +1 per ``age_step`` waited.
-
-    Re-queued requests (their node died under them) go before everything: they already waited
-    their turn once.
-    """
-
-    def __init__(self, age_step: float) -> None:
-        self.age_step = max(age_step, 1e-9)
-        self._levels: dict[int, OrderedDict[int, Ticket]] = {}
-        self._front: OrderedDict[int, Ticket] = OrderedDict()
-        self._n = 0
-
-    def __len__(self) -> int:
-        return self._n
-
-    def push(self, t: Ticket, front: bool = False) -> None:
-        self._n += 1
-        if front:
-            self._front[t.seq] = t
-            self._front.move_to_end(t.seq, last=False)
-            return
-        self._levels.setdefault(t.priority, OrderedDict())[t.seq] = t
-
-    def remove(self, t: Ticket) -> bool:
-        if self._front.pop(t.seq, None) is not None:
-            self._n -= 1
-            return True
-        q = self._levels.get(t.priority)
-        if q is None or q.pop(t.seq, None) is None:
-            return False
-        self._n -= 1
-        if not q:
-            del self._levels[t.priority]
-        return True
-
-    def effective(self, t: Ticket, now: float) -> float:
-        return t.priority + math.floor(max(0.0, now - t.enqueued_at) / self.age_step)
-
-    def _best(self, heads: dict[int, list[Ticket]], idx: dict[int, int], now: float) -> int | None:
-        best: tuple[float, float] | None = None
-        best_level = None
-        for level, q in heads.items():
-            i = idx[level]
-            if i < len(q):
-                t = q[i]
-                k = (self.effective(t, now), -t.enqueued_at)
-                if best is None or k > best:
-                    best, best_level = k, level
-        return best_level
-
-    def peek(self, now: float) -> Ticket | None:
-        if self._front:
-            return next(iter(self._front.values()))
-        heads = {lv: [next(iter(q.values()))] for lv, q in self._levels.items()}
-        lv = self._best(heads, dict.fromkeys(heads, 0), now)
-        return None if lv is None else heads[lv][0]
-
-    def pop(self, now: float) -> Ticket:
-        t = self.peek(now)
-        assert t is not None
+    def take(self, t: Ticket, head: bool) -> None:
+        """``t`` leaves for a slot. The head's fair round is the one being served now (a ticket
+        backfilled or collated from a later round does not move the round newcomers join)."""
+        rnd = self._at[t.seq][2]
         self.remove(t)
-        return t
+        if head:
+            self.rounds.served(rnd)
 
-    def order(self, now: float) -> Iterator[Ticket]:
-        yield from list(self._front.values())
-        heads = {lv: list(q.values()) for lv, q in self._levels.items()}
-        idx = dict.fromkeys(heads, 0)
-        while True:
-            lv = self._best(heads, idx, now)
-            if lv is None:
-                return
-            yield heads[lv][idx[lv]]
-            idx[lv] += 1
+    def rank(self, t: Ticket) -> int | None:
+        """``t``'s position (1 = next), found by its place; None: not waiting here."""
+        at = self._at.get(t.seq)
+        return None if at is None else bisect.bisect_left(self._sorted, at[:2]) + 1
 
+    def peek(self) -> Ticket | None:
+        return self._sorted[0][2] if self._sorted else None
 
-def make_order(cfg: RouteConfig) -> FifoOrder | FairOrder | PriorityOrder:
-    if cfg.strategy == "fifo":
-        return FifoOrder()
-    if cfg.strategy == "priority":
-        return PriorityOrder(cfg.queue_timeout_sec / 4)
-    return FairOrder()
+    def order(self) -> Iterator[Ticket]:
+        return iter([x[2] for x in self._sorted])
 
 
 # --- per-route state ---------------------------------------------------------------------------
@@ -302,7 +183,7 @@ class RouteQueue:
     def __init__(self, name: str, cfg: RouteConfig):
         self.name = name
         self.cfg = cfg
-        self.waiting = make_order(cfg)
+        self.waiting = Waiting(cfg.strategy, cfg.queue_timeout_sec)
         self.by_key: Counter[str] = Counter()
         self.inflight: Counter[str] = Counter()  # node -> leases of this route
         self.capacity_used = 0.0  # the costs of this route's leases
@@ -330,8 +211,8 @@ class RouteQueue:
         self.targets = {}  # nodes the route no longer has are not kept
         self.renames = None  # (every reload configures every route: a node's rewrite counts anew)
         if old.strategy != cfg.strategy or old.queue_timeout_sec != cfg.queue_timeout_sec:
-            tickets = list(self.waiting.order(now))
-            self.waiting = make_order(cfg)
+            tickets = list(self.waiting.order())
+            self.waiting = Waiting(cfg.strategy, cfg.queue_timeout_sec)
             for t in tickets:
                 self.waiting.push(t)
         if self.samples == 0:
@@ -578,7 +459,7 @@ class Scheduler:
         assert ov is not None
         if not any(self.can_take(rq, n, now) for n in ov.nodes):
             return None
-        for i, t in enumerate(rq.waiting.order(now), 1):
+        for i, t in enumerate(rq.waiting.order(), 1):
             if t is head or t.pinned_node is not None:
                 continue
             node = self._overflow(rq, t, now, frozenset(), i if self._local_up(rq, t, now) else None)
@@ -779,7 +660,7 @@ class Scheduler:
         self.check_body(rq, t, now)
         if len(rq.waiting) >= cfg.max_queue_depth:
             if cfg.drop_policy == "drop_oldest" and rq.waiting:
-                victim = min(rq.waiting.order(now), key=lambda x: (x.enqueued_at, x.seq))
+                victim = min(rq.waiting.order(), key=lambda x: (x.enqueued_at, x.seq))
                 self._fail(
                     victim,
                     Rejected(503, "queue_full", "dropped: queue full", self.retry_after(rq, now)),
@@ -880,7 +761,7 @@ class Scheduler:
     def fail_all_waiting(self, err: Callable[[], Rejected]) -> list[Ticket]:
         out = []
         for rq in self.routes.values():
-            for t in list(rq.waiting.order(0.0)):
+            for t in list(rq.waiting.order()):
                 self._fail(t, err())
                 out.append(t)
         return out
@@ -929,23 +810,20 @@ class Scheduler:
         while active:
             progress = False
             if len(active) > 1:
-                active.sort(key=lambda r: (r.waiting.peek(now) or _NEVER).enqueued_at)
+                active.sort(key=lambda r: (r.waiting.peek() or _NEVER).enqueued_at)
             for rq in active:
                 picked = self._pick(rq, now)
                 if picked is None:
                     continue
                 t, node, head, collated = picked
-                if t is head:
-                    rq.waiting.pop(now)  # pop, not remove: a fair queue moves on to the next key
-                elif collated:
-                    rq.waiting.remove(t)
+                rq.waiting.take(t, head=t is head)
+                if collated:
                     head.swap_bypassed += 1
                     if head.swap_bypassed_at is None:
                         head.swap_bypassed_at = now
-                else:
-                    rq.waiting.remove(t)
-                    if node not in rq.cfg.overflow_nodes:  # the overflow tier takes no slot the head waits for
-                        head.bypassed = min(head.bypassed + 1, rq.cfg.max_bypass)
+                elif t is not head and node not in rq.cfg.overflow_nodes:
+                    # (the overflow tier takes no slot the head waits for)
+                    head.bypassed = min(head.bypassed + 1, rq.cfg.max_bypass)
                 rq.by_key[t.key] -= 1
                 if rq.by_key[t.key] <= 0:
                     del rq.by_key[t.key]
@@ -965,7 +843,7 @@ class Scheduler:
         The head if it fits somewhere — unless it would make that node swap models and a later
         ticket is warm there (collation); else (backfill) the first later ticket in strategy order
         that fits, on a node not held for a head already passed over ``max_bypass`` times."""
-        head = rq.waiting.peek(now)
+        head = rq.waiting.peek()
         if head is None:
             return None
         node = self.choose_node(rq, head, now)
@@ -985,7 +863,7 @@ class Scheduler:
         # The scan is for cost only: when no open node has a free slot, nothing later fits either.
         if not any(n not in blocked and self.can_take(rq, n, now) for n in rq.all_nodes):
             return None
-        for t in rq.waiting.order(now):
+        for t in rq.waiting.order():
             if t is head:
                 continue
             node = self.choose_node(rq, t, now, blocked)
@@ -1005,7 +883,7 @@ class Scheduler:
         """The first later ticket in strategy order whose model is warm on ``node`` and that
         ``node`` can take now."""
         models = self.nodes[node].models
-        for t in rq.waiting.order(now):
+        for t in rq.waiting.order():
             if t is head or not models.is_warm(t.model) or node in t.avoid:
                 continue
             if t.pinned_node not in (None, node):
@@ -1059,13 +937,10 @@ class Scheduler:
             return None
         if self.elsewhere is not None and (p := self.elsewhere.position(t)) is not None:
             return p
-        for i, x in enumerate(self.routes[t.route].waiting.order(now), 1):
-            if x is t:
-                return i
-        return None
+        return self.routes[t.route].waiting.rank(t)
 
     def positions(self, route: str, now: float) -> dict[int, int]:
-        local = {t.seq: i for i, t in enumerate(self.routes[route].waiting.order(now), 1)}
+        local = {t.seq: i for i, t in enumerate(self.routes[route].waiting.order(), 1)}
         return local if self.elsewhere is None else {**local, **self.elsewhere.positions(route)}
 
     def depth(self, rq: RouteQueue) -> int:

@@ -15,7 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kilolined.cluster import scripts
-from kilolined.cluster.leases import plan_json, route_view
+from kilolined.cluster.leases import place_json, plan_json, route_view
 from kilolined.core.config import NodeConfig, RouteConfig
 from kilolined.scheduling import affinity as aff
 from kilolined.scheduling.affinity import PrefixIndex
@@ -80,7 +80,8 @@ def granted(r: redis.Redis, s: Scheduler, rq: RouteQueue, t: Ticket) -> str | No
         r.hset(P + "nin", n, k)
         r.hset(P + "in:r", n, k)
     view = orjson.dumps(route_view(s, rq, 0.0)).decode()
-    out = r.eval(scripts.ADMIT, 0, P, "gw#1", "r", "", "tid1", plan_json(s, t, 0.0), view, 100, -1, "k", 0, "0", 0)
+    out = r.eval(scripts.ADMIT, 0, P, "gw#1", "r", place_json(rq.cfg, t, 0.0), "tid1", plan_json(s, t, 0.0), view,
+                 100, -1, "k", 0, "0")
     assert out[0] == b"ok"
     if out[2] != 0 or len(out) == 3:
         return None  # queued

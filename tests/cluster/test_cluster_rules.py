@@ -4,8 +4,9 @@ served and warm), counts and tickets (cost, model, prefix or session affinity, n
 it, barred or not, pinned), the ADMIT script on a real redis-server grants the node that
 ``queue.Scheduler.choose_node`` picks, or like it none, from the route view and the ticket's plan
 the gateway wrote (cluster/leases.py ``route_view``, ``plan_json``) and Redis' own counts. And
-over random runs of admissions and releases, the order in which waiting tickets get which node,
-backfill past a head that fits nowhere included, is the same in both stores for each strategy."""
+over random runs of admissions, releases and the clock moving on, the order in which waiting
+tickets get which node, backfill past a head that fits nowhere and priority aging included, is the
+same in both stores for each strategy: both sort by the place scheduling/order.py gives a ticket."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kilolined.cluster import scripts
-from kilolined.cluster.leases import plan_json, route_view
+from kilolined.cluster.leases import place_json, plan_json, route_view
 from kilolined.core.config import BreakerConfig, CardConfig, NodeConfig, RequestCostConfig, RouteConfig
 from kilolined.scheduling import affinity as aff
 from kilolined.scheduling.affinity import PrefixIndex
@@ -140,10 +141,10 @@ def mirrored(r: redis.Redis, s: Scheduler, rq: RouteQueue) -> None:
 
 
 def admit(r: redis.Redis, s: Scheduler, rq: RouteQueue, t: Ticket, tid: str, now: float) -> list[str]:
-    """ADMIT as ClusterLeases.settle sends it; returns the grants ("tid lid node")."""
-    order = {"fifo": "", "fifo_fair_lease": t.key, "priority": str(t.priority)}[rq.cfg.strategy]
-    out = r.eval(scripts.ADMIT, 0, P, "gw#1", "r", order, tid, plan_json(s, t, now),
-                 orjson.dumps(route_view(s, rq, now)).decode(), 1000, -1, t.key, 0, repr(t.cost), 0)
+    """ADMIT as ClusterLeases.settle sends it, at ``now`` on both clocks; returns the grants
+    ("tid lid node")."""
+    out = r.eval(scripts.ADMIT, 0, P, "gw#1", "r", place_json(rq.cfg, t, now), tid, plan_json(s, t, now),
+                 orjson.dumps(route_view(s, rq, now)).decode(), 1000, -1, t.key, 0, repr(t.cost))
     assert out[0] == b"ok"
     return [g.decode() for g in out[3:]]
 
@@ -169,13 +170,32 @@ def test_both_stores_choose_the_same_node(redis_server: RedisServer, scene: dict
 OPS = st.lists(st.one_of(
     st.tuples(st.just("admit"), st.sampled_from(["k1", "k2", "k3"]), st.integers(0, 2),
               st.sampled_from([0.0, 1.0, 2.0, 3.0, 5.0]), st.sampled_from([None, None, None, 0, 1])),
-    st.tuples(st.just("release"), st.integers(0, 20))), min_size=1, max_size=25)
+    st.tuples(st.just("release"), st.integers(0, 20)),
+    # The clock moves on: priority ages +1 per queue_timeout_sec / 4 = 900 s waited (scheduler()).
+    st.tuples(st.just("wait"), st.sampled_from([100.0, 450.0, 900.0, 2700.0]))), min_size=1, max_size=25)
 
 
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(nodes(), st.sampled_from(["fifo", "fifo_fair_lease", "priority"]), st.integers(0, 2), OPS)
 def test_both_stores_serve_the_queue_in_the_same_order(redis_server: RedisServer, scene: dict[str, Any],
                                                         strategy: str, max_bypass: int, ops: list[Any]) -> None:
+    served_alike(redis_server, scene, strategy, max_bypass, ops)
+
+
+def test_both_stores_age_alike(redis_server: RedisServer) -> None:
+    """One slot: a priority-0 request waits 3 aging steps, then a priority-2 one comes: both
+    stores serve the older first (0 + 3 > 2 + 0), on the clock the gateway passes."""
+    one = {"cap": None, "capacity": None, "card": None, "down": False, "drained": False, "slowed": False,
+           "ramp": None, "serves": True, "warm": True}
+    scene = {"primaries": ["a"], "standby": [], "slots": 1, "node": {"a": one}, "cards": {}}
+    ops = [("admit", "k1", 0, 0.0, None), ("admit", "k2", 0, 0.0, None), ("wait", 2700.0),
+           ("admit", "k3", 2, 0.0, None), ("release", 0), ("release", 0)]
+    served_alike(redis_server, scene, "priority", 8, ops)
+
+
+def served_alike(redis_server: RedisServer, scene: dict[str, Any], strategy: str, max_bypass: int,
+                 ops: list[Any]) -> None:
+    """Runs ``ops`` against both stores and checks they grant the same tickets on the same nodes."""
     for x in scene["node"].values():
         x["serves"], x["ramp"] = True, None  # (a plan is made at admission: nothing in it may change meanwhile)
         x["capacity"] = x["capacity"] or 4.0  # costs hold requests back: backfill
@@ -193,7 +213,7 @@ def test_both_stores_serve_the_queue_in_the_same_order(redis_server: RedisServer
             tid, lid, node = g.split(" ")
             out.append((tid, node))
             gt = mine[tid]
-            gw.grant(grq, gt, node, NOW)  # as ClusterLeases._granted: the gateway's counts follow
+            gw.grant(grq, gt, node, now)  # as ClusterLeases._granted: the gateway's counts follow
             by_tid[tid] = lid
         return out
 
@@ -202,20 +222,23 @@ def test_both_stores_serve_the_queue_in_the_same_order(redis_server: RedisServer
                 if t.state == LEASED and t.lease is not None and t.seq not in before]
 
     tickets: dict[int, Ticket] = {}
+    now = NOW
     try:
         for op in ops:
             leased = {t.seq for t in tickets.values() if t.state == LEASED}
-            if op[0] == "admit":
+            if op[0] == "wait":
+                now += op[1]
+            elif op[0] == "admit":
                 _, key, prio, cost, pin = op
                 pin_node = None if pin is None else every[pin % len(every)]
                 try:
-                    t = local.admit("r", key, prio, NOW, cost=cost, pinned_node=pin_node)
+                    t = local.admit("r", key, prio, now, cost=cost, pinned_node=pin_node)
                 except Rejected:
                     continue  # too costly for any node (422): refused before either store queues it
                 tickets[t.seq] = t
-                gt = Ticket(t.seq, "r", key, prio, NOW, cost=cost, pinned_node=pin_node)
+                gt = Ticket(t.seq, "r", key, prio, now, cost=cost, pinned_node=pin_node)
                 mine[f"t{t.seq}"] = gt
-                got = landed(admit(r, gw, grq, gt, f"t{t.seq}", NOW))
+                got = landed(admit(r, gw, grq, gt, f"t{t.seq}", now))
                 assert sorted(got) == sorted(local_leases(leased)), op
             else:
                 live = [t for t in tickets.values() if t.state == LEASED and t.lease is not None]
@@ -223,14 +246,47 @@ def test_both_stores_serve_the_queue_in_the_same_order(redis_server: RedisServer
                     continue
                 t = live[op[1] % len(live)]
                 assert t.lease is not None
-                local.release(t.lease, NOW, None)
-                made = [(f"t{lease.ticket.seq}", lease.node) for lease in local.dispatch(NOW)]
+                local.release(t.lease, now, None)
+                made = [(f"t{lease.ticket.seq}", lease.node) for lease in local.dispatch(now)]
                 tid = f"t{t.seq}"
                 lid = by_tid.pop(tid)
                 gl = mine[tid].lease
                 assert gl is not None
-                gw.release(gl, NOW, None)
+                gw.release(gl, now, None)
                 got = landed([g.decode() for g in r.eval(scripts.RELEASE, 0, P, "gw#1", lid)])
                 assert got == made, op  # the same tickets on the same nodes, in the same order
+    finally:
+        r.close()
+
+
+def test_both_stores_put_the_re_queued_first_the_latest_first(redis_server: RedisServer) -> None:
+    """Two leases re-queued (their node failed) go before the waiting one, the later re-queued
+    first, in both stores: their places sit far below every other score (order.FRONT)."""
+    one = {"cap": None, "capacity": None, "card": None, "down": False, "drained": False, "slowed": False,
+           "ramp": None, "serves": True, "warm": True}
+    scene = {"primaries": ["a"], "standby": [], "slots": 2, "node": {"a": one}, "cards": {}}
+    r = redis.Redis(port=redis_server.port)
+    r.flushdb()
+    try:
+        for strategy in ("fifo", "fifo_fair_lease", "priority"):
+            r.flushdb()
+            s, rq = scheduler(scene, strategy)
+            ts = [s.admit("r", f"k{i}", i, NOW + i) for i in range(3)]
+            lids = {}
+            for i, t in enumerate(ts):
+                for g in admit(r, s, rq, Ticket(t.seq, "r", t.key, t.priority, NOW + i), f"t{t.seq}", NOW + i):
+                    tid, lid, _ = g.split(" ")
+                    lids[tid] = lid
+            s.nodes["a"].healthy = False  # (nothing is granted again: only the order shows)
+            r.set(P + "v:r", orjson.dumps(route_view(s, rq, NOW)).decode())
+            for t in ts[:2]:
+                assert t.lease is not None
+                s.requeue(t.lease, NOW + 5, avoid_node=False)
+                wire = place_json(rq.cfg, t, NOW + 5, front=True)
+                r.eval(scripts.REQUEUE, 0, P, "gw#1", lids[f"t{t.seq}"], f"t{t.seq}", "r", wire, t.key, "0.0",
+                       plan_json(s, t, NOW + 5))
+            local = [f"t{t.seq}" for t in s.routes["r"].waiting.order()]
+            remote = [m.decode()[15:] for m in r.zrange(P + "o:r", 0, -1)]
+            assert local == remote == [f"t{ts[1].seq}", f"t{ts[0].seq}", f"t{ts[2].seq}"], strategy
     finally:
         r.close()
