@@ -260,11 +260,12 @@ class Gateway:
 
 
 class Hooks:
-    """The webhook receiver: every delivery, by job id."""
+    """The webhook receiver: every delivery, by job id (its type; its webhook-id apart)."""
 
     def __init__(self) -> None:
         self.port = free_port()
         self.by_job: dict[str, list[str]] = {}
+        self.ids: dict[str, list[str]] = {}
         app = web.Application()
         app.router.add_post("/hook", self._hook)
         self._runner = web.AppRunner(app, access_log=None, handle_signals=False)
@@ -276,6 +277,7 @@ class Hooks:
     async def _hook(self, request: web.Request) -> web.Response:
         body = await request.json()
         self.by_job.setdefault(str(body.get("job_id")), []).append(str(body.get("type")))
+        self.ids.setdefault(str(body.get("job_id")), []).append(request.headers.get("webhook-id", "?"))
         return web.json_response({"ok": True})
 
     async def start(self) -> None:
@@ -775,9 +777,37 @@ async def check_webhooks(cl: Cluster, res: Result, jobs: dict[str, Req], before:
     res.figures["webhooks"] = len(ended) - len(missing)
     if missing:
         res.problems.append(f"{len(missing)} ended jobs never got their webhook: "
-                            + ", ".join(f"{j} (via {jobs[j].gateway})" for j in missing[:3]))
+                            + ", ".join(f"{j} (via {jobs[j].gateway}; Redis: {await _hook_state(cl, j)})"
+                                        for j in missing[:3]))
     if twice:
-        res.problems.append(f"webhooks sent more than once: {dict(list(twice.items())[:5])}")
+        res.problems.append("webhooks sent more than once: " + "; ".join(
+            f"{j}: {v}, webhook-ids {cl.hooks.ids.get(j.split()[0])}, senders {_senders(cl, j.split()[0])}"
+            for j, v in list(twice.items())[:5]))
+
+
+async def _hook_state(cl: Cluster, job_id: str) -> dict[str, Any]:
+    """What Redis holds of a job's webhook: its owner and status, who claimed it (jw:), whether the
+    claim is still kept to be sent again (jwo:, jwp:<gateway>)."""
+    assert cl.rc is not None
+    try:
+        owner, st = await cl.rc.hmget(f"{PREFIX}j:{job_id}", "owner", "st")
+        pending = [g for g in GATEWAYS if await cl.rc.sismember(f"{PREFIX}jwp:{g}", job_id)]
+        return {"owner": owner, "status": json.loads(st)["status"] if st else None,
+                "claimed_by": await cl.rc.get(f"{PREFIX}jw:{job_id}"),
+                "kept": bool(await cl.rc.exists(f"{PREFIX}jwo:{job_id}")), "pending_on": pending}
+    except (aioredis.RedisError, OSError, TimeoutError, ValueError) as e:
+        return {"error": str(e)}
+
+
+def _senders(cl: Cluster, job_id: str) -> dict[str, list[str]]:
+    """Each gateway's log lines about this job's webhook (its delivery attempts, a hand-over)."""
+    out: dict[str, list[str]] = {}
+    for g in cl.gws.values():
+        lines = [ln[-160:] for ln in g.log.read_text(errors="replace").splitlines()
+                 if f"msg_{job_id}" in ln or (job_id in ln and "webhook" in ln)]
+        if lines:
+            out[g.id] = lines
+    return out
 
 
 # --------------------------------------------------------------------------- the families
