@@ -122,6 +122,8 @@ class ClusterJobs:
         #: webhooks delivered whose end (WEBHOOK_DONE) Redis has not confirmed: written until it does,
         #: or another gateway would send them again once this one is gone
         self._delivered: set[str] = set()
+        #: webhooks whose claim (WEBHOOK) is queued or in flight with the writer, by job id
+        self._hook_claims: dict[str, tuple[Job, Hook, WebhookDeliverer]] = {}
         self._scripts: dict[str, Any] = {name: self.redis.register_script(src) for name, src in
                                          (("SAVE", SAVE), ("EVENT", EVENT), ("FLAG", FLAG), ("FINISH", FINISH),
                                           ("CLAIM", CLAIM), ("RESYNC", RESYNC), ("WEBHOOK", WEBHOOK),
@@ -202,11 +204,13 @@ class ClusterJobs:
         args.append(int((job.finished_at or time.time()) * 1000))
         self._op("FINISH", args)
 
-    def _op(self, script: str, args: list[Any]) -> None:
+    def _op(self, script: str, args: list[Any]) -> bool:
+        """Queue a write for the writer; False: not queued (degraded: the job goes on here alone)."""
         if not self.up or self._wake is None or self._closed:
-            return  # degraded: the job goes on here alone
+            return False
         self._ops.append((script, args))
         self._wake.set()
+        return True
 
     async def synced(self) -> None:
         if not self._ops or self._wake is None:
@@ -217,7 +221,8 @@ class ClusterJobs:
         await fut
 
     async def _writer(self) -> None:
-        """One pipeline per wake-up: the writes of a burst of events cost one round trip."""
+        """One transaction per wake-up: the writes of a burst of events cost one round trip, and
+        land whole or not at all (a job's ending with its webhook's claim)."""
         assert self._wake is not None
         while True:
             await self._wake.wait()
@@ -229,8 +234,10 @@ class ClusterJobs:
                     self._answered(ops, await self._send(ops))
             except (RedisError, OSError) as e:
                 log.warning("cluster jobs: %d writes lost, Redis unreachable (%s)", len(ops), e)
-            except Exception:
+                self._hooks_unanswered(ops, e)
+            except Exception as e:
                 log.exception("cluster jobs: writer")
+                self._hooks_unanswered(ops, e)
             finally:
                 for w in waiters:
                     if not w.done():
@@ -242,6 +249,8 @@ class ClusterJobs:
         disowned = False
         again: set[str] = set()
         for (name, args), r in zip(ops, results, strict=True):
+            if name == "WEBHOOK":
+                self._hook_claimed(args[2], r)
             if isinstance(r, Exception):
                 log.warning("cluster jobs: a write was refused (%s)", r)
             elif name == "WEBHOOK_DONE":
@@ -260,8 +269,14 @@ class ClusterJobs:
         if again:
             self.resync(again)
 
+    def _hooks_unanswered(self, ops: list[tuple[str, list[Any]]], why: Exception) -> None:
+        """A batch that never got its answer: its webhook claims are asked again once Redis answers."""
+        for name, args in ops:
+            if name == "WEBHOOK":
+                self._hook_claimed(args[2], why)
+
     async def _send(self, ops: list[tuple[str, list[Any]]]) -> list[Any]:
-        """The scripts by their sha in one pipeline; a Redis that lost them (restarted) is given
+        """The scripts by their sha in one transaction; a Redis that lost them (restarted) is given
         them again and the refused ones are sent once more, in their order."""
         results = await self._pipeline(ops)
         missing = [i for i, r in enumerate(results) if isinstance(r, NoScriptError)]
@@ -273,7 +288,7 @@ class ClusterJobs:
         return results
 
     async def _pipeline(self, ops: list[tuple[str, list[Any]]]) -> list[Any]:
-        pipe = self.redis.pipeline(transaction=False)
+        pipe = self.redis.pipeline(transaction=True)
         for name, args in ops:
             pipe.evalsha(self._scripts[name].sha, 0, *args)
         return list(await pipe.execute(raise_on_error=False))
@@ -287,33 +302,42 @@ class ClusterJobs:
             # ends): the webhook waits until Redis answers and says who owns the job.
             self._unsent[job.id] = (job, hook, webhooks)
             return
-        self._spawn(self._send_once(job, hook, webhooks))
+        self._claim_hook(job, hook, webhooks)
+
+    def _claim_hook(self, job: Job, hook: Hook, webhooks: WebhookDeliverer) -> None:
+        """Claim the webhook in the write that ends the job: the job's ending (EVENT, FINISH) was
+        queued in this same turn of the loop, and the writer sends a batch as one transaction. A
+        claim sent on its own after the ending landed left, at a kill -9 in between, a job ended
+        in Redis with nobody's webhook claim: no gateway ever sent it. The delivery starts once
+        Redis answered the claim (_hook_claimed)."""
+        args = [self.prefix, self.inst, job.id, max(1, int(self.rt.cfg.jobs.result_ttl_sec)), hook.url,
+                orjson.dumps(hook.payload), hook.msg_id]
+        self._hook_claims[job.id] = (job, hook, webhooks)
+        if not self._op("WEBHOOK", args):
+            self._hook_claims.pop(job.id, None)
+            self._unsent[job.id] = (job, hook, webhooks)
+
+    def _hook_claimed(self, job_id: str, answer: Any) -> None:
+        """Redis answered a webhook claim: this gateway sends it (1), another does (0), or it is
+        asked again once Redis answers (the claim was refused, or its batch was lost)."""
+        held = self._hook_claims.pop(job_id, None)
+        if held is None:
+            return
+        job, hook, webhooks = held
+        if isinstance(answer, Exception):
+            self._unsent[job_id] = held
+        elif answer:
+            self._spawn(self._deliver(job_id, hook, webhooks))
+        else:
+            log.info("job %s: its webhook was sent by another gateway", job.id)
 
     def _send_unsent(self) -> None:
         """Redis answers again (this gateway's jobs are queued to be written there first)."""
         unsent, self._unsent = self._unsent, {}
         for job, hook, webhooks in unsent.values():
-            self._spawn(self._send_once(job, hook, webhooks))
+            self._claim_hook(job, hook, webhooks)
         for job_id in self._delivered:  # an end written while Redis did not answer was lost
             self._op("WEBHOOK_DONE", [self.prefix, self.inst, job_id])
-
-    async def _send_once(self, job: Job, hook: Hook, webhooks: WebhookDeliverer) -> None:
-        try:
-            await self.synced()
-            # Only the job's owner sends it: a gateway that woke from a freeze to find its job
-            # carried on elsewhere ended its own copy, and that ending is not the job's.
-            first = bool(await self._scripts["WEBHOOK"](args=[
-                self.prefix, self.inst, job.id, max(1, int(self.rt.cfg.jobs.result_ttl_sec)), hook.url,
-                orjson.dumps(hook.payload), hook.msg_id]))
-        except (RedisError, OSError):
-            # Redis did not answer (this gateway may be cut off before it noticed): it is asked
-            # again once it answers, as for a job that ended while it was known down.
-            self._unsent[job.id] = (job, hook, webhooks)
-            return
-        if first:
-            await self._deliver(job.id, hook, webhooks)
-        else:
-            log.info("job %s: its webhook was sent by another gateway", job.id)
 
     async def _deliver(self, job_id: str, hook: Hook, webhooks: WebhookDeliverer) -> None:
         """Send a claimed webhook; once it is delivered (or its attempts ran out) Redis forgets

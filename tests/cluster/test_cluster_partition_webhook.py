@@ -10,6 +10,7 @@ until Redis answers, which says another gateway owns it, so it is not sent a sec
 from __future__ import annotations
 
 import asyncio
+import hashlib
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -18,10 +19,12 @@ import pytest
 from conftest import auth
 from fakes import FakeWebhookReceiver
 
-from kilolined.cluster.jobscripts import WEBHOOK
+from kilolined.cluster.jobscripts import FINISH, WEBHOOK
 from kilolined.fakegpu import FakeGPU
 
 from .harness import GatewayProc, RedisServer, Relay, make_gateways, start_all, until
+
+FINISH_SHA = hashlib.sha1(FINISH.encode()).hexdigest().encode()  # as the gateway calls it: EVALSHA
 
 
 class SilentRelay(Relay):
@@ -243,6 +246,87 @@ async def test_a_webhook_in_flight_when_its_gateway_is_cut_off_is_not_sent_again
                 await asyncio.sleep(2.5)
             sent = [d for d in hooks.deliveries if (d["json"] or {}).get("job_id") == jid]
             assert len(sent) == 1, sent
+    finally:
+        await relay.stop()
+        await gpu.stop()
+
+
+def command_end(data: bytes, at: int) -> int:
+    """Where the Redis command (a RESP array of bulk strings) that holds byte ``at`` ends."""
+    pos = data.rfind(b"*", 0, at)  # EVALSHA <sha>: no '*' between the array's head and the sha
+    head = data.index(b"\r\n", pos)
+    for _ in range(int(data[pos + 1:head])):
+        size = data.index(b"\r\n", head + 2)
+        head = size + 2 + int(data[head + 3:size])
+    return head + 2
+
+
+class CutAtTheEnding(Relay):
+    """Lets one gateway's traffic with Redis through up to the end of the command that ends its
+    job (FINISH), then carries nothing more either way: the gateway as Redis last saw it when a
+    kill -9 lands the moment after its job's ending was sent."""
+
+    def __init__(self, target_port: int):
+        super().__init__(target_port)
+        self.ended = asyncio.Event()
+
+    async def _conn(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        up_r, up_w = await asyncio.open_connection("127.0.0.1", self.target_port)
+        self._open |= {writer, up_w}
+        try:
+            await asyncio.gather(self._pipe(reader, up_w, True), self._pipe(up_r, writer, False))
+        finally:
+            self._open -= {writer, up_w}
+
+    async def _pipe(self, r: asyncio.StreamReader, w: asyncio.StreamWriter, to_redis: bool) -> None:
+        try:
+            while data := await r.read(65536):
+                if self.ended.is_set():
+                    continue
+                if to_redis and FINISH_SHA in data:
+                    data = data[:command_end(data, data.index(FINISH_SHA))]
+                    self.ended.set()
+                w.write(data)
+        except (OSError, asyncio.IncompleteReadError):
+            pass
+        finally:
+            w.transport.abort()
+
+
+async def test_a_gateway_killed_right_after_its_job_ended_in_redis_leaves_its_webhook_to_another(
+        redis_server: RedisServer, gateways: list[GatewayProc], tmp_path: Path) -> None:
+    # Redis holds a job's ending only with the claim of its webhook: were the claim a write of its
+    # own after the ending (or after it in a batch that may land in part), a kill -9 between the
+    # two left a job ended for good and nobody's webhook. Either the ending landed with its claim
+    # (the other gateway sends the claimed webhook) or neither did (it carries the job on and
+    # sends its own): once.
+    gpu = FakeGPU("generic", vram_gb=1000, job_vram_gb=1)
+    await gpu.start()
+    relay = CutAtTheEnding(redis_server.port)
+    await relay.start()
+    try:
+        async with FakeWebhookReceiver() as hooks:
+            gateways += make_gateways(2, tmp_path, redis_server.url, gpu.url, ttl=1)
+            for g in gateways:
+                g.cfg["jobs"] = {"webhook_allow_private": True, "webhook_backoff_sec": [0.2],
+                                 "webhook_timeout_sec": 1}
+            dead, other = gateways
+            dead.cfg["cluster"]["redis_url"] = relay.url
+            await start_all(gateways)
+            async with aiohttp.ClientSession() as s:
+                async with s.post(dead.url + "/gen/generate", json={"steps": 2, "step_ms": 20},
+                                  headers={**auth(), "X-KiloLine-Mode": "async",
+                                           "X-KiloLine-Callback": hooks.url()}) as r:
+                    assert r.status == 202, await r.text()
+                    jid = (await r.json())["job_id"]
+                await asyncio.wait_for(relay.ended.wait(), 10)
+                dead.kill9()
+                await until(lambda: _delivered(hooks, jid), "nobody sent the webhook of the job", 8)
+                assert await _status(s, other, jid) == "completed"
+                await asyncio.sleep(1.0)  # a second webhook, were one to be sent, would arrive by now
+            sent = [d for d in hooks.deliveries if (d["json"] or {}).get("job_id") == jid]
+            assert len(sent) == 1, sent
+            assert sent[0]["headers"]["webhook-id"] == f"msg_{jid}"
     finally:
         await relay.stop()
         await gpu.stop()
