@@ -13,6 +13,7 @@ import asyncio
 import hashlib
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 import pytest
@@ -23,6 +24,9 @@ from kilolined.cluster.jobscripts import FINISH, WEBHOOK
 from kilolined.fakegpu import FakeGPU
 
 from .harness import GatewayProc, RedisServer, Relay, make_gateways, start_all, until
+
+# The cluster fake GPU as the fake's defaults give it (the tests send their own steps).
+pytestmark = pytest.mark.gpu(steps=25, step_ms=200, crash_sec=5)
 
 FINISH_SHA = hashlib.sha1(FINISH.encode()).hexdigest().encode()  # as the gateway calls it: EVALSHA
 
@@ -74,44 +78,49 @@ async def relay(redis_server: RedisServer, request: pytest.FixtureRequest) -> As
     await r.stop()
 
 
+async def _async_job(s: aiohttp.ClientSession, gw: GatewayProc, hooks: FakeWebhookReceiver, steps: int,
+                     step_ms: int) -> str:
+    """An async job through ``gw`` whose webhook goes to ``hooks``; its id."""
+    async with s.post(gw.url + "/gen/generate", json={"steps": steps, "step_ms": step_ms},
+                      headers={**auth(), "X-KiloLine-Mode": "async", "X-KiloLine-Callback": hooks.url()}) as r:
+        assert r.status == 202, await r.text()
+        return str((await r.json())["job_id"])
+
+
+def _sent(hooks: FakeWebhookReceiver, jid: str) -> list[dict[str, Any]]:
+    """The deliveries of the job's webhook."""
+    return [d for d in hooks.deliveries if (d["json"] or {}).get("job_id") == jid]
+
+
 async def _status(s: aiohttp.ClientSession, gw: GatewayProc, jid: str) -> str:
     async with s.get(f"{gw.url}/v1/jobs/{jid}", headers=auth()) as r:
         return str((await r.json())["status"]) if r.status == 200 else f"http {r.status}"
 
 
 async def test_a_job_ended_on_both_sides_of_a_partition_sends_one_webhook(
-        redis_server: RedisServer, relay: Relay, gateways: list[GatewayProc], tmp_path: Path) -> None:
-    gpu = FakeGPU("generic", vram_gb=1000, job_vram_gb=1)
-    await gpu.start()
-    try:
-        async with FakeWebhookReceiver() as hooks:
-            gateways += make_gateways(2, tmp_path, redis_server.url, gpu.url, ttl=1, max_concurrency=4,
-                                      retry_on_failover=1)
-            for g in gateways:
-                g.cfg["jobs"] = {"webhook_allow_private": True, "webhook_backoff_sec": [0.2, 0.2]}
-            cut, other = gateways
-            cut.cfg["cluster"]["redis_url"] = relay.url
-            await start_all(gateways)
-            async with aiohttp.ClientSession() as s:
-                async with s.post(cut.url + "/gen/generate", json={"steps": 25, "step_ms": 100},
-                                  headers={**auth(), "X-KiloLine-Mode": "async",
-                                           "X-KiloLine-Callback": hooks.url()}) as r:
-                    assert r.status == 202, await r.text()
-                    jid = (await r.json())["job_id"]
-                await until(lambda: _is(s, other, jid, "running"), "the job never ran")
-                await asyncio.sleep(1.5)  # it ends a second after the cut: before a silent cut is noticed
-                relay.sever()
-                # Both copies run to their end: the cut-off one alone, the other one carried on.
-                await until(lambda: _served(gpu, 2), "the job was not carried on and ended twice", 30)
-                await until(lambda: _delivered(hooks, jid), "the gateway that carried it on sent no webhook")
-                await asyncio.sleep(2.5)  # past the cut-off gateway's call timeout (2 s)
-                relay.heal()
-                await until(lambda: _is(s, cut, jid, "completed"), "the healed gateway never saw the job end")
-                await asyncio.sleep(1.5)  # a second webhook, were it sent, arrives by now
-            sent = [d for d in hooks.deliveries if (d["json"] or {}).get("job_id") == jid]
-            assert len(sent) == 1, sent
-    finally:
-        await gpu.stop()
+        redis_server: RedisServer, gpu: FakeGPU, relay: Relay, gateways: list[GatewayProc], tmp_path: Path) -> None:
+    async with FakeWebhookReceiver() as hooks:
+        gateways += make_gateways(2, tmp_path, redis_server.url, gpu.url, ttl=1, max_concurrency=4,
+                                  retry_on_failover=1)
+        for g in gateways:
+            g.cfg["jobs"] = {"webhook_allow_private": True, "webhook_backoff_sec": [0.2, 0.2]}
+        cut, other = gateways
+        cut.cfg["cluster"]["redis_url"] = relay.url
+        await start_all(gateways)
+        async with aiohttp.ClientSession() as s:
+            jid = await _async_job(s, cut, hooks, steps=25, step_ms=100)
+            await until(lambda: _is(s, other, jid, "running"), "the job never ran")
+            await asyncio.sleep(1.5)  # it ends a second after the cut: before a silent cut is noticed
+            relay.sever()
+            # Both copies run to their end: the cut-off one alone, the other one carried on.
+            await until(lambda: _served(gpu, 2), "the job was not carried on and ended twice", 30)
+            await until(lambda: _delivered(hooks, jid), "the gateway that carried it on sent no webhook")
+            await asyncio.sleep(2.5)  # past the cut-off gateway's call timeout (2 s)
+            relay.heal()
+            await until(lambda: _is(s, cut, jid, "completed"), "the healed gateway never saw the job end")
+            await asyncio.sleep(1.5)  # a second webhook, were it sent, arrives by now
+        sent = _sent(hooks, jid)
+        assert len(sent) == 1, sent
 
 
 async def _is(s: aiohttp.ClientSession, gw: GatewayProc, jid: str, want: str) -> bool:
@@ -140,35 +149,26 @@ async def test_a_webhook_claim_asked_again_by_its_gateway_is_still_its_own(redis
 
 
 async def test_a_webhook_its_gateway_claimed_and_died_with_is_sent_by_another(
-        redis_server: RedisServer, gateways: list[GatewayProc], tmp_path: Path) -> None:
+        redis_server: RedisServer, gpu: FakeGPU, gateways: list[GatewayProc], tmp_path: Path) -> None:
     # The receiver refuses the first attempt; the gateway that ended the job waits to try again,
     # and is killed (kill -9) meanwhile: the webhook it claimed is sent by the other gateway.
-    gpu = FakeGPU("generic", vram_gb=1000, job_vram_gb=1)
-    await gpu.start()
-    try:
-        async with FakeWebhookReceiver() as hooks:
-            hooks.fail_next = 1
-            gateways += make_gateways(2, tmp_path, redis_server.url, gpu.url, ttl=1)
-            for g in gateways:
-                g.cfg["jobs"] = {"webhook_allow_private": True, "webhook_backoff_sec": [30],
-                                 "webhook_timeout_sec": 1}
-            await start_all(gateways)
-            dead = gateways[0]
-            async with aiohttp.ClientSession() as s:
-                async with s.post(dead.url + "/gen/generate", json={"steps": 1, "step_ms": 10},
-                                  headers={**auth(), "X-KiloLine-Mode": "async",
-                                           "X-KiloLine-Callback": hooks.url()}) as r:
-                    assert r.status == 202, await r.text()
-                    jid = (await r.json())["job_id"]
-                await until(lambda: _attempted(hooks), "the webhook was never tried")
-                dead.kill9()
-                await until(lambda: _delivered(hooks, jid), "no other gateway sent the webhook", 15)
-                await asyncio.sleep(1.0)
-            sent = [d for d in hooks.deliveries if (d["json"] or {}).get("job_id") == jid]
-            assert len(sent) == 1, sent
-            assert sent[0]["headers"]["webhook-id"] == f"msg_{jid}"  # the same message, for a receiver that dedupes
-    finally:
-        await gpu.stop()
+    async with FakeWebhookReceiver() as hooks:
+        hooks.fail_next = 1
+        gateways += make_gateways(2, tmp_path, redis_server.url, gpu.url, ttl=1)
+        for g in gateways:
+            g.cfg["jobs"] = {"webhook_allow_private": True, "webhook_backoff_sec": [30],
+                             "webhook_timeout_sec": 1}
+        await start_all(gateways)
+        dead = gateways[0]
+        async with aiohttp.ClientSession() as s:
+            jid = await _async_job(s, dead, hooks, steps=1, step_ms=10)
+            await until(lambda: _attempted(hooks), "the webhook was never tried")
+            dead.kill9()
+            await until(lambda: _delivered(hooks, jid), "no other gateway sent the webhook", 15)
+            await asyncio.sleep(1.0)
+        sent = _sent(hooks, jid)
+        assert len(sent) == 1, sent
+        assert sent[0]["headers"]["webhook-id"] == f"msg_{jid}"  # the same message, for a receiver that dedupes
 
 
 async def _attempted(hooks: FakeWebhookReceiver) -> bool:
@@ -176,12 +176,10 @@ async def _attempted(hooks: FakeWebhookReceiver) -> bool:
 
 
 async def test_a_webhook_delivered_while_redis_was_out_of_reach_is_not_sent_again(
-        redis_server: RedisServer, gateways: list[GatewayProc], tmp_path: Path) -> None:
+        redis_server: RedisServer, gpu: FakeGPU, gateways: list[GatewayProc], tmp_path: Path) -> None:
     # The gateway delivers a webhook while its link to Redis is cut for a moment (shorter than the
     # TTL): that it was delivered reaches Redis once Redis answers again, so when the gateway is
     # killed later, no other gateway sends it a second time.
-    gpu = FakeGPU("generic", vram_gb=1000, job_vram_gb=1)
-    await gpu.start()
     relay = Relay(redis_server.port)
     await relay.start()
     try:
@@ -194,11 +192,7 @@ async def test_a_webhook_delivered_while_redis_was_out_of_reach_is_not_sent_agai
             cut.cfg["cluster"]["redis_url"] = relay.url
             await start_all(gateways)
             async with aiohttp.ClientSession() as s:
-                async with s.post(cut.url + "/gen/generate", json={"steps": 1, "step_ms": 10},
-                                  headers={**auth(), "X-KiloLine-Mode": "async",
-                                           "X-KiloLine-Callback": hooks.url()}) as r:
-                    assert r.status == 202, await r.text()
-                    jid = (await r.json())["job_id"]
+                jid = await _async_job(s, cut, hooks, steps=1, step_ms=10)
                 await until(lambda: _attempted(hooks), "the webhook was never tried")
                 relay.sever()  # while the receiver takes its time
                 await until(lambda: _delivered(hooks, jid), "the webhook was never delivered")
@@ -207,20 +201,17 @@ async def test_a_webhook_delivered_while_redis_was_out_of_reach_is_not_sent_agai
                 await asyncio.sleep(2.5)  # a heartbeat or two: what it owes Redis is written
                 cut.kill9()
                 await asyncio.sleep(5.0)  # the other gateway finds it lost and takes what it left
-            sent = [d for d in hooks.deliveries if (d["json"] or {}).get("job_id") == jid]
+            sent = _sent(hooks, jid)
             assert len(sent) == 1, sent
     finally:
         await relay.stop()
-        await gpu.stop()
 
 
 async def test_a_webhook_in_flight_when_its_gateway_is_cut_off_is_not_sent_again(
-        redis_server: RedisServer, gateways: list[GatewayProc], tmp_path: Path) -> None:
+        redis_server: RedisServer, gpu: FakeGPU, gateways: list[GatewayProc], tmp_path: Path) -> None:
     # Cut off from Redis past the TTL while the receiver takes its time: the gateway is lost to
     # the other one, but its attempt in flight has webhook_timeout_sec to end before the other
     # would send the webhook again — and once back, the gateway says it was delivered.
-    gpu = FakeGPU("generic", vram_gb=1000, job_vram_gb=1)
-    await gpu.start()
     relay = Relay(redis_server.port)
     await relay.start()
     try:
@@ -233,22 +224,17 @@ async def test_a_webhook_in_flight_when_its_gateway_is_cut_off_is_not_sent_again
             cut.cfg["cluster"]["redis_url"] = relay.url
             await start_all(gateways)
             async with aiohttp.ClientSession() as s:
-                async with s.post(cut.url + "/gen/generate", json={"steps": 1, "step_ms": 10},
-                                  headers={**auth(), "X-KiloLine-Mode": "async",
-                                           "X-KiloLine-Callback": hooks.url()}) as r:
-                    assert r.status == 202, await r.text()
-                    jid = (await r.json())["job_id"]
+                jid = await _async_job(s, cut, hooks, steps=1, step_ms=10)
                 await until(lambda: _attempted(hooks), "the webhook was never tried")
                 relay.sever()
                 await until(lambda: _delivered(hooks, jid), "the webhook was never delivered")
                 await asyncio.sleep(1.0)  # lost to the other gateway by now
                 relay.heal()
                 await asyncio.sleep(2.5)
-            sent = [d for d in hooks.deliveries if (d["json"] or {}).get("job_id") == jid]
+            sent = _sent(hooks, jid)
             assert len(sent) == 1, sent
     finally:
         await relay.stop()
-        await gpu.stop()
 
 
 def command_end(data: bytes, at: int) -> int:
@@ -294,14 +280,12 @@ class CutAtTheEnding(Relay):
 
 
 async def test_a_gateway_killed_right_after_its_job_ended_in_redis_leaves_its_webhook_to_another(
-        redis_server: RedisServer, gateways: list[GatewayProc], tmp_path: Path) -> None:
+        redis_server: RedisServer, gpu: FakeGPU, gateways: list[GatewayProc], tmp_path: Path) -> None:
     # Redis holds a job's ending only with the claim of its webhook: were the claim a write of its
     # own after the ending (or after it in a batch that may land in part), a kill -9 between the
     # two left a job ended for good and nobody's webhook. Either the ending landed with its claim
     # (the other gateway sends the claimed webhook) or neither did (it carries the job on and
     # sends its own): once.
-    gpu = FakeGPU("generic", vram_gb=1000, job_vram_gb=1)
-    await gpu.start()
     relay = CutAtTheEnding(redis_server.port)
     await relay.start()
     try:
@@ -314,19 +298,14 @@ async def test_a_gateway_killed_right_after_its_job_ended_in_redis_leaves_its_we
             dead.cfg["cluster"]["redis_url"] = relay.url
             await start_all(gateways)
             async with aiohttp.ClientSession() as s:
-                async with s.post(dead.url + "/gen/generate", json={"steps": 2, "step_ms": 20},
-                                  headers={**auth(), "X-KiloLine-Mode": "async",
-                                           "X-KiloLine-Callback": hooks.url()}) as r:
-                    assert r.status == 202, await r.text()
-                    jid = (await r.json())["job_id"]
+                jid = await _async_job(s, dead, hooks, steps=2, step_ms=20)
                 await asyncio.wait_for(relay.ended.wait(), 10)
                 dead.kill9()
                 await until(lambda: _delivered(hooks, jid), "nobody sent the webhook of the job", 8)
                 assert await _status(s, other, jid) == "completed"
                 await asyncio.sleep(1.0)  # a second webhook, were one to be sent, would arrive by now
-            sent = [d for d in hooks.deliveries if (d["json"] or {}).get("job_id") == jid]
+            sent = _sent(hooks, jid)
             assert len(sent) == 1, sent
             assert sent[0]["headers"]["webhook-id"] == f"msg_{jid}"
     finally:
         await relay.stop()
-        await gpu.stop()
