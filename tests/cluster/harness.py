@@ -264,21 +264,22 @@ TTL = 1.0  # the smallest lease_ttl_sec: the heartbeat (TTL / 3) notices a lost 
 
 
 @asynccontextmanager
-async def cluster_runtime(redis: RedisServer, slots: int,
-                          cfg: dict[str, Any] | None = None) -> AsyncIterator[tuple[Runtime, ClusterLeases]]:
+async def cluster_runtime(redis: RedisServer, slots: int, cfg: dict[str, Any] | None = None, ttl: float = TTL,
+                          ahead: Callable[[], float] = lambda: 0.0) -> AsyncIterator[tuple[Runtime, ClusterLeases]]:
     """A started Runtime whose leases live in Redis, wired as kilolined/cluster/build.py wires
     them (the lease store alone: the property is about leases); stopped in the server's order.
-    ``cfg``: lease_props.config's, changed (default: as it is, with ``slots``)."""
+    ``cfg``: lease_props.config's, changed (default: as it is, with ``slots``); ``ahead``: how far
+    the store's clock runs ahead of the Runtime's (a freeze, as the store would live it)."""
     cfg = config(slots) if cfg is None else cfg
     # A prefix of its own: nothing an earlier example left in Redis is counted in this one.
-    cfg["cluster"] = {"redis_url": redis.url, "gateway_id": "prop", "lease_ttl_sec": TTL,
+    cfg["cluster"] = {"redis_url": redis.url, "gateway_id": "prop", "lease_ttl_sec": ttl,
                       "key_prefix": f"prop-{os.urandom(4).hex()}:"}
     made: list[ClusterLeases] = []
 
     def wire(rt: Runtime) -> Wiring:
         assert rt.cfg.cluster is not None
-        made.append(ClusterLeases(rt.scheduler, rt.cfg.cluster, "prop", clock=rt.clock, version=lambda: rt.version,
-                                  alert=rt.notify))
+        made.append(ClusterLeases(rt.scheduler, rt.cfg.cluster, "prop", clock=lambda: rt.clock() + ahead(),
+                                  version=lambda: rt.version, alert=rt.notify))
         return Wiring(leases=made[0], settle=made[0].settle, cluster=made[0].view)
 
     rt = Runtime(parse_config(yaml.safe_dump(cfg)), "test", wire=wire)

@@ -14,16 +14,10 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import os
 
-import yaml
-
-from kilolined.cluster.leases import ClusterLeases
-from kilolined.core.config import parse_config
-from kilolined.ops.runtime import Runtime, Wiring
 from kilolined.scheduling.queue import WAITING
 
-from .harness import RedisServer
+from .harness import RedisServer, cluster_runtime
 
 TTL = 30.0  # no heartbeat of its own during the test: the test beats when it means to
 
@@ -33,34 +27,15 @@ async def test_a_grant_after_a_ttl_unseen_waits_for_the_heartbeat(redis_server: 
         "keys": {"k": {"key_sha256": hashlib.sha256(b"k").hexdigest()}},
         "nodes": {"a": {"url": "http://127.0.0.1:9"}},
         "routes": {"r": {"path": "/r", "nodes": ["a"], "max_concurrency": 1, "queue_timeout_sec": 300}},
-        "cluster": {"redis_url": redis_server.url, "gateway_id": "gw", "lease_ttl_sec": TTL,
-                    "key_prefix": f"stale-{os.urandom(4).hex()}:"},
     }
     frozen_for = [0.0]
-    made: list[ClusterLeases] = []
-
-    def wire(rt: Runtime) -> Wiring:
-        assert rt.cfg.cluster is not None
-        made.append(ClusterLeases(rt.scheduler, rt.cfg.cluster, "gw", clock=lambda: rt.clock() + frozen_for[0],
-                                  version=lambda: rt.version, alert=rt.notify))
-        return Wiring(leases=made[0], settle=made[0].settle, cluster=made[0].view)
-
-    rt = Runtime(parse_config(yaml.safe_dump(cfg)), "test", wire=wire)
-    leases = made[0]
-    await rt.start()
-    try:
-        await leases.start()
-        try:
-            first = await leases.settle(leases.admit("r", "k", 0, leases.clock()))
-            second = await leases.settle(leases.admit("r", "k", 0, leases.clock()))
-            assert first.lease is not None and second.state == WAITING
-            frozen_for[0] = TTL  # Redis last counted it alive a TTL ago
-            leases.release(first.lease, leases.clock(), None)  # its answer grants the slot to `second`
-            await asyncio.sleep(0.5)
-            assert second.state == WAITING and second.lease is None
-            await leases._beat()  # still counted alive: the grant holds
-            assert second.lease is not None and second.lease.node == "a"
-        finally:
-            await asyncio.wait_for(leases.stop(), 10)
-    finally:
-        await asyncio.wait_for(rt.stop(), 10)
+    async with cluster_runtime(redis_server, 1, cfg, ttl=TTL, ahead=lambda: frozen_for[0]) as (_rt, leases):
+        first = await leases.settle(leases.admit("r", "k", 0, leases.clock()))
+        second = await leases.settle(leases.admit("r", "k", 0, leases.clock()))
+        assert first.lease is not None and second.state == WAITING
+        frozen_for[0] = TTL  # Redis last counted it alive a TTL ago
+        leases.release(first.lease, leases.clock(), None)  # its answer grants the slot to `second`
+        await asyncio.sleep(0.5)
+        assert second.state == WAITING and second.lease is None
+        await leases._beat()  # still counted alive: the grant holds
+        assert second.lease is not None and second.lease.node == "a"
