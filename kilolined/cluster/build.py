@@ -94,8 +94,9 @@ def build(rt: Runtime) -> Cluster:
     node sync. Nothing here is assigned onto ``rt``; callbacks reach it at call time."""
     cfg = rt.cfg.cluster
     assert cfg is not None
+    # ``leader`` is made below from the store's Redis; the store asks it only once running.
     leases = ClusterLeases(rt.scheduler, cfg, gateway_id(rt.cfg), clock=rt.clock,
-                           version=lambda: rt.version, alert=rt.notify)
+                           version=lambda: rt.version, alert=rt.notify, speaks=lambda event: leader.speaks(event))
     view = leases.view
     limits = SharedLimits(leases.redis, cfg.key_prefix, rt.limiter, rt.budgets, inst=leases.inst,
                           gateway_id=view.gateway_id, peers=leases.alive_peers,

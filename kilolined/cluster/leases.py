@@ -81,8 +81,11 @@ class ClusterLeases:
 
     def __init__(self, sched: Scheduler, cfg: ClusterConfig, gateway_id: str, *,
                  clock: Callable[[], float], version: Callable[[], str],
-                 alert: Callable[[str, str, str | None], None], wall: Callable[[], float] = time.time):
+                 alert: Callable[[str, str, str | None], None], wall: Callable[[], float] = time.time,
+                 speaks: Callable[[str], bool] = lambda event: True):
         self.sched = sched
+        #: whether this gateway's alert of an event goes out (cluster mode: the leader's voice)
+        self.speaks = speaks
         self.cfg = cfg
         self.prefix = cfg.key_prefix
         self.clock = clock
@@ -660,13 +663,17 @@ class ClusterLeases:
                                        "nodes": {n: k for n, k in raw.get("n", {}).items() if k},
                                        "capacity": raw.get("c", 0)}))
         self.view.lost = out
+        # Known once said: a gateway that is not the voice when it sees the loss (the lost one was
+        # the leader, and the lease has not passed on yet) says it when it becomes the voice.
+        said = {g.id for g in out if g.id in self._lost_known}
         for g in out:
-            if g.id not in self._lost_known:
+            if g.id not in said and self.speaks("cluster_gateway_lost"):
                 held = ", ".join([f"{r} {n}/node" for r, n in sorted(g.reserved["routes"].items())]
                                  + [f"node {n} {k}" for n, k in sorted(g.reserved["nodes"].items())]) or "nothing"
                 self._notify("cluster_gateway_lost", f"⚠ cluster: gateway {g.id} lost (no heartbeat): its share stays "
                              f"reserved ({held}) until it comes back, or POST /admin/cluster/forget/{g.id}")
-        self._lost_known = {g.id for g in out}
+                said.add(g.id)
+        self._lost_known = said
 
     async def forget_gateway(self, gid: str) -> str:
         """An operator says gateway ``gid`` is gone for good (POST /admin/cluster/forget/{id}):

@@ -17,7 +17,10 @@ import pytest
 from conftest import ADMIN, auth
 from fakes import FakeTelegram, FakeWebhookReceiver
 
+from kilolined.cluster.leases import ClusterLeases
+from kilolined.core.config import ClusterConfig
 from kilolined.fakegpu import FakeGPU
+from kilolined.scheduling.queue import Scheduler
 
 from .harness import GatewayProc, RedisServer, make_gateways, start_all, until
 
@@ -109,3 +112,20 @@ async def _running(gpu: FakeGPU, n: int) -> bool:
 
 async def _status_in(s: aiohttp.ClientSession, gw: GatewayProc, jid: str, want: set[str]) -> bool:
     return await job_status(s, gw, jid) in want
+
+
+async def test_a_loss_seen_before_this_gateway_is_the_voice_is_said_when_it_becomes_it() -> None:
+    # The lost gateway was the leader: the others see it lost before its leader lease has passed
+    # on, and none of them may speak yet. The one that becomes the voice says it then, once.
+    said: list[str] = []
+    voice = [False]
+    leases = ClusterLeases(Scheduler(), ClusterConfig(redis_url="redis://127.0.0.1:1/0", gateway_id="gw0"), "gw0",
+                           clock=lambda: 0.0, version=lambda: "v", alert=lambda event, text, node: said.append(text),
+                           speaks=lambda event: voice[0])
+    lost = ["gw2", "12000", '{"r": {"gen": 1}}']
+    leases._gone(lost)
+    assert said == [] and [g.id for g in leases.view.lost] == ["gw2"]
+    voice[0] = True
+    leases._gone(lost)
+    leases._gone(lost)
+    assert len(said) == 1 and "gateway gw2 lost" in said[0] and "gen 1/node" in said[0], said
