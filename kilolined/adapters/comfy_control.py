@@ -20,6 +20,7 @@ import asyncio
 import functools
 import logging
 import uuid
+from collections import Counter
 from collections.abc import Callable
 from typing import Any
 from urllib.parse import quote
@@ -39,6 +40,7 @@ from kilolined.adapters.comfy_record import (
     Queued,
     Viewer,
     entry_as_given,
+    pending_of,
     record_of,
     removable,
 )
@@ -107,10 +109,15 @@ class ComfyState:
         self.routes: dict[str, PromptOwners] = {}
         #: route → the prompts in the gateway's own queue, not yet on a node (by ``id()``)
         self.queued: dict[str, dict[int, Queued]] = {}
+        #: route → the last number the gateway gave a prompt it queued itself
+        self.numbers: dict[str, float] = {}
+        #: (route, prompt id) → the number a POST /prompt answered early was given, until its job runs
+        self.early: dict[tuple[str, str], float] = {}
         self.activity = NodeActivity()
         #: the client id every prompt is sent under, on every node: the monitors listen as it
         self.hub_id = f"kilolined-monitor-{uuid.uuid4().hex}"
-        self.hub = Hub(self.owners, self.routes_of, functools.partial(executed_for_client, rt), rt.comfy_ws)
+        self.hub = Hub(self.owners, self.routes_of, functools.partial(executed_for_client, rt), rt.comfy_ws,
+                       self.queued_by_key)
         if rt.comfy_ws is not None:  # cluster mode: frames and counts of prompts other gateways run
             rt.comfy_ws.on_frame, rt.comfy_ws.on_counts = self.hub.remote, self.hub.status_of
 
@@ -162,7 +169,30 @@ class ComfyState:
     def unqueue(self, route: str, viewer: Viewer, ids: set[str] | None) -> bool:
         """Take the viewer's prompts that ``ids`` name (None: all) out of the gateway's queue."""
         taken = [q.take() for q in removable(self.queued.get(route, {}), viewer, ids)]
+        if any(taken):
+            self.hub.status_of(route)  # the route's queue shrank, as ComfyUI says of a delete
         return any(taken)
+
+    def next_number(self, route: str) -> float:
+        """The number of a prompt the gateway queues itself: past every number a client of the
+        route was given (a node's, or the gateway's), so the queue lists it after them."""
+        n = int(max(self.numbers.get(route, -1), self.owners(route).top)) + 1
+        self.numbers[route] = n
+        return n
+
+    def pending(self, route: str, viewer: Viewer) -> list[list[Any]]:
+        """The viewer's prompts in the gateway's own queue, as ComfyUI lists queued ones, in the
+        order they will run."""
+        queued = self.queued.get(route)
+        if not queued:
+            return []
+        sched = self.rt.scheduler
+        order = sched.positions(route, self.rt.clock()) if route in sched.routes else {}
+        return pending_of(queued, viewer, order)
+
+    def queued_by_key(self, route: str) -> Counter[str]:
+        """How many prompts of each key wait in the gateway's own queue (the route's ``status``)."""
+        return Counter(q.subject for q in self.queued.get(route, {}).values() if q.listed())
 
     async def dropped(self, route: str, prompt_id: str) -> bool:
         """Whether a client deleted the prompt from its node's queue (through any gateway)."""
@@ -344,7 +374,8 @@ async def control(rt: Runtime, request: web.Request, route: str, path: str, subj
     view = view_of(request.method, path)
     if view is not None:
         handler, arg = view
-        resp = await handler(Views(rt, route, state.owners(route), viewer, request_id), request, arg)
+        resp = await handler(Views(rt, route, state.owners(route), viewer, request_id,
+                                   functools.partial(state.pending, route, viewer)), request, arg)
         resp.headers.update(headers)
         return resp
     action = action_of(request.method, path)

@@ -3,7 +3,8 @@ list over every node, from the route's record (comfy_record.py), in ComfyUI's sh
 
 - ``GET /history``, ``/history/{id}``: the viewer's ended prompts, in the order they ended; an
   entry the record has not read yet (the prompt ended a moment ago) is asked of its node.
-- ``GET /queue``: the queues of the nodes that hold the viewer's prompts, kept to those prompts.
+- ``GET /queue``: the queues of the nodes that hold the viewer's prompts, kept to those prompts,
+  then the viewer's prompts still in the gateway's own queue, in the order they will run.
 - ``GET /prompt``: ``queue_remaining`` over the route (the viewer's prompts not yet ended).
 - ``GET /api/jobs``, ``/api/jobs/{id}``: ComfyUI's jobs records of the same (core/comfy_jobs.py).
 In cluster mode each also holds the prompts sent through the other gateways
@@ -59,9 +60,16 @@ def view_of(method: str, path: str) -> tuple[View, str] | None:
     return None
 
 
+def _nothing_queued() -> list[list[Any]]:
+    return []
+
+
 class Views:
-    def __init__(self, rt: Runtime, route: str, owners: PromptOwners, viewer: Viewer, request_id: str):
+    def __init__(self, rt: Runtime, route: str, owners: PromptOwners, viewer: Viewer, request_id: str,
+                 queued: Callable[[], list[list[Any]]] = _nothing_queued):
         self.rt, self.route, self.owners, self.viewer, self.request_id = rt, route, owners, viewer, request_id
+        #: the viewer's prompts in the gateway's own queue, as ComfyUI lists queued ones, in run order
+        self.queued = queued
         self.names: Names = functools.partial(history_for_client, rt, route)  # the route's file names
 
     def _given(self, entry: dict[str, Any], p: Prompt) -> dict[str, Any]:
@@ -118,7 +126,7 @@ class Views:
                     if p is not None and p.node == node:
                         out.append(as_given(item, p))
         pending.sort(key=lambda item: item[0] if isinstance(item[0], (int, float)) else 0)
-        return running, pending
+        return running, pending + self.queued()  # what waits in the gateway's queue runs after
 
     async def _ended(self) -> tuple[list[str], dict[str, Prompt]]:
         """The viewer's ended prompts with an entry, in the order they ended (cluster mode:
@@ -193,7 +201,7 @@ class Views:
         return web.json_response({"queue_running": running, "queue_pending": pending})
 
     async def prompt(self, request: web.Request, _: str) -> web.Response:
-        return web.json_response({"exec_info": {"queue_remaining": len(await self.waiting())}})
+        return web.json_response({"exec_info": {"queue_remaining": len(await self.waiting()) + len(self.queued())}})
 
     async def jobs(self, request: web.Request, _: str) -> web.Response:
         running, pending = await self._queues()
@@ -222,6 +230,8 @@ class Views:
             else:
                 running, pending = await self._queues()
                 job = comfy_jobs.find(pid, running, pending, {})
+        if job is None and p is None:  # in the gateway's own queue
+            job = comfy_jobs.find(pid, [], self.queued(), {})
         if job is None:
             return web.json_response({"error": "Job not found"}, status=404)
         return web.json_response(job)

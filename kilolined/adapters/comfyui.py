@@ -32,7 +32,7 @@ from aiohttp import web
 
 from kilolined.adapters.base import Adapter, HttpAttempt
 from kilolined.adapters.comfy_control import ComfyState, NodeActivity, comfy_state, control
-from kilolined.adapters.comfy_hub import ws_event
+from kilolined.adapters.comfy_hub import refusal_error, ws_event
 from kilolined.adapters.comfy_images import images_answer
 from kilolined.adapters.comfy_inputs import PromptInputs, is_upload, upload
 from kilolined.adapters.comfy_monitor import NodeMonitor
@@ -44,6 +44,7 @@ from kilolined.adapters.comfy_record import (
     Queued,
     entry_as_given,
     prompt_id_of,
+    queue_item,
     without_traceback,
 )
 from kilolined.adapters.comfy_store import is_view, prompt_finished, view
@@ -176,6 +177,31 @@ def _unqueue(rt: Runtime, ticket: Ticket) -> bool:
         return False
     ticket.wake()
     return True
+
+
+def _waits(ticket: Ticket) -> bool:
+    return ticket.state == WAITING
+
+
+async def _refused(state: ComfyState, scope: LeaseScope, prompt_id: str, number: float, body: dict[str, Any],
+                   item: list[Any] | None, f: Failure) -> None:
+    """A prompt whose POST the gateway answered, that no node then ran (its node refused it —
+    validation, node_errors — or none took it): it ends as ComfyUI ends a prompt that failed.
+    Its history entry holds the error (``status_str`` error, not completed), and the client's
+    sockets hear the ``execution_error`` (the node and message the node's refusal names), the
+    route's ``status``, and the end of its execution."""
+    lease, route = scope.lease, scope.ticket.route
+    now = int(time.time() * 1000)
+    owners = state.owners(route)
+    owners.add(prompt_id, scope.ticket.key, lease.node if lease is not None else "-", number,
+               body.get("client_id", ABSENT))
+    error = refusal_error(prompt_id, body.get("prompt"), _json_object(f.body) if f.body else None, f.message, now)
+    owners.end(prompt_id, {"prompt": item or queue_item(number, prompt_id, body, now), "outputs": {},
+                           "status": {"status_str": "error", "completed": False,
+                                      "messages": [["execution_error", error]]},
+                           "meta": {}})
+    state.hub.refused(route, prompt_id, error)
+    await state.share_failed(route, prompt_id)  # in every gateway's history too
 
 
 async def _nothing() -> None:
@@ -407,6 +433,30 @@ class ComfyUIAdapter(Adapter):
         if is_prompt(ex) and _json_object(ex.body) is None:
             raise Rejected(400, "bad_request", "body must be a JSON object (ComfyUI API prompt)")
 
+    def answer_early(self, rt: Runtime, ex: Exchange, ticket: Ticket) -> Result | None:
+        """A ``POST /prompt`` that must wait in the gateway's queue is answered now, as ComfyUI
+        answers one it queues: the client's ``prompt_id`` (or one the gateway makes), the route's
+        next number, no node errors. From then on it is the gateway's to run, as an async job
+        (modes/jobs.py: it outlives the client's connection), sent to its node under that id.
+
+        A prompt that gets a slot at once is not answered here: its node's own answer reaches the
+        client, and with it a refusal's ``node_errors``, which the web UI shows on the graph.
+        One answered early that its node refuses ends in an ``execution_error`` instead
+        (``_refused``): on the client's /ws and in /history, where ComfyUI reports a failed prompt."""
+        if not is_prompt(ex):
+            return None
+        body = _json_object(ex.body)
+        if body is None:
+            return None
+        given = body.get("prompt_id")
+        prompt_id = str(given) if given is not None and given != "" else str(uuid.uuid4())
+        state = comfy_state(rt)
+        number = state.next_number(ticket.route)
+        state.early[(ticket.route, prompt_id)] = number
+        ex.body = orjson.dumps({**body, "prompt_id": prompt_id})  # every node it is sent to, and a handover
+        answer = {"prompt_id": prompt_id, "number": number, "node_errors": {}}
+        return Result(200, "application/json", orjson.dumps(answer), result=answer)
+
     has_control = True
 
     async def control(self, rt: Runtime, request: web.Request, route: str, path: str, subject: str | None,
@@ -435,16 +485,36 @@ class ComfyUIAdapter(Adapter):
         if body is None:
             raise Failure("bad_request", "body must be a JSON object (ComfyUI API prompt)", 400)
         # Inline and fetched inputs become held files; every held input goes with each attempt.
-        inputs = PromptInputs(rt, scope.ticket.route, scope.ticket.key)
-        queued = Queued(scope.ticket.key, given if isinstance(given := body.get("prompt_id"), str) else None,
-                        functools.partial(_unqueue, rt, scope.ticket))
-        left = comfy_state(rt).queue_in(scope.ticket.route, queued)
+        state, ticket = comfy_state(rt), scope.ticket
+        route = ticket.route
+        inputs = PromptInputs(rt, route, ticket.key)
+        prompt_id = given if isinstance(given := body.get("prompt_id"), str) else None
+        # A POST answered early (``answer_early``) was given its id and number already.
+        number = state.early.pop((route, prompt_id), None) if prompt_id is not None else None
+        early = number is not None
+        item = None
+        if sink.mode != "sync" and ticket.state == WAITING:
+            # Waiting in the gateway's queue, it is listed there as ComfyUI lists a queued prompt
+            # (GET /queue), and removable by its id: it keeps that id and number on its node.
+            if prompt_id is None:
+                prompt_id = str(uuid.uuid4())
+                body = {**body, "prompt_id": prompt_id}
+            number = state.next_number(route) if number is None else number
+            item = queue_item(number, prompt_id, body, int(time.time() * 1000))
+        queued = Queued(ticket.key, prompt_id, functools.partial(_unqueue, rt, ticket), item=item, seq=ticket.seq,
+                        waiting=functools.partial(_waits, ticket))
+        left = state.queue_in(route, queued)
+        if item is not None:
+            state.hub.status_of(route)  # the route's queue grew
         try:
             if sink.mode == "sync":
                 return await self._serve_sync(rt, scope, ex, sink, body, inputs)
-            lease, entry = await self._run_to_end(rt, scope, ex, body, sink, inputs)
-        except Failure:
+            lease, entry = await self._run_to_end(rt, scope, ex, body, sink, inputs, number)
+        except Failure as f:
             if not queued.removed:
+                if early and prompt_id is not None and number is not None and \
+                        state.owners(route).get(prompt_id) is None:
+                    await _refused(state, scope, prompt_id, number, body, queued.item, f)
                 raise
             # Removed from the gateway's queue by its client: it never ran, as ComfyUI drops a
             # deleted prompt. A job ends cancelled; a sync POST is answered as ComfyUI answered
@@ -484,13 +554,14 @@ class ComfyUIAdapter(Adapter):
         sink.result(Result(200, "application/json", orjson.dumps(images), result=images))
 
     async def _run_to_end(self, rt: Runtime, scope: LeaseScope, ex: Exchange, body: dict[str, Any], sink: Sink,
-                          inputs: PromptInputs) -> tuple[Lease, dict[str, Any]]:
+                          inputs: PromptInputs, number: float | None = None) -> tuple[Lease, dict[str, Any]]:
         """Submit the prompt and follow it to its end under the scope (queue, failover, stalls);
-        its lease and history entry (the node's names), the slot freed."""
+        its lease and history entry (the node's names), the slot freed. ``number``: the one its
+        client was given while it waited in the gateway's queue (else its node's)."""
         progress = Progress(body.get("prompt"))
         last: list[Submitted] = []  # the last attempt's prompt on its node
         try:
-            done = await scope.acquire(self._attempt(rt, ex, body, scope, sink, progress, inputs, last))
+            done = await scope.acquire(self._attempt(rt, ex, body, scope, sink, progress, inputs, last, number))
         except Failure:
             if last and last[0].lost is not None:  # its node was lost, and it runs nowhere else now
                 state = comfy_state(rt)
@@ -658,8 +729,8 @@ class ComfyUIAdapter(Adapter):
         return _prompt_number(data)
 
     def _attempt(self, rt: Runtime, ex: Exchange, body: dict[str, Any], scope: LeaseScope, sink: Sink,
-                 progress: Progress, inputs: PromptInputs,
-                 last: list[Submitted]) -> Callable[[Lease], Awaitable[Finished]]:
+                 progress: Progress, inputs: PromptInputs, last: list[Submitted],
+                 number: float | None) -> Callable[[Lease], Awaitable[Finished]]:
         """Submit and follow the prompt to its end, all inside the lease scope's retry loop: a node
         lost before any output re-queues the prompt like a node that never answered."""
         first: list[str] = []  # the prompt id of the first attempt: a re-queued prompt keeps it
@@ -674,7 +745,8 @@ class ComfyUIAdapter(Adapter):
             last[:] = [sub]
             state = comfy_state(rt)
             owners = state.owners(lease.route)
-            owners.add(sub.prompt_id, scope.ticket.key, lease.node, sub.number, body.get("client_id", ABSENT))
+            owners.add(sub.prompt_id, scope.ticket.key, lease.node, sub.number if number is None else number,
+                       body.get("client_id", ABSENT), node_number=sub.number)
             state.hub.status(lease.node)  # the route's queue grew (the node's own status may have come first)
             sub.tell = functools.partial(state.tell, lease.route, lease.node, sub.prompt_id)  # the /ws hears it
             # Timeout, cancel or error from here on: stop the prompt, and keep the slot until the
