@@ -243,7 +243,9 @@ def _error_message(body: bytes, status: int) -> str:
             errs = ne.get("errors") if isinstance(ne, dict) else None
             first = errs[0] if isinstance(errs, list) and errs and isinstance(errs[0], dict) else None
             if first is not None and isinstance(first.get("message"), str):
-                msg += f": node {nid} ({ne.get('class_type', '?')}): {first['message']}"
+                details = first.get("details")
+                msg += f": node {nid} ({ne.get('class_type', '?')}): {first['message']}" + \
+                    (f": {details}" if isinstance(details, str) and details else "")  # which input, why
                 break
     return msg[:500]
 
