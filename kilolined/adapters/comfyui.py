@@ -8,8 +8,10 @@ the node's ``/ws`` for that prompt id, hold the lease until the prompt is finish
 that made them. In sync mode the request passes through as generic (under the gateway's own
 client id, so that the node's monitor socket hears its events for the client's /ws: comfy_hub.py),
 and the lease is held until the history holds *this* submission's entry; the monitor says when to
-look. A prompt whose node is lost before any output is re-queued by the lease scope. Control
-endpoints, the route's history, queue and jobs views and its websocket are comfy_control.py's.
+look. A sync prompt that must wait in the gateway's queue is answered at once instead, as ComfyUI
+answers a prompt it queues, and run to its end as a job's prompt is (``answer_early``). A prompt
+whose node is lost before any output is re-queued by the lease scope. Control endpoints, the
+route's history, queue and jobs views and its websocket are comfy_control.py's.
 """
 
 from __future__ import annotations
@@ -513,19 +515,13 @@ class ComfyUIAdapter(Adapter):
                 return await self._serve_sync(rt, scope, ex, sink, body, inputs)
             lease, entry = await self._run_to_end(rt, scope, ex, body, sink, inputs, number)
         except Failure as f:
-            if not queued.removed:
-                if early and prompt_id is not None and number is not None and \
-                        state.owners(route).get(prompt_id) is None:
-                    await _refused(state, scope, prompt_id, number, body, queued.item, f)
-                raise
-            # Removed from the gateway's queue by its client: it never ran, as ComfyUI drops a
-            # deleted prompt. A job ends cancelled; a sync POST is answered as ComfyUI answered
-            # it before the delete (its prompt id, no number: no node numbered it).
-            if sink.mode != "sync":
+            if queued.removed:
+                # Removed from the gateway's queue by its client: it never ran, as ComfyUI drops a
+                # deleted prompt (a sync POST that had to wait was answered early: a job too).
                 raise Cancelled("deleted from the queue before it ran") from None
-            answer = {"prompt_id": queued.prompt_id or str(uuid.uuid4()), "node_errors": {}}
-            sink.result(Result(200, "application/json", orjson.dumps(answer), result=answer))
-            return
+            if early and prompt_id is not None and number is not None and state.owners(route).get(prompt_id) is None:
+                await _refused(state, scope, prompt_id, number, body, queued.item, f)
+            raise
         finally:
             left()
         result, files = annotate_files(entry, lease.node, sink.file_url)
