@@ -261,6 +261,18 @@ def record_of(p: Prompt) -> dict[str, Any]:
     return rec if p.client_id is ABSENT else {**rec, "client_id": p.client_id}
 
 
+def record_of_queued(q: Queued) -> dict[str, Any]:
+    """A prompt in one gateway's own queue as every gateway reads it (cluster/comfylists.py): on
+    no node yet (``node`` ""), with its queue item as GET /queue lists it."""
+    return {"subject": q.subject, "node": "", "number": q.item[0] if q.item else None, "item": q.item}
+
+
+def queued_item(rec: dict[str, Any]) -> list[Any] | None:
+    """The queue item of a record written by ``record_of_queued`` (None: a prompt on a node)."""
+    item = rec.get("item")
+    return item if rec.get("node") == "" and isinstance(item, list) and len(item) == 5 else None
+
+
 def prompt_of(rec: dict[str, Any]) -> Prompt | None:
     """The Prompt a waiting record written by ``record_of`` names (None: not one)."""
     subject, node = rec.get("subject"), rec.get("node")

@@ -32,6 +32,7 @@ from kilolined.adapters.comfy_record import (
     as_given,
     entry_as_given,
     prompt_of,
+    queued_item,
 )
 from kilolined.adapters.comfy_store import history_for_client
 from kilolined.core import comfy_jobs
@@ -64,12 +65,20 @@ def _nothing_queued() -> list[list[Any]]:
     return []
 
 
+def _none_here() -> set[str]:
+    return set()
+
+
 class Views:
     def __init__(self, rt: Runtime, route: str, owners: PromptOwners, viewer: Viewer, request_id: str,
-                 queued: Callable[[], list[list[Any]]] = _nothing_queued):
+                 queued: Callable[[], list[list[Any]]] = _nothing_queued,
+                 queued_here: Callable[[], set[str]] = _none_here):
         self.rt, self.route, self.owners, self.viewer, self.request_id = rt, route, owners, viewer, request_id
         #: the viewer's prompts in the gateway's own queue, as ComfyUI lists queued ones, in run order
         self.queued = queued
+        self.queued_here = queued_here  # the prompt ids of every prompt in this gateway's own queue
+        #: cluster mode: those in the other gateways' own queues, by number (read by ``waiting``)
+        self.there_queued: list[list[Any]] = []
         self.names: Names = functools.partial(history_for_client, rt, route)  # the route's file names
 
     def _given(self, entry: dict[str, Any], p: Prompt) -> dict[str, Any]:
@@ -101,10 +110,15 @@ class Views:
         if lists is None:
             return mine
         there = {}
+        self.there_queued = []
+        here = self.queued_here()
         for pid, rec in (await lists.waiting(self.route)).items():
             p = prompt_of(rec)
-            if p is not None and self.owners.get(pid) is None and self.viewer.sees(p):
+            if p is not None and self.owners.get(pid) is None and pid not in here and self.viewer.sees(p):
                 there[pid] = p
+                if (item := queued_item(rec)) is not None:
+                    self.there_queued.append(item)
+        self.there_queued.sort(key=lambda item: item[0] if isinstance(item[0], (int, float)) else 0)
         return {**there, **mine}
 
     async def _queues(self) -> tuple[list[list[Any]], list[list[Any]]]:
@@ -126,7 +140,8 @@ class Views:
                     if p is not None and p.node == node:
                         out.append(as_given(item, p))
         pending.sort(key=lambda item: item[0] if isinstance(item[0], (int, float)) else 0)
-        return running, pending + self.queued()  # what waits in the gateway's queue runs after
+        # What waits in the gateways' own queues runs after: this one's, then (cluster mode) the others'.
+        return running, pending + self.queued() + self.there_queued
 
     async def _ended(self) -> tuple[list[str], dict[str, Prompt]]:
         """The viewer's ended prompts with an entry, in the order they ended (cluster mode:

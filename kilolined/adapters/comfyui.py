@@ -513,7 +513,7 @@ class ComfyUIAdapter(Adapter):
         try:
             if sink.mode == "sync":
                 return await self._serve_sync(rt, scope, ex, sink, body, inputs)
-            lease, entry = await self._run_to_end(rt, scope, ex, body, sink, inputs, number)
+            lease, entry = await self._run_to_end(rt, scope, ex, body, sink, inputs, number, item is not None)
         except Failure as f:
             if queued.removed:
                 # Removed from the gateway's queue by its client: it never ran, as ComfyUI drops a
@@ -552,14 +552,17 @@ class ComfyUIAdapter(Adapter):
         sink.result(Result(200, "application/json", orjson.dumps(images), result=images))
 
     async def _run_to_end(self, rt: Runtime, scope: LeaseScope, ex: Exchange, body: dict[str, Any], sink: Sink,
-                          inputs: PromptInputs, number: float | None = None) -> tuple[Lease, dict[str, Any]]:
+                          inputs: PromptInputs, number: float | None = None,
+                          listed: bool = False) -> tuple[Lease, dict[str, Any]]:
         """Submit the prompt and follow it to its end under the scope (queue, failover, stalls);
         its lease and history entry (the node's names), the slot freed. ``number``: the one its
-        client was given while it waited in the gateway's queue (else its node's)."""
+        client was given while it waited in the gateway's queue (else its node's); ``listed``:
+        it was in the queue's list, where a client may have deleted it (through another gateway)."""
         progress = Progress(body.get("prompt"))
         last: list[Submitted] = []  # the last attempt's prompt on its node
         try:
-            done = await scope.acquire(self._attempt(rt, ex, body, scope, sink, progress, inputs, last, number))
+            done = await scope.acquire(self._attempt(rt, ex, body, scope, sink, progress, inputs, last, number,
+                                                     listed))
         except Failure:
             if last and last[0].lost is not None:  # its node was lost, and it runs nowhere else now
                 state = comfy_state(rt)
@@ -728,12 +731,16 @@ class ComfyUIAdapter(Adapter):
 
     def _attempt(self, rt: Runtime, ex: Exchange, body: dict[str, Any], scope: LeaseScope, sink: Sink,
                  progress: Progress, inputs: PromptInputs, last: list[Submitted],
-                 number: float | None) -> Callable[[Lease], Awaitable[Finished]]:
+                 number: float | None, listed: bool) -> Callable[[Lease], Awaitable[Finished]]:
         """Submit and follow the prompt to its end, all inside the lease scope's retry loop: a node
         lost before any output re-queues the prompt like a node that never answered."""
         first: list[str] = []  # the prompt id of the first attempt: a re-queued prompt keeps it
 
         async def attempt(lease: Lease) -> Finished:
+            pid = body.get("prompt_id")
+            if listed and not first and isinstance(pid, str) and await comfy_state(rt).dropped(lease.route, pid):
+                # Deleted from the queue through another gateway while it waited here: it never runs.
+                raise Cancelled("deleted from the queue before it ran")
             progress.attempt()
             sent = await inputs.for_node(lease, body, ex.request_id)  # this node's copy of the prompt's inputs
             if first:
