@@ -1,8 +1,9 @@
 """ComfyUI's real web UI, through a gateway route, over real ComfyUI servers, in headless Chromium.
 
 Loads ``{gateway}{path}`` (without its slash: the redirect is part of the check) with the key sent
-as a header, waits for the app, queues two prompts of the weight-free ``KLSlowProgress`` node
-(scripts/real_backends_setup.sh installs it) and prints, per prompt, the websocket events the page
+as a header, waits for the app, queues ``--prompts`` (3: more than two slots) prompts of the
+weight-free ``KLSlowProgress`` node (scripts/real_backends_setup.sh installs it), timing the app's
+queue call for each, and prints, per prompt, the websocket events the page
 received through the gateway's one socket, the output images it shows, its console errors, and
 (with ``--node``) which node ran each prompt, from the nodes' own ``/history``.
 
@@ -10,7 +11,8 @@ The prompts are img2img: the page uploads an image first, as the LoadImage widge
 each node gets the input from the gateway.
 
 With ``--page-loads N`` it then measures the page bar, in the same run: time to app-ready (the
-page loaded, the app's graph up, the splash gone; browser cache off, so every file is fetched),
+page loaded, the app's graph up, the splash gone; each load a new tab with the cache off, as a
+user opening the page: every file is fetched),
 N loads of each kind, the kinds interleaved load by load:
   - nothing rendering: the page straight from the first ``--node`` (the peer), and through the
     gateway;
@@ -82,9 +84,13 @@ Promise.all(Object.entries(window.__outputs).map(async ([pid, imgs]) => {
                                                                           type: i.type}));
   const img = await createImageBitmap(await r.blob());
   return [pid.slice(0, 8), i.filename, r.status, img.width + 'x' + img.height]; })).then(cb, (e) => cb(String(e)));"""
+# Loads the graph into the app and presses its Run: the ms the app's queue call took (ComfyUI
+# answers at once; a gateway that held the POST until a slot is free would show here).
 QUEUE = ("const cb = arguments[arguments.length - 1];"
          "window.app.loadApiJson(arguments[0], 'kl.json');"
-         "setTimeout(() => window.app.queuePrompt(0, 1).then(() => cb('ok'), (e) => cb(String(e))), 500);")
+         "setTimeout(() => { const t = performance.now();"
+         " window.app.queuePrompt(0, 1).then(() => cb(Math.round(performance.now() - t)), (e) => cb(String(e))); },"
+         " 500);")
 
 
 def wait(driver: Any, script: str, timeout: float, every: float = 0.2) -> bool:
@@ -105,10 +111,31 @@ def browser(key: str) -> Any:
     opts.set_capability("goog:loggingPrefs", {"browser": "ALL"})
     driver = webdriver.Chrome(service=Service("/usr/bin/chromedriver"), options=opts)
     driver.set_script_timeout(60)
-    driver.execute_cdp_cmd("Network.enable", {})
-    driver.execute_cdp_cmd("Network.setExtraHTTPHeaders", {"headers": {"Authorization": f"Bearer {key}"}})
-    driver.execute_cdp_cmd("Page.addScriptToEvaluateOnNewDocument", {"source": RECORD})
+    tab_setup(driver, key)
     return driver
+
+
+def tab_setup(driver: Any, key: str | None, cache_off: bool = False) -> None:
+    """The current tab's DevTools settings (they are per tab): the key as a header, the socket
+    recorder, and the cache off or on."""
+    driver.execute_cdp_cmd("Network.enable", {})
+    driver.execute_cdp_cmd("Network.setCacheDisabled", {"cacheDisabled": cache_off})
+    driver.execute_cdp_cmd("Network.setExtraHTTPHeaders",
+                           {"headers": {"Authorization": f"Bearer {key}"} if key else {}})
+    driver.execute_cdp_cmd("Page.addScriptToEvaluateOnNewDocument", {"source": RECORD})
+
+
+def fresh_tab(driver: Any, key: str | None) -> None:
+    """Replace the tab with a new one (cache off): a page opened as a user opens it. Reloading one
+    tab over and over measures the tab instead — its renderer grows with every load of this
+    13.5 MB app, ~1.4 s to ~1.95 s over 30 loads here, so whichever kind came later lost."""
+    old = driver.current_window_handle
+    driver.switch_to.new_window("tab")
+    fresh = driver.current_window_handle
+    driver.switch_to.window(old)
+    driver.close()
+    driver.switch_to.window(fresh)
+    tab_setup(driver, key, cache_off=True)
 
 
 def slow_prompt(steps: int, step_ms: int, seed: int, image: str | None = None) -> dict[str, Any]:
@@ -132,7 +159,8 @@ def call(url: str, key: str, body: dict[str, Any] | None = None, headers: dict[s
     return json.loads(raw) if raw else None
 
 
-def check_prompts(driver: Any, gateway: str, path: str, steps: int, step_ms: int, nodes: list[str]) -> bool:
+def check_prompts(driver: Any, gateway: str, path: str, steps: int, step_ms: int, nodes: list[str],
+                  prompts: int) -> bool:
     started = time.monotonic()
     driver.get(gateway + path)
     ready = wait(driver, READY, 90)
@@ -140,11 +168,12 @@ def check_prompts(driver: Any, gateway: str, path: str, steps: int, step_ms: int
           f"socket {driver.execute_script('return window.__wsurl')}")
     name, status = driver.execute_async_script(UPLOAD)
     print(f"uploaded from the page: {name}; its preview (/view?type=input): {status}")
-    for seed in (1, 2):
+    for seed in range(1, prompts + 1):
         graph = slow_prompt(steps, step_ms, int(time.time()) * 10 + seed, name)
-        print("queued img2img:", driver.execute_async_script(QUEUE, graph))
-    wait(driver, "return window.__ws.filter(f => f[0] == 'execution_success').length >= 2",
-         steps * step_ms / 1000 * 2 + 60)
+        took = driver.execute_async_script(QUEUE, graph)
+        print(f"queued img2img {seed} of {prompts}: the app's queue call took {took} ms")
+    wait(driver, f"return window.__ws.filter(f => f[0] == 'execution_success').length >= {prompts}",
+         steps * step_ms / 1000 * prompts + 60)
     by_prompt: dict[str | None, dict[str, int]] = {}
     for kind, pid in driver.execute_script("return window.__ws"):
         counts = by_prompt.setdefault(pid, {})
@@ -163,18 +192,16 @@ def check_prompts(driver: Any, gateway: str, path: str, steps: int, step_ms: int
     print(f"console errors: {len(errors)}")
     for message in errors:
         print("  ", message[:200])
-    return ready and sum("execution_success" in c for c in by_prompt.values()) >= 2
+    return ready and sum("execution_success" in c for c in by_prompt.values()) >= prompts
 
 
 SLOWEST = "return Math.max(0, ...performance.getEntriesByType('resource').map(e => e.duration));"
 
 
 def page_ready(driver: Any, url: str, key: str | None, slowest: list[float] | None = None) -> float:
-    """Seconds from navigating to ``url`` (as ``key``) until the app is ready (cache off: every
-    file fetched); ``slowest`` gets the ms of the load's slowest request (Resource Timing)."""
-    driver.get("about:blank")
-    driver.execute_cdp_cmd("Network.setExtraHTTPHeaders",
-                           {"headers": {"Authorization": f"Bearer {key}"} if key else {}})
+    """Seconds from navigating to ``url`` (as ``key``) in a new tab until the app is ready (cache
+    off: every file fetched); ``slowest`` gets the ms of the load's slowest request (Resource Timing)."""
+    fresh_tab(driver, key)
     started = time.monotonic()
     driver.get(url)
     if not wait(driver, READY, 60, every=0.02):
@@ -243,7 +270,6 @@ def bench_page(driver: Any, gateway: str, path: str, key: str, other: str | None
     """The page bar: time to app-ready, the page straight from a node against through the gateway,
     nothing rendering, then while every slot renders; the kinds interleaved load by load, so a
     change in the machine's load falls on all of them."""
-    driver.execute_cdp_cmd("Network.setCacheDisabled", {"cacheDisabled": True})
     route = gateway + path + "/"
     page_ready(driver, route, key)  # the first load warms the gateway's and the node's own caches
     urls = page_files(driver)
@@ -277,7 +303,6 @@ def bench_page(driver: Any, gateway: str, path: str, key: str, other: str | None
             call(gateway + "/v1/jobs/" + job, key, method="DELETE")
         for pid in running:
             call(gateway + path + "/interrupt", key, {"prompt_id": pid})
-        driver.execute_cdp_cmd("Network.setExtraHTTPHeaders", {"headers": {"Authorization": f"Bearer {key}"}})
     med = {k: statistics.median(v) for k, v in took.items()}
     base = med["direct, idle"]
     print(f"page to app-ready (cache off), median of {n}; direct = {node}; "
@@ -314,6 +339,8 @@ def main() -> int:
     ap.add_argument("key")
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--step-ms", type=int, default=250)
+    ap.add_argument("--prompts", type=int, default=3,
+                    help="img2img prompts the page queues (more than the route's slots: some wait)")
     ap.add_argument("--node", action="append", default=[], help="a node's URL (the first is the page's peer)")
     ap.add_argument("--page-loads", type=int, default=0, help="measure the page bar with N loads each")
     ap.add_argument("--slots", type=int, default=2, help="the route's slots over all its nodes")
@@ -324,7 +351,7 @@ def main() -> int:
     args = ap.parse_args()
     driver = browser(args.key)
     try:
-        ok = check_prompts(driver, args.gateway, args.path, args.steps, args.step_ms, args.node)
+        ok = check_prompts(driver, args.gateway, args.path, args.steps, args.step_ms, args.node, args.prompts)
         if args.page_loads and args.node:
             bench_page(driver, args.gateway, args.path, args.key, args.other_key, args.node[0], args.page_loads,
                        args.slots, args.gateway_pid)

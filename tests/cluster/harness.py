@@ -193,7 +193,9 @@ class GatewayProc:
             self.proc = subprocess.Popen([sys.executable, "-m", "kilolined", "run", "-c", str(self.path)],
                                          stdout=log, stderr=log, env=env)
 
-    async def ready(self, timeout: float = 20) -> None:
+    async def ready(self, timeout: float = 60) -> None:
+        # Generous: a loaded 2-core box starts a Python process slowly; a gateway that is up
+        # answers at once, so this costs nothing when all is well.
         deadline = time.monotonic() + timeout
         async with aiohttp.ClientSession() as s:
             while True:
@@ -232,7 +234,7 @@ async def start_all(procs: list[GatewayProc]) -> None:
     for p in procs:
         p.start()
     await asyncio.gather(*(p.ready() for p in procs))
-    deadline = time.monotonic() + 20
+    deadline = time.monotonic() + 30
     while True:
         states = await asyncio.gather(*(p.state() for p in procs))
         if all(len(st["cluster"]["peers"]) == len(procs) - 1 for st in states):
