@@ -488,9 +488,9 @@ class ComfyUIAdapter(Adapter):
         body = _json_object(ex.body)
         if body is None:
             raise Failure("bad_request", "body must be a JSON object (ComfyUI API prompt)", 400)
-        # Inline and fetched inputs become held files; every held input goes with each attempt.
         state, ticket = comfy_state(rt), scope.ticket
         route = ticket.route
+        # Inline and fetched inputs become held files; every held input goes with each attempt.
         inputs = PromptInputs(rt, route, ticket.key)
         prompt_id = given if isinstance(given := body.get("prompt_id"), str) else None
         # A POST answered early (``answer_early``) was given its id and number already.
@@ -499,7 +499,8 @@ class ComfyUIAdapter(Adapter):
         item = None
         if sink.mode != "sync" and ticket.state == WAITING:
             # Waiting in the gateway's queue, it is listed there as ComfyUI lists a queued prompt
-            # (GET /queue), and removable by its id: it keeps that id and number on its node.
+            # (GET /queue), and removable by its id: its node is sent that id, and the route's
+            # record keeps that number for it.
             if prompt_id is None:
                 prompt_id = str(uuid.uuid4())
                 body = {**body, "prompt_id": prompt_id}
