@@ -337,8 +337,18 @@ async def test_an_operators_unqueued_paths_replace_the_default_but_never_free_a_
                                    unqueued_paths=["*"]))
     await post(http, gw, {"prompt": graph(2000, 1)})
     await wait_until(lambda: fake.stats["running"] == 1)
+    # queued behind the render (answered as ComfyUI answers a prompt it queues), not passed through
     async with http.post(gw.url + "/gen/api/prompt", json={"prompt": graph(3, 2)}, headers=auth()) as r:
-        assert r.status == 503 and (await r.json())["error"]["type"] == "queue_timeout"
+        assert r.status == 200
+        pid = (await r.json())["prompt_id"]
+
+    async def timed_out() -> bool:
+        return pid in await get(http, gw, "/history", auth())
+
+    await wait_until(timed_out)
+    status = (await get(http, gw, f"/history/{pid}", auth()))[pid]["status"]
+    assert status["status_str"] == "error" and "queue" in status["messages"][0][1]["exception_message"]
+    assert fake.stats["running"] == 1  # still the first prompt's
     async with http.post(fake.url + "/interrupt", json={}):
         pass
 

@@ -14,11 +14,12 @@ from aiohttp import web
 
 from kilolined.core.config import RewriteConfig
 from kilolined.core.forms import FormError
+from kilolined.core.outcome import Result
 from kilolined.core.rewrite import rewrite_body
 from kilolined.core.verdict import Cause, failed_status, status_verdict
 from kilolined.ops.runtime import Runtime
 from kilolined.scheduling.lease import LeaseScope, Sink
-from kilolined.scheduling.queue import Lease
+from kilolined.scheduling.queue import Lease, Ticket
 from kilolined.wire.proxy import RETRY_STATUSES, Exchange, Observer, UpstreamFailed, open_upstream, parse_body
 from kilolined.wire.upstream import Stalled, UpstreamResponse
 
@@ -38,6 +39,12 @@ class Adapter:
         """Answer at once, without a slot, a request that must never queue (ComfyUI's /interrupt,
         its history and its websocket); None lets it go on through the pipeline. ``subject``
         None is the admin key."""
+        return None
+
+    def answer_early(self, rt: Runtime, ex: Exchange, ticket: Ticket) -> Result | None:
+        """The answer to a sync request that must wait in the gateway's queue, when its backend
+        answers such a request before doing the work (ComfyUI's ``POST /prompt``): the request is
+        then the gateway's to run, as an async job is. None (every other kind): the client waits."""
         return None
 
     def observer(self, rt: Runtime, ex: Exchange, scope: LeaseScope, sink: Sink) -> Observer | None:

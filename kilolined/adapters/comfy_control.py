@@ -20,6 +20,7 @@ import asyncio
 import functools
 import logging
 import uuid
+from collections import Counter
 from collections.abc import Callable
 from typing import Any
 from urllib.parse import quote
@@ -39,7 +40,9 @@ from kilolined.adapters.comfy_record import (
     Queued,
     Viewer,
     entry_as_given,
+    pending_of,
     record_of,
+    record_of_queued,
     removable,
 )
 from kilolined.adapters.comfy_store import claim_names, executed_for_client, history_for_client
@@ -53,6 +56,7 @@ log = logging.getLogger("kilolined")
 
 WS_MAX_MSG = 64 * 1024 * 1024
 STATE_KEY = "comfyui"
+QUEUED_ELSEWHERE = ""  # the node of a prompt in another gateway's own queue (cluster mode): none yet
 MONITOR_WAIT_SEC = 2.0  # a client's socket or a prompt waits this long at most for the nodes' monitors
 FEATURES_FALLBACK = {"supports_preview_metadata": True}
 
@@ -107,10 +111,15 @@ class ComfyState:
         self.routes: dict[str, PromptOwners] = {}
         #: route → the prompts in the gateway's own queue, not yet on a node (by ``id()``)
         self.queued: dict[str, dict[int, Queued]] = {}
+        #: route → the last number the gateway gave a prompt it queued itself
+        self.numbers: dict[str, float] = {}
+        #: (route, prompt id) → the number a POST /prompt answered early was given, until its job runs
+        self.early: dict[tuple[str, str], float] = {}
         self.activity = NodeActivity()
         #: the client id every prompt is sent under, on every node: the monitors listen as it
         self.hub_id = f"kilolined-monitor-{uuid.uuid4().hex}"
-        self.hub = Hub(self.owners, self.routes_of, functools.partial(executed_for_client, rt), rt.comfy_ws)
+        self.hub = Hub(self.owners, self.routes_of, functools.partial(executed_for_client, rt), rt.comfy_ws,
+                       self.queued_by_key)
         if rt.comfy_ws is not None:  # cluster mode: frames and counts of prompts other gateways run
             rt.comfy_ws.on_frame, rt.comfy_ws.on_counts = self.hub.remote, self.hub.status_of
 
@@ -147,8 +156,13 @@ class ComfyState:
             await lists.drop(route, [pid for pid in prompt_ids if owners.get(pid) is None], self.max_age(route))
 
     def queue_in(self, route: str, q: Queued) -> Callable[[], None]:
-        """``q`` waits in the gateway's queue of ``route``; the returned call says it left."""
+        """``q`` waits in the gateway's queue of ``route``; the returned call says it left (its
+        request ended). In cluster mode a listed one is in every gateway's queue too, until a
+        node takes it (its record is then the node's) or it ends without one."""
         self.queued.setdefault(route, {})[id(q)] = q
+        lists = self.rt.comfy_lists
+        if lists is not None and q.item is not None and q.prompt_id is not None:
+            lists.waiting_now(route, q.prompt_id, record_of_queued(q), self.max_age(route))
 
         def left() -> None:
             on_route = self.queued.get(route)
@@ -156,13 +170,59 @@ class ComfyState:
                 on_route.pop(id(q), None)
                 if not on_route:
                     del self.queued[route]
+            if lists is not None and q.item is not None and q.prompt_id is not None and \
+                    self.owners(route).get(q.prompt_id) is None:
+                lists.waiting_now(route, q.prompt_id, None, self.max_age(route))  # no node ever took it
 
         return left
 
     def unqueue(self, route: str, viewer: Viewer, ids: set[str] | None) -> bool:
         """Take the viewer's prompts that ``ids`` name (None: all) out of the gateway's queue."""
         taken = [q.take() for q in removable(self.queued.get(route, {}), viewer, ids)]
+        if any(taken):
+            self.hub.status_of(route)  # the route's queue shrank, as ComfyUI says of a delete
         return any(taken)
+
+    async def unqueue_elsewhere(self, route: str, prompt_ids: list[str]) -> bool:
+        """Cluster mode: take these prompts, which wait in another gateway's own queue, out of
+        it: marked dropped (that gateway ends each when its turn comes, and never sends it to a
+        node) and out of every gateway's queue now. True when there was one."""
+        lists = self.rt.comfy_lists
+        if lists is None or not prompt_ids:
+            return False
+        await self.drop(route, prompt_ids)
+        for pid in prompt_ids:
+            lists.waiting_now(route, pid, None, self.max_age(route))
+        self.hub.status_of(route)
+        return True
+
+    def next_number(self, route: str) -> float:
+        """The number of a prompt the gateway queues itself: past every number a client of the
+        route was given (a node's, or the gateway's), so the queue lists it after them."""
+        n = int(max(self.numbers.get(route, -1), self.owners(route).top)) + 1
+        self.numbers[route] = n
+        return n
+
+    def pending(self, route: str, viewer: Viewer) -> list[list[Any]]:
+        """The viewer's prompts in the gateway's own queue, as ComfyUI lists queued ones, in the
+        order they will run."""
+        queued = self.queued.get(route)
+        if not queued:
+            return []
+        sched = self.rt.scheduler
+        order = sched.positions(route, self.rt.clock()) if route in sched.routes else {}
+        return pending_of(queued, viewer, order)
+
+    def views(self, route: str, viewer: Viewer, request_id: str) -> Views:
+        return Views(self.rt, route, self.owners(route), viewer, request_id,
+                     functools.partial(self.pending, route, viewer), functools.partial(self.queued_ids, route))
+
+    def queued_ids(self, route: str) -> set[str]:
+        return {q.prompt_id for q in self.queued.get(route, {}).values() if q.prompt_id is not None}
+
+    def queued_by_key(self, route: str) -> Counter[str]:
+        """How many prompts of each key wait in the gateway's own queue (the route's ``status``)."""
+        return Counter(q.subject for q in self.queued.get(route, {}).values() if q.listed())
 
     async def dropped(self, route: str, prompt_id: str) -> bool:
         """Whether a client deleted the prompt from its node's queue (through any gateway)."""
@@ -344,7 +404,7 @@ async def control(rt: Runtime, request: web.Request, route: str, path: str, subj
     view = view_of(request.method, path)
     if view is not None:
         handler, arg = view
-        resp = await handler(Views(rt, route, state.owners(route), viewer, request_id), request, arg)
+        resp = await handler(state.views(route, viewer, request_id), request, arg)
         resp.headers.update(headers)
         return resp
     action = action_of(request.method, path)
@@ -374,6 +434,8 @@ async def control(rt: Runtime, request: web.Request, route: str, path: str, subj
         elif action == "cancel":
             jid = path.split("/")[3]
             node = mine.get(jid)
+            if node == QUEUED_ELSEWHERE:
+                return web.json_response({"cancelled": await state.unqueue_elsewhere(route, [jid])}, headers=headers)
             if node is None or node not in rt.scheduler.nodes:
                 return web.json_response({"cancelled": state.unqueue(route, viewer, {jid})}, headers=headers)
             await state.drop(route, await _pending(rt, {jid: node}, request_id))
@@ -386,6 +448,7 @@ async def control(rt: Runtime, request: web.Request, route: str, path: str, subj
             if not isinstance(ids, list):
                 return web.json_response({"error": "job_ids must be a list"}, status=400, headers=headers)
             cancelled = state.unqueue(route, viewer, {pid for pid in ids if isinstance(pid, str)})
+            cancelled |= await state.unqueue_elsewhere(route, _elsewhere(mine, ids))
             by_node = _by_node(rt, mine, ids)
             await state.drop(route, await _pending(rt, {pid: n for n, pids in by_node.items() for pid in pids},
                                                    request_id))
@@ -444,8 +507,13 @@ async def _reach(rt: Runtime, route: str, owners: PromptOwners, viewer: Viewer, 
     mine = owners.mine(viewer.subject)
     if rt.comfy_lists is None:
         return mine
-    there = await Views(rt, route, owners, viewer, request_id).waiting()
+    there = await comfy_state(rt).views(route, viewer, request_id).waiting()
     return {**{pid: p.node for pid, p in there.items()}, **mine}
+
+
+def _elsewhere(mine: dict[str, str], ids: list[Any] | None) -> list[str]:
+    """The prompts of ``ids`` (None: all) of ``mine`` that wait in another gateway's own queue."""
+    return [pid for pid, node in mine.items() if node == QUEUED_ELSEWHERE and (ids is None or pid in ids)]
 
 
 def _by_node(rt: Runtime, mine: dict[str, str], ids: list[Any]) -> dict[str, list[str]]:
@@ -505,8 +573,10 @@ async def _queue(rt: Runtime, state: ComfyState, route: str, viewer: Viewer, min
     delete = body.get("delete")
     if body.get("clear"):
         state.unqueue(route, viewer, None)
+        await state.unqueue_elsewhere(route, _elsewhere(mine, None))
     elif isinstance(delete, list):
         state.unqueue(route, viewer, {pid for pid in delete if isinstance(pid, str)})
+        await state.unqueue_elsewhere(route, _elsewhere(mine, delete))
     listed = {pid: mine[pid] for pid in delete if isinstance(pid, str) and pid in mine} \
         if isinstance(delete, list) else {}
     for api, queue, on_node in await _queues(rt, mine if body.get("clear") else listed, request_id):

@@ -154,6 +154,27 @@ def lost_error(prompt_id: str, node_id: str | None, graph: Any, message: str, no
             "current_inputs": {}, "current_outputs": [], "timestamp": now_ms}
 
 
+def refusal_error(prompt_id: str, graph: Any, answer: Any, message: str, now_ms: int) -> dict[str, Any]:
+    """The ``execution_error`` of a prompt no node ran (its node refused it: ``answer``, the node's
+    400 body, names the node its ``node_errors`` or ``extra_info`` blame; or it never reached
+    one), in execution.py's shape; ``exception_type`` is the node's error type when it gave one."""
+    err = answer.get("error") if isinstance(answer, dict) else None
+    node_errors = answer.get("node_errors") if isinstance(answer, dict) else None
+    node_id: str | None = next(iter(node_errors), None) if isinstance(node_errors, dict) else None
+    info = err.get("extra_info") if isinstance(err, dict) else None
+    if node_id is None and isinstance(info, dict) and isinstance(info.get("node_id"), str):
+        node_id = info["node_id"]
+    data = lost_error(prompt_id, node_id, graph, message, now_ms)
+    kind = err.get("type") if isinstance(err, dict) else None
+    data["exception_type"] = kind if isinstance(kind, str) and kind else "PromptNotRun"
+    named = node_errors.get(node_id) if isinstance(node_errors, dict) and node_id is not None else None
+    if data["node_type"] is None and isinstance(named, dict) and isinstance(named.get("class_type"), str):
+        data["node_type"] = named["class_type"]
+    if data["node_type"] is None and isinstance(info, dict) and isinstance(info.get("class_type"), str):
+        data["node_type"] = info["class_type"]
+    return data
+
+
 def text_frame(kind: str, data: dict[str, Any]) -> str:
     return orjson.dumps({"type": kind, "data": data}).decode()
 
@@ -169,8 +190,10 @@ class Hub:
     """The client sockets of one runtime's ComfyUI routes, and where each node's frames go."""
 
     def __init__(self, owners: Callable[[str], PromptOwners], routes_of: Callable[[str], list[str]],
-                 executed: Executed, bus: SocketBus | None = None):
+                 executed: Executed, bus: SocketBus | None = None,
+                 queued: Callable[[str], Counter[str]] | None = None):
         self._owners = owners  # route → its record
+        self._queued = queued  # route → its prompts in the gateway's own queue, per key
         self._routes_of = routes_of  # node → the routes it serves
         self._executed = executed
         self.bus = bus  # cluster mode: the other gateways' sockets, and their frames for ours
@@ -181,8 +204,16 @@ class Hub:
         self.unclaimed: dict[str, deque[tuple[str, str, dict[str, Any], str]]] = {}
 
     # --- the client side -------------------------------------------------------------------------
+    def _waiting(self, route: str) -> Counter[str]:
+        """The route's prompts not yet ended on this gateway, per key: on a node, or in its queue."""
+        waiting = Counter(p.subject for p in self._owners(route).waiting(EVERYONE).values())
+        if self._queued is not None:
+            waiting.update(self._queued(route))
+        return waiting
+
     def remaining(self, route: str, viewer: Viewer) -> int:
-        here = len(self._owners(route).waiting(viewer))
+        waiting = self._waiting(route)
+        here = waiting.total() if viewer.subject is None else waiting[viewer.subject]
         if self.bus is None:
             return here
         there = self.bus.elsewhere(route)
@@ -270,7 +301,7 @@ class Hub:
         bus = self.bus
         if not clients and (bus is None or not bus.listened(route)):
             return
-        waiting = Counter(p.subject for p in self._owners(route).waiting(EVERYONE).values())
+        waiting = self._waiting(route)
         if bus is not None:
             bus.counts(route, dict(waiting))
             waiting.update(bus.elsewhere(route))
@@ -369,11 +400,22 @@ class Hub:
             del self.current[node]
             self.executing.pop(node, None)
         found = self.find(node, prompt_id)
-        if found is None:
-            return
-        self._deliver(found, text_frame("execution_error", lost_error(prompt_id, running, graph, message, now_ms)))
+        if found is not None:
+            self._failed(found, lost_error(prompt_id, running, graph, message, now_ms))
+
+    def refused(self, route: str, prompt_id: str, error: dict[str, Any]) -> None:
+        """``prompt_id`` (in the route's record, ended) was answered by the gateway, then no node
+        ran it: its sockets hear it end as ComfyUI ends a prompt that failed."""
+        p = self._owners(route).get(prompt_id)
+        if p is not None:
+            self._failed((route, p.subject, p.target()), error)
+
+    def _failed(self, found: tuple[str, str, str | None], error: dict[str, Any]) -> None:
+        """What ComfyUI sends of a prompt that failed: the error, the queue's new count, then the
+        end of its execution (the web UI stops showing it running)."""
+        self._deliver(found, text_frame("execution_error", error))
         self.status_of(found[0])
-        self._deliver(found, text_frame("executing", {"node": None, "prompt_id": prompt_id}))
+        self._deliver(found, text_frame("executing", {"node": None, "prompt_id": error["prompt_id"]}))
 
     def remote(self, route: str, owner: str, target: str | None, frame: str | bytes) -> None:
         """A frame of a prompt another gateway runs (cluster mode), for this gateway's sockets."""

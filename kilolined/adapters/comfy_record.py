@@ -20,6 +20,7 @@ from typing import Any
 OWNERS_MAX = 10_000  # prompts remembered per route (the oldest are forgotten first)
 ENTRIES_MAX = 2_000  # history entries kept per route (ComfyUI's own cap is 10,000, of small entries)
 ABSENT: Any = object()  # the client sent no client_id
+SENSITIVE_EXTRA_DATA_KEYS = ("auth_token_comfy_org", "api_key_comfy_org")  # ComfyUI keeps these out of its queue
 
 
 @dataclass(slots=True)
@@ -61,22 +62,54 @@ class Viewer:
 EVERYONE = Viewer(None)
 
 
+def _always() -> bool:
+    return True
+
+
 @dataclass(slots=True)
 class Queued:
     """A prompt in the gateway's own queue, not yet sent to any node: a client removes it by its
-    key (``POST /queue`` clear, or delete or cancel by the ``prompt_id`` it gave), as from
-    ComfyUI's own queue. ``remove`` takes it out of the queue (False: it left already)."""
+    key (``POST /queue`` clear, or delete or cancel by its ``prompt_id``), as from ComfyUI's own
+    queue. ``remove`` takes it out of the queue (False: it left already). One with an ``item``
+    is listed in ``GET /queue`` while ``waiting`` says it still waits there."""
 
     subject: str
-    prompt_id: str | None  # the prompt_id its client gave, if any
+    prompt_id: str | None  # the prompt_id its client gave (or the gateway made), if any
     remove: Callable[[], bool]
     removed: bool = False
+    item: list[Any] | None = None  # ``[number, id, prompt, extra_data, outputs]`` as GET /queue lists it
+    seq: int = 0  # its request's place in the scheduler's order (``positions``)
+    waiting: Callable[[], bool] = _always
 
     def take(self) -> bool:
         """Remove it now; True when it was still waiting."""
         if not self.removed and self.remove():
             self.removed = True
         return self.removed
+
+    def listed(self) -> bool:
+        return self.item is not None and not self.removed and self.waiting()
+
+
+def queue_item(number: float, prompt_id: str, body: dict[str, Any], now_ms: int) -> list[Any]:
+    """A prompt the gateway holds as ComfyUI lists a queued one: its ``extra_data`` with the
+    client's ``client_id`` and ``create_time``, without the keys ComfyUI keeps out of it. Its
+    outputs to execute are the node's to say (validation): none yet."""
+    extra = dict(body["extra_data"]) if isinstance(body.get("extra_data"), dict) else {}
+    if "client_id" in body:
+        extra["client_id"] = body["client_id"]
+    extra["create_time"] = now_ms
+    for key in SENSITIVE_EXTRA_DATA_KEYS:
+        extra.pop(key, None)
+    return [number, prompt_id, body.get("prompt"), extra, []]
+
+
+def pending_of(queued: dict[int, Queued], viewer: Viewer, order: dict[int, int]) -> list[list[Any]]:
+    """The viewer's listed prompts of ``queued``, in the order they will run (``order``: seq →
+    place; the number breaks ties and orders what the scheduler does not place)."""
+    mine = [q for q in queued.values() if (viewer.subject is None or q.subject == viewer.subject) and q.listed()]
+    mine.sort(key=lambda q: (order.get(q.seq, len(order) + 1), q.item[0] if q.item else 0))
+    return [q.item for q in mine if q.item is not None]
 
 
 def removable(queued: dict[int, Queued], viewer: Viewer, ids: set[str] | None) -> list[Queued]:
@@ -93,12 +126,16 @@ class PromptOwners:
     entries_cap: int = ENTRIES_MAX
     #: told of each prompt a node took, moved or ended (cluster mode: for every gateway's lists)
     listen: Callable[[str, Prompt], None] | None = None
+    #: the highest number a client of the route was given (the gateway numbers on from it)
+    top: float = -1
     _by_id: OrderedDict[str, Prompt] = field(default_factory=OrderedDict)
     _ended: OrderedDict[str, None] = field(default_factory=OrderedDict)
 
     def add(self, prompt_id: str, subject: str, node: str, number: float | None = None,
-            client_id: Any = ABSENT) -> Prompt:
-        p = self._by_id[prompt_id] = Prompt(subject, node, number, client_id)
+            client_id: Any = ABSENT, node_number: float | None = None) -> Prompt:
+        p = self._by_id[prompt_id] = Prompt(subject, node, number, client_id, node_number=node_number)
+        if number is not None:
+            self.top = max(self.top, number)
         self._by_id.move_to_end(prompt_id)
         self._ended.pop(prompt_id, None)  # a reused id runs again
         while len(self._by_id) > self.cap:
@@ -222,6 +259,18 @@ def record_of(p: Prompt) -> dict[str, Any]:
     """A waiting prompt as every gateway reads it (cluster/comfylists.py)."""
     rec = {"subject": p.subject, "node": p.node, "number": p.number, "node_number": p.node_number}
     return rec if p.client_id is ABSENT else {**rec, "client_id": p.client_id}
+
+
+def record_of_queued(q: Queued) -> dict[str, Any]:
+    """A prompt in one gateway's own queue as every gateway reads it (cluster/comfylists.py): on
+    no node yet (``node`` ""), with its queue item as GET /queue lists it."""
+    return {"subject": q.subject, "node": "", "number": q.item[0] if q.item else None, "item": q.item}
+
+
+def queued_item(rec: dict[str, Any]) -> list[Any] | None:
+    """The queue item of a record written by ``record_of_queued`` (None: a prompt on a node)."""
+    item = rec.get("item")
+    return item if rec.get("node") == "" and isinstance(item, list) and len(item) == 5 else None
 
 
 def prompt_of(rec: dict[str, Any]) -> Prompt | None:

@@ -3,7 +3,8 @@ list over every node, from the route's record (comfy_record.py), in ComfyUI's sh
 
 - ``GET /history``, ``/history/{id}``: the viewer's ended prompts, in the order they ended; an
   entry the record has not read yet (the prompt ended a moment ago) is asked of its node.
-- ``GET /queue``: the queues of the nodes that hold the viewer's prompts, kept to those prompts.
+- ``GET /queue``: the queues of the nodes that hold the viewer's prompts, kept to those prompts,
+  then the viewer's prompts still in the gateway's own queue, in the order they will run.
 - ``GET /prompt``: ``queue_remaining`` over the route (the viewer's prompts not yet ended).
 - ``GET /api/jobs``, ``/api/jobs/{id}``: ComfyUI's jobs records of the same (core/comfy_jobs.py).
 In cluster mode each also holds the prompts sent through the other gateways
@@ -31,6 +32,7 @@ from kilolined.adapters.comfy_record import (
     as_given,
     entry_as_given,
     prompt_of,
+    queued_item,
 )
 from kilolined.adapters.comfy_store import history_for_client
 from kilolined.core import comfy_jobs
@@ -59,9 +61,24 @@ def view_of(method: str, path: str) -> tuple[View, str] | None:
     return None
 
 
+def _nothing_queued() -> list[list[Any]]:
+    return []
+
+
+def _none_here() -> set[str]:
+    return set()
+
+
 class Views:
-    def __init__(self, rt: Runtime, route: str, owners: PromptOwners, viewer: Viewer, request_id: str):
+    def __init__(self, rt: Runtime, route: str, owners: PromptOwners, viewer: Viewer, request_id: str,
+                 queued: Callable[[], list[list[Any]]] = _nothing_queued,
+                 queued_here: Callable[[], set[str]] = _none_here):
         self.rt, self.route, self.owners, self.viewer, self.request_id = rt, route, owners, viewer, request_id
+        #: the viewer's prompts in the gateway's own queue, as ComfyUI lists queued ones, in run order
+        self.queued = queued
+        self.queued_here = queued_here  # the prompt ids of every prompt in this gateway's own queue
+        #: cluster mode: those in the other gateways' own queues, by number (read by ``waiting``)
+        self.there_queued: list[list[Any]] = []
         self.names: Names = functools.partial(history_for_client, rt, route)  # the route's file names
 
     def _given(self, entry: dict[str, Any], p: Prompt) -> dict[str, Any]:
@@ -93,10 +110,15 @@ class Views:
         if lists is None:
             return mine
         there = {}
+        self.there_queued = []
+        here = self.queued_here()
         for pid, rec in (await lists.waiting(self.route)).items():
             p = prompt_of(rec)
-            if p is not None and self.owners.get(pid) is None and self.viewer.sees(p):
+            if p is not None and self.owners.get(pid) is None and pid not in here and self.viewer.sees(p):
                 there[pid] = p
+                if (item := queued_item(rec)) is not None:
+                    self.there_queued.append(item)
+        self.there_queued.sort(key=lambda item: item[0] if isinstance(item[0], (int, float)) else 0)
         return {**there, **mine}
 
     async def _queues(self) -> tuple[list[list[Any]], list[list[Any]]]:
@@ -118,7 +140,8 @@ class Views:
                     if p is not None and p.node == node:
                         out.append(as_given(item, p))
         pending.sort(key=lambda item: item[0] if isinstance(item[0], (int, float)) else 0)
-        return running, pending
+        # What waits in the gateways' own queues runs after: this one's, then (cluster mode) the others'.
+        return running, pending + self.queued() + self.there_queued
 
     async def _ended(self) -> tuple[list[str], dict[str, Prompt]]:
         """The viewer's ended prompts with an entry, in the order they ended (cluster mode:
@@ -193,7 +216,7 @@ class Views:
         return web.json_response({"queue_running": running, "queue_pending": pending})
 
     async def prompt(self, request: web.Request, _: str) -> web.Response:
-        return web.json_response({"exec_info": {"queue_remaining": len(await self.waiting())}})
+        return web.json_response({"exec_info": {"queue_remaining": len(await self.waiting()) + len(self.queued())}})
 
     async def jobs(self, request: web.Request, _: str) -> web.Response:
         running, pending = await self._queues()
@@ -222,6 +245,8 @@ class Views:
             else:
                 running, pending = await self._queues()
                 job = comfy_jobs.find(pid, running, pending, {})
+        if job is None and p is None:  # in the gateway's own queue
+            job = comfy_jobs.find(pid, [], self.queued(), {})
         if job is None:
             return web.json_response({"error": "Job not found"}, status=404)
         return web.json_response(job)

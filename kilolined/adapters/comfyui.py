@@ -8,8 +8,10 @@ the node's ``/ws`` for that prompt id, hold the lease until the prompt is finish
 that made them. In sync mode the request passes through as generic (under the gateway's own
 client id, so that the node's monitor socket hears its events for the client's /ws: comfy_hub.py),
 and the lease is held until the history holds *this* submission's entry; the monitor says when to
-look. A prompt whose node is lost before any output is re-queued by the lease scope. Control
-endpoints, the route's history, queue and jobs views and its websocket are comfy_control.py's.
+look. A sync prompt that must wait in the gateway's queue is answered at once instead, as ComfyUI
+answers a prompt it queues, and run to its end as a job's prompt is (``answer_early``). A prompt
+whose node is lost before any output is re-queued by the lease scope. Control endpoints, the
+route's history, queue and jobs views and its websocket are comfy_control.py's.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ from aiohttp import web
 
 from kilolined.adapters.base import Adapter, HttpAttempt
 from kilolined.adapters.comfy_control import ComfyState, NodeActivity, comfy_state, control
-from kilolined.adapters.comfy_hub import ws_event
+from kilolined.adapters.comfy_hub import refusal_error, ws_event
 from kilolined.adapters.comfy_images import images_answer
 from kilolined.adapters.comfy_inputs import PromptInputs, is_upload, upload
 from kilolined.adapters.comfy_monitor import NodeMonitor
@@ -44,6 +46,7 @@ from kilolined.adapters.comfy_record import (
     Queued,
     entry_as_given,
     prompt_id_of,
+    queue_item,
     without_traceback,
 )
 from kilolined.adapters.comfy_store import is_view, prompt_finished, view
@@ -178,6 +181,31 @@ def _unqueue(rt: Runtime, ticket: Ticket) -> bool:
     return True
 
 
+def _waits(ticket: Ticket) -> bool:
+    return ticket.state == WAITING
+
+
+async def _refused(state: ComfyState, scope: LeaseScope, prompt_id: str, number: float, body: dict[str, Any],
+                   item: list[Any] | None, f: Failure) -> None:
+    """A prompt whose POST the gateway answered, that no node then ran (its node refused it —
+    validation, node_errors — or none took it): it ends as ComfyUI ends a prompt that failed.
+    Its history entry holds the error (``status_str`` error, not completed), and the client's
+    sockets hear the ``execution_error`` (the node and message the node's refusal names), the
+    route's ``status``, and the end of its execution."""
+    lease, route = scope.lease, scope.ticket.route
+    now = int(time.time() * 1000)
+    owners = state.owners(route)
+    owners.add(prompt_id, scope.ticket.key, lease.node if lease is not None else "-", number,
+               body.get("client_id", ABSENT))
+    error = refusal_error(prompt_id, body.get("prompt"), _json_object(f.body) if f.body else None, f.message, now)
+    owners.end(prompt_id, {"prompt": item or queue_item(number, prompt_id, body, now), "outputs": {},
+                           "status": {"status_str": "error", "completed": False,
+                                      "messages": [["execution_error", error]]},
+                           "meta": {}})
+    state.hub.refused(route, prompt_id, error)
+    await state.share_failed(route, prompt_id)  # in every gateway's history too
+
+
 async def _nothing() -> None:
     return None
 
@@ -217,7 +245,9 @@ def _error_message(body: bytes, status: int) -> str:
             errs = ne.get("errors") if isinstance(ne, dict) else None
             first = errs[0] if isinstance(errs, list) and errs and isinstance(errs[0], dict) else None
             if first is not None and isinstance(first.get("message"), str):
-                msg += f": node {nid} ({ne.get('class_type', '?')}): {first['message']}"
+                details = first.get("details")
+                msg += f": node {nid} ({ne.get('class_type', '?')}): {first['message']}" + \
+                    (f": {details}" if isinstance(details, str) and details else "")  # which input, why
                 break
     return msg[:500]
 
@@ -407,6 +437,30 @@ class ComfyUIAdapter(Adapter):
         if is_prompt(ex) and _json_object(ex.body) is None:
             raise Rejected(400, "bad_request", "body must be a JSON object (ComfyUI API prompt)")
 
+    def answer_early(self, rt: Runtime, ex: Exchange, ticket: Ticket) -> Result | None:
+        """A ``POST /prompt`` that must wait in the gateway's queue is answered now, as ComfyUI
+        answers one it queues: the client's ``prompt_id`` (or one the gateway makes), the route's
+        next number, no node errors. From then on it is the gateway's to run, as an async job
+        (modes/jobs.py: it outlives the client's connection), sent to its node under that id.
+
+        A prompt that gets a slot at once is not answered here: its node's own answer reaches the
+        client, and with it a refusal's ``node_errors``, which the web UI shows on the graph.
+        One answered early that its node refuses ends in an ``execution_error`` instead
+        (``_refused``): on the client's /ws and in /history, where ComfyUI reports a failed prompt."""
+        if not is_prompt(ex):
+            return None
+        body = _json_object(ex.body)
+        if body is None:
+            return None
+        given = body.get("prompt_id")
+        prompt_id = str(given) if given is not None and given != "" else str(uuid.uuid4())
+        state = comfy_state(rt)
+        number = state.next_number(ticket.route)
+        state.early[(ticket.route, prompt_id)] = number
+        ex.body = orjson.dumps({**body, "prompt_id": prompt_id})  # every node it is sent to, and a handover
+        answer = {"prompt_id": prompt_id, "number": number, "node_errors": {}}
+        return Result(200, "application/json", orjson.dumps(answer), result=answer)
+
     has_control = True
 
     async def control(self, rt: Runtime, request: web.Request, route: str, path: str, subject: str | None,
@@ -434,26 +488,41 @@ class ComfyUIAdapter(Adapter):
         body = _json_object(ex.body)
         if body is None:
             raise Failure("bad_request", "body must be a JSON object (ComfyUI API prompt)", 400)
+        state, ticket = comfy_state(rt), scope.ticket
+        route = ticket.route
         # Inline and fetched inputs become held files; every held input goes with each attempt.
-        inputs = PromptInputs(rt, scope.ticket.route, scope.ticket.key)
-        queued = Queued(scope.ticket.key, given if isinstance(given := body.get("prompt_id"), str) else None,
-                        functools.partial(_unqueue, rt, scope.ticket))
-        left = comfy_state(rt).queue_in(scope.ticket.route, queued)
+        inputs = PromptInputs(rt, route, ticket.key)
+        prompt_id = given if isinstance(given := body.get("prompt_id"), str) else None
+        # A POST answered early (``answer_early``) was given its id and number already.
+        number = state.early.pop((route, prompt_id), None) if prompt_id is not None else None
+        early = number is not None
+        item = None
+        if sink.mode != "sync" and ticket.state == WAITING:
+            # Waiting in the gateway's queue, it is listed there as ComfyUI lists a queued prompt
+            # (GET /queue), and removable by its id: its node is sent that id, and the route's
+            # record keeps that number for it.
+            if prompt_id is None:
+                prompt_id = str(uuid.uuid4())
+                body = {**body, "prompt_id": prompt_id}
+            number = state.next_number(route) if number is None else number
+            item = queue_item(number, prompt_id, body, int(time.time() * 1000))
+        queued = Queued(ticket.key, prompt_id, functools.partial(_unqueue, rt, ticket), item=item, seq=ticket.seq,
+                        waiting=functools.partial(_waits, ticket))
+        left = state.queue_in(route, queued)
+        if item is not None:
+            state.hub.status_of(route)  # the route's queue grew
         try:
             if sink.mode == "sync":
                 return await self._serve_sync(rt, scope, ex, sink, body, inputs)
-            lease, entry = await self._run_to_end(rt, scope, ex, body, sink, inputs)
-        except Failure:
-            if not queued.removed:
-                raise
-            # Removed from the gateway's queue by its client: it never ran, as ComfyUI drops a
-            # deleted prompt. A job ends cancelled; a sync POST is answered as ComfyUI answered
-            # it before the delete (its prompt id, no number: no node numbered it).
-            if sink.mode != "sync":
+            lease, entry = await self._run_to_end(rt, scope, ex, body, sink, inputs, number, item is not None)
+        except Failure as f:
+            if queued.removed:
+                # Removed from the gateway's queue by its client: it never ran, as ComfyUI drops a
+                # deleted prompt (a sync POST that had to wait was answered early: a job too).
                 raise Cancelled("deleted from the queue before it ran") from None
-            answer = {"prompt_id": queued.prompt_id or str(uuid.uuid4()), "node_errors": {}}
-            sink.result(Result(200, "application/json", orjson.dumps(answer), result=answer))
-            return
+            if early and prompt_id is not None and number is not None and state.owners(route).get(prompt_id) is None:
+                await _refused(state, scope, prompt_id, number, body, queued.item, f)
+            raise
         finally:
             left()
         result, files = annotate_files(entry, lease.node, sink.file_url)
@@ -484,13 +553,17 @@ class ComfyUIAdapter(Adapter):
         sink.result(Result(200, "application/json", orjson.dumps(images), result=images))
 
     async def _run_to_end(self, rt: Runtime, scope: LeaseScope, ex: Exchange, body: dict[str, Any], sink: Sink,
-                          inputs: PromptInputs) -> tuple[Lease, dict[str, Any]]:
+                          inputs: PromptInputs, number: float | None = None,
+                          listed: bool = False) -> tuple[Lease, dict[str, Any]]:
         """Submit the prompt and follow it to its end under the scope (queue, failover, stalls);
-        its lease and history entry (the node's names), the slot freed."""
+        its lease and history entry (the node's names), the slot freed. ``number``: the one its
+        client was given while it waited in the gateway's queue (else its node's); ``listed``:
+        it was in the queue's list, where a client may have deleted it (through another gateway)."""
         progress = Progress(body.get("prompt"))
         last: list[Submitted] = []  # the last attempt's prompt on its node
         try:
-            done = await scope.acquire(self._attempt(rt, ex, body, scope, sink, progress, inputs, last))
+            done = await scope.acquire(self._attempt(rt, ex, body, scope, sink, progress, inputs, last, number,
+                                                     listed))
         except Failure:
             if last and last[0].lost is not None:  # its node was lost, and it runs nowhere else now
                 state = comfy_state(rt)
@@ -658,13 +731,17 @@ class ComfyUIAdapter(Adapter):
         return _prompt_number(data)
 
     def _attempt(self, rt: Runtime, ex: Exchange, body: dict[str, Any], scope: LeaseScope, sink: Sink,
-                 progress: Progress, inputs: PromptInputs,
-                 last: list[Submitted]) -> Callable[[Lease], Awaitable[Finished]]:
+                 progress: Progress, inputs: PromptInputs, last: list[Submitted],
+                 number: float | None, listed: bool) -> Callable[[Lease], Awaitable[Finished]]:
         """Submit and follow the prompt to its end, all inside the lease scope's retry loop: a node
         lost before any output re-queues the prompt like a node that never answered."""
         first: list[str] = []  # the prompt id of the first attempt: a re-queued prompt keeps it
 
         async def attempt(lease: Lease) -> Finished:
+            pid = body.get("prompt_id")
+            if listed and not first and isinstance(pid, str) and await comfy_state(rt).dropped(lease.route, pid):
+                # Deleted from the queue through another gateway while it waited here: it never runs.
+                raise Cancelled("deleted from the queue before it ran")
             progress.attempt()
             sent = await inputs.for_node(lease, body, ex.request_id)  # this node's copy of the prompt's inputs
             if first:
@@ -674,7 +751,8 @@ class ComfyUIAdapter(Adapter):
             last[:] = [sub]
             state = comfy_state(rt)
             owners = state.owners(lease.route)
-            owners.add(sub.prompt_id, scope.ticket.key, lease.node, sub.number, body.get("client_id", ABSENT))
+            owners.add(sub.prompt_id, scope.ticket.key, lease.node, sub.number if number is None else number,
+                       body.get("client_id", ABSENT), node_number=sub.number)
             state.hub.status(lease.node)  # the route's queue grew (the node's own status may have come first)
             sub.tell = functools.partial(state.tell, lease.route, lease.node, sub.prompt_id)  # the /ws hears it
             # Timeout, cancel or error from here on: stop the prompt, and keep the slot until the

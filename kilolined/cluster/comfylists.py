@@ -12,7 +12,9 @@ Per route (its name and every other part percent-quoted):
   takes the prompt or it moves to another, dropped when it ends. A record is forgotten
   ``max_age`` after it was written (the route's request timeout, twice: a prompt is stopped by
   then) and at most ``WAITING_MAX`` are kept, so a gateway that died leaves nothing for long.
-  Which of them run and which wait is asked of their nodes, as ComfyUI's own queue says.
+  Which of them run and which wait is asked of their nodes, as ComfyUI's own queue says. A
+  prompt in its gateway's own queue has a record too, on no node (``node`` "") with its queue
+  item, from when it is queued there until a node takes it or it ends.
 - ``{prefix}comfyhist:{route}:{prompt_id}``: a prompt's history entry as its client was given it
   (the route's file names, its number and client id, no traceback) with the key that sent it,
   for ``jobs.result_ttl_sec``.

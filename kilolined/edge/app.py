@@ -29,6 +29,7 @@ from kilolined.core import rewrite
 from kilolined.core.auth import presented_key
 from kilolined.core.config import GPU_WORK, RateConfig, RouteConfig
 from kilolined.core.forms import AUDIO_FORM_PATHS, FormError, form_field, is_multipart
+from kilolined.core.outcome import Result
 from kilolined.edge import admin, jobs_api, page, targets, usage_api
 from kilolined.edge import guard as edge
 from kilolined.edge.connection import settle_expect
@@ -45,7 +46,7 @@ from kilolined.ops.runtime import Runtime
 from kilolined.scheduling.anthropic_body import is_anthropic_path
 from kilolined.scheduling.costs import CostTooLarge, UnitError, request_cost, request_units
 from kilolined.scheduling.limits import Taken, Verdict, period_word, seconds_to_period_end
-from kilolined.scheduling.queue import Rejected, Ticket
+from kilolined.scheduling.queue import WAITING, Rejected, Ticket
 from kilolined.scheduling.routing import describe, head_holds, holds, routes_serving_elsewhere
 from kilolined.wire import expect
 from kilolined.wire.proxy import SERVER, Exchange, client_ip, peer_trusted, request_id
@@ -491,6 +492,11 @@ async def _admit_job(gw: Gateway, call: Call) -> web.StreamResponse | None:
         resp = await _settle_then_run(gw, call, ticket, callback)
     else:
         resp = await _admitted(gw, call, ticket, callback)
+    _log_job_end(gw, call)
+    return resp
+
+
+def _log_job_end(gw: Gateway, call: Call) -> None:
     job = gw.jobs.jobs.get(call.headers.get("X-KiloLine-Job", "")) if call.mode == "async" else None
     if job is not None:
         # The 202's line is written now, before any wait; the job's outcome gets a line of its own
@@ -500,6 +506,16 @@ async def _admit_job(gw: Gateway, call: Call) -> web.StreamResponse | None:
             asyncio.get_running_loop().call_soon(job_ended, gw, head, started, job)
         else:
             job.on_end = lambda j: job_ended(gw, head, started, j)
+
+
+async def _answered_early(gw: Gateway, call: Call, ticket: Ticket, early: Result) -> web.StreamResponse:
+    """A sync request that waits in the queue, answered now as its backend answers it
+    (``Adapter.answer_early``): from here it is run as an async job, and logged as one."""
+    ex = call.exchange
+    assert ex is not None
+    call.mode = "async"
+    resp = await gw.jobs.submit(call, ticket, ex, call.principal, None, call.adapter, early=early)
+    _log_job_end(gw, call)
     return resp
 
 
@@ -543,6 +559,9 @@ def _admitted(gw: Gateway, call: Call, ticket: Ticket,
     call.ticket = ticket
     if call.mode != "sync":
         return gw.jobs.submit(call, ticket, ex, call.principal, callback, call.adapter)
+    early = call.adapter.answer_early(rt, ex, ticket) if ticket.state == WAITING else None
+    if early is not None:
+        return _answered_early(gw, call, ticket, early)
     if call.kind == "openai" and wants_stream(ex):
         sink: SyncSink = AnthropicStreamSink(rt, call) if call.anthropic else StreamSink(rt, call)
     else:

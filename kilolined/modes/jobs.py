@@ -554,7 +554,10 @@ class Jobs:
         return (None, why) if why else (callback, None)
 
     async def submit(self, call: Call, ticket: Ticket, ex: Exchange, principal: Principal | None,
-                     callback: str | None, adapter: Adapter) -> web.StreamResponse:
+                     callback: str | None, adapter: Adapter, early: Result | None = None) -> web.StreamResponse:
+        """Start the job; the client's answer: the 202 of an async job (``early``: the answer its
+        backend would have given, for a sync request run as a job, Adapter.answer_early), or its
+        SSE stream."""
         rt = self.rt
         request = call.request
         job = Job(
@@ -582,6 +585,9 @@ class Jobs:
         await self.store.synced()  # another gateway asked about it right after the answer knows it
         if call.mode == "async":
             call.queue_wait = None  # its line is written at the 202, before any wait: job_ended logs the outcome
+            if early is not None:
+                return web.Response(status=early.http_status, body=early.body, content_type=early.content_type,
+                                    headers={**call.headers, "X-Request-Id": call.request_id})
             body = {"job_id": job.id, "status": job.status, "position": position, "est_wait_sec": est,
                     **cost, **job.urls()}
             return web.Response(status=202, body=orjson.dumps(body), content_type="application/json",

@@ -187,7 +187,7 @@ async def test_a_prompt_waiting_in_the_gateways_queue_is_removed_by_its_key(
         assert r.status == 200  # another key's clear leaves it
     assert len(queue) == 1
     await delete(http, gw, how, pid)
-    answer = await asyncio.wait_for(waiting, 10)  # a sync POST is answered with the id it gave
+    answer = await asyncio.wait_for(waiting, 10)  # a sync POST was answered at once, with the id it gave
     if mode == "sync":
         assert answer == pid
     else:
