@@ -49,7 +49,7 @@ from kilolined.fakegpu.comfy_graph import (
     signatures,
     validate,
 )
-from kilolined.fakegpu.comfy_page import add_page_routes
+from kilolined.fakegpu.comfy_page import add_cache_headers, add_page_routes
 from kilolined.scheduling.costs import megapixels
 
 if TYPE_CHECKING:
@@ -162,6 +162,7 @@ class ComfyBackend(Backend):
                 else:
                     app.router.add_route(method, prefix + path, handler)
         add_page_routes(app)  # the web UI's files: no /api form
+        add_cache_headers(app)  # ComfyUI's cache middleware: no-store on every script and style
         # The jobs API exists under /api only.
         app.router.add_get("/api/jobs", self.list_jobs)
         app.router.add_post("/api/jobs/cancel", self.cancel_jobs)
