@@ -182,10 +182,14 @@ class UserData:
                  locks: weakref.WeakValueDictionary[tuple[str, str], asyncio.Lock]):
         self.rt, self.request, self.route, self.rid, self.locks = rt, request, route, request_id, locks
         sched = rt.scheduler
-        self.reads = sched.answering(sched.routes[route], rt.clock())
         now, rq = rt.clock(), sched.routes[route]
-        self.writes = self.reads + [n for n in rq.all_nodes if n not in self.reads and n in sched.nodes
-                                    and sched.nodes[n].available(now)]
+        first = sched.answering(rq, now)
+        others = [n for n in rq.all_nodes if n not in first and n in sched.nodes]
+        #: every node of the route, the ones that answer first: a primary that just died is
+        #: still "usable" until its health check fails, and the standby has the same data
+        self.reads = first + others
+        #: every node that is up
+        self.writes = first + [n for n in others if sched.nodes[n].available(now)]
         self.timeout = sched.routes[route].cfg.request_timeout_sec
 
     async def _ask(self, node: str, method: str, target: str, body: bytes) -> Answer:
