@@ -1,4 +1,4 @@
-"""ComfyUI's user data behind the gateway: each key its own, on every node (docs/API.md "User data").
+"""ComfyUI's user data behind the gateway: each key its own, on every node (docs/API.md "ComfyUI over several GPUs": user data per key).
 
 ComfyUI keeps the saved workflows and subgraphs, ``user.css``, ``comfy.templates.json`` and the
 settings in one user directory on its own disk (app/user_manager.py, app/app_settings.py). Passed
