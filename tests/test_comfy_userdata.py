@@ -117,6 +117,9 @@ async def test_a_saved_workflow_outlives_the_node_it_was_read_from(fakegpus: Any
         assert r.headers["X-KiloLine-Node"] == "b"
     assert await call(http, "GET", gw.url + WF, auth()) == (200, {"mine": True})
     assert await call(http, "GET", gw.url + "/gen/api/settings", auth()) == (200, {"Comfy.ColorPalette": "light"})
+    # a write the dead node cannot take is the others' (logged, not fatal)
+    assert await call(http, "POST", gw.url + "/gen/api/userdata/workflows%2Fnext.json", auth(), b"{}") == \
+        (200, "workflows/next.json")
 
 
 async def test_a_name_never_leaves_the_keys_directory(fakegpus: Any, gateway: Any,

@@ -1,4 +1,5 @@
-"""ComfyUI's user data behind the gateway: each key its own, on every node (docs/API.md "ComfyUI over several GPUs": user data per key).
+"""ComfyUI's user data behind the gateway: each key its own, on every node (docs/API.md "ComfyUI
+over several GPUs", user data per key).
 
 ComfyUI keeps the saved workflows and subgraphs, ``user.css``, ``comfy.templates.json`` and the
 settings in one user directory on its own disk (app/user_manager.py, app/app_settings.py). Passed
@@ -25,6 +26,7 @@ sent is encoded so that the node ends on exactly the name meant (``_segment``, `
 from __future__ import annotations
 
 import asyncio
+import functools
 import hashlib
 import json
 import logging
@@ -53,6 +55,7 @@ ROOTS = ("/userdata", "/v2/userdata", "/settings")
 READS = frozenset({"GET", "HEAD"})
 PASSED_HEADERS = ("Content-Type", "Last-Modified", "ETag")
 FAILED = (aiohttp.ClientError, OSError, TimeoutError)
+OTHERS_SEC = 5.0  # a write: how long the client's answer waits for the other nodes to take it too
 
 
 @dataclass(frozen=True)
@@ -167,6 +170,17 @@ def settings_of(status: int, body: bytes) -> dict[str, Any]:
 
 # --- the calls -------------------------------------------------------------------------------------
 
+def _report(node: str, method: str, path: str, task: asyncio.Task[Answer]) -> None:
+    """A node that did not take a write is logged; the write goes on on the others."""
+    if task.cancelled():
+        return
+    e = task.exception()
+    if e is not None:
+        log.warning("[%s] user data %s %s not written: %s", node, method, path, type(e).__name__)
+    elif task.result().status >= 500:
+        log.warning("[%s] user data %s %s not written: HTTP %d", node, method, path, task.result().status)
+
+
 @dataclass
 class Answer:
     node: str
@@ -220,26 +234,24 @@ class UserData:
         return None
 
     async def write(self, method: str, target: str, body: bytes) -> Answer | None:
-        """Sent to every node that is up at once, to its end even if the client leaves; the
-        answer of the first node that gave one, in the order reads take."""
-        results = await asyncio.shield(self.rt.spawn(self._everywhere(method, target, body)))
+        """Sent to every node that is up at once, each to its end even if the client leaves. The
+        answer is the first node's that gave one, in the order reads take; the others are given
+        ``OTHERS_SEC`` to be done too (the client's next write then reaches them after this one)."""
+        path = target.split("?", 1)[0]
+        tasks = [self.rt.spawn(self._ask(n, method, target, body)) for n in self.writes]
+        for node, task in zip(self.writes, tasks, strict=True):
+            task.add_done_callback(functools.partial(_report, node, method, path))
         chosen: Answer | None = None
-        for node, got in zip(self.writes, results, strict=True):
-            if isinstance(got, FAILED):
-                log.warning("[%s] user data %s %s not written: %s", node, method, target.split("?", 1)[0],
-                            type(got).__name__)
-            elif isinstance(got, BaseException):
-                raise got
-            elif chosen is None:
-                chosen = got
-            elif got.status != chosen.status:
-                log.warning("[%s] user data %s %s answered %d, %s answered %d", node, method,
-                            target.split("?", 1)[0], got.status, chosen.node, chosen.status)
+        for task in tasks:
+            try:
+                chosen = await asyncio.shield(task)
+                break
+            except FAILED:
+                continue  # reported
+        pending = [t for t in tasks if not t.done()]
+        if pending:
+            await asyncio.wait(pending, timeout=OTHERS_SEC)
         return chosen
-
-    async def _everywhere(self, method: str, target: str, body: bytes) -> list[Answer | BaseException]:
-        return await asyncio.gather(*(self._ask(n, method, target, body) for n in self.writes),
-                                    return_exceptions=True)
 
     def answer(self, got: Answer | None, body: bytes | None = None) -> web.Response:
         if got is None:
