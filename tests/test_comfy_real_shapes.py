@@ -17,18 +17,21 @@ from typing import Any
 
 import aiohttp
 import pytest
+from aiohttp import web
 from comfy_gpus import graph
 from conftest import wait_until
 
 from kilolined.adapters.comfy_hub import plain_preview, preview_prompt
 from kilolined.core import comfy_jobs
+from kilolined.fakegpu import comfy_user
 
 # ../shared beside the repository (a worktree sits one level deeper)
 ARCHIVE = next((found for up in Path(__file__).resolve().parents[1:4]
                 if (found := up / "shared" / "real" / "comfyui-0.19.3.tar.xz").exists()),
                Path("../shared/real/comfyui-0.19.3.tar.xz"))
 WANTED = ("ComfyUI/server.py", "ComfyUI/comfy_execution/jobs.py", "ComfyUI/comfy_execution/progress.py",
-          "ComfyUI/comfy_api/internal/__init__.py", "ComfyUI/protocol.py")
+          "ComfyUI/comfy_api/internal/__init__.py", "ComfyUI/protocol.py", "ComfyUI/app/user_manager.py",
+          "ComfyUI/app/app_settings.py")
 
 
 @pytest.fixture(scope="module")
@@ -159,3 +162,29 @@ def test_the_views_and_preview_metadata_are_comfyuis(real: dict[str, str]) -> No
                 if isinstance(n, ast.Assign) and isinstance(n.value, ast.Dict)
                 and any(isinstance(t, ast.Name) and t.id == "metadata" for t in n.targets))
     assert keys == {"node_id", "prompt_id", "display_node_id", "parent_node_id", "real_node_id"}
+
+
+def _routes_and_texts(source: str) -> tuple[set[tuple[str, str]], set[str]]:
+    """A module's ``@routes.<method>("path")`` handlers and the ``text=`` of its plain answers."""
+    tree = ast.parse(source)
+    routes = {(d.func.attr.upper(), d.args[0].value) for n in ast.walk(tree) if isinstance(n, ast.AsyncFunctionDef)
+              for d in n.decorator_list if isinstance(d, ast.Call) and isinstance(d.func, ast.Attribute)
+              and d.args and isinstance(d.args[0], ast.Constant)}
+    texts = {k.value.value for n in ast.walk(tree) if isinstance(n, ast.Call) for k in n.keywords
+             if k.arg == "text" and isinstance(k.value, ast.Constant)}
+    return routes, texts
+
+
+def test_the_fakes_user_data_is_comfyuis(real: dict[str, str]) -> None:
+    """The fake's user directory has ComfyUI's routes (each also under /api) and its plain answers."""
+    routes, texts = _routes_and_texts(real["app/user_manager.py"])
+    settings, _ = _routes_and_texts(real["app/app_settings.py"])
+    app = web.Application()
+    comfy_user.UserDir().add_routes(app)
+    fake = {(r.method, r.resource.canonical) for r in app.router.routes() if r.method != "HEAD"
+            and r.resource is not None}
+    single_user = routes - {("POST", "/users")}  # adding a user is --multi-user's
+    assert fake == {(m, prefix + p) for m, p in single_user | settings for prefix in ("", "/api")}
+    # every plain answer the fake gives is ComfyUI's (not the other way: a bad user, a disk error)
+    assert _routes_and_texts(Path(comfy_user.__file__).read_text())[1] <= texts
+    assert {"Directory not provided", "Invalid directory", "Invalid path requested"} <= texts  # the gateway's too

@@ -17,7 +17,7 @@ from kilolined.core.config import RouteConfig
 from kilolined.core.outcome import Failure
 from kilolined.modes.call import Call
 from kilolined.ops.runtime import Runtime
-from kilolined.scheduling.queue import Rejected, RouteQueue, Scheduler
+from kilolined.scheduling.queue import Rejected
 from kilolined.wire import expect
 from kilolined.wire.proxy import Exchange, UpstreamFailed, cut_client, open_upstream, response_headers, stream_back
 from kilolined.wire.wsproxy import proxy_websocket
@@ -26,13 +26,6 @@ log = logging.getLogger("kilolined")
 
 
 IDEMPOTENT = frozenset({"GET", "HEAD", "OPTIONS"})
-
-
-def candidates(sched: Scheduler, rq: RouteQueue, now: float) -> list[str]:
-    """The nodes that may answer, in order: the usable ones (primaries first, else standbys; all
-    of the route's when none is), a node known lost after the others (it may be back)."""
-    nodes = sched.usable(rq, now) or list(rq.all_nodes)
-    return sorted(nodes, key=lambda n: sched.nodes[n].known_lost())  # stable: the order otherwise kept
 
 
 def next_upstream(e: UpstreamFailed, method: str) -> bool:
@@ -47,7 +40,7 @@ def next_upstream(e: UpstreamFailed, method: str) -> bool:
 async def forward_unqueued(rt: Runtime, call: Call, rcfg: RouteConfig) -> web.StreamResponse:
     """Pass-through without a slot, to the first node that is up (primaries first)."""
     sched = rt.scheduler
-    nodes = candidates(sched, sched.routes[call.route_name], rt.clock())
+    nodes = sched.answering(sched.routes[call.route_name], rt.clock())
     method = call.request.method
     websocket = call.request.headers.get("Upgrade", "").lower() == "websocket"
     ex: Exchange | None = None

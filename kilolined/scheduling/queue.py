@@ -365,6 +365,13 @@ class Scheduler:
             return prim
         return [n for n in rq.cfg.standby if n in self.nodes and self.nodes[n].available(now)]
 
+    def answering(self, rq: RouteQueue, now: float) -> list[str]:
+        """The nodes that may answer a request without a slot, in order: the usable ones (primaries
+        first, else standbys; all of the route's when none is), a node known lost after the others
+        (it may be back)."""
+        nodes = self.usable(rq, now) or list(rq.all_nodes)
+        return sorted(nodes, key=lambda n: self.nodes[n].known_lost())  # stable: the order otherwise kept
+
     def live_slots(self, rq: RouteQueue, now: float) -> int:
         per_card: Counter[str | None] = Counter()  # the nodes of one card share its slots
         for n in self.usable(rq, now):
