@@ -197,13 +197,12 @@ class UserData:
         self.rt, self.request, self.route, self.rid, self.locks = rt, request, route, request_id, locks
         sched = rt.scheduler
         now, rq = rt.clock(), sched.routes[route]
-        first = sched.answering(rq, now)
-        others = [n for n in rq.all_nodes if n not in first and n in sched.nodes]
         #: every node of the route, the ones that answer first: a primary that just died is
         #: still "usable" until its health check fails, and the standby has the same data
-        self.reads = first + others
-        #: every node that is up
-        self.writes = first + [n for n in others if sched.nodes[n].available(now)]
+        self.reads = sched.answering(rq, now)
+        usable = set(sched.usable(rq, now))
+        #: every node that is up (all of them when none is: one may be back)
+        self.writes = [n for n in self.reads if n in usable or sched.nodes[n].available(now)] or self.reads
         self.timeout = sched.routes[route].cfg.request_timeout_sec
 
     async def _ask(self, node: str, method: str, target: str, body: bytes) -> Answer:
