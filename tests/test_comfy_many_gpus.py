@@ -308,15 +308,18 @@ async def test_a_key_limited_to_120_a_minute_gets_the_whole_real_page_while_ever
             pass
 
 
+@pytest.mark.parametrize("b_is", ["a node", "the standby"])
 async def test_the_page_comes_from_the_next_node_when_its_node_is_gone(fakegpus: Any, gateway: Any,
-                                                                       http: aiohttp.ClientSession) -> None:
+                                                                       http: aiohttp.ClientSession, b_is: str) -> None:
     """The node serving the page dies before a health check can tell (a page load is over in
     seconds, the checks judge in tens): the request it never got, and a GET it dropped, go to the
-    next node, as nginx's proxy_next_upstream error does; the next request does not try it first."""
+    next node, as nginx's proxy_next_upstream error does; the next request does not try it first.
+    The next node may be the standby: the dead primary still counts as up."""
     a = await fakegpus("comfyui", step_ms=20)
     b = await fakegpus("comfyui", step_ms=20)
     cfg = base_config({"a": a.url, "b": b.url}, kind="comfyui", max_concurrency=1)
-    cfg["routes"]["gen"].update(nodes=["a", "b"], standby=[])
+    cfg["routes"]["gen"].update(nodes=["a", "b"], standby=[]) if b_is == "a node" else \
+        cfg["routes"]["gen"].update(nodes=["a"], standby=["b"])
     for n in ("a", "b"):
         cfg["nodes"][n]["health"] = {"path": "/system_stats", "interval_sec": 60}
     gw = await gateway(cfg)

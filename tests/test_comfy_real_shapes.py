@@ -26,6 +26,7 @@ from conftest import wait_until
 from kilolined.adapters.comfy_hub import plain_preview, preview_prompt
 from kilolined.core import comfy_jobs
 from kilolined.core.page_assets import hashed_asset
+from kilolined.fakegpu import comfy_user
 from kilolined.fakegpu.comfy_page import LOGO_PATH, SCRIPT, STYLE, add_page_routes
 
 # ../shared beside the repository (a worktree sits one level deeper)
@@ -33,7 +34,8 @@ ARCHIVE = next((found for up in Path(__file__).resolve().parents[1:4]
                 if (found := up / "shared" / "real" / "comfyui-0.19.3.tar.xz").exists()),
                Path("../shared/real/comfyui-0.19.3.tar.xz"))
 WANTED = ("ComfyUI/server.py", "ComfyUI/comfy_execution/jobs.py", "ComfyUI/comfy_execution/progress.py",
-          "ComfyUI/comfy_api/internal/__init__.py", "ComfyUI/protocol.py", "ComfyUI/middleware/cache_middleware.py")
+          "ComfyUI/comfy_api/internal/__init__.py", "ComfyUI/protocol.py", "ComfyUI/app/user_manager.py",
+          "ComfyUI/app/app_settings.py", "ComfyUI/middleware/cache_middleware.py")
 
 
 @pytest.fixture(scope="module")
@@ -199,3 +201,29 @@ async def test_the_fakes_page_files_are_named_and_cached_as_comfyuis(fakegpus: A
             assert r.headers["Cache-Control"] == "no-store"
     finally:
         await runner.cleanup()
+
+
+def _routes_and_texts(source: str) -> tuple[set[tuple[str, str]], set[str]]:
+    """A module's ``@routes.<method>("path")`` handlers and the ``text=`` of its plain answers."""
+    tree = ast.parse(source)
+    routes = {(d.func.attr.upper(), d.args[0].value) for n in ast.walk(tree) if isinstance(n, ast.AsyncFunctionDef)
+              for d in n.decorator_list if isinstance(d, ast.Call) and isinstance(d.func, ast.Attribute)
+              and d.args and isinstance(d.args[0], ast.Constant)}
+    texts = {k.value.value for n in ast.walk(tree) if isinstance(n, ast.Call) for k in n.keywords
+             if k.arg == "text" and isinstance(k.value, ast.Constant)}
+    return routes, texts
+
+
+def test_the_fakes_user_data_is_comfyuis(real: dict[str, str]) -> None:
+    """The fake's user directory has ComfyUI's routes (each also under /api) and its plain answers."""
+    routes, texts = _routes_and_texts(real["app/user_manager.py"])
+    settings, _ = _routes_and_texts(real["app/app_settings.py"])
+    app = web.Application()
+    comfy_user.UserDir().add_routes(app)
+    fake = {(r.method, r.resource.canonical) for r in app.router.routes() if r.method != "HEAD"
+            and r.resource is not None}
+    single_user = routes - {("POST", "/users")}  # adding a user is --multi-user's
+    assert fake == {(m, prefix + p) for m, p in single_user | settings for prefix in ("", "/api")}
+    # every plain answer the fake gives is ComfyUI's (not the other way: a bad user, a disk error)
+    assert _routes_and_texts(Path(comfy_user.__file__).read_text())[1] <= texts
+    assert {"Directory not provided", "Invalid directory", "Invalid path requested"} <= texts  # the gateway's too

@@ -20,6 +20,7 @@ import asyncio
 import functools
 import logging
 import uuid
+import weakref
 from collections import Counter
 from collections.abc import Callable
 from typing import Any
@@ -116,6 +117,8 @@ class ComfyState:
         #: (route, prompt id) → the number a POST /prompt answered early was given, until its job runs
         self.early: dict[tuple[str, str], float] = {}
         self.activity = NodeActivity()
+        #: (route, key dir) → the lock of a key's settings read-merge-write, while one runs
+        self.user_locks: weakref.WeakValueDictionary[tuple[str, str], asyncio.Lock] = weakref.WeakValueDictionary()
         #: the client id every prompt is sent under, on every node: the monitors listen as it
         self.hub_id = f"kilolined-monitor-{uuid.uuid4().hex}"
         self.hub = Hub(self.owners, self.routes_of, functools.partial(executed_for_client, rt), rt.comfy_ws,

@@ -50,6 +50,7 @@ from kilolined.adapters.comfy_record import (
     without_traceback,
 )
 from kilolined.adapters.comfy_store import is_view, prompt_finished, view
+from kilolined.adapters.comfy_userdata import is_user_data, user_data
 from kilolined.core.errors import error_response
 from kilolined.core.outcome import Cancelled, Failure, Result
 from kilolined.core.templates import ANSWER_KEY, is_images
@@ -477,6 +478,10 @@ class ComfyUIAdapter(Adapter):
             answer = await view(rt, request, route, subject, request_id)
             if answer is not None:
                 return answer
+        if is_user_data(path):  # saved workflows and settings: the key's own, on every node
+            found = rt.router.match(request.rel_url.raw_path)
+            return await user_data(rt, request, route, found[1] if found else request.rel_url.raw_path, subject,
+                                   request_id, comfy_state(rt).user_locks)
         return await control(rt, request, route, path, subject, request_id)
 
     # --- one prompt, in every mode ------------------------------------------------------------

@@ -19,7 +19,7 @@ from kilolined.core.config import RouteConfig
 from kilolined.core.outcome import Failure
 from kilolined.modes.call import Call
 from kilolined.ops.runtime import Runtime
-from kilolined.scheduling.queue import Rejected, RouteQueue, Scheduler
+from kilolined.scheduling.queue import Rejected
 from kilolined.wire import expect
 from kilolined.wire.proxy import (
     Exchange,
@@ -42,13 +42,6 @@ IDEMPOTENT = frozenset({"GET", "HEAD", "OPTIONS"})
 Keep = Callable[[Upstream, CIMultiDict[str], str], Awaitable[web.StreamResponse | None]]
 
 
-def candidates(sched: Scheduler, rq: RouteQueue, now: float) -> list[str]:
-    """The nodes that may answer, in order: the usable ones (primaries first, else standbys; all
-    of the route's when none is), a node known lost after the others (it may be back)."""
-    nodes = sched.usable(rq, now) or list(rq.all_nodes)
-    return sorted(nodes, key=lambda n: sched.nodes[n].known_lost())  # stable: the order otherwise kept
-
-
 def next_upstream(e: UpstreamFailed, method: str) -> bool:
     """May a request the node failed go to the next node? One the node never got (no connection),
     whatever its method; an idempotent one it dropped without a word. Not after an answer, nor a
@@ -62,7 +55,7 @@ async def forward_unqueued(rt: Runtime, call: Call, rcfg: RouteConfig, keep: Kee
     """Pass-through without a slot, to the first node that is up (primaries first); ``keep`` may
     take the node's answer (the web UI's hashed files: edge/page_assets.py)."""
     sched = rt.scheduler
-    nodes = candidates(sched, sched.routes[call.route_name], rt.clock())
+    nodes = sched.answering(sched.routes[call.route_name], rt.clock())
     method = call.request.method
     websocket = call.request.headers.get("Upgrade", "").lower() == "websocket"
     ex: Exchange | None = None

@@ -13,7 +13,8 @@ what was measured on a running ComfyUI 0.19.3:
   every entry carries its submission's queue `number`;
 - errors: an unknown class is a top-level `missing_node_type`, a body that is not JSON a bare
   500 from aiohttp, `execution_error` messages end in a newline and carry file paths;
-- `/features`, `/upload/image`, `/api/jobs*`, `/interrupt`, `/queue`, and every route also under `/api`.
+- `/features`, `/upload/image`, `/api/jobs*`, `/interrupt`, `/queue`, the user data and settings
+  (comfy_user.py), and every route also under `/api`.
 With `parallel=0` every prompt runs at once (the gateway is what limits concurrency); with
 `parallel=N` at most N run and the rest wait in this node's own queue. A crash or kill() is a
 restart: queue, history, cache and the `number` counter are gone (files on "disk" stay).
@@ -50,6 +51,7 @@ from kilolined.fakegpu.comfy_graph import (
     validate,
 )
 from kilolined.fakegpu.comfy_page import add_cache_headers, add_page_routes
+from kilolined.fakegpu.comfy_user import UserDir
 from kilolined.scheduling.costs import megapixels
 
 if TYPE_CHECKING:
@@ -122,6 +124,7 @@ class ComfyBackend(Backend):
         self.running: list[Prompt] = []
         self.history: dict[str, dict[str, Any]] = {}
         self.images: dict[tuple[str, str, str], bytes] = {}
+        self.user = UserDir()  # saved workflows and settings: on "disk", as the images
         self.cache: dict[str, dict[str, Any] | None] = {}  # node signature -> its UI output
         self.tasks: set[asyncio.Task[None]] = set()
         # ComfyUI sends every event through one queue and one publisher task: that is its order.
@@ -163,6 +166,7 @@ class ComfyBackend(Backend):
                     app.router.add_route(method, prefix + path, handler)
         add_page_routes(app)  # the web UI's files: no /api form
         add_cache_headers(app)  # ComfyUI's cache middleware: no-store on every script and style
+        self.user.add_routes(app)
         # The jobs API exists under /api only.
         app.router.add_get("/api/jobs", self.list_jobs)
         app.router.add_post("/api/jobs/cancel", self.cancel_jobs)

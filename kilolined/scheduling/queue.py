@@ -365,6 +365,15 @@ class Scheduler:
             return prim
         return [n for n in rq.cfg.standby if n in self.nodes and self.nodes[n].available(now)]
 
+    def answering(self, rq: RouteQueue, now: float) -> list[str]:
+        """The nodes that may answer a request without a slot, in order: the usable ones (primaries
+        first, else standbys), then the route's others — a dead primary counts as usable until a
+        health check says so, and the standby is the next node its refused request goes to — and
+        a node known lost after all of them (it may be back)."""
+        usable = self.usable(rq, now)
+        nodes = usable + [n for n in rq.all_nodes if n not in usable]
+        return sorted(nodes, key=lambda n: self.nodes[n].known_lost())  # stable: the order otherwise kept
+
     def live_slots(self, rq: RouteQueue, now: float) -> int:
         per_card: Counter[str | None] = Counter()  # the nodes of one card share its slots
         for n in self.usable(rq, now):
