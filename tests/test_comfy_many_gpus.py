@@ -28,6 +28,7 @@ from conftest import ADMIN, auth, base_config, wait_until
 from kilolined.adapters.comfy_control import comfy_state
 from kilolined.adapters.comfy_hub import OUTBOX_MAX, OUTBOX_MAX_BYTES, Client
 from kilolined.adapters.comfy_record import Viewer
+from kilolined.fakegpu.comfy_page import SCRIPT, STYLE
 from kilolined.wire.redirects import keep_prefix
 
 ENDS = ("execution_success", "execution_error", "execution_interrupted")
@@ -231,7 +232,7 @@ async def test_the_page_loads_while_every_slot_renders(fakegpus: Any, gateway: A
     a, b, gw = await two_nodes(fakegpus, gateway, rate={"per_minute": 1, "burst": 2})
     await asyncio.gather(post(http, gw, {"prompt": graph(2000, 1)}), post(http, gw, {"prompt": graph(2000, 2)}))
     await wait_until(lambda: a.stats["running"] == 1 and b.stats["running"] == 1)
-    page = ["/", "/assets/index.js", "/assets/index.css", "/assets/images/logo.svg", "/object_info",
+    page = ["/", SCRIPT, STYLE, "/assets/images/logo.svg", "/object_info",
             "/api/object_info", "/object_info/KSampler", "/features", "/api/features", "/system_stats",
             "/embeddings", "/api/extensions", "/queue", "/api/history?max_items=64", "/api/jobs", "/prompt",
             "/api/userdata?dir=workflows", "/settings", "/api/settings", "/favicon.ico"]
@@ -243,7 +244,7 @@ async def test_the_page_loads_while_every_slot_renders(fakegpus: Any, gateway: A
     # every answer came while both renders still held their slots
     assert a.stats["running"] == 1 and b.stats["running"] == 1 and a.stats["served"] + b.stats["served"] == 0
     async with http.get(gw.url + "/gen/", headers=auth()) as r:
-        assert "./assets/index.js" in await r.text()
+        assert "." + SCRIPT in await r.text()
     # a third prompt is GPU work: it waits (and is refused by the rate, not the page's requests)
     async with http.post(gw.url + "/gen/prompt", json={"prompt": graph(3, 3)}, headers=auth()) as r:
         assert r.status == 429
@@ -325,8 +326,8 @@ async def test_the_page_comes_from_the_next_node_when_its_node_is_gone(fakegpus:
     async with http.get(gw.url + "/gen/", headers=auth()) as r:
         assert r.status == 200 and r.headers["X-KiloLine-Node"] == "a"  # a kept-alive connection to a
     await a.kill()
-    for method, path in (("GET", "/"), ("GET", "/assets/index.js"), ("GET", "/object_info"),
-                         ("POST", "/api/settings/Comfy.TutorialCompleted"), ("GET", "/assets/index.css")):
+    for method, path in (("GET", "/"), ("GET", SCRIPT), ("GET", "/object_info"),
+                         ("POST", "/api/settings/Comfy.TutorialCompleted"), ("GET", STYLE)):
         async with http.request(method, gw.url + "/gen" + path, headers=auth(),
                                 json=True if method == "POST" else None) as r:
             assert r.status != 502 and r.headers["X-KiloLine-Node"] == "b", (method, path, r.status)
@@ -372,7 +373,7 @@ async def test_root_absolute_page_files_load_under_the_prefix(fakegpus: Any, gat
     fake = await fakegpus("comfyui", step_ms=20)
     gw = await gateway(base_config({"c": fake.url}, kind="comfyui"))
     logo = "/assets/images/logo.svg"
-    for referer in (gw.url + "/gen/", gw.url + "/gen/assets/index.css"):
+    for referer in (gw.url + "/gen/", gw.url + "/gen" + STYLE):
         async with http.get(gw.url + logo, headers={**auth(), "Referer": referer}) as r:
             assert r.status == 200 and r.content_type == "image/svg+xml", referer
     assert [r["path"] for r in fake.requests if r["path"] == logo] == [logo, logo]

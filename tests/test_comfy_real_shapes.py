@@ -1,6 +1,7 @@
 """The shapes the gateway's ComfyUI views and socket depend on, checked against ComfyUI 0.19.3's
 own source (the copy in ../shared/real, never fetched): its jobs normalisation run on the fake's
-queue and history, its preview frames run through the hub, its routes and preview metadata.
+queue and history, its preview frames run through the hub, its routes and preview metadata, its
+cache middleware on the fake's page files.
 
 Skipped when the source archive is not beside the repository.
 """
@@ -9,6 +10,7 @@ from __future__ import annotations
 
 import ast
 import asyncio
+import re
 import struct
 import tarfile
 from io import BytesIO
@@ -23,7 +25,9 @@ from conftest import wait_until
 
 from kilolined.adapters.comfy_hub import plain_preview, preview_prompt
 from kilolined.core import comfy_jobs
+from kilolined.core.page_assets import hashed_asset
 from kilolined.fakegpu import comfy_user
+from kilolined.fakegpu.comfy_page import LOGO_PATH, SCRIPT, STYLE, add_page_routes
 
 # ../shared beside the repository (a worktree sits one level deeper)
 ARCHIVE = next((found for up in Path(__file__).resolve().parents[1:4]
@@ -31,7 +35,7 @@ ARCHIVE = next((found for up in Path(__file__).resolve().parents[1:4]
                Path("../shared/real/comfyui-0.19.3.tar.xz"))
 WANTED = ("ComfyUI/server.py", "ComfyUI/comfy_execution/jobs.py", "ComfyUI/comfy_execution/progress.py",
           "ComfyUI/comfy_api/internal/__init__.py", "ComfyUI/protocol.py", "ComfyUI/app/user_manager.py",
-          "ComfyUI/app/app_settings.py")
+          "ComfyUI/app/app_settings.py", "ComfyUI/middleware/cache_middleware.py")
 
 
 @pytest.fixture(scope="module")
@@ -162,6 +166,41 @@ def test_the_views_and_preview_metadata_are_comfyuis(real: dict[str, str]) -> No
                 if isinstance(n, ast.Assign) and isinstance(n.value, ast.Dict)
                 and any(isinstance(t, ast.Name) and t.id == "metadata" for t in n.targets))
     assert keys == {"node_id", "prompt_id", "display_node_id", "parent_node_id", "real_node_id"}
+
+
+async def test_the_fakes_page_files_are_named_and_cached_as_comfyuis(fakegpus: Any, http: aiohttp.ClientSession,
+                                                                     real: dict[str, str]) -> None:
+    """The fake's page names its script and stylesheet as the real frontend does (content-hashed,
+    under ``assets/``), and every page file has the Cache-Control ComfyUI's own middleware gives the
+    same handlers' answers: ``no-store`` on scripts and styles, hashed or not."""
+    ns: dict[str, Any] = {}
+    exec(compile(real["middleware/cache_middleware.py"], "<comfyui cache_middleware.py>", "exec"), ns)
+    app = web.Application(middlewares=[ns["cache_control"]])
+    add_page_routes(app)
+
+    async def missing(_: web.Request) -> web.Response:
+        return web.Response(status=404)  # ComfyUI's static route answers a file it lacks (no raise)
+
+    app.router.add_get("/{tail:.*}", missing)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    comfy = f"http://127.0.0.1:{runner.addresses[0][1]}"
+    fake = await fakegpus("comfyui")
+    try:
+        async with http.get(fake.url + "/") as r:
+            named = re.findall(r'(?:href|src)="\.(/assets/[^"]+)"', await r.text())
+        assert sorted(named) == sorted([SCRIPT, STYLE]) and all(hashed_asset(n) for n in named)
+        for path in ["/", *named, LOGO_PATH, "/assets/gone-AbCdEf12.js", "/extensions/core/widgets.js",
+                     "/assets/images/gone.png", "/templates/index.json"]:
+            async with http.get(fake.url + path) as mine, http.get(comfy + path) as theirs:
+                assert mine.status == theirs.status, path
+                assert mine.headers.get("Cache-Control") == theirs.headers.get("Cache-Control"), path
+        async with http.get(fake.url + SCRIPT) as r:
+            assert r.headers["Cache-Control"] == "no-store"
+    finally:
+        await runner.cleanup()
 
 
 def _routes_and_texts(source: str) -> tuple[set[tuple[str, str]], set[str]]:

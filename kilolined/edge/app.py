@@ -30,12 +30,14 @@ from kilolined.core.auth import presented_key
 from kilolined.core.config import GPU_WORK, RateConfig, RouteConfig
 from kilolined.core.forms import AUDIO_FORM_PATHS, FormError, form_field, is_multipart
 from kilolined.core.outcome import Result
+from kilolined.core.page_assets import hashed_asset
 from kilolined.edge import admin, jobs_api, page, targets, usage_api
 from kilolined.edge import guard as edge
 from kilolined.edge.connection import settle_expect
 from kilolined.edge.context import GW, RT, Gateway
 from kilolined.edge.images import fill_template
 from kilolined.edge.models_list import is_models_list, templates_list, with_names
+from kilolined.edge.page_assets import serve_page_asset
 from kilolined.edge.unqueued import forward_unqueued
 from kilolined.modes.anthropic_sink import AnthropicStreamSink
 from kilolined.modes.call import Call
@@ -201,6 +203,9 @@ def _unqueued_answer(gw: Gateway, call: Call) -> Awaitable[web.StreamResponse] |
     if call.kind == "comfyui" and rcfg.templates and is_models_list(call.request.method, call.unqueued_path):
         return templates_list(call, list(rcfg.templates))
     if call.pinned_node is None and unqueued(rcfg, call.request.method, call.unqueued_path):
+        if call.kind == "comfyui" and call.request.method in page.PAGE_METHODS and \
+                (ext := hashed_asset(call.unqueued_path)) is not None:
+            return serve_page_asset(gw.rt, call, rcfg, ext)  # the web UI's hashed files, held here
         return forward_unqueued(gw.rt, call, rcfg)
     return None
 

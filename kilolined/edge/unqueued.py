@@ -9,9 +9,11 @@ tell, a page (ComfyUI's web UI: ~160 requests) is over in a few.
 from __future__ import annotations
 
 import logging
+from collections.abc import Awaitable, Callable
 
 import aiohttp
 from aiohttp import web
+from multidict import CIMultiDict
 
 from kilolined.core.config import RouteConfig
 from kilolined.core.outcome import Failure
@@ -19,13 +21,25 @@ from kilolined.modes.call import Call
 from kilolined.ops.runtime import Runtime
 from kilolined.scheduling.queue import Rejected
 from kilolined.wire import expect
-from kilolined.wire.proxy import Exchange, UpstreamFailed, cut_client, open_upstream, response_headers, stream_back
+from kilolined.wire.proxy import (
+    Exchange,
+    Upstream,
+    UpstreamFailed,
+    cut_client,
+    open_upstream,
+    response_headers,
+    stream_back,
+)
 from kilolined.wire.wsproxy import proxy_websocket
 
 log = logging.getLogger("kilolined")
 
 
 IDEMPOTENT = frozenset({"GET", "HEAD", "OPTIONS"})
+# Given a node's answer (its head read, the client's headers made), answers the client itself
+# (reading the body), or None: the answer streams back as it is. Raises UpstreamFailed when the
+# node fails it before the client was sent anything (the next node is asked).
+Keep = Callable[[Upstream, CIMultiDict[str], str], Awaitable[web.StreamResponse | None]]
 
 
 def next_upstream(e: UpstreamFailed, method: str) -> bool:
@@ -37,8 +51,9 @@ def next_upstream(e: UpstreamFailed, method: str) -> bool:
     return e.unsent or method in IDEMPOTENT
 
 
-async def forward_unqueued(rt: Runtime, call: Call, rcfg: RouteConfig) -> web.StreamResponse:
-    """Pass-through without a slot, to the first node that is up (primaries first)."""
+async def forward_unqueued(rt: Runtime, call: Call, rcfg: RouteConfig, keep: Keep | None = None) -> web.StreamResponse:
+    """Pass-through without a slot, to the first node that is up (primaries first); ``keep`` may
+    take the node's answer (the web UI's hashed files: edge/page_assets.py)."""
     sched = rt.scheduler
     nodes = sched.answering(sched.routes[call.route_name], rt.clock())
     method = call.request.method
@@ -64,7 +79,7 @@ async def forward_unqueued(rt: Runtime, call: Call, rcfg: RouteConfig) -> web.St
                     call.request, rt.session(node), ns.cfg.url + call.tail,
                     {"X-Request-Id": call.request_id, **ns.cfg.headers},
                     response_headers={"X-Request-Id": call.request_id, "X-KiloLine-Node": node})
-            return await _forward(rt, call, rcfg, ex, node)
+            return await _forward(rt, call, rcfg, ex, node, keep)
         except UpstreamFailed as e:
             if not (e.answered or e.timeout):
                 sched.nodes[node].lost(rt.clock())  # the next request tries the others first
@@ -75,14 +90,18 @@ async def forward_unqueued(rt: Runtime, call: Call, rcfg: RouteConfig) -> web.St
     raise AssertionError("a route has a node")
 
 
-async def _forward(rt: Runtime, call: Call, rcfg: RouteConfig, ex: Exchange, node: str) -> web.StreamResponse:
-    """The node's answer streamed back; UpstreamFailed before any byte of it."""
+async def _forward(rt: Runtime, call: Call, rcfg: RouteConfig, ex: Exchange, node: str,
+                   keep: Keep | None) -> web.StreamResponse:
+    """The node's answer streamed back (or kept); UpstreamFailed before any byte of it."""
     ns = rt.scheduler.nodes[node]
     up = await open_upstream(rt.pool(node), ex, ns.cfg.url, ns.cfg.headers, rcfg.request_timeout_sec)
     headers = response_headers(up, ns.cfg.url, rcfg.path if rcfg.strips_path else "/")
     headers["X-Request-Id"] = call.request_id
     headers["X-KiloLine-Node"] = node
     try:
+        kept = await keep(up, headers, node) if keep is not None else None
+        if kept is not None:
+            return kept
         resp, call.bytes_out = await stream_back(call.request, up, headers)
         return resp
     except ConnectionResetError:

@@ -50,7 +50,7 @@ from kilolined.fakegpu.comfy_graph import (
     signatures,
     validate,
 )
-from kilolined.fakegpu.comfy_page import add_page_routes
+from kilolined.fakegpu.comfy_page import add_cache_headers, add_page_routes
 from kilolined.fakegpu.comfy_user import UserDir
 from kilolined.scheduling.costs import megapixels
 
@@ -165,6 +165,7 @@ class ComfyBackend(Backend):
                 else:
                     app.router.add_route(method, prefix + path, handler)
         add_page_routes(app)  # the web UI's files: no /api form
+        add_cache_headers(app)  # ComfyUI's cache middleware: no-store on every script and style
         self.user.add_routes(app)
         # The jobs API exists under /api only.
         app.router.add_get("/api/jobs", self.list_jobs)

@@ -8,11 +8,19 @@
   ``{api_base}/api/prompt`` with its client id, and shows each prompt's progress, previews and
   image (``/api/view``) from the socket's events;
 - the stylesheet and the script hold root-absolute URLs (``/assets/images/…``), as the real
-  bundle does for its logos.
+  bundle does for its logos;
+- the script and the stylesheet have content-hashed names (``assets/index-<hash>.js``, Vite's
+  ``<name>-<hash>.<ext>``, the hash 8 characters of base64url), the images under
+  ``assets/images/`` plain ones;
+- every answer has the Cache-Control of ComfyUI's middleware/cache_middleware.py (``no-store`` on
+  each ``.js``/``.css``/``index*.json``, a day or an hour on an image), which
+  tests/test_comfy_real_shapes.py runs against these same handlers.
 """
 
 from __future__ import annotations
 
+import base64
+import hashlib
 from collections.abc import Awaitable, Callable
 
 from aiohttp import web
@@ -20,8 +28,8 @@ from aiohttp import web
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 INDEX = """<!doctype html><html lang="en"><head><meta charset="UTF-8"/><title>ComfyUI</title>
-<link rel="stylesheet" href="./assets/index.css"/>
-<script type="module" src="./assets/index.js"></script></head>
+<link rel="stylesheet" href=".{style}"/>
+<script type="module" src=".{script}"></script></head>
 <body><div id="logo"></div><div id="queue">queue: <span id="remaining">?</span></div>
 <button id="queue-button">Queue</button><div id="previews">0</div><ul id="prompts"></ul></body></html>
 """
@@ -111,6 +119,41 @@ document.getElementById('queue-button').onclick = async () => {
 """
 
 
+def hashed(name: str, ext: str, body: str) -> str:
+    """``/assets/<name>-<hash>.<ext>``, the hash of the content as Vite names a bundle's files."""
+    digest = base64.urlsafe_b64encode(hashlib.sha256(body.encode()).digest()).decode()
+    return f"/assets/{name}-{digest[:8]}.{ext}"
+
+
+SCRIPT = hashed("index", "js", JS)
+STYLE = hashed("index", "css", CSS)
+LOGO_PATH = "/assets/images/logo.svg"
+PAGE = INDEX.format(style=STYLE, script=SCRIPT)
+IMAGES = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
+
+
+def cache_control(path: str, status: int) -> str | None:
+    """The Cache-Control ComfyUI's middleware gives an answer it has none for: no-store for scripts,
+    styles and ``index*.json`` (the real one serves extensions' scripts under fixed names), a day
+    for an image (an hour for its 404, none for a 304 or another status)."""
+    last = path.rsplit("/", 1)[-1]
+    if path.endswith((".js", ".css")) or (last.startswith("index") and last.endswith(".json")):
+        return "no-store"
+    if not path.lower().endswith(IMAGES):
+        return None
+    if status == 404:
+        return "public, max-age=3600"
+    if status in (200, 201, 202, 203, 204, 205, 206, 301, 308):
+        return "public, max-age=86400"
+    return "no-cache" if status in (302, 303, 307) else None
+
+
+async def _cache_headers(request: web.Request, response: web.StreamResponse) -> None:
+    value = cache_control(request.path, response.status)
+    if value is not None:
+        response.headers.setdefault("Cache-Control", value)
+
+
 def _serve(body: str, content_type: str, no_store: bool = False) -> Handler:
     async def handler(_: web.Request) -> web.Response:
         resp = web.Response(text=body, content_type=content_type)
@@ -123,7 +166,12 @@ def _serve(body: str, content_type: str, no_store: bool = False) -> Handler:
 
 def add_page_routes(app: web.Application) -> None:
     """``/`` and its files, at the root as ComfyUI serves them (static files have no ``/api`` form)."""
-    app.router.add_get("/", _serve(INDEX, "text/html", no_store=True))
-    app.router.add_get("/assets/index.js", _serve(JS, "application/javascript"))
-    app.router.add_get("/assets/index.css", _serve(CSS, "text/css"))
-    app.router.add_get("/assets/images/logo.svg", _serve(LOGO, "image/svg+xml"))
+    app.router.add_get("/", _serve(PAGE, "text/html", no_store=True))
+    app.router.add_get(SCRIPT, _serve(JS, "application/javascript"))
+    app.router.add_get(STYLE, _serve(CSS, "text/css"))
+    app.router.add_get(LOGO_PATH, _serve(LOGO, "image/svg+xml"))
+
+
+def add_cache_headers(app: web.Application) -> None:
+    """Every answer's Cache-Control as ComfyUI's cache middleware sets it (404s included)."""
+    app.on_response_prepare.append(_cache_headers)

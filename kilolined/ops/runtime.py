@@ -23,6 +23,7 @@ from kilolined.cluster.nodes import NodeSync
 from kilolined.cluster.view import ClusterView
 from kilolined.core.auth import KeyStore
 from kilolined.core.config import Config, ConfigError, NodeConfig, RouteConfig
+from kilolined.core.page_assets import PageAssets
 from kilolined.ops.adhoc import AdhocTargets, is_adhoc
 from kilolined.ops.feed import Feed
 from kilolined.ops.health import health_loop, refresh_models
@@ -211,6 +212,8 @@ class Runtime:
         #: what an adapter keeps across requests, by kind (ComfyUI: monitor sockets, prompt owners);
         #: made on first use, its tasks are spawned here and end at stop
         self.adapter_state: dict[str, object] = {}
+        #: the ComfyUI web UI's content-hashed files, held for every comfyui route (page_assets.py)
+        self.page_assets = PageAssets()
         #: /v1/proxy's ad-hoc targets: their routes and nodes, bounded and dropped when idle (adhoc.py)
         self.adhoc = AdhocTargets(self.scheduler, lambda route, node: self.leases.forget_route(route, node),
                                   self._forget_node)

@@ -98,10 +98,14 @@ def state(rt: Runtime) -> dict[str, Any]:
         rcfg = rt.cfg.routes.get(n)
         if rcfg is not None and rcfg.kind == "comfyui":
             r["comfy_files"] = {"files": 0, "bytes": 0}  # the route's held inputs and outputs
+            r["page_assets"] = {"files": 0, "bytes": 0}  # its web UI's hashed files, held (page_assets.py)
     source = rt.metrics.comfy_files_source
     for n, files, held in source() if source is not None else ():
         if n in routes:
             routes[n]["comfy_files"] = {"files": files, "bytes": held}
+    for n, files, held in rt.page_assets.by_route():
+        if "page_assets" in routes.get(n, {}):
+            routes[n]["page_assets"] = {"files": files, "bytes": held}
     nodes: dict[str, Any] = {}
     by_node = routes_by_node(sched)
     for n, ns in sched.nodes.items():
