@@ -26,7 +26,7 @@ import statistics
 import time
 from typing import Any
 
-from check_comfy_web_ui import READY, browser, cpu_ms, wait
+from check_comfy_web_ui import READY, browser, cpu_ms, fresh_tab, wait
 
 # The page asks for ~250 files: Resource Timing's default buffer (250 entries) would drop some.
 BUFFER = "performance.setResourceTimingBufferSize(5000);"
@@ -35,28 +35,10 @@ WIRE = ("return [performance.getEntriesByType('navigation')[0], ...performance.g
 HELD = "return performance.getEntriesByType('resource').filter(e => e.transferSize === 0).length;"
 
 
-def new_tab(driver: Any, key: str | None, cache_off: bool, link: dict[str, Any] | None) -> None:
-    """A new tab (the old one closed) with its DevTools settings: the key as a header, the cache,
-    the emulated network (None: loopback as it is)."""
-    old = driver.current_window_handle
-    driver.switch_to.new_window("tab")
-    fresh = driver.current_window_handle
-    driver.switch_to.window(old)
-    driver.close()
-    driver.switch_to.window(fresh)
-    driver.execute_cdp_cmd("Network.enable", {})
-    driver.execute_cdp_cmd("Network.setCacheDisabled", {"cacheDisabled": cache_off})
-    driver.execute_cdp_cmd("Network.setExtraHTTPHeaders",
-                           {"headers": {"Authorization": f"Bearer {key}"} if key else {}})
-    driver.execute_cdp_cmd("Network.emulateNetworkConditions", link or {
-        "offline": False, "latency": 0, "downloadThroughput": -1, "uploadThroughput": -1})
-    driver.execute_cdp_cmd("Page.addScriptToEvaluateOnNewDocument", {"source": BUFFER})
-
-
 def load(driver: Any, url: str, key: str | None, cache_off: bool, link: dict[str, Any] | None,
          pid: int | None) -> tuple[float, int, int, float]:
     """(seconds to app-ready, bytes on the wire, files from the browser's cache, gateway CPU ms)."""
-    new_tab(driver, key, cache_off, link)
+    fresh_tab(driver, key, cache_off, link, BUFFER)
     before = cpu_ms(pid)
     started = time.monotonic()
     driver.get(url)

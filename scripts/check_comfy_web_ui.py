@@ -115,27 +115,32 @@ def browser(key: str) -> Any:
     return driver
 
 
-def tab_setup(driver: Any, key: str | None, cache_off: bool = False) -> None:
-    """The current tab's DevTools settings (they are per tab): the key as a header, the socket
-    recorder, and the cache off or on."""
+def tab_setup(driver: Any, key: str | None, cache_off: bool = False, link: dict[str, Any] | None = None,
+              script: str = RECORD) -> None:
+    """The current tab's DevTools settings (they are per tab): the key as a header, ``script`` (the
+    socket recorder) before the page's own, the cache off or on, and an emulated network
+    (``Network.emulateNetworkConditions``; None: loopback as it is)."""
     driver.execute_cdp_cmd("Network.enable", {})
     driver.execute_cdp_cmd("Network.setCacheDisabled", {"cacheDisabled": cache_off})
     driver.execute_cdp_cmd("Network.setExtraHTTPHeaders",
                            {"headers": {"Authorization": f"Bearer {key}"} if key else {}})
-    driver.execute_cdp_cmd("Page.addScriptToEvaluateOnNewDocument", {"source": RECORD})
+    if link is not None:
+        driver.execute_cdp_cmd("Network.emulateNetworkConditions", link)
+    driver.execute_cdp_cmd("Page.addScriptToEvaluateOnNewDocument", {"source": script})
 
 
-def fresh_tab(driver: Any, key: str | None) -> None:
-    """Replace the tab with a new one (cache off): a page opened as a user opens it. Reloading one
-    tab over and over measures the tab instead — its renderer grows with every load of this
-    13.5 MB app, ~1.4 s to ~1.95 s over 30 loads here, so whichever kind came later lost."""
+def fresh_tab(driver: Any, key: str | None, cache_off: bool = True, link: dict[str, Any] | None = None,
+              script: str = RECORD) -> None:
+    """Replace the tab with a new one (by default the cache off): a page opened as a user opens it.
+    Reloading one tab over and over measures the tab instead — its renderer grows with every load
+    of this 13.5 MB app, ~1.4 s to ~1.95 s over 30 loads here, so whichever kind came later lost."""
     old = driver.current_window_handle
     driver.switch_to.new_window("tab")
     fresh = driver.current_window_handle
     driver.switch_to.window(old)
     driver.close()
     driver.switch_to.window(fresh)
-    tab_setup(driver, key, cache_off=True)
+    tab_setup(driver, key, cache_off, link, script)
 
 
 def slow_prompt(steps: int, step_ms: int, seed: int, image: str | None = None) -> dict[str, Any]:
