@@ -44,6 +44,7 @@ from aiohttp import web
 from yarl import URL
 
 from kilolined.core.errors import error_response
+from kilolined.core.verdict import failed_status
 from kilolined.ops.runtime import Runtime
 from kilolined.wire import expect
 
@@ -177,7 +178,7 @@ def _report(node: str, method: str, path: str, task: asyncio.Task[Answer]) -> No
     e = task.exception()
     if e is not None:
         log.warning("[%s] user data %s %s not written: %s", node, method, path, type(e).__name__)
-    elif task.result().status >= 500:
+    elif failed_status(task.result().status):
         log.warning("[%s] user data %s %s not written: HTTP %d", node, method, path, task.result().status)
 
 
