@@ -43,6 +43,7 @@ import orjson
 from aiohttp import web
 from yarl import URL
 
+from kilolined.adapters.comfy_node import node_api
 from kilolined.core.errors import error_response
 from kilolined.core.verdict import failed_status
 from kilolined.ops.runtime import Runtime
@@ -201,20 +202,17 @@ class UserData:
         #: every node of the route, the ones that answer first: a primary that just died is
         #: still "usable" until its health check fails, and the standby has the same data
         self.reads = sched.answering(rq, now)
-        usable = set(sched.usable(rq, now))
         #: every node that is up (all of them when none is: one may be back)
-        self.writes = [n for n in self.reads if n in usable or sched.nodes[n].available(now)] or self.reads
+        self.writes = [n for n in self.reads if sched.nodes[n].available(now)] or self.reads
         self.timeout = sched.routes[route].cfg.request_timeout_sec
 
     async def _ask(self, node: str, method: str, target: str, body: bytes) -> Answer:
-        ncfg = self.rt.scheduler.nodes[node].cfg
-        headers = {"X-Request-Id": self.rid, **ncfg.headers}
-        for h in ("Content-Type", "Comfy-User"):
-            if h in self.request.headers:
-                headers[h] = self.request.headers[h]
+        api = node_api(self.rt, node, self.rid)
+        headers = {**api.headers, **{h: self.request.headers[h] for h in ("Content-Type", "Comfy-User")
+                                     if h in self.request.headers}}
         try:
-            async with self.rt.session(node).request(
-                    method, URL(ncfg.url + target, encoded=True), data=body if method == "POST" else None,
+            async with api.session.request(
+                    method, URL(api.url + target, encoded=True), data=body if method == "POST" else None,
                     headers=headers, allow_redirects=False,
                     timeout=aiohttp.ClientTimeout(total=self.timeout)) as r:
                 got = await r.read()

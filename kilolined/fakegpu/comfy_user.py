@@ -136,12 +136,11 @@ class UserDir:
         path = self._path(request)
         if not isinstance(path, str):
             return path
-        overwrite = request.query.get("overwrite", "true") != "false"
-        full_info = request.query.get("full_info", "false").lower() == "true"
-        if not overwrite and self.exists(path):
-            return web.Response(status=409, text="File already exists")
+        refused = self._refused(request, path)
+        if refused is not None:
+            return refused
         self.write(path, await request.read())
-        return web.json_response(self.info(path, "") if full_info else path)
+        return self._written(request, path)
 
     async def delete_file(self, request: web.Request) -> web.Response:
         path = self._path(request, check_exists=True)
@@ -157,12 +156,22 @@ class UserDir:
         dest = self._path(request, param="dest")
         if not isinstance(dest, str):
             return dest
-        overwrite = request.query.get("overwrite", "true") != "false"
-        full_info = request.query.get("full_info", "false").lower() == "true"
-        if not overwrite and self.exists(dest):
-            return web.Response(status=409, text="File already exists")
+        refused = self._refused(request, dest)
+        if refused is not None:
+            return refused
         self.files[dest] = self.files.pop(source)
-        return web.json_response(self.info(dest, "") if full_info else dest)
+        return self._written(request, dest)
+
+    def _refused(self, request: web.Request, path: str) -> web.Response | None:
+        """ComfyUI's 409 for a name taken when the client said ``overwrite=false``."""
+        if request.query.get("overwrite", "true") == "false" and self.exists(path):
+            return web.Response(status=409, text="File already exists")
+        return None
+
+    def _written(self, request: web.Request, path: str) -> web.Response:
+        """The answer to a write or move: the path, or its info with ``full_info=true``."""
+        full_info = request.query.get("full_info", "false").lower() == "true"
+        return web.json_response(self.info(path, "") if full_info else path)
 
     # --- app/app_settings.py ----------------------------------------------------------------
     def settings(self) -> dict[str, object]:
