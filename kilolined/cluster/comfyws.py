@@ -42,7 +42,7 @@ import orjson
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
-from kilolined.cluster.wire import Wire
+from kilolined.cluster.wire import Wire, subscribed
 
 log = logging.getLogger("kilolined")
 
@@ -277,27 +277,20 @@ class SocketBus:
         except Exception:  # one bad frame must not end the subscription
             log.exception("cluster: /ws frame from another gateway")
 
+    def _now_subscribed(self) -> None:
+        if self._subscribed is not None and not self._subscribed.done():
+            self._subscribed.set_result(None)
+
     async def _listen(self) -> None:
         loop = asyncio.get_running_loop()
         while True:
-            lost: asyncio.Future[None] = loop.create_future()
-
-            def gone(lost: asyncio.Future[None] = lost) -> None:
-                if not lost.done():
-                    lost.set_result(None)
-
-            sub = Wire(self._pool, CALL_SEC, on_push=self._pushed, on_lost=gone)
             try:
-                await sub.command("SUBSCRIBE", self._channel(self.inst))
-                if self._subscribed is not None and not self._subscribed.done():
-                    self._subscribed.set_result(None)
-                await lost
+                await subscribed(self._pool, CALL_SEC, self._channel(self.inst), self._pushed,
+                                 on_subscribed=self._now_subscribed)
             except ERRORS as e:
                 if self._subscribed is not None and not self._subscribed.done():
                     self._subscribed.set_exception(e)
                     self._subscribed.exception()
-            finally:
-                sub.close()
             await asyncio.sleep(BEAT_SEC)
             if self._subscribed is not None and self._subscribed.done() and self._subscribed.exception() is not None:
                 self._subscribed = loop.create_future()  # the next socket waits for this attempt

@@ -40,7 +40,7 @@ from kilolined.cluster.leader import Leadership
 from kilolined.cluster.persistence import access_error, shown
 from kilolined.cluster.split import alive
 from kilolined.cluster.view import ClusterView, Lost, Peer
-from kilolined.cluster.wire import Wire
+from kilolined.cluster.wire import Wire, subscribed
 from kilolined.core.config import ClusterConfig, Config, ConfigError, RouteConfig, split_listen
 from kilolined.scheduling import order, rules
 from kilolined.scheduling.affinity import Affinity
@@ -500,26 +500,21 @@ class ClusterLeases:
         """Grants for this gateway's tickets, decided by a script another gateway ran: taken as
         the message arrives (the wire's data callback), no reader task in between."""
         channel = f"{self.prefix}grant:{self.inst}"
-        loop = asyncio.get_running_loop()
         while True:
-            lost: asyncio.Future[None] = loop.create_future()
-
-            def gone(lost: asyncio.Future[None] = lost) -> None:
-                if not lost.done():
-                    lost.set_result(None)
-
-            sub = Wire(self._wire.pool, CALL_TIMEOUT_SEC, on_push=self._pushed, on_lost=gone)
-            self._resubscribe = gone
             try:
-                await sub.command("SUBSCRIBE", channel)
-                self._sub_at = self.clock()
-                await lost
+                await subscribed(self._wire.pool, CALL_TIMEOUT_SEC, channel, self._pushed,
+                                 ending=self._set_resubscribe, on_subscribed=self._now_subscribed)
             except (RedisError, OSError):
                 pass
             finally:
                 self._sub_at = None
-                sub.close()
             await asyncio.sleep(self.cfg.lease_ttl_sec / 3)  # the heartbeat notices and sweeps
+
+    def _set_resubscribe(self, end: Callable[[], None]) -> None:
+        self._resubscribe = end
+
+    def _now_subscribed(self) -> None:
+        self._sub_at = self.clock()
 
     def _pushed(self, msg: list[Any]) -> None:
         try:

@@ -241,3 +241,27 @@ def _ignored(fut: asyncio.Future[Any]) -> None:
     """A script load's answer: an error (an ACL that refuses SCRIPT) leaves the EVAL fallback."""
     if not fut.cancelled():
         fut.exception()
+
+
+async def subscribed(pool: aioredis.ConnectionPool, timeout: float, channel: str, on_push: Push,
+                     ending: Callable[[Callable[[], None]], None] = lambda end: None,
+                     on_subscribed: Callable[[], None] = lambda: None) -> None:
+    """One subscription to ``channel`` on a connection of its own, its messages to ``on_push`` as
+    they arrive; returns when that connection is lost (the caller subscribes again), raises when
+    it cannot subscribe. ``ending`` is given, before the SUBSCRIBE is sent, the call that ends
+    this subscription early (a resubscribe asked for meanwhile is not missed); ``on_subscribed``
+    is called once Redis has confirmed it."""
+    lost: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+
+    def end() -> None:
+        if not lost.done():
+            lost.set_result(None)
+
+    sub = Wire(pool, timeout, on_push=on_push, on_lost=end)
+    ending(end)
+    try:
+        await sub.command("SUBSCRIBE", channel)
+        on_subscribed()
+        await lost
+    finally:
+        sub.close()
