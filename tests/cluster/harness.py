@@ -96,6 +96,8 @@ class Relay:
         self.target_port = target_port
         self.port = 0
         self.cut = False
+        #: set: bytes are held until it is set again (a black hole, not a reset: SilentRelay)
+        self.gate: asyncio.Event | None = None
         self._server: asyncio.Server | None = None
         self._open: set[asyncio.StreamWriter] = set()
 
@@ -133,14 +135,16 @@ class Relay:
             return
         self._open |= {writer, up_w}
         try:
-            await asyncio.gather(_pipe(reader, up_w), _pipe(up_r, writer))
+            await asyncio.gather(_pipe(reader, up_w, self.gate), _pipe(up_r, writer, self.gate))
         finally:
             self._open -= {writer, up_w}
 
 
-async def _pipe(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+async def _pipe(r: asyncio.StreamReader, w: asyncio.StreamWriter, gate: asyncio.Event | None = None) -> None:
     try:
         while data := await r.read(65536):
+            if gate is not None:
+                await gate.wait()
             w.write(data)
             await w.drain()
     except (OSError, asyncio.IncompleteReadError):

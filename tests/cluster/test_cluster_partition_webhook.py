@@ -36,38 +36,21 @@ class SilentRelay(Relay):
 
     def __init__(self, target_port: int):
         super().__init__(target_port)
-        self.open = asyncio.Event()
-        self.open.set()
+        self.gate = asyncio.Event()
+        self.gate.set()
 
     def sever(self) -> None:
-        self.open.clear()
+        assert self.gate is not None
+        self.gate.clear()
 
     def heal(self) -> None:
-        self.open.set()
+        assert self.gate is not None
+        self.gate.set()
 
     async def stop(self) -> None:
         self.heal()
         Relay.sever(self)
         await super().stop()
-
-    async def _conn(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        up_r, up_w = await asyncio.open_connection("127.0.0.1", self.target_port)
-        self._open |= {writer, up_w}
-        try:
-            await asyncio.gather(self._pipe(reader, up_w), self._pipe(up_r, writer))
-        finally:
-            self._open -= {writer, up_w}
-
-    async def _pipe(self, r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
-        try:
-            while data := await r.read(65536):
-                await self.open.wait()
-                w.write(data)
-                await w.drain()
-        except (OSError, asyncio.IncompleteReadError):
-            pass
-        finally:
-            w.transport.abort()
 
 
 @pytest.fixture(params=["reset", "silent"])
