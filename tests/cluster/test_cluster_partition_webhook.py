@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -158,19 +158,20 @@ async def _attempted(hooks: FakeWebhookReceiver) -> bool:
     return bool(hooks.attempts)
 
 
-async def test_a_webhook_delivered_while_redis_was_out_of_reach_is_not_sent_again(
-        redis_server: RedisServer, gpu: FakeGPU, gateways: list[GatewayProc], tmp_path: Path) -> None:
-    # The gateway delivers a webhook while its link to Redis is cut for a moment (shorter than the
-    # TTL): that it was delivered reaches Redis once Redis answers again, so when the gateway is
-    # killed later, no other gateway sends it a second time.
+async def _delivered_while_cut(redis_server: RedisServer, gpu: FakeGPU, gateways: list[GatewayProc],
+                               tmp_path: Path, delay_sec: float, ttl: float, jobs: dict[str, Any],
+                               cut_sec: float, then: Callable[[GatewayProc], Awaitable[None]]) -> list[dict[str, Any]]:
+    """The gateway that ran a job is cut off from Redis while the receiver takes ``delay_sec`` over
+    its webhook, for ``cut_sec`` after the delivery; healed, ``then`` happens to it. The webhook's
+    deliveries, every gateway's."""
     relay = Relay(redis_server.port)
     await relay.start()
     try:
         async with FakeWebhookReceiver() as hooks:
-            hooks.delay_next, hooks.delay_sec = 1, 0.8
-            gateways += make_gateways(2, tmp_path, redis_server.url, gpu.url, ttl=3)
+            hooks.delay_next, hooks.delay_sec = 1, delay_sec
+            gateways += make_gateways(2, tmp_path, redis_server.url, gpu.url, ttl=ttl)
             for g in gateways:
-                g.cfg["jobs"] = {"webhook_allow_private": True, "webhook_backoff_sec": [0.2]}
+                g.cfg["jobs"] = {"webhook_allow_private": True, "webhook_backoff_sec": [0.2], **jobs}
             cut = gateways[0]
             cut.cfg["cluster"]["redis_url"] = relay.url
             await start_all(gateways)
@@ -179,15 +180,27 @@ async def test_a_webhook_delivered_while_redis_was_out_of_reach_is_not_sent_agai
                 await until(lambda: _attempted(hooks), "the webhook was never tried")
                 relay.sever()  # while the receiver takes its time
                 await until(lambda: _delivered(hooks, jid), "the webhook was never delivered")
-                await asyncio.sleep(0.2)
-                relay.heal()  # before the TTL: the gateway was never lost
+                await asyncio.sleep(cut_sec)
+                relay.heal()
                 await asyncio.sleep(2.5)  # a heartbeat or two: what it owes Redis is written
-                cut.kill9()
-                await asyncio.sleep(5.0)  # the other gateway finds it lost and takes what it left
-            sent = _sent(hooks, jid)
-            assert len(sent) == 1, sent
+                await then(cut)
+            return _sent(hooks, jid)
     finally:
         await relay.stop()
+
+
+async def test_a_webhook_delivered_while_redis_was_out_of_reach_is_not_sent_again(
+        redis_server: RedisServer, gpu: FakeGPU, gateways: list[GatewayProc], tmp_path: Path) -> None:
+    # The gateway delivers a webhook while its link to Redis is cut for a moment (shorter than the
+    # TTL): that it was delivered reaches Redis once Redis answers again, so when the gateway is
+    # killed later, no other gateway sends it a second time.
+    async def killed(cut: GatewayProc) -> None:
+        cut.kill9()
+        await asyncio.sleep(5.0)  # the other gateway finds it lost and takes what it left
+
+    sent = await _delivered_while_cut(redis_server, gpu, gateways, tmp_path, delay_sec=0.8, ttl=3, jobs={},
+                                      cut_sec=0.2, then=killed)  # healed before the TTL: never lost
+    assert len(sent) == 1, sent
 
 
 async def test_a_webhook_in_flight_when_its_gateway_is_cut_off_is_not_sent_again(
@@ -195,29 +208,13 @@ async def test_a_webhook_in_flight_when_its_gateway_is_cut_off_is_not_sent_again
     # Cut off from Redis past the TTL while the receiver takes its time: the gateway is lost to
     # the other one, but its attempt in flight has webhook_timeout_sec to end before the other
     # would send the webhook again — and once back, the gateway says it was delivered.
-    relay = Relay(redis_server.port)
-    await relay.start()
-    try:
-        async with FakeWebhookReceiver() as hooks:
-            hooks.delay_next, hooks.delay_sec = 1, 2.0
-            gateways += make_gateways(2, tmp_path, redis_server.url, gpu.url, ttl=1)
-            for g in gateways:
-                g.cfg["jobs"] = {"webhook_allow_private": True, "webhook_backoff_sec": [0.2], "webhook_timeout_sec": 5}
-            cut = gateways[0]
-            cut.cfg["cluster"]["redis_url"] = relay.url
-            await start_all(gateways)
-            async with aiohttp.ClientSession() as s:
-                jid = await _async_job(s, cut, hooks, steps=1, step_ms=10)
-                await until(lambda: _attempted(hooks), "the webhook was never tried")
-                relay.sever()
-                await until(lambda: _delivered(hooks, jid), "the webhook was never delivered")
-                await asyncio.sleep(1.0)  # lost to the other gateway by now
-                relay.heal()
-                await asyncio.sleep(2.5)
-            sent = _sent(hooks, jid)
-            assert len(sent) == 1, sent
-    finally:
-        await relay.stop()
+    async def nothing(cut: GatewayProc) -> None:
+        return None
+
+    sent = await _delivered_while_cut(redis_server, gpu, gateways, tmp_path, delay_sec=2.0, ttl=1,
+                                      jobs={"webhook_timeout_sec": 5}, cut_sec=1.0,  # lost to the other by then
+                                      then=nothing)
+    assert len(sent) == 1, sent
 
 
 def command_end(data: bytes, at: int) -> int:
